@@ -1,0 +1,1 @@
+"""hypertrain: low-communication data-parallel training experiments (DiLoCo family)."""

@@ -1,0 +1,259 @@
+"""Typed configuration for every Hydra group, registered with Hydra's ConfigStore, and validated.
+
+`TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
+engine, logger) plus `replicas` (R) and `seed`. Each field is documented here, once. `validate(cfg)`
+checks a composed config before anything is trained or written and raises `ConfigError` (a
+`ValueError`) with one line naming the field, the bad value and what is valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypertrain.plan import PlanError, StrongPhase, WeakPhase
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; its message is one line, the entry exits with code 2."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    arch: str = "decoder"  # only the dense decoder exists; "multistream" comes later
+    is_moe: bool = False  # mixture-of-experts MLPs (not built yet)
+    vocab: int = 256  # byte-level tokens for the embedded corpus
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4  # < n_heads gives grouped-query attention; must divide n_heads
+    d_ff: int = 0  # SwiGLU hidden width; 0 = 8/3 * d_model rounded up to a multiple of 16
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    compute_dtype: str = "fp32"  # fp32, or bf16 autocast (weights and optimizer stay fp32)
+
+
+@dataclass
+class InnerConfig:
+    name: str = "adamw"  # adamw, or muon (Muon on hidden matrices, AdamW on the rest)
+    H: int = 10  # inner steps per round
+    lr: float = 3e-3  # peak learning rate (Muon's is scaled 0.2*sqrt(max(rows, cols)) per matrix)
+    warmup_steps: int = 10  # linear warmup, in updates from the start of the phase
+    decay_steps: int = 0  # cosine decay length in updates; 0 = the phase's updates, set at start-up
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    rewarmup_steps: int = 0  # > 0: ramp the lr again over the first steps of every round
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    wd: float = 0.1  # decoupled weight decay, on matrices only
+    grad_clip: float = 1.0  # per-replica global gradient-norm clip; 0 = off
+    micro_batch: int = 0  # rows in one forward pass; 0 = a replica's whole share in one pass
+    state_policy: str = "carry"  # at every sync: carry (kept per replica), reset, or average
+    muon_momentum: float = 0.95
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_dtype: str = "fp32"  # fp32 or bf16 for the Newton-Schulz iteration
+
+
+@dataclass
+class OuterConfig:
+    name: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class PhaseConfig:
+    """A benchmark phase. `kind` strong uses `global_batch`; weak uses `base_world` and `per_rank_batch`."""
+
+    name: str = "strong"
+    kind: str = "strong"  # strong or weak
+    offset: int = 0  # first id of the phase in the stream
+    global_batch: int = 256  # strong: ids per update
+    base_world: int = 8  # weak: B, the world whose streams are replicated; world must be k*B
+    per_rank_batch: int = 32  # weak: b, ids per rank per update
+    updates: int = 40
+    timing_warmup: int = 10  # updates left out of throughput timing
+
+    def to_plan(self) -> StrongPhase | WeakPhase:
+        """The plan's phase for this config; raises ConfigError naming the bad field."""
+        try:
+            if self.kind == "strong":
+                return StrongPhase(
+                    name=self.name,
+                    offset=self.offset,
+                    global_batch=self.global_batch,
+                    updates=self.updates,
+                    timing_warmup=self.timing_warmup,
+                )
+            if self.kind == "weak":
+                return WeakPhase(
+                    name=self.name,
+                    offset=self.offset,
+                    base_world=self.base_world,
+                    per_rank_batch=self.per_rank_batch,
+                    updates=self.updates,
+                    timing_warmup=self.timing_warmup,
+                )
+        except PlanError as e:
+            raise ConfigError(f"phase: {e}") from None
+        raise ConfigError(f"phase.kind={self.kind!r} is not a phase kind; valid: 'strong', 'weak'")
+
+
+@dataclass
+class WorldConfig:
+    size: int = 8  # simulated (or, under torchrun, real) number of ranks W
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib (embedded default), text_files, or token_bin
+    path: str = ""  # text_files: a glob of the user's files; token_bin: the token file
+    token_dtype: str = "uint16"  # token_bin: uint16 or uint32
+    examples: str = "windows"  # windows (fixed seq_len + 1 ids) or documents (variable length)
+    seq_len: int = 64  # windows: tokens the model reads per row (each row holds seq_len + 1 ids)
+    max_len: int = 256  # documents: a document or paragraph is cut at this many tokens
+    heldout: int = 256  # the last ids of the stream, never trained on, for the held-out loss
+    max_padded_tokens: int = 12000  # documents: bound on rows * longest row in one microbatch
+    max_examples: int = 16  # documents: bound on rows in one microbatch
+    shuffle_seed: int = 0  # order of windows / documents in the stream
+
+
+@dataclass
+class EngineConfig:
+    name: str = "loop"  # loop (per-replica reference) or stacked (all replicas of a sub-round as one)
+    stack: int = 0  # stacked: replicas per sub-round; 0 = all R
+    device: str = "cpu"
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb or none (metrics.jsonl is always written)
+    project: str = "hypertrain"
+    mode: str = "offline"  # offline, online or disabled; the WANDB_MODE environment variable wins
+    group: str = ""  # empty = the experiment name, or the sweep's name in a multirun
+    entity: str = ""
+    progress: str = "auto"  # auto (a live line only on a terminal), always, never
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    phase: PhaseConfig = field(default_factory=PhaseConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    replicas: int = 4  # R, model replicas; must divide the world (weak phases: the base world)
+    seed: int = 0  # initial weights (the same for every replica)
+    experiment: str = "default"  # names the W&B group of a run unless logger.group is set
+
+
+def _choice(name: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} is not valid; valid: {', '.join(repr(v) for v in valid)}")
+
+
+def _at_least(name: str, value: int | float, low: int | float) -> None:
+    if value < low:
+        raise ConfigError(f"{name}={value!r} is too small; valid: >= {low}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every field that can be checked without the data; the run checks the stream length."""
+    m, c, o, d, e = cfg.model, cfg.inner, cfg.outer, cfg.data, cfg.engine
+    _choice("model.arch", m.arch, ("decoder",))
+    if m.is_moe:
+        raise ConfigError("model.is_moe=True is not built yet; valid: False")
+    _choice("model.compute_dtype", m.compute_dtype, ("fp32", "bf16"))
+    for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+        _at_least(f"model.{name}", getattr(m, name), 1)
+    _at_least("model.d_ff", m.d_ff, 0)
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+
+    _choice("inner.name", c.name, ("adamw", "muon"))
+    _at_least("inner.H", c.H, 1)
+    _at_least("inner.lr", c.lr, 0.0)
+    for name in ("warmup_steps", "decay_steps", "rewarmup_steps", "micro_batch", "ns_steps"):
+        _at_least(f"inner.{name}", getattr(c, name), 0)
+    _at_least("inner.grad_clip", c.grad_clip, 0.0)
+    _at_least("inner.wd", c.wd, 0.0)
+    for name in ("beta1", "beta2", "muon_momentum", "min_lr_ratio"):
+        value = getattr(c, name)
+        if not 0.0 <= value < 1.0 + (name == "min_lr_ratio"):
+            raise ConfigError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
+    _choice("inner.state_policy", c.state_policy, ("carry", "reset", "average"))
+    _choice("inner.ns_dtype", c.ns_dtype, ("fp32", "bf16"))
+
+    _at_least("outer.lr", o.lr, 0.0)
+    if not 0.0 <= o.momentum < 1.0:
+        raise ConfigError(f"outer.momentum={o.momentum!r} is out of range; valid: [0, 1)")
+
+    _at_least("world.size", cfg.world.size, 1)
+    _at_least("replicas", cfg.replicas, 1)
+    phase = cfg.phase.to_plan()
+    base = phase.base_world if isinstance(phase, WeakPhase) else cfg.world.size
+    if cfg.world.size % cfg.replicas or base % cfg.replicas:
+        what = "the weak phase's base world" if isinstance(phase, WeakPhase) else "world.size"
+        raise ConfigError(
+            f"replicas={cfg.replicas} does not divide {what} ({base}); valid: a divisor of {base}"
+        )
+    if isinstance(phase, WeakPhase) and cfg.world.size % phase.base_world:
+        raise ConfigError(
+            f"world.size={cfg.world.size} is not a multiple of phase.base_world={phase.base_world}"
+        )
+
+    _choice("data.name", d.name, ("stdlib", "text_files", "token_bin"))
+    _choice("data.examples", d.examples, ("windows", "documents"))
+    _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
+    if d.name != "stdlib" and not d.path:
+        raise ConfigError(f"data.path is empty; data={d.name} needs a path (a glob or a file)")
+    if d.name == "token_bin" and d.examples != "windows":
+        raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
+    _at_least("data.seq_len", d.seq_len, 1)
+    _at_least("data.max_len", d.max_len, 2)
+    _at_least("data.heldout", d.heldout, 1)
+    _at_least("data.max_examples", d.max_examples, 1)
+    if d.examples == "documents" and d.max_padded_tokens < d.max_len:
+        raise ConfigError(
+            f"data.max_padded_tokens={d.max_padded_tokens} is smaller than the longest example "
+            f"(data.max_len={d.max_len}); valid: >= {d.max_len}"
+        )
+
+    _choice("engine.name", e.name, ("loop", "stacked"))
+    _at_least("engine.stack", e.stack, 0)
+    _at_least("engine.threads", e.threads, 0)
+    if not (e.device == "cpu" or e.device.startswith("cuda")):
+        raise ConfigError(f"engine.device={e.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
+
+    _choice("logger.name", cfg.logger.name, ("wandb", "none"))
+    _choice("logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
+    _choice("logger.progress", cfg.logger.progress, ("auto", "always", "never"))
+
+
+def register_configs() -> None:
+    """Register the schema of every group with Hydra's ConfigStore (conf/ YAMLs extend these)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, node in (
+        ("model", ModelConfig),
+        ("inner", InnerConfig),
+        ("outer", OuterConfig),
+        ("phase", PhaseConfig),
+        ("world", WorldConfig),
+        ("data", DataConfig),
+        ("engine", EngineConfig),
+        ("logger", LoggerConfig),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=node)

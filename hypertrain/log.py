@@ -1,0 +1,255 @@
+"""Run records: `metrics.jsonl` in the run directory is the source of truth; W&B mirrors it.
+
+`RunLogger` appends one JSON object per line to `run_dir/metrics.jsonl` (never truncating it) and,
+with `logger.name == "wandb"`, logs the same numbers to a Weights & Biases run (offline by default)
+plotted against the update. `read_metrics` reads the file back. Imports wandb only when it is used.
+
+Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity` tokens):
+- `start`: one per `RunLogger`, `{"kind", "time", "name", "group", "job_type", "tags", "replicas",
+  "wandb_run_id"}`; a resumed run appends a second one, so every session of a file is visible.
+- `eval`: the held-out loss before training, `{"kind", "update", "round", "eval_loss"}` (`log_eval`).
+- `update`: `{"kind", "update", "round", "lr", "loss": [per replica, null = skipped], "tokens", "wall",
+  ..., "loss_mean"}` (`log_update`).
+- `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
+  "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
+- `summary`: `{"kind", ...values}` (`summary`).
+- `end`: `{"kind", "time", "status": "ok" | "error", "error": "Type: message" | null}`, on exit.
+
+W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
+`train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
+`sync/pseudo_grad_norm`, `sync/<extra>`, `comm/inner_bytes`, `comm/outer_bytes`, `comm/inner_total`,
+`comm/outer_total`; summary keys as given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hypertrain.config import LoggerConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+# The sync row's fields that W&B gets under their own names; any other field goes to `sync/<key>`.
+_SYNC_KEYS = {
+    "eval_loss": "eval/loss",
+    "pseudo_grad_norm": "sync/pseudo_grad_norm",
+    "comm_inner_bytes": "comm/inner_bytes",
+    "comm_outer_bytes": "comm/outer_bytes",
+    "comm_inner_total": "comm/inner_total",
+    "comm_outer_total": "comm/outer_total",
+}
+_UPDATE_KEYS = ("lr", "tokens", "wall")
+
+
+def _plain(value: Any) -> Any:
+    """JSON fallback for numpy / torch scalars and arrays, without importing either."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"metrics.jsonl cannot hold a {type(value).__name__}: {value!r}")
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def loss_mean(losses: list[float | None]) -> float | None:
+    """Mean of the replicas that stepped (None entries left out); None when no replica stepped."""
+    stepped = [float(loss) for loss in losses if loss is not None]
+    return math.fsum(stepped) / len(stepped) if stepped else None
+
+
+class RunLogger:
+    """Context manager recording one run to `run_dir/metrics.jsonl` and, optionally, to W&B.
+
+    `config` is the resolved config as plain containers (W&B's run config). `replicas` is R: every
+    update row must carry R losses. On exit, W&B's run is finished with exit code 1 if the block
+    raised (0 otherwise) and the file is closed; `close()` may also be called directly, and twice.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict,
+        logger_cfg: LoggerConfig,
+        *,
+        name: str,
+        group: str,
+        job_type: str,
+        tags: list[str],
+        replicas: int,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.config = config
+        self.logger_cfg = logger_cfg
+        self.name, self.group, self.job_type, self.tags = name, group, job_type, list(tags)
+        self.replicas = replicas
+        self._file = None
+        self._run = None
+        self._mode: str | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> RunLogger:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        if self._file.tell() > 0 and not self._ends_with_newline():
+            self._file.write("\n")  # a line cut short by a crash stays its own (unreadable) line
+        try:
+            if self.logger_cfg.name == "wandb":
+                self._run = self._init_wandb()
+        except BaseException:
+            self._file.close()
+            raise
+        self._write(
+            {
+                "kind": "start",
+                "time": time.time(),
+                "name": self.name,
+                "group": self.group,
+                "job_type": self.job_type,
+                "tags": self.tags,
+                "replicas": self.replicas,
+                "wandb_run_id": self._run.id if self._run is not None and self._mode != "disabled" else None,
+            }
+        )
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(error=exc)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Write the `end` row, close the file and finish W&B (exit code 1 when `error`); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._file is not None:
+                status = "ok" if error is None else "error"
+                message = None if error is None else f"{type(error).__name__}: {error}"
+                self._write({"kind": "end", "time": time.time(), "status": status, "error": message})
+                self._file.close()
+        finally:
+            if self._run is not None:
+                run, self._run = self._run, None
+                run.finish(exit_code=0 if error is None else 1)
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.metrics_path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def _init_wandb(self):
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        import wandb
+
+        self._mode = os.environ.get("WANDB_MODE") or self.logger_cfg.mode
+        run = wandb.init(
+            project=self.logger_cfg.project,
+            entity=self.logger_cfg.entity or None,
+            dir=str(self.run_dir),
+            mode=self._mode,
+            config=self.config,
+            name=self.name,
+            group=self.group,
+            job_type=self.job_type,
+            tags=self.tags,
+            # Several loggers may live in one process (a multirun); each owns its own run object.
+            reinit="create_new",
+            # Console capture and the system monitor cost start-up time and add nothing offline.
+            settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True, silent=True),
+        )
+        run.define_metric("update")
+        run.define_metric("*", step_metric="update")
+        return run
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    @property
+    def wandb_run_dir(self) -> Path | None:
+        """The W&B run folder (`run_dir/wandb/offline-run-*` offline); None without a W&B run."""
+        if self._run is None or self._mode == "disabled":
+            return None
+        return Path(self._run.settings.sync_dir)
+
+    def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None:
+        """The held-out loss of the starting weights (before any update): an `eval` row, `eval/loss`."""
+        row = {"kind": "eval", "update": update, "round": 0, "eval_loss": float(eval_loss), **extra}
+        self._write(row)
+        self._wandb_log({"update": update, "round": 0, "eval/loss": row["eval_loss"]}, extra, "eval/")
+
+    def log_update(self, row: dict) -> None:
+        """One update: `update`, `round`, `lr`, `loss` (R entries, None = skipped), `tokens`, `wall`, extras."""
+        losses = [None if loss is None else float(loss) for loss in row["loss"]]
+        if len(losses) != self.replicas:
+            raise ValueError(
+                f"log_update: loss has {len(losses)} entries at update {row['update']}; "
+                f"valid: one per replica ({self.replicas})"
+            )
+        mean = loss_mean(losses)
+        self._write({"kind": "update", **row, "loss": losses, "loss_mean": mean})
+        data: dict[str, Any] = {"update": row["update"], "round": row["round"]}
+        data.update({f"train/loss/replica_{m}": loss for m, loss in enumerate(losses) if loss is not None})
+        if mean is not None:
+            data["train/loss_mean"] = mean
+        data.update({f"train/{key}": row[key] for key in _UPDATE_KEYS if key in row})
+        extra = {k: v for k, v in row.items() if k not in ("update", "round", "loss", *_UPDATE_KEYS)}
+        self._wandb_log(data, extra, "train/")
+
+    def log_sync(self, row: dict) -> None:
+        """One sync (end of a round): held-out loss, pseudo-gradient norm, communicated bytes, extras."""
+        self._write({"kind": "sync", **row})
+        data: dict[str, Any] = {"update": row["update"], "round": row["round"]}
+        data.update({wandb_key: row[key] for key, wandb_key in _SYNC_KEYS.items() if key in row})
+        extra = {k: v for k, v in row.items() if k not in ("update", "round", *_SYNC_KEYS)}
+        self._wandb_log(data, extra, "sync/")
+
+    def summary(self, values: dict) -> None:
+        """Run-level facts (`plan/union_sha256`, `plan/data_order_sha256`, `data/fingerprint`, ...)."""
+        self._write({"kind": "summary", **values})
+        if self._run is not None:
+            for key, value in values.items():
+                self._run.summary[key] = value
+
+    def _write(self, row: dict) -> None:
+        if self._file is None or self._file.closed:
+            raise RuntimeError("RunLogger is not open; use it as a context manager (with RunLogger(...))")
+        self._file.write(json.dumps(row, default=_plain) + "\n")
+        self._file.flush()
+
+    def _wandb_log(self, data: dict, extra: dict, prefix: str) -> None:
+        if self._run is None:
+            return
+        for key, value in extra.items():
+            value = _plain(value) if hasattr(value, "item") else value
+            if _scalar(value):  # lists and strings stay in metrics.jsonl only
+                data[f"{prefix}{key}"] = value
+        self._run.log(data, commit=True)
+
+
+def read_metrics(path: Path | str) -> list[dict]:
+    """The rows of a `metrics.jsonl` (a file, or a run directory holding one), in order."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not a JSON line ({e.msg}): {line[:80]!r}") from None
+    return rows

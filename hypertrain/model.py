@@ -1,0 +1,155 @@
+"""The decoder, written once for parameters that carry a leading replica axis.
+
+`init_params(cfg, seed)` gives one replica's weights (a dict of tensors, names in
+docs/interfaces.md). `forward(cfg, params, tokens, mask)` runs R replicas at once: every
+parameter is `[R, ...]`, tokens are `[R, B, T+1]`, and it returns each replica's mean
+next-token cross-entropy over its real target positions. The per-replica loop engine calls it
+with R = 1; the stacked engine with R = many. Architecture: pre-norm RMSNorm, RoPE, causal
+attention with grouped-query heads (torch's scaled-dot-product attention, replica axis folded
+into its batch), SwiGLU MLP, untied head. No Hydra here: `cfg` is a plain `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hypertrain.config import ModelConfig
+
+Params = dict[str, Tensor]
+
+
+def ffn_width(cfg: ModelConfig) -> int:
+    """SwiGLU hidden width: `d_ff`, or 8/3 * d_model rounded up to a multiple of 16."""
+    return cfg.d_ff or 16 * math.ceil(8 * cfg.d_model / 3 / 16)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one replica's parameters, in a fixed (sorted) order."""
+    d, hd, f = cfg.d_model, cfg.d_model // cfg.n_heads, ffn_width(cfg)
+    shapes = {"emb": (cfg.vocab, d), "head": (d, cfg.vocab), "norm": (d,)}
+    for i in range(cfg.n_layers):
+        pre = f"layers.{i:03d}."
+        shapes |= {
+            pre + "attn_norm": (d,),
+            pre + "wq": (d, cfg.n_heads * hd),
+            pre + "wk": (d, cfg.n_kv_heads * hd),
+            pre + "wv": (d, cfg.n_kv_heads * hd),
+            pre + "wo": (cfg.n_heads * hd, d),
+            pre + "mlp_norm": (d,),
+            pre + "w1": (d, f),
+            pre + "w3": (d, f),
+            pre + "w2": (f, d),
+        }
+    return dict(sorted(shapes.items()))
+
+
+def init_params(cfg: ModelConfig, seed: int) -> Params:
+    """One replica's fp32 weights from `seed`: normal(0, init_std), residual outputs scaled down."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm"):
+            params[name] = torch.ones(shape)
+            continue
+        std = cfg.init_std
+        if name.endswith(("wo", "w2")):
+            std /= math.sqrt(2 * cfg.n_layers)
+        params[name] = torch.randn(shape, generator=gen) * std
+    return params
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(shape) for shape in param_shapes(cfg).values())
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters used in matmuls per token (everything but the embedding lookup and norms)."""
+    return sum(
+        math.prod(s) for n, s in param_shapes(cfg).items() if len(s) == 2 and n != "emb"
+    )
+
+
+def embed(weight: Tensor, tokens: Tensor) -> Tensor:
+    """weight [R, V, d], tokens [R, B, T] -> [R, B, T, d]: each replica looks up its own table."""
+    R, V, d = weight.shape
+    offsets = (torch.arange(R, device=tokens.device) * V).view(R, 1, 1)
+    return F.embedding(tokens + offsets, weight.reshape(R * V, d))
+
+
+def _rope(cfg: ModelConfig, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, head_dim/2] for rotary position embeddings (half-split convention)."""
+    hd = cfg.d_model // cfg.n_heads
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
+    angles = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [..., T, hd] rotated pairwise (first half, second half) by position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+def _rms_norm(x: Tensor, weight: Tensor) -> Tensor:
+    """x [R, N, d], weight [R, d]."""
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).type_as(x) * weight[:, None, :]
+
+
+def _attention(cfg: ModelConfig, p: Params, pre: str, x: Tensor, B: int, T: int) -> Tensor:
+    """Causal grouped-query attention; x [R, B*T, d] -> [R, B*T, d]."""
+    R = x.shape[0]
+    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
+    # Fold the replica axis into SDPA's batch: [R*B, heads, T, hd].
+    q = torch.bmm(x, p[pre + "wq"]).view(R * B, T, h, hd).transpose(1, 2)
+    k = torch.bmm(x, p[pre + "wk"]).view(R * B, T, kv, hd).transpose(1, 2)
+    v = torch.bmm(x, p[pre + "wv"]).view(R * B, T, kv, hd).transpose(1, 2)
+    cos, sin = _rope(cfg, T, x.device)
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    # Rows are right-padded, so causal masking alone keeps real tokens from seeing padding.
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
+    return torch.bmm(o.transpose(1, 2).reshape(R, B * T, h * hd), p[pre + "wo"])
+
+
+def _mlp(p: Params, pre: str, x: Tensor) -> Tensor:
+    return torch.bmm(F.silu(torch.bmm(x, p[pre + "w1"])) * torch.bmm(x, p[pre + "w3"]), p[pre + "w2"])
+
+
+def logits(cfg: ModelConfig, p: Params, inputs: Tensor) -> Tensor:
+    """inputs int64 [R, B, T] -> logits [R, B*T, vocab]."""
+    R, B, T = inputs.shape
+    x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)
+    for i in range(cfg.n_layers):
+        pre = f"layers.{i:03d}."
+        x = x + _attention(cfg, p, pre, _rms_norm(x, p[pre + "attn_norm"]), B, T)
+        x = x + _mlp(p, pre, _rms_norm(x, p[pre + "mlp_norm"]))
+    return torch.bmm(_rms_norm(x, p["norm"]), p["head"])
+
+
+def forward(cfg: ModelConfig, p: Params, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-replica mean cross-entropy [R] (fp32) over real targets.
+
+    tokens int64 [R, B, T+1]; mask bool [R, B, T+1] marks real positions (None = all real). A
+    target counts when it and its input are real. A replica with no real target gets loss 0,
+    never NaN, so stacked replicas with empty rows are safe.
+    """
+    R = tokens.shape[0]
+    inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
+    autocast = (
+        torch.autocast(tokens.device.type, dtype=torch.bfloat16)
+        if cfg.compute_dtype == "bf16"
+        else nullcontext()
+    )
+    with autocast:
+        out = logits(cfg, p, inputs)
+    ce = F.cross_entropy(
+        out.float().reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
+    ).view(R, -1)
+    if mask is None:
+        return ce.mean(1)
+    real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
+    return (ce * real).sum(1) / real.sum(1).clamp(min=1.0)

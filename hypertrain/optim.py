@@ -1,0 +1,287 @@
+"""Inner (AdamW, Muon) and outer (Nesterov SGD) optimizers, the lr schedule and the state policies.
+
+Written once for tensors with a leading replica axis `[R, ...]` (R = 1 in the loop engine, R = many
+in the stacked engine), so both engines share the math. Steps are in place, per replica (own clip
+norm, own step count), without host syncs or Python loops over replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:  # types only: the optimizer reads config fields, it never builds configs
+    from hypertrain.config import InnerConfig, OuterConfig
+
+Params = dict[str, Tensor]
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
+NS_EPS = 1e-7  # torch.optim.Muon's
+MUON_RMS_SCALE = 0.2  # update scale 0.2 * sqrt(max(rows, cols)) matches AdamW's update RMS
+CLIP_EPS = 1e-6
+_NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class OptState:
+    """Inner optimizer state, every tensor with the params' leading replica axis.
+
+    m: AdamW first moment, or Muon momentum buffer (sum form `m = mu*m + g`), for every param.
+    v: AdamW second moment, only for AdamW-handled params.
+    step: int64 [R], steps taken per replica (a replica that skips an update keeps its count).
+    """
+
+    m: Params
+    v: Params
+    step: Tensor
+
+
+def uses_muon(inner: InnerConfig, name: str) -> bool:
+    """Muon handles hidden matrices (`layers.*` but not norms); embeddings, head and norms use AdamW."""
+    return inner.name == "muon" and name.startswith("layers.") and not name.endswith("norm")
+
+
+def init_state(inner: InnerConfig, params: Params) -> OptState:
+    """Zero state on the params' device and dtype; step counts [R] start at 0."""
+    first = next(iter(params.values()))
+    return OptState(
+        m={n: torch.zeros_like(p) for n, p in params.items()},
+        v={n: torch.zeros_like(p) for n, p in params.items() if not uses_muon(inner, n)},
+        step=torch.zeros(first.shape[0], dtype=torch.int64, device=first.device),
+    )
+
+
+def lr_at(inner: InnerConfig, global_step: int, inner_step: int) -> float:
+    """Learning rate of the update `global_step` (0-based from the phase start), `inner_step` in its round.
+
+    Warmup: lr * (global_step + 1) / warmup_steps while global_step < warmup_steps. Then cosine from lr
+    down to lr * min_lr_ratio, reached at global_step == decay_steps and held after (decay_steps counts
+    from step 0, warmup included, so decay_steps = the phase's updates ends the phase at the floor);
+    decay_steps == 0 means no decay. With rewarmup_steps > 0 the result is multiplied by
+    min(1, (inner_step + 1) / rewarmup_steps), a ramp at the start of every round.
+    """
+    lr = inner.lr
+    if global_step < inner.warmup_steps:
+        lr = lr * (global_step + 1) / inner.warmup_steps
+    elif inner.decay_steps > 0:
+        span = max(1, inner.decay_steps - inner.warmup_steps)
+        progress = min(1.0, (global_step - inner.warmup_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        lr = lr * (inner.min_lr_ratio + (1.0 - inner.min_lr_ratio) * cosine)
+    if inner.rewarmup_steps > 0:
+        lr = lr * min(1.0, (inner_step + 1) / inner.rewarmup_steps)
+    return lr
+
+
+def newton_schulz(G: Tensor, steps: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Approximate orthogonalisation U V^T of every matrix in G [..., rows, cols] (quintic NS).
+
+    Each matrix is normalised by its own Frobenius norm over the last two dims; wide orientation is
+    used (transposed when rows > cols, as torch.optim.Muon does) so the Gram matrix is the small one.
+    Computed in `dtype`, returned in G's dtype.
+    """
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(dtype)
+    tall = G.shape[-2] > G.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
+    batch_shape = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # [batch, rows, cols] for the batched fused multiply-adds
+    for _ in range(steps):
+        gram = X @ X.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        X = torch.baddbmm(X, poly, X, beta=a)
+    X = X.reshape(*batch_shape, *X.shape[-2:])
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def grad_norms(grads: Params) -> Tensor:
+    """Per-replica global L2 norm [R] (float32) of all grads; accumulated in float64 so the loop (R = 1)
+    and stacked engines get the same value whatever the reduction shape."""
+    squares = [
+        torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float64).square()
+        for g in grads.values()
+    ]
+    return torch.stack(squares).sum(0).sqrt().float()
+
+
+def _per_replica(values: Tensor, like: Tensor) -> Tensor:
+    """[R] -> [R, 1, ..., 1] broadcastable against `like`."""
+    return values.view(-1, *[1] * (like.ndim - 1))
+
+
+@torch.no_grad()
+def inner_step(
+    inner: InnerConfig,
+    params: Params,
+    grads: Params,
+    state: OptState,
+    lr: float,
+    active: Tensor | None = None,
+) -> Tensor:
+    """One inner update of every replica in place (params and state); returns pre-clip grad norms [R].
+
+    Per replica: global-norm clip (coefficient min(1, grad_clip / (norm + 1e-6)), off when grad_clip
+    is 0), then AdamW (torch.optim.AdamW's formula, per-replica bias correction, decoupled decay on
+    matrices only) or Muon (`m = mu*m + g`, update NS(g + mu*m), decay, step lr * 0.2*sqrt(max(rows,
+    cols))). `active` bool [R] (None = all): inactive rows keep weights, m, v and step bitwise; the
+    mask costs one copy of the state, so pass None when every replica steps. `grads` are not modified.
+    """
+    names = list(params)
+    norms = grad_norms(grads)
+    g_list = [grads[n] for n in names]
+    if inner.grad_clip > 0:
+        clip = torch.clamp(inner.grad_clip / (norms + CLIP_EPS), max=1.0)
+        g_list = torch._foreach_mul(g_list, [_per_replica(clip, g) for g in g_list])
+    g_of = dict(zip(names, g_list, strict=True))
+
+    adam = [n for n in names if not uses_muon(inner, n)]
+    muon = [n for n in names if uses_muon(inner, n)]
+    touched = [params[n] for n in names] + [state.m[n] for n in names] + [state.v[n] for n in adam]
+    saved = torch._foreach_clone(touched) if active is not None else None
+
+    decay = 1.0 - lr * inner.wd
+    decayed = [params[n] for n in names if params[n].ndim - 1 >= 2]
+    if decay != 1.0 and decayed:
+        torch._foreach_mul_(decayed, decay)
+    if adam:
+        _adamw(inner, [params[n] for n in adam], [g_of[n] for n in adam], state, adam, lr)
+    if muon:
+        _muon(inner, [params[n] for n in muon], [g_of[n] for n in muon], [state.m[n] for n in muon], lr)
+
+    if active is None:
+        state.step += 1
+    else:
+        for t, old in zip(touched, saved, strict=True):
+            torch.where(_per_replica(active, t), t, old, out=t)
+        state.step += active.to(state.step.dtype)
+    return norms
+
+
+def _adamw(
+    inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], state: OptState, names: list[str], lr
+) -> None:
+    """torch.optim.AdamW's update after weight decay, in its tensor-step (capturable) form, per replica."""
+    m = [state.m[n] for n in names]
+    v = [state.v[n] for n in names]
+    torch._foreach_lerp_(m, grads, 1.0 - inner.beta1)
+    torch._foreach_mul_(v, inner.beta2)
+    torch._foreach_addcmul_(v, grads, grads, value=1.0 - inner.beta2)
+    # Bias corrections from each replica's own count (the step about to be taken), in float64.
+    step = (state.step + 1).double()
+    neg_step_size = (-lr / (1.0 - inner.beta1**step)).float()
+    bias2_sqrt = (1.0 - inner.beta2**step).sqrt().float()
+    # w += m / (sqrt(v) / (sqrt(bc2) * -step_size) + eps / -step_size) == w - step_size * m / (...)
+    denom_scale = bias2_sqrt * neg_step_size
+    denom_shift = inner.eps / neg_step_size
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, [_per_replica(denom_scale, d) for d in denom])
+    torch._foreach_add_(denom, [_per_replica(denom_shift, d) for d in denom])
+    torch._foreach_addcdiv_(weights, m, denom)
+
+
+def _muon(inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: list[Tensor], lr) -> None:
+    """Muon after weight decay: momentum, Nesterov look-ahead, NS batched over same-shape matrices."""
+    mu = inner.muon_momentum
+    torch._foreach_mul_(m, mu)
+    torch._foreach_add_(m, grads)
+    lookahead = torch._foreach_add(grads, m, alpha=mu)
+    dtype = _NS_DTYPES[inner.ns_dtype]
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, w in enumerate(weights):
+        by_shape.setdefault(tuple(w.shape), []).append(i)
+    for shape, members in by_shape.items():
+        # One NS call for all matrices of a shape: [k, R, rows, cols] -> k updates.
+        group = torch.stack([lookahead[i] for i in members]) if len(members) > 1 else lookahead[members[0]][None]
+        ortho = newton_schulz(group, inner.ns_steps, dtype)
+        scale = MUON_RMS_SCALE * math.sqrt(max(shape[-2], shape[-1]))
+        torch._foreach_add_([weights[i] for i in members], list(ortho.unbind(0)), alpha=-lr * scale)
+
+
+def sync_inner_states(inner: InnerConfig, states: list[OptState]) -> None:
+    """Apply inner.state_policy at a sync, in place, to every replica's state.
+
+    carry: nothing changes. reset: m, v and step counts zeroed (the next step is bias-corrected as a
+    first step). average: m and v of every replica row of every state replaced by their mean over all
+    of them (states may hold 1 or several replicas each); step counts stay per replica.
+    """
+    policy = inner.state_policy
+    if policy == "carry":
+        return
+    if policy == "reset":
+        for s in states:
+            torch._foreach_zero_(list(s.m.values()) + list(s.v.values()))
+            s.step.zero_()
+        return
+    if policy == "average":
+        for moments in ("m", "v"):
+            for name in getattr(states[0], moments):
+                rows = [getattr(s, moments)[name] for s in states]
+                mean = torch.cat(rows).mean(0, keepdim=True)
+                for r in rows:
+                    r.copy_(mean.expand_as(r))
+        return
+    raise ValueError(f"inner.state_policy={policy!r} is not valid; valid: 'carry', 'reset', 'average'")
+
+
+@dataclass
+class OuterState:
+    """Outer momentum buffer per param, fp32, shaped like the global params (no replica axis)."""
+
+    momentum: Params
+
+
+def init_outer_state(global_params: Params) -> OuterState:
+    return OuterState({n: torch.zeros_like(p, dtype=torch.float32) for n, p in global_params.items()})
+
+
+def pseudo_gradient(
+    global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
+) -> Params:
+    """mean over active replicas of (theta_global - theta_m), fp32, shaped like the global params.
+
+    `replica_params` is one Params with a leading replica axis [R, ...] or a list of them (concatenated
+    in order); `active` bool [R] over all those rows (None = all; none active gives zeros). The result
+    is always freshly allocated, never a view of the global or replica tensors.
+    """
+    stacked = replica_params if isinstance(replica_params, dict) else _concat(replica_params)
+    out = {}
+    for name, theta in global_params.items():
+        replicas = stacked[name].float()
+        delta = theta.float().reshape(1, *replicas.shape[1:]) - replicas
+        if active is None:
+            mean = delta.sum(0) / delta.shape[0]
+        else:
+            # where, not a 0/1 weight: a skipped replica's rows never leak in, even non-finite ones
+            kept = torch.where(_per_replica(active, delta), delta, 0.0)
+            mean = kept.sum(0) / active.sum().clamp(min=1).to(delta.dtype)
+        out[name] = mean.reshape(theta.shape)
+    return out
+
+
+def _concat(replica_params: list[Params]) -> Params:
+    if len(replica_params) == 1:
+        return replica_params[0]
+    return {n: torch.cat([p[n] for p in replica_params]) for n in replica_params[0]}
+
+
+@torch.no_grad()
+def outer_step(outer: OuterConfig, global_params: Params, mean_delta: Params, state: OuterState) -> None:
+    """theta_global -= lr * update, in place, with torch.optim.SGD's momentum semantics.
+
+    buf = momentum * buf + delta (buf starts at zero, so the first step gives buf = delta as torch);
+    update = delta + momentum * buf with Nesterov, else buf. lr 1, momentum 0 is plain averaging.
+    """
+    for name, theta in global_params.items():
+        delta = mean_delta[name].float()
+        buf = state.momentum[name]
+        buf.mul_(outer.momentum).add_(delta)
+        update = delta.add(buf, alpha=outer.momentum) if outer.nesterov else buf
+        theta.add_(update.to(theta.dtype), alpha=-outer.lr)

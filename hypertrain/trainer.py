@@ -1,0 +1,243 @@
+"""Runs one phase: rounds of inner steps by an engine, then a sync, a held-out eval and logs.
+
+`prepare(cfg)` builds the data and the plan and checks that the phase fits the stream (all
+user mistakes raise `ConfigError`/`PlanError` before anything is written). `train(run, log)`
+then runs the rounds: a round is H updates (the last may be shorter and still ends with a
+sync); the engine (loop or stacked) returns every replica's weights, state and losses; the sync
+steps the global weights with the outer optimizer on the mean pseudo-gradient of the replicas
+that stepped, applies the inner state policy, and evaluates the global weights on held-out ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from hypertrain import plan
+from hypertrain.batches import replica_batch
+from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.data import Dataset, build_dataset
+from hypertrain.log import RunLogger
+from hypertrain.loop import Assignment, ReplicaResult
+from hypertrain.model import Params, count_params, forward, init_params
+from hypertrain.optim import (
+    OptState,
+    init_outer_state,
+    init_state,
+    lr_at,
+    outer_step,
+    pseudo_gradient,
+    sync_inner_states,
+)
+
+logger = logging.getLogger("hypertrain")
+Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
+
+
+@dataclass
+class PreparedRun:
+    """Everything decided before training: the config with derived fields filled, data, plan facts."""
+
+    cfg: TrainConfig
+    dataset: Dataset
+    phase: plan.StrongPhase | plan.WeakPhase
+    samples: int  # N: the plan's stream, the dataset without its held-out slice
+    updates: int  # updates that have ids (the rest of the phase is past the end of the stream)
+    plan_facts: dict  # union hash, data-order digest, rank digest, data fingerprint
+
+
+def prepare(cfg: TrainConfig) -> PreparedRun:
+    """Build data and plan facts; raise ConfigError/PlanError on any user mistake."""
+    dataset = build_dataset(cfg.data)
+    if cfg.model.vocab < dataset.vocab:
+        raise ConfigError(
+            f"model.vocab={cfg.model.vocab} is smaller than the data's vocabulary ({dataset.vocab}); "
+            f"valid: >= {dataset.vocab}"
+        )
+    samples = dataset.n_total - cfg.data.heldout
+    phase = cfg.phase.to_plan()
+    if phase.offset >= samples:
+        raise ConfigError(
+            f"phase.offset={phase.offset} lies past the training stream ({samples} ids once "
+            f"data.heldout={cfg.data.heldout} is reserved from {dataset.n_total}); "
+            f"valid: < {samples}, or a longer stream"
+        )
+    plan.validate_run(phase, cfg.world.size, cfg.replicas, samples)
+    updates = plan.updates_run(phase, samples)
+    if updates < phase.updates:
+        logger.warning(
+            "phase %r: updates %d..%d are past the end of the stream (%d ids) and are not run",
+            phase.name,
+            updates,
+            phase.updates - 1,
+            samples,
+        )
+    inner = replace(cfg.inner, decay_steps=cfg.inner.decay_steps or phase.updates)
+    cfg = replace(cfg, inner=inner)
+    facts = {
+        "plan/union_sha256": plan.union_sha256(phase, samples),
+        "plan/data_order_sha256": plan.data_order_digest(phase, cfg.replicas, samples),
+        "plan/rank_sha256": plan.rank_digest(phase, cfg.world.size, cfg.replicas, samples),
+        "data/fingerprint": dataset.fingerprint,
+        "data/samples": samples,
+        "data/heldout": cfg.data.heldout,
+        "plan/updates_run": updates,
+    }
+    return PreparedRun(cfg, dataset, phase, samples, updates, facts)
+
+
+def select_engine(name: str) -> Engine:
+    if name == "loop":
+        from hypertrain.loop import train_replicas
+    else:
+        from hypertrain.sim.batched import train_replicas
+    return train_replicas
+
+
+def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int = 4) -> int:
+    """Bytes one participant sends in a ring all-reduce of `params` elements."""
+    if participants <= 1:
+        return 0
+    return int(2 * (participants - 1) / participants * params * bytes_per_element)
+
+
+@torch.no_grad()
+def heldout_loss(run: PreparedRun, theta: Params, rows_per_pass: int = 64) -> float:
+    """Token-mean loss of the global weights on the held-out ids (the last data.heldout ids)."""
+    cfg = run.cfg
+    ids = np.arange(run.samples, run.dataset.n_total, dtype=np.int64)
+    batch = replica_batch(run.dataset, ids, cfg.data, rows_per_pass)
+    device = torch.device(cfg.engine.device)
+    params = {n: t.unsqueeze(0) for n, t in theta.items()}
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for mb in batch.microbatches:
+        mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
+        total += forward(cfg.model, params, mb.tokens.unsqueeze(0).to(device), mask)[0].double() * mb.weight
+    return total.item()
+
+
+class Progress:
+    """One live status line on a terminal (update, losses, replica-steps/s, ETA); quiet otherwise."""
+
+    def __init__(self, total: int, mode: str):
+        self.total, self.start = total, time.perf_counter()
+        self.live = mode == "always" or (mode == "auto" and sys.stderr.isatty())
+        self.eval_loss: float | None = None
+        self.replica_steps = 0
+
+    def update(self, done: int, loss_mean: float | None, stepped: int) -> None:
+        self.replica_steps += stepped
+        if not self.live:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - done)
+        loss = "-" if loss_mean is None else f"{loss_mean:.4f}"
+        held = "-" if self.eval_loss is None else f"{self.eval_loss:.4f}"
+        sys.stderr.write(
+            f"\rupdate {done}/{self.total}  loss {loss}  held-out {held}  "
+            f"{self.replica_steps / elapsed:.1f} replica-steps/s  ETA {eta:.0f}s   "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.live:
+            sys.stderr.write("\n")
+
+
+def train(run: PreparedRun, log: RunLogger) -> dict:
+    """Run the phase's rounds; log per update and per sync; return the final summary."""
+    cfg, R, H = run.cfg, run.cfg.replicas, run.cfg.inner.H
+    device = torch.device(cfg.engine.device)
+    engine = select_engine(cfg.engine.name)
+    theta = {n: t.to(device) for n, t in init_params(cfg.model, cfg.seed).items()}
+    outer_state = init_outer_state(theta)
+    stacked_shape = {n: t.unsqueeze(0) for n, t in theta.items()}
+    states = [init_state(cfg.inner, stacked_shape) for _ in range(R)]
+    n_params = count_params(cfg.model)
+    ranks_per_replica = cfg.world.size // R
+    inner_bytes_per_update = ring_allreduce_bytes(ranks_per_replica, n_params)
+    outer_bytes_per_sync = ring_allreduce_bytes(R, n_params)
+    totals = {"inner": 0, "outer": 0}
+    log.summary(run.plan_facts | {"model/params": n_params})
+    eval_loss = heldout_loss(run, theta)
+    log.log_sync({"update": 0, "round": 0, "eval_loss": eval_loss})
+    progress = Progress(run.updates, cfg.logger.progress)
+    progress.eval_loss = eval_loss
+    start = time.perf_counter()
+    tokens_seen = 0
+    for round_index, first in enumerate(range(0, run.updates, H), start=1):
+        updates = range(first, min(first + H, run.updates))
+        assigns = [
+            Assignment(
+                m,
+                first,
+                [
+                    replica_batch(
+                        run.dataset,
+                        plan.replica_ids(run.phase, u, m, R, run.samples),
+                        cfg.data,
+                        cfg.inner.micro_batch,
+                    )
+                    for u in updates
+                ],
+            )
+            for m in range(R)
+        ]
+        results = engine(cfg, theta, assigns, states)
+        for t, u in enumerate(updates):
+            losses = [res.losses[t] for res in results]
+            stepped = [x for x in losses if x is not None]
+            tokens = sum(a.batches[t].targets for a in assigns)
+            tokens_seen += tokens
+            log.log_update(
+                {
+                    "update": u + 1,
+                    "round": round_index,
+                    "lr": lr_at(cfg.inner, u, t),
+                    "loss": losses,
+                    "tokens": tokens,
+                    "wall": time.perf_counter() - start,
+                }
+            )
+            progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
+        active = torch.tensor([res.stepped for res in results], device=device)
+        replica_params = {n: torch.cat([res.params[n] for res in results]) for n in theta}
+        delta = pseudo_gradient(theta, replica_params, active)
+        delta_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
+        outer_step(cfg.outer, theta, delta, outer_state)
+        states = [res.state for res in results]
+        sync_inner_states(cfg.inner, states)
+        totals["inner"] += inner_bytes_per_update * len(updates)
+        totals["outer"] += outer_bytes_per_sync
+        eval_loss = heldout_loss(run, theta)
+        progress.eval_loss = eval_loss
+        log.log_sync(
+            {
+                "update": updates[-1] + 1,
+                "round": round_index,
+                "eval_loss": eval_loss,
+                "pseudo_grad_norm": delta_norm,
+                "replicas_synced": int(active.sum()),
+                "comm_inner_bytes": inner_bytes_per_update * len(updates),
+                "comm_outer_bytes": outer_bytes_per_sync,
+                "comm_inner_total": totals["inner"],
+                "comm_outer_total": totals["outer"],
+            }
+        )
+    progress.close()
+    wall = time.perf_counter() - start
+    summary = {
+        "eval/final_loss": eval_loss,
+        "train/tokens_total": tokens_seen,
+        "train/wall_s": wall,
+        "train/replica_steps_per_s": progress.replica_steps / wall if wall else 0.0,
+    }
+    log.summary(summary)
+    return summary
