@@ -45,7 +45,7 @@ def replica_batch(dataset: Dataset, ids: np.ndarray, data: DataConfig, micro_bat
         return ReplicaBatch([], 0)
     if dataset.fixed_length:
         groups = plan.fixed_microbatches(len(ids), micro_batch)
-        parts = [(load_batch(dataset.get, ids[g]), None) for g in groups]
+        parts = [(load_batch(dataset, ids[g]), None) for g in groups]
         counts = [rows.shape[0] * (rows.shape[1] - 1) for rows, _ in parts]
     else:
         lengths = dataset.lengths(ids)

@@ -39,8 +39,9 @@ class InnerConfig:
     name: str = "adamw"  # adamw, or muon (Muon on hidden matrices, AdamW on the rest)
     H: int = 10  # inner steps per round
     lr: float = 3e-3  # peak learning rate (Muon's is scaled 0.2*sqrt(max(rows, cols)) per matrix)
-    warmup_steps: int = 10  # linear warmup, in updates from the start of the phase
-    decay_steps: int = 0  # cosine decay length in updates; 0 = the phase's updates, set at start-up
+    warmup_steps: int = 10  # linear warmup over the first updates of the phase
+    decay_steps: int = 0  # cosine to lr*min_lr_ratio ends here (updates from the phase start, warmup
+    #                       included); 0 = the phase's updates, filled in at start-up
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     rewarmup_steps: int = 0  # > 0: ramp the lr again over the first steps of every round
     beta1: float = 0.9
@@ -97,7 +98,7 @@ class PhaseConfig:
                     timing_warmup=self.timing_warmup,
                 )
         except PlanError as e:
-            raise ConfigError(f"phase: {e}") from None
+            raise ConfigError(str(e)) from None
         raise ConfigError(f"phase.kind={self.kind!r} is not a phase kind; valid: 'strong', 'weak'")
 
 
@@ -113,7 +114,7 @@ class DataConfig:
     token_dtype: str = "uint16"  # token_bin: uint16 or uint32
     examples: str = "windows"  # windows (fixed seq_len + 1 ids) or documents (variable length)
     seq_len: int = 64  # windows: tokens the model reads per row (each row holds seq_len + 1 ids)
-    max_len: int = 256  # documents: a document or paragraph is cut at this many tokens
+    max_len: int = 256  # documents: a paragraph is cut at max_len + 1 ids (max_len targets)
     heldout: int = 256  # the last ids of the stream, never trained on, for the held-out loss
     max_padded_tokens: int = 12000  # documents: bound on rows * longest row in one microbatch
     max_examples: int = 16  # documents: bound on rows in one microbatch
@@ -223,10 +224,10 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("data.max_len", d.max_len, 2)
     _at_least("data.heldout", d.heldout, 1)
     _at_least("data.max_examples", d.max_examples, 1)
-    if d.examples == "documents" and d.max_padded_tokens < d.max_len:
+    if d.examples == "documents" and d.max_padded_tokens < d.max_len + 1:
         raise ConfigError(
             f"data.max_padded_tokens={d.max_padded_tokens} is smaller than the longest example "
-            f"(data.max_len={d.max_len}); valid: >= {d.max_len}"
+            f"(data.max_len + 1 = {d.max_len + 1} ids); valid: >= {d.max_len + 1}"
         )
 
     _choice("engine.name", e.name, ("loop", "stacked"))

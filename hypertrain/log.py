@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,7 +144,18 @@ class RunLogger:
         finally:
             if self._run is not None:
                 run, self._run = self._run, None
+                run_file = None if self._mode == "disabled" else Path(run.settings.sync_file)
                 run.finish(exit_code=0 if error is None else 1)
+                if run_file is not None and run_file.exists():
+                    self._wait_for_run_file(run_file)
+
+    @staticmethod
+    def _wait_for_run_file(run_file: Path) -> None:
+        """Return once the run file is complete, so it can be read (or synced) as soon as we exit."""
+        from hypertrain.wandb_offline import wait_for_exit_record
+
+        if not wait_for_exit_record(run_file, timeout=30.0):
+            warnings.warn(f"{run_file} has no exit record 30 s after wandb's finish()", stacklevel=3)
 
     def _ends_with_newline(self) -> bool:
         with open(self.metrics_path, "rb") as f:
@@ -190,7 +202,7 @@ class RunLogger:
         self._wandb_log({"update": update, "round": 0, "eval/loss": row["eval_loss"]}, extra, "eval/")
 
     def log_update(self, row: dict) -> None:
-        """One update: `update`, `round`, `lr`, `loss` (R entries, None = skipped), `tokens`, `wall`, extras."""
+        """One update: `update`, `round`, `lr`, `loss` (R entries, None = skipped), `tokens`, `wall`, ..."""
         losses = [None if loss is None else float(loss) for loss in row["loss"]]
         if len(losses) != self.replicas:
             raise ValueError(

@@ -97,7 +97,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rms_norm(x: Tensor, weight: Tensor) -> Tensor:
     """x [R, N, d], weight [R, d]."""
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).type_as(x) * weight[:, None, :]
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[:, None, :]
 
 
 def _attention(cfg: ModelConfig, p: Params, pre: str, x: Tensor, B: int, T: int) -> Tensor:
@@ -131,7 +131,7 @@ def logits(cfg: ModelConfig, p: Params, inputs: Tensor) -> Tensor:
 
 
 def forward(cfg: ModelConfig, p: Params, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Per-replica mean cross-entropy [R] (fp32) over real targets.
+    """Per-replica mean cross-entropy [R] (in the weights' dtype) over real targets.
 
     tokens int64 [R, B, T+1]; mask bool [R, B, T+1] marks real positions (None = all real). A
     target counts when it and its input are real. A replica with no real target gets loss 0,
@@ -146,8 +146,9 @@ def forward(cfg: ModelConfig, p: Params, tokens: Tensor, mask: Tensor | None = N
     )
     with autocast:
         out = logits(cfg, p, inputs)
+    # Under bf16 autocast the logits are bf16; the loss is taken in the weights' dtype.
     ce = F.cross_entropy(
-        out.float().reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
+        out.to(p["head"].dtype).reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
     ).view(R, -1)
     if mask is None:
         return ce.mean(1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_HASH_CHUNK = 1 << 20  # ids hashed per numpy block: bounded memory, no Python object per id
+_HASH_CHUNK = 1 << 19  # int64s hashed per numpy block (4 MiB): bounded memory, no Python object per id
 
 
 class PlanError(ValueError):
@@ -92,7 +92,9 @@ PRESETS: dict[str, Phase] = {
     "strong": StrongPhase("strong", offset=0, global_batch=256, updates=40, timing_warmup=10),
     "weak": WeakPhase("weak", offset=10240, base_world=8, per_rank_batch=32, updates=12, timing_warmup=4),
     "cpu_strong": StrongPhase("cpu_strong", offset=0, global_batch=64, updates=40, timing_warmup=10),
-    "cpu_weak": WeakPhase("cpu_weak", offset=2560, base_world=2, per_rank_batch=32, updates=12, timing_warmup=4),
+    "cpu_weak": WeakPhase(
+        "cpu_weak", offset=2560, base_world=2, per_rank_batch=32, updates=12, timing_warmup=4
+    ),
     "smoke": StrongPhase("smoke", offset=0, global_batch=32, updates=6, timing_warmup=1),
 }
 
@@ -304,7 +306,9 @@ def _channel_fractions(local_counts, global_counts, scales, world):
         )
     active = total > 0
     normaliser = float(scale[active].sum())
-    fraction = np.divide(local, total, out=np.zeros(np.broadcast_shapes(local.shape, total.shape)), where=active)
+    fraction = np.divide(
+        local, total, out=np.zeros(np.broadcast_shapes(local.shape, total.shape)), where=active
+    )
     return fraction * scale, normaliser, world
 
 
@@ -348,7 +352,7 @@ def dynamic_weights(local_frames, local_samples, global_frames, global_samples, 
 
 def _hash_range(digest, start: int, stop: int) -> None:
     for low in range(start, stop, _HASH_CHUNK):
-        digest.update(np.arange(low, min(stop, low + _HASH_CHUNK), dtype="<i8").tobytes())
+        digest.update(np.arange(low, min(stop, low + _HASH_CHUNK), dtype="<i8"))
 
 
 def union_sha256(phase: Phase, samples: int, world: int | None = None) -> str:
@@ -392,8 +396,9 @@ def _ordered_digest(phase: Phase, samples: int, groups: list[tuple[int, int]]) -
     block = max(1, _HASH_CHUNK // values.size)
     for first_update in range(0, full, block):
         updates = np.arange(first_update, min(full, first_update + block), dtype=np.int64)
-        rows = values + (phase.offset + updates * size)[:, None] * is_id
-        digest.update(rows.astype("<i8", copy=False).tobytes())
+        rows = np.multiply.outer(phase.offset + updates * size, is_id)
+        rows += values
+        digest.update(rows.astype("<i8", copy=False))
     if full < count:  # the tail update is shorter: its own layout
         values, is_id = layout(tail_stop - tail_start)
         digest.update((values + tail_start * is_id).astype("<i8", copy=False).tobytes())
@@ -411,7 +416,9 @@ def rank_digest(phase: Phase, world: int, replicas: int, samples: int) -> str:
     """The data-order digest over ranks instead of replicas; it changes with the world."""
     _check_phase(phase)
     world, replicas = _check_world(phase, world, replicas)
-    return _ordered_digest(phase, samples, [_rank_first_stride(phase, r, world, replicas) for r in range(world)])
+    return _ordered_digest(
+        phase, samples, [_rank_first_stride(phase, r, world, replicas) for r in range(world)]
+    )
 
 
 def check_plan(samples: int = 16384, worlds: Sequence[int] = (8, 16), replicas: Sequence[int] = (1,)) -> dict:

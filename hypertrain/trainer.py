@@ -29,6 +29,7 @@ from hypertrain.loop import Assignment, ReplicaResult
 from hypertrain.model import Params, count_params, forward, init_params
 from hypertrain.optim import (
     OptState,
+    OuterState,
     init_outer_state,
     init_state,
     lr_at,
@@ -123,6 +124,42 @@ def heldout_loss(run: PreparedRun, theta: Params, rows_per_pass: int = 64) -> fl
     return total.item()
 
 
+def assignments(run: PreparedRun, updates: range) -> list[Assignment]:
+    """Every replica's batches for the updates of one round, as the plan assigns them."""
+    cfg = run.cfg
+    return [
+        Assignment(
+            m,
+            updates[0],
+            [
+                replica_batch(
+                    run.dataset,
+                    plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples),
+                    cfg.data,
+                    cfg.inner.micro_batch,
+                )
+                for u in updates
+            ],
+        )
+        for m in range(cfg.replicas)
+    ]
+
+
+def sync(cfg: TrainConfig, theta: Params, outer_state: OuterState, results: list[ReplicaResult]) -> tuple[float, int]:
+    """End a round: outer step on the replicas that stepped, then the inner state policy.
+
+    Steps `theta` in place (it never shares storage with a replica's weights) and returns the
+    pseudo-gradient norm and the number of replicas that took part.
+    """
+    active = torch.tensor([res.stepped for res in results], device=next(iter(theta.values())).device)
+    replica_params = {n: torch.cat([res.params[n] for res in results]) for n in theta}
+    delta = pseudo_gradient(theta, replica_params, active)
+    delta_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
+    outer_step(cfg.outer, theta, delta, outer_state)
+    sync_inner_states(cfg.inner, [res.state for res in results])
+    return delta_norm, int(active.sum())
+
+
 class Progress:
     """One live status line on a terminal (update, losses, replica-steps/s, ETA); quiet otherwise."""
 
@@ -167,29 +204,14 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     totals = {"inner": 0, "outer": 0}
     log.summary(run.plan_facts | {"model/params": n_params})
     eval_loss = heldout_loss(run, theta)
-    log.log_sync({"update": 0, "round": 0, "eval_loss": eval_loss})
+    log.log_eval(update=0, eval_loss=eval_loss)
     progress = Progress(run.updates, cfg.logger.progress)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     tokens_seen = 0
     for round_index, first in enumerate(range(0, run.updates, H), start=1):
         updates = range(first, min(first + H, run.updates))
-        assigns = [
-            Assignment(
-                m,
-                first,
-                [
-                    replica_batch(
-                        run.dataset,
-                        plan.replica_ids(run.phase, u, m, R, run.samples),
-                        cfg.data,
-                        cfg.inner.micro_batch,
-                    )
-                    for u in updates
-                ],
-            )
-            for m in range(R)
-        ]
+        assigns = assignments(run, updates)
         results = engine(cfg, theta, assigns, states)
         for t, u in enumerate(updates):
             losses = [res.losses[t] for res in results]
@@ -207,13 +229,8 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-        active = torch.tensor([res.stepped for res in results], device=device)
-        replica_params = {n: torch.cat([res.params[n] for res in results]) for n in theta}
-        delta = pseudo_gradient(theta, replica_params, active)
-        delta_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
-        outer_step(cfg.outer, theta, delta, outer_state)
         states = [res.state for res in results]
-        sync_inner_states(cfg.inner, states)
+        delta_norm, synced = sync(cfg, theta, outer_state, results)
         totals["inner"] += inner_bytes_per_update * len(updates)
         totals["outer"] += outer_bytes_per_sync
         eval_loss = heldout_loss(run, theta)
@@ -224,7 +241,7 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 "round": round_index,
                 "eval_loss": eval_loss,
                 "pseudo_grad_norm": delta_norm,
-                "replicas_synced": int(active.sum()),
+                "replicas_synced": synced,
                 "comm_inner_bytes": inner_bytes_per_update * len(updates),
                 "comm_outer_bytes": outer_bytes_per_sync,
                 "comm_inner_total": totals["inner"],

@@ -1,0 +1,192 @@
+"""Speed of the sample plan against the user's seed, side by side; exits 1 if a target is missed.
+
+(a) the seed's check_plan against ours at its defaults (figures only);
+(b) a strong phase covering a whole stream of N = 10^7 ids (G 256, worlds 8 and 16): the seed's
+    functions driven over every update and rank with its checks (no drop, no duplicate, unions equal
+    across worlds, sha256 of the union) against `verify_phase`; target >= 10x, and no Python object
+    per id (peak traced memory < 64 MiB); the ordered data-order digest timed on its own;
+(c) the ids of one update of a 10^9-id stream: target < 1 ms.
+Each measurement runs in a fresh process, so peak RSS is its own.
+
+    .venv/bin/python experiments/bench/plan_speed.py [--samples 10000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing
+import resource
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = REPO.parent / "shared" / "seeds" / "plan.py.txt"
+sys.path.insert(0, str(REPO))
+
+from hypertrain import plan  # noqa: E402
+from hypertrain.plan_check import verify_phase  # noqa: E402
+
+SPEEDUP_TARGET = 10.0
+MEMORY_TARGET_MIB = 64.0
+ONE_UPDATE_TARGET_S = 1e-3
+
+
+def load_seed() -> dict | None:
+    """The seed's functions, exec'd from ../shared (its first line is a path header, not Python)."""
+    if not SEED.exists():
+        return None
+    lines = SEED.read_text().splitlines()
+    if lines and lines[0].strip().endswith(".py") and not lines[0].lstrip().startswith(("#", '"')):
+        lines = lines[1:]
+    namespace: dict = {"__name__": "seed_plan"}
+    exec(compile("\n".join(lines), str(SEED), "exec"), namespace)
+    return namespace
+
+
+def best_of(repeats: int, fn) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def seed_at_scale(samples: int, global_batch: int) -> str:
+    """The seed's check, driven by its own step_indices over every update and rank of the stream."""
+    step_indices = load_seed()["step_indices"]
+    updates = -(-samples // global_batch)
+    phase = {"name": "strong", "offset": 0, "global_batch": global_batch, "updates": updates, "warmup": 0}
+    unions = {}
+    for world in (8, 16):
+        seen = []
+        for step in range(updates):
+            ids = sorted(i for rank in range(world) for i in step_indices(phase, step, rank, world, samples))
+            start = step * global_batch
+            assert ids == list(range(start, min(samples, start + global_batch)))
+            seen.extend(ids)
+        assert len(seen) == len(set(seen))
+        unions[world] = seen
+    assert unions[8] == unions[16]
+    return hashlib.sha256(np.asarray(unions[8], dtype="<i8").tobytes()).hexdigest()
+
+
+def whole_stream_phase(samples: int, global_batch: int) -> plan.StrongPhase:
+    return plan.StrongPhase(
+        "stream", offset=0, global_batch=global_batch, updates=-(-samples // global_batch)
+    )
+
+
+def ours_at_scale(samples: int, global_batch: int) -> str:
+    return verify_phase(whole_stream_phase(samples, global_batch), (8, 16), (1,), samples)["union_sha256"]
+
+
+def job(name: str, samples: int, global_batch: int, queue) -> None:
+    """One measurement in a fresh process: (seconds, peak RSS MiB, traced peak MiB, result)."""
+    if name == "seed_scale":
+        start = time.perf_counter()
+        result = seed_at_scale(samples, global_batch)
+        seconds = time.perf_counter() - start
+        queue.put((seconds, peak_rss_mib(), float("nan"), result))
+        return
+    phase = whole_stream_phase(samples, global_batch)
+    work = {
+        "ours_scale": lambda: ours_at_scale(samples, global_batch),
+        "ours_digest": lambda: plan.data_order_digest(phase, 1, samples),
+    }[name]
+    result = work()  # warm-up, then the best of three
+    seconds = best_of(3, work)
+    tracemalloc.start()
+    work()
+    traced = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    queue.put((seconds, peak_rss_mib(), traced, result))
+
+
+def in_fresh_process(name: str, samples: int, global_batch: int):
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=job, args=(name, samples, global_batch, queue))
+    process.start()
+    message = queue.get()
+    process.join()
+    return message
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=10_000_000, help="stream length for part (b)")
+    parser.add_argument("--global-batch", type=int, default=256)
+    args = parser.parse_args()
+    seed = load_seed()
+    missed = []
+    print(f"numpy {np.__version__}, python {sys.version.split()[0]}")
+
+    print("\n(a) check_plan at the seed's defaults (N = 16384, worlds 8 and 16)")
+    ours = best_of(5, plan.check_plan)
+    if seed is None:
+        print(f"  seed: skipped, {SEED} is absent; ours {ours * 1e3:.1f} ms")
+    else:
+        assert seed["check_plan"]() == plan.check_plan()
+        theirs = best_of(5, seed["check_plan"])
+        print(f"  seed {theirs * 1e3:.1f} ms, ours {ours * 1e3:.1f} ms, ratio {theirs / ours:.2f}x")
+
+    n, g = args.samples, args.global_batch
+    print(
+        f"\n(b) strong phase over the whole stream: N = {n:,}, G = {g}, {-(-n // g):,} updates, worlds 8, 16"
+    )
+    ours_s, ours_rss, ours_traced, ours_hash = in_fresh_process("ours_scale", n, g)
+    print(f"  ours: {ours_s * 1e3:.1f} ms, peak RSS {ours_rss:.0f} MiB, traced peak {ours_traced:.1f} MiB")
+    if ours_traced > MEMORY_TARGET_MIB:
+        missed.append(f"(b) traced memory {ours_traced:.1f} MiB > {MEMORY_TARGET_MIB} MiB")
+    if seed is None:
+        print(f"  seed: skipped, {SEED} is absent")
+    else:
+        seed_s, seed_rss, _, seed_hash = in_fresh_process("seed_scale", n, g)
+        ratio = seed_s / ours_s
+        print(f"  seed: {seed_s * 1e3:.0f} ms, peak RSS {seed_rss:.0f} MiB")
+        same = seed_hash == ours_hash
+        print(f"  ratio {ratio:.1f}x (target >= {SPEEDUP_TARGET:.0f}x, aim 20x); union sha256 equal: {same}")
+        if seed_hash != ours_hash:
+            missed.append("(b) the union hashes differ")
+        if ratio < SPEEDUP_TARGET:
+            missed.append(f"(b) speedup {ratio:.1f}x < {SPEEDUP_TARGET:.0f}x")
+    digest_s, digest_rss, digest_traced, _ = in_fresh_process("ours_digest", n, g)
+    print(
+        f"  data-order digest (R = 1, every update in order): {digest_s * 1e3:.1f} ms, "
+        f"peak RSS {digest_rss:.0f} MiB, traced peak {digest_traced:.1f} MiB"
+    )
+    if digest_traced > MEMORY_TARGET_MIB:
+        missed.append(f"(b) digest traced memory {digest_traced:.1f} MiB > {MEMORY_TARGET_MIB} MiB")
+
+    print("\n(c) one update of a 10^9-id stream (G 256, world 16, R 2): U, both V_m, all 16 rank ids")
+    huge, phase = 10**9, plan.StrongPhase("huge", offset=0, global_batch=256, updates=10**9 // 256)
+    update = phase.updates - 1
+
+    def one_update():
+        plan.update_ids(phase, update, huge)
+        for m in range(2):
+            plan.replica_ids(phase, update, m, 2, huge)
+        for r in range(16):
+            plan.rank_ids(phase, update, r, 16, 2, huge)
+
+    seconds = best_of(200, one_update)
+    print(f"  {seconds * 1e6:.1f} us (target < {ONE_UPDATE_TARGET_S * 1e3:.0f} ms)")
+    if seconds >= ONE_UPDATE_TARGET_S:
+        missed.append(f"(c) {seconds * 1e3:.2f} ms >= 1 ms")
+
+    print("\n" + ("all targets met" if not missed else "MISSED: " + "; ".join(missed)))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Simulation engines: many replicas on one device."""

@@ -1,0 +1,91 @@
+"""The fast engine: all replicas of a sub-round as one stacked model, params `[R, ...]`.
+
+Same math as the loop engine (`hypertrain.loop`): the same `model.forward` and
+`optim.inner_step`, run once for the replicas of a sub-round instead of once per replica. One
+forward and one backward per microbatch serve every stacked replica; the loss is each
+replica's weighted mean, summed over replicas (never averaged: that would shrink gradients and
+change clipping). Replicas with fewer rows or microbatches get masked rows; a replica with no
+ids in an update is masked out of that optimizer step. Losses come back to the host once per
+sub-round. Reduction shapes differ from the loop, so results agree within float rounding, not
+bitwise (docs/parity.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hypertrain.batches import stack_microbatches
+from hypertrain.config import TrainConfig
+from hypertrain.loop import Assignment, ReplicaResult
+from hypertrain.model import Params, forward
+from hypertrain.optim import OptState, inner_step, lr_at
+
+
+def _stack_states(states: list[OptState]) -> OptState:
+    return OptState(
+        {n: torch.cat([s.m[n] for s in states]) for n in states[0].m},
+        {n: torch.cat([s.v[n] for s in states]) for n in states[0].v},
+        torch.cat([s.step for s in states]),
+    )
+
+
+def _replica_state(state: OptState, r: int) -> OptState:
+    return OptState(
+        {n: t[r : r + 1].clone() for n, t in state.m.items()},
+        {n: t[r : r + 1].clone() for n, t in state.v.items()},
+        state.step[r : r + 1].clone(),
+    )
+
+
+def train_many(
+    cfg: TrainConfig, theta: Params, assigns: list[Assignment], states: list[OptState]
+) -> list[ReplicaResult]:
+    """One round's inner steps for the replicas in `assigns`, stacked (one sub-round)."""
+    device = torch.device(cfg.engine.device)
+    if len({a.global_step0 for a in assigns}) != 1 or len({len(a.batches) for a in assigns}) != 1:
+        raise ValueError("replicas of a sub-round must share the round's updates")
+    R, steps = len(assigns), len(assigns[0].batches)
+    params = {
+        n: t.detach().unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True)
+        for n, t in theta.items()
+    }
+    state = _stack_states(states)
+    losses = torch.zeros(steps, R, device=device)
+    stepped = torch.zeros(steps, R, dtype=torch.bool)
+    for t in range(steps):
+        batches = [a.batches[t] for a in assigns]
+        active = [not b.empty for b in batches]
+        if not any(active):
+            continue
+        stepped[t] = torch.tensor(active)
+        for j in range(max(len(b.microbatches) for b in batches)):
+            parts = [b.microbatches[j] if j < len(b.microbatches) else None for b in batches]
+            tokens, mask, weights = stack_microbatches(parts, device)
+            per_replica = forward(cfg.model, params, tokens, mask) * weights
+            per_replica.sum().backward()
+            losses[t] += per_replica.detach()
+        grads = {n: p.grad for n, p in params.items()}
+        lr = lr_at(cfg.inner, assigns[0].global_step0 + t, t)
+        inner_step(cfg.inner, params, grads, state, lr, active=stepped[t].to(device))
+        for p in params.values():
+            p.grad = None
+    host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy
+    return [
+        ReplicaResult(
+            {n: p[r : r + 1].detach().clone() for n, p in params.items()},
+            _replica_state(state, r),
+            [host_losses[t][r] if stepped[t, r] else None for t in range(steps)],
+        )
+        for r in range(R)
+    ]
+
+
+def train_replicas(
+    cfg: TrainConfig, theta: Params, assigns: list[Assignment], states: list[OptState]
+) -> list[ReplicaResult]:
+    """Every replica's round, `engine.stack` replicas at a time (0 = all at once)."""
+    size = cfg.engine.stack or len(assigns)
+    results: list[ReplicaResult] = []
+    for start in range(0, len(assigns), size):
+        results += train_many(cfg, theta, assigns[start : start + size], states[start : start + size])
+    return results

@@ -1,0 +1,374 @@
+"""The sample plan: the seed's facts, its own check run against ours, properties, hashes, errors, CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hypertrain import plan, plan_check
+from hypertrain.plan import PlanError, StrongPhase, WeakPhase
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "plan.py.txt"
+
+# The seed's `check_plan()` output: facts, not computed here.
+SEED_JSON = {
+    "status": "PASS",
+    "strong_unique_samples": 10240,
+    "strong_union_sha256": "bb5cecec2771d74cd91692688992e4df636bba1d7196ed4bb0e9ec929d81d6c9",
+    "worlds": [8, 16],
+    "global_batch_strong": 256,
+    "per_gpu_weak": 32,
+    "strong_warmup_updates": 10,
+    "strong_steady_updates": 30,
+    "weak_warmup_updates": 4,
+    "weak_steady_updates": 8,
+    "weak_input_rule": "Exact same eight real per-GPU streams, replicated once across the additional eight "
+    "GPUs at four nodes. Benchmark-only repetitions, explicitly counted as presentations.",
+    "loss_weighting": "Exact global per-channel supervised-token mean, independent of rank and microbatch "
+    "partition.",
+}
+
+
+def load_seed() -> dict:
+    """A fresh namespace of the seed module, exec'd from ../shared; skips where that folder is absent."""
+    if not SEED.exists():
+        reason = f"the seed {SEED} is absent (a user's clone has no ../shared)"
+        print(reason)
+        pytest.skip(reason)
+    lines = SEED.read_text().splitlines()
+    if lines and lines[0].strip().endswith(".py"):  # a path header, not Python
+        lines = lines[1:]
+    namespace: dict = {"__name__": "seed_plan"}
+    exec(compile("\n".join(lines), str(SEED), "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def seed_step_indices():
+    return load_seed()["step_indices"]
+
+
+# ---------------------------------------------------------------------------------------- the seed
+
+
+def test_check_plan_reproduces_the_seed_json():
+    assert plan.check_plan() == SEED_JSON
+    assert plan.check_plan(16384, (16, 8), (1,)) == SEED_JSON
+
+
+def test_seed_check_plan_passes_with_our_functions():
+    seed = load_seed()
+    seed["step_indices"] = plan.step_indices
+    seed["microbatches"] = plan.microbatches
+    seed["dynamic_weights"] = plan.dynamic_weights
+    assert seed["check_plan"]() == SEED_JSON
+
+
+def test_benchmark_phases_are_the_seed_numbers():
+    for world in (8, 16):
+        strong, weak = plan.benchmark_phases(world)
+        assert strong == StrongPhase("strong", offset=0, global_batch=256, updates=40, timing_warmup=10)
+        assert weak == WeakPhase(
+            "weak", offset=10240, base_world=8, per_rank_batch=32, updates=12, timing_warmup=4
+        )
+        assert (strong.update_size, weak.update_size) == (256, 256)
+
+
+def test_seed_phase_dicts_give_the_seed_step_indices():
+    seed = load_seed()
+    for world in (8, 16):
+        for phase in seed["benchmark_phases"](world):
+            for step in (0, 3, phase["updates"] - 1, phase["updates"] + 30):
+                inside = phase["offset"] + (step + 1) * 256 <= 16384
+                if phase["name"] == "weak" and not inside:  # the seed's weak phase ignores N; we cut
+                    assert plan.step_indices(phase, step, 0, world, 16384) == []
+                    continue
+                for rank in range(world):
+                    expect = seed["step_indices"](phase, step, rank, world, 16384)
+                    assert plan.step_indices(phase, step, rank, world, 16384) == expect
+
+
+def test_cpu_presets_pass_the_check_at_worlds_2_and_4():
+    for world in (2, 4):
+        for phase in plan.cpu_phases(world):
+            plan.validate_run(phase, world, 1, 16384)
+            plan.validate_run(phase, world, 2, 16384)
+    plan.validate_run(plan.preset("smoke"), 1, 1, 1000)
+    result = plan.check_plan(16384, (2, 4), (1, 2))
+    assert result["status"] == "PASS" and result["replicas"] == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------- properties
+
+
+@st.composite
+def runs(draw):
+    """A random phase, world and R, with N giving whole updates, a tail, or a phase past the end."""
+    replicas = draw(st.integers(1, 4))
+    offset = draw(st.integers(0, 300))
+    updates = draw(st.integers(1, 10))
+    if draw(st.booleans()):
+        world = replicas * draw(st.integers(1, 4))
+        phase = StrongPhase("s", offset=offset, global_batch=draw(st.integers(1, 70)), updates=updates)
+    else:
+        base = replicas * draw(st.integers(1, 3))
+        world = base * draw(st.integers(1, 3))
+        phase = WeakPhase(
+            "w", offset, base_world=base, per_rank_batch=draw(st.integers(1, 9)), updates=updates
+        )
+    samples = draw(st.integers(0, offset + (updates + 1) * phase.update_size + 5))
+    return phase, world, replicas, samples
+
+
+def copies(phase, world):
+    return world // phase.base_world if isinstance(phase, WeakPhase) else 1
+
+
+@given(runs())
+@settings(max_examples=150, deadline=None)
+def test_every_update_is_presented_once_per_base_stream(run):
+    phase, world, replicas, samples = run
+    for update in range(phase.updates + 2):
+        ids = plan.update_ids(phase, update, samples)
+        start = phase.offset + update * phase.update_size
+        assert np.array_equal(ids, np.arange(start, max(start, min(samples, start + phase.update_size))))
+        presented = np.concatenate(
+            [plan.rank_ids(phase, update, r, world, replicas, samples) for r in range(world)]
+        )
+        assert np.array_equal(np.sort(presented), np.repeat(ids, copies(phase, world)))
+
+
+@given(runs(), st.integers(1, 3))
+@settings(max_examples=150, deadline=None)
+def test_replica_ids_are_its_ranks_and_do_not_depend_on_the_world(run, other_local_ranks):
+    phase, world, replicas, samples = run
+    other_world = world * other_local_ranks  # keeps R | W and, for weak, B | W
+    for update in range(phase.updates + 1):
+        ids = plan.update_ids(phase, update, samples)
+        for w in (world, other_world):
+            local_ranks = w // replicas
+            for m in range(replicas):
+                own = plan.replica_ids(phase, update, m, replicas, samples)
+                assert np.array_equal(own, ids[m::replicas])
+                block = range(m * local_ranks, (m + 1) * local_ranks)
+                seen = np.concatenate([plan.rank_ids(phase, update, r, w, replicas, samples) for r in block])
+                # weak k-fold replication per replica: the replica's world-B ids, W/B times each
+                assert np.array_equal(np.sort(seen), np.repeat(own, copies(phase, w)))
+
+
+@given(runs())
+@settings(max_examples=100, deadline=None)
+def test_weak_rank_streams_repeat_the_base_world(run):
+    phase, world, replicas, samples = run
+    if not isinstance(phase, WeakPhase):
+        return
+    local_ranks, base_streams = world // replicas, phase.base_world // replicas
+    for update in range(phase.updates):
+        for r in range(world):
+            m, j = divmod(r, local_ranks)
+            base_rank = m * base_streams + j % base_streams
+            here = plan.rank_ids(phase, update, r, world, replicas, samples)
+            there = plan.rank_ids(phase, update, base_rank, phase.base_world, replicas, samples)
+            assert np.array_equal(here, there)
+
+
+@given(runs())
+@settings(max_examples=100, deadline=None)
+def test_one_replica_rank_ids_are_the_seed_step_indices(seed_step_indices, run):
+    phase, world, _, samples = run
+    if isinstance(phase, WeakPhase):
+        as_dict = {"name": "w", "offset": phase.offset, "global_batch": phase.per_rank_batch * world}
+        as_dict |= {"updates": phase.updates, "warmup": 0, "replicated_base_world": phase.base_world}
+    else:
+        as_dict = {"name": "s", "offset": phase.offset, "global_batch": phase.global_batch}
+        as_dict |= {"updates": phase.updates, "warmup": 0}
+    for update in range(phase.updates + 1):
+        # the seed's weak phase ignores N; ours cuts at N: compare where the update is whole
+        whole = phase.offset + (update + 1) * phase.update_size <= samples
+        for r in range(world):
+            ours = plan.rank_ids(phase, update, r, world, 1, samples).tolist()
+            assert plan.step_indices(phase, update, r, world, samples) == ours
+            assert plan.step_indices(as_dict, update, r, world, samples) == ours
+            if whole or isinstance(phase, StrongPhase):
+                assert seed_step_indices(as_dict, update, r, world, samples) == ours
+
+
+@given(runs())
+@settings(max_examples=100, deadline=None)
+def test_updates_run_counts_the_leading_updates_with_ids(run):
+    phase, _, _, samples = run
+    count = plan.updates_run(phase, samples)
+    sizes = [plan.update_ids(phase, u, samples).size for u in range(phase.updates)]
+    assert all(sizes[:count]) and not any(sizes[count:])
+
+
+def test_id_functions_return_no_ids_past_the_end_of_the_stream():
+    phase = StrongPhase("far", offset=10**15, global_batch=256, updates=3)
+    assert plan.update_ids(phase, 0, 1000).size == 0
+    assert plan.rank_ids(phase, 2, 7, 8, 2, 1000).size == 0
+    assert plan.step_indices(plan.PRESETS["strong"], 10**12, 3, 8, 16384) == []
+    assert plan.updates_run(phase, 1000) == 0
+
+
+def test_ids_of_one_update_of_a_billion_id_stream():
+    phase = StrongPhase("huge", offset=0, global_batch=256, updates=10**9 // 256)
+    ids = plan.rank_ids(phase, phase.updates - 1, 5, 16, 2, 10**9)
+    assert ids.dtype == np.int64 and ids.size == 16
+    # rank 5 = replica 0, local rank 5: V_0[5::8] = U[0 + 2*5::16]
+    assert ids[0] == 10**9 - 256 + 10 and np.all(np.diff(ids) == 16)
+
+
+# --------------------------------------------------------------------------------------------- hashes
+
+
+def reference_digest(groups_per_update) -> str:
+    digest = hashlib.sha256()
+    for groups in groups_per_update:
+        for ids in groups:
+            digest.update(
+                np.array([len(ids)], dtype="<i8").tobytes() + np.asarray(ids, dtype="<i8").tobytes()
+            )
+    return digest.hexdigest()
+
+
+@given(runs())
+@settings(max_examples=100, deadline=None)
+def test_digests_follow_their_byte_definition(run):
+    phase, world, replicas, samples = run
+    run_updates = range(plan.updates_run(phase, samples))
+    by_replica = [
+        [plan.replica_ids(phase, u, m, replicas, samples) for m in range(replicas)] for u in run_updates
+    ]
+    by_rank = [
+        [plan.rank_ids(phase, u, r, world, replicas, samples) for r in range(world)] for u in run_updates
+    ]
+    assert plan.data_order_digest(phase, replicas, samples) == reference_digest(by_replica)
+    assert plan.rank_digest(phase, world, replicas, samples) == reference_digest(by_rank)
+    union = np.unique(np.concatenate([np.zeros(0, np.int64)] + [ids for groups in by_rank for ids in groups]))
+    assert plan.union_sha256(phase, samples) == hashlib.sha256(union.astype("<i8").tobytes()).hexdigest()
+
+
+def test_data_order_digest_is_shared_by_worlds_and_the_rank_digest_is_not():
+    strong = plan.PRESETS["strong"]
+    assert plan.union_sha256(strong, 16384, world=8) == SEED_JSON["strong_union_sha256"]
+    assert plan.union_sha256(strong, 16384, world=16) == SEED_JSON["strong_union_sha256"]
+    assert plan.rank_digest(strong, 8, 2, 16384) != plan.rank_digest(strong, 16, 2, 16384)
+    assert plan.data_order_digest(strong, 2, 16384) != plan.data_order_digest(strong, 4, 16384)
+    shifted = StrongPhase("strong", offset=1, global_batch=256, updates=40)
+    assert plan.data_order_digest(strong, 2, 16384) != plan.data_order_digest(shifted, 2, 16384)
+
+
+def test_hashes_hold_no_python_object_per_id():
+    samples = 4_000_000  # 32 MB as one int64 array
+    phase = StrongPhase("stream", offset=0, global_batch=256, updates=-(-samples // 256))
+    tracemalloc.start()
+    plan.union_sha256(phase, samples)
+    plan.data_order_digest(phase, 2, samples)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 24 * 2**20
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+BAD_INPUTS = [
+    (lambda: StrongPhase("s", offset=0, global_batch=0, updates=4), "global_batch=0"),
+    (lambda: StrongPhase("s", offset=-1, global_batch=8, updates=4), "offset=-1"),
+    (lambda: StrongPhase("s", offset=0, global_batch=8, updates=1.5), "updates=1.5"),
+    (lambda: StrongPhase("s", offset=0, global_batch=8, updates=4, timing_warmup=5), "timing_warmup=5"),
+    (lambda: WeakPhase("w", offset=0, base_world=0, per_rank_batch=8, updates=4), "base_world=0"),
+    (lambda: StrongPhase("", offset=0, global_batch=8, updates=4), "name=''"),
+    (lambda: plan.validate_run(plan.PRESETS["strong"], 0, 1, 16384), "world=0"),
+    (lambda: plan.validate_run(plan.PRESETS["strong"], 8, 3, 16384), "replicas=3"),
+    (lambda: plan.validate_run(plan.PRESETS["weak"], 16, 16, 16384), "replicas=16"),
+    (lambda: plan.validate_run(plan.PRESETS["weak"], 12, 1, 16384), "world=12"),
+    (lambda: plan.validate_run(plan.PRESETS["weak"], 8, 1, 10240), "offset=10240"),
+    (lambda: plan.validate_run(plan.PRESETS["weak"], 8, 1, 0), "samples=0"),
+    (lambda: plan.rank_ids(plan.PRESETS["strong"], 0, 8, 8, 1, 16384), "rank=8"),
+    (lambda: plan.replica_ids(plan.PRESETS["strong"], 0, 2, 2, 16384), "replica=2"),
+    (lambda: plan.update_ids(plan.PRESETS["strong"], -1, 16384), "update=-1"),
+    (lambda: plan.benchmark_phases(4), "world=4"),
+    (lambda: plan.preset("huge"), "phase='huge'"),
+    (lambda: plan.fixed_microbatches(10, -1), "micro_batch=-1"),
+    (lambda: plan.length_microbatches([5, 300, 7], 100, 16), "max_padded_tokens=100"),
+    (lambda: plan.length_microbatches([5, 7], 100, 0), "max_examples=0"),
+    (lambda: plan.channel_coefficients([3, 1], [2, 1], [1.0, 1.0]), "[3.0, 1.0]"),
+    (lambda: plan.channel_coefficients([1, 1], [2, 1], [1.0, 0.0]), "scales=[1.0, 0.0]"),
+    (lambda: plan.check_plan(16384, (8, 12)), "world=12"),
+]
+
+
+@pytest.mark.parametrize(("call", "value"), BAD_INPUTS, ids=[value for _, value in BAD_INPUTS])
+def test_bad_input_is_a_one_line_plan_error_naming_the_value(call, value):
+    with pytest.raises(PlanError, match=re.escape(value)) as error:
+        call()
+    assert isinstance(error.value, ValueError) and "\n" not in str(error.value)
+
+
+def test_a_broken_property_is_named(monkeypatch):
+    honest = plan_check.rank_ids
+    monkeypatch.setattr(plan_check, "rank_ids", lambda *args: honest(*args)[1:])
+    with pytest.raises(plan_check.PlanCheckFailed) as failure:
+        plan.check_plan()
+    assert failure.value.property == "no_drop_no_duplicate"
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "hypertrain.plan", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_check_prints_the_seed_json():
+    done = cli("check")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == SEED_JSON
+
+
+def test_cli_show_prints_every_replica_and_rank():
+    done = cli("show", "--phase", "strong", "--world", "8", "--replicas", "2", "--update", "0")
+    assert done.returncode == 0, done.stderr
+    assert "replica 1 (ranks 4..7)" in done.stdout and "rank   7" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("check", "--samples", "5000"),
+        ("check", "--worlds", "0"),
+        ("show", "--world", "8", "--replicas", "3"),
+        ("show", "--phase", "weak", "--world", "12"),
+        ("show", "--update", "40"),
+        ("show", "--world", "x"),
+        ("frobnicate",),
+        (),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args):
+    done = cli(*args)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_cli_failed_property_exits_1_naming_it():
+    code = (
+        "import sys; from hypertrain import plan_check as c; honest = c.rank_ids; "
+        "c.rank_ids = lambda *a: honest(*a)[1:]; sys.exit(c.main(['check']))"
+    )
+    done = cli(code=code)
+    assert done.returncode == 1 and "no_drop_no_duplicate" in done.stderr
