@@ -13,7 +13,6 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
 - `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
   "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
 - `summary`: `{"kind", ...values}` (`summary`).
-- `end`: `{"kind", "time", "status": "ok" | "error", "error": "Type: message" | null}`, on exit.
 
 W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
@@ -131,15 +130,12 @@ class RunLogger:
         self.close(error=exc)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Write the `end` row, close the file and finish W&B (exit code 1 when `error`); idempotent."""
+        """Close the file, finish W&B (exit code 1 when `error`) and wait for its run file; idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             if self._file is not None:
-                status = "ok" if error is None else "error"
-                message = None if error is None else f"{type(error).__name__}: {error}"
-                self._write({"kind": "end", "time": time.time(), "status": status, "error": message})
                 self._file.close()
         finally:
             if self._run is not None:

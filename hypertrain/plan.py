@@ -24,11 +24,13 @@ class PlanError(ValueError):
 
 
 def _integer(name: str, value, low: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise PlanError(f"{name}={value!r} is not an integer; valid: an integer >= {low or 0}")
+    if type(value) is not int:  # plain ints skip the (slow) abstract-class check
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise PlanError(f"{name}={value!r} is not an integer; valid: an integer >= {low or 0}")
+        value = int(value)
     if low is not None and value < low:
         raise PlanError(f"{name}={value} is too small; valid: an integer >= {low}")
-    return int(value)
+    return value
 
 
 class _PhaseFields:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -56,6 +57,17 @@ def run_identity(cfg: TrainConfig, resolved: dict) -> dict:
     }
 
 
+def quote_numeric_choices(argv: list[str], groups: tuple[str, ...] = ("world",)) -> list[str]:
+    """`world=8,16` -> `world='8','16'`: Hydra reads a bare 8 as an int, but group options are names."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in groups and re.fullmatch(r"\d+(,\d+)*", value):
+            arg = key + "=" + ",".join(f"'{v}'" for v in value.split(","))
+        out.append(arg)
+    return out
+
+
 def fail(message: str) -> None:
     print(f"hypertrain: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -92,4 +104,5 @@ def main(dict_cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    sys.argv = quote_numeric_choices(sys.argv)
     main()

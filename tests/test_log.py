@@ -96,14 +96,12 @@ def test_offline_wandb_run_mirrors_metrics_jsonl(offline_env, tmp_path):
     assert wandb_dir.parent == tmp_path / "run" / "wandb" and wandb_dir.name.startswith("offline-run-")
 
     rows = read_metrics(tmp_path / "run")
-    assert [r["kind"] for r in rows] == ["start", "eval"] + ["update"] * 2 + ["sync", "update", "sync"] + [
-        "summary",
-        "end",
-    ]
+    kinds = ["start", "eval", "update", "update", "sync", "update", "sync", "summary"]
+    assert [r["kind"] for r in rows] == kinds
     updates = [r for r in rows if r["kind"] == "update"]
     assert [u["loss"] for u in updates] == [u["loss"] for u in UPDATES]
     assert [u["loss_mean"] for u in updates] == [5.375, 5.0, 4.625]
-    assert rows[-1]["status"] == "ok"
+    assert rows[0]["wandb_run_id"] == wandb_dir.name.rsplit("-", 1)[1]
 
     run = read_run(wandb_dir)
     assert run["exit_code"] == 0
@@ -151,6 +149,12 @@ def test_records_larger_than_a_block_read_back(offline_env, tmp_path):
     assert losses == pytest.approx([1.0 / (u + 1) for u in range(400)], rel=1e-15)
     assert run["exit_code"] == 0
 
+    cut = tmp_path / "killed.wandb"  # a run killed mid-write: the records before the cut read back
+    cut.write_bytes(run_file.read_bytes()[: run_file.stat().st_size * 2 // 3])
+    partial = read_run(cut)
+    assert partial["exit_code"] is None and not has_exit_record(cut)
+    assert 0 < len(partial["history"]) < 400 and partial["config"]["notes_00"] == notes["notes_00"]
+
 
 def test_error_in_run_finishes_wandb_with_nonzero_exit_code(offline_env, tmp_path):
     with pytest.raises(RuntimeError, match="diverged"):
@@ -161,8 +165,7 @@ def test_error_in_run_finishes_wandb_with_nonzero_exit_code(offline_env, tmp_pat
     run = read_run(wandb_dir)
     assert run["exit_code"] == 1
     assert len(run["history"]) == 1
-    end = read_metrics(tmp_path / "run")[-1]
-    assert end["kind"] == "end" and end["status"] == "error" and end["error"] == "RuntimeError: diverged"
+    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["start", "update"]
 
 
 def test_existing_metrics_jsonl_is_appended_not_truncated(tmp_path):
@@ -174,7 +177,7 @@ def test_existing_metrics_jsonl_is_appended_not_truncated(tmp_path):
         log.log_update(UPDATES[2])
     rows = read_metrics(run_dir)
     assert rows[:2] == [{"kind": "update", "update": 0}, {"kind": "update", "update": 1}]
-    assert [r["kind"] for r in rows[2:]] == ["start", "update", "end"]
+    assert [r["kind"] for r in rows[2:]] == ["start", "update"]
     assert (run_dir / "metrics.jsonl").read_text().startswith(earlier + "\n")
 
 
@@ -192,7 +195,6 @@ def test_logger_none_writes_only_metrics_jsonl(tmp_path):
         "update",
         "sync",
         "summary",
-        "end",
     ]
 
 
@@ -218,7 +220,7 @@ def test_close_is_idempotent_and_rows_after_close_fail(tmp_path):
         log.close()
     with pytest.raises(RuntimeError, match="not open"):
         log.log_update(UPDATES[0])
-    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["start", "end"]
+    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["start"]
 
 
 def test_loss_mean_leaves_out_skipped_replicas():

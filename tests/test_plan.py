@@ -110,6 +110,22 @@ def test_cpu_presets_pass_the_check_at_worlds_2_and_4():
     assert result["status"] == "PASS" and result["replicas"] == [1, 2]
 
 
+@pytest.mark.parametrize(
+    ("samples", "worlds", "replicas"),
+    [
+        (10300, (3, 6), (1, 3)),
+        (12000, (4, 8, 12), (1, 2, 4)),
+        (16384, (1, 5), (1,)),
+        (10**6, (8, 16), (2, 8)),
+    ],
+)
+def test_check_plan_passes_for_other_worlds_replicas_and_tails(samples, worlds, replicas):
+    result = plan.check_plan(samples, worlds, replicas)
+    assert result["status"] == "PASS" and result["worlds"] == sorted(worlds)
+    assert result["strong_unique_samples"] == min(samples, 10240)
+    assert result["strong_union_sha256"] == plan.union_sha256(plan.PRESETS["strong"], samples)
+
+
 # ----------------------------------------------------------------------------------------- properties
 
 
@@ -258,6 +274,13 @@ def test_digests_follow_their_byte_definition(run):
     assert plan.rank_digest(phase, world, replicas, samples) == reference_digest(by_rank)
     union = np.unique(np.concatenate([np.zeros(0, np.int64)] + [ids for groups in by_rank for ids in groups]))
     assert plan.union_sha256(phase, samples) == hashlib.sha256(union.astype("<i8").tobytes()).hexdigest()
+
+
+def test_digest_bytes_are_the_documented_example():
+    # docs/plan.md: offset 0, G 4, one update, R 2, N 3 -> int64s 2, 0, 2, 1, 1
+    phase = StrongPhase("x", offset=0, global_batch=4, updates=1)
+    expect = hashlib.sha256(np.array([2, 0, 2, 1, 1], dtype="<i8").tobytes()).hexdigest()
+    assert plan.data_order_digest(phase, 2, 3) == expect
 
 
 def test_data_order_digest_is_shared_by_worlds_and_the_rank_digest_is_not():

@@ -1,0 +1,162 @@
+"""The entry as a user runs it: `python -m hypertrain.train` in a subprocess, Hydra composition, sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from hypertrain import plan
+from hypertrain.config import ConfigError, TrainConfig, register_configs, validate
+from hypertrain.log import read_metrics
+from hypertrain.wandb_offline import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+QUICK = ["experiment=quick", "model.d_model=32", "data.seq_len=32", "data.heldout=64"]
+
+
+def entry(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false", "HYDRA_FULL_ERROR": "0"}
+    env.pop("WANDB_DIR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "hypertrain.train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_default_entry_writes_metrics_plan_and_a_matching_wandb_run(tmp_path):
+    run_dir = tmp_path / "run"
+    done = entry([*QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    updates = [r for r in rows if r["kind"] == "update"]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert [r["update"] for r in updates] == [1, 2, 3, 4, 5, 6]  # smoke phase: 6 updates
+    assert [r["update"] for r in syncs] == [3, 6]  # H = 3
+    assert all(len(r["loss"]) == 2 and None not in r["loss"] for r in updates)
+    facts = json.loads((run_dir / "plan.json").read_text())
+    assert facts["plan/union_sha256"] and facts["data/fingerprint"]
+    assert OmegaConf.load(run_dir / "config.yaml").replicas == 2
+
+    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+    wandb_run = read_run(wandb_dir)
+    history = wandb_run["history"]
+    for row in updates:
+        (logged,) = [h for h in history if h.get("update") == row["update"] and "train/loss_mean" in h]
+        assert [logged[f"train/loss/replica_{m}"] for m in range(2)] == row["loss"]
+    evals = [h["eval/loss"] for h in history if "eval/loss" in h]
+    assert evals == [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")]
+    for key in ("plan/union_sha256", "plan/data_order_sha256", "data/fingerprint"):
+        assert wandb_run["summary"][key] == facts[key]
+    assert wandb_run["config"]["replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("replicas=3", "replicas=3"),
+        ("inner.H=0", "inner.H=0"),
+        ("phase.offset=100000000", "phase.offset=100000000"),
+        ("model.n_kv_heads=3", "model.n_kv_heads=3"),
+        ("inner.state_policy=keep", "inner.state_policy='keep'"),
+        ("data=text_files", "data.path"),
+        ("model.vocab=100", "model.vocab=100"),
+    ],
+)
+def test_a_bad_value_fails_with_one_line_and_exit_code_2(tmp_path, override, named):
+    run_dir = tmp_path / "run"
+    done = entry([*QUICK, override, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hypertrain: error:"), done.stderr
+    assert named in lines[0]
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_an_unknown_option_fails_with_hydras_error(tmp_path):
+    done = entry(["model=huge"], tmp_path)
+    assert done.returncode == 1
+    assert "Could not find 'model/huge'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, launcher):
+    sweep = tmp_path / "sweep"
+    done = entry(["-m", *QUICK, "world=4,8", "replicas=1,2", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}"], tmp_path, 600)
+    assert done.returncode == 0, done.stderr
+    jobs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists())
+    assert [p.name for p in jobs] == ["0_w4_r1_h3", "1_w4_r2_h3", "2_w8_r1_h3", "3_w8_r2_h3"]
+    groups, digests = set(), {}
+    for job in jobs:
+        (wandb_dir,) = (job / "wandb").glob("offline-run-*")
+        start = next(r for r in read_metrics(job / "metrics.jsonl") if r["kind"] == "start")
+        groups.add(start["group"])
+        assert read_run(wandb_dir)["config"]["world"]["size"] == int(job.name.split("_")[1][1:])
+        digests[job.name] = json.loads((job / "plan.json").read_text())["plan/data_order_sha256"]
+    assert len(groups) == 1 and groups.pop().startswith("quick-")
+    # The data order depends on R, not on the world.
+    assert digests["0_w4_r1_h3"] == digests["2_w8_r1_h3"] != digests["1_w4_r2_h3"]
+
+
+def test_a_sweep_stops_at_the_first_invalid_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = entry(["-m", *QUICK, "replicas=3,2", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert done.returncode == 2
+    assert "hypertrain: error: replicas=3 does not divide world.size (8)" in done.stderr
+    assert not list(sweep.glob("*/metrics.jsonl"))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _compose(overrides: list[str], hydra_cfg: bool = False):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra_cfg)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"{g}={o}" for g in ("model", "inner", "outer", "phase", "data", "engine", "logger") for o in _options(g)]
+    + [f"world='{o}'" for o in _options("world")]
+    + [f"experiment={o}" for o in _options("experiment")],
+)
+def test_every_config_option_composes_and_validates(override):
+    cfg = _compose([override, "replicas=1"])
+    typed: TrainConfig = OmegaConf.to_object(cfg)
+    assert isinstance(typed, TrainConfig)
+    if override == "data=text_files" or override == "data=token_bin":
+        with pytest.raises(ConfigError, match="data.path"):
+            validate(typed)
+    else:
+        validate(typed)
+
+
+@pytest.mark.parametrize("name", _options("phase"))
+def test_phase_options_are_the_plans_presets(name):
+    typed: TrainConfig = OmegaConf.to_object(_compose([f"phase={name}"]))
+    assert typed.phase.to_plan() == plan.PRESETS[name]
+
+
+def test_the_slurm_launcher_preset_composes():
+    cfg = _compose(["hydra/launcher=slurm"], hydra_cfg=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.timeout_min == 120
+
+
+def test_a_typo_in_a_field_is_rejected_by_the_schema():
+    with pytest.raises(Exception, match="inner.hh"):
+        _compose(["inner.hh=3"])
