@@ -166,7 +166,12 @@ def inner_step(
 
 
 def _adamw(
-    inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], state: OptState, names: list[str], lr
+    inner: InnerConfig,
+    weights: list[Tensor],
+    grads: list[Tensor],
+    state: OptState,
+    names: list[str],
+    lr: float,
 ) -> None:
     """torch.optim.AdamW's update after weight decay, in its tensor-step (capturable) form, per replica."""
     m = [state.m[n] for n in names]
@@ -187,7 +192,7 @@ def _adamw(
     torch._foreach_addcdiv_(weights, m, denom)
 
 
-def _muon(inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: list[Tensor], lr) -> None:
+def _muon(inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: list[Tensor], lr: float) -> None:
     """Muon after weight decay: momentum, Nesterov look-ahead, NS batched over same-shape matrices."""
     mu = inner.muon_momentum
     torch._foreach_mul_(m, mu)
@@ -199,7 +204,9 @@ def _muon(inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: lis
         by_shape.setdefault(tuple(w.shape), []).append(i)
     for shape, members in by_shape.items():
         # One NS call for all matrices of a shape: [k, R, rows, cols] -> k updates.
-        group = torch.stack([lookahead[i] for i in members]) if len(members) > 1 else lookahead[members[0]][None]
+        group = (
+            torch.stack([lookahead[i] for i in members]) if len(members) > 1 else lookahead[members[0]][None]
+        )
         ortho = newton_schulz(group, inner.ns_steps, dtype)
         scale = MUON_RMS_SCALE * math.sqrt(max(shape[-2], shape[-1]))
         torch._foreach_add_([weights[i] for i in members], list(ortho.unbind(0)), alpha=-lr * scale)

@@ -152,6 +152,8 @@ def sync(cfg: TrainConfig, theta: Params, outer_state: OuterState, results: list
     pseudo-gradient norm and the number of replicas that took part.
     """
     active = torch.tensor([res.stepped for res in results], device=next(iter(theta.values())).device)
+    if not active.any():  # nobody stepped: no pseudo-gradient, and momentum must not move theta
+        return 0.0, 0
     replica_params = {n: torch.cat([res.params[n] for res in results]) for n in theta}
     delta = pseudo_gradient(theta, replica_params, active)
     delta_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))

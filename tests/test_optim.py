@@ -82,7 +82,9 @@ def test_adamw_matches_torch_adamw_per_replica(R):
         matrices = [p for p in ps.values() if p.ndim >= 2]
         vectors = [p for p in ps.values() if p.ndim < 2]
         groups = [{"params": matrices, "weight_decay": inner.wd}, {"params": vectors, "weight_decay": 0.0}]
-        torch_opts.append(torch.optim.AdamW(groups, lr=LRS[0], betas=(inner.beta1, inner.beta2), eps=inner.eps))
+        torch_opts.append(
+            torch.optim.AdamW(groups, lr=LRS[0], betas=(inner.beta1, inner.beta2), eps=inner.eps)
+        )
         torch_params.append(ps)
     for step, lr in enumerate(LRS):
         grads = make_grads(R, step)
@@ -210,7 +212,9 @@ def test_inactive_replicas_are_bitwise_unchanged_and_active_ones_step_as_alone()
     for step in range(2):  # non-zero moments and counts before the masked step
         inner_step(inner, params, make_grads(3, step), state, LRS[step])
     kept = rows(params, slice(0, 3, 2))
-    kept_state = OptState(rows(state.m, slice(0, 3, 2)), rows(state.v, slice(0, 3, 2)), state.step[::2].clone())
+    kept_state = OptState(
+        rows(state.m, slice(0, 3, 2)), rows(state.v, slice(0, 3, 2)), state.step[::2].clone()
+    )
     before = (rows(params, 1), rows(state.m, 1), rows(state.v, 1))
 
     grads = make_grads(3, 2)
@@ -305,7 +309,9 @@ def test_sync_inner_state_policies(policy):
 
 def _replicas_around(global_params, R, seed):
     gen = torch.Generator().manual_seed(seed)
-    return {n: p.unsqueeze(0) + 0.01 * torch.randn(R, *p.shape, generator=gen) for n, p in global_params.items()}
+    return {
+        n: p.unsqueeze(0) + 0.01 * torch.randn(R, *p.shape, generator=gen) for n, p in global_params.items()
+    }
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

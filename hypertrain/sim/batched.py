@@ -66,7 +66,9 @@ def train_many(
             losses[t] += per_replica.detach()
         grads = {n: p.grad for n, p in params.items()}
         lr = lr_at(cfg.inner, assigns[0].global_step0 + t, t)
-        inner_step(cfg.inner, params, grads, state, lr, active=stepped[t].to(device))
+        # The mask costs a copy of the state: pass it only when some replica sits this step out.
+        mask = None if all(active) else stepped[t].to(device)
+        inner_step(cfg.inner, params, grads, state, lr, active=mask)
         for p in params.values():
             p.grad = None
     host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy
