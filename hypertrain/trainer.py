@@ -37,6 +37,7 @@ from hypertrain.optim import (
     pseudo_gradient,
     sync_inner_states,
 )
+from hypertrain.plan_check import verify_phase
 
 logger = logging.getLogger("hypertrain")
 Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
@@ -82,8 +83,11 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
         )
     inner = replace(cfg.inner, decay_steps=cfg.inner.decay_steps or phase.updates)
     cfg = replace(cfg, inner=inner)
+    check = verify_phase(phase, worlds=(cfg.world.size,), replicas=(cfg.replicas,), samples=samples)
     facts = {
-        "plan/union_sha256": plan.union_sha256(phase, samples),
+        "plan/check": "PASS",
+        "plan/unique_ids": check["unique_ids"],
+        "plan/union_sha256": check["union_sha256"],
         "plan/data_order_sha256": plan.data_order_digest(phase, cfg.replicas, samples),
         "plan/rank_sha256": plan.rank_digest(phase, cfg.world.size, cfg.replicas, samples),
         "data/fingerprint": dataset.fingerprint,
@@ -145,7 +149,9 @@ def assignments(run: PreparedRun, updates: range) -> list[Assignment]:
     ]
 
 
-def sync(cfg: TrainConfig, theta: Params, outer_state: OuterState, results: list[ReplicaResult]) -> tuple[float, int]:
+def sync(
+    cfg: TrainConfig, theta: Params, outer_state: OuterState, results: list[ReplicaResult]
+) -> tuple[float, int]:
     """End a round: outer step on the replicas that stepped, then the inner state policy.
 
     Steps `theta` in place (it never shares storage with a replica's weights) and returns the

@@ -94,7 +94,11 @@ def test_an_unknown_option_fails_with_hydras_error(tmp_path):
 @pytest.mark.parametrize("launcher", ["basic", "joblib"])
 def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, launcher):
     sweep = tmp_path / "sweep"
-    done = entry(["-m", *QUICK, "world=4,8", "replicas=1,2", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}"], tmp_path, 600)
+    done = entry(
+        ["-m", *QUICK, "world=4,8", "replicas=1,2", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}"],
+        tmp_path,
+        600,
+    )
     assert done.returncode == 0, done.stderr
     jobs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists())
     assert [p.name for p in jobs] == ["0_w4_r1_h3", "1_w4_r2_h3", "2_w8_r1_h3", "3_w8_r2_h3"]
@@ -130,7 +134,11 @@ def _compose(overrides: list[str], hydra_cfg: bool = False):
 
 @pytest.mark.parametrize(
     "override",
-    [f"{g}={o}" for g in ("model", "inner", "outer", "phase", "data", "engine", "logger") for o in _options(g)]
+    [
+        f"{g}={o}"
+        for g in ("model", "inner", "outer", "phase", "data", "engine", "logger")
+        for o in _options(g)
+    ]
     + [f"world='{o}'" for o in _options("world")]
     + [f"experiment={o}" for o in _options("experiment")],
 )

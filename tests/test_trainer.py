@@ -48,7 +48,9 @@ def small_cfg(**overrides) -> TrainConfig:
 
 def run_losses(cfg: TrainConfig, tmp_path) -> list[dict]:
     run = prepare(cfg)
-    with RunLogger(tmp_path, {}, cfg.logger, name="t", group="t", job_type="t", tags=[], replicas=cfg.replicas) as log:
+    with RunLogger(
+        tmp_path, {}, cfg.logger, name="t", group="t", job_type="t", tags=[], replicas=cfg.replicas
+    ) as log:
         train(run, log)
     return read_metrics(tmp_path / "metrics.jsonl")
 
@@ -61,11 +63,15 @@ def test_strong_world_8_and_16_give_bitwise_equal_replica_losses(tmp_path):
     a = run_losses(small_cfg(world=WorldConfig(size=8)), tmp_path / "w8")
     b = run_losses(small_cfg(world=WorldConfig(size=16)), tmp_path / "w16")
     assert update_losses(a) == update_losses(b)
-    assert [r["eval_loss"] for r in a if r["kind"] == "sync"] == [r["eval_loss"] for r in b if r["kind"] == "sync"]
+    assert [r["eval_loss"] for r in a if r["kind"] == "sync"] == [
+        r["eval_loss"] for r in b if r["kind"] == "sync"
+    ]
 
 
 def test_weak_phase_at_twice_the_base_world_gives_the_base_losses(tmp_path):
-    weak = PhaseConfig(name="w", kind="weak", offset=100, base_world=2, per_rank_batch=8, updates=3, timing_warmup=0)
+    weak = PhaseConfig(
+        name="w", kind="weak", offset=100, base_world=2, per_rank_batch=8, updates=3, timing_warmup=0
+    )
     a = update_losses(run_losses(small_cfg(phase=weak, world=WorldConfig(size=2)), tmp_path / "b"))
     b = update_losses(run_losses(small_cfg(phase=weak, world=WorldConfig(size=4)), tmp_path / "2b"))
     np.testing.assert_allclose(np.array(b, dtype=float), np.array(a, dtype=float), rtol=1e-5, atol=0)
@@ -87,7 +93,9 @@ def _replica_grad(cfg: TrainConfig, params, batches, world: int = 1) -> dict:
     for batch in batches:
         for mb in batch.microbatches:
             mask = None if mb.mask is None else mb.mask.unsqueeze(0)
-            weight = plan.channel_coefficients([mb.targets], [sum(b.targets for b in batches)], [1.0], world)[0]
+            weight = plan.channel_coefficients([mb.targets], [sum(b.targets for b in batches)], [1.0], world)[
+                0
+            ]
             (forward(cfg.model, leaves, mb.tokens.unsqueeze(0), mask)[0] * weight / world).backward()
     return {n: t.grad[0] for n, t in leaves.items()}
 
@@ -106,7 +114,9 @@ def test_any_split_into_ranks_and_microbatches_gives_the_one_batch_gradient(exam
     assert len(split.microbatches) > 1
     ranks = cfg.world.size // cfg.replicas
     per_rank = [
-        replica_batch(run.dataset, plan.rank_ids(phase, 1, r, cfg.world.size, cfg.replicas, samples), cfg.data, 2)
+        replica_batch(
+            run.dataset, plan.rank_ids(phase, 1, r, cfg.world.size, cfg.replicas, samples), cfg.data, 2
+        )
         for r in range(ranks)
     ]
     for batches, world in (([split], 1), (per_rank, ranks)):
@@ -118,13 +128,20 @@ def test_any_split_into_ranks_and_microbatches_gives_the_one_batch_gradient(exam
         naive = {n: torch.zeros_like(t) for n, t in reference.items()}
         leaves = {n: t.detach().clone().unsqueeze(0).requires_grad_(True) for n, t in params.items()}
         for mb in split.microbatches:
-            (forward(cfg.model, leaves, mb.tokens.unsqueeze(0), mb.mask.unsqueeze(0))[0] / len(split.microbatches)).backward()
+            (
+                forward(cfg.model, leaves, mb.tokens.unsqueeze(0), mb.mask.unsqueeze(0))[0]
+                / len(split.microbatches)
+            ).backward()
         naive = {n: t.grad[0] for n, t in leaves.items()}
         assert not torch.allclose(naive["head"], reference["head"], rtol=1e-6, atol=1e-12)
 
 
 def test_every_sync_matches_a_float64_reference_outer_step():
-    cfg = small_cfg(replicas=3, world=WorldConfig(size=6), phase=PhaseConfig(name="t", global_batch=18, updates=6, timing_warmup=0))
+    cfg = small_cfg(
+        replicas=3,
+        world=WorldConfig(size=6),
+        phase=PhaseConfig(name="t", global_batch=18, updates=6, timing_warmup=0),
+    )
     run = prepare(cfg)
     theta = init_params(cfg.model, cfg.seed)
     outer = init_outer_state(theta)
@@ -160,13 +177,17 @@ def test_one_replica_with_averaging_and_carry_is_plain_data_parallel(tmp_path):
     losses = [r["loss"][0] for r in rows if r["kind"] == "update"]
     # Plain synchronous data parallel: one model, torch's own AdamW and clipping, no rounds.
     run = prepare(cfg)
-    model = {n: t.clone().unsqueeze(0).requires_grad_(True) for n, t in init_params(cfg.model, cfg.seed).items()}
+    model = {
+        n: t.clone().unsqueeze(0).requires_grad_(True) for n, t in init_params(cfg.model, cfg.seed).items()
+    }
     c = cfg.inner
     matrices = [p for p in model.values() if p.ndim >= 3]
     vectors = [p for p in model.values() if p.ndim < 3]
     opt = torch.optim.AdamW(
         [{"params": matrices, "weight_decay": c.wd}, {"params": vectors, "weight_decay": 0.0}],
-        lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+        lr=c.lr,
+        betas=(c.beta1, c.beta2),
+        eps=c.eps,
     )
     expected = []
     for u in range(cfg.phase.updates):
