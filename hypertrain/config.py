@@ -174,6 +174,11 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
         _at_least(f"model.{name}", getattr(m, name), 1)
     _at_least("model.d_ff", m.d_ff, 0)
+    for name in ("rope_theta", "init_std"):
+        if not getattr(m, name) > 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)!r} is not valid; valid: > 0")
+    if not c.eps > 0:
+        raise ConfigError(f"inner.eps={c.eps!r} is not valid; valid: > 0")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
     if (m.d_model // m.n_heads) % 2:

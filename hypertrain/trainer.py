@@ -233,6 +233,7 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                     "lr": lr_at(cfg.inner, u, t),
                     "loss": losses,
                     "tokens": tokens,
+                    "grad_accum": max(len(a.batches[t].microbatches) for a in assigns),
                     "wall": time.perf_counter() - start,
                 }
             )

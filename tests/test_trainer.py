@@ -77,8 +77,19 @@ def test_weak_phase_at_twice_the_base_world_gives_the_base_losses(tmp_path):
     np.testing.assert_allclose(np.array(b, dtype=float), np.array(a, dtype=float), rtol=1e-5, atol=0)
 
 
-def test_losses_fall_on_the_real_corpus(tmp_path):
-    cfg = small_cfg(phase=PhaseConfig(name="t", kind="strong", global_batch=32, updates=24, timing_warmup=0))
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"inner": InnerConfig(name="muon", H=2, lr=3e-3, warmup_steps=2)},
+        {"model": ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, compute_dtype="bf16")},
+        {"data": DataConfig(seq_len=16, heldout=32, examples="documents", max_len=32)},
+    ],
+    ids=["adamw", "muon", "bf16-gqa", "documents"],
+)
+def test_losses_fall_on_the_real_corpus(tmp_path, variant):
+    phase = PhaseConfig(name="t", kind="strong", global_batch=32, updates=24, timing_warmup=0)
+    cfg = small_cfg(phase=phase, **variant)
     rows = run_losses(cfg, tmp_path)
     evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")]
     train_means = [r["loss_mean"] for r in rows if r["kind"] == "update"]
