@@ -5,7 +5,8 @@ microbatch tensors: fixed-length windows in `V_m` order, chunks of at most `micr
 variable-length documents by the plan's length-sorted rule, each padded to its own longest row.
 Each microbatch carries the plan's channel coefficient (its share of the replica's target
 tokens, `world` = 1 in simulation), so the weighted sum of microbatch mean losses is the exact
-token mean of the replica batch whatever the split. Both engines use it.
+token mean of the replica batch whatever the split. Both engines use it; the stacked engine
+stacks the j-th microbatch of several replicas with `stacked_microbatches`.
 """
 
 from __future__ import annotations
@@ -87,3 +88,64 @@ def stack_microbatches(parts: list[Microbatch | None], device: torch.device) -> 
         None if mask is None else mask.to(device),
         weights.to(device),
     )
+
+
+def _row_lengths(part: Microbatch) -> Tensor:
+    """Real ids in each row of a microbatch, int64 [B]."""
+    if part.mask is None:
+        return torch.full((part.tokens.shape[0],), part.tokens.shape[1], dtype=torch.int64)
+    return part.mask.sum(1)
+
+
+def _row_slice(part: Microbatch, lengths: Tensor, start: int, stop: int) -> Microbatch | None:
+    """Rows [start, stop) of a microbatch, trimmed to their longest row, with their share of its weight."""
+    rows = lengths[start:stop]
+    if rows.numel() == 0:
+        return None
+    targets = int((rows - 1).clamp(min=0).sum())
+    width = int(rows.max())
+    mask = None if part.mask is None else part.mask[start:stop, :width]
+    # The microbatch's weight is its share of the replica's targets; a piece keeps its own share of it.
+    weight = part.weight * targets / part.targets if part.targets else 0.0
+    return Microbatch(part.tokens[start:stop, :width], mask, weight, targets)
+
+
+def stacked_microbatches(
+    batches: list[ReplicaBatch], max_padded_tokens: int = 0
+) -> list[list[Microbatch | None]]:
+    """The microbatches of several replicas for one update, grouped for stacking (j-th with j-th).
+
+    Group j holds every replica's j-th microbatch (None where a replica has fewer). Stacked, a group
+    is padded to its longest row and largest row count across the replicas; with `max_padded_tokens`
+    > 0 (variable-length documents) a group whose padded size rows * longest row would exceed it is
+    cut into row ranges that fit, each weighted by its share of the microbatch's targets, so every
+    replica's slice of a stacked batch stays within the bound the plan gives a microbatch.
+    """
+    groups: list[list[Microbatch | None]] = []
+    for j in range(max((len(b.microbatches) for b in batches), default=0)):
+        parts = [b.microbatches[j] if j < len(b.microbatches) else None for b in batches]
+        present = [p for p in parts if p is not None]
+        rows = max(p.tokens.shape[0] for p in present)
+        width = max(p.tokens.shape[1] for p in present)
+        if not max_padded_tokens or rows * width <= max_padded_tokens:
+            groups.append(parts)
+            continue
+        lengths = [None if p is None else _row_lengths(p) for p in parts]
+        # Longest row at each row index across the replicas (rows are length-sorted in each part).
+        longest = torch.zeros(rows, dtype=torch.int64)
+        for row_lengths in lengths:
+            if row_lengths is not None:
+                longest[: row_lengths.numel()] = torch.maximum(longest[: row_lengths.numel()], row_lengths)
+        start, piece_width = 0, 0
+        for i, n in enumerate(longest.tolist() + [None]):
+            if n is not None and (i == start or (i - start + 1) * max(piece_width, n) <= max_padded_tokens):
+                piece_width = max(piece_width, n)
+                continue
+            groups.append(
+                [
+                    None if p is None else _row_slice(p, row_lengths, start, i)
+                    for p, row_lengths in zip(parts, lengths, strict=True)
+                ]
+            )
+            start, piece_width = i, n or 0
+    return groups

@@ -4,9 +4,10 @@ Same math as the loop engine (`hypertrain.loop`): the same `model.forward` and
 `optim.inner_step`, run once for the replicas of a sub-round instead of once per replica. One
 forward and one backward per microbatch serve every stacked replica; the loss is each
 replica's weighted mean, summed over replicas (never averaged: that would shrink gradients and
-change clipping). Replicas with fewer rows or microbatches get masked rows; a replica with no
-ids in an update is masked out of that optimizer step. Losses come back to the host once per
-sub-round. Reduction shapes differ from the loop, so results agree within float rounding, not
+change clipping). Replicas with fewer rows or microbatches get masked rows; variable-length
+microbatches are padded to their longest row across the replicas and cut to stay within
+`data.max_padded_tokens` per replica; a replica with no ids in an update is masked out of that
+optimizer step. Losses come back to the host once per sub-round. Reduction shapes differ from the loop, so results agree within float rounding, not
 bitwise (docs/parity.md).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hypertrain.batches import stack_microbatches
+from hypertrain.batches import stack_microbatches, stacked_microbatches
 from hypertrain.config import TrainConfig
 from hypertrain.loop import Assignment, ReplicaResult
 from hypertrain.model import Params, forward
@@ -37,13 +38,33 @@ def _replica_state(state: OptState, r: int) -> OptState:
     )
 
 
+def check_supported(cfg: TrainConfig) -> None:
+    """Raise ValueError naming any configuration the stacked engine does not implement."""
+    m = cfg.model
+    if m.arch != "decoder" or m.is_moe:
+        raise ValueError(
+            f"engine=stacked supports the dense decoder only, not model.arch={m.arch!r} "
+            f"with model.is_moe={m.is_moe}; valid: engine=loop for that model"
+        )
+    if m.compute_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"engine=stacked: model.compute_dtype={m.compute_dtype!r}; valid: 'fp32', 'bf16'")
+
+
 def train_many(
     cfg: TrainConfig, theta: Params, assigns: list[Assignment], states: list[OptState]
 ) -> list[ReplicaResult]:
     """One round's inner steps for the replicas in `assigns`, stacked (one sub-round)."""
+    check_supported(cfg)
     device = torch.device(cfg.engine.device)
     if len({a.global_step0 for a in assigns}) != 1 or len({len(a.batches) for a in assigns}) != 1:
-        raise ValueError("replicas of a sub-round must share the round's updates")
+        raise ValueError(
+            "engine=stacked: the replicas of a sub-round must share the round's updates "
+            f"(first updates {sorted({a.global_step0 for a in assigns})}, "
+            f"update counts {sorted({len(a.batches) for a in assigns})})"
+        )
+    if len(states) != len(assigns):
+        raise ValueError(f"engine=stacked: {len(assigns)} assignments but {len(states)} optimizer states")
+    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" else 0
     R, steps = len(assigns), len(assigns[0].batches)
     params = {
         n: t.detach().unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True)
@@ -58,8 +79,7 @@ def train_many(
         if not any(active):
             continue
         stepped[t] = torch.tensor(active)
-        for j in range(max(len(b.microbatches) for b in batches)):
-            parts = [b.microbatches[j] if j < len(b.microbatches) else None for b in batches]
+        for parts in stacked_microbatches(batches, bound):
             tokens, mask, weights = stack_microbatches(parts, device)
             per_replica = forward(cfg.model, params, tokens, mask) * weights
             per_replica.sum().backward()
