@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from references import schedule_lr, torch_adamw
 
 from hypertrain import plan
 from hypertrain.batches import replica_batch
@@ -191,28 +192,17 @@ def test_one_replica_with_averaging_and_carry_is_plain_data_parallel(tmp_path):
     model = {
         n: t.clone().unsqueeze(0).requires_grad_(True) for n, t in init_params(cfg.model, cfg.seed).items()
     }
-    c = cfg.inner
-    matrices = [p for p in model.values() if p.ndim >= 3]
-    vectors = [p for p in model.values() if p.ndim < 3]
-    opt = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": c.wd}, {"params": vectors, "weight_decay": 0.0}],
-        lr=c.lr,
-        betas=(c.beta1, c.beta2),
-        eps=c.eps,
-    )
+    opt = torch_adamw(run.cfg.inner, list(model.values()), matrix_ndim=3)
     expected = []
     for u in range(cfg.phase.updates):
-        warm = (u + 1) / c.warmup_steps if u < c.warmup_steps else None
-        progress = (u - c.warmup_steps) / (run.cfg.inner.decay_steps - c.warmup_steps)
-        cosine = c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in opt.param_groups:
-            group["lr"] = c.lr * (warm if warm is not None else cosine)
+            group["lr"] = schedule_lr(run.cfg.inner, u)
         ids = plan.update_ids(run.phase, u, run.samples)
         tokens = torch.from_numpy(run.dataset.get_many(ids)).unsqueeze(0)
         loss = forward(cfg.model, model, tokens)[0]
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.values()), c.grad_clip)
+        torch.nn.utils.clip_grad_norm_(list(model.values()), cfg.inner.grad_clip)
         opt.step()
         expected.append(loss.item())
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
