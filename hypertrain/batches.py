@@ -61,7 +61,9 @@ def replica_batch(dataset: Dataset, ids: np.ndarray, data: DataConfig, micro_bat
     return ReplicaBatch(micro, total)
 
 
-def stack_microbatches(parts: list[Microbatch | None], device: torch.device) -> tuple[Tensor, Tensor | None, Tensor]:
+def stack_microbatches(
+    parts: list[Microbatch | None], device: torch.device
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """Microbatch j of several replicas as one stacked batch.
 
     Rows are padded to the longest row and the largest row count across the replicas (a replica

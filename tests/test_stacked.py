@@ -35,10 +35,14 @@ def run_rounds(cfg: TrainConfig, engine) -> tuple[list[list[float | None]], dict
     cfg = run.cfg
     theta = init_params(cfg.model, cfg.seed)
     outer = init_outer_state(theta)
-    states = [init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)]
+    states = [
+        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)
+    ]
     losses: list[list[float | None]] = []
     for first in range(0, run.updates, cfg.inner.H):
-        results = engine(cfg, theta, assignments(run, range(first, min(first + cfg.inner.H, run.updates))), states)
+        results = engine(
+            cfg, theta, assignments(run, range(first, min(first + cfg.inner.H, run.updates))), states
+        )
         losses += [list(step) for step in zip(*(r.losses for r in results), strict=True)]
         states = [r.state for r in results]
         sync(cfg, theta, outer, results)
@@ -52,8 +56,7 @@ def assert_engines_agree(cfg: TrainConfig, rtol: float = FP32) -> None:
     as_array = lambda rows: np.array([[np.nan if x is None else x for x in row] for row in rows])  # noqa: E731
     np.testing.assert_allclose(as_array(losses), as_array(ref_losses), rtol=rtol, atol=0)
     for n, t in ref_theta.items():
-        scale = t.abs().max()
-        assert (theta[n] - t).abs().max() <= rtol * scale, n
+        assert (theta[n] - t).norm() <= rtol * t.norm(), n
 
 
 def cfg_for(R: int, H: int, stack: int = 0, **inner) -> TrainConfig:
@@ -100,7 +103,9 @@ def test_uneven_micro_batches_and_replicas_of_unequal_rows():
 
 
 def test_variable_length_documents_within_the_padded_token_bound():
-    data = DataConfig(seq_len=16, heldout=32, examples="documents", max_len=48, max_examples=5, max_padded_tokens=120)
+    data = DataConfig(
+        seq_len=16, heldout=32, examples="documents", max_len=128, max_examples=4, max_padded_tokens=256
+    )
     cfg = replace(cfg_for(3, 2, 0, name="muon"), data=data)
     assert_engines_agree(cfg)
     run = prepare(cfg)
@@ -124,7 +129,12 @@ def test_variable_length_documents_within_the_padded_token_bound():
 def test_row_ranges_of_a_cut_group_carry_their_share_of_the_weight():
     def part(lengths: list[int], weight: float) -> Microbatch:
         mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
-        return Microbatch(torch.ones(len(lengths), max(lengths), dtype=torch.int64), mask, weight, sum(lengths) - len(lengths))
+        return Microbatch(
+            torch.ones(len(lengths), max(lengths), dtype=torch.int64),
+            mask,
+            weight,
+            sum(lengths) - len(lengths),
+        )
 
     a = ReplicaBatch([part([3, 3, 3, 3], 1.0)], 8)
     b = ReplicaBatch([part([2, 10], 1.0)], 10)
@@ -156,7 +166,10 @@ def test_skipped_replicas_keep_weights_state_and_step_count():
     theta = init_params(cfg.model, cfg.seed)
     states = [init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(4)]
     first = batched.train_replicas(cfg, theta, assignments(run, range(0, 1)), states)
-    saved = [({n: t.clone() for n, t in r.params.items()}, {n: t.clone() for n, t in r.state.m.items()}) for r in first]
+    saved = [
+        ({n: t.clone() for n, t in r.params.items()}, {n: t.clone() for n, t in r.state.m.items()})
+        for r in first
+    ]
     second = batched.train_replicas(
         cfg, theta, assignments(run, range(1, 2)), [r.state for r in first]
     )  # restarts from theta, so compare the state only

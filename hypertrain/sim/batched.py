@@ -7,8 +7,8 @@ replica's weighted mean, summed over replicas (never averaged: that would shrink
 change clipping). Replicas with fewer rows or microbatches get masked rows; variable-length
 microbatches are padded to their longest row across the replicas and cut to stay within
 `data.max_padded_tokens` per replica; a replica with no ids in an update is masked out of that
-optimizer step. Losses come back to the host once per sub-round. Reduction shapes differ from the loop, so results agree within float rounding, not
-bitwise (docs/parity.md).
+optimizer step. Losses come back to the host once per sub-round. Reduction shapes differ from
+the loop, so results agree within float rounding, not always bitwise (docs/parity.md).
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ def train_many(
     bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" else 0
     R, steps = len(assigns), len(assigns[0].batches)
     params = {
-        n: t.detach().unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True)
-        for n, t in theta.items()
+        n: t.detach().unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True) for n, t in theta.items()
     }
     state = _stack_states(states)
     losses = torch.zeros(steps, R, device=device)
