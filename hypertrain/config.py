@@ -123,7 +123,7 @@ class DataConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "loop"  # loop (per-replica reference) or stacked (all replicas of a sub-round as one)
+    name: str = "stacked"  # stacked (all replicas of a sub-round as one model) or loop (the reference)
     stack: int = 0  # stacked: replicas per sub-round; 0 = all R
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
