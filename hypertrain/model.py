@@ -69,9 +69,7 @@ def count_params(cfg: ModelConfig) -> int:
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters used in matmuls per token (everything but the embedding lookup and norms)."""
-    return sum(
-        math.prod(s) for n, s in param_shapes(cfg).items() if len(s) == 2 and n != "emb"
-    )
+    return sum(math.prod(s) for n, s in param_shapes(cfg).items() if len(s) == 2 and n != "emb")
 
 
 def embed(weight: Tensor, tokens: Tensor) -> Tensor:
