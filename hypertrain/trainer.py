@@ -38,6 +38,7 @@ from hypertrain.optim import (
     sync_inner_states,
 )
 from hypertrain.plan_check import verify_phase
+from hypertrain.runtime import keep_freed_memory
 
 logger = logging.getLogger("hypertrain")
 Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
@@ -201,6 +202,7 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     cfg, R, H = run.cfg, run.cfg.replicas, run.cfg.inner.H
     device = torch.device(cfg.engine.device)
     engine = select_engine(cfg.engine.name)
+    keep_freed_memory()
     theta = {n: t.to(device) for n, t in init_params(cfg.model, cfg.seed).items()}
     outer_state = init_outer_state(theta)
     stacked_shape = {n: t.unsqueeze(0) for n, t in theta.items()}

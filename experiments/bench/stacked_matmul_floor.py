@@ -19,6 +19,7 @@ from stacked_vs_loop import interleaved, make_loop, make_step, model_cfg
 from torch.profiler import ProfilerActivity, profile
 
 from hypertrain.config import InnerConfig
+from hypertrain.runtime import keep_freed_memory
 
 MATMULS = {"aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm"}
 
@@ -39,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    keep_freed_memory()  # as the trainer does (hypertrain/runtime.py)
     print("d    engine    step ms  matmul ms  matmul share")
     for d in (64, 128):
         m, inner = model_cfg(d), InnerConfig()
