@@ -52,12 +52,19 @@ def flops_per_replica_step(m: ModelConfig) -> float:
     return 6 * matmul_params(m) * tokens + attention
 
 
-def make_step(m: ModelConfig, inner: InnerConfig, R: int, compiled: bool) -> Callable[[], None]:
+def make_step(
+    m: ModelConfig, inner: InnerConfig, R: int, compiled: bool, device: str = "cpu"
+) -> Callable[[], None]:
     """One training step of R stacked replicas (R = 1 is one loop replica)."""
     theta = init_params(m, 0)
-    params = {n: t.unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True) for n, t in theta.items()}
+    params = {
+        n: t.unsqueeze(0).expand(R, *t.shape).clone().to(device).requires_grad_(True)
+        for n, t in theta.items()
+    }
     state = init_state(inner, params)
-    tokens = torch.randint(0, m.vocab, (R, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(R))
+    tokens = torch.randint(0, m.vocab, (R, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(R)).to(
+        device
+    )
 
     def loss_of(p, batch):
         return model_forward(m, p, batch).sum()  # per-replica mean, summed over replicas
@@ -74,8 +81,10 @@ def make_step(m: ModelConfig, inner: InnerConfig, R: int, compiled: bool) -> Cal
     return step
 
 
-def make_loop(m: ModelConfig, inner: InnerConfig, R: int, compiled: bool) -> Callable[[], None]:
-    steps = [make_step(m, inner, 1, compiled) for _ in range(R)]
+def make_loop(
+    m: ModelConfig, inner: InnerConfig, R: int, compiled: bool, device: str = "cpu"
+) -> Callable[[], None]:
+    steps = [make_step(m, inner, 1, compiled, device) for _ in range(R)]
 
     def step() -> None:
         for s in steps:
@@ -84,16 +93,23 @@ def make_loop(m: ModelConfig, inner: InnerConfig, R: int, compiled: bool) -> Cal
     return step
 
 
-def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved so machine noise hits all alike."""
+def interleaved(
+    fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2, sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved so machine noise hits all alike.
+
+    `sync` waits for queued device work (torch.cuda.synchronize on a GPU) before each clock read.
+    """
     for _ in range(warmup):
         for f in fns.values():
             f()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
+            sync()
             start = time.perf_counter()
             f()
+            sync()
             times[k].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
