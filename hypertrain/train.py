@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hypertrain.config import ConfigError, TrainConfig, register_configs, validate
-from hypertrain.log import RunLogger
+from hypertrain.log import METRICS_FILE, RunLogger
 from hypertrain.plan import PlanError
 from hypertrain.trainer import prepare, train
 
@@ -87,6 +87,8 @@ def main(dict_cfg: DictConfig) -> float:
     except (ConfigError, PlanError) as e:
         fail(str(e))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if (run_dir / METRICS_FILE).exists():
+        fail(f"hydra.run.dir={run_dir} already holds a run ({METRICS_FILE}); valid: a new directory")
     resolved = OmegaConf.to_container(OmegaConf.structured(run.cfg), resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
     (run_dir / "plan.json").write_text(json.dumps(run.plan_facts, indent=2) + "\n")

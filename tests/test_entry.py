@@ -84,6 +84,17 @@ def test_a_bad_value_fails_with_one_line_and_exit_code_2(tmp_path, override, nam
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_a_second_run_into_the_same_directory_is_refused_and_the_first_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    assert entry([*QUICK, "logger=none", f"hydra.run.dir={run_dir}"], tmp_path).returncode == 0
+    first = (run_dir / "metrics.jsonl").read_bytes()
+    done = entry([*QUICK, "logger=none", "seed=1", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("hypertrain: error: hydra.run.dir=")
+    assert (run_dir / "metrics.jsonl").read_bytes() == first
+    assert OmegaConf.load(run_dir / "config.yaml").seed == 0
+
+
 def test_an_unknown_option_fails_with_hydras_error(tmp_path):
     done = entry(["model=huge"], tmp_path)
     assert done.returncode == 1
