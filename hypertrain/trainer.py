@@ -1,11 +1,12 @@
 """Runs one phase: rounds of inner steps by an engine, then a sync, a held-out eval and logs.
 
 `prepare(cfg)` builds the data and the plan and checks that the phase fits the stream (all
-user mistakes raise `ConfigError`/`PlanError` before anything is written). `train(run, log)`
-then runs the rounds: a round is H updates (the last may be shorter and still ends with a
-sync); the engine (loop or stacked) returns every replica's weights, state and losses; the sync
-steps the global weights with the outer optimizer on the mean pseudo-gradient of the replicas
-that stepped, applies the inner state policy, and evaluates the global weights on held-out ids.
+user mistakes raise `ConfigError`/`PlanError` before anything is written). `rounds(run, theta)`
+yields the rounds; `train(run, log)` runs and logs them. A round is H updates (the last may be
+shorter and still ends with a sync); the engine (loop or stacked) returns every replica's
+weights, state and losses; the sync steps the global weights with the outer optimizer on the
+mean pseudo-gradient of the replicas that stepped and applies the inner state policy; then the
+global weights are evaluated on held-out ids.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -197,20 +198,49 @@ class Progress:
             sys.stderr.write("\n")
 
 
+@dataclass
+class Round:
+    """One finished round: its updates, what every replica was given and did, and its sync."""
+
+    index: int  # 1-based
+    updates: range  # the plan's update indices of the round
+    assigns: list[Assignment]
+    results: list[ReplicaResult]
+    delta_norm: float  # norm of the mean pseudo-gradient the outer step used
+    synced: int  # replicas that stepped in the round and took part in the sync
+
+
+def initial_weights(run: PreparedRun) -> Params:
+    """The global weights before training: the same for every replica, from `seed`."""
+    device = torch.device(run.cfg.engine.device)
+    return {n: t.to(device) for n, t in init_params(run.cfg.model, run.cfg.seed).items()}
+
+
+def rounds(run: PreparedRun, theta: Params, engine: Engine | None = None) -> Iterator[Round]:
+    """Every round of the phase: the engine's inner steps, then the sync that steps `theta` in place."""
+    cfg = run.cfg
+    engine = engine or select_engine(cfg.engine.name)
+    outer_state = init_outer_state(theta)
+    states = [
+        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)
+    ]
+    for index, first in enumerate(range(0, run.updates, cfg.inner.H), start=1):
+        updates = range(first, min(first + cfg.inner.H, run.updates))
+        assigns = assignments(run, updates)
+        results = engine(cfg, theta, assigns, states)
+        states = [res.state for res in results]
+        delta_norm, synced = sync(cfg, theta, outer_state, results)
+        yield Round(index, updates, assigns, results, delta_norm, synced)
+
+
 def train(run: PreparedRun, log: RunLogger) -> dict:
     """Run the phase's rounds; log per update and per sync; return the final summary."""
-    cfg, R, H = run.cfg, run.cfg.replicas, run.cfg.inner.H
-    device = torch.device(cfg.engine.device)
-    engine = select_engine(cfg.engine.name)
+    cfg = run.cfg
     keep_freed_memory()
-    theta = {n: t.to(device) for n, t in init_params(cfg.model, cfg.seed).items()}
-    outer_state = init_outer_state(theta)
-    stacked_shape = {n: t.unsqueeze(0) for n, t in theta.items()}
-    states = [init_state(cfg.inner, stacked_shape) for _ in range(R)]
+    theta = initial_weights(run)
     n_params = count_params(cfg.model)
-    ranks_per_replica = cfg.world.size // R
-    inner_bytes_per_update = ring_allreduce_bytes(ranks_per_replica, n_params)
-    outer_bytes_per_sync = ring_allreduce_bytes(R, n_params)
+    inner_bytes_per_update = ring_allreduce_bytes(cfg.world.size // cfg.replicas, n_params)
+    outer_bytes_per_sync = ring_allreduce_bytes(cfg.replicas, n_params)
     totals = {"inner": 0, "outer": 0}
     log.summary(run.plan_facts | {"model/params": n_params})
     eval_loss = heldout_loss(run, theta)
@@ -219,41 +249,36 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     tokens_seen = 0
-    for round_index, first in enumerate(range(0, run.updates, H), start=1):
-        updates = range(first, min(first + H, run.updates))
-        assigns = assignments(run, updates)
-        results = engine(cfg, theta, assigns, states)
-        for t, u in enumerate(updates):
-            losses = [res.losses[t] for res in results]
+    for rnd in rounds(run, theta):
+        for t, u in enumerate(rnd.updates):
+            losses = [res.losses[t] for res in rnd.results]
             stepped = [x for x in losses if x is not None]
-            tokens = sum(a.batches[t].targets for a in assigns)
+            tokens = sum(a.batches[t].targets for a in rnd.assigns)
             tokens_seen += tokens
             log.log_update(
                 {
                     "update": u + 1,
-                    "round": round_index,
+                    "round": rnd.index,
                     "lr": lr_at(cfg.inner, u, t),
                     "loss": losses,
                     "tokens": tokens,
-                    "grad_accum": max(len(a.batches[t].microbatches) for a in assigns),
+                    "grad_accum": max(len(a.batches[t].microbatches) for a in rnd.assigns),
                     "wall": time.perf_counter() - start,
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-        states = [res.state for res in results]
-        delta_norm, synced = sync(cfg, theta, outer_state, results)
-        totals["inner"] += inner_bytes_per_update * len(updates)
+        totals["inner"] += inner_bytes_per_update * len(rnd.updates)
         totals["outer"] += outer_bytes_per_sync
         eval_loss = heldout_loss(run, theta)
         progress.eval_loss = eval_loss
         log.log_sync(
             {
-                "update": updates[-1] + 1,
-                "round": round_index,
+                "update": rnd.updates[-1] + 1,
+                "round": rnd.index,
                 "eval_loss": eval_loss,
-                "pseudo_grad_norm": delta_norm,
-                "replicas_synced": synced,
-                "comm_inner_bytes": inner_bytes_per_update * len(updates),
+                "pseudo_grad_norm": rnd.delta_norm,
+                "replicas_synced": rnd.synced,
+                "comm_inner_bytes": inner_bytes_per_update * len(rnd.updates),
                 "comm_outer_bytes": outer_bytes_per_sync,
                 "comm_inner_total": totals["inner"],
                 "comm_outer_total": totals["outer"],

@@ -22,9 +22,9 @@ from hypertrain import loop
 from hypertrain.batches import Microbatch, ReplicaBatch, stacked_microbatches
 from hypertrain.config import DataConfig, EngineConfig, InnerConfig, PhaseConfig, TrainConfig, WorldConfig
 from hypertrain.model import init_params
-from hypertrain.optim import init_outer_state, init_state
+from hypertrain.optim import init_state
 from hypertrain.sim import batched
-from hypertrain.trainer import assignments, prepare, sync
+from hypertrain.trainer import assignments, initial_weights, prepare, rounds
 
 FP32 = 1e-5
 
@@ -32,20 +32,10 @@ FP32 = 1e-5
 def run_rounds(cfg: TrainConfig, engine) -> tuple[list[list[float | None]], dict[str, torch.Tensor]]:
     """The trainer's rounds (assignments, engine, sync with the state policy), without logging."""
     run = prepare(cfg)
-    cfg = run.cfg
-    theta = init_params(cfg.model, cfg.seed)
-    outer = init_outer_state(theta)
-    states = [
-        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)
-    ]
+    theta = initial_weights(run)
     losses: list[list[float | None]] = []
-    for first in range(0, run.updates, cfg.inner.H):
-        results = engine(
-            cfg, theta, assignments(run, range(first, min(first + cfg.inner.H, run.updates))), states
-        )
-        losses += [list(step) for step in zip(*(r.losses for r in results), strict=True)]
-        states = [r.state for r in results]
-        sync(cfg, theta, outer, results)
+    for rnd in rounds(run, theta, engine):
+        losses += [list(step) for step in zip(*(r.losses for r in rnd.results), strict=True)]
     return losses, theta
 
 

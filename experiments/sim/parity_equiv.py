@@ -34,10 +34,8 @@ from hypertrain.config import (
     WorldConfig,
     validate,
 )
-from hypertrain.model import init_params
-from hypertrain.optim import init_outer_state, init_state
 from hypertrain.sim import batched
-from hypertrain.trainer import assignments, prepare, sync
+from hypertrain.trainer import initial_weights, prepare, rounds
 
 TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}
 
@@ -45,20 +43,11 @@ TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}
 def run_rounds(cfg: TrainConfig, engine) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
     """Losses [updates, R] (NaN = skipped) and the final global weights of the trainer's rounds."""
     run = prepare(cfg)
-    cfg = run.cfg
-    theta = init_params(cfg.model, cfg.seed)
-    outer = init_outer_state(theta)
-    states = [
-        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)
-    ]
+    theta = initial_weights(run)
     losses = []
-    for first in range(0, run.updates, cfg.inner.H):
-        updates = range(first, min(first + cfg.inner.H, run.updates))
-        results = engine(cfg, theta, assignments(run, updates), states)
-        steps = zip(*(r.losses for r in results), strict=True)
+    for rnd in rounds(run, theta, engine):
+        steps = zip(*(r.losses for r in rnd.results), strict=True)
         losses += [[np.nan if x is None else x for x in step] for step in steps]
-        states = [r.state for r in results]
-        sync(cfg, theta, outer, results)
     return np.array(losses), theta
 
 
