@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -60,6 +62,40 @@ def test_default_entry_writes_metrics_plan_and_a_matching_wandb_run(tmp_path):
     for key in ("plan/union_sha256", "plan/data_order_sha256", "data/fingerprint"):
         assert wandb_run["summary"][key] == facts[key]
     assert wandb_run["config"]["replicas"] == 2
+
+
+def test_user_text_files_and_token_files_train_end_to_end(tmp_path):
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("argparse.py", "textwrap.py", "dataclasses.py"):  # real text, ~200 KB
+        (corpus / f"{name}.txt").write_bytes((stdlib / name).read_bytes())
+    tokens = np.frombuffer(b"".join(p.read_bytes() for p in sorted(corpus.iterdir())), dtype=np.uint8)
+    tokens.astype("<u2").tofile(tmp_path / "train.bin")
+    for source in (
+        ["data=text_files", f"data.path={corpus}/**/*.txt"],
+        ["data=token_bin", f"data.path={tmp_path / 'train.bin'}"],
+    ):
+        run_dir = tmp_path / source[0].replace("=", "_")
+        done = entry([*QUICK, "logger=none", *source, f"hydra.run.dir={run_dir}"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        assert len([r for r in rows if r["kind"] == "update"]) == 6
+    # Same bytes, same windows: the two sources give the same losses.
+    losses = [
+        [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "update"]
+        for name in ("data_text_files", "data_token_bin")
+    ]
+    assert losses[0] == losses[1]
+
+
+def test_progress_shows_on_request_and_stays_quiet_otherwise(tmp_path):
+    shown = entry(
+        [*QUICK, "logger=none", "logger.progress=always", f"hydra.run.dir={tmp_path / 'a'}"], tmp_path
+    )
+    assert "update 6/6" in shown.stderr and "replica-steps/s" in shown.stderr and "ETA" in shown.stderr
+    quiet = entry([*QUICK, "logger=none", f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)  # stderr is a pipe
+    assert "ETA" not in quiet.stderr
 
 
 @pytest.mark.parametrize(
