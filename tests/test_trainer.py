@@ -222,3 +222,17 @@ def test_a_replica_with_no_ids_in_a_tail_update_skips_its_step(tmp_path):
     rows = run_losses(cfg, tmp_path)
     assert [r["loss"][2:] for r in rows if r["kind"] == "update"][1] == [None, None]
     assert rows[-1]["kind"] == "summary"
+
+
+def test_updates_past_the_end_of_the_stream_are_skipped_with_one_warning(tmp_path, caplog):
+    run = prepare(small_cfg())
+    tail = replace(run.cfg.phase, offset=run.samples - 24 - 5, updates=4)  # update 1 has 5 ids, 2-3 none
+    cfg = small_cfg(phase=tail, inner=InnerConfig(H=3, lr=3e-3, warmup_steps=2))
+    with caplog.at_level("WARNING", logger="hypertrain"):
+        run = prepare(cfg)
+    assert run.updates == 2
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "updates 2..3 are past the end of the stream" in warning
+    rows = run_losses(cfg, tmp_path)
+    assert [r["update"] for r in rows if r["kind"] == "update"] == [1, 2]
+    assert rows[-2]["kind"] == "sync" and rows[-2]["update"] == 2  # a round of 2 < H updates still syncs
