@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from hypertrain.batches import ReplicaBatch
+from hypertrain.batches import Microbatch, ReplicaBatch
 from hypertrain.config import TrainConfig
 from hypertrain.model import Params, forward
 from hypertrain.optim import OptState, inner_step, lr_at
@@ -39,6 +40,14 @@ class ReplicaResult:
         return any(loss is not None for loss in self.losses)
 
 
+def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
+    """One replica's weighted loss on one microbatch: its share of the replica batch's token mean."""
+    device = torch.device(cfg.engine.device)
+    tokens = mb.tokens.unsqueeze(0).to(device)
+    mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
+    return forward(cfg.model, params, tokens, mask)[0] * mb.weight
+
+
 def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: OptState) -> ReplicaResult:
     """One replica's inner steps for one round (state is updated in place and returned)."""
     device = torch.device(cfg.engine.device)
@@ -50,9 +59,7 @@ def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: Op
             continue
         loss = torch.zeros((), device=device)
         for mb in batch.microbatches:
-            tokens = mb.tokens.unsqueeze(0).to(device)
-            mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
-            part = forward(cfg.model, params, tokens, mask)[0] * mb.weight
+            part = microbatch_loss(cfg, params, mb)
             part.backward()
             loss += part.detach()
         grads = {n: p.grad for n, p in params.items()}

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from hypertrain import plan
-from hypertrain.batches import replica_batch
+from hypertrain.batches import ReplicaBatch, replica_batch
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.data import Dataset, build_dataset
 from hypertrain.log import RunLogger
-from hypertrain.loop import Assignment, ReplicaResult
-from hypertrain.model import Params, count_params, forward, init_params
+from hypertrain.loop import Assignment, ReplicaResult, microbatch_loss
+from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
     OptState,
     OuterState,
@@ -42,6 +42,7 @@ from hypertrain.plan_check import verify_phase
 from hypertrain.runtime import keep_freed_memory
 
 logger = logging.getLogger("hypertrain")
+HELDOUT_ROWS_PER_PASS = 64
 Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
 
 
@@ -55,6 +56,7 @@ class PreparedRun:
     samples: int  # N: the plan's stream, the dataset without its held-out slice
     updates: int  # updates that have ids (the rest of the phase is past the end of the stream)
     plan_facts: dict  # union hash, data-order digest, rank digest, data fingerprint
+    heldout: ReplicaBatch  # the held-out ids (the last data.heldout), read and cut once
 
 
 def prepare(cfg: TrainConfig) -> PreparedRun:
@@ -97,7 +99,9 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
         "data/heldout": cfg.data.heldout,
         "plan/updates_run": updates,
     }
-    return PreparedRun(cfg, dataset, phase, samples, updates, facts)
+    heldout_ids = np.arange(samples, dataset.n_total, dtype=np.int64)
+    heldout = replica_batch(dataset, heldout_ids, cfg.data, HELDOUT_ROWS_PER_PASS)
+    return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout)
 
 
 def select_engine(name: str) -> Engine:
@@ -116,18 +120,11 @@ def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int 
 
 
 @torch.no_grad()
-def heldout_loss(run: PreparedRun, theta: Params, rows_per_pass: int = 64) -> float:
+def heldout_loss(run: PreparedRun, theta: Params) -> float:
     """Token-mean loss of the global weights on the held-out ids (the last data.heldout ids)."""
-    cfg = run.cfg
-    ids = np.arange(run.samples, run.dataset.n_total, dtype=np.int64)
-    batch = replica_batch(run.dataset, ids, cfg.data, rows_per_pass)
-    device = torch.device(cfg.engine.device)
     params = {n: t.unsqueeze(0) for n, t in theta.items()}
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in batch.microbatches:
-        mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
-        total += forward(cfg.model, params, mb.tokens.unsqueeze(0).to(device), mask)[0].double() * mb.weight
-    return total.item()
+    total = sum(microbatch_loss(run.cfg, params, mb).double() for mb in run.heldout.microbatches)
+    return float(total)
 
 
 def assignments(run: PreparedRun, updates: range) -> list[Assignment]:
