@@ -80,17 +80,23 @@ def embed(weight: Tensor, tokens: Tensor) -> Tensor:
 
 
 def _rope(cfg: ModelConfig, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, head_dim/2] for rotary position embeddings (half-split convention)."""
+    """cos, sin [T, 1, head_dim] for rotary embeddings (half-split convention), broadcast over heads.
+
+    Both halves of the last dim hold the same angles; sin's first half is negated so that
+    `x * cos + rotate_half(x) * sin` with rotate_half(x) = (x2, x1) rotates each (x1, x2) pair.
+    """
     hd = cfg.d_model // cfg.n_heads
     inv_freq = cfg.rope_theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
     angles = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [..., T, hd] rotated pairwise (first half, second half) by position."""
+    """x [..., T, heads, hd] (contiguous) rotated pairwise (first half, second half) by position:
+    (x1 cos - x2 sin, x2 cos + x1 sin), in four kernels on contiguous memory."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+    return (x * cos + torch.cat((x2, x1), dim=-1) * sin).type_as(x)
 
 
 def _rms_norm(x: Tensor, weight: Tensor) -> Tensor:
@@ -103,11 +109,11 @@ def _attention(cfg: ModelConfig, p: Params, pre: str, x: Tensor, B: int, T: int)
     R = x.shape[0]
     h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
     # Fold the replica axis into SDPA's batch: [R*B, heads, T, hd].
-    q = torch.bmm(x, p[pre + "wq"]).view(R * B, T, h, hd).transpose(1, 2)
-    k = torch.bmm(x, p[pre + "wk"]).view(R * B, T, kv, hd).transpose(1, 2)
-    v = torch.bmm(x, p[pre + "wv"]).view(R * B, T, kv, hd).transpose(1, 2)
+    # RoPE on the contiguous [R*B, T, heads, hd] layout, then SDPA's [R*B, heads, T, hd] view.
     cos, sin = _rope(cfg, T, x.device)
-    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    q = _apply_rope(torch.bmm(x, p[pre + "wq"]).view(R * B, T, h, hd), cos, sin).transpose(1, 2)
+    k = _apply_rope(torch.bmm(x, p[pre + "wk"]).view(R * B, T, kv, hd), cos, sin).transpose(1, 2)
+    v = torch.bmm(x, p[pre + "wv"]).view(R * B, T, kv, hd).transpose(1, 2)
     # Rows are right-padded, so causal masking alone keeps real tokens from seeing padding.
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
     return torch.bmm(o.transpose(1, 2).reshape(R, B * T, h * hd), p[pre + "wo"])
