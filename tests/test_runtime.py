@@ -8,7 +8,7 @@ import sys
 import pytest
 
 # A stacked step (R = 16, d 128: activations of 4-12 MiB, above glibc's default mmap threshold),
-# then the minor page faults per step once warm.
+# then the minor page faults of each of five warm steps.
 CHILD = """
 import resource, sys, torch
 from hypertrain.config import InnerConfig, ModelConfig
@@ -28,20 +28,26 @@ def step():
     for p in params.values():
         p.grad = None
 step(); step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+counts = []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3)
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(counts), sum(counts) / len(counts))
 """
 
 
-def faults_per_step(mode: str) -> float:
+def faults_per_step(mode: str) -> tuple[float, float]:
+    """(fewest, mean) minor page faults per step over five warm steps, in a fresh process."""
     done = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
-    return float(done.stdout.strip())
+    fewest, mean = done.stdout.split()
+    return float(fewest), float(mean)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 def test_a_stacked_step_stops_page_faulting_its_activations():
     default, kept = faults_per_step("default"), faults_per_step("keep")
-    assert default > 4000  # 4 KiB pages of activations faulted in and zeroed at every step
-    assert kept < 0.3 * default  # measured 12-18k against 1.8-1.9k faults per step
+    assert default[1] > 4000  # 4 KiB pages of activations faulted in and zeroed, step after step
+    # Kept: the quietest warm step faults nothing (0 in ten runs; the heap still grows in some
+    # steps, so the mean was 1.7-2.4k per step, against a mean of 9.7-14k without).
+    assert kept[0] < 0.02 * default[1]

@@ -1,0 +1,90 @@
+"""How low the stacked/loop ratio can go: the kernels no stacked step can skip, against the loop.
+
+Stacking R replicas runs the same matmuls as R separate steps (one batched GEMM computes the same R
+problems) and the same attention (replicas folded into the batch of torch's SDPA, as the issue
+prescribes). So the stacked step's own matmul and attention kernel time is a floor under any
+stacked step built on those kernels, eager or compiled (the compiled step calls the same
+`extern_kernels.bmm` and flash-attention kernels; only the elementwise work between them is fused).
+For the benchmark's model (2 layers, 4 heads, seq 64, micro-batch 8, AdamW) at R = 16 this times,
+side by side (unprofiled, interleaved medians), the loop and the stacked step, eager and compiled;
+profiles each engine's matmul (aten::bmm, mm, addmm, baddbmm) and attention (SDPA forward and
+backward) self time; and prints the floor ratio `stacked kernel time / best loop step` next to the
+issue's target. A floor above the target means no stacked step on torch's kernels reaches it here.
+
+    .venv/bin/python experiments/bench/stacked_floor.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from stacked_vs_loop import interleaved, make_loop, make_step, model_cfg
+from torch.profiler import ProfilerActivity, profile
+
+from hypertrain.config import InnerConfig
+from hypertrain.runtime import keep_freed_memory
+
+MATMULS = {"aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm"}
+ATTENTION = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+}
+TARGETS = {64: 0.5, 128: 0.7}  # the issue's stacked/loop targets at R = 16
+
+
+def kernel_seconds(step, repeats: int) -> tuple[float, float]:
+    """Seconds per step inside matmul kernels and inside attention kernels (profiler self time).
+
+    The profiler adds a fixed cost to every op, which would inflate the loop's wall time (many
+    small ops) far more than the stacked step's, so wall times are measured without it; the
+    kernels here take milliseconds each, so the fixed cost barely moves their self time.
+    """
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    events = prof.key_averages()
+    mm = sum(e.self_cpu_time_total for e in events if e.key in MATMULS)
+    attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION)
+    return mm / 1e6 / repeats, attention / 1e6 / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    keep_freed_memory()  # as the trainer does (hypertrain/runtime.py)
+    print("d    engine    eager ms  compiled ms  matmul ms  attention ms  kernels/step")
+    for d in (64, 128):
+        m, inner = model_cfg(d), InnerConfig()
+        steps = {
+            (engine, compiled): make(m, inner, 16, compiled)
+            for engine, make in (("loop", make_loop), ("stacked", make_step))
+            for compiled in (False, True)
+        }
+        walls = interleaved(steps, args.repeats * 2)
+        kernels = {}
+        for engine in ("loop", "stacked"):
+            # Alternate profiled rounds; keep each engine's smallest kernel times.
+            rounds = [kernel_seconds(steps[(engine, False)], args.repeats) for _ in range(3)]
+            kernels[engine] = (min(r[0] for r in rounds), min(r[1] for r in rounds))
+            eager, compiled = walls[(engine, False)], walls[(engine, True)]
+            mm, attention = kernels[engine]
+            print(
+                f"{d:<4} {engine:<9} {eager * 1e3:8.1f}  {compiled * 1e3:11.1f}  {mm * 1e3:9.1f}  "
+                f"{attention * 1e3:12.1f}  {(mm + attention) / min(eager, compiled):12.0%}"
+            )
+        best_loop = min(walls[("loop", False)], walls[("loop", True)])
+        best_stacked = min(walls[("stacked", False)], walls[("stacked", True)])
+        floor = sum(kernels["stacked"]) / best_loop
+        target = TARGETS[d]
+        verdict = "above the target: unreachable on these kernels" if floor > target else "below the target"
+        print(
+            f"d {d}: best stacked / best loop {best_stacked / best_loop:.2f} (eager/eager "
+            f"{walls[('stacked', False)] / walls[('loop', False)]:.2f}, compiled/compiled "
+            f"{walls[('stacked', True)] / walls[('loop', True)]:.2f}); floor (stacked matmul + attention "
+            f"kernels / best loop) {floor:.2f}, target <= {target}: floor {verdict}"
+        )
+
+
+if __name__ == "__main__":
+    main()
