@@ -127,6 +127,7 @@ class EngineConfig:
     stack: int = 0  # stacked: replicas per sub-round; 0 = all R
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    compile: bool = False  # torch.compile the loss (forward and backward) and the inner optimizer step
 
 
 @dataclass

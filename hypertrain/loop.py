@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from hypertrain.batches import Microbatch, ReplicaBatch
+from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.model import Params, forward
-from hypertrain.optim import OptState, inner_step, lr_at
+from hypertrain.model import Params
+from hypertrain.optim import OptState, lr_at
 
 
 @dataclass
@@ -45,7 +46,7 @@ def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
     device = torch.device(cfg.engine.device)
     tokens = mb.tokens.unsqueeze(0).to(device)
     mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
-    return forward(cfg.model, params, tokens, mask)[0] * mb.weight
+    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight
 
 
 def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: OptState) -> ReplicaResult:
@@ -64,7 +65,7 @@ def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: Op
             loss += part.detach()
         grads = {n: p.grad for n, p in params.items()}
         lr = lr_at(cfg.inner, assign.global_step0 + t, t)
-        inner_step(cfg.inner, params, grads, state, lr)
+        inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, lr)
         for p in params.values():
             p.grad = None
         losses.append(loss.item())

@@ -123,7 +123,7 @@ def inner_step(
     params: Params,
     grads: Params,
     state: OptState,
-    lr: float,
+    lr: float | Tensor,
     active: Tensor | None = None,
 ) -> Tensor:
     """One inner update of every replica in place (params and state); returns pre-clip grad norms [R].
@@ -133,6 +133,7 @@ def inner_step(
     matrices only) or Muon (`m = mu*m + g`, update NS(g + mu*m), decay, step lr * 0.2*sqrt(max(rows,
     cols))). `active` bool [R] (None = all): inactive rows keep weights, m, v and step bitwise; the
     mask costs one copy of the state, so pass None when every replica steps. `grads` are not modified.
+    `lr` is a float or a 0-d CPU float64 tensor (a tensor is what a compiled step takes).
     """
     names = list(params)
     norms = grad_norms(grads)
@@ -147,10 +148,14 @@ def inner_step(
     touched = [params[n] for n in names] + [state.m[n] for n in names] + [state.v[n] for n in adam]
     saved = torch._foreach_clone(touched) if active is not None else None
 
-    decay = 1.0 - lr * inner.wd
+    # Scalar math in float64 tensors, the same eager or under torch.compile (where a Python float lr
+    # would be a constant to recompile for, and a float64 multiplier would round differently).
+    lr = torch.as_tensor(lr, dtype=torch.float64)
     decayed = [params[n] for n in names if params[n].ndim - 1 >= 2]
-    if decay != 1.0 and decayed:
-        torch._foreach_mul_(decayed, decay)
+    if inner.wd > 0 and decayed:
+        # 1 - lr*wd rounded once to the weights' dtype, as eager torch rounds a float scalar.
+        like = decayed[0]
+        torch._foreach_mul_(decayed, (1.0 - lr * inner.wd).to(device=like.device, dtype=like.dtype))
     if adam:
         _adamw(inner, [params[n] for n in adam], [g_of[n] for n in adam], state, adam, lr)
     if muon:
@@ -171,7 +176,7 @@ def _adamw(
     grads: list[Tensor],
     state: OptState,
     names: list[str],
-    lr: float,
+    lr: Tensor,
 ) -> None:
     """torch.optim.AdamW's update after weight decay, in its tensor-step (capturable) form, per replica."""
     m = [state.m[n] for n in names]
@@ -192,7 +197,9 @@ def _adamw(
     torch._foreach_addcdiv_(weights, m, denom)
 
 
-def _muon(inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: list[Tensor], lr: float) -> None:
+def _muon(
+    inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: list[Tensor], lr: Tensor
+) -> None:
     """Muon after weight decay: momentum, Nesterov look-ahead, NS batched over same-shape matrices."""
     mu = inner.muon_momentum
     torch._foreach_mul_(m, mu)
@@ -209,7 +216,8 @@ def _muon(inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: lis
         )
         ortho = newton_schulz(group, inner.ns_steps, dtype)
         scale = MUON_RMS_SCALE * math.sqrt(max(shape[-2], shape[-1]))
-        torch._foreach_add_([weights[i] for i in members], list(ortho.unbind(0)), alpha=-lr * scale)
+        ortho.mul_((-lr * scale).to(device=ortho.device, dtype=ortho.dtype))
+        torch._foreach_add_([weights[i] for i in members], list(ortho.unbind(0)))
 
 
 def sync_inner_states(inner: InnerConfig, states: list[OptState]) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 
 from hypertrain.batches import stack_microbatches, stacked_microbatches
+from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
 from hypertrain.loop import Assignment, ReplicaResult
-from hypertrain.model import Params, forward
-from hypertrain.optim import OptState, inner_step, lr_at
+from hypertrain.model import Params
+from hypertrain.optim import OptState, lr_at
 
 
 def _stack_states(states: list[OptState]) -> OptState:
@@ -70,6 +71,7 @@ def train_many(
         n: t.detach().unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True) for n, t in theta.items()
     }
     state = _stack_states(states)
+    forward, inner_step = forward_fn(cfg.engine.compile), inner_step_fn(cfg.engine.compile)
     losses = torch.zeros(steps, R, device=device)
     stepped = torch.zeros(steps, R, dtype=torch.bool)
     for t in range(steps):
