@@ -322,6 +322,12 @@ def main() -> int:
         ("stacked R=16 memory <= 1.2 x 16 x R=1", mem[16] / (16 * mem[1]), 1.2, "<="),
     ]
     print()
+    if "compiled" in modes:
+        # For reference, not a verdict: the engine=stacked engine.compile=true step against the plain
+        # engine=loop step (eager), the loop a user gets without asking for compilation.
+        for d in (64, 128):
+            ratio = rows[("compiled", "adamw", d, 16)]["stacked"] / rows[("eager", "adamw", d, 16)]["loop"]
+            print(f"info  R=16 d{d} AdamW compiled stacked / eager loop: {ratio:.3g}")
     missed = 0
     for name, value, bound, op in targets:
         ok = value <= bound if op == "<=" else value >= bound
