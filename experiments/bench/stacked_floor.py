@@ -10,6 +10,7 @@ side by side (unprofiled, interleaved medians), the loop and the stacked step, e
 profiles each engine's matmul (aten::bmm, mm, addmm, baddbmm) and attention (SDPA forward and
 backward) self time; and prints the floor ratio `stacked kernel time / best loop step` next to the
 issue's target. A floor above the target means no stacked step on torch's kernels reaches it here.
+First, the premise: the model's GEMM shapes as one `bmm` over 16 replicas against 16 `mm` calls.
 
     .venv/bin/python experiments/bench/stacked_floor.py [--repeats 5]
 """
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 
-from stacked_vs_loop import interleaved, make_loop, make_step, model_cfg
+import torch
+from stacked_vs_loop import ROWS, SEQ, interleaved, make_loop, make_step, model_cfg
 from torch.profiler import ProfilerActivity, profile
 
 from hypertrain.config import InnerConfig
+from hypertrain.model import ffn_width
 from hypertrain.runtime import keep_freed_memory
 
 MATMULS = {"aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm"}
@@ -48,11 +51,29 @@ def kernel_seconds(step, repeats: int) -> tuple[float, float]:
     return mm / 1e6 / repeats, attention / 1e6 / repeats
 
 
+def gemm_comparison(repeats: int, R: int = 16) -> None:
+    """ms of each of the model's forward GEMM shapes: one bmm over R replicas against R mm calls."""
+    print(f"GEMM [tokens, in] @ [in, out], {R} replicas: one bmm against {R} mm (ms, interleaved medians)")
+    for d in (64, 128):
+        f = ffn_width(model_cfg(d))
+        for k, n in ((d, d), (d, f), (f, d)):
+            a, b = torch.randn(R, ROWS * SEQ, k), torch.randn(R, k, n)
+            singles = [(a[r].clone(), b[r].clone()) for r in range(R)]
+            t = interleaved(
+                {"bmm": lambda a=a, b=b: torch.bmm(a, b), "mm": lambda s=singles: [x @ w for x, w in s]},
+                repeats * 3,
+            )
+            shape = f"[{ROWS * SEQ}, {k}] @ [{k}, {n}]"
+            print(f"  d {d:<4} {shape}: bmm {t['bmm'] * 1e3:.2f}, mm x {R} {t['mm'] * 1e3:.2f}")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     keep_freed_memory()  # as the trainer does (hypertrain/runtime.py)
+    gemm_comparison(args.repeats)
     print("d    engine    eager ms  compiled ms  matmul ms  attention ms  kernels/step")
     for d in (64, 128):
         m, inner = model_cfg(d), InnerConfig()
