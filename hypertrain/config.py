@@ -75,7 +75,7 @@ class PhaseConfig:
     base_world: int = 8  # weak: B, the world whose streams are replicated; world must be k*B
     per_rank_batch: int = 32  # weak: b, ids per rank per update
     updates: int = 40
-    timing_warmup: int = 10  # updates left out of throughput timing
+    timing_warmup: int = 10  # first updates left out of train/replica_steps_per_s (none left if >= updates)
 
     def to_plan(self) -> StrongPhase | WeakPhase:
         """The plan's phase for this config; raises ConfigError naming the bad field."""

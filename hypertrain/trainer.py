@@ -246,6 +246,8 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     tokens_seen = 0
+    # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up).
+    timed_from, timed_steps_before, timed_updates = start, 0, run.updates
     for rnd in rounds(run, theta):
         for t, u in enumerate(rnd.updates):
             losses = [res.losses[t] for res in rnd.results]
@@ -264,6 +266,9 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
+            if u + 1 == run.phase.timing_warmup and u + 1 < run.updates:
+                timed_from, timed_steps_before = time.perf_counter(), progress.replica_steps
+                timed_updates = run.updates - (u + 1)
         totals["inner"] += inner_bytes_per_update * len(rnd.updates)
         totals["outer"] += outer_bytes_per_sync
         eval_loss = heldout_loss(run, theta)
@@ -282,12 +287,15 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
             }
         )
     progress.close()
-    wall = time.perf_counter() - start
+    end = time.perf_counter()
+    timed = end - timed_from
     summary = {
         "eval/final_loss": eval_loss,
         "train/tokens_total": tokens_seen,
-        "train/wall_s": wall,
-        "train/replica_steps_per_s": progress.replica_steps / wall if wall else 0.0,
+        "train/wall_s": end - start,
+        "train/replica_steps_per_s": (progress.replica_steps - timed_steps_before) / timed if timed else 0.0,
+        "train/timed_updates": timed_updates,  # the updates the throughput counts (all: warmup >= updates)
+        "train/timed_s": timed,
     }
     log.summary(summary)
     return summary

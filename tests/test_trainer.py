@@ -236,3 +236,19 @@ def test_updates_past_the_end_of_the_stream_are_skipped_with_one_warning(tmp_pat
     rows = run_losses(cfg, tmp_path)
     assert [r["update"] for r in rows if r["kind"] == "update"] == [1, 2]
     assert rows[-2]["kind"] == "sync" and rows[-2]["update"] == 2  # a round of 2 < H updates still syncs
+
+
+def test_throughput_leaves_out_the_timing_warmup_updates(tmp_path):
+    base = small_cfg()
+    cfg = small_cfg(phase=replace(base.phase, updates=6, timing_warmup=2))
+    rows = run_losses(cfg, tmp_path)
+    updates = [r for r in rows if r["kind"] == "update"]
+    summary = [r for r in rows if r["kind"] == "summary"][-1]
+    assert summary["train/timed_updates"] == 4
+    # The window opens after update 2 is logged and closes after the last sync's eval.
+    assert 0 < summary["train/timed_s"] <= summary["train/wall_s"] - updates[1]["wall"]
+    stepped = sum(x is not None for r in updates[2:] for x in r["loss"])
+    assert summary["train/replica_steps_per_s"] == pytest.approx(stepped / summary["train/timed_s"])
+    everything = small_cfg(phase=replace(base.phase, updates=2, timing_warmup=2))
+    summary = [r for r in run_losses(everything, tmp_path / "all") if r["kind"] == "summary"][-1]
+    assert summary["train/timed_updates"] == 2 and summary["train/timed_s"] == summary["train/wall_s"]
