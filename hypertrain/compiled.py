@@ -5,10 +5,11 @@ and `inner_step_fn(enabled)` is `optim.inner_step`, either as written or compile
 with inductor. Both engines call them, so `engine=loop` and `engine=stacked` compile the same code.
 Compiled results agree with eager ones within float rounding, not bitwise (inductor fuses the
 elementwise work between matmuls and reorders its arithmetic). The first calls pay the
-compilation (seconds to a minute on a CPU); a changed shape (another sub-round size, a tail
-update, variable-length documents) compiles once more, after which torch treats that dimension
-as dynamic instead of compiling per size; the learning rate enters as a tensor, so it never
-recompiles. torch falls back to eager, with a warning, past its recompile limit.
+compilation (about a minute on a 2-core CPU with an empty inductor cache); a changed shape
+(another sub-round size, a tail update, variable-length documents) compiles once more, after
+which torch treats that dimension as dynamic instead of compiling per size; the learning rate
+enters as a tensor, so it never recompiles. torch falls back to eager, with a warning, past its
+recompile limit.
 """
 
 from __future__ import annotations
