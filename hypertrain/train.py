@@ -94,6 +94,8 @@ def main(dict_cfg: DictConfig) -> float:
     (run_dir / "plan.json").write_text(json.dumps(run.plan_facts, indent=2) + "\n")
     identity = run_identity(run.cfg, resolved)
     logger.info("run %s: %s", identity["name"], run.dataset.description)
+    if run.cfg.engine.compile:
+        logger.info("engine.compile=true: the first updates and the first held-out eval include compilation")
     with RunLogger(run_dir, resolved, run.cfg.logger, replicas=run.cfg.replicas, **identity) as log:
         summary = train(run, log)
     logger.info(
