@@ -33,6 +33,7 @@ def forward_fn(enabled: bool) -> Callable:
     return _compiled(forward) if enabled else forward
 
 
+@functools.cache  # one wrapper per process, not a new closure at every step
 def inner_step_fn(enabled: bool) -> Callable:
     """`optim.inner_step`, or its one compiled form in this process when `enabled` (which takes the
     learning rate as a 0-d float64 tensor, a graph input, so a new rate needs no new graph)."""

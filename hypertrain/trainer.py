@@ -246,8 +246,10 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     tokens_seen = 0
-    # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up).
-    timed_from, timed_steps_before, timed_updates = start, 0, run.updates
+    # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
+    # all are timed when that would leave none.
+    warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
+    timed_from, timed_steps_before = start, 0
     for rnd in rounds(run, theta):
         for t, u in enumerate(rnd.updates):
             losses = [res.losses[t] for res in rnd.results]
@@ -266,9 +268,8 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-            if u + 1 == run.phase.timing_warmup and u + 1 < run.updates:
+            if u + 1 == warmup:
                 timed_from, timed_steps_before = time.perf_counter(), progress.replica_steps
-                timed_updates = run.updates - (u + 1)
         totals["inner"] += inner_bytes_per_update * len(rnd.updates)
         totals["outer"] += outer_bytes_per_sync
         eval_loss = heldout_loss(run, theta)
@@ -294,7 +295,7 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
         "train/tokens_total": tokens_seen,
         "train/wall_s": end - start,
         "train/replica_steps_per_s": (progress.replica_steps - timed_steps_before) / timed if timed else 0.0,
-        "train/timed_updates": timed_updates,  # the updates the throughput counts (all: warmup >= updates)
+        "train/timed_updates": run.updates - warmup,  # the updates the throughput counts
         "train/timed_s": timed,
     }
     log.summary(summary)
