@@ -13,6 +13,8 @@ from typing import Any
 
 from hypertrain.plan import PlanError, StrongPhase, WeakPhase
 
+ENGINES = ("loop", "stacked")  # engine.name values; hypertrain.engines maps each to its engine
+
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; its message is one line, the entry exits with code 2."""
@@ -236,7 +238,7 @@ def validate(cfg: TrainConfig) -> None:
             f"(data.max_len + 1 = {d.max_len + 1} ids); valid: >= {d.max_len + 1}"
         )
 
-    _choice("engine.name", e.name, ("loop", "stacked"))
+    _choice("engine.name", e.name, ENGINES)
     _at_least("engine.stack", e.stack, 0)
     _at_least("engine.threads", e.threads, 0)
     if not (e.device == "cpu" or e.device.startswith("cuda")):

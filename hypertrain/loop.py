@@ -9,44 +9,13 @@ the math is exactly the shared model and optimizer code the stacked engine runs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch import Tensor
 
-from hypertrain.batches import Microbatch, ReplicaBatch
-from hypertrain.compiled import forward_fn, inner_step_fn
+from hypertrain.compiled import inner_step_fn
 from hypertrain.config import TrainConfig
+from hypertrain.engines import Assignment, ReplicaResult, microbatch_loss
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
-
-
-@dataclass
-class Assignment:
-    """A replica's work for one round: its batch at every update, and the round's first update."""
-
-    replica: int
-    global_step0: int
-    batches: list[ReplicaBatch]
-
-
-@dataclass
-class ReplicaResult:
-    params: Params  # [1, ...] weights after the round
-    state: OptState  # [1, ...] optimizer state after the round
-    losses: list[float | None]  # loss at every update of the round; None = skipped (no ids)
-
-    @property
-    def stepped(self) -> bool:
-        return any(loss is not None for loss in self.losses)
-
-
-def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
-    """One replica's weighted loss on one microbatch: its share of the replica batch's token mean."""
-    device = torch.device(cfg.engine.device)
-    tokens = mb.tokens.unsqueeze(0).to(device)
-    mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
-    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight
 
 
 def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: OptState) -> ReplicaResult:

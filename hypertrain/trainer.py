@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,11 +25,10 @@ from hypertrain import plan
 from hypertrain.batches import ReplicaBatch, replica_batch
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.data import Dataset, build_dataset
+from hypertrain.engines import Assignment, Engine, ReplicaResult, engine_for, microbatch_loss
 from hypertrain.log import RunLogger
-from hypertrain.loop import Assignment, ReplicaResult, microbatch_loss
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
-    OptState,
     OuterState,
     init_outer_state,
     init_state,
@@ -43,7 +42,6 @@ from hypertrain.runtime import keep_freed_memory
 
 logger = logging.getLogger("hypertrain")
 HELDOUT_ROWS_PER_PASS = 64
-Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
 
 
 @dataclass
@@ -102,14 +100,6 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
     heldout_ids = np.arange(samples, dataset.n_total, dtype=np.int64)
     heldout = replica_batch(dataset, heldout_ids, cfg.data, HELDOUT_ROWS_PER_PASS)
     return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout)
-
-
-def select_engine(name: str) -> Engine:
-    if name == "loop":
-        from hypertrain.loop import train_replicas
-    else:
-        from hypertrain.sim.batched import train_replicas
-    return train_replicas
 
 
 def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int = 4) -> int:
@@ -216,7 +206,7 @@ def initial_weights(run: PreparedRun) -> Params:
 def rounds(run: PreparedRun, theta: Params, engine: Engine | None = None) -> Iterator[Round]:
     """Every round of the phase: the engine's inner steps, then the sync that steps `theta` in place."""
     cfg = run.cfg
-    engine = engine or select_engine(cfg.engine.name)
+    engine = engine or engine_for(cfg.engine.name)
     outer_state = init_outer_state(theta)
     states = [
         init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)

@@ -1,8 +1,8 @@
 """The fast engine: all replicas of a sub-round as one stacked model, params `[R, ...]`.
 
-Same math as the loop engine (`hypertrain.loop`): the same `model.forward` and
-`optim.inner_step`, run once for the replicas of a sub-round instead of once per replica. One
-forward and one backward per microbatch serve every stacked replica; the loss is each
+Same contract (`hypertrain.engines`) and math as the loop engine (`hypertrain.loop`): the same
+`model.forward` and `optim.inner_step`, run once for the replicas of a sub-round instead of once
+per replica. One forward and one backward per microbatch serve every stacked replica; the loss is each
 replica's weighted mean, summed over replicas (never averaged: that would shrink gradients and
 change clipping). Replicas with fewer rows or microbatches get masked rows; variable-length
 microbatches are padded to their longest row across the replicas and cut to stay within
@@ -18,7 +18,7 @@ import torch
 from hypertrain.batches import stack_microbatches, stacked_microbatches
 from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.loop import Assignment, ReplicaResult
+from hypertrain.engines import Assignment, ReplicaResult
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
 

@@ -1,0 +1,64 @@
+"""What every engine shares: a replica's work for a round in, its weights, state and losses out.
+
+An engine is `train_replicas(cfg, theta, assigns, states) -> list[ReplicaResult]`: every replica
+in `assigns` starts from the global weights `theta`, takes the round's inner steps on its own
+microbatches and returns its weights, optimizer state and loss at every update. `engine_for(name)`
+gives the engine of `engine.name`; `microbatch_loss` is the loss every engine and the held-out
+eval weight the same way. No engine imports another; each imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hypertrain.batches import Microbatch, ReplicaBatch
+from hypertrain.compiled import forward_fn
+from hypertrain.config import ENGINES, TrainConfig
+from hypertrain.model import Params
+from hypertrain.optim import OptState
+
+
+@dataclass
+class Assignment:
+    """A replica's work for one round: its batch at every update, and the round's first update."""
+
+    replica: int
+    global_step0: int
+    batches: list[ReplicaBatch]
+
+
+@dataclass
+class ReplicaResult:
+    params: Params  # [1, ...] weights after the round
+    state: OptState  # [1, ...] optimizer state after the round
+    losses: list[float | None]  # loss at every update of the round; None = skipped (no ids)
+
+    @property
+    def stepped(self) -> bool:
+        return any(loss is not None for loss in self.losses)
+
+
+Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
+
+
+def engine_for(name: str) -> Engine:
+    """The inner-step engine called `name`; an unknown name is a ValueError naming the valid ones."""
+    if name == "loop":
+        from hypertrain.loop import train_replicas
+    elif name == "stacked":
+        from hypertrain.sim.batched import train_replicas
+    else:
+        raise ValueError(f"engine.name={name!r} is not an engine; valid: {', '.join(map(repr, ENGINES))}")
+    return train_replicas
+
+
+def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
+    """One replica's weighted loss on one microbatch: its share of the replica batch's token mean."""
+    device = torch.device(cfg.engine.device)
+    tokens = mb.tokens.unsqueeze(0).to(device)
+    mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
+    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight
