@@ -196,10 +196,12 @@ def validate(cfg: TrainConfig) -> None:
         _at_least(f"inner.{name}", getattr(c, name), 0)
     _at_least("inner.grad_clip", c.grad_clip, 0.0)
     _at_least("inner.wd", c.wd, 0.0)
-    for name in ("beta1", "beta2", "muon_momentum", "min_lr_ratio"):
+    for name in ("beta1", "beta2", "muon_momentum"):
         value = getattr(c, name)
-        if not 0.0 <= value < 1.0 + (name == "min_lr_ratio"):
+        if not 0.0 <= value < 1.0:
             raise ConfigError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
+    if not 0.0 <= c.min_lr_ratio <= 1.0:  # 1 = no decay; 0 = the cosine ends at a rate of exactly 0
+        raise ConfigError(f"inner.min_lr_ratio={c.min_lr_ratio!r} is out of range; valid: [0, 1]")
     _choice("inner.state_policy", c.state_policy, ("carry", "reset", "average"))
     _choice("inner.ns_dtype", c.ns_dtype, ("fp32", "bf16"))
 
@@ -215,6 +217,12 @@ def validate(cfg: TrainConfig) -> None:
         what = "the weak phase's base world" if isinstance(phase, WeakPhase) else "world.size"
         raise ConfigError(
             f"replicas={cfg.replicas} does not divide {what} ({base}); valid: a divisor of {base}"
+        )
+    # Every replica must get ids at a full update. Weak phases need no check: R divides B, so B*b >= R.
+    if isinstance(phase, StrongPhase) and phase.global_batch < cfg.replicas:
+        raise ConfigError(
+            f"phase.global_batch={phase.global_batch} is smaller than replicas={cfg.replicas}: a replica "
+            f"would never get an id; valid: global_batch >= {cfg.replicas}"
         )
     if isinstance(phase, WeakPhase) and cfg.world.size % phase.base_world:
         raise ConfigError(
@@ -250,19 +258,10 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def register_configs() -> None:
-    """Register the schema of every group with Hydra's ConfigStore (conf/ YAMLs extend these)."""
+    """Register the run's schema with Hydra's ConfigStore (`conf/train.yaml` composes over it)."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    # One schema for the whole tree (it types every group's YAML); storing a schema per group would
+    # list `model_schema` and the like among the options a user can pick.
     cs.store(name="train_schema", node=TrainConfig)
-    for group, node in (
-        ("model", ModelConfig),
-        ("inner", InnerConfig),
-        ("outer", OuterConfig),
-        ("phase", PhaseConfig),
-        ("world", WorldConfig),
-        ("data", DataConfig),
-        ("engine", EngineConfig),
-        ("logger", LoggerConfig),
-    ):
-        cs.store(group=group, name=f"{group}_schema", node=node)

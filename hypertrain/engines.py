@@ -4,7 +4,8 @@ An engine is `train_replicas(cfg, theta, assigns, states) -> list[ReplicaResult]
 in `assigns` starts from the global weights `theta`, takes the round's inner steps on its own
 microbatches and returns its weights, optimizer state and loss at every update. `engine_for(name)`
 gives the engine of `engine.name`; `microbatch_loss` is the loss every engine and the held-out
-eval weight the same way. No engine imports another; each imports this module.
+eval weight the same way; `check_finite` stops a round at the first non-finite loss or gradient.
+No engine imports another; each imports this module.
 """
 
 from __future__ import annotations
@@ -40,6 +41,34 @@ class ReplicaResult:
     @property
     def stepped(self) -> bool:
         return any(loss is not None for loss in self.losses)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or held-out loss went non-finite: the run stops (exit code 1), never trains on."""
+
+    exit_code = 1
+
+
+def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: list[int], update: int) -> None:
+    """Raise NonFiniteError naming the first replica whose loss or gradient is not finite.
+
+    `losses` and `grad_norms` are [R] for the replicas `replicas` (their global indices) at the plan's
+    0-based `update`; `grads` [R, ...] name the tensor. One host sync per call: engines call it once per
+    update, so a diverged run stops at the update it diverged, not after its round.
+    """
+    if bool(torch.isfinite(losses).all() & torch.isfinite(grad_norms).all()):
+        return
+    bad = (~torch.isfinite(losses)) | (~torch.isfinite(grad_norms))
+    r = int(bad.nonzero()[0, 0])
+    loss = float(losses[r])
+    if not torch.isfinite(losses[r]):
+        what = f"its loss is {loss}"
+    else:
+        name = next(n for n, g in grads.items() if not bool(torch.isfinite(g[r]).all()))
+        what = f"the gradient of {name} is non-finite (loss {loss:.4f})"
+    raise NonFiniteError(
+        f"replica {replicas[r]} at update {update + 1}: {what}; the run stops before training on it"
+    )
 
 
 Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]

@@ -13,6 +13,9 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
 - `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
   "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
 - `summary`: `{"kind", ...values}` (`summary`).
+- `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed"}`, and for a
+  failed run `"error"` (its one line) and `"exit_code"`; written by `close`. A file that ends
+  without one is a run that was killed or is still running.
 
 W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
@@ -130,18 +133,33 @@ class RunLogger:
         self.close(error=exc)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Close the file, finish W&B (exit code 1 when `error`) and wait for its run file; idempotent."""
+        """Write the `end` row, close the file, finish W&B and wait for its run file; idempotent.
+
+        With `error` the run failed: the end row holds its one-line message and the exit code the
+        entry leaves with (the error's `exit_code`, else 1), and W&B's run finishes with that code.
+        """
         if self._closed:
             return
         self._closed = True
+        exit_code = 0 if error is None else int(getattr(error, "exit_code", 1))
         try:
+            if self._file is not None and not self._file.closed:
+                end = {
+                    "kind": "end",
+                    "time": time.time(),
+                    "status": "finished" if error is None else "failed",
+                }
+                if error is not None:
+                    end |= {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
+                    end |= {"exit_code": exit_code}
+                self._write(end)
+        finally:
             if self._file is not None:
                 self._file.close()
-        finally:
             if self._run is not None:
                 run, self._run = self._run, None
                 run_file = None if self._mode == "disabled" else Path(run.settings.sync_file)
-                run.finish(exit_code=0 if error is None else 1)
+                run.finish(exit_code=exit_code)
                 if run_file is not None and run_file.exists():
                     self._wait_for_run_file(run_file)
 

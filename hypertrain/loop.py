@@ -13,7 +13,7 @@ import torch
 
 from hypertrain.compiled import inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.engines import Assignment, ReplicaResult, microbatch_loss
+from hypertrain.engines import Assignment, ReplicaResult, check_finite, microbatch_loss
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
 
@@ -34,7 +34,8 @@ def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: Op
             loss += part.detach()
         grads = {n: p.grad for n, p in params.items()}
         lr = lr_at(cfg.inner, assign.global_step0 + t, t)
-        inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, lr)
+        norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, lr)
+        check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
         for p in params.values():
             p.grad = None
         losses.append(loss.item())

@@ -185,16 +185,18 @@ def _adamw(
     torch._foreach_mul_(v, inner.beta2)
     torch._foreach_addcmul_(v, grads, grads, value=1.0 - inner.beta2)
     # Bias corrections from each replica's own count (the step about to be taken), in float64.
+    # torch.optim.AdamW's default form, w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps): the rate
+    # multiplies the update and is never a divisor, so lr = 0 (or a cosine that ends at 0) moves
+    # nothing, also where m = v = 0 (embedding rows that were not looked up).
     step = (state.step + 1).double()
     neg_step_size = (-lr / (1.0 - inner.beta1**step)).float()
     bias2_sqrt = (1.0 - inner.beta2**step).sqrt().float()
-    # w += m / (sqrt(v) / (sqrt(bc2) * -step_size) + eps / -step_size) == w - step_size * m / (...)
-    denom_scale = bias2_sqrt * neg_step_size
-    denom_shift = inner.eps / neg_step_size
     denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, [_per_replica(denom_scale, d) for d in denom])
-    torch._foreach_add_(denom, [_per_replica(denom_shift, d) for d in denom])
-    torch._foreach_addcdiv_(weights, m, denom)
+    torch._foreach_div_(denom, [_per_replica(bias2_sqrt, d) for d in denom])
+    torch._foreach_add_(denom, inner.eps)
+    update = torch._foreach_div(m, denom)
+    torch._foreach_mul_(update, [_per_replica(neg_step_size, u) for u in update])
+    torch._foreach_add_(weights, update)
 
 
 def _muon(
@@ -220,12 +222,16 @@ def _muon(
         torch._foreach_add_([weights[i] for i in members], list(ortho.unbind(0)))
 
 
-def sync_inner_states(inner: InnerConfig, states: list[OptState]) -> None:
+def sync_inner_states(inner: InnerConfig, states: list[OptState], active: Tensor | None = None) -> None:
     """Apply inner.state_policy at a sync, in place, to every replica's state.
 
+    `states` hold 1 or several replica rows each; `active` bool over all those rows (None = all) marks
+    the replicas that stepped in the round and so took part in the sync.
     carry: nothing changes. reset: m, v and step counts zeroed (the next step is bias-corrected as a
-    first step). average: m and v of every replica row of every state replaced by their mean over all
-    of them (states may hold 1 or several replicas each); step counts stay per replica.
+    first step). average: every row's m and v become the mean over the active rows only (a replica
+    that never stepped holds zero or stale moments and would dilute them), and every row's step count
+    becomes the largest active count: the moments are those of replicas that took that many steps, so
+    the bias correction must not treat them as a first step's. With no active row nothing changes.
     """
     policy = inner.state_policy
     if policy == "carry":
@@ -236,12 +242,20 @@ def sync_inner_states(inner: InnerConfig, states: list[OptState]) -> None:
             s.step.zero_()
         return
     if policy == "average":
+        steps = torch.cat([s.step for s in states])
+        keep = torch.ones_like(steps, dtype=torch.bool) if active is None else active.to(steps.device)
+        if not bool(keep.any()):
+            return
         for moments in ("m", "v"):
             for name in getattr(states[0], moments):
                 rows = [getattr(s, moments)[name] for s in states]
-                mean = torch.cat(rows).mean(0, keepdim=True)
+                stacked = torch.cat(rows)
+                mean = stacked[keep].mean(0, keepdim=True)
                 for r in rows:
                     r.copy_(mean.expand_as(r))
+        largest = steps[keep].max()
+        for s in states:
+            s.step.fill_(largest)
         return
     raise ValueError(f"inner.state_policy={policy!r} is not valid; valid: 'carry', 'reset', 'average'")
 

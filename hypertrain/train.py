@@ -1,7 +1,9 @@
 """The single entry: `python -m hypertrain.train [group=option ...] [field=value ...]` (Hydra 1.3).
 
-Composes `conf/train.yaml` over the typed `TrainConfig`, validates it (a user mistake prints one
-line `hypertrain: error: ...` and exits with code 2, before anything of ours is written), then
+Composes `conf/train.yaml` over the typed `TrainConfig`; `hypertrain.preflight` validates it and
+prepares the run before Hydra creates anything (a user mistake prints one line
+`hypertrain: error: ...` and exits with code 2, nothing written). A run that fails (a non-finite
+loss) prints one line and exits 1, its metrics.jsonl and W&B run closed. Then
 config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json` and `metrics.jsonl`
 in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by default).
 Multirun (`-m`) sweeps run each job as its own W&B run in one group.
@@ -22,10 +24,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import ConfigError, TrainConfig, register_configs, validate
-from hypertrain.log import METRICS_FILE, RunLogger
-from hypertrain.plan import PlanError
-from hypertrain.trainer import prepare, train
+from hypertrain import preflight
+from hypertrain.config import TrainConfig, register_configs
+from hypertrain.engines import NonFiniteError
+from hypertrain.log import RunLogger
+from hypertrain.trainer import train
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -68,27 +71,18 @@ def quote_numeric_choices(argv: list[str], groups: tuple[str, ...] = ("world",))
     return out
 
 
-def fail(message: str) -> None:
-    print(f"hypertrain: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(dict_cfg: DictConfig) -> float:
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
-    try:
-        cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-        validate(cfg)
-        if cfg.engine.threads:
-            import torch
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    run = preflight.take_prepared(dict_cfg)
+    if run is None:  # a multirun job: Hydra has made its directory; a rejected job removes it again
+        run = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), run_dir)
+    if run.cfg.engine.threads:
+        import torch
 
-            torch.set_num_threads(cfg.engine.threads)
-        run = prepare(cfg)
-    except (ConfigError, PlanError) as e:
-        fail(str(e))
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if (run_dir / METRICS_FILE).exists():
-        fail(f"hydra.run.dir={run_dir} already holds a run ({METRICS_FILE}); valid: a new directory")
+        torch.set_num_threads(run.cfg.engine.threads)
     resolved = OmegaConf.to_container(OmegaConf.structured(run.cfg), resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
     (run_dir / "plan.json").write_text(json.dumps(run.plan_facts, indent=2) + "\n")
@@ -96,8 +90,12 @@ def main(dict_cfg: DictConfig) -> float:
     logger.info("run %s: %s", identity["name"], run.dataset.description)
     if run.cfg.engine.compile:
         logger.info("engine.compile=true: the first updates and the first held-out eval include compilation")
-    with RunLogger(run_dir, resolved, run.cfg.logger, replicas=run.cfg.replicas, **identity) as log:
-        summary = train(run, log)
+    try:
+        with RunLogger(run_dir, resolved, run.cfg.logger, replicas=run.cfg.replicas, **identity) as log:
+            summary = train(run, log)
+    except NonFiniteError as e:
+        # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
+        preflight.fail(f"run failed: {e} ({run_dir})", code=NonFiniteError.exit_code)
     logger.info(
         "done: held-out loss %.4f, %.1f replica-steps/s, %s",
         summary["eval/final_loss"],

@@ -25,7 +25,14 @@ from hypertrain import plan
 from hypertrain.batches import ReplicaBatch, replica_batch
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.data import Dataset, build_dataset
-from hypertrain.engines import Assignment, Engine, ReplicaResult, engine_for, microbatch_loss
+from hypertrain.engines import (
+    Assignment,
+    Engine,
+    NonFiniteError,
+    ReplicaResult,
+    engine_for,
+    microbatch_loss,
+)
 from hypertrain.log import RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
@@ -57,8 +64,25 @@ class PreparedRun:
     heldout: ReplicaBatch  # the held-out ids (the last data.heldout), read and cut once
 
 
+def check_device(device: str) -> None:
+    """engine.device names a device this process has; ConfigError (one line) otherwise."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"engine.device={device!r} but this torch ({torch.__version__}) sees no CUDA device; valid: 'cpu'"
+        )
+    count, index = torch.cuda.device_count(), torch.device(device).index
+    if index is not None and index >= count:
+        raise ConfigError(
+            f"engine.device={device!r} but this machine has {count} CUDA device(s); "
+            f"valid: cuda:0..cuda:{count - 1}"
+        )
+
+
 def prepare(cfg: TrainConfig) -> PreparedRun:
     """Build data and plan facts; raise ConfigError/PlanError on any user mistake."""
+    check_device(cfg.engine.device)
     dataset = build_dataset(cfg.data)
     if cfg.model.vocab < dataset.vocab:
         raise ConfigError(
@@ -109,6 +133,17 @@ def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int 
     return int(2 * (participants - 1) / participants * params * bytes_per_element)
 
 
+def round_bytes(cfg: TrainConfig, params: int, updates: int, synced: int) -> tuple[int, int]:
+    """Bytes one participant sends in a round of `updates` updates, as an ideal ring all-reduce would.
+
+    Inner: every update, among the L = W/R ranks of a replica. Outer: once, among all R replicas
+    whenever some replica stepped (`synced` > 0; one that did not sends zeros), 0 when none did.
+    """
+    inner = ring_allreduce_bytes(cfg.world.size // cfg.replicas, params) * updates
+    outer = ring_allreduce_bytes(cfg.replicas, params) if synced else 0
+    return inner, outer
+
+
 @torch.no_grad()
 def heldout_loss(run: PreparedRun, theta: Params) -> float:
     """Token-mean loss of the global weights on the held-out ids (the last data.heldout ids)."""
@@ -153,7 +188,7 @@ def sync(
     delta = pseudo_gradient(theta, replica_params, active)
     delta_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
     outer_step(cfg.outer, theta, delta, outer_state)
-    sync_inner_states(cfg.inner, [res.state for res in results])
+    sync_inner_states(cfg.inner, [res.state for res in results], active.to(results[0].state.step.device))
     return delta_norm, int(active.sum())
 
 
@@ -164,24 +199,31 @@ class Progress:
         self.total, self.start = total, time.perf_counter()
         self.live = mode == "always" or (mode == "auto" and sys.stderr.isatty())
         self.eval_loss: float | None = None
-        self.replica_steps = 0
+        self.replica_steps = self.done = 0
+        self.loss_mean: float | None = None
 
     def update(self, done: int, loss_mean: float | None, stepped: int) -> None:
         self.replica_steps += stepped
+        self.done, self.loss_mean = done, loss_mean
+        self._render()
+
+    def _render(self) -> None:
         if not self.live:
             return
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.total - done)
-        loss = "-" if loss_mean is None else f"{loss_mean:.4f}"
+        eta = elapsed / self.done * (self.total - self.done)
+        loss = "-" if self.loss_mean is None else f"{self.loss_mean:.4f}"
         held = "-" if self.eval_loss is None else f"{self.eval_loss:.4f}"
         sys.stderr.write(
-            f"\rupdate {done}/{self.total}  loss {loss}  held-out {held}  "
+            f"\rupdate {self.done}/{self.total}  loss {loss}  held-out {held}  "
             f"{self.replica_steps / elapsed:.1f} replica-steps/s  ETA {eta:.0f}s   "
         )
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.live:
+        """Show the line once more with the final held-out loss, then end it."""
+        if self.live and self.done:
+            self._render()
             sys.stderr.write("\n")
 
 
@@ -226,8 +268,6 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     keep_freed_memory()
     theta = initial_weights(run)
     n_params = count_params(cfg.model)
-    inner_bytes_per_update = ring_allreduce_bytes(cfg.world.size // cfg.replicas, n_params)
-    outer_bytes_per_sync = ring_allreduce_bytes(cfg.replicas, n_params)
     totals = {"inner": 0, "outer": 0}
     log.summary(run.plan_facts | {"model/params": n_params})
     eval_loss = heldout_loss(run, theta)
@@ -260,9 +300,15 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
             if u + 1 == warmup:
                 timed_from, timed_steps_before = time.perf_counter(), progress.replica_steps
-        totals["inner"] += inner_bytes_per_update * len(rnd.updates)
-        totals["outer"] += outer_bytes_per_sync
+        inner_bytes, outer_bytes = round_bytes(cfg, n_params, len(rnd.updates), rnd.synced)
+        totals["inner"] += inner_bytes
+        totals["outer"] += outer_bytes
         eval_loss = heldout_loss(run, theta)
+        if not math.isfinite(eval_loss):
+            raise NonFiniteError(
+                f"the held-out loss of the global weights after the sync at update {rnd.updates[-1] + 1} "
+                f"is {eval_loss}; the run stops"
+            )
         progress.eval_loss = eval_loss
         log.log_sync(
             {
@@ -271,8 +317,8 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 "eval_loss": eval_loss,
                 "pseudo_grad_norm": rnd.delta_norm,
                 "replicas_synced": rnd.synced,
-                "comm_inner_bytes": inner_bytes_per_update * len(rnd.updates),
-                "comm_outer_bytes": outer_bytes_per_sync,
+                "comm_inner_bytes": inner_bytes,
+                "comm_outer_bytes": outer_bytes,
                 "comm_inner_total": totals["inner"],
                 "comm_outer_total": totals["outer"],
             }

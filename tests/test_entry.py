@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -98,6 +99,14 @@ def test_progress_shows_on_request_and_stays_quiet_otherwise(tmp_path):
     assert "ETA" not in quiet.stderr
 
 
+def tree(path: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under `path`: what a rejected run must leave alone."""
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in path.rglob("*")}
+
+
+NO_CUDA = not torch.cuda.is_available()
+
+
 @pytest.mark.parametrize(
     ("override", "named"),
     [
@@ -108,27 +117,77 @@ def test_progress_shows_on_request_and_stays_quiet_otherwise(tmp_path):
         ("inner.state_policy=keep", "inner.state_policy='keep'"),
         ("data=text_files", "data.path"),
         ("model.vocab=100", "model.vocab=100"),
+        ("phase.global_batch=1", "phase.global_batch=1"),
+        ("inner.min_lr_ratio=1.5", "inner.min_lr_ratio=1.5"),
+        ("outer.name=average", "outer.name='average'"),
+        ("model.name=small", "model.name='small'"),
+        pytest.param(
+            "engine.device=cuda",
+            "engine.device='cuda'",
+            marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is present"),
+        ),
+        ("engine.device=cuda:99", "engine.device='cuda:99'"),
     ],
 )
-def test_a_bad_value_fails_with_one_line_and_exit_code_2(tmp_path, override, named):
-    run_dir = tmp_path / "run"
-    done = entry([*QUICK, override, f"hydra.run.dir={run_dir}"], tmp_path)
+def test_a_bad_value_fails_with_one_line_and_exit_code_2_and_creates_nothing(tmp_path, override, named):
+    """Checked before Hydra makes the run directory: nothing at all appears in the working directory."""
+    done = entry([*QUICK, override], tmp_path)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("hypertrain: error:"), done.stderr
     assert named in lines[0]
-    assert not (run_dir / "metrics.jsonl").exists()
+    assert tree(tmp_path) == {}, "a rejected run left files behind"
+
+
+def test_a_run_directory_under_a_file_fails_with_one_line(tmp_path):
+    (tmp_path / "notes").write_text("x")
+    done = entry([*QUICK, f"hydra.run.dir={tmp_path / 'notes' / 'run'}"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"hypertrain: error: hydra.run.dir={tmp_path / 'notes' / 'run'} lies under {tmp_path / 'notes'}, "
+        "which is a file; valid: a path under a directory"
+    ]
+    assert tree(tmp_path) == {"notes": b"x"}
+
+
+def test_an_empty_data_file_fails_with_one_line_naming_it(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    done = entry([*QUICK, "data=text_files", "data.path=empty.txt"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("hypertrain: error: data.path='empty.txt'") and "heldout < 0" not in line
+    assert tree(tmp_path) == {"empty.txt": b""}
+
+
+def test_the_schemas_are_not_offered_as_group_options(tmp_path):
+    done = entry(["model=huge"], tmp_path)
+    assert "Could not find 'model/huge'" in done.stderr
+    assert "tiny" in done.stderr and "_schema" not in done.stderr
+
+
+def test_a_diverging_run_exits_1_with_one_line_and_closed_records(tmp_path):
+    run_dir = tmp_path / "run"
+    done = entry([*QUICK, "inner.lr=1e30", "inner.warmup_steps=0", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("hypertrain:")]
+    assert line.startswith("hypertrain: error: run failed: replica 0 at update 2: ")
+    assert "Traceback" not in done.stderr
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["update"] for r in rows if r["kind"] == "update"] == []  # the round never finished
+    assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "failed" and rows[-1]["exit_code"] == 1
+    assert rows[-1]["error"].startswith("replica 0 at update 2: ")
+    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+    assert read_run(wandb_dir)["exit_code"] == 1
 
 
 def test_a_second_run_into_the_same_directory_is_refused_and_the_first_kept(tmp_path):
     run_dir = tmp_path / "run"
     assert entry([*QUICK, "logger=none", f"hydra.run.dir={run_dir}"], tmp_path).returncode == 0
-    first = (run_dir / "metrics.jsonl").read_bytes()
+    before = tree(run_dir)
     done = entry([*QUICK, "logger=none", "seed=1", f"hydra.run.dir={run_dir}"], tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("hypertrain: error: hydra.run.dir=")
-    assert (run_dir / "metrics.jsonl").read_bytes() == first
-    assert OmegaConf.load(run_dir / "config.yaml").seed == 0
+    assert tree(run_dir) == before  # not one byte of the first run touched, .hydra/ included
 
 
 def test_an_unknown_option_fails_with_hydras_error(tmp_path):
@@ -167,6 +226,7 @@ def test_a_sweep_stops_at_the_first_invalid_job(tmp_path):
     assert done.returncode == 2
     assert "hypertrain: error: replicas=3 does not divide world.size (8)" in done.stderr
     assert not list(sweep.glob("*/metrics.jsonl"))
+    assert not [p for p in sweep.iterdir() if p.is_dir()]  # the rejected job's directory is removed
 
 
 def _options(group: str) -> list[str]:

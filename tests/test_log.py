@@ -96,7 +96,7 @@ def test_offline_wandb_run_mirrors_metrics_jsonl(offline_env, tmp_path):
     assert wandb_dir.parent == tmp_path / "run" / "wandb" and wandb_dir.name.startswith("offline-run-")
 
     rows = read_metrics(tmp_path / "run")
-    kinds = ["start", "eval", "update", "update", "sync", "update", "sync", "summary"]
+    kinds = ["start", "eval", "update", "update", "sync", "update", "sync", "summary", "end"]
     assert [r["kind"] for r in rows] == kinds
     updates = [r for r in rows if r["kind"] == "update"]
     assert [u["loss"] for u in updates] == [u["loss"] for u in UPDATES]
@@ -165,7 +165,15 @@ def test_error_in_run_finishes_wandb_with_nonzero_exit_code(offline_env, tmp_pat
     run = read_run(wandb_dir)
     assert run["exit_code"] == 1
     assert len(run["history"]) == 1
-    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["start", "update"]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["kind"] for r in rows] == ["start", "update", "end"]
+    assert rows[-1] | {"time": 0} == {
+        "kind": "end",
+        "time": 0,
+        "status": "failed",
+        "error": "diverged",
+        "exit_code": 1,
+    }
 
 
 def test_existing_metrics_jsonl_is_appended_not_truncated(tmp_path):
@@ -177,7 +185,7 @@ def test_existing_metrics_jsonl_is_appended_not_truncated(tmp_path):
         log.log_update(UPDATES[2])
     rows = read_metrics(run_dir)
     assert rows[:2] == [{"kind": "update", "update": 0}, {"kind": "update", "update": 1}]
-    assert [r["kind"] for r in rows[2:]] == ["start", "update"]
+    assert [r["kind"] for r in rows[2:]] == ["start", "update", "end"]
     assert (run_dir / "metrics.jsonl").read_text().startswith(earlier + "\n")
 
 
@@ -195,6 +203,7 @@ def test_logger_none_writes_only_metrics_jsonl(tmp_path):
         "update",
         "sync",
         "summary",
+        "end",
     ]
 
 
@@ -220,7 +229,7 @@ def test_close_is_idempotent_and_rows_after_close_fail(tmp_path):
         log.close()
     with pytest.raises(RuntimeError, match="not open"):
         log.log_update(UPDATES[0])
-    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["start"]
+    assert [r["kind"] for r in read_metrics(tmp_path / "run")] == ["start", "end"]  # one end row
 
 
 def test_loss_mean_leaves_out_skipped_replicas():

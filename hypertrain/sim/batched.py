@@ -18,7 +18,7 @@ import torch
 from hypertrain.batches import stack_microbatches, stacked_microbatches
 from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.engines import Assignment, ReplicaResult
+from hypertrain.engines import Assignment, ReplicaResult, check_finite
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
 
@@ -89,7 +89,9 @@ def train_many(
         lr = lr_at(cfg.inner, assigns[0].global_step0 + t, t)
         # The mask costs a copy of the state: pass it only when some replica sits this step out.
         mask = None if all(active) else stepped[t].to(device)
-        inner_step(cfg.inner, params, grads, state, lr, active=mask)
+        norms = inner_step(cfg.inner, params, grads, state, lr, active=mask)
+        # A skipped replica's gradient is zero and its loss 0, so only real steps can trip the check.
+        check_finite(losses[t], norms, grads, [a.replica for a in assigns], assigns[0].global_step0 + t)
         for p in params.values():
             p.grad = None
     host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy

@@ -1,0 +1,129 @@
+"""Checks a run before anything is written: a user mistake exits 2 with one line, nothing created.
+
+Hydra creates the run directory, its `.hydra/` files and the log file before the task function
+runs, so a mistake found there would leave a directory behind, or touch an earlier run's files.
+`Preflight` is a Hydra callback (registered in `conf/train.yaml`); its `on_run_start` sees the
+composed config before Hydra creates anything: it builds the typed config, validates it,
+prepares the run (data and plan) and checks the run directory, and on a mistake prints one line
+and exits 2. The prepared run is handed to the task function (`take_prepared`), so the data is
+built once. Multirun jobs are checked the same way by `check_job` inside the task function
+(Hydra has made the job's directory by then); a rejected job's directory is removed again.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from hypertrain.config import ConfigError, TrainConfig, validate
+from hypertrain.log import METRICS_FILE
+from hypertrain.plan import PlanError
+
+# Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
+LABELLED_GROUPS = ("model", "outer", "phase")
+
+_prepared: dict[str, object] = {}  # resolved task config (as YAML) -> the PreparedRun built for it
+
+
+def fail(message: str, code: int = 2) -> None:
+    """The entry's one line for a mistake (`hypertrain: error: ...`), then exit (2 = a user mistake)."""
+    print(f"hypertrain: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def check_labels(cfg: TrainConfig, choices: dict) -> None:
+    """`outer.name=average` only relabels the Nesterov option: a label that disagrees with the
+    option Hydra composed is a mistake, not a silent choice of the composed option's values."""
+    for group in LABELLED_GROUPS:
+        chosen, label = choices.get(group), getattr(cfg, group).name
+        if chosen is not None and label != chosen:
+            raise ConfigError(
+                f"{group}.name={label!r} only labels the run; the {group} is chosen with {group}=... "
+                f"(now {group}={chosen}); valid: {group}={label} to use that option, or {group}.name={chosen}"
+            )
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory can be created here and holds no earlier run."""
+    if (run_dir / METRICS_FILE).exists():
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds a run ({METRICS_FILE}); valid: a new directory"
+        )
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} lies under {existing}, which is a file; valid: a path under a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"hydra.run.dir={run_dir}: {existing} is not writable; valid: a writable directory")
+
+
+def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None):
+    """The typed, validated, prepared run; ConfigError/PlanError (one line) on any user mistake."""
+    from hypertrain.trainer import prepare  # torch and data only once the config is known to be sane
+
+    cfg: TrainConfig = OmegaConf.to_object(task_cfg)
+    check_labels(cfg, choices)
+    validate(cfg)
+    if run_dir is not None:
+        check_run_dir(run_dir)
+    return prepare(cfg)
+
+
+def _task_part(config: DictConfig) -> DictConfig:
+    """The run's config without Hydra's node, as Hydra hands it to the task function (still typed)."""
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return task
+
+
+def _key(task_cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(task_cfg, resolve=True)
+
+
+class Preflight(Callback):
+    """Hydra callback: check a single run before Hydra creates its directory."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        task = _task_part(config)
+        run_dir = Path(OmegaConf.select(config, "hydra.run.dir")).absolute()
+        try:
+            run = prepare_checked(task, dict(config.hydra.runtime.choices), run_dir)
+        except (ConfigError, PlanError) as e:
+            fail(str(e))
+        _prepared[_key(task)] = run
+
+
+def take_prepared(task_cfg: DictConfig):
+    """The run `Preflight` prepared for this config, or None (a multirun job, or no callback)."""
+    return _prepared.pop(_key(task_cfg), None)
+
+
+def check_job(task_cfg: DictConfig, choices: dict, job_dir: Path):
+    """A multirun job's checks, inside the task function; a rejected job leaves no directory."""
+    try:
+        return prepare_checked(task_cfg, choices, None)
+    except (ConfigError, PlanError) as e:
+        remove_rejected_job_dir(job_dir)
+        fail(str(e))
+
+
+def remove_rejected_job_dir(job_dir: Path) -> None:
+    """Remove what Hydra wrote for a job that never started (`.hydra/`, its log), if that is all."""
+    if not job_dir.is_dir() or (job_dir / METRICS_FILE).exists():
+        return
+    hydra_files = {".hydra", "train.log"}
+    if {p.name for p in job_dir.iterdir()} <= hydra_files:
+        import logging
+
+        logging.shutdown()  # close the job's log file before removing it
+        shutil.rmtree(job_dir, ignore_errors=True)
