@@ -1,9 +1,10 @@
 """Runs one phase: rounds of inner steps by an engine, then a sync, a held-out eval and logs.
 
 `prepare(cfg)` builds the data and the plan and checks that the phase fits the stream (all
-user mistakes raise `ConfigError`/`PlanError` before anything is written). `rounds(run, theta)`
-yields the rounds; `train(run, log)` runs and logs them. A round is H updates (the last may be
-shorter and still ends with a sync); the engine (loop or stacked) returns every replica's
+user mistakes raise `ConfigError`/`PlanError` before anything is written). `rounds(run, state)`
+yields the rounds, advancing the run's state (`hypertrain.run_state.RunState`); `train(run, log)`
+runs and logs them. A round is H updates (the last may be shorter and still ends with a sync);
+the engine (loop or stacked) returns every replica's
 weights, state and losses; the sync steps the global weights with the outer optimizer on the
 mean pseudo-gradient of the replicas that stepped and applies the inner state policy; then the
 global weights are evaluated on held-out ids.
@@ -37,14 +38,13 @@ from hypertrain.log import RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
     OuterState,
-    init_outer_state,
-    init_state,
     lr_at,
     outer_step,
     pseudo_gradient,
     sync_inner_states,
 )
 from hypertrain.plan_check import verify_phase
+from hypertrain.run_state import RunState
 from hypertrain.runtime import keep_freed_memory
 
 logger = logging.getLogger("hypertrain")
@@ -245,47 +245,45 @@ def initial_weights(run: PreparedRun) -> Params:
     return {n: t.to(device) for n, t in init_params(run.cfg.model, run.cfg.seed).items()}
 
 
-def rounds(run: PreparedRun, theta: Params, engine: Engine | None = None) -> Iterator[Round]:
-    """Every round of the phase: the engine's inner steps, then the sync that steps `theta` in place."""
+def rounds(run: PreparedRun, state: RunState, engine: Engine | None = None) -> Iterator[Round]:
+    """The phase's rounds from `state.next_update` on: the engine's inner steps, then the sync that
+    steps `state.theta` in place; `state` is advanced past each round before the round is yielded."""
     cfg = run.cfg
     engine = engine or engine_for(cfg.engine.name)
-    outer_state = init_outer_state(theta)
-    states = [
-        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(cfg.replicas)
-    ]
-    for index, first in enumerate(range(0, run.updates, cfg.inner.H), start=1):
+    for first in range(state.next_update, run.updates, cfg.inner.H):
         updates = range(first, min(first + cfg.inner.H, run.updates))
         assigns = assignments(run, updates)
-        results = engine(cfg, theta, assigns, states)
-        states = [res.state for res in results]
-        delta_norm, synced = sync(cfg, theta, outer_state, results)
-        yield Round(index, updates, assigns, results, delta_norm, synced)
+        results = engine(cfg, state.theta, assigns, state.inner)
+        state.inner = [res.state for res in results]
+        delta_norm, synced = sync(cfg, state.theta, state.outer, results)
+        state.next_update, state.rounds_done = updates[-1] + 1, state.rounds_done + 1
+        yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced)
 
 
 def train(run: PreparedRun, log: RunLogger) -> dict:
     """Run the phase's rounds; log per update and per sync; return the final summary."""
     cfg = run.cfg
     keep_freed_memory()
-    theta = initial_weights(run)
+    state = RunState.start(cfg, initial_weights(run))
+    totals = state.totals
     n_params = count_params(cfg.model)
-    totals = {"inner": 0, "outer": 0}
     log.summary(run.plan_facts | {"model/params": n_params})
-    eval_loss = heldout_loss(run, theta)
+    eval_loss = heldout_loss(run, state.theta)
     log.log_eval(update=0, eval_loss=eval_loss)
     progress = Progress(run.updates, cfg.logger.progress)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
-    tokens_seen = 0
     # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
     # all are timed when that would leave none.
     warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
     timed_from, timed_steps_before = start, 0
-    for rnd in rounds(run, theta):
+    for rnd in rounds(run, state):
         for t, u in enumerate(rnd.updates):
             losses = [res.losses[t] for res in rnd.results]
             stepped = [x for x in losses if x is not None]
             tokens = sum(a.batches[t].targets for a in rnd.assigns)
-            tokens_seen += tokens
+            totals.tokens += tokens
+            totals.replica_steps += len(stepped)
             log.log_update(
                 {
                     "update": u + 1,
@@ -299,11 +297,11 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
             if u + 1 == warmup:
-                timed_from, timed_steps_before = time.perf_counter(), progress.replica_steps
+                timed_from, timed_steps_before = time.perf_counter(), totals.replica_steps
         inner_bytes, outer_bytes = round_bytes(cfg, n_params, len(rnd.updates), rnd.synced)
-        totals["inner"] += inner_bytes
-        totals["outer"] += outer_bytes
-        eval_loss = heldout_loss(run, theta)
+        totals.comm_inner_bytes += inner_bytes
+        totals.comm_outer_bytes += outer_bytes
+        eval_loss = heldout_loss(run, state.theta)
         if not math.isfinite(eval_loss):
             raise NonFiniteError(
                 f"the held-out loss of the global weights after the sync at update {rnd.updates[-1] + 1} "
@@ -319,8 +317,8 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 "replicas_synced": rnd.synced,
                 "comm_inner_bytes": inner_bytes,
                 "comm_outer_bytes": outer_bytes,
-                "comm_inner_total": totals["inner"],
-                "comm_outer_total": totals["outer"],
+                "comm_inner_total": totals.comm_inner_bytes,
+                "comm_outer_total": totals.comm_outer_bytes,
             }
         )
     progress.close()
@@ -328,9 +326,9 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
     timed = end - timed_from
     summary = {
         "eval/final_loss": eval_loss,
-        "train/tokens_total": tokens_seen,
+        "train/tokens_total": totals.tokens,
         "train/wall_s": end - start,
-        "train/replica_steps_per_s": (progress.replica_steps - timed_steps_before) / timed if timed else 0.0,
+        "train/replica_steps_per_s": (totals.replica_steps - timed_steps_before) / timed if timed else 0.0,
         "train/timed_updates": run.updates - warmup,  # the updates the throughput counts
         "train/timed_s": timed,
     }

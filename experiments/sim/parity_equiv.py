@@ -34,6 +34,7 @@ from hypertrain.config import (
     WorldConfig,
     validate,
 )
+from hypertrain.run_state import RunState
 from hypertrain.sim import batched
 from hypertrain.trainer import initial_weights, prepare, rounds
 
@@ -43,9 +44,10 @@ TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}
 def run_rounds(cfg: TrainConfig, engine) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
     """Losses [updates, R] (NaN = skipped) and the final global weights of the trainer's rounds."""
     run = prepare(cfg)
-    theta = initial_weights(run)
+    state = RunState.start(run.cfg, initial_weights(run))
+    theta = state.theta
     losses = []
-    for rnd in rounds(run, theta, engine):
+    for rnd in rounds(run, state, engine):
         steps = zip(*(r.losses for r in rnd.results), strict=True)
         losses += [[np.nan if x is None else x for x in step] for step in steps]
     return np.array(losses), theta

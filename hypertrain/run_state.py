@@ -1,0 +1,77 @@
+"""The run's whole state as one object: what a checkpoint saves and a resumed run restores.
+
+`RunState` holds the global weights and the outer optimizer's momentum, the inner optimizer
+state of every replica this process trains (moments and per-replica step counts), the position
+in the phase (next update, rounds done) and the running totals. Replica weights are not kept
+between rounds: at every round boundary each replica restarts from the global weights. Nothing
+in training draws random numbers after the initial weights (the plan and the data order are
+pure functions of the config), so there is no RNG state to carry. `state_dict()` gives plain
+tensors and numbers; `load_state_dict` puts them back in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hypertrain.config import TrainConfig
+from hypertrain.model import Params
+from hypertrain.optim import OptState, OuterState, init_outer_state, init_state
+
+
+@dataclass
+class Totals:
+    """Running sums since the phase's first update."""
+
+    tokens: int = 0  # target tokens trained on, all replicas
+    replica_steps: int = 0  # inner steps taken, summed over replicas
+    comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (trainer.round_bytes)
+    comm_outer_bytes: int = 0
+
+
+@dataclass
+class RunState:
+    theta: Params  # global weights, no replica axis
+    outer: OuterState
+    inner: list[OptState]  # per local replica, each with a leading replica axis of 1
+    replicas: list[int]  # the global index of each local replica, in `inner`'s order
+    next_update: int = 0  # the plan's 0-based update the next round starts at
+    rounds_done: int = 0
+    totals: Totals = field(default_factory=Totals)
+
+    @classmethod
+    def start(cls, cfg: TrainConfig, theta: Params, replicas: list[int] | None = None) -> RunState:
+        """The state before the first update: `theta` (owned by the state), zero optimizer state."""
+        local = list(range(cfg.replicas)) if replicas is None else list(replicas)
+        one = {n: t.unsqueeze(0) for n, t in theta.items()}
+        return cls(theta, init_outer_state(theta), [init_state(cfg.inner, one) for _ in local], local)
+
+    def state_dict(self) -> dict:
+        return {
+            "theta": self.theta,
+            "outer_momentum": self.outer.momentum,
+            "inner": [{"m": s.m, "v": s.v, "step": s.step} for s in self.inner],
+            "replicas": list(self.replicas),
+            "next_update": self.next_update,
+            "rounds_done": self.rounds_done,
+            "totals": vars(self.totals).copy(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: dict) -> None:
+        """Copy `saved` (from `state_dict`, possibly of another process) into this state in place."""
+        if list(saved["replicas"]) != self.replicas:
+            raise ValueError(
+                f"the saved state holds replicas {saved['replicas']}, this process {self.replicas}"
+            )
+        for name, t in self.theta.items():
+            t.copy_(saved["theta"][name])
+            self.outer.momentum[name].copy_(saved["outer_momentum"][name])
+        for state, kept in zip(self.inner, saved["inner"], strict=True):
+            for moments in ("m", "v"):
+                for name, t in getattr(state, moments).items():
+                    t.copy_(kept[moments][name])
+            state.step.copy_(kept["step"])
+        self.next_update, self.rounds_done = int(saved["next_update"]), int(saved["rounds_done"])
+        self.totals = Totals(**saved["totals"])
