@@ -32,18 +32,41 @@ class Microbatch:
 
 @dataclass
 class ReplicaBatch:
+    """One process's share of a replica's update: the whole replica batch in simulation, one rank's
+    share of it under the benchmark layout (where `replica_targets` counts the whole replica's)."""
+
     microbatches: list[Microbatch]
-    targets: int  # real target tokens in the replica's whole share of the update
+    targets: int  # real target tokens in these microbatches
+    replica_targets: int | None = None  # the replica's targets for the update; None = `targets`
+
+    @property
+    def replica_total(self) -> int:
+        return self.targets if self.replica_targets is None else self.replica_targets
 
     @property
     def empty(self) -> bool:
-        return not self.microbatches
+        """The replica has no ids in this update and skips the step (a rank of a replica that has
+        ids may hold none itself: it still steps, with a zero gradient, in its replica's group)."""
+        return self.replica_total == 0
 
 
-def replica_batch(dataset: Dataset, ids: np.ndarray, data: DataConfig, micro_batch: int) -> ReplicaBatch:
-    """The microbatches of one replica for one update (no microbatches when `ids` is empty)."""
+def replica_batch(
+    dataset: Dataset,
+    ids: np.ndarray,
+    data: DataConfig,
+    micro_batch: int,
+    replica_ids: np.ndarray | None = None,
+    world: int = 1,
+) -> ReplicaBatch:
+    """The microbatches of `ids` for one update (none when `ids` is empty), weighted as the plan says.
+
+    Simulation: `ids` are the replica's `V_m`, `world` 1. Benchmark layout: `ids` are one rank's
+    share, `replica_ids` its replica's `V_m` (whose lengths give the totals) and `world` the
+    replica's L ranks, so the average of the L ranks' losses is the replica batch's token mean.
+    """
+    total = None if replica_ids is None else _targets(dataset, replica_ids)
     if len(ids) == 0:
-        return ReplicaBatch([], 0)
+        return ReplicaBatch([], 0, total)
     if dataset.fixed_length:
         groups = plan.fixed_microbatches(len(ids), micro_batch)
         parts = [(load_batch(dataset, ids[g]), None) for g in groups]
@@ -53,12 +76,17 @@ def replica_batch(dataset: Dataset, ids: np.ndarray, data: DataConfig, micro_bat
         groups = plan.length_microbatches(lengths, data.max_padded_tokens, data.max_examples)
         parts = [pad_batch([dataset.get(int(i)) for i in ids[g]]) for g in groups]
         counts = [int(lengths[g].sum()) - len(g) for g in groups]
-    total = sum(counts)
+    share = sum(counts)
     micro = []
     for (tokens, mask), count in zip(parts, counts, strict=True):
-        weight = float(plan.channel_coefficients([count], [total], [1.0], world=1)[0])
+        weight = float(plan.channel_coefficients([count], [total or share], [1.0], world=world)[0])
         micro.append(Microbatch(tokens, mask, weight, count))
-    return ReplicaBatch(micro, total)
+    return ReplicaBatch(micro, share, total)
+
+
+def _targets(dataset: Dataset, ids: np.ndarray) -> int:
+    """Real target tokens of examples `ids` (each example of n ids has n - 1), from lengths only."""
+    return int(dataset.lengths(ids).sum()) - len(ids)
 
 
 def stack_microbatches(

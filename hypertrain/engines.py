@@ -71,7 +71,16 @@ def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: li
     )
 
 
-Engine = Callable[[TrainConfig, Params, list[Assignment], list[OptState]], list[ReplicaResult]]
+# In place: a replica's gradients and loss [local replicas] averaged over its ranks (benchmark layout).
+GradientAverage = Callable[[Params, Tensor], None]
+# engine(cfg, theta, assigns, states, average_in_replica=None) -> one result per assignment
+Engine = Callable[..., list[ReplicaResult]]
+
+
+def gradients(params: Params) -> Params:
+    """The accumulated gradients; zeros for a rank that had no ids while its replica did (it still
+    takes part in its replica's average, with nothing to add)."""
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
 
 
 def engine_for(name: str) -> Engine:

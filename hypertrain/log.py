@@ -71,6 +71,22 @@ def loss_mean(losses: list[float | None]) -> float | None:
     return math.fsum(stepped) / len(stepped) if stepped else None
 
 
+class NoLog:
+    """The logger of a process that does not write the run (every rank but 0): rows go nowhere."""
+
+    def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None:
+        pass
+
+    def log_update(self, row: dict) -> None:
+        pass
+
+    def log_sync(self, row: dict) -> None:
+        pass
+
+    def summary(self, values: dict) -> None:
+        pass
+
+
 class RunLogger:
     """Context manager recording one run to `run_dir/metrics.jsonl` and, optionally, to W&B.
 

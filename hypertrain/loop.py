@@ -13,12 +13,25 @@ import torch
 
 from hypertrain.compiled import inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.engines import Assignment, ReplicaResult, check_finite, microbatch_loss
+from hypertrain.engines import (
+    Assignment,
+    GradientAverage,
+    ReplicaResult,
+    check_finite,
+    gradients,
+    microbatch_loss,
+)
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
 
 
-def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: OptState) -> ReplicaResult:
+def train_replica(
+    cfg: TrainConfig,
+    theta: Params,
+    assign: Assignment,
+    state: OptState,
+    average_in_replica: GradientAverage | None = None,
+) -> ReplicaResult:
     """One replica's inner steps for one round (state is updated in place and returned)."""
     device = torch.device(cfg.engine.device)
     params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in theta.items()}
@@ -32,7 +45,9 @@ def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: Op
             part = microbatch_loss(cfg, params, mb)
             part.backward()
             loss += part.detach()
-        grads = {n: p.grad for n, p in params.items()}
+        grads = gradients(params)
+        if average_in_replica is not None:
+            average_in_replica(grads, loss.view(1))
         lr = lr_at(cfg.inner, assign.global_step0 + t, t)
         norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, lr)
         check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
@@ -43,7 +58,11 @@ def train_replica(cfg: TrainConfig, theta: Params, assign: Assignment, state: Op
 
 
 def train_replicas(
-    cfg: TrainConfig, theta: Params, assigns: list[Assignment], states: list[OptState]
+    cfg: TrainConfig,
+    theta: Params,
+    assigns: list[Assignment],
+    states: list[OptState],
+    average_in_replica: GradientAverage | None = None,
 ) -> list[ReplicaResult]:
     """Every replica's round, one after another (the reference for the stacked engine)."""
-    return [train_replica(cfg, theta, a, s) for a, s in zip(assigns, states, strict=True)]
+    return [train_replica(cfg, theta, a, s, average_in_replica) for a, s in zip(assigns, states, strict=True)]

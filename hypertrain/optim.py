@@ -8,6 +8,7 @@ norm, own step count), without host syncs or Python loops over replicas.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -222,11 +223,19 @@ def _muon(
         torch._foreach_add_([weights[i] for i in members], list(ortho.unbind(0)))
 
 
-def sync_inner_states(inner: InnerConfig, states: list[OptState], active: Tensor | None = None) -> None:
+def sync_inner_states(
+    inner: InnerConfig,
+    states: list[OptState],
+    active: Tensor | None = None,
+    sum_over_replicas: Callable[[Tensor], Tensor] | None = None,
+    max_over_replicas: Callable[[Tensor], Tensor] | None = None,
+) -> None:
     """Apply inner.state_policy at a sync, in place, to every replica's state.
 
     `states` hold 1 or several replica rows each; `active` bool over all those rows (None = all) marks
-    the replicas that stepped in the round and so took part in the sync.
+    the replicas that stepped in the round and so took part in the sync. With several processes,
+    `sum_over_replicas` / `max_over_replicas` extend the sums and maxima to the other processes'
+    replicas (None: this process holds them all).
     carry: nothing changes. reset: m, v and step counts zeroed (the next step is bias-corrected as a
     first step). average: every row's m and v become the mean over the active rows only (a replica
     that never stepped holds zero or stale moments and would dilute them), and every row's step count
@@ -241,23 +250,33 @@ def sync_inner_states(inner: InnerConfig, states: list[OptState], active: Tensor
             torch._foreach_zero_(list(s.m.values()) + list(s.v.values()))
             s.step.zero_()
         return
-    if policy == "average":
-        steps = torch.cat([s.step for s in states])
-        keep = torch.ones_like(steps, dtype=torch.bool) if active is None else active.to(steps.device)
-        if not bool(keep.any()):
-            return
-        for moments in ("m", "v"):
-            for name in getattr(states[0], moments):
-                rows = [getattr(s, moments)[name] for s in states]
-                stacked = torch.cat(rows)
-                mean = stacked[keep].mean(0, keepdim=True)
-                for r in rows:
-                    r.copy_(mean.expand_as(r))
-        largest = steps[keep].max()
-        for s in states:
-            s.step.fill_(largest)
+    if policy != "average":
+        raise ValueError(f"inner.state_policy={policy!r} is not valid; valid: 'carry', 'reset', 'average'")
+    steps = torch.cat([s.step for s in states])
+    keep = torch.ones_like(steps, dtype=torch.bool) if active is None else active.to(steps.device)
+    names = [("m", n) for n in states[0].m] + [("v", n) for n in states[0].v]
+    parts = []
+    for moments, name in names:
+        rows = torch.cat([getattr(s, moments)[name] for s in states])
+        parts.append(torch.where(_per_replica(keep, rows), rows, 0.0).sum(0).reshape(-1))
+    parts.append(keep.sum().to(parts[0]).reshape(1))
+    total = torch.cat(parts)
+    total = total if sum_over_replicas is None else sum_over_replicas(total)
+    if float(total[-1]) == 0:
         return
-    raise ValueError(f"inner.state_policy={policy!r} is not valid; valid: 'carry', 'reset', 'average'")
+    mean = total[:-1] / total[-1]
+    start = 0
+    for moments, name in names:
+        shape = getattr(states[0], moments)[name].shape[1:]
+        row = mean[start : start + shape.numel()].view(shape)
+        for s in states:
+            t = getattr(s, moments)[name]
+            t.copy_(row.expand_as(t))
+        start += shape.numel()
+    largest = torch.where(keep, steps, torch.zeros_like(steps)).max()
+    largest = largest if max_over_replicas is None else max_over_replicas(largest)
+    for s in states:
+        s.step.fill_(largest)
 
 
 @dataclass
@@ -271,28 +290,45 @@ def init_outer_state(global_params: Params) -> OuterState:
     return OuterState({n: torch.zeros_like(p, dtype=torch.float32) for n, p in global_params.items()})
 
 
-def pseudo_gradient(
+def pseudo_gradient_sum(
     global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
-) -> Params:
-    """mean over active replicas of (theta_global - theta_m), fp32, shaped like the global params.
+) -> Tensor:
+    """sum over active replicas of (theta_global - theta_m), fp32, flat in `global_params` order, with
+    the number of active replicas appended: [n_params + 1]. What a sync sums over processes.
 
     `replica_params` is one Params with a leading replica axis [R, ...] or a list of them (concatenated
-    in order); `active` bool [R] over all those rows (None = all; none active gives zeros). The result
-    is always freshly allocated, never a view of the global or replica tensors.
+    in order); `active` bool [R] over all those rows (None = all). Always freshly allocated.
     """
     stacked = replica_params if isinstance(replica_params, dict) else _concat(replica_params)
-    out = {}
+    parts = []
     for name, theta in global_params.items():
         replicas = stacked[name].float()
         delta = theta.float().reshape(1, *replicas.shape[1:]) - replicas
-        if active is None:
-            mean = delta.sum(0) / delta.shape[0]
-        else:
+        if active is not None:
             # where, not a 0/1 weight: a skipped replica's rows never leak in, even non-finite ones
-            kept = torch.where(_per_replica(active, delta), delta, 0.0)
-            mean = kept.sum(0) / active.sum().clamp(min=1).to(delta.dtype)
-        out[name] = mean.reshape(theta.shape)
+            delta = torch.where(_per_replica(active, delta), delta, 0.0)
+        parts.append(delta.sum(0).reshape(-1))
+    count = len(next(iter(stacked.values()))) if active is None else active.sum()
+    parts.append(torch.as_tensor(count, dtype=torch.float32, device=parts[0].device).reshape(1))
+    return torch.cat(parts)
+
+
+def unflatten(flat: Tensor, like: Params) -> Params:
+    """A flat vector in `like`'s order -> tensors shaped like `like`'s (views of `flat`)."""
+    out, start = {}, 0
+    for name, t in like.items():
+        out[name] = flat[start : start + t.numel()].view(t.shape)
+        start += t.numel()
     return out
+
+
+def pseudo_gradient(
+    global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
+) -> Params:
+    """mean over active replicas of (theta_global - theta_m), fp32, shaped like the global params
+    (none active gives zeros); freshly allocated, never a view of the global or replica tensors."""
+    total = pseudo_gradient_sum(global_params, replica_params, active)
+    return unflatten(total[:-1] / total[-1].clamp(min=1), global_params)
 
 
 def _concat(replica_params: list[Params]) -> Params:

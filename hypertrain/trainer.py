@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from hypertrain import plan
 from hypertrain.batches import ReplicaBatch, replica_batch
@@ -34,16 +35,17 @@ from hypertrain.engines import (
     engine_for,
     microbatch_loss,
 )
-from hypertrain.log import RunLogger
+from hypertrain.log import NoLog, RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
-    OuterState,
     lr_at,
     outer_step,
-    pseudo_gradient,
+    pseudo_gradient_sum,
     sync_inner_states,
+    unflatten,
 )
 from hypertrain.plan_check import verify_phase
+from hypertrain.replica_groups import ReplicaGroups
 from hypertrain.run_state import RunState
 from hypertrain.runtime import keep_freed_memory
 
@@ -152,44 +154,54 @@ def heldout_loss(run: PreparedRun, theta: Params) -> float:
     return float(total)
 
 
-def assignments(run: PreparedRun, updates: range) -> list[Assignment]:
-    """Every replica's batches for the updates of one round, as the plan assigns them."""
+def assignments(run: PreparedRun, updates: range, groups: ReplicaGroups | None = None) -> list[Assignment]:
+    """This process's replicas' batches for the updates of one round, as the plan assigns them: each
+    replica's whole share, or (benchmark layout) this rank's share weighted over its replica's ranks."""
     cfg = run.cfg
-    return [
-        Assignment(
-            m,
-            updates[0],
-            [
-                replica_batch(
-                    run.dataset,
-                    plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples),
-                    cfg.data,
-                    cfg.inner.micro_batch,
-                )
-                for u in updates
-            ],
-        )
-        for m in range(cfg.replicas)
-    ]
+    groups = groups or ReplicaGroups(cfg.replicas)
+    share = groups.rank_share()
+
+    def batch(u: int, m: int) -> ReplicaBatch:
+        ids = plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples)
+        if share is None:
+            return replica_batch(run.dataset, ids, cfg.data, cfg.inner.micro_batch)
+        rank, world, ranks_per_replica = share
+        mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
+        return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, ranks_per_replica)
+
+    return [Assignment(m, updates[0], [batch(u, m) for u in updates]) for m in groups.replicas]
 
 
 def sync(
-    cfg: TrainConfig, theta: Params, outer_state: OuterState, results: list[ReplicaResult]
+    cfg: TrainConfig, state: RunState, results: list[ReplicaResult], groups: ReplicaGroups | None = None
 ) -> tuple[float, int]:
     """End a round: outer step on the replicas that stepped, then the inner state policy.
 
-    Steps `theta` in place (it never shares storage with a replica's weights) and returns the
-    pseudo-gradient norm and the number of replicas that took part.
+    Every process sums its replicas' pseudo-gradients and the sum goes over all processes
+    (`groups.sum_over_replicas`), so each steps the same `state.theta` in place (it never shares
+    storage with a replica's weights). Returns the pseudo-gradient norm and the replicas that took part.
     """
-    active = torch.tensor([res.stepped for res in results], device=next(iter(theta.values())).device)
-    if not active.any():  # nobody stepped: no pseudo-gradient, and momentum must not move theta
-        return 0.0, 0
+    groups = groups or ReplicaGroups(cfg.replicas)
+    theta = state.theta
+    device = next(iter(theta.values())).device
+    active = torch.tensor([res.stepped for res in results], device=device)
     replica_params = {n: torch.cat([res.params[n] for res in results]) for n in theta}
-    delta = pseudo_gradient(theta, replica_params, active)
-    delta_norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
-    outer_step(cfg.outer, theta, delta, outer_state)
-    sync_inner_states(cfg.inner, [res.state for res in results], active.to(results[0].state.step.device))
-    return delta_norm, int(active.sum())
+    total = groups.sum_over_replicas(pseudo_gradient_sum(theta, replica_params, active))
+    synced = int(total[-1])
+    if synced == 0:  # nobody stepped: no pseudo-gradient, and momentum must not move theta
+        return 0.0, 0
+    mean = total[:-1] / total[-1]
+    delta = unflatten(mean, theta)
+    delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
+    outer_step(cfg.outer, theta, delta, state.outer)
+    sync_inner_states(
+        cfg.inner,
+        [res.state for res in results],
+        active.to(results[0].state.step.device),
+        groups.sum_over_replicas,
+        groups.max_over_replicas,
+    )
+    return delta_norm, synced
 
 
 class Progress:
@@ -229,14 +241,19 @@ class Progress:
 
 @dataclass
 class Round:
-    """One finished round: its updates, what every replica was given and did, and its sync."""
+    """One finished round: its updates, what this process's replicas were given and did, its sync,
+    and every replica's per-update records (`table`, gathered once per round for the writer)."""
 
     index: int  # 1-based
     updates: range  # the plan's update indices of the round
-    assigns: list[Assignment]
+    assigns: list[Assignment]  # this process's replicas
     results: list[ReplicaResult]
     delta_norm: float  # norm of the mean pseudo-gradient the outer step used
     synced: int  # replicas that stepped in the round and took part in the sync
+    table: Tensor  # float64 [updates, R, 3]: loss (NaN = skipped), the replica's targets, microbatches
+
+    def losses(self, t: int) -> list[float | None]:
+        return [None if math.isnan(x) else x for x in self.table[t, :, 0].tolist()]
 
 
 def initial_weights(run: PreparedRun) -> Params:
@@ -245,43 +262,76 @@ def initial_weights(run: PreparedRun) -> Params:
     return {n: t.to(device) for n, t in init_params(run.cfg.model, run.cfg.seed).items()}
 
 
-def rounds(run: PreparedRun, state: RunState, engine: Engine | None = None) -> Iterator[Round]:
-    """The phase's rounds from `state.next_update` on: the engine's inner steps, then the sync that
-    steps `state.theta` in place; `state` is advanced past each round before the round is yielded."""
+def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
+    """[updates, local replicas, 3] float64: loss or NaN when skipped, the replica's targets, microbatches."""
+    rows = [
+        [
+            [
+                math.nan if res.losses[t] is None else res.losses[t],
+                a.batches[t].replica_total,
+                len(a.batches[t].microbatches),
+            ]
+            for a, res in zip(assigns, results, strict=True)
+        ]
+        for t in range(len(assigns[0].batches))
+    ]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def rounds(
+    run: PreparedRun, state: RunState, engine: Engine | None = None, groups: ReplicaGroups | None = None
+) -> Iterator[Round]:
+    """The phase's rounds from `state.next_update` on: this process's replicas' inner steps, then the
+    sync that steps `state.theta` in place; `state` is advanced past each round before it is yielded.
+    With `groups` of several processes every process runs this same loop on its own replicas."""
     cfg = run.cfg
     engine = engine or engine_for(cfg.engine.name)
+    groups = groups or ReplicaGroups(cfg.replicas)
+    average = groups.average_in_replica if groups.rank_share() is not None else None
     for first in range(state.next_update, run.updates, cfg.inner.H):
         updates = range(first, min(first + cfg.inner.H, run.updates))
-        assigns = assignments(run, updates)
-        results = engine(cfg, state.theta, assigns, state.inner)
+        assigns = assignments(run, updates, groups)
+        results = engine(cfg, state.theta, assigns, state.inner, average)
+        groups.check_replicas_identical({n: torch.cat([r.params[n] for r in results]) for n in state.theta})
         state.inner = [res.state for res in results]
-        delta_norm, synced = sync(cfg, state.theta, state.outer, results)
+        table = groups.gather_round(local_table(assigns, results))
+        delta_norm, synced = sync(cfg, state, results, groups)
         state.next_update, state.rounds_done = updates[-1] + 1, state.rounds_done + 1
-        yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced)
+        yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced, table)
 
 
-def train(run: PreparedRun, log: RunLogger) -> dict:
-    """Run the phase's rounds; log per update and per sync; return the final summary."""
+def train(run: PreparedRun, log: RunLogger | None, groups: ReplicaGroups | None = None) -> dict:
+    """Run the phase's rounds; the writer logs per update and per sync; return the final summary.
+
+    Every process of a run calls this with its `groups`; only the writer (rank 0) gets a `log`,
+    evaluates the held-out loss and shows progress. The others pass `log=None`.
+    """
     cfg = run.cfg
+    groups = groups or ReplicaGroups(cfg.replicas)
+    log = log if log is not None else NoLog()
+    writer = groups.is_writer
     keep_freed_memory()
-    state = RunState.start(cfg, initial_weights(run))
+    state = RunState.start(cfg, initial_weights(run), groups.replicas)
     totals = state.totals
     n_params = count_params(cfg.model)
-    log.summary(run.plan_facts | {"model/params": n_params})
-    eval_loss = heldout_loss(run, state.theta)
+    log.summary(run.plan_facts | {"model/params": n_params, "engine/layout": groups.layout})
+    eval_loss = heldout_loss(run, state.theta) if writer else math.nan
     log.log_eval(update=0, eval_loss=eval_loss)
-    progress = Progress(run.updates, cfg.logger.progress)
+    progress = Progress(run.updates, cfg.logger.progress if writer else "never")
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
     # all are timed when that would leave none.
     warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
     timed_from, timed_steps_before = start, 0
-    for rnd in rounds(run, state):
+    for rnd in rounds(run, state, groups=groups):
+        # Rows are written once the round is over: `wall` is when the round that holds the update
+        # ended (an engine runs a round as a whole), the same for every update of a round.
+        round_end = time.perf_counter() - start
         for t, u in enumerate(rnd.updates):
-            losses = [res.losses[t] for res in rnd.results]
+            losses = rnd.losses(t)
             stepped = [x for x in losses if x is not None]
-            tokens = sum(a.batches[t].targets for a in rnd.assigns)
+            tokens = int(rnd.table[t, :, 1].sum())
             totals.tokens += tokens
             totals.replica_steps += len(stepped)
             log.log_update(
@@ -291,8 +341,8 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                     "lr": lr_at(cfg.inner, u, t),
                     "loss": losses,
                     "tokens": tokens,
-                    "grad_accum": max(len(a.batches[t].microbatches) for a in rnd.assigns),
-                    "wall": time.perf_counter() - start,
+                    "grad_accum": int(rnd.table[t, :, 2].max()),
+                    "wall": round_end,
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
@@ -301,6 +351,9 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
         inner_bytes, outer_bytes = round_bytes(cfg, n_params, len(rnd.updates), rnd.synced)
         totals.comm_inner_bytes += inner_bytes
         totals.comm_outer_bytes += outer_bytes
+        measured = groups.comm_stats()
+        if not writer:
+            continue
         eval_loss = heldout_loss(run, state.theta)
         if not math.isfinite(eval_loss):
             raise NonFiniteError(
@@ -319,6 +372,7 @@ def train(run: PreparedRun, log: RunLogger) -> dict:
                 "comm_outer_bytes": outer_bytes,
                 "comm_inner_total": totals.comm_inner_bytes,
                 "comm_outer_total": totals.comm_outer_bytes,
+                **measured,
             }
         )
     progress.close()

@@ -26,7 +26,8 @@ from hypertrain.config import (
 from hypertrain.log import RunLogger, read_metrics
 from hypertrain.loop import train_replicas
 from hypertrain.model import forward, init_params
-from hypertrain.optim import init_outer_state, init_state
+from hypertrain.optim import init_state
+from hypertrain.run_state import RunState
 from hypertrain.trainer import assignments, prepare, sync, train
 
 
@@ -155,20 +156,19 @@ def test_every_sync_matches_a_float64_reference_outer_step():
         phase=PhaseConfig(name="t", global_batch=18, updates=6, timing_warmup=0),
     )
     run = prepare(cfg)
-    theta = init_params(cfg.model, cfg.seed)
-    outer = init_outer_state(theta)
-    states = [init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(3)]
+    state = RunState.start(cfg, init_params(cfg.model, cfg.seed))
+    theta = state.theta
     ref_theta = {n: t.double().clone() for n, t in theta.items()}
     ref_buf = {n: torch.zeros_like(t) for n, t in ref_theta.items()}
     mu, lr = cfg.outer.momentum, cfg.outer.lr
     for first in range(0, 6, cfg.inner.H):
-        results = train_replicas(cfg, theta, assignments(run, range(first, first + cfg.inner.H)), states)
-        states = [r.state for r in results]
+        results = train_replicas(cfg, theta, assignments(run, range(first, first + cfg.inner.H)), state.inner)
+        state.inner = [r.state for r in results]
         for res in results:
             for n, t in theta.items():
                 assert t.untyped_storage().data_ptr() != res.params[n].untyped_storage().data_ptr()
         before = {n: t.clone() for n, t in theta.items()}
-        sync(cfg, theta, outer, results)
+        sync(cfg, state, results)
         for n in theta:
             delta = torch.stack([before[n].double() - r.params[n][0].double() for r in results]).mean(0)
             ref_buf[n] = mu * ref_buf[n] + delta

@@ -18,7 +18,7 @@ import torch
 from hypertrain.batches import stack_microbatches, stacked_microbatches
 from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.engines import Assignment, ReplicaResult, check_finite
+from hypertrain.engines import Assignment, GradientAverage, ReplicaResult, check_finite, gradients
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
 
@@ -52,7 +52,11 @@ def check_supported(cfg: TrainConfig) -> None:
 
 
 def train_many(
-    cfg: TrainConfig, theta: Params, assigns: list[Assignment], states: list[OptState]
+    cfg: TrainConfig,
+    theta: Params,
+    assigns: list[Assignment],
+    states: list[OptState],
+    average_in_replica: GradientAverage | None = None,
 ) -> list[ReplicaResult]:
     """One round's inner steps for the replicas in `assigns`, stacked (one sub-round)."""
     check_supported(cfg)
@@ -85,7 +89,9 @@ def train_many(
             per_replica = forward(cfg.model, params, tokens, mask) * weights
             per_replica.sum().backward()
             losses[t] += per_replica.detach()
-        grads = {n: p.grad for n, p in params.items()}
+        grads = gradients(params)
+        if average_in_replica is not None:
+            average_in_replica(grads, losses[t])
         lr = lr_at(cfg.inner, assigns[0].global_step0 + t, t)
         # The mask costs a copy of the state: pass it only when some replica sits this step out.
         mask = None if all(active) else stepped[t].to(device)
@@ -106,11 +112,16 @@ def train_many(
 
 
 def train_replicas(
-    cfg: TrainConfig, theta: Params, assigns: list[Assignment], states: list[OptState]
+    cfg: TrainConfig,
+    theta: Params,
+    assigns: list[Assignment],
+    states: list[OptState],
+    average_in_replica: GradientAverage | None = None,
 ) -> list[ReplicaResult]:
     """Every replica's round, `engine.stack` replicas at a time (0 = all at once)."""
     size = cfg.engine.stack or len(assigns)
     results: list[ReplicaResult] = []
     for start in range(0, len(assigns), size):
-        results += train_many(cfg, theta, assigns[start : start + size], states[start : start + size])
+        part = slice(start, start + size)
+        results += train_many(cfg, theta, assigns[part], states[part], average_in_replica)
     return results
