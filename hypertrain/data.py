@@ -11,12 +11,19 @@ Sources (all read in sorted path order, files concatenated without separators):
   `vocab` is its largest token id + 1 (the trainer checks `model.vocab >= dataset.vocab`).
 Examples:
 - `windows`: window w is tokens `[w*seq_len, w*seq_len + seq_len + 1)`, so consecutive windows share
-  one token and every token but the first is a target once; `n_total = (n_tokens - 1) // seq_len`.
+  one token and every token but the first is a target once; there are `(n_tokens - 1) // seq_len`.
 - `documents` (byte sources): each file split on `b"\\n\\n"` into paragraphs, each cut to its first
   `max_len + 1` tokens; paragraphs under 2 tokens (no input/target pair) are dropped.
-Stream id i is example `perm[i]`, `perm = np.random.default_rng(shuffle_seed).permutation(n_total)`,
-so the held-out slice is a uniform sample of the examples and, being a permutation, never shares an
-example with the training ids `0 .. n_total - heldout - 1`.
+Examples are de-duplicated by content (the tokens of the example as presented, after the cut): of
+equal examples only the first in source order is kept, so no two ids hold the same tokens, and in
+particular no held-out example also appears among the training ids (licence headers and other
+boilerplate repeat across files). `n_total` counts the distinct examples; the description says how
+many duplicates were dropped. Windows are grouped by a vectorised 64-bit hash and then compared
+token for token, so the result depends on content only, never on the hash.
+Stream id i is distinct example `perm[i]`, `perm = np.random.default_rng(shuffle_seed).permutation(n_total)`,
+so the held-out slice is a uniform sample of the distinct examples. numpy does not promise that stream
+across versions, so the fingerprint covers the resulting order: two machines whose orders differ get
+different fingerprints.
 """
 
 from __future__ import annotations
@@ -40,10 +47,11 @@ from hypertrain.config import ConfigError, DataConfig
 SampleFn = Callable[[int], np.ndarray]
 
 # Bumped whenever the way examples are derived from the source changes, so old fingerprints differ.
-_FINGERPRINT_VERSION = 1
+_FINGERPRINT_VERSION = 2  # 2: examples de-duplicated by content; the order hashed in
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")
 _TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _HASH_CHUNK = 1 << 24  # tokens per chunk when hashing and scanning a token file
+_ROWS_CHUNK_BYTES = 1 << 22  # bytes of window rows handled at once when de-duplicating
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,8 +60,9 @@ class Dataset:
 
     n_total: int  # examples in the stream, the held-out slice included
     vocab: int  # token ids are in [0, vocab)
-    fingerprint: str  # sha256 hex of the source and the settings that determine the examples
+    fingerprint: str  # sha256 hex of the source, the settings that determine the examples, and their order
     description: str  # one line for logs
+    duplicates: int  # examples dropped because an earlier example has the same tokens
     fixed_length: bool  # every example has `max_length` tokens (windows)
     max_length: int  # tokens in the longest example (seq_len + 1 for windows)
     _tokens: np.ndarray = field(repr=False)  # the whole token stream (uint8, or a uint16/32 memmap)
@@ -131,37 +140,65 @@ def build_dataset(cfg: DataConfig) -> Dataset:
         if cfg.seq_len < 1:
             raise ConfigError(f"data.seq_len={cfg.seq_len} is too small; valid: >= 1")
         settings["seq_len"] = cfg.seq_len
-        n_total = max(len(source.tokens) - 1, 0) // cfg.seq_len
-        example_starts, example_lengths = np.arange(n_total, dtype=np.int64) * cfg.seq_len, None
+        windows = max(len(source.tokens) - 1, 0) // cfg.seq_len
+        kept = _distinct_windows(source.tokens, cfg.seq_len, windows)
+        example_starts, example_lengths = kept * cfg.seq_len, None
+        n_total, duplicates = len(kept), windows - len(kept)
         max_length = cfg.seq_len + 1
-        what = f"{n_total:,} windows of {max_length}"
+        what = f"{n_total:,} windows of {max_length} ({duplicates:,} duplicates dropped)"
     else:
         if cfg.max_len < 2:
             raise ConfigError(f"data.max_len={cfg.max_len} is too small; valid: >= 2")
         settings["max_len"] = cfg.max_len
-        example_starts, example_lengths = _paragraphs(source, cfg.max_len + 1)
+        example_starts, example_lengths, duplicates = _paragraphs(source, cfg.max_len + 1)
         n_total = len(example_starts)
         max_length = int(example_lengths.max()) if n_total else 0
         mean = float(example_lengths.mean()) if n_total else 0.0
-        what = f"{n_total:,} paragraphs of 2..{max_length} tokens (mean {mean:.0f}, cut at {cfg.max_len + 1})"
+        what = (
+            f"{n_total:,} paragraphs of 2..{max_length} tokens (mean {mean:.0f}, cut at {cfg.max_len + 1}; "
+            f"{duplicates:,} duplicates dropped)"
+        )
 
     if n_total <= cfg.heldout:
-        raise ConfigError(
-            f"data.heldout={cfg.heldout} leaves no training examples: data={cfg.name} gives {n_total} "
-            f"{cfg.examples}; valid: heldout < {n_total} (or a longer source / shorter examples)"
-        )
+        raise ConfigError(_too_short(cfg, source, n_total, duplicates))
     order = np.random.default_rng(cfg.shuffle_seed).permutation(n_total)
+    stream_starts = example_starts[order]
+    # The order is hashed in (numpy does not promise permutation's stream across versions): the
+    # starts of the stream's examples in stream order, as little-endian int64, cover both the
+    # permutation and which examples were kept.
+    order_digest = hashlib.sha256(np.ascontiguousarray(stream_starts, dtype="<i8")).hexdigest()
     header = json.dumps(settings, sort_keys=True).encode()
+    fingerprint = hashlib.sha256(header + b"\0" + source.digest.encode() + b"\0" + order_digest.encode())
     return Dataset(
         n_total=n_total,
         vocab=source.vocab,
-        fingerprint=hashlib.sha256(header + b"\0" + source.digest.encode()).hexdigest(),
+        fingerprint=fingerprint.hexdigest(),
         description=f"{source.label}, {what}",
+        duplicates=duplicates,
         fixed_length=example_lengths is None,
         max_length=max_length,
         _tokens=source.tokens,
-        _starts=example_starts[order],
+        _starts=stream_starts,
         _lengths=None if example_lengths is None else example_lengths[order],
+    )
+
+
+def _too_short(cfg: DataConfig, source: _Source, n_total: int, duplicates: int) -> str:
+    """One line for a source with no more examples than the held-out slice, naming the source."""
+    where = "data=stdlib" if cfg.name == "stdlib" else f"data.path={cfg.path!r}"
+    unit = "tokens" if cfg.name == "token_bin" else "bytes"
+    one = "window" if cfg.examples == "windows" else "paragraph"
+    valid = f"a source with more than data.heldout={cfg.heldout} {one}s"
+    holds = f"{where} holds {len(source.tokens):,} {unit}"
+    if n_total == 0:
+        need = f"seq_len + 1 = {cfg.seq_len + 1}" if cfg.examples == "windows" else "at least 2"
+        return f"{holds}: no {one}s (one needs {need} {unit}); valid: {valid}"
+    gives = f"{n_total:,} distinct {one}{'s' if n_total > 1 else ''}"
+    dropped = f" ({duplicates:,} duplicates dropped)" if duplicates else ""
+    valid = f"data.heldout < {n_total}, or {valid}" if n_total > 1 else valid
+    return (
+        f"{holds}: {gives}{dropped}, not more than "
+        f"data.heldout={cfg.heldout}, so none to train on; valid: {valid}"
     )
 
 
@@ -206,7 +243,8 @@ def pad_batch(rows: list[np.ndarray], length: int | None = None) -> tuple[torch.
 
 def _stdlib_source() -> _Source:
     # Listing with os.walk, pruning site-packages before descending, takes ~20 ms; rglob walks
-    # the installed packages too and takes ~300 ms. The whole build takes ~0.2-0.3 s, so no cache.
+    # the installed packages too and takes ~300 ms. The whole build, de-duplication included, takes
+    # ~0.15 s (windows) to ~0.2 s (documents), so no cache.
     root = sysconfig.get_paths()["stdlib"]
     names = []
     for directory, subdirs, files in os.walk(root):
@@ -274,18 +312,103 @@ def _token_bin_source(path_text: str, token_dtype: str) -> _Source:
     return _Source(tokens, np.array([0, len(tokens)], dtype=np.int64), digest.hexdigest(), label, largest + 1)
 
 
-def _paragraphs(source: _Source, cut: int) -> tuple[np.ndarray, np.ndarray]:
-    """Start and length (cut to `cut`) of every paragraph of at least 2 tokens, in file order."""
-    starts, lengths = [], []
+def _paragraphs(source: _Source, cut: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Start, length (cut to `cut`) of the first of each distinct paragraph of >= 2 tokens, in file order.
+
+    Also the number of paragraphs dropped as duplicates: equal to an earlier one once cut.
+    """
+    starts, lengths, seen, duplicates = [], [], set(), 0
     bounds = source.file_bounds
     for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        sizes = np.array([len(p) for p in source.tokens[begin:end].tobytes().split(b"\n\n")], dtype=np.int64)
-        starts.append(begin + np.concatenate(([0], np.cumsum(sizes[:-1] + 2))))  # + 2: the separator
-        lengths.append(sizes)
-    start = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
-    length = np.minimum(np.concatenate(lengths), cut) if lengths else np.zeros(0, dtype=np.int64)
-    keep = length >= 2
-    return start[keep].astype(np.int64), length[keep].astype(np.int64)
+        position = begin
+        for paragraph in source.tokens[begin:end].tobytes().split(b"\n\n"):
+            example = paragraph[:cut]
+            if len(example) >= 2:
+                if example in seen:
+                    duplicates += 1
+                else:
+                    seen.add(example)
+                    starts.append(position)
+                    lengths.append(len(example))
+            position += len(paragraph) + 2  # + 2: the separator
+    return np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64), duplicates
+
+
+def _distinct_windows(tokens: np.ndarray, seq_len: int, n: int) -> np.ndarray:
+    """Indices of windows `0..n-1` whose tokens no earlier window has, increasing (first occurrences)."""
+    length = seq_len + 1
+    data = np.asarray(tokens)  # a memmap stays a view: rows are read on demand
+
+    def rows(windows: np.ndarray) -> np.ndarray:
+        return data[windows[:, None] * seq_len + np.arange(length)]
+
+    # One np.sort of (key, window) packed in a uint64, the key's high bits above the window's index,
+    # orders by key and, within a key, by source order (3x faster than a stable argsort). The key
+    # loses `bits` bits: a few more windows share a key, which only means a few more comparisons.
+    bits = max(1, (n - 1).bit_length())
+    packed = _window_hashes(tokens, seq_len, n) >> np.uint64(bits) << np.uint64(bits)
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & np.uint64((1 << bits) - 1)).astype(np.int64)
+    packed >>= np.uint64(bits)  # the keys, sorted
+    opens = np.ones(n, dtype=bool)
+    opens[1:] = packed[1:] != packed[:-1]
+    first = np.empty(n, dtype=np.int64)  # first[w]: the earliest window with w's key
+    first[order] = order[np.maximum.accumulate(np.where(opens, np.arange(n), 0))]
+    keep = first == np.arange(n)
+    # A window whose key an earlier window has is a duplicate when its tokens equal that window's;
+    # a key shared by different tokens (a hash collision) leaves its whole group to be settled by content.
+    candidates = np.flatnonzero(~keep)
+    step = max(1, _ROWS_CHUNK_BYTES // (length * data.dtype.itemsize))
+    collided = [np.zeros(0, dtype=np.int64)]
+    for i in range(0, len(candidates), step):
+        chunk = candidates[i : i + step]
+        differ = (rows(chunk) != rows(first[chunk])).any(axis=1)
+        collided.append(first[chunk[differ]])
+    collided_keys = np.unique(np.concatenate(collided))
+    if len(collided_keys):
+        members = np.flatnonzero(np.isin(first, collided_keys))  # every window of those groups, in order
+        seen = set()
+        for i in range(0, len(members), step):
+            chunk = members[i : i + step]
+            for window, row in zip(chunk.tolist(), rows(chunk), strict=True):
+                content = row.tobytes()
+                keep[window] = content not in seen
+                seen.add(content)
+    return np.flatnonzero(keep).astype(np.int64)
+
+
+def _window_hashes(tokens: np.ndarray, seq_len: int, n: int) -> np.ndarray:
+    """A uint64 key per window `0..n-1` that equal windows share (distinct ones almost never do).
+
+    Multilinear hashing: the window's bytes as little-endian 32-bit words, each times its own odd
+    64-bit constant, summed mod 2**64 (about 2 GB/s, faster than the sha256 of the source).
+    """
+    length, itemsize = seq_len + 1, tokens.dtype.itemsize
+    size = length * itemsize
+    words = -(-size // 4)
+    multipliers = _odd_constants(words)
+    step = max(1, _ROWS_CHUNK_BYTES // (words * 4))
+    keys = np.empty(n, dtype=np.uint64)
+    for w0 in range(0, n, step):
+        w1 = min(n, w0 + step)
+        span = np.ascontiguousarray(tokens[w0 * seq_len : (w1 - 1) * seq_len + length]).view(np.uint8)
+        rows = np.lib.stride_tricks.as_strided(
+            span, shape=(w1 - w0, size), strides=(seq_len * itemsize, 1), writeable=False
+        )
+        padded = np.zeros((w1 - w0, words * 4), dtype=np.uint8)
+        padded[:, :size] = rows
+        keys[w0:w1] = padded.view("<u4").astype(np.uint64) @ multipliers
+    return keys
+
+
+def _odd_constants(count: int) -> np.ndarray:
+    """`count` fixed odd uint64 constants (splitmix64 of 1..count), the same on every machine."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) | np.uint64(1)
 
 
 def _megabytes(source: _Source) -> str:

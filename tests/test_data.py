@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hypertrain import data as data_module
 from hypertrain.config import ConfigError, DataConfig
 from hypertrain.data import Dataset, build_dataset, load_batch, pad_batch
 
@@ -54,6 +55,29 @@ def write_random_text(folder: Path, sizes: dict[str, int], seed: int = 0) -> dic
     return written
 
 
+def distinct_windows(corpus: bytes, T: int) -> list[bytes]:
+    """The spec, by content: every window of `corpus`, each content once, in order of first occurrence."""
+    return list(dict.fromkeys(corpus[w * T : w * T + T + 1] for w in range((len(corpus) - 1) // T)))
+
+
+def distinct_paragraphs(files: list[bytes], cut: int) -> list[bytes]:
+    """The spec, by content: paragraphs cut at `cut`, of >= 2 bytes, each content once, first first."""
+    cut_paragraphs = (p[:cut] for f in files for p in f.split(b"\n\n"))
+    return list(dict.fromkeys(p for p in cut_paragraphs if len(p) >= 2))
+
+
+def contents(data: Dataset, ids) -> list[bytes]:
+    return [bytes(data.get(int(i)).astype(np.uint8)) for i in ids]
+
+
+def assert_heldout_unseen_in_training(data: Dataset, heldout: int) -> None:
+    """No held-out example's tokens equal any training example's, and no two ids hold equal tokens."""
+    rows = [data.get(i).tobytes() for i in range(data.n_total)]  # int64 bytes: equal rows, equal bytes
+    training, held = set(rows[: data.n_total - heldout]), rows[data.n_total - heldout :]
+    assert [i for i, row in enumerate(held) if row in training] == []
+    assert len(set(rows)) == data.n_total
+
+
 def test_stdlib_rows_are_fixed_windows_of_seq_len_plus_one(stdlib):
     assert stdlib.vocab == 256 and stdlib.fixed_length and stdlib.max_length == 65
     for i in (0, 1, 12345, stdlib.n_total - 1):
@@ -67,17 +91,31 @@ def test_stdlib_rows_are_fixed_windows_of_seq_len_plus_one(stdlib):
     assert "stdlib" in stdlib.description and f"{stdlib.n_total:,} windows of 65" in stdlib.description
 
 
-def test_stdlib_rows_are_the_shuffled_windows_of_the_stdlib_bytes(stdlib, stdlib_reference):
+def test_stdlib_rows_are_the_shuffled_distinct_windows_of_the_stdlib_bytes(stdlib, stdlib_reference):
     corpus, files = stdlib_reference
     T = 64
-    assert stdlib.n_total == (len(corpus) - 1) // T
+    distinct = distinct_windows(corpus, T)
+    dropped = (len(corpus) - 1) // T - len(distinct)
+    assert stdlib.n_total == len(distinct) and stdlib.duplicates == dropped > 0
+    assert f"{len(distinct):,} windows of 65 ({dropped:,} duplicates dropped)" in stdlib.description
     order = np.random.default_rng(0).permutation(stdlib.n_total)
     for i in (0, 7, 1000, stdlib.n_total - 256, stdlib.n_total - 1):
-        w = order[i]
-        assert bytes(stdlib.get(i).astype(np.uint8)) == corpus[w * T : w * T + T + 1]
+        assert bytes(stdlib.get(i).astype(np.uint8)) == distinct[order[i]]
     # And as text: some early row is a stretch of one real stdlib file.
     texts = [bytes(stdlib.get(i).astype(np.uint8)) for i in range(20)]
     assert any(any(text in f for f in files) for text in texts)
+
+
+@pytest.mark.parametrize("examples", ["windows", "documents"])
+def test_no_heldout_example_of_the_stdlib_occurs_among_the_training_ids(stdlib_reference, examples):
+    # Licence headers and boilerplate repeat across stdlib files: before de-duplication 4 held-out
+    # windows and 29 held-out paragraphs (of 256) had exact copies among the training ids.
+    data = build_dataset(DataConfig(name="stdlib", examples=examples, seq_len=64, max_len=256, heldout=256))
+    assert_heldout_unseen_in_training(data, heldout=256)
+    corpus, files = stdlib_reference
+    reference = distinct_windows(corpus, 64) if examples == "windows" else distinct_paragraphs(files, 257)
+    assert data.n_total == len(reference)  # only duplicates were dropped
+    assert f"{data.duplicates:,} duplicates dropped" in data.description
 
 
 def test_stream_order_is_a_permutation_covering_every_window_once(tmp_path):
@@ -102,6 +140,142 @@ def test_heldout_ids_never_share_an_example_with_training_ids(tmp_path):
     train = {bytes(r.astype(np.uint8)) for r in data.get_many(range(n_train))}
     heldout = {bytes(r.astype(np.uint8)) for r in data.get_many(range(n_train, data.n_total))}
     assert len(heldout) == cfg.heldout and not train & heldout
+
+
+def planted_text(folder: Path, T: int) -> list[bytes]:
+    """Two files of random text with window-aligned repeats: within a file, across files, and a run."""
+    rng = np.random.default_rng(5)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz \n", dtype=np.uint8)
+    a = bytearray(letters[rng.integers(0, len(letters), 40 * T + 1)].tobytes())
+    b = bytearray(letters[rng.integers(0, len(letters), 30 * T)].tobytes())
+    block = bytes(a[3 * T : 4 * T + 1])  # window 3 of a.txt
+    for w in (10, 20, 30):  # the same window later in a.txt
+        a[w * T : w * T + T + 1] = block
+    b[5 * T - 1 : 6 * T] = block  # and in b.txt (a.txt's 40*T + 1 bytes shift b.txt's grid by 1)
+    a[33 * T : 37 * T + 1] = b"z" * (4 * T + 1)  # four equal windows in a row
+    (folder / "a.txt").write_bytes(bytes(a))
+    (folder / "b.txt").write_bytes(bytes(b))
+    return [bytes(a), bytes(b)]
+
+
+def test_text_files_windows_keep_the_first_of_each_content_before_shuffling(tmp_path):
+    T = 16
+    files = planted_text(tmp_path, T)
+    corpus = b"".join(files)
+    distinct = distinct_windows(corpus, T)
+    windows = (len(corpus) - 1) // T
+    assert windows - len(distinct) == 4 + 3  # the planted copies (a run of 4 equal windows keeps 1)
+    cfg = DataConfig(name="text_files", path=str(tmp_path / "*.txt"), seq_len=T, heldout=12, shuffle_seed=3)
+    data = build_dataset(cfg)
+    assert data.n_total == len(distinct) and data.duplicates == windows - len(distinct)
+    assert f"{len(distinct):,} windows of {T + 1} ({windows - len(distinct)} duplicates dropped)" in (
+        data.description
+    )
+    # Stream id i is the i-th example of the shuffled order of the distinct windows (first occurrences).
+    order = np.random.default_rng(3).permutation(len(distinct))
+    assert contents(data, range(data.n_total)) == [distinct[k] for k in order]
+    first = {}  # where each content first occurs as a window
+    for w in range(windows):
+        first.setdefault(corpus[w * T : w * T + T + 1], w * T)
+    assert sorted(data._starts.tolist()) == sorted(first.values())
+    assert_heldout_unseen_in_training(data, cfg.heldout)
+
+
+def test_text_files_documents_keep_the_first_of_each_paragraph_as_cut(tmp_path):
+    cut = 9  # max_len 8
+    a = [b"licence header", b"unique one", b"abcdefghij-tail-1", b"x", b"", b"licence header", b"same"]
+    b = [b"same", b"licence header", b"abcdefghij-tail-2", b"unique two", b"same\n"]
+    files = [b"\n\n".join(a), b"\n\n".join(b)]
+    (tmp_path / "a.txt").write_bytes(files[0])
+    (tmp_path / "b.txt").write_bytes(files[1])
+    distinct = distinct_paragraphs(files, cut)
+    # Dropped: "licence header" (cut to "licence h") twice more, "same" once more, "abcdefghij-tail-2"
+    # (equal to "abcdefghij-tail-1" once cut); "same\n" differs from "same"; "x" and "" are too short.
+    assert distinct == [b"licence h", b"unique on", b"abcdefghi", b"same", b"unique tw", b"same\n"]
+    cfg = DataConfig(
+        name="text_files", path=str(tmp_path / "*.txt"), examples="documents", max_len=8, heldout=2
+    )
+    data = build_dataset(cfg)
+    assert data.n_total == len(distinct) == 6 and data.duplicates == 4
+    assert "4 duplicates dropped" in data.description
+    order = np.random.default_rng(0).permutation(len(distinct))
+    assert contents(data, range(data.n_total)) == [distinct[k] for k in order]
+    assert_heldout_unseen_in_training(data, cfg.heldout)
+
+
+def test_windows_are_settled_by_content_when_their_hashes_collide(tmp_path, monkeypatch):
+    # The hash only groups candidates; equality is decided token for token. With every key equal
+    # (or keys shared by different windows), the result is the same as with the real hash.
+    T = 16
+    planted_text(tmp_path, T)
+    cfg = DataConfig(name="text_files", path=str(tmp_path / "*.txt"), seq_len=T, heldout=12)
+    honest = build_dataset(cfg)
+    for fake in (lambda keys: keys * 0, lambda keys: keys % np.uint64(3)):
+        real = data_module._window_hashes
+        monkeypatch.setattr(
+            data_module, "_window_hashes", lambda *args, real=real, fake=fake: fake(real(*args))
+        )
+        colliding = build_dataset(cfg)
+        monkeypatch.undo()
+        assert colliding.n_total == honest.n_total and colliding.fingerprint == honest.fingerprint
+        np.testing.assert_array_equal(
+            colliding.get_many(range(honest.n_total)), honest.get_many(range(honest.n_total))
+        )
+
+
+def write_tokens(path: Path, tokens: np.ndarray) -> None:
+    stored = np.memmap(path, dtype=tokens.dtype, mode="w+", shape=tokens.shape)
+    stored[:] = tokens
+    stored.flush()
+    del stored
+
+
+def test_token_bin_training_windows_never_repeat_a_heldout_window(tmp_path):
+    T, heldout = 20, 20
+    tokens = np.random.default_rng(2).integers(0, 50000, 100 * T + 1).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    write_tokens(path, tokens)
+    cfg = DataConfig(name="token_bin", path=str(path), seq_len=T, heldout=heldout)
+    clean = build_dataset(cfg)
+    assert clean.n_total == 100
+    # Plant copies of one held-out window over 30 other windows (every other one: windows share a token).
+    target = clean.get(clean.n_total - 1).astype(np.uint16)
+    first = int(clean._starts[clean.n_total - 1]) // T
+    copies = [w for w in range(0, 100, 2) if w != first and w != first - 1 and w != first + 1][:30]
+    for w in copies:
+        tokens[w * T : w * T + T + 1] = target
+    write_tokens(path, tokens)
+    data = build_dataset(cfg)
+    assert_heldout_unseen_in_training(data, heldout)
+    assert clean.duplicates == 0 and "(0 duplicates dropped)" in clean.description
+    windows = [tokens[w * T : w * T + T + 1].tobytes() for w in range(100)]
+    assert data.n_total == len(set(windows)) == 100 - 30 and data.duplicates == 30
+    assert "70 windows of 21 (30 duplicates dropped)" in data.description
+    kept = sorted(data._starts.tolist())
+    assert kept == sorted(windows.index(window) * T for window in set(windows))  # first occurrences
+
+
+def test_the_fingerprint_covers_the_shuffled_order(tmp_path, monkeypatch):
+    # numpy does not promise default_rng(seed).permutation's stream across versions. A machine whose
+    # numpy shuffles differently, with the same seed, source and settings, must get another fingerprint.
+    write_random_text(tmp_path, {"x.txt": 3000})
+    cfg = DataConfig(name="text_files", path=str(tmp_path / "x.txt"), seq_len=16, heldout=8, shuffle_seed=4)
+    here = build_dataset(cfg)
+    real_rng = np.random.default_rng
+
+    class OtherNumpy:
+        def __init__(self, seed):
+            self.rng = real_rng(seed)
+
+        def permutation(self, n):
+            return self.rng.permutation(n)[::-1].copy()
+
+    monkeypatch.setattr(np.random, "default_rng", OtherNumpy)
+    elsewhere = build_dataset(cfg)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(elsewhere.get_many([0]), here.get_many([here.n_total - 1]))
+    assert elsewhere.fingerprint != here.fingerprint
+    assert build_dataset(cfg).fingerprint == here.fingerprint
 
 
 def test_fingerprint_is_stable_and_follows_the_settings(stdlib):
@@ -252,19 +426,48 @@ def test_missing_or_ragged_token_file_is_a_one_line_config_error(tmp_path):
 
 
 def test_stream_not_longer_than_heldout_is_a_config_error(tmp_path):
-    (tmp_path / "tiny.txt").write_bytes(b"x" * 641)  # (641 - 1) // 64 = 10 windows
-    cfg = DataConfig(name="text_files", path=str(tmp_path / "tiny.txt"), seq_len=64, heldout=10)
+    write_random_text(tmp_path, {"tiny.txt": 641})  # (641 - 1) // 64 = 10 windows, all distinct
+    path = str(tmp_path / "tiny.txt")
+    cfg = DataConfig(name="text_files", path=path, seq_len=64, heldout=10)
     with pytest.raises(ConfigError, match="data.heldout=10") as error:
         build_dataset(cfg)
-    assert "gives 10 windows" in str(error.value) and "\n" not in str(error.value)
+    message = str(error.value)
+    assert (
+        f"data.path={path!r} holds 641 bytes: 10 distinct windows, not more than data.heldout=10" in message
+    )
+    assert "valid: data.heldout < 10, or a source with more than data.heldout=10 windows" in message
+    assert "\n" not in message
     cfg.heldout = 9
     assert build_dataset(cfg).n_total == 10
-    (tmp_path / "empty.txt").write_bytes(b"")
-    with pytest.raises(ConfigError, match="gives 0 windows"):
-        build_dataset(DataConfig(name="text_files", path=str(tmp_path / "empty.txt")))
+    (tmp_path / "same.txt").write_bytes(b"x" * 641)  # 10 windows, all equal: 1 distinct
+    with pytest.raises(ConfigError, match="1 distinct window \\(9 duplicates dropped\\)") as error:
+        build_dataset(DataConfig(name="text_files", path=str(tmp_path / "same.txt"), seq_len=64, heldout=1))
+    assert "heldout < 1" not in str(error.value)
 
 
-def test_building_the_stdlib_dataset_is_fast():
+@pytest.mark.parametrize(
+    "name,examples,unit",
+    [
+        ("text_files", "windows", "bytes"),
+        ("text_files", "documents", "bytes"),
+        ("token_bin", "windows", "tokens"),
+    ],
+)
+def test_an_empty_source_is_a_one_line_error_naming_it(tmp_path, name, examples, unit):
+    path = tmp_path / "empty.bin"
+    path.write_bytes(b"")
+    with pytest.raises(ConfigError) as error:
+        build_dataset(DataConfig(name=name, path=str(path), examples=examples))
+    message = str(error.value)
+    one = examples.removesuffix("s").replace("document", "paragraph")
+    assert message.startswith(f"data.path={str(path)!r} holds 0 {unit}: no {one}s (one needs ")
+    assert message.endswith(f"; valid: a source with more than data.heldout=256 {one}s")
+    assert "\n" not in message and "< 0" not in message
+
+
+@pytest.mark.parametrize("examples", ["windows", "documents"])
+def test_building_the_stdlib_dataset_is_fast(examples):
     start = time.perf_counter()
-    build_dataset(DataConfig(name="stdlib"))
-    assert time.perf_counter() - start < 5.0  # ~0.25 s measured; generous for slow CI machines
+    build_dataset(DataConfig(name="stdlib", examples=examples))
+    # ~0.15 s (windows) and ~0.2 s (documents) measured, de-duplication included; generous for slow CI.
+    assert time.perf_counter() - start < 5.0
