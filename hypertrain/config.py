@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypertrain.layouts import LAYOUTS, LayoutError, choose_layout, process_count
 from hypertrain.plan import PlanError, StrongPhase, WeakPhase
 
-ENGINES = ("loop", "stacked")  # engine.name values; hypertrain.engines maps each to its engine
+ENGINES = ("loop", "stacked", "dist")  # engine.name values; hypertrain.engines maps each to its engine
 
 
 class ConfigError(ValueError):
@@ -125,11 +126,17 @@ class DataConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "stacked"  # stacked (all replicas of a sub-round as one model) or loop (the reference)
+    # stacked (all replicas of a sub-round as one model), loop (the reference), or dist (real
+    # processes, torch.distributed; each process runs its replicas stacked; docs/distributed.md)
+    name: str = "stacked"
     stack: int = 0  # stacked: replicas per sub-round; 0 = all R
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     compile: bool = False  # torch.compile the loss (forward and backward) and the inner optimizer step
+    nproc: int = 0  # dist: processes P; 0 = the launcher's count under torchrun, else world.size
+    layout: str = "auto"  # dist: benchmark (P = world.size), stacked (P divides replicas), or auto
+    timeout_s: float = 30.0  # dist: a collective waiting longer (a dead or hung rank) stops the run
+    backend: str = "auto"  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
 
 
 @dataclass
@@ -247,6 +254,16 @@ def validate(cfg: TrainConfig) -> None:
         )
 
     _choice("engine.name", e.name, ENGINES)
+    _choice("engine.layout", e.layout, LAYOUTS)
+    _choice("engine.backend", e.backend, ("auto", "gloo", "nccl"))
+    _at_least("engine.nproc", e.nproc, 0)
+    if not e.timeout_s > 0:
+        raise ConfigError(f"engine.timeout_s={e.timeout_s!r} is not valid; valid: > 0 seconds")
+    if e.name == "dist":
+        try:
+            choose_layout(process_count(e.nproc, cfg.world.size), cfg.world.size, cfg.replicas, e.layout)
+        except LayoutError as error:
+            raise ConfigError(str(error)) from None
     _at_least("engine.stack", e.stack, 0)
     _at_least("engine.threads", e.threads, 0)
     if not (e.device == "cpu" or e.device.startswith("cuda")):

@@ -87,7 +87,7 @@ def engine_for(name: str) -> Engine:
     """The inner-step engine called `name`; an unknown name is a ValueError naming the valid ones."""
     if name == "loop":
         from hypertrain.loop import train_replicas
-    elif name == "stacked":
+    elif name in ("stacked", "dist"):  # a dist process trains its own replicas stacked
         from hypertrain.sim.batched import train_replicas
     else:
         raise ValueError(f"engine.name={name!r} is not an engine; valid: {', '.join(map(repr, ENGINES))}")

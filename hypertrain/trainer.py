@@ -300,8 +300,11 @@ def rounds(
         yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced, table)
 
 
-def train(run: PreparedRun, log: RunLogger | None, groups: ReplicaGroups | None = None) -> dict:
-    """Run the phase's rounds; the writer logs per update and per sync; return the final summary.
+def train(
+    run: PreparedRun, log: RunLogger | None, groups: ReplicaGroups | None = None
+) -> tuple[dict, RunState]:
+    """Run the phase's rounds; the writer logs per update and per sync; return the final summary
+    and the run's state (its `theta` is the trained global weights).
 
     Every process of a run calls this with its `groups`; only the writer (rank 0) gets a `log`,
     evaluates the held-out loss and shows progress. The others pass `log=None`.
@@ -387,4 +390,4 @@ def train(run: PreparedRun, log: RunLogger | None, groups: ReplicaGroups | None 
         "train/timed_s": timed,
     }
     log.summary(summary)
-    return summary
+    return summary, state

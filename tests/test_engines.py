@@ -13,9 +13,12 @@ from hypertrain.sim import batched
 def test_each_engine_name_selects_its_own_engine():
     assert engine_for("loop") is loop.train_replicas
     assert engine_for("stacked") is batched.train_replicas
-    assert set(ENGINES) == {"loop", "stacked"}
+    assert engine_for("dist") is batched.train_replicas  # each process stacks its own replicas
+    assert set(ENGINES) == {"loop", "stacked", "dist"}
 
 
 def test_an_unknown_engine_name_is_an_error_not_a_default():
-    with pytest.raises(ValueError, match=r"engine.name='stacke' is not an engine; valid: 'loop', 'stacked'"):
+    with pytest.raises(
+        ValueError, match=r"engine.name='stacke' is not an engine; valid: 'loop', 'stacked', 'dist'"
+    ):
         engine_for("stacke")

@@ -1,0 +1,312 @@
+"""engine=dist: the one round loop on P real processes (torch.distributed), started by torch's launcher.
+
+`DistReplicaGroups` gives the round loop (`hypertrain.trainer`) its collectives for the layout
+`hypertrain.layouts` chose: under the benchmark layout (a) a replica's L ranks average their
+gradients and loss every update (one all-reduce in the replica group, as DDP does) and a sync is
+sharded as hybrid-sharded data parallel does (local rank j all-reduces its 1/L shard of the
+pseudo-gradient sum in cross-replica group j, then the replica all-gathers the shards); under the
+stacked layout (b) a sync is one all-reduce over the P processes. Every rank then steps the same
+global weights; the ranks of a replica check at every sync that their weights are bitwise equal.
+
+`run_worker(job)` is what each process runs: under `torchrun -m hypertrain.train engine=dist` every
+launched process calls it from the entry; `python -m hypertrain.train engine=dist` calls `launch(job)`,
+which starts the P workers with torch's elastic launcher (`elastic_launch`, what torchrun runs).
+Rank 0 alone writes the run. A rank that dies or hangs makes the others fail in their next
+collective (gloo: at once for a closed connection, after `engine.timeout_s` for silence), and the
+launcher stops the rest; each rank says what happened in one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hypertrain.config import TrainConfig
+from hypertrain.engines import NonFiniteError
+from hypertrain.layouts import Layout, choose_layout
+from hypertrain.log import RunLogger
+from hypertrain.model import Params
+from hypertrain.replica_groups import ReplicaGroups
+
+# torch >= 2.12 renames all_gather_into_tensor (and warns at every call of the old name).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+FAULT_ENV = "HYPERTRAIN_FAULT"  # tests only: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
+
+
+class Terminated(RuntimeError):
+    """SIGTERM (the launcher stopping this worker after another failed, or a scheduler)."""
+
+    exit_code = 143
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed or timed out: another rank died, hung or diverged."""
+
+    exit_code = 1
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _checksum(params: Params) -> int:
+    """A sum of the weights' bit patterns: equal weights, equal sums (any difference almost surely shows)."""
+    return int(
+        sum(t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum() for t in params.values())
+    )
+
+
+class DistReplicaGroups(ReplicaGroups):
+    """The collectives of one process of an `engine=dist` run (see the module docstring)."""
+
+    def __init__(self, layout: Layout, rank: int, device: torch.device):
+        self.layout_plan, self.layout = layout, layout.kind
+        self.rank, self.size, self.device = rank, layout.processes, device
+        self.total_replicas, self.replicas = layout.replicas, layout.replicas_of(rank)
+        L = layout.ranks_per_replica
+        self.L, self.local_rank = L, rank % L
+        self.replica_group = self.cross_group = None
+        if layout.kind == "benchmark" and L > 1:
+            # Every process creates every group, in the same order (torch.distributed's rule).
+            for m in range(layout.replicas):
+                group = dist.new_group(layout.replica_group(m))
+                if m == self.replicas[0]:
+                    self.replica_group = group
+            for j in range(L):
+                group = dist.new_group(layout.cross_group(j))
+                if j == self.local_rank:
+                    self.cross_group = group
+        self._stats = dict.fromkeys(("inner_bytes", "inner_s", "outer_bytes", "outer_s"), 0.0)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _timed(self, kind: str, payload: Tensor, op) -> None:
+        start = time.perf_counter()
+        try:
+            op()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise CollectiveFailed(f"a {kind} collective failed: {str(e).strip().splitlines()[0]}") from None
+        self._stats[f"{kind}_s"] += time.perf_counter() - start
+        self._stats[f"{kind}_bytes"] += payload.numel() * payload.element_size()
+
+    def comm_stats(self) -> dict:
+        stats = {
+            "comm_measured_inner_bytes": int(self._stats["inner_bytes"]),
+            "comm_measured_inner_s": self._stats["inner_s"],
+            "comm_measured_outer_bytes": int(self._stats["outer_bytes"]),
+            "comm_measured_outer_s": self._stats["outer_s"],
+        }
+        self._stats = dict.fromkeys(self._stats, 0.0)
+        return stats
+
+    # -- the collectives the round loop asks for ----------------------------------------------
+
+    def rank_share(self) -> tuple[int, int, int] | None:
+        if self.layout != "benchmark":
+            return None
+        return self.rank, self.layout_plan.world, self.L
+
+    def average_in_replica(self, grads: Params, loss: Tensor) -> None:
+        if self.replica_group is None:
+            return
+        names = list(grads)
+        flat = _flat([grads[n] for n in names] + [loss.to(grads[names[0]].dtype)])
+        self._timed("inner", flat, lambda: dist.all_reduce(flat, group=self.replica_group))
+        flat /= self.L
+        start = 0
+        for n in names:
+            grads[n].copy_(flat[start : start + grads[n].numel()].view_as(grads[n]))
+            start += grads[n].numel()
+        loss.copy_(flat[start:].view_as(loss))
+
+    def sum_over_replicas(self, flat: Tensor) -> Tensor:
+        if self.replica_group is None:  # stacked layout, or one rank per replica: one all-reduce
+            out = flat.clone()
+            self._timed("outer", out, lambda: dist.all_reduce(out))
+            return out
+        n, L = flat.numel(), self.L
+        shard = -(-n // L)
+        padded = torch.zeros(shard * L, dtype=flat.dtype, device=flat.device)
+        padded[:n] = flat
+        mine = padded[self.local_rank * shard : (self.local_rank + 1) * shard].clone()
+        if self.total_replicas > 1:
+            self._timed("outer", mine, lambda: dist.all_reduce(mine, group=self.cross_group))
+        gathered = torch.empty_like(padded)
+        self._timed(
+            "outer", mine, lambda: dist.all_gather_into_tensor(gathered, mine, group=self.replica_group)
+        )
+        return gathered[:n]
+
+    def max_over_replicas(self, value: Tensor) -> Tensor:
+        out = value.clone()
+        self._timed("outer", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX))
+        return out
+
+    def gather_round(self, table: Tensor) -> Tensor:
+        table = table.to(self.device)
+        parts = [torch.empty_like(table) for _ in range(self.size)]
+        try:
+            dist.all_gather(parts, table)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise CollectiveFailed(f"the round's gather failed: {str(e).strip().splitlines()[0]}") from None
+        if self.layout == "stacked":
+            return torch.cat(parts, dim=1).cpu()
+        # Benchmark: [P, H, 1, 3] -> [R, L, H, 3]; a replica's ranks share its loss and targets.
+        per_rank = torch.stack(parts)[:, :, 0, :].reshape(self.total_replicas, self.L, -1, 3)
+        merged = per_rank[:, 0].clone()
+        merged[..., 2] = per_rank[..., 2].amax(dim=1)
+        return merged.permute(1, 0, 2).cpu()
+
+    def check_replicas_identical(self, params: Params) -> None:
+        if self.replica_group is None:
+            return
+        local = _checksum(params)
+        bounds = torch.tensor([local, -local], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.replica_group)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise CollectiveFailed(f"the replica check failed: {str(e).strip().splitlines()[0]}") from None
+        if int(bounds[0]) != -int(bounds[1]):
+            raise RuntimeError(
+                f"the {self.L} ranks of replica {self.replicas[0]} hold different weights at a sync "
+                "(they must be bitwise equal: every rank averages the same gradients)"
+            )
+
+
+def inject_fault(rank: int, updates: range) -> None:
+    """Tests only: `HYPERTRAIN_FAULT=RANK:UPDATE:kill|sleep` kills or hangs rank RANK at the start of
+    the round that holds the 1-based UPDATE, so a test names the point instead of racing a clock."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target, update, action = spec.split(":")
+    if int(target) == rank and int(update) - 1 in updates:
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+
+
+@dataclass
+class WorkerJob:
+    """What the entry hands every worker (picklable: the self-launch sends it to spawned processes)."""
+
+    cfg: TrainConfig  # validated, with the chosen layout and process count filled in
+    run_dir: str | None  # the writer's run directory (rank 0); None on the other ranks
+    resolved: dict  # the resolved config, W&B's run config
+    identity: dict  # W&B name, group, job type, tags
+
+
+def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.engine.device.startswith("cuda"):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _backend(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.engine.backend != "auto":
+        return cfg.engine.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated("stopped by SIGTERM (the launcher stops every rank once one has failed)")
+
+
+def run_worker(job: WorkerJob, run=None) -> dict | None:
+    """One process of a dist run: join the group, train this rank's replicas, rank 0 writes.
+
+    `run` is the prepared run when the entry already built it in this process (torchrun); a
+    spawned worker prepares its own (the same config gives the same data and plan everywhere).
+    Returns rank 0's summary. A failure prints one line naming this rank and exits non-zero.
+    """
+    from hypertrain.trainer import prepare, train
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    processes, local_processes = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    cfg = job.cfg
+    device = _device(cfg, local_rank)
+    if device.type == "cpu":  # the node's cores shared by its workers, never oversubscribed
+        torch.set_num_threads(cfg.engine.threads or max(1, (os.cpu_count() or 1) // local_processes))
+    cfg = replace(cfg, engine=replace(cfg.engine, device=str(device)))
+    dist.init_process_group(_backend(cfg, device), timeout=timedelta(seconds=cfg.engine.timeout_s))
+    try:
+        layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.engine.layout)
+        run_dir = [job.run_dir]
+        dist.broadcast_object_list(run_dir, src=0)  # rank 0 decided the directory; the others learn it
+        groups = DistReplicaGroups(layout, rank, device)
+        run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
+        if rank != 0:
+            train(run, None, groups)
+            return None
+        with RunLogger(
+            Path(run_dir[0]), job.resolved, cfg.logger, replicas=cfg.replicas, **job.identity
+        ) as log:
+            summary, state = train(run, log, groups)
+        torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir[0]) / "weights.pt")
+        return summary
+    except (NonFiniteError, CollectiveFailed, Terminated, RuntimeError) as e:
+        code = getattr(e, "exit_code", 1)
+        print(
+            f"hypertrain: error: run failed on rank {rank}: {str(e).strip().splitlines()[0]}", file=sys.stderr
+        )
+        sys.stderr.flush()
+        os._exit(code)  # no teardown that could wait on a dead peer
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(job: WorkerJob) -> dict:
+    """Start P = engine.nproc workers on this node with torch's elastic launcher and wait for them.
+
+    Returns rank 0's summary; a failed run raises `RunFailed` naming the first rank that failed.
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=job.cfg.engine.nproc,
+        run_id=f"hypertrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, run_worker)(job)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        what = (
+            f"died of {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
+        raise RunFailed(f"rank {rank} {what}; the launcher stopped the other ranks") from None
+    return results[0]
+
+
+class RunFailed(RuntimeError):
+    """A worker of a self-launched dist run failed (the entry exits 1 with this line)."""
+
+    exit_code = 1

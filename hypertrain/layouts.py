@@ -1,0 +1,84 @@
+"""Where the replicas of `engine=dist` live: which process trains what, and with whom it talks.
+
+Pure arithmetic on (P processes, W = world.size, R replicas), no torch (DESIGN.md "Real processes"):
+- benchmark (a), P = W: process r is plan rank r; replica m is the block of L = W/R processes
+  `m*L .. m*L + L-1` (its replica group); local rank j = r - m*L; the R processes of local rank j
+  form cross-replica group j.
+- stacked (b), P divides R: process p trains the R/P whole replicas `p*R/P .. (p+1)*R/P - 1`,
+  stacked, each on its whole share; W is then only the plan's label, as in the simulation.
+`auto` picks (a) when P = W, else (b) when P divides R; a P, W, R that fit no layout is a
+`ConfigError` naming the values, the valid layouts and a command that fits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LAYOUTS = ("auto", "benchmark", "stacked")
+
+
+class LayoutError(ValueError):
+    """No layout fits; the message is one line (the entry exits 2)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str  # "benchmark" or "stacked"
+    processes: int  # P
+    world: int  # W, the plan's world
+    replicas: int  # R
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """L: the processes that share one replica (1 under the stacked layout)."""
+        return self.world // self.replicas if self.kind == "benchmark" else 1
+
+    def replicas_of(self, rank: int) -> list[int]:
+        if self.kind == "benchmark":
+            return [rank // self.ranks_per_replica]
+        per = self.replicas // self.processes
+        return list(range(rank * per, (rank + 1) * per))
+
+    def replica_group(self, replica: int) -> list[int]:
+        """The processes that train `replica` together (benchmark layout)."""
+        L = self.ranks_per_replica
+        return list(range(replica * L, (replica + 1) * L))
+
+    def cross_group(self, local_rank: int) -> list[int]:
+        """Local rank j of every replica: the processes one shard of a sync goes between."""
+        return [m * self.ranks_per_replica + local_rank for m in range(self.replicas)]
+
+
+def choose_layout(processes: int, world: int, replicas: int, requested: str = "auto") -> Layout:
+    """The layout for P processes, world W and R replicas; LayoutError (one line) when none fits."""
+    fits = {"benchmark": processes == world, "stacked": replicas % processes == 0}
+    if requested == "auto":
+        kind = "benchmark" if fits["benchmark"] else "stacked" if fits["stacked"] else None
+    elif requested in fits:
+        kind = requested if fits[requested] else None
+    else:
+        raise LayoutError(f"engine.layout={requested!r} is not valid; valid: {', '.join(map(repr, LAYOUTS))}")
+    if kind is None:
+        divisors = [p for p in range(1, replicas + 1) if replicas % p == 0]
+        misfit = "fits no layout" if requested == "auto" else f"does not fit engine.layout={requested}"
+        raise LayoutError(
+            f"engine=dist with {processes} processes, world.size={world} and replicas={replicas} "
+            f"{misfit}; valid: "
+            f"benchmark (processes = world.size = {world}) or stacked (processes divide replicas: "
+            f"{', '.join(map(str, divisors))}), e.g. python -m hypertrain.train engine=dist "
+            f"world.size={world} replicas={replicas} engine.nproc={world}"
+        )
+    return Layout(kind, processes, world, replicas)
+
+
+def launched_by_torchrun() -> bool:
+    """This process is a worker that torch's elastic agent started (torchrun, or our self-launch)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def process_count(nproc: int, world: int) -> int:
+    """P: the launcher's process count under torchrun when engine.nproc is 0, else nproc or world."""
+    if launched_by_torchrun() and nproc == 0:
+        return int(os.environ["WORLD_SIZE"])
+    return nproc or world
