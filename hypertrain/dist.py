@@ -19,9 +19,11 @@ launcher stops the rest; each rank says what happened in one line and exits non-
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -55,6 +57,18 @@ class CollectiveFailed(RuntimeError):
     exit_code = 1
 
 
+_WHAT = {
+    "inner": "the replica's gradient all-reduce",
+    "outer": "the sync's all-reduce across replicas",
+}
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line without gloo's source location ("[.../pair.cc:534] ")."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+
+
 def _flat(tensors: list[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -69,7 +83,7 @@ def _checksum(params: Params) -> int:
 class DistReplicaGroups(ReplicaGroups):
     """The collectives of one process of an `engine=dist` run (see the module docstring)."""
 
-    def __init__(self, layout: Layout, rank: int, device: torch.device):
+    def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
         self.layout_plan, self.layout = layout, layout.kind
         self.rank, self.size, self.device = rank, layout.processes, device
         self.total_replicas, self.replicas = layout.replicas, layout.replicas_of(rank)
@@ -77,13 +91,15 @@ class DistReplicaGroups(ReplicaGroups):
         self.L, self.local_rank = L, rank % L
         self.replica_group = self.cross_group = None
         if layout.kind == "benchmark" and L > 1:
-            # Every process creates every group, in the same order (torch.distributed's rule).
+            # Every process creates every group, in the same order (torch.distributed's rule); a new
+            # group does not inherit the default group's timeout, so each is given it.
+            timeout = timedelta(seconds=timeout_s)
             for m in range(layout.replicas):
-                group = dist.new_group(layout.replica_group(m))
+                group = dist.new_group(layout.replica_group(m), timeout=timeout)
                 if m == self.replicas[0]:
                     self.replica_group = group
             for j in range(L):
-                group = dist.new_group(layout.cross_group(j))
+                group = dist.new_group(layout.cross_group(j), timeout=timeout)
                 if j == self.local_rank:
                     self.cross_group = group
         self._stats = dict.fromkeys(("inner_bytes", "inner_s", "outer_bytes", "outer_s"), 0.0)
@@ -97,9 +113,12 @@ class DistReplicaGroups(ReplicaGroups):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"a {kind} collective failed: {str(e).strip().splitlines()[0]}") from None
+            raise CollectiveFailed(f"{_WHAT[kind]} failed: {_first_line(e)}") from None
         self._stats[f"{kind}_s"] += time.perf_counter() - start
         self._stats[f"{kind}_bytes"] += payload.numel() * payload.element_size()
+
+    def before_round(self, updates: range) -> None:
+        inject_fault(self.rank, updates)
 
     def comm_stats(self) -> dict:
         stats = {
@@ -144,9 +163,8 @@ class DistReplicaGroups(ReplicaGroups):
         if self.total_replicas > 1:
             self._timed("outer", mine, lambda: dist.all_reduce(mine, group=self.cross_group))
         gathered = torch.empty_like(padded)
-        self._timed(
-            "outer", mine, lambda: dist.all_gather_into_tensor(gathered, mine, group=self.replica_group)
-        )
+        group = self.replica_group
+        self._timed("outer", mine, lambda: _all_gather(gathered, mine, group=group))
         return gathered[:n]
 
     def max_over_replicas(self, value: Tensor) -> Tensor:
@@ -160,7 +178,7 @@ class DistReplicaGroups(ReplicaGroups):
         try:
             dist.all_gather(parts, table)
         except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the round's gather failed: {str(e).strip().splitlines()[0]}") from None
+            raise CollectiveFailed(f"the round's gather of losses failed: {_first_line(e)}") from None
         if self.layout == "stacked":
             return torch.cat(parts, dim=1).cpu()
         # Benchmark: [P, H, 1, 3] -> [R, L, H, 3]; a replica's ranks share its loss and targets.
@@ -177,7 +195,7 @@ class DistReplicaGroups(ReplicaGroups):
         try:
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.replica_group)
         except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the replica check failed: {str(e).strip().splitlines()[0]}") from None
+            raise CollectiveFailed(f"the replica's weight check failed: {_first_line(e)}") from None
         if int(bounds[0]) != -int(bounds[1]):
             raise RuntimeError(
                 f"the {self.L} ranks of replica {self.replicas[0]} hold different weights at a sync "
@@ -248,7 +266,7 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.engine.layout)
         run_dir = [job.run_dir]
         dist.broadcast_object_list(run_dir, src=0)  # rank 0 decided the directory; the others learn it
-        groups = DistReplicaGroups(layout, rank, device)
+        groups = DistReplicaGroups(layout, rank, device, cfg.engine.timeout_s)
         run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
         if rank != 0:
             train(run, None, groups)
@@ -259,11 +277,11 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             summary, state = train(run, log, groups)
         torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir[0]) / "weights.pt")
         return summary
-    except (NonFiniteError, CollectiveFailed, Terminated, RuntimeError) as e:
+    except Exception as e:
+        if not isinstance(e, (NonFiniteError, CollectiveFailed, Terminated, RuntimeError)):
+            traceback.print_exc()  # not a run failure we know: a bug, shown whole
         code = getattr(e, "exit_code", 1)
-        print(
-            f"hypertrain: error: run failed on rank {rank}: {str(e).strip().splitlines()[0]}", file=sys.stderr
-        )
+        print(f"hypertrain: error: run failed on rank {rank}: {_first_line(e)}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(code)  # no teardown that could wait on a dead peer
     finally:
@@ -281,7 +299,10 @@ def launch(job: WorkerJob) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The launcher logs every worker failure as a traceback of its own process-watching code; the
+    # workers and this function already say what failed in one line each.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -6,7 +6,8 @@ runs, so a mistake found there would leave a directory behind, or touch an earli
 composed config before Hydra creates anything: it builds the typed config, validates it,
 prepares the run (data and plan) and checks the run directory, and on a mistake prints one line
 and exits 2. The prepared run is handed to the task function (`take_prepared`), so the data is
-built once. Multirun jobs are checked the same way by `check_job` inside the task function
+built once. Under torchrun every rank runs the entry; only rank 0 lets Hydra create anything
+(`write_nothing`). Multirun jobs are checked the same way by `check_job` inside the task function
 (Hydra has made the job's directory by then); a rejected job's directory is removed again.
 """
 
@@ -22,6 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.config import ConfigError, TrainConfig, validate
+from hypertrain.layouts import launched_by_torchrun
 from hypertrain.log import METRICS_FILE
 from hypertrain.plan import PlanError
 
@@ -90,12 +92,27 @@ def _key(task_cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(task_cfg, resolve=True)
 
 
+def write_nothing(config: DictConfig) -> None:
+    """For a torchrun rank other than 0: Hydra makes no directory, writes no `.hydra/` and no log file
+    (rank 0 decides and writes the run; its directory name holds a time, so each rank's would differ)."""
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.run.dir = os.getcwd()  # exists already: Hydra's mkdir does nothing
+        config.hydra.output_subdir = None
+        logging_cfg = config.hydra.job_logging
+        if "handlers" in logging_cfg and "file" in logging_cfg.handlers:
+            del logging_cfg.handlers["file"]
+            logging_cfg.root.handlers = [h for h in logging_cfg.root.handlers if h != "file"]
+
+
 class Preflight(Callback):
     """Hydra callback: check a single run before Hydra creates its directory."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         task = _task_part(config)
         run_dir = Path(OmegaConf.select(config, "hydra.run.dir")).absolute()
+        if launched_by_torchrun() and os.environ["RANK"] != "0":
+            write_nothing(config)
+            run_dir = None  # rank 0 alone checks and writes the run directory
         try:
             run = prepare_checked(task, dict(config.hydra.runtime.choices), run_dir)
         except (ConfigError, PlanError) as e:

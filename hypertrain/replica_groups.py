@@ -56,6 +56,9 @@ class ReplicaGroups:
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
 
+    def before_round(self, updates: range) -> None:
+        """Called as a round starts (the real processes' test-only fault point)."""
+
     def comm_stats(self) -> dict:
         """Measured payload bytes handed to collectives and seconds spent in them, since the last call."""
         return {}

@@ -290,6 +290,7 @@ def rounds(
     average = groups.average_in_replica if groups.rank_share() is not None else None
     for first in range(state.next_update, run.updates, cfg.inner.H):
         updates = range(first, min(first + cfg.inner.H, run.updates))
+        groups.before_round(updates)
         assigns = assignments(run, updates, groups)
         results = engine(cfg, state.theta, assigns, state.inner, average)
         groups.check_replicas_identical({n: torch.cat([r.params[n] for r in results]) for n in state.theta})

@@ -70,7 +70,10 @@ def test_a_diverging_run_stops_at_the_update_it_diverged_naming_replica_and_tens
     for engine in ("loop", "stacked"):
         cfg = small_cfg(inner=InnerConfig(H=3, lr=1e30, warmup_steps=0))
         cfg = replace(cfg, engine=replace(cfg.engine, name=engine))
-        with pytest.raises(NonFiniteError, match=r"^replica 0 at update 2: (its loss is nan|the gradient of [a-z0-9.]+ is non-finite)"):
+        with pytest.raises(
+            NonFiniteError,
+            match=r"^replica 0 at update 2: (its loss is nan|the gradient of [a-z0-9.]+ is non-finite)",
+        ):
             run_losses(cfg, tmp_path / engine)
 
 
