@@ -40,7 +40,7 @@ class ModelConfig:
 @dataclass
 class InnerConfig:
     name: str = "adamw"  # adamw, or muon (Muon on hidden matrices, AdamW on the rest)
-    H: int = 10  # inner steps per round
+    H: int = 5  # inner steps per round (the default run: 8 rounds of the strong phase)
     lr: float = 3e-3  # peak learning rate (Muon's is scaled 0.2*sqrt(max(rows, cols)) per matrix)
     warmup_steps: int = 10  # linear warmup over the first updates of the phase
     decay_steps: int = 0  # cosine to lr*min_lr_ratio ends here (updates from the phase start, warmup
