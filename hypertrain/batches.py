@@ -40,6 +40,16 @@ class ReplicaBatch:
     replica_targets: int | None = None  # the replica's targets for the update; None = `targets`
 
     @property
+    def samples(self) -> int:
+        """Examples in these microbatches."""
+        return sum(mb.tokens.shape[0] for mb in self.microbatches)
+
+    @property
+    def padded(self) -> int:
+        """Target positions computed, padding included (rows x (width - 1) per microbatch)."""
+        return sum(mb.tokens.shape[0] * (mb.tokens.shape[1] - 1) for mb in self.microbatches)
+
+    @property
     def replica_total(self) -> int:
         return self.targets if self.replica_targets is None else self.replica_targets
 

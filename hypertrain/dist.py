@@ -84,7 +84,7 @@ class DistReplicaGroups(ReplicaGroups):
     """The collectives of one process of an `engine=dist` run (see the module docstring)."""
 
     def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
-        self.layout_plan, self.layout = layout, layout.kind
+        self.layout_plan, self.layout, self.backend = layout, layout.kind, dist.get_backend()
         self.rank, self.size, self.device = rank, layout.processes, device
         self.total_replicas, self.replicas = layout.replicas, layout.replicas_of(rank)
         L = layout.ranks_per_replica
@@ -118,7 +118,13 @@ class DistReplicaGroups(ReplicaGroups):
         self._stats[f"{kind}_bytes"] += payload.numel() * payload.element_size()
 
     def before_round(self, updates: range) -> None:
+        """Start the round together: rank 0's held-out eval and logging stay out of the next
+        update's timing (the other ranks would otherwise wait for it inside their first all-reduce)."""
         inject_fault(self.rank, updates)
+        try:
+            dist.barrier()
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise CollectiveFailed(f"the round's start barrier failed: {_first_line(e)}") from None
 
     def comm_stats(self) -> dict:
         stats = {
@@ -186,6 +192,15 @@ class DistReplicaGroups(ReplicaGroups):
         merged = per_rank[:, 0].clone()
         merged[..., 2] = per_rank[..., 2].amax(dim=1)
         return merged.permute(1, 0, 2).cpu()
+
+    def gather_ranks(self, table: Tensor) -> Tensor:
+        table = table.to(self.device)
+        parts = [torch.empty_like(table) for _ in range(self.size)]
+        try:
+            dist.all_gather(parts, table)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise CollectiveFailed(f"the round's gather of timings failed: {_first_line(e)}") from None
+        return torch.stack(parts).cpu()
 
     def check_replicas_identical(self, params: Params) -> None:
         if self.replica_group is None:

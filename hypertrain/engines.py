@@ -10,8 +10,9 @@ No engine imports another; each imports this module.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,6 +38,10 @@ class ReplicaResult:
     params: Params  # [1, ...] weights after the round
     state: OptState  # [1, ...] optimizer state after the round
     losses: list[float | None]  # loss at every update of the round; None = skipped (no ids)
+    # Wall seconds of each update (forward, backward, gradient average, step; ended by the finite
+    # check's host sync), and of its gradient average alone; shared by replicas stacked together.
+    seconds: list[float] = field(default_factory=list)
+    allreduce_seconds: list[float] = field(default_factory=list)
 
     @property
     def stepped(self) -> bool:
@@ -75,6 +80,15 @@ def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: li
 GradientAverage = Callable[[Params, Tensor], None]
 # engine(cfg, theta, assigns, states, average_in_replica=None) -> one result per assignment
 Engine = Callable[..., list[ReplicaResult]]
+
+
+def timed_average(average: GradientAverage | None, grads: Params, loss: Tensor) -> float:
+    """Average a replica's gradients and loss over its ranks when `average` is given; its seconds."""
+    if average is None:
+        return 0.0
+    start = time.perf_counter()
+    average(grads, loss)
+    return time.perf_counter() - start
 
 
 def gradients(params: Params) -> Params:

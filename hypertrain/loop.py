@@ -9,6 +9,8 @@ the math is exactly the shared model and optimizer code the stacked engine runs 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hypertrain.compiled import inner_step_fn
@@ -20,6 +22,7 @@ from hypertrain.engines import (
     check_finite,
     gradients,
     microbatch_loss,
+    timed_average,
 )
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
@@ -36,25 +39,27 @@ def train_replica(
     device = torch.device(cfg.engine.device)
     params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in theta.items()}
     losses: list[float | None] = []
+    seconds, allreduce = [0.0] * len(assign.batches), [0.0] * len(assign.batches)
     for t, batch in enumerate(assign.batches):
         if batch.empty:
             losses.append(None)
             continue
+        start = time.perf_counter()
         loss = torch.zeros((), device=device)
         for mb in batch.microbatches:
             part = microbatch_loss(cfg, params, mb)
             part.backward()
             loss += part.detach()
         grads = gradients(params)
-        if average_in_replica is not None:
-            average_in_replica(grads, loss.view(1))
+        allreduce[t] = timed_average(average_in_replica, grads, loss.view(1))
         lr = lr_at(cfg.inner, assign.global_step0 + t, t)
         norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, lr)
         check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
         for p in params.values():
             p.grad = None
         losses.append(loss.item())
-    return ReplicaResult({n: p.detach() for n, p in params.items()}, state, losses)
+        seconds[t] = time.perf_counter() - start
+    return ReplicaResult({n: p.detach() for n, p in params.items()}, state, losses, seconds, allreduce)
 
 
 def train_replicas(

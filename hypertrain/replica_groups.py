@@ -21,6 +21,7 @@ class ReplicaGroups:
     """P = 1: this process trains all R replicas, each on its whole share (`world` = 1)."""
 
     layout = "simulation"
+    backend = "none"  # torch.distributed's backend (gloo, nccl) when there are several processes
     rank, size = 0, 1  # this process among the P processes
 
     def __init__(self, replicas: int):
@@ -53,11 +54,16 @@ class ReplicaGroups:
         NaN when skipped, the replica's targets, this share's microbatches, maxed over a replica's ranks)."""
         return table
 
+    def gather_ranks(self, table: Tensor) -> Tensor:
+        """[updates, k] per process -> [P, updates, k] (per-process timings and token counts)."""
+        return table.unsqueeze(0)
+
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
 
     def before_round(self, updates: range) -> None:
-        """Called as a round starts (the real processes' test-only fault point)."""
+        """Called as a round starts: real processes wait for each other here (and hold the test-only
+        fault point)."""
 
     def comm_stats(self) -> dict:
         """Measured payload bytes handed to collectives and seconds spent in them, since the last call."""

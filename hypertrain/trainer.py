@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ from hypertrain.plan_check import verify_phase
 from hypertrain.replica_groups import ReplicaGroups
 from hypertrain.run_state import RunState
 from hypertrain.runtime import keep_freed_memory
+from hypertrain.throughput import Throughput, process_table
 
 logger = logging.getLogger("hypertrain")
 HELDOUT_ROWS_PER_PASS = 64
@@ -251,9 +253,26 @@ class Round:
     delta_norm: float  # norm of the mean pseudo-gradient the outer step used
     synced: int  # replicas that stepped in the round and took part in the sync
     table: Tensor  # float64 [updates, R, 3]: loss (NaN = skipped), the replica's targets, microbatches
+    ranks: Tensor  # float64 [P, updates, 5]: each process's work and seconds (throughput.COLUMNS)
 
     def losses(self, t: int) -> list[float | None]:
         return [None if math.isnan(x) else x for x in self.table[t, :, 0].tolist()]
+
+
+def device_name(device: str) -> str:
+    """What a run was measured on: the GPU's name, or the CPU's model (for benchmark tables)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), ""
+            )
+    except OSError:
+        model = ""
+    return f"cpu: {model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 def initial_weights(run: PreparedRun) -> Params:
@@ -296,9 +315,10 @@ def rounds(
         groups.check_replicas_identical({n: torch.cat([r.params[n] for r in results]) for n in state.theta})
         state.inner = [res.state for res in results]
         table = groups.gather_round(local_table(assigns, results))
+        ranks = groups.gather_ranks(process_table(assigns, results))
         delta_norm, synced = sync(cfg, state, results, groups)
         state.next_update, state.rounds_done = updates[-1] + 1, state.rounds_done + 1
-        yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced, table)
+        yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced, table, ranks)
 
 
 def train(
@@ -318,7 +338,17 @@ def train(
     state = RunState.start(cfg, initial_weights(run), groups.replicas)
     totals = state.totals
     n_params = count_params(cfg.model)
-    log.summary(run.plan_facts | {"model/params": n_params, "engine/layout": groups.layout})
+    log.summary(
+        run.plan_facts
+        | {
+            "model/params": n_params,
+            "engine/layout": groups.layout,
+            "env/processes": groups.size,
+            "env/backend": groups.backend,
+            "env/device": device_name(cfg.engine.device),
+            "env/torch": torch.__version__,
+        }
+    )
     eval_loss = heldout_loss(run, state.theta) if writer else math.nan
     log.log_eval(update=0, eval_loss=eval_loss)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never")
@@ -328,7 +358,9 @@ def train(
     # all are timed when that would leave none.
     warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
     timed_from, timed_steps_before = start, 0
+    throughput = Throughput(groups.size, warmup)
     for rnd in rounds(run, state, groups=groups):
+        throughput.add(rnd.updates, rnd.ranks)
         # Rows are written once the round is over: `wall` is when the round that holds the update
         # ended (an engine runs a round as a whole), the same for every update of a round.
         round_end = time.perf_counter() - start
@@ -347,6 +379,7 @@ def train(
                     "tokens": tokens,
                     "grad_accum": int(rnd.table[t, :, 2].max()),
                     "wall": round_end,
+                    "rank_seconds": rnd.ranks[:, t, 3].tolist(),  # each process's time for the update
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
@@ -389,6 +422,6 @@ def train(
         "train/replica_steps_per_s": (totals.replica_steps - timed_steps_before) / timed if timed else 0.0,
         "train/timed_updates": run.updates - warmup,  # the updates the throughput counts
         "train/timed_s": timed,
-    }
+    } | throughput.summary()
     log.summary(summary)
     return summary, state

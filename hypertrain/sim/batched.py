@@ -13,12 +13,21 @@ the loop, so results agree within float rounding, not always bitwise (docs/parit
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hypertrain.batches import stack_microbatches, stacked_microbatches
 from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
-from hypertrain.engines import Assignment, GradientAverage, ReplicaResult, check_finite, gradients
+from hypertrain.engines import (
+    Assignment,
+    GradientAverage,
+    ReplicaResult,
+    check_finite,
+    gradients,
+    timed_average,
+)
 from hypertrain.model import Params
 from hypertrain.optim import OptState, lr_at
 
@@ -78,11 +87,13 @@ def train_many(
     forward, inner_step = forward_fn(cfg.engine.compile), inner_step_fn(cfg.engine.compile)
     losses = torch.zeros(steps, R, device=device)
     stepped = torch.zeros(steps, R, dtype=torch.bool)
+    seconds, allreduce = [0.0] * steps, [0.0] * steps
     for t in range(steps):
         batches = [a.batches[t] for a in assigns]
         active = [not b.empty for b in batches]
         if not any(active):
             continue
+        start = time.perf_counter()
         stepped[t] = torch.tensor(active)
         for parts in stacked_microbatches(batches, bound):
             tokens, mask, weights = stack_microbatches(parts, device)
@@ -90,8 +101,7 @@ def train_many(
             per_replica.sum().backward()
             losses[t] += per_replica.detach()
         grads = gradients(params)
-        if average_in_replica is not None:
-            average_in_replica(grads, losses[t])
+        allreduce[t] = timed_average(average_in_replica, grads, losses[t])
         lr = lr_at(cfg.inner, assigns[0].global_step0 + t, t)
         # The mask costs a copy of the state: pass it only when some replica sits this step out.
         mask = None if all(active) else stepped[t].to(device)
@@ -100,12 +110,15 @@ def train_many(
         check_finite(losses[t], norms, grads, [a.replica for a in assigns], assigns[0].global_step0 + t)
         for p in params.values():
             p.grad = None
+        seconds[t] = time.perf_counter() - start  # check_finite synced with the device
     host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy
     return [
         ReplicaResult(
             {n: p[r : r + 1].detach().clone() for n, p in params.items()},
             _replica_state(state, r),
             [host_losses[t][r] if stepped[t, r] else None for t in range(steps)],
+            seconds,
+            allreduce,
         )
         for r in range(R)
     ]

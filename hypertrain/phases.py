@@ -1,0 +1,155 @@
+"""The benchmark phases' table: one row per phase and world from the runs of a sweep.
+
+`experiment=phases` runs the strong and the weak phase at two worlds as one Hydra multirun of
+`engine=dist` jobs; `PhasesTable` (a Hydra callback) then reads every job's `metrics.jsonl`,
+`config.yaml` and `plan.json` and writes `phases.md` and `phases.json` into the sweep directory,
+and prints the markdown. Per phase and world: total and per-rank throughput (examples, supervised
+and padded tokens per second, after the phase's `timing_warmup` updates), compute and gradient
+all-reduce seconds per update and the all-reduce's share, padding efficiency, presentations
+against distinct ids, and scaling efficiency against the smallest world of the phase (strong:
+throughput ratio over world ratio; weak: per-rank throughput ratio); then what was measured on
+(device, processes, torch and backend versions) and the plan hashes, so two tables compare honestly.
+`python -m hypertrain.phases SWEEP_DIR` rebuilds the table of a finished sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from hypertrain.log import METRICS_FILE, read_metrics
+
+TABLE_MD, TABLE_JSON = "phases.md", "phases.json"
+
+
+def job_row(job_dir: Path) -> dict:
+    """One run's figures: its summary rows merged, its phase and world, its end status."""
+    rows = read_metrics(job_dir / METRICS_FILE)
+    summary: dict = {}
+    for row in rows:
+        if row["kind"] == "summary":
+            summary |= row
+    cfg = OmegaConf.load(job_dir / "config.yaml")
+    end = rows[-1] if rows and rows[-1]["kind"] == "end" else {"status": "crashed"}
+    per_rank = summary.get("bench/samples_per_s_per_rank", [])
+    return {
+        "job": job_dir.name,
+        "phase": cfg.phase.name,
+        "kind": cfg.phase.kind,
+        "world": cfg.world.size,
+        "processes": summary.get("env/processes"),
+        "layout": summary.get("engine/layout"),
+        "timed_updates": summary.get("bench/timed_updates"),
+        "timing_warmup": cfg.phase.timing_warmup,
+        "samples_per_s": summary.get("bench/samples_per_s"),
+        "samples_per_s_per_rank": sum(per_rank) / len(per_rank) if per_rank else None,
+        "tokens_per_s": summary.get("bench/tokens_per_s"),
+        "padded_tokens_per_s": summary.get("bench/padded_tokens_per_s"),
+        "compute_ms_per_update": 1e3 * summary["bench/compute_s_per_update"]
+        if "bench/compute_s_per_update" in summary
+        else None,
+        "allreduce_ms_per_update": 1e3 * summary["bench/allreduce_s_per_update"]
+        if "bench/allreduce_s_per_update" in summary
+        else None,
+        "allreduce_share": summary.get("bench/allreduce_share"),
+        "padding_efficiency": summary.get("bench/padding_efficiency"),
+        "presentations": summary.get("train/presentations"),
+        "unique_ids": summary.get("plan/unique_ids"),
+        "device": summary.get("env/device"),
+        "torch": summary.get("env/torch"),
+        "backend": summary.get("env/backend"),
+        "union_sha256": summary.get("plan/union_sha256"),
+        "data_order_sha256": summary.get("plan/data_order_sha256"),
+        "rank_sha256": summary.get("plan/rank_sha256"),
+        "status": end["status"],
+    }
+
+
+def with_scaling(rows: list[dict]) -> list[dict]:
+    """Scaling efficiency of each row against the smallest world of its phase (1.0 there)."""
+    out = []
+    for row in sorted(rows, key=lambda r: (r["phase"], r["world"])):
+        base = min((r for r in rows if r["phase"] == row["phase"]), key=lambda r: r["world"])
+        ratio = None
+        if row["kind"] == "strong" and base["samples_per_s"] and row["samples_per_s"]:
+            ratio = (row["samples_per_s"] / base["samples_per_s"]) / (row["world"] / base["world"])
+        elif row["kind"] == "weak" and base["samples_per_s_per_rank"] and row["samples_per_s_per_rank"]:
+            ratio = row["samples_per_s_per_rank"] / base["samples_per_s_per_rank"]
+        out.append(row | {"scaling_efficiency": ratio, "scaling_base_world": base["world"]})
+    return out
+
+
+COLUMNS = (
+    ("phase", "phase", "{}"),
+    ("world", "world", "{}"),
+    ("samples_per_s", "examples/s", "{:.1f}"),
+    ("samples_per_s_per_rank", "examples/s per rank", "{:.1f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+    ("padded_tokens_per_s", "padded tokens/s", "{:.0f}"),
+    ("compute_ms_per_update", "compute ms/update", "{:.1f}"),
+    ("allreduce_ms_per_update", "all-reduce ms/update", "{:.1f}"),
+    ("allreduce_share", "all-reduce share", "{:.1%}"),
+    ("padding_efficiency", "padding efficiency", "{:.1%}"),
+    ("presentations", "presentations", "{}"),
+    ("unique_ids", "distinct ids", "{}"),
+    ("scaling_efficiency", "scaling efficiency", "{:.2f}"),
+    ("status", "status", "{}"),
+)
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table, then one line per run of what it was measured on and its plan hashes."""
+    lines = [
+        "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_cell(r[key], fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
+    lines.append("")
+    lines.append(
+        "Strong: scaling efficiency = throughput ratio / world ratio; weak: per-rank throughput ratio; "
+        "both against the phase's smallest world. Throughput after each phase's timing_warmup updates."
+    )
+    lines.append("")
+    for r in rows:
+        lines.append(
+            f"- {r['phase']} world {r['world']}: {r['processes']} processes ({r['layout']} layout), "
+            f"{r['device']}, torch {r['torch']}, {r['backend']}; {r['timed_updates']} timed updates after "
+            f"{r['timing_warmup']}; union {r['union_sha256']}, data order {r['data_order_sha256']}, "
+            f"ranks {r['rank_sha256']}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_table(sweep_dir: Path) -> str:
+    """Read every job of the sweep, write phases.md and phases.json beside them; return the markdown."""
+    sweep_dir = Path(sweep_dir)
+    jobs = sorted(p.parent for p in sweep_dir.glob(f"*/{METRICS_FILE}"))
+    rows = with_scaling([job_row(job) for job in jobs])
+    text = markdown(rows)
+    (sweep_dir / TABLE_MD).write_text(text)
+    (sweep_dir / TABLE_JSON).write_text(json.dumps(rows, indent=2) + "\n")
+    return text
+
+
+class PhasesTable(Callback):
+    """Hydra callback of `experiment=phases`: the table once every job of the sweep has run."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(OmegaConf.select(config, "hydra.sweep.dir"))
+        if sweep_dir.is_dir():
+            print(write_table(sweep_dir), end="")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        print("usage: python -m hypertrain.phases SWEEP_DIR", file=sys.stderr)
+        sys.exit(2)
+    print(write_table(Path(sys.argv[1])), end="")
