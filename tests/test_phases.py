@@ -1,0 +1,85 @@
+"""experiment=phases: the seed's benchmark phases on real ranks, one table per sweep (issue: phases).
+
+Runs the CPU phases at worlds 2 and 4 through the entry (4 engine=dist jobs, 2-4 processes each,
+one torch thread per process on 2 cores: the figures are not a benchmark here, only checked for
+consistency with each run's own records).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from test_entry import QUICK, entry  # noqa: F401  (QUICK documents the small-model overrides)
+
+from hypertrain import plan
+from hypertrain.log import read_metrics
+from hypertrain.phases import TABLE_JSON, TABLE_MD
+
+SMALL = ["model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("phases")
+    done = entry(["experiment=phases", "world=2,4", *SMALL, f"hydra.sweep.dir={tmp / 'sweep'}"], tmp, 600)
+    assert done.returncode == 0, done.stderr
+    return tmp / "sweep", done
+
+
+def test_the_table_has_every_phase_and_world_and_every_cell(sweep):
+    sweep_dir, done = sweep
+    rows = json.loads((sweep_dir / TABLE_JSON).read_text())
+    assert sorted((r["phase"], r["world"]) for r in rows) == [
+        ("cpu_strong", 2),
+        ("cpu_strong", 4),
+        ("cpu_weak", 2),
+        ("cpu_weak", 4),
+    ]
+    for r in rows:
+        missing = [k for k, v in r.items() if v is None]
+        assert not missing, (r["phase"], r["world"], missing)
+        assert r["status"] == "finished" and r["processes"] == r["world"] and r["layout"] == "benchmark"
+        assert r["backend"] == "gloo" and r["torch"] and r["device"].startswith("cpu")
+        assert 0 < r["allreduce_share"] < 1 and r["padding_efficiency"] == 1.0  # windows: no padding
+    assert {r["scaling_efficiency"] for r in rows if r["world"] == 2} == {1.0}
+    markdown = (sweep_dir / TABLE_MD).read_text()
+    assert markdown in done.stdout  # printed at the end of the sweep
+    assert markdown.count("| cpu_") == 4 and "union " in markdown
+
+
+def test_the_timed_window_leaves_out_the_warm_up_updates(sweep):
+    sweep_dir, _ = sweep
+    for r in json.loads((sweep_dir / TABLE_JSON).read_text()):
+        phase = plan.PRESETS[r["phase"]]
+        assert r["timing_warmup"] == phase.timing_warmup
+        assert r["timed_updates"] == phase.updates - phase.timing_warmup
+
+
+def test_the_weak_phase_at_twice_its_base_world_presents_each_id_twice(sweep):
+    sweep_dir, _ = sweep
+    weak = {r["world"]: r for r in json.loads((sweep_dir / TABLE_JSON).read_text()) if r["kind"] == "weak"}
+    phase = plan.PRESETS["cpu_weak"]
+    ids = phase.updates * phase.base_world * phase.per_rank_batch
+    assert weak[2]["unique_ids"] == weak[4]["unique_ids"] == ids
+    assert weak[2]["presentations"] == ids and weak[4]["presentations"] == 2 * ids
+    strong = [r for r in json.loads((sweep_dir / TABLE_JSON).read_text()) if r["kind"] == "strong"]
+    assert all(r["presentations"] == r["unique_ids"] for r in strong)
+
+
+def test_throughput_agrees_with_each_runs_own_records(sweep):
+    """examples/s and tokens/s = what the timed updates presented / the slowest rank's timed seconds,
+    both from metrics.jsonl (per-rank seconds of every update; ranks move in lockstep)."""
+    sweep_dir, _ = sweep
+    for r in json.loads((sweep_dir / TABLE_JSON).read_text()):
+        rows = read_metrics(sweep_dir / r["job"] / "metrics.jsonl")
+        phase = plan.PRESETS[r["phase"]]
+        timed = [u for u in rows if u["kind"] == "update" and u["update"] > phase.timing_warmup]
+        assert len(timed) == r["timed_updates"]
+        seconds = max(sum(u["rank_seconds"][k] for u in timed) for k in range(r["processes"]))
+        # Presented per update: G examples (strong), or W * b (weak: base streams k = W/B times).
+        k = 1 if r["kind"] == "strong" else r["world"] // phase.base_world
+        examples = sum(u["tokens"] for u in timed) * k // 32  # data.seq_len=32 targets per window
+        assert math.isclose(r["samples_per_s"], examples / seconds, rel_tol=1e-9)
+        assert math.isclose(r["tokens_per_s"], 32 * examples / seconds, rel_tol=1e-9)
