@@ -7,7 +7,8 @@ R = 16 a step took 12,000-18,000 minor page faults, against 0 for the per-replic
 tensors stay small. `keep_freed_memory()` raises the mmap threshold to glibc's maximum and the trim
 threshold to 1 GiB, so freed blocks are reused: the quietest warm step faults in none (0 to 3,700
 per step on average, as the heap still grows now and then, against 7,300-14,400 without;
-tests/test_runtime.py, whose bounds come from the activations' sizes). A no-op where the C library has no `mallopt` (macOS, musl).
+tests/test_runtime.py, whose bounds come from the activations' sizes). A no-op where the C library
+has no `mallopt` (macOS, musl).
 """
 
 from __future__ import annotations
