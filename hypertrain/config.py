@@ -150,6 +150,12 @@ class LoggerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 1  # write a checkpoint after every `every` syncs (and after the last); 0 = never
+    keep: int = 2  # checkpoints kept in run_dir/checkpoints (the newest)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -159,9 +165,13 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     replicas: int = 4  # R, model replicas; must divide the world (weak phases: the base world)
     seed: int = 0  # initial weights (the same for every replica)
     experiment: str = "default"  # names the W&B group of a run unless logger.group is set
+    # "" (start), true (the run directory's newest good checkpoint), auto (resume when the run
+    # directory holds a checkpoint of this config, else start), or a checkpoint file or run directory
+    resume: str = ""
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -269,6 +279,8 @@ def validate(cfg: TrainConfig) -> None:
     if not (e.device == "cpu" or e.device.startswith("cuda")):
         raise ConfigError(f"engine.device={e.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
 
+    _at_least("checkpoint.every", cfg.checkpoint.every, 0)
+    _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
     _choice("logger.name", cfg.logger.name, ("wandb", "none"))
     _choice("logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
     _choice("logger.progress", cfg.logger.progress, ("auto", "always", "never"))

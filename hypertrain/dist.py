@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hypertrain import checkpoint
 from hypertrain.config import TrainConfig
 from hypertrain.engines import NonFiniteError
 from hypertrain.layouts import Layout, choose_layout
-from hypertrain.log import RunLogger
 from hypertrain.model import Params
-from hypertrain.replica_groups import ReplicaGroups
+from hypertrain.optim import OptState
+from hypertrain.replica_groups import ReplicaGroups, inject_fault
 
 # torch >= 2.12 renames all_gather_into_tensor (and warns at every call of the old name).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-FAULT_ENV = "HYPERTRAIN_FAULT"  # tests only: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
 
 
 class Terminated(RuntimeError):
@@ -202,6 +202,25 @@ class DistReplicaGroups(ReplicaGroups):
             raise CollectiveFailed(f"the round's gather of timings failed: {_first_line(e)}") from None
         return torch.stack(parts).cpu()
 
+    def gather_inner(self, states: list) -> list | None:
+        """Rank 0 gathers one copy of every replica's state (a replica's ranks hold the same one)."""
+        mine = None
+        if self.local_rank == 0:  # one rank per replica sends (every rank under the stacked layout)
+            mine = [
+                OptState(
+                    {n: t.cpu() for n, t in s.m.items()}, {n: t.cpu() for n, t in s.v.items()}, s.step.cpu()
+                )
+                for s in states
+            ]
+        gathered = [None] * self.size if self.rank == 0 else None
+        try:
+            dist.gather_object(mine, gathered, dst=0)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise CollectiveFailed(f"the checkpoint's gather failed: {_first_line(e)}") from None
+        if self.rank != 0:
+            return None
+        return [state for part in gathered if part is not None for state in part]
+
     def check_replicas_identical(self, params: Params) -> None:
         if self.replica_group is None:
             return
@@ -218,19 +237,6 @@ class DistReplicaGroups(ReplicaGroups):
             )
 
 
-def inject_fault(rank: int, updates: range) -> None:
-    """Tests only: `HYPERTRAIN_FAULT=RANK:UPDATE:kill|sleep` kills or hangs rank RANK at the start of
-    the round that holds the 1-based UPDATE, so a test names the point instead of racing a clock."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    target, update, action = spec.split(":")
-    if int(target) == rank and int(update) - 1 in updates:
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(3600)
-
-
 @dataclass
 class WorkerJob:
     """What the entry hands every worker (picklable: the self-launch sends it to spawned processes)."""
@@ -239,6 +245,8 @@ class WorkerJob:
     run_dir: str | None  # the writer's run directory (rank 0); None on the other ranks
     resolved: dict  # the resolved config, W&B's run config
     identity: dict  # W&B name, group, job type, tags
+    resume_from: str | None = None  # the checkpoint every rank loads its replicas' state from
+    superseded: int | None = None  # rank 0: bytes of metrics.jsonl the entry moved aside for it
 
 
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -266,7 +274,7 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     spawned worker prepares its own (the same config gives the same data and plan everywhere).
     Returns rank 0's summary. A failure prints one line naming this rank and exits non-zero.
     """
-    from hypertrain.trainer import prepare, train
+    from hypertrain.trainer import Resume, prepare, train_session
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -283,15 +291,13 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         dist.broadcast_object_list(run_dir, src=0)  # rank 0 decided the directory; the others learn it
         groups = DistReplicaGroups(layout, rank, device, cfg.engine.timeout_s)
         run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
-        if rank != 0:
-            train(run, None, groups)
-            return None
-        with RunLogger(
-            Path(run_dir[0]), job.resolved, cfg.logger, replicas=cfg.replicas, **job.identity
-        ) as log:
-            summary, state = train(run, log, groups)
-        torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir[0]) / "weights.pt")
-        return summary
+        resume = None
+        if job.resume_from is not None:
+            saved = checkpoint.load(Path(job.resume_from))
+            resume = Resume(job.resume_from, saved, job.superseded or 0)
+        where = Path(run_dir[0])
+        summary = train_session(run, where, job.resolved, job.identity, groups, resume)
+        return summary if rank == 0 else None
     except Exception as e:
         if not isinstance(e, (NonFiniteError, CollectiveFailed, Terminated, RuntimeError)):
             traceback.print_exc()  # not a run failure we know: a bug, shown whole

@@ -86,6 +86,9 @@ class NoLog:
     def summary(self, values: dict) -> None:
         pass
 
+    def log_checkpoint(self, row: dict) -> None:
+        pass
+
 
 class RunLogger:
     """Context manager recording one run to `run_dir/metrics.jsonl` and, optionally, to W&B.
@@ -106,6 +109,7 @@ class RunLogger:
         job_type: str,
         tags: list[str],
         replicas: int,
+        wandb_id: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / METRICS_FILE
@@ -113,6 +117,7 @@ class RunLogger:
         self.logger_cfg = logger_cfg
         self.name, self.group, self.job_type, self.tags = name, group, job_type, list(tags)
         self.replicas = replicas
+        self.wandb_id = wandb_id  # a resumed run keeps its W&B run id
         self._file = None
         self._run = None
         self._mode: str | None = None
@@ -207,6 +212,7 @@ class RunLogger:
             group=self.group,
             job_type=self.job_type,
             tags=self.tags,
+            id=self.wandb_id,
             # Several loggers may live in one process (a multirun); each owns its own run object.
             reinit="create_new",
             # Console capture and the system monitor cost start-up time and add nothing offline.
@@ -256,6 +262,27 @@ class RunLogger:
         data.update({wandb_key: row[key] for key, wandb_key in _SYNC_KEYS.items() if key in row})
         extra = {k: v for k, v in row.items() if k not in ("update", "round", *_SYNC_KEYS)}
         self._wandb_log(data, extra, "sync/")
+
+    def position(self) -> int:
+        """Bytes written to metrics.jsonl so far (every row is flushed as it is written)."""
+        return self._file.tell()
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self._run.id if self._run is not None and self._mode != "disabled" else None
+
+    def log_checkpoint(self, row: dict) -> None:
+        """A checkpoint written: `update` (the next to run), `round`, `path`, `bytes`, `seconds`."""
+        self._write({"kind": "checkpoint", **row})
+        self._wandb_log(
+            {"update": row["update"], "round": row["round"]},
+            {k: row[k] for k in ("bytes", "seconds")},
+            "checkpoint/",
+        )
+
+    def log_resume(self, row: dict) -> None:
+        """This session resumes: from which checkpoint, at which update, what was superseded."""
+        self._write({"kind": "resume", **row})
 
     def summary(self, values: dict) -> None:
         """Run-level facts (`plan/union_sha256`, `plan/data_order_sha256`, `data/fingerprint`, ...)."""

@@ -17,13 +17,15 @@ import copy
 import os
 import shutil
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from hypertrain import checkpoint
 from hypertrain.config import ConfigError, TrainConfig, validate
-from hypertrain.layouts import launched_by_torchrun
+from hypertrain.layouts import choose_layout, launched_by_torchrun, process_count
 from hypertrain.log import METRICS_FILE
 from hypertrain.plan import PlanError
 
@@ -68,16 +70,72 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"hydra.run.dir={run_dir}: {existing} is not writable; valid: a writable directory")
 
 
-def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None):
-    """The typed, validated, prepared run; ConfigError/PlanError (one line) on any user mistake."""
+def with_layout(cfg: TrainConfig) -> TrainConfig:
+    """engine=dist's process count and layout decided (validate() has checked that one fits)."""
+    engine = cfg.engine
+    processes = process_count(engine.nproc, cfg.world.size)
+    layout = choose_layout(processes, cfg.world.size, cfg.replicas, engine.layout)
+    return replace(cfg, engine=replace(engine, nproc=layout.processes, layout=layout.kind))
+
+
+def resume_target(resume: str, run_dir: Path) -> tuple[Path, tuple[Path, dict] | None]:
+    """(the run directory, the checkpoint to resume from or None to start) for `resume`."""
+    mode = resume.strip()
+    if mode.lower() in ("", "false"):
+        return run_dir, None
+    if mode.lower() in ("true", "auto"):
+        found = checkpoint.find(run_dir)
+        if found is None and mode.lower() == "true":
+            raise ConfigError(
+                f"resume=true but {run_dir} holds no checkpoint; valid: hydra.run.dir=<an earlier run's "
+                "directory>, or resume=<a checkpoint file or run directory>"
+            )
+        return run_dir, found
+    path = Path(mode).expanduser().absolute()
+    if path.is_file():
+        return path.parent.parent, (path, checkpoint.load(path))
+    found = checkpoint.find(path) if path.is_dir() else None
+    if found is None:
+        raise ConfigError(
+            f"resume={mode!r} is no checkpoint file and no run directory holding one; valid: true, auto, "
+            "a checkpoint file, or a run directory with checkpoints/"
+        )
+    return path, found
+
+
+@dataclass
+class Checked:
+    """What the preflight decided: the prepared run, its directory, and where it resumes from."""
+
+    run: object  # trainer.PreparedRun
+    run_dir: Path | None
+    resume: tuple[Path, dict] | None
+
+
+def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -> Checked:
+    """The typed, validated, prepared run; ConfigError/PlanError (one line) on any user mistake.
+    `run_dir` None: this process writes nothing (a torchrun rank other than 0)."""
     from hypertrain.trainer import prepare  # torch and data only once the config is known to be sane
 
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
     check_labels(cfg, choices)
     validate(cfg)
+    if cfg.engine.name == "dist":
+        cfg = with_layout(cfg)
+    found = None
     if run_dir is not None:
-        check_run_dir(run_dir)
-    return prepare(cfg)
+        run_dir, found = resume_target(cfg.resume, run_dir)
+        if found is None:
+            check_run_dir(run_dir)
+    run = prepare(cfg)
+    if found is not None:
+        checkpoint.compatible(found[1], resolved_config(run.cfg), run.plan_facts)
+    return Checked(run, run_dir, found)
+
+
+def resolved_config(cfg: TrainConfig) -> dict:
+    """The run's config as plain containers, derived fields filled: config.yaml, W&B, checkpoints."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
 def _task_part(config: DictConfig) -> DictConfig:
@@ -114,21 +172,24 @@ class Preflight(Callback):
             write_nothing(config)
             run_dir = None  # rank 0 alone checks and writes the run directory
         try:
-            run = prepare_checked(task, dict(config.hydra.runtime.choices), run_dir)
+            checked = prepare_checked(task, dict(config.hydra.runtime.choices), run_dir)
         except (ConfigError, PlanError) as e:
             fail(str(e))
-        _prepared[_key(task)] = run
+        if checked.run_dir is not None and checked.run_dir != run_dir:  # resume=PATH: that run's directory
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.run.dir = str(checked.run_dir)
+        _prepared[_key(task)] = checked
 
 
-def take_prepared(task_cfg: DictConfig):
-    """The run `Preflight` prepared for this config, or None (a multirun job, or no callback)."""
+def take_prepared(task_cfg: DictConfig) -> Checked | None:
+    """What `Preflight` decided for this config, or None (a multirun job, or no callback)."""
     return _prepared.pop(_key(task_cfg), None)
 
 
-def check_job(task_cfg: DictConfig, choices: dict, job_dir: Path):
+def check_job(task_cfg: DictConfig, choices: dict, job_dir: Path) -> Checked:
     """A multirun job's checks, inside the task function; a rejected job leaves no directory."""
     try:
-        return prepare_checked(task_cfg, choices, None)
+        return prepare_checked(task_cfg, choices, job_dir)
     except (ConfigError, PlanError) as e:
         remove_rejected_job_dir(job_dir)
         fail(str(e))

@@ -12,6 +12,10 @@ processes of `engine=dist` (`hypertrain.dist`) subclass it with torch.distribute
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 from torch import Tensor
 
 from hypertrain.model import Params
@@ -58,13 +62,35 @@ class ReplicaGroups:
         """[updates, k] per process -> [P, updates, k] (per-process timings and token counts)."""
         return table.unsqueeze(0)
 
+    def gather_inner(self, states: list) -> list | None:
+        """Every replica's inner state (a list of `OptState`, replica order) on the writer, None
+        elsewhere: what a checkpoint saves."""
+        return states
+
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
 
     def before_round(self, updates: range) -> None:
-        """Called as a round starts: real processes wait for each other here (and hold the test-only
-        fault point)."""
+        """Called as a round starts: real processes wait for each other here; the test-only fault
+        point of every engine."""
+        inject_fault(self.rank, updates)
 
     def comm_stats(self) -> dict:
         """Measured payload bytes handed to collectives and seconds spent in them, since the last call."""
         return {}
+
+
+FAULT_ENV = "HYPERTRAIN_FAULT"  # tests only: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
+
+
+def inject_fault(rank: int, updates: range) -> None:
+    """Tests only: `HYPERTRAIN_FAULT=RANK:UPDATE:kill|sleep` kills or hangs rank RANK at the start of
+    the round that holds the 1-based UPDATE, so a test names the point instead of racing a clock."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target, update, action = spec.split(":")
+    if int(target) == rank and int(update) - 1 in updates:
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)

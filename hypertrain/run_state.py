@@ -60,15 +60,16 @@ class RunState:
 
     @torch.no_grad()
     def load_state_dict(self, saved: dict) -> None:
-        """Copy `saved` (from `state_dict`, possibly of another process) into this state in place."""
-        if list(saved["replicas"]) != self.replicas:
-            raise ValueError(
-                f"the saved state holds replicas {saved['replicas']}, this process {self.replicas}"
-            )
+        """Copy `saved` (from `state_dict`; it may hold more replicas, e.g. every replica of a run
+        whose processes held a few each) into this state in place: this process's replicas only."""
+        where = {m: i for i, m in enumerate(saved["replicas"])}
+        missing = [m for m in self.replicas if m not in where]
+        if missing:
+            raise ValueError(f"the saved state holds replicas {saved['replicas']}, not {missing}")
         for name, t in self.theta.items():
             t.copy_(saved["theta"][name])
             self.outer.momentum[name].copy_(saved["outer_momentum"][name])
-        for state, kept in zip(self.inner, saved["inner"], strict=True):
+        for state, kept in zip(self.inner, (saved["inner"][where[m]] for m in self.replicas), strict=True):
             for moments in ("m", "v"):
                 for name, t in getattr(state, moments).items():
                     t.copy_(kept[moments][name])

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -26,12 +25,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain import preflight
+from hypertrain import checkpoint, preflight
 from hypertrain.config import TrainConfig, register_configs
 from hypertrain.engines import NonFiniteError
-from hypertrain.layouts import choose_layout, launched_by_torchrun, process_count
-from hypertrain.log import RunLogger
-from hypertrain.trainer import train
+from hypertrain.layouts import launched_by_torchrun
+from hypertrain.trainer import Resume, train_session
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -79,15 +77,20 @@ def main(dict_cfg: DictConfig) -> float:
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    run = preflight.take_prepared(dict_cfg)
-    if run is None:  # a multirun job: Hydra has made its directory; a rejected job removes it again
-        run = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), run_dir)
-    if run.cfg.engine.name == "dist":
-        run = replace(run, cfg=with_layout(run.cfg))
+    checked = preflight.take_prepared(dict_cfg)
+    if checked is None:  # a multirun job: Hydra has made its directory; a rejected job removes it again
+        checked = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), run_dir)
+    run = checked.run
     writer = not launched_by_torchrun() or os.environ["RANK"] == "0"
-    resolved = OmegaConf.to_container(OmegaConf.structured(run.cfg), resolve=True)
+    resolved = preflight.resolved_config(run.cfg)
     identity = run_identity(run.cfg, resolved)
+    resume = None
     if writer:
+        if checked.resume is not None:  # only now, every check passed: rewind the records
+            path, saved = checked.resume
+            moved = checkpoint.rewind_metrics(run_dir, saved["metrics_bytes"])
+            resume = Resume(str(path), saved, moved)
+            logger.info("resuming from %s at update %d", path, saved["state"]["next_update"] + 1)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
         (run_dir / "plan.json").write_text(json.dumps(run.plan_facts, indent=2) + "\n")
         logger.info("run %s: %s", identity["name"], run.dataset.description)
@@ -95,13 +98,18 @@ def main(dict_cfg: DictConfig) -> float:
             engine = run.cfg.engine
             logger.info("engine=dist: %d processes, %s layout", engine.nproc, engine.layout)
         if run.cfg.engine.compile:
-            logger.info(
-                "engine.compile=true: the first updates and the first held-out eval include compilation"
-            )
+            logger.info("engine.compile=true: the first updates and held-out eval include compilation")
     if run.cfg.engine.name == "dist":
         from hypertrain import dist
 
-        job = dist.WorkerJob(run.cfg, str(run_dir) if writer else None, resolved, identity)
+        job = dist.WorkerJob(
+            run.cfg,
+            str(run_dir) if writer else None,
+            resolved,
+            identity,
+            None if checked.resume is None else str(checked.resume[0]),
+            None if resume is None else resume.superseded,
+        )
         if launched_by_torchrun():  # this process is one rank; a failure ends it inside run_worker
             summary = dist.run_worker(job, run)
         else:
@@ -112,7 +120,15 @@ def main(dict_cfg: DictConfig) -> float:
         if not writer:
             return math.nan
     else:
-        summary = train_here(run, run_dir, resolved, identity)
+        if run.cfg.engine.threads:
+            import torch
+
+            torch.set_num_threads(run.cfg.engine.threads)
+        try:
+            summary = train_session(run, run_dir, resolved, identity, resume=resume)
+        except NonFiniteError as e:
+            # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
+            preflight.fail(f"run failed: {e} ({run_dir})", code=NonFiniteError.exit_code)
     logger.info(
         "done: held-out loss %.4f, %.1f replica-steps/s, %s",
         summary["eval/final_loss"],
@@ -120,31 +136,6 @@ def main(dict_cfg: DictConfig) -> float:
         run_dir,
     )
     return summary["eval/final_loss"]
-
-
-def with_layout(cfg: TrainConfig) -> TrainConfig:
-    """engine=dist's process count and layout decided (validate() has checked that one fits)."""
-    engine = cfg.engine
-    layout = choose_layout(
-        process_count(engine.nproc, cfg.world.size), cfg.world.size, cfg.replicas, engine.layout
-    )
-    return replace(cfg, engine=replace(engine, nproc=layout.processes, layout=layout.kind))
-
-
-def train_here(run, run_dir: Path, resolved: dict, identity: dict) -> dict:
-    """Train in this process (engine=loop or stacked); the global weights end in weights.pt."""
-    import torch
-
-    if run.cfg.engine.threads:
-        torch.set_num_threads(run.cfg.engine.threads)
-    try:
-        with RunLogger(run_dir, resolved, run.cfg.logger, replicas=run.cfg.replicas, **identity) as log:
-            summary, state = train(run, log)
-    except NonFiniteError as e:
-        # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
-        preflight.fail(f"run failed: {e} ({run_dir})", code=NonFiniteError.exit_code)
-    torch.save({n: t.cpu() for n, t in state.theta.items()}, run_dir / "weights.pt")
-    return summary
 
 
 if __name__ == "__main__":

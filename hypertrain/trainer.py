@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from hypertrain import plan
 from hypertrain.batches import ReplicaBatch, replica_batch
+from hypertrain.checkpoint import Checkpointer
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.data import Dataset, build_dataset
 from hypertrain.engines import (
@@ -321,14 +323,38 @@ def rounds(
         yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced, table, ranks)
 
 
+def log_sync_row(log, rnd: Round, eval_loss: float, totals, inner: int, outer: int, measured: dict) -> None:
+    """The sync row: held-out loss, pseudo-gradient norm, the formula's and the measured bytes."""
+    log.log_sync(
+        {
+            "update": rnd.updates[-1] + 1,
+            "round": rnd.index,
+            "eval_loss": eval_loss,
+            "pseudo_grad_norm": rnd.delta_norm,
+            "replicas_synced": rnd.synced,
+            "comm_inner_bytes": inner,
+            "comm_outer_bytes": outer,
+            "comm_inner_total": totals.comm_inner_bytes,
+            "comm_outer_total": totals.comm_outer_bytes,
+            **measured,
+        }
+    )
+
+
 def train(
-    run: PreparedRun, log: RunLogger | None, groups: ReplicaGroups | None = None
+    run: PreparedRun,
+    log: RunLogger | None,
+    groups: ReplicaGroups | None = None,
+    checkpointer: Checkpointer | None = None,
+    saved: dict | None = None,
 ) -> tuple[dict, RunState]:
     """Run the phase's rounds; the writer logs per update and per sync; return the final summary
     and the run's state (its `theta` is the trained global weights).
 
     Every process of a run calls this with its `groups`; only the writer (rank 0) gets a `log`,
-    evaluates the held-out loss and shows progress. The others pass `log=None`.
+    evaluates the held-out loss and shows progress. The others pass `log=None`. With `checkpointer`
+    a checkpoint follows the syncs it asks for; with `saved` (a checkpoint's `state`) the run goes
+    on from there, exactly as it would have without the stop.
     """
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
@@ -336,6 +362,8 @@ def train(
     writer = groups.is_writer
     keep_freed_memory()
     state = RunState.start(cfg, initial_weights(run), groups.replicas)
+    if saved is not None:
+        state.load_state_dict(saved)
     totals = state.totals
     n_params = count_params(cfg.model)
     log.summary(
@@ -350,7 +378,8 @@ def train(
         }
     )
     eval_loss = heldout_loss(run, state.theta) if writer else math.nan
-    log.log_eval(update=0, eval_loss=eval_loss)
+    if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
+        log.log_eval(update=0, eval_loss=eval_loss)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never")
     progress.eval_loss = eval_loss
     start = time.perf_counter()
@@ -389,29 +418,17 @@ def train(
         totals.comm_inner_bytes += inner_bytes
         totals.comm_outer_bytes += outer_bytes
         measured = groups.comm_stats()
-        if not writer:
-            continue
-        eval_loss = heldout_loss(run, state.theta)
-        if not math.isfinite(eval_loss):
-            raise NonFiniteError(
-                f"the held-out loss of the global weights after the sync at update {rnd.updates[-1] + 1} "
-                f"is {eval_loss}; the run stops"
-            )
-        progress.eval_loss = eval_loss
-        log.log_sync(
-            {
-                "update": rnd.updates[-1] + 1,
-                "round": rnd.index,
-                "eval_loss": eval_loss,
-                "pseudo_grad_norm": rnd.delta_norm,
-                "replicas_synced": rnd.synced,
-                "comm_inner_bytes": inner_bytes,
-                "comm_outer_bytes": outer_bytes,
-                "comm_inner_total": totals.comm_inner_bytes,
-                "comm_outer_total": totals.comm_outer_bytes,
-                **measured,
-            }
-        )
+        if writer:
+            eval_loss = heldout_loss(run, state.theta)
+            if not math.isfinite(eval_loss):
+                raise NonFiniteError(
+                    f"the held-out loss of the global weights after the sync at update "
+                    f"{rnd.updates[-1] + 1} is {eval_loss}; the run stops"
+                )
+            progress.eval_loss = eval_loss
+            log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
+        if checkpointer is not None:
+            checkpointer.after_sync(state, rnd.index, last=state.next_update >= run.updates)
     progress.close()
     end = time.perf_counter()
     timed = end - timed_from
@@ -425,3 +442,47 @@ def train(
     } | throughput.summary()
     log.summary(summary)
     return summary, state
+
+
+@dataclass
+class Resume:
+    """Where a resumed run goes on from: the checkpoint and what its session left in metrics.jsonl."""
+
+    path: str  # the checkpoint file
+    saved: dict  # its payload (checkpoint.load)
+    superseded: int  # bytes of metrics.jsonl moved to metrics.superseded.jsonl
+
+
+def train_session(
+    run: PreparedRun,
+    run_dir: Path,
+    resolved: dict,
+    identity: dict,
+    groups: ReplicaGroups | None = None,
+    resume: Resume | None = None,
+) -> dict:
+    """One session of the writer (or, with `groups`, of every process): open the records (rank 0),
+    say where a resumed run goes on from, train with checkpoints, save weights.pt; the summary."""
+    cfg = run.cfg
+    groups = groups or ReplicaGroups(cfg.replicas)
+    saved = None if resume is None else resume.saved["state"]
+    every, keep = cfg.checkpoint.every, cfg.checkpoint.keep
+    if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
+        checkpointer = Checkpointer(run_dir, resolved, run.plan_facts, every, keep, NoLog(), groups)
+        return train(run, None, groups, checkpointer, saved)[0]
+    wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
+    records = RunLogger(run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, **identity)
+    with records as log:
+        if resume is not None:
+            log.log_resume(
+                {
+                    "from": resume.path,
+                    "update": resume.saved["state"]["next_update"],
+                    "round": resume.saved["state"]["rounds_done"],
+                    "superseded_bytes": resume.superseded,
+                }
+            )
+        checkpointer = Checkpointer(run_dir, resolved, run.plan_facts, every, keep, log, groups)
+        summary, state = train(run, log, groups, checkpointer, saved)
+    torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
+    return summary

@@ -1,0 +1,207 @@
+"""Checkpoints: the run's whole state at a sync, written atomically, found and checked on resume.
+
+A checkpoint (`run_dir/checkpoints/ckpt-u<next update>.pt`, torch.save) holds the `RunState` of
+every replica (rank 0 gathers the inner states it does not hold), the resolved config, both plan
+hashes, the byte length of metrics.jsonl when it was written, and the W&B run id. Written to a
+temporary file in the same folder, fsync'ed, renamed over, the folder fsync'ed: a crash or a full
+disk mid-write leaves the previous checkpoint whole. The last `checkpoint.keep` are kept.
+
+`find(path)` gives the newest checkpoint that loads (a corrupt one is skipped with a warning that
+names the one used instead); `compatible(saved, resolved, plan_facts)` raises a one-line
+`ConfigError` when the run to resume differs from the saved one beyond what may change (logger
+fields, checkpoint fields, `resume`, and `phase.updates` when `inner.decay_steps` is explicit, in
+which case the updates already run must be the same ones); `rewind_metrics` truncates
+metrics.jsonl to the checkpoint's length and keeps what was cut in metrics.superseded.jsonl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from hypertrain.config import ConfigError
+from hypertrain.log import METRICS_FILE
+
+FORMAT = 1
+FOLDER = "checkpoints"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+_NAME = re.compile(r"ckpt-u(\d+)\.pt$")
+logger = logging.getLogger("hypertrain")
+
+# Config keys a resumed run may change: where and how it logs and checkpoints, and whether it resumes.
+MAY_CHANGE = ("logger", "checkpoint", "resume")
+PLAN_KEYS = ("data/fingerprint", "plan/union_sha256", "plan/data_order_sha256")
+
+
+def path_for(run_dir: Path, next_update: int) -> Path:
+    return Path(run_dir) / FOLDER / f"ckpt-u{next_update:07d}.pt"
+
+
+def write(path: Path, payload: dict, keep: int) -> tuple[int, float]:
+    """Save `payload` atomically at `path`, keep the newest `keep` checkpoints; (bytes, seconds)."""
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    for old in checkpoints(path.parent.parent)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path.stat().st_size, time.perf_counter() - start
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    folder = Path(run_dir) / FOLDER
+    found = [p for p in folder.glob("ckpt-u*.pt") if _NAME.search(p.name)] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
+
+
+def load(path: Path) -> dict:
+    """A checkpoint's payload; ConfigError naming it when it is truncated or not a checkpoint."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
+        raise ConfigError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}); valid: a whole checkpoint"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ConfigError(
+            f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint"
+        )
+    return saved
+
+
+def find(path: Path) -> tuple[Path, dict] | None:
+    """The checkpoint `path` names (a file), or the newest usable one of the run directory `path`;
+    None when the directory has none. A corrupt newest one falls back to the one before, warning."""
+    path = Path(path)
+    if path.is_file():
+        return path, load(path)
+    found = checkpoints(path)
+    for i in range(len(found) - 1, -1, -1):
+        try:
+            saved = load(found[i])
+        except ConfigError as e:
+            earlier = found[i - 1].name if i else "none"
+            logger.warning("%s; falling back to the previous checkpoint (%s)", e, earlier)
+            continue
+        return found[i], saved
+    if found:
+        raise ConfigError(
+            f"no checkpoint in {path / FOLDER} can be read; valid: a run with a whole checkpoint"
+        )
+    return None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
+    """Raise ConfigError (one line) unless the run `resolved` may continue the saved one."""
+    before, now = _flat(saved["config"]), _flat(resolved)
+    changed = sorted(
+        key
+        for key in before.keys() | now.keys()
+        if before.get(key) != now.get(key) and key.split(".")[0] not in MAY_CHANGE
+    )
+    extended = changed == ["phase.updates"] and now["phase.updates"] > before["phase.updates"]
+    if extended and now["inner.decay_steps"] != before["inner.decay_steps"]:
+        raise ConfigError(
+            f"phase.updates={now['phase.updates']} extends the run ({before['phase.updates']} before) but "
+            "the learning-rate schedule of the updates already run would change; valid: the same "
+            f"inner.decay_steps as before, set explicitly (inner.decay_steps={before['inner.decay_steps']})"
+        )
+    if changed and not extended:
+        key = changed[0]
+        raise ConfigError(
+            f"{key}={now.get(key)!r} differs from the checkpoint's {before.get(key)!r}; a resumed run may "
+            f"change only {', '.join(f'{k}.*' for k in MAY_CHANGE[:2])} and phase.updates; valid: "
+            f"{key}={before.get(key)!r}"
+        )
+    # With only phase.updates longer, the ids of the updates already run are the same by the plan's
+    # definition, given the same data in the same order (the fingerprint covers both).
+    keys = PLAN_KEYS[:1] if extended else PLAN_KEYS
+    differ = [k for k in keys if saved["plan"][k] != plan_facts[k]]
+    if differ:
+        raise ConfigError(
+            f"{differ[0]}={plan_facts[differ[0]][:16]}... differs from the checkpoint's "
+            f"{saved['plan'][differ[0]][:16]}...: the data or its order changed; valid: the run's own data"
+        )
+
+
+class Checkpointer:
+    """Writes the run's checkpoints after syncs: every process calls `after_sync` (the replicas'
+    states are gathered to rank 0), rank 0 writes and logs a `checkpoint` row (size, seconds)."""
+
+    def __init__(self, run_dir: Path, resolved: dict, plan_facts: dict, every: int, keep: int, log, groups):
+        self.run_dir, self.resolved, self.every, self.keep = Path(run_dir), resolved, every, keep
+        self.plan = {k: plan_facts[k] for k in PLAN_KEYS}
+        self.log, self.groups = log, groups
+
+    def after_sync(self, state, rounds_done: int, last: bool) -> None:
+        if not self.every or not (last or rounds_done % self.every == 0):
+            return
+        inner = self.groups.gather_inner(state.inner)
+        if not self.groups.is_writer:
+            return
+        saved = state.state_dict()
+        saved["inner"] = [{"m": s.m, "v": s.v, "step": s.step} for s in inner]
+        saved["replicas"] = list(range(len(inner)))
+        payload = {
+            "format": FORMAT,
+            "state": saved,
+            "config": self.resolved,
+            "plan": self.plan,
+            "metrics_bytes": self.log.position(),
+            "wandb_run_id": self.log.wandb_run_id,
+        }
+        path = path_for(self.run_dir, state.next_update)
+        size, seconds = write(path, payload, self.keep)
+        self.log.log_checkpoint(
+            {
+                "update": state.next_update,
+                "round": rounds_done,
+                "path": str(path),
+                "bytes": size,
+                "seconds": seconds,
+            }
+        )
+
+
+def rewind_metrics(run_dir: Path, length: int) -> int:
+    """Cut metrics.jsonl back to `length` bytes, appending what was cut to metrics.superseded.jsonl
+    (never lost); returns the bytes moved."""
+    metrics = Path(run_dir) / METRICS_FILE
+    data = metrics.read_bytes()
+    tail = data[length:]
+    if tail:
+        with open(Path(run_dir) / SUPERSEDED_FILE, "ab") as superseded:
+            superseded.write(tail)
+            superseded.flush()
+            os.fsync(superseded.fileno())
+    with open(metrics, "r+b") as file:
+        file.truncate(length)
+    return len(tail)
