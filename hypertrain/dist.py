@@ -45,6 +45,9 @@ from hypertrain.replica_groups import ReplicaGroups, inject_fault
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+PEER_FAILURE_GRACE_S = 1.0  # > the launcher's 0.1 s poll: it records the rank that failed first
+
+
 class Terminated(RuntimeError):
     """SIGTERM (the launcher stopping this worker after another failed, or a scheduler)."""
 
@@ -304,6 +307,11 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         code = getattr(e, "exit_code", 1)
         print(f"hypertrain: error: run failed on rank {rank}: {_first_line(e)}", file=sys.stderr)
         sys.stderr.flush()
+        if isinstance(e, CollectiveFailed):
+            # A peer failed first: give the launcher (it polls every 0.1 s) time to see that rank's
+            # failure before this one's, so the run is reported as the root cause, not its echo.
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+            time.sleep(PEER_FAILURE_GRACE_S)
         os._exit(code)  # no teardown that could wait on a dead peer
     finally:
         if dist.is_initialized():

@@ -61,13 +61,16 @@ def choose_layout(processes: int, world: int, replicas: int, requested: str = "a
         raise LayoutError(f"engine.layout={requested!r} is not valid; valid: {', '.join(map(repr, LAYOUTS))}")
     if kind is None:
         divisors = [p for p in range(1, replicas + 1) if replicas % p == 0]
+        # A command that fits: the requested layout's own process count (stacked: the largest
+        # divisor of R not above the processes asked for), else the benchmark layout's.
+        fitting = max(p for p in divisors if p <= max(processes, 1)) if requested == "stacked" else world
         misfit = "fits no layout" if requested == "auto" else f"does not fit engine.layout={requested}"
         raise LayoutError(
             f"engine=dist with {processes} processes, world.size={world} and replicas={replicas} "
             f"{misfit}; valid: "
             f"benchmark (processes = world.size = {world}) or stacked (processes divide replicas: "
             f"{', '.join(map(str, divisors))}), e.g. python -m hypertrain.train engine=dist "
-            f"world.size={world} replicas={replicas} engine.nproc={world}"
+            f"world.size={world} replicas={replicas} engine.nproc={fitting}"
         )
     return Layout(kind, processes, world, replicas)
 

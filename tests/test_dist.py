@@ -1,0 +1,430 @@
+"""engine=dist on real processes (gloo, CPU), run through the entry as a user runs it.
+
+DESIGN.md, "Real processes" and invariant 7.
+
+Parity. Each case runs `python -m hypertrain.train engine=dist ...` (self-launched workers,
+or `torchrun`) in a subprocess and compares what rank 0 wrote (per-replica losses at every update from
+metrics.jsonl, the held-out losses of the eval and sync rows, the final global weights in weights.pt)
+with the simulation of the same TrainConfig (composed with the same overrides, as the entry composes
+it), run in this process by the per-replica loop: the float64 reference and the fp32 peer, with the
+bound of test_stacked: the dist run's error against the float64 reference stays within twice the fp32
+simulation's own error, or twice its floor (`rounding_floors`, references.py). The factor-2 argument
+holds for dist because the two fp32 paths evaluate the same real-number expression with roundings of
+the same number and size, only in another order:
+- benchmark layout: a replica's gradient is the average of its L ranks' gradients, each the gradient of
+  its share weighted with the plan's `world = L` coefficients. Summing a replica's N targets as L
+  partial sums of N/L, then the L partials in the all-reduce, is log2(N/L) + log2(L) = log2(N) levels of
+  addition, as in the single pass of the simulation; the factor L in the rank weights and the division
+  by L in the average are exact for L a power of two (the cases use L = 1, 2). A rank's share is cut
+  into at most as many microbatches as the replica's, so the loss floor's microbatch count covers it.
+- the sync's all-reduce sums the R replicas' pseudo-gradients (HSDP-sharded, or once over the stacked
+  layout's processes) like the simulation's torch.sum, in another order: R terms, the same count of
+  roundings of a pseudo-gradient, far below U32 of the weights (references.py, `float64_arithmetic`).
+- stacked layout: each process trains its R/P replicas stacked, each on its whole share (`world` = 1),
+  as `engine=stacked` does (invariant 6); only the sync's sum differs, as above.
+- the held-out loss is the same code on the global weights (rank 0), a loss of the same form as a
+  training loss: its floor is `rounding_floors`' loss floor for the held-out batch.
+
+Failures: the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:kill|sleep`) kills
+or hangs rank 1 at the start of a known round (H = 1, so round U holds update U); the run must stop with
+exit code 1, one line per rank that failed plus the parent's, rank 0's records flushed up to the last
+finished round and closed with a failed `end` row, within engine.timeout_s plus an allowance for rank 0's
+own work and the launcher's poll (derived in `test_a_dead_or_hung_rank_stops_the_run_within_the_timeout`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from references import assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
+from test_entry import QUICK, _compose, tree
+from test_stacked import rounding_floors
+
+from hypertrain import loop
+from hypertrain.config import EngineConfig, TrainConfig, validate
+from hypertrain.log import read_metrics
+from hypertrain.run_state import RunState
+from hypertrain.train import quote_numeric_choices
+from hypertrain.trainer import heldout_loss, initial_weights, prepare, rounds
+from hypertrain.wandb_offline import read_run
+
+FAULT_ENV = "HYPERTRAIN_FAULT"  # the test-only fault hook: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
+TIMEOUT = 300  # seconds for one entry subprocess: a bug fails the test instead of hanging CI
+DIST = [*QUICK, "logger=none", "engine=dist"]
+
+
+def _command(args: list[str], torchrun: int = 0) -> list[str]:
+    if not torchrun:
+        return [sys.executable, "-m", "hypertrain.train", *args]
+    script = Path(sys.executable).with_name("torchrun")  # the venv's torchrun, else the module it runs
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    # --standalone: a free port for the rendezvous, so parallel tests never collide on torchrun's 29500.
+    return [*launcher, "--standalone", "--nproc_per_node", str(torchrun), "-m", "hypertrain.train", *args]
+
+
+def start_entry(args: list[str], cwd: Path, env: dict | None = None, torchrun: int = 0) -> subprocess.Popen:
+    """test_entry's `entry()` environment (offline W&B, one line per Hydra error), one thread per
+    process, no fault unless asked; started in its own session so a hung run can be stopped whole."""
+    base = os.environ | {
+        "WANDB_MODE": "offline",
+        "WANDB_ERROR_REPORTING": "false",
+        "HYDRA_FULL_ERROR": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    for name in ("WANDB_DIR", FAULT_ENV, "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        base.pop(name, None)
+    return subprocess.Popen(
+        _command(args, torchrun),
+        cwd=cwd,
+        env=base | (env or {}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the entry and the workers it started, nothing else
+        out, err = proc.communicate()
+        pytest.fail(f"the entry ran past {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def entry(
+    args: list[str], cwd: Path, env: dict | None = None, torchrun: int = 0
+) -> subprocess.CompletedProcess:
+    return finish(start_entry(args, cwd, env, torchrun))
+
+
+def compose_cfg(overrides: list[str]) -> TrainConfig:
+    """The TrainConfig the entry builds from these command-line overrides (before its layout is filled)."""
+    return OmegaConf.to_object(_compose(quote_numeric_choices(overrides)))
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("hypertrain:")]
+
+
+# -- the simulation ------------------------------------------------------------------------------
+
+
+def simulate(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list | None = None):
+    """test_stacked's `run_rounds` (the trainer's rounds by the per-replica loop, one process) plus what
+    the entry logs beside the losses: the held-out loss of the global weights before training and after
+    every sync. dtype float64: the float64 reference from the same fp32 initial weights.
+    Returns (losses [update][replica], held-out losses, final global weights, the prepared run)."""
+    run = prepare(replace(cfg, engine=EngineConfig(name="loop")))
+    state = RunState.start(run.cfg, {n: t.to(dtype) for n, t in initial_weights(run).items()})
+    losses: list[list[float | None]] = []
+    with float64_arithmetic() if dtype == torch.float64 else nullcontext():
+        evals = [heldout_loss(run, state.theta)]
+        for rnd in rounds(run, state, loop.train_replicas):
+            losses += [list(step) for step in zip(*(r.losses for r in rnd.results), strict=True)]
+            if batches is not None:
+                batches += [b for a in rnd.assigns for b in a.batches if not b.empty]
+            evals.append(heldout_loss(run, state.theta))
+    return losses, evals, state.theta, run
+
+
+# -- parity --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    overrides: list[str]
+    layout: str  # what the run must record
+    nproc: int
+    tail: int = 0  # > 0: the last update holds only this many ids (fewer than replicas)
+    torchrun: int = 0  # > 0: started by torchrun with this many processes, else self-launched
+
+
+CASES = {
+    # benchmark, L = 2 ranks average every update; R = 1, so the sync is the replica's all-gather alone.
+    "w2-r1-adamw-torchrun": Case(["world=2", "replicas=1"], "benchmark", 2, torchrun=2),
+    # benchmark, L = 1: no inner all-reduce, the sync one all-reduce over 2 replicas; 4 microbatches each.
+    "w2-r2-muon-microbatches": Case(
+        ["world=2", "replicas=2", "inner=muon", "inner.micro_batch=4"], "benchmark", 2
+    ),
+    # benchmark, L = 2, R = 2 on 4 processes: HSDP sync (cross-replica groups, then all-gather);
+    # variable-length documents cut by the length rule; the last round is a tail update of 1 id: replica
+    # 1 skips it (the sync averages replica 0 alone) and rank 1 of replica 0 has no ids (zero gradient).
+    "w4-r2-adamw-documents-tail": Case(
+        [
+            "world=4",
+            "replicas=2",
+            "data.examples=documents",
+            "data.max_len=64",
+            "data.max_examples=4",
+            "inner.H=2",
+            "phase.updates=5",
+        ],
+        "benchmark",
+        4,
+        tail=1,
+    ),
+    # stacked layout: 2 processes of 2 stacked replicas each (P = 2 != W = 4, P divides R = 4); the last
+    # round is a tail update of 1 id, so process 1 has no replica that steps in it.
+    "stacked-p2-r4-muon-tail": Case(
+        ["world=4", "replicas=4", "engine.nproc=2", "inner=muon", "inner.H=3", "phase.updates=7"],
+        "stacked",
+        2,
+        tail=1,
+    ),
+}
+
+
+def tail_offset(overrides: list[str], tail: int) -> str:
+    """phase.offset that leaves `tail` ids for the phase's last update (the stream's end cuts it)."""
+    cfg = compose_cfg(overrides)
+    samples = prepare(cfg).samples
+    return f"phase.offset={samples - (cfg.phase.updates - 1) * cfg.phase.global_batch - tail}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
+    case = CASES[name]
+    overrides = [*DIST, *case.overrides]
+    if case.tail:
+        overrides.append(tail_offset(overrides, case.tail))
+    args = overrides if case.torchrun else [*overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = start_entry(args, tmp_path, torchrun=case.torchrun)  # runs while the simulation runs here
+
+    try:
+        cfg = compose_cfg(overrides)
+        batches: list = []
+        ref_losses, ref_evals, ref_theta, run = simulate(cfg, torch.float64, batches)
+        sim_losses, sim_evals, sim_theta, _ = simulate(cfg)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the entry and its workers; the test fails with the error
+        raise
+    done = finish(proc)
+    assert done.returncode == 0, done.stderr
+
+    if case.torchrun:  # rank 0's run directory alone: rank 1 made none (Hydra's default dir has a time)
+        (metrics,) = tmp_path.rglob("metrics.jsonl")
+        run_dir = metrics.parent
+        assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+        mine = {run_dir, *run_dir.parents}
+        stray = [p for p in tmp_path.rglob("*") if p.is_dir() and p not in mine and run_dir not in p.parents]
+        assert stray == [], f"directories besides rank 0's run: {stray}"
+    else:
+        run_dir = tmp_path / "run"
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished"
+
+    # The chosen layout is written to the run's config and summary.
+    written = OmegaConf.load(run_dir / "config.yaml")
+    assert (written.engine.name, written.engine.layout, written.engine.nproc) == (
+        "dist",
+        case.layout,
+        case.nproc,
+    )
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    assert summary["engine/layout"] == case.layout
+
+    updates = [r for r in rows if r["kind"] == "update"]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert [r["update"] for r in updates] == list(range(1, len(ref_losses) + 1))
+    losses = [r["loss"] for r in updates]
+    evals = [r["eval_loss"] for r in rows if r["kind"] == "eval"] + [r["eval_loss"] for r in syncs]
+    weights = torch.load(run_dir / "weights.pt")
+    assert set(weights) == set(ref_theta)
+
+    # Every sync moved the global weights, and the run ends away from where it started.
+    assert all(r["pseudo_grad_norm"] > 0 for r in syncs), [r["pseudo_grad_norm"] for r in syncs]
+    initial = initial_weights(run)
+    assert all(not torch.equal(weights[n], initial[n]) for n in initial)
+    # Measured communication beside the formula: a replica group all-reduces every update exactly when
+    # the formula counts inner bytes (L > 1); every sync of P > 1 processes hands bytes to a collective.
+    for r in syncs:
+        assert (r["comm_measured_inner_bytes"] > 0) == (r["comm_inner_bytes"] > 0), r
+        assert r["comm_measured_outer_bytes"] > 0 and r["comm_measured_outer_s"] >= 0, r
+    if case.tail:  # the tail was exercised: the last update leaves replicas out, and so does its sync
+        stepped = sum(x is not None for x in losses[-1])
+        assert stepped == case.tail < cfg.replicas and syncs[-1]["replicas_synced"] == stepped
+
+    # Parity: losses, held-out losses and weights within twice the fp32 simulation's error (or floor).
+    loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
+    heldout_floor = rounding_floors(cfg, [run.heldout], 1)[0]
+    used = [("losses", assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor))]
+    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    used.append(
+        (
+            "held-out",
+            assert_losses_within_rounding(
+                as_rows(evals), as_rows(sim_evals), as_rows(ref_evals), heldout_floor
+            ),
+        )
+    )
+    used.append(
+        (
+            "weights",
+            max(
+                assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
+                for n, t in ref_theta.items()
+            ),
+        )
+    )
+    print(f"{name}: fraction of the bound used", {k: round(v, 3) for k, v in used})
+
+
+# -- sweeps --------------------------------------------------------------------------------------
+
+
+def test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = entry(
+        ["-m", *QUICK, "logger=wandb", "engine=dist", "world=2", "replicas=1,2", f"hydra.sweep.dir={sweep}"],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    jobs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists())
+    assert [p.name for p in jobs] == ["0_w2_r1_h3", "1_w2_r2_h3"]
+    ids, groups = set(), set()
+    for job, replicas in zip(jobs, (1, 2), strict=True):
+        rows = read_metrics(job / "metrics.jsonl")
+        assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished"
+        (wandb_dir,) = (job / "wandb").glob("offline-run-*")
+        wandb_run = read_run(wandb_dir)
+        assert wandb_run["exit_code"] == 0
+        assert wandb_run["config"]["replicas"] == replicas
+        assert (
+            wandb_run["config"]["engine"]["layout"] == "benchmark"
+            and wandb_run["config"]["engine"]["nproc"] == 2
+        )
+        assert wandb_run["summary"]["engine/layout"] == "benchmark"
+        start = next(r for r in rows if r["kind"] == "start")
+        assert wandb_run["run"]["id"] == start["wandb_run_id"]
+        ids.add(wandb_run["run"]["id"])
+        groups |= {wandb_run["run"]["group"], start["group"]}
+        logged = [h for h in wandb_run["history"] if "train/loss_mean" in h]
+        for row, h in zip([r for r in rows if r["kind"] == "update"], logged, strict=True):
+            assert [h[f"train/loss/replica_{m}"] for m in range(replicas)] == row["loss"]
+    assert len(ids) == 2
+    assert len(groups) == 1 and groups.pop() == f"quick-{sweep.name}"
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+FAULT_UPDATE = 3  # with H = 1, rounds 1 and 2 finish and the fault lands as round 3 starts
+FAULT_TIMEOUT_S = 5.0
+LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/dist.py, launch)
+SCHEDULING_S = 1.0  # a process of a 2-core machine shared by parallel tests may wait this long to run
+
+
+@pytest.mark.parametrize("action", ["kill", "sleep"])
+def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
+    """Rank 1 dies (SIGKILL) or hangs as round 3 starts. Exit code 1; one line from each rank that failed
+    and the parent's; rank 0's metrics.jsonl holds rounds 1-2 and ends with a failed `end` row.
+
+    The time bound. The fault's time is estimated from rank 0's own rows: its `start` row's time plus
+    the `wall` of round 2's rows (rank 1 faults as it leaves round 2's last collective, which rank 0
+    leaves at the same moment; `start` is written before `wall`'s clock starts, so the estimate is
+    early, which only lengthens the measured interval). From there to the `end` row rank 0:
+    (a) finishes its own work up to its next collective (logs round 2, evaluates the held-out loss, at
+        most reads and steps round 3's first update): at most one round, whose length the run logs
+        (the difference of two rounds' `wall`, which holds all of that);
+    (b) waits in that collective: at once for a dead peer (gloo sees the closed connection), at most
+        engine.timeout_s for a silent one; or the launcher, which polls every 0.1 s, stops it first;
+    (c) writes the end row (one line).
+    The estimate's early start adds what rank 0 did before `wall`'s clock started (the first held-out
+    eval): at most one more round. So end - fault <= timeout_s + 2 * longest round + 0.1 s + 1 s, the
+    last second for being scheduled on a 2-core machine that parallel tests share.
+    """
+    args = [
+        *DIST,
+        "world=2",
+        "replicas=1",
+        "inner.H=1",
+        f"engine.timeout_s={FAULT_TIMEOUT_S}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    done = entry(args, tmp_path, env={FAULT_ENV: f"1:{FAULT_UPDATE}:{action}"})
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    finished = list(range(1, FAULT_UPDATE))
+    assert [r["update"] for r in rows if r["kind"] == "update"] == finished
+    assert [r["update"] for r in rows if r["kind"] == "sync"] == finished
+    end = rows[-1]
+    assert end["kind"] == "end" and end["status"] == "failed", end
+    assert not (tmp_path / "run" / "weights.pt").exists()  # a failed run leaves no final weights
+
+    lines = error_lines(done.stderr)
+    rank0 = [x for x in lines if x.startswith("hypertrain: error: run failed on rank 0: ")]
+    rank1 = [x for x in lines if x.startswith("hypertrain: error: run failed on rank 1: ")]
+    parent = [x for x in lines if x.startswith("hypertrain: error: run failed: ")]
+    assert len(rank0) == 1 and len(parent) == 1 and len(lines) == 2 + len(rank1), done.stderr
+    assert rank0[0] == f"hypertrain: error: run failed on rank 0: {end['error']}"
+    stopped = "stopped by SIGTERM"
+    if action == "kill":
+        assert rank1 == []  # SIGKILL leaves no last words
+        assert parent[0].startswith("hypertrain: error: run failed: rank 1 died of SIGKILL;"), parent
+        # Rank 0 notices the dead peer in its next collective, unless the launcher's SIGTERM comes first.
+        assert (end["exit_code"], end["error"].startswith(stopped)) in ((1, False), (143, True)), end
+    else:
+        assert "timed out" in end["error"].lower() and end["exit_code"] == 1, end
+        assert parent[0].startswith("hypertrain: error: run failed: rank 0 exited with code 1;"), parent
+        assert len(rank1) == 1 and stopped in rank1[0], done.stderr  # the launcher stops the hung rank
+
+    start = rows[0]
+    assert start["kind"] == "start"
+    walls = sorted({r["wall"] for r in rows if r["kind"] == "update"})
+    longest_round = max(b - a for a, b in zip([0.0, *walls], walls, strict=False))
+    fault = start["time"] + walls[-1]
+    allowance = 2 * longest_round + LAUNCHER_POLL_S + SCHEDULING_S
+    elapsed = end["time"] - fault
+    bound = FAULT_TIMEOUT_S + allowance
+    assert 0 <= elapsed <= bound, f"{elapsed:.2f} s from the fault to the end row > {bound:.2f} s"
+    print(f"{action}: fault -> end row {elapsed:.3f} s of {bound:.3f} s ({elapsed / bound:.3f})")
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (
+            ["world.size=8", "replicas=4", "engine.nproc=3"],
+            "engine=dist with 3 processes, world.size=8 and replicas=4 fits no layout",
+        ),
+        (
+            ["world=4", "engine.layout=benchmark", "engine.nproc=2"],
+            "engine=dist with 2 processes, world.size=4 and replicas=2 does not fit engine.layout=benchmark",
+        ),
+    ],
+)
+def test_processes_that_fit_no_layout_fail_with_one_line_and_create_nothing(tmp_path, overrides, named):
+    done = entry([*DIST, *overrides], tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"hypertrain: error: {named}; valid: "), done.stderr
+    assert (
+        "benchmark (processes = world.size" in lines[0] and "stacked (processes divide replicas" in lines[0]
+    )
+    assert tree(tmp_path) == {}, "a rejected run left files behind"
+    # The command it offers is one that fits, with the rest of the user's config.
+    command = re.search(r"e\.g\. (python -m hypertrain\.train .*)$", lines[0])
+    assert command, lines[0]
+    words = shlex.split(command.group(1))
+    assert words[:3] == ["python", "-m", "hypertrain.train"]
+    offered = dict(w.split("=", 1) for w in words[3:])
+    mine = {k: v for k, v in (o.split("=", 1) for o in [*DIST, *overrides]) if k not in offered}
+    validate(compose_cfg([f"{k}={v}" for k, v in (mine | offered).items()]))
