@@ -25,6 +25,8 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -72,6 +74,15 @@ def _first_line(error: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
 
 
+@contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A collective's failure (a peer died, hung past the timeout) as one line naming the collective."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as e:
+        raise CollectiveFailed(f"{what} failed: {_first_line(e)}") from None
+
+
 def _flat(tensors: list[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -111,12 +122,10 @@ class DistReplicaGroups(ReplicaGroups):
 
     def _timed(self, kind: str, payload: Tensor, op) -> None:
         start = time.perf_counter()
-        try:
+        with _collective(_WHAT[kind]):
             op()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"{_WHAT[kind]} failed: {_first_line(e)}") from None
         self._stats[f"{kind}_s"] += time.perf_counter() - start
         self._stats[f"{kind}_bytes"] += payload.numel() * payload.element_size()
 
@@ -124,10 +133,8 @@ class DistReplicaGroups(ReplicaGroups):
         """Start the round together: rank 0's held-out eval and logging stay out of the next
         update's timing (the other ranks would otherwise wait for it inside their first all-reduce)."""
         inject_fault(self.rank, updates)
-        try:
+        with _collective("the round's start barrier"):
             dist.barrier()
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the round's start barrier failed: {_first_line(e)}") from None
 
     def comm_stats(self) -> dict:
         stats = {
@@ -181,13 +188,15 @@ class DistReplicaGroups(ReplicaGroups):
         self._timed("outer", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX))
         return out
 
-    def gather_round(self, table: Tensor) -> Tensor:
+    def _gather_all(self, table: Tensor, what: str) -> list[Tensor]:
         table = table.to(self.device)
         parts = [torch.empty_like(table) for _ in range(self.size)]
-        try:
+        with _collective(what):
             dist.all_gather(parts, table)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the round's gather of losses failed: {_first_line(e)}") from None
+        return parts
+
+    def gather_round(self, table: Tensor) -> Tensor:
+        parts = self._gather_all(table, "the round's gather of losses")
         if self.layout == "stacked":
             return torch.cat(parts, dim=1).cpu()
         # Benchmark: [P, H, 1, 3] -> [R, L, H, 3]; a replica's ranks share its loss and targets.
@@ -197,13 +206,7 @@ class DistReplicaGroups(ReplicaGroups):
         return merged.permute(1, 0, 2).cpu()
 
     def gather_ranks(self, table: Tensor) -> Tensor:
-        table = table.to(self.device)
-        parts = [torch.empty_like(table) for _ in range(self.size)]
-        try:
-            dist.all_gather(parts, table)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the round's gather of timings failed: {_first_line(e)}") from None
-        return torch.stack(parts).cpu()
+        return torch.stack(self._gather_all(table, "the round's gather of timings")).cpu()
 
     def gather_inner(self, states: list) -> list | None:
         """Rank 0 gathers one copy of every replica's state (a replica's ranks hold the same one)."""
@@ -216,10 +219,8 @@ class DistReplicaGroups(ReplicaGroups):
                 for s in states
             ]
         gathered = [None] * self.size if self.rank == 0 else None
-        try:
+        with _collective("the checkpoint's gather"):
             dist.gather_object(mine, gathered, dst=0)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the checkpoint's gather failed: {_first_line(e)}") from None
         if self.rank != 0:
             return None
         return [state for part in gathered if part is not None for state in part]
@@ -229,10 +230,8 @@ class DistReplicaGroups(ReplicaGroups):
             return
         local = _checksum(params)
         bounds = torch.tensor([local, -local], dtype=torch.int64, device=self.device)
-        try:
+        with _collective("the replica's weight check"):
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.replica_group)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise CollectiveFailed(f"the replica's weight check failed: {_first_line(e)}") from None
         if int(bounds[0]) != -int(bounds[1]):
             raise RuntimeError(
                 f"the {self.L} ranks of replica {self.replicas[0]} hold different weights at a sync "
