@@ -388,8 +388,14 @@ def train(
     warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
     timed_from, timed_steps_before = start, 0
     throughput = Throughput(groups.size, warmup)
+    round_started = start
     for rnd in rounds(run, state, groups=groups):
         throughput.add(rnd.updates, rnd.ranks)
+        if warmup in rnd.updates and warmup > 0:
+            # The timed window opens where the first timed update started: its round's start plus
+            # the updates before it (rank 0's own seconds; rows are only written at the round's end).
+            before = rnd.updates.index(warmup)
+            timed_from = round_started + float(rnd.ranks[0, :before, 3].sum())
         # Rows are written once the round is over: `wall` is when the round that holds the update
         # ended (an engine runs a round as a whole), the same for every update of a round.
         round_end = time.perf_counter() - start
@@ -412,8 +418,8 @@ def train(
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-            if u + 1 == warmup:
-                timed_from, timed_steps_before = time.perf_counter(), totals.replica_steps
+            if u < warmup:
+                timed_steps_before = totals.replica_steps
         inner_bytes, outer_bytes = round_bytes(cfg, n_params, len(rnd.updates), rnd.synced)
         totals.comm_inner_bytes += inner_bytes
         totals.comm_outer_bytes += outer_bytes
@@ -429,6 +435,7 @@ def train(
             log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
         if checkpointer is not None:
             checkpointer.after_sync(state, rnd.index, last=state.next_update >= run.updates)
+        round_started = time.perf_counter()
     progress.close()
     end = time.perf_counter()
     timed = end - timed_from

@@ -253,3 +253,15 @@ def test_throughput_leaves_out_the_timing_warmup_updates(tmp_path):
     everything = small_cfg(phase=replace(base.phase, updates=2, timing_warmup=2))
     summary = [r for r in run_losses(everything, tmp_path / "all") if r["kind"] == "summary"][-1]
     assert summary["train/timed_updates"] == 2 and summary["train/timed_s"] == summary["train/wall_s"]
+
+
+def test_the_timed_window_opens_inside_a_round_where_the_warm_up_ends(tmp_path):
+    """One round of 6 updates, warm-up 2: the window opens during the round (rows are written at its
+    end, so a window opened at the first timed row would time almost nothing)."""
+    base = small_cfg()
+    cfg = small_cfg(phase=replace(base.phase, updates=6, timing_warmup=2), inner=replace(base.inner, H=6))
+    rows = run_losses(cfg, tmp_path)
+    summary = [r for r in rows if r["kind"] == "summary"][-1]
+    seconds = [r["rank_seconds"][0] for r in rows if r["kind"] == "update"]
+    # At least the timed updates' own seconds, at most the whole run.
+    assert sum(seconds[2:]) <= summary["train/timed_s"] <= summary["train/wall_s"]
