@@ -16,9 +16,9 @@ metrics.jsonl to the checkpoint's length and keeps what was cut in metrics.super
 
 from __future__ import annotations
 
-import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +31,6 @@ FORMAT = 1
 FOLDER = "checkpoints"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
 _NAME = re.compile(r"ckpt-u(\d+)\.pt$")
-logger = logging.getLogger("hypertrain")
 
 # Config keys a resumed run may change: where and how it logs and checkpoints, and whether it resumes.
 MAY_CHANGE = ("logger", "checkpoint", "resume")
@@ -94,14 +93,16 @@ def find(path: Path) -> tuple[Path, dict] | None:
     if path.is_file():
         return path, load(path)
     found = checkpoints(path)
-    for i in range(len(found) - 1, -1, -1):
+    unreadable: ConfigError | None = None  # the newest one that did not load
+    for candidate in reversed(found):
         try:
-            saved = load(found[i])
+            saved = load(candidate)
         except ConfigError as e:
-            earlier = found[i - 1].name if i else "none"
-            logger.warning("%s; falling back to the previous checkpoint (%s)", e, earlier)
+            unreadable = unreadable or e
             continue
-        return found[i], saved
+        if unreadable is not None:  # before Hydra's job logging exists: straight to stderr
+            print(f"hypertrain: warning: {unreadable}; resuming from {candidate} instead", file=sys.stderr)
+        return candidate, saved
     if found:
         raise ConfigError(
             f"no checkpoint in {path / FOLDER} can be read; valid: a run with a whole checkpoint"
@@ -127,7 +128,9 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
         for key in before.keys() | now.keys()
         if before.get(key) != now.get(key) and key.split(".")[0] not in MAY_CHANGE
     )
-    extended = changed == ["phase.updates"] and now["phase.updates"] > before["phase.updates"]
+    # A longer phase changes the default decay (it ends at the phase's last update) along with it.
+    longer = now.get("phase.updates", 0) > before.get("phase.updates", 0)
+    extended = longer and set(changed) <= {"phase.updates", "inner.decay_steps"}
     if extended and now["inner.decay_steps"] != before["inner.decay_steps"]:
         raise ConfigError(
             f"phase.updates={now['phase.updates']} extends the run ({before['phase.updates']} before) but "
@@ -189,6 +192,15 @@ class Checkpointer:
                 "seconds": seconds,
             }
         )
+
+
+def drop_later(run_dir: Path, next_update: int) -> list[Path]:
+    """Remove the run's checkpoints past `next_update`: resuming from an earlier one abandons them
+    (their records are superseded), and they must never be found as the newest again."""
+    later = [p for p in checkpoints(run_dir) if int(_NAME.search(p.name).group(1)) > next_update]
+    for path in later:
+        path.unlink()
+    return later
 
 
 def rewind_metrics(run_dir: Path, length: int) -> int:

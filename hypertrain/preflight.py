@@ -110,6 +110,7 @@ class Checked:
     run: object  # trainer.PreparedRun
     run_dir: Path | None
     resume: tuple[Path, dict] | None
+    restart: bool = False  # resume=auto on a run stopped before its first checkpoint
 
 
 def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -> Checked:
@@ -122,15 +123,30 @@ def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -
     validate(cfg)
     if cfg.engine.name == "dist":
         cfg = with_layout(cfg)
-    found = None
+    found, restart = None, False
     if run_dir is not None:
         run_dir, found = resume_target(cfg.resume, run_dir)
-        if found is None:
+        restart = found is None and cfg.resume.strip().lower() == "auto" and stopped_early(run_dir)
+        if found is None and not restart:
             check_run_dir(run_dir)
     run = prepare(cfg)
     if found is not None:
         checkpoint.compatible(found[1], resolved_config(run.cfg), run.plan_facts)
-    return Checked(run, run_dir, found)
+    return Checked(run, run_dir, found, restart)
+
+
+def stopped_early(run_dir: Path) -> bool:
+    """run_dir holds a run that stopped before it finished (no `end` row saying so)."""
+    from hypertrain.log import read_metrics
+
+    metrics = run_dir / METRICS_FILE
+    if not metrics.exists():
+        return False
+    try:
+        rows = read_metrics(metrics)
+    except ValueError:  # a line cut short by the stop
+        return True
+    return not (rows and rows[-1].get("kind") == "end" and rows[-1].get("status") == "finished")
 
 
 def resolved_config(cfg: TrainConfig) -> dict:

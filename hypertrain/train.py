@@ -36,8 +36,10 @@ logger = logging.getLogger("hypertrain")
 
 
 def config_hash(resolved: dict) -> str:
-    """A short stable hash of the resolved config: two runs of one config share it."""
-    return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:8]
+    """A short stable hash of the resolved config: two runs of one config share it (where and how
+    they log and checkpoint, and whether they resume, are left out: a resumed run keeps its name)."""
+    kept = {k: v for k, v in resolved.items() if k not in checkpoint.MAY_CHANGE}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def run_identity(cfg: TrainConfig, resolved: dict) -> dict:
@@ -86,8 +88,12 @@ def main(dict_cfg: DictConfig) -> float:
     identity = run_identity(run.cfg, resolved)
     resume = None
     if writer:
+        if checked.restart:  # resume=auto, stopped before its first checkpoint: start over here
+            moved = checkpoint.rewind_metrics(run_dir, 0)
+            logger.info("resume=auto: no checkpoint yet, starting over (%d bytes superseded)", moved)
         if checked.resume is not None:  # only now, every check passed: rewind the records
             path, saved = checked.resume
+            checkpoint.drop_later(run_dir, saved["state"]["next_update"])
             moved = checkpoint.rewind_metrics(run_dir, saved["metrics_bytes"])
             resume = Resume(str(path), saved, moved)
             logger.info("resuming from %s at update %d", path, saved["state"]["next_update"] + 1)

@@ -1,0 +1,521 @@
+"""Stop anywhere, resume from the last checkpoint: the rest is bit-identical (DESIGN.md invariant 9).
+
+Every case runs the entry as a user does (`python -m hypertrain.train`, a subprocess) and stops a
+run with the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:kill`: SIGKILL at the start of
+the round that holds UPDATE; the entry itself for the one-process engines, rank 1 for engine=dist),
+then resumes it with `resume=true`. The resumed run must equal the uninterrupted run of the same
+config exactly (==, no tolerance: the same machine runs the same arithmetic in the same order):
+every update row but its timings (per-replica losses, lr, tokens, round), every sync row but its
+seconds (held-out loss, pseudo-gradient norm, running byte totals), the held-out loss before
+training, the final summary, and every tensor of weights.pt (torch.equal). Its records must show
+the stop: the rows after the checkpoint moved to metrics.superseded.jsonl byte for byte, one
+`resume` row naming the checkpoint, every update once, a finished `end` row.
+
+The default cases: engine=stacked AdamW on windows, engine=loop Muon on documents, engine=dist
+with 2 processes (world 2, R = 2) whose rank 1 dies; the rest of engine x optimizer x data, and
+other fault points (right after a checkpointed sync with H = 3, two rounds past the checkpoint with
+H = 1), are marked slow. With logger=wandb the two sessions are one W&B run (one id, two offline
+folders). Negative controls show the comparison can fail: a checkpoint whose outer momentum was
+zeroed, or whose replica 1 step count was changed (AdamW's bias correction uses it), resumed the
+same way, gives other losses and weights, exactly where the edited state first acts. Refusals (a
+resume that cannot be done, a config that changed, every checkpoint corrupt) exit 2 with one line
+and leave every file as it was; a corrupt newest checkpoint falls back to the one before. A finished
+run extended (phase.updates longer, the same explicit inner.decay_steps) is its continuation.
+
+One known limitation is written as the behaviour it breaks (xfail, see its reason): a killed
+session's W&B records are lost (wandb's offline writer had not flushed them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from test_dist import FAULT_ENV, finish, start_entry
+from test_entry import QUICK, tree
+
+from hypertrain.checkpoint import SUPERSEDED_FILE
+from hypertrain.log import METRICS_FILE, read_metrics
+from hypertrain.wandb_offline import read_run
+
+RUN = [*QUICK, "logger=none"]
+# 4 rounds of 2 updates (syncs after updates 2, 4, 6, 8); the decay spans the phase (decay_steps = 8).
+BASE = [*RUN, "inner.H=2", "phase.updates=8"]
+KILLED = -9  # the entry's return code when the fault hook SIGKILLs it (one-process engines)
+DIST_FAILED = 1  # the entry's exit code when a dist rank dies
+DOCUMENTS = ["data.examples=documents", "data.max_len=48", "data.max_examples=4"]
+
+
+def run(args: list[str], cwd: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    """The entry in a subprocess (test_dist's: offline W&B, one thread, a hung run killed whole)."""
+    return finish(start_entry(args, cwd, {FAULT_ENV: fault} if fault else None))
+
+
+def ckpt(run_dir: Path, next_update: int) -> Path:
+    return run_dir / "checkpoints" / f"ckpt-u{next_update:07d}.pt"
+
+
+def copy_run(source: Path, to: Path) -> Path:
+    shutil.copytree(source, to)
+    return to
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+# -- what a run produced, and the exact comparison -------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    updates: list[dict]  # update rows without their timings
+    syncs: list[dict]  # sync rows without their seconds
+    heldout: list[float]  # the held-out loss before training, then after every sync
+    final: dict  # the last summary's final held-out loss and token total
+    weights: dict[str, torch.Tensor]
+
+
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in ("wall", "rank_seconds") and not k.endswith("_s")}
+
+
+def outcome(run_dir: Path) -> Outcome:
+    rows = read_metrics(run_dir / METRICS_FILE)
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    return Outcome(
+        [_untimed(r) for r in rows if r["kind"] == "update"],
+        [_untimed(r) for r in rows if r["kind"] == "sync"],
+        [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")],
+        {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
+        torch.load(run_dir / "weights.pt"),
+    )
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"weights.pt differs at {name}"
+
+
+def assert_identical(run_dir: Path, reference: Path) -> None:
+    """The run in `run_dir` equals the uninterrupted `reference` exactly (==, torch.equal)."""
+    got, want = outcome(run_dir), outcome(reference)
+    assert [r["update"] for r in got.updates] == [r["update"] for r in want.updates]
+    for a, b in zip(got.updates, want.updates, strict=True):
+        assert a == b, f"update {b['update']}: {a} != {b}"
+    assert got.syncs == want.syncs
+    assert got.heldout == want.heldout and len(got.heldout) == len(want.syncs) + 1
+    assert got.final == want.final
+    assert_same_weights(got.weights, want.weights)
+
+
+def assert_resumed_records(run_dir: Path, before: bytes, path: Path, saved: dict, updates: int) -> list[int]:
+    """metrics.jsonl of a run resumed once from `path` (payload `saved`) after a session that left
+    `before` in it: the rows up to the checkpoint kept byte for byte, the rest moved to
+    metrics.superseded.jsonl byte for byte, one `resume` row, updates 1..`updates` once each, in
+    order, and a finished end. Returns the superseded rows' update numbers."""
+    cut = saved["metrics_bytes"]
+    assert 0 < cut < len(before)
+    assert (run_dir / METRICS_FILE).read_bytes()[:cut] == before[:cut]
+    assert (run_dir / SUPERSEDED_FILE).read_bytes() == before[cut:]
+    rows = read_metrics(run_dir / METRICS_FILE)
+    kinds = [r["kind"] for r in rows]
+    assert [r["update"] for r in rows if r["kind"] == "update"] == list(range(1, updates + 1))
+    syncs = [r["update"] for r in rows if r["kind"] == "sync"]
+    assert syncs == sorted(set(syncs)) and syncs[-1] == updates, syncs
+    assert kinds.count("start") == 2 and kinds.count("end") == 1 and kinds.count("eval") == 1, kinds
+    second = [i for i, kind in enumerate(kinds) if kind == "start"][1]
+    assert second == before[:cut].count(b"\n")  # the new session begins at the cut
+    state = saved["state"]
+    assert rows[second + 1] == {
+        "kind": "resume",
+        "from": str(path),
+        "update": state["next_update"],
+        "round": state["rounds_done"],
+        "superseded_bytes": len(before) - cut,
+    }
+    assert kinds.count("resume") == 1
+    resumed = [r["update"] for r in rows[second:] if r["kind"] == "update"]
+    assert resumed == list(range(state["next_update"] + 1, updates + 1))
+    assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished", rows[-1]
+    return [r["update"] for r in read_metrics(run_dir / SUPERSEDED_FILE) if r["kind"] == "update"]
+
+
+def kill_and_resume(
+    tmp_path: Path, overrides: list[str], fault: str, killed_rc: int, at: int, updates: int
+) -> tuple[Path, list[int]]:
+    """Run until the fault kills it (its newest checkpoint must be ckpt-u`at`), resume with
+    resume=true; check the records of both sessions. Returns the run directory and the update rows
+    the resumed session superseded."""
+    run_dir = tmp_path / "run"
+    killed = run([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
+    assert killed.returncode == killed_rc, killed.stderr
+    assert not (run_dir / "weights.pt").exists()
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))[-1]
+    assert newest == ckpt(run_dir, at)
+    saved = torch.load(newest, weights_only=False)
+    before = (run_dir / METRICS_FILE).read_bytes()
+
+    done = run([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    return run_dir, assert_resumed_records(run_dir, before, newest, saved, updates)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """BASE run uninterrupted, every checkpoint kept (ckpt-u2, u4, u6, u8): what resumed runs must
+    equal, and the run directory the refusals and the edited checkpoints start from."""
+    where = tmp_path_factory.mktemp("reference")
+    done = run([*BASE, "checkpoint.keep=10", f"hydra.run.dir={where / 'run'}"], where)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (where / "run" / "checkpoints").iterdir()) == [
+        ckpt(where, u).name for u in (2, 4, 6, 8)
+    ]
+    return where / "run"
+
+
+# -- 1, 2: killed anywhere, resumed, identical; the records of both sessions ----------------------
+
+ENGINES = {"stacked": [], "loop": ["engine=loop"], "dist": ["engine=dist", "world=2", "replicas=2"]}
+INNERS = {"adamw": [], "muon": ["inner=muon"]}
+DATA = {"windows": [], "documents": DOCUMENTS}
+DEFAULT_CASES = {("stacked", "adamw", "windows"), ("loop", "muon", "documents"), ("dist", "adamw", "windows")}
+
+
+@dataclass
+class Kill:
+    overrides: list[str]  # the run's config; checkpoint.* may differ from the reference's
+    fault: str  # HYPERTRAIN_FAULT
+    at: int  # the newest checkpoint when the fault strikes (its next update)
+    superseded: list[int]  # update rows written after that checkpoint (moved aside on resume)
+    killed_rc: int = KILLED
+    updates: int = 8
+
+
+def _matrix_case(engine: str, inner: str, data: str) -> Kill:
+    """4 rounds of 2 updates, a checkpoint every 2 syncs; the fault strikes as round 4 starts
+    (update 7): the newest checkpoint is after round 2 (update 4), round 3's rows are superseded."""
+    rank = "1" if engine == "dist" else "0"  # dist: rank 1 dies, rank 0 writes the run
+    return Kill(
+        [*BASE, *ENGINES[engine], *INNERS[inner], *DATA[data], "checkpoint.every=2"],
+        f"{rank}:7:kill",
+        at=4,
+        superseded=[5, 6],
+        killed_rc=DIST_FAILED if engine == "dist" else KILLED,
+    )
+
+
+KILLS = [
+    pytest.param(
+        _matrix_case(e, i, d), marks=() if (e, i, d) in DEFAULT_CASES else pytest.mark.slow, id=f"{e}-{i}-{d}"
+    )
+    for e in ENGINES
+    for i in INNERS
+    for d in DATA
+] + [
+    # H = 3 (2 rounds), a checkpoint every sync: the fault names update 5, mid-round, and strikes as
+    # round 2 starts, right after the sync of update 3 and its checkpoint; no update row is superseded.
+    pytest.param(Kill([*RUN], "0:5:kill", 3, [], updates=6), marks=pytest.mark.slow, id="after-a-sync-h3"),
+    # H = 1, a checkpoint every 3 syncs: the fault strikes after the sync of update 5, two rounds
+    # past the checkpoint (update 3), whose rows are superseded.
+    pytest.param(
+        Kill([*RUN, "inner.H=1", "checkpoint.every=3"], "0:6:kill", 3, [4, 5], updates=6),
+        marks=pytest.mark.slow,
+        id="mid-interval-h1",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", KILLS)
+def test_a_killed_run_resumed_equals_the_uninterrupted_run_exactly(tmp_path, case, request):
+    """Invariant 9, and the records of the two sessions (see `assert_resumed_records`)."""
+    plain = [o for o in case.overrides if not o.startswith("checkpoint.")]
+    if plain == BASE:
+        reference, proc = request.getfixturevalue("reference"), None
+    else:  # its own uninterrupted run, started beside the killed one
+        reference = tmp_path / "reference"
+        proc = start_entry([*plain, f"hydra.run.dir={reference}"], tmp_path)
+    try:
+        run_dir, superseded = kill_and_resume(
+            tmp_path, case.overrides, case.fault, case.killed_rc, case.at, case.updates
+        )
+    finally:
+        done = finish(proc) if proc is not None else None
+    assert done is None or done.returncode == 0, done.stderr
+    assert superseded == case.superseded
+    assert_identical(run_dir, reference)
+
+
+# -- 3: W&B: the two sessions are one W&B run ------------------------------------------------------
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """Killed as round 4 starts (update 7), resumed from the checkpoint after update 4: two offline
+    W&B folders of one run id; the second holds updates 5..8, each update's losses exactly as
+    metrics.jsonl holds them; the first, read back as far as it was written, holds nothing past the
+    rows the kill superseded, and with the second every update of metrics.jsonl once."""
+    overrides = [*QUICK, "inner.H=2", "phase.updates=8", "checkpoint.every=2"]  # logger=wandb
+    run_dir, _ = kill_and_resume(tmp_path, overrides, "0:7:kill", KILLED, at=4, updates=8)
+    rows = read_metrics(run_dir / METRICS_FILE)
+    losses = {r["update"]: r["loss"] for r in rows if r["kind"] == "update"}
+    starts = [r for r in rows if r["kind"] == "start"]
+    run_id = starts[0]["wandb_run_id"]
+    assert run_id and starts[1]["wandb_run_id"] == run_id
+
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))  # named by their start time
+    assert len(folders) == 2 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
+    first, second = (read_run(f) for f in folders)
+    assert second["run"]["id"] == run_id and second["exit_code"] == 0
+
+    def logged(piece: dict) -> list[tuple[int, list[float]]]:
+        return [
+            (h["update"], [h[f"train/loss/replica_{m}"] for m in range(2)])
+            for h in piece["history"]
+            if "train/loss_mean" in h
+        ]
+
+    assert [u for u, _ in logged(second)] == [5, 6, 7, 8]  # starts at the checkpoint's next update
+    assert all(loss == losses[u] for u, loss in logged(second))
+    heldout = [h["eval/loss"] for h in second["history"] if "eval/loss" in h]
+    assert heldout == [r["eval_loss"] for r in rows if r["kind"] == "sync"][2:]  # syncs 6 and 8
+
+    early = logged(first)
+    assert all(loss == losses[u] for u, loss in early)  # what it holds, it holds exactly
+    assert [u for u, _ in early] == sorted({u for u, _ in early}) and all(u <= 6 for u, _ in early)
+    if not early:
+        pytest.xfail(
+            "the killed session's .wandb file holds its header alone (7 bytes): wandb-core had not "
+            "written the records of updates 1-6 when the entry was SIGKILLed, and nothing replays "
+            "them on resume, so W&B never gets updates 1-4"
+        )
+    kept = [u for u, _ in early if u <= 4]
+    assert kept + [u for u, _ in logged(second)] == sorted(losses)
+
+
+# -- 4: negative controls: a wrong state must not pass the comparison -----------------------------
+
+
+def _edited(reference: Path, to: Path, change) -> Path:
+    """A copy of the reference run whose checkpoint after update 2 was edited by `change(state)`
+    (format, config and plan facts kept), resumed from that checkpoint; the resumed run's directory."""
+    run_dir = copy_run(reference, to)
+    path = ckpt(run_dir, 2)
+    if change is not None:
+        saved = torch.load(path, weights_only=False)
+        change(saved["state"])
+        torch.save(saved, path)
+    # keep=10: the newer checkpoints of the run that had gone on stay (see the xfail test below).
+    done = run([*BASE, "checkpoint.keep=10", f"resume={path}"], to.parent)
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def _zero_momentum(state: dict) -> None:
+    assert any(float(t.abs().max()) > 0 for t in state["outer_momentum"].values())  # Nesterov moved it
+    for t in state["outer_momentum"].values():
+        t.zero_()
+
+
+def _replica_1_steps(state: dict) -> None:
+    assert state["inner"][1]["step"].tolist() == [2]
+    state["inner"][1]["step"] += 5
+
+
+def test_a_checkpoint_with_a_wrong_state_resumes_to_a_different_run(tmp_path, reference):
+    """Resumed from the checkpoint after update 2 of the reference run (resume=PATH, a run that had
+    gone on): unedited, the rest equals the reference (the harness is sound); with the outer momentum
+    zeroed, round 2 (updates 3-4) is the same but the sync after it is not, so updates 5-8, the
+    held-out losses from update 4 and the weights differ; with replica 1's AdamW step count changed,
+    update 3 (the loss of the synced weights) is the same and from update 4 replica 1's loss differs
+    while replica 0's stays the same until the sync mixes them."""
+    want = outcome(reference)
+    assert_identical(_edited(reference, tmp_path / "unedited", None), reference)
+
+    momentum = outcome(_edited(reference, tmp_path / "momentum", _zero_momentum))
+    assert momentum.updates[:4] == want.updates[:4] and momentum.heldout[:2] == want.heldout[:2]
+    for got, ref in zip(momentum.updates[4:], want.updates[4:], strict=True):
+        assert got["loss"][0] != ref["loss"][0] and got["loss"][1] != ref["loss"][1], got["update"]
+    assert all(a != b for a, b in zip(momentum.heldout[2:], want.heldout[2:], strict=True))
+    assert all(not torch.equal(momentum.weights[n], t) for n, t in want.weights.items())
+
+    steps = outcome(_edited(reference, tmp_path / "steps", _replica_1_steps))
+    assert steps.updates[:3] == want.updates[:3]
+    assert steps.updates[3]["loss"][0] == want.updates[3]["loss"][0]
+    assert steps.updates[3]["loss"][1] != want.updates[3]["loss"][1]
+    for got, ref in zip(steps.updates[4:], want.updates[4:], strict=True):
+        assert got["loss"][0] != ref["loss"][0] and got["loss"][1] != ref["loss"][1], got["update"]
+    assert steps.heldout[2:] != want.heldout[2:]
+    assert any(not torch.equal(steps.weights[n], t) for n, t in want.weights.items())
+
+
+def test_resumed_from_an_older_checkpoint_and_killed_again_resumes_from_the_new_checkpoints(
+    tmp_path, reference
+):
+    """Going back: resume=PATH to the checkpoint after update 2 of a run that had gone on to update
+    8, killed again as round 4 starts; resume=true must go on from the checkpoint this timeline
+    wrote (after update 6), not from the abandoned one's, and the run equals the reference."""
+    run_dir = copy_run(reference, tmp_path / "run")
+    killed = run([*BASE, f"resume={ckpt(run_dir, 2)}"], tmp_path, "0:7:kill")
+    assert killed.returncode == KILLED, killed.stderr
+    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    resumes = [r for r in read_metrics(run_dir / METRICS_FILE) if r["kind"] == "resume"]
+    assert [r["from"] for r in resumes] == [str(ckpt(run_dir, 2)), str(ckpt(run_dir, 6))]
+    assert_identical(run_dir, reference)
+
+
+# -- 5: refusals: one line, exit 2, nothing touched ------------------------------------------------
+
+
+def _no_checkpoints(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / "checkpoints")
+
+
+REFUSALS = {
+    # name: (what the copy of the reference loses, the arguments, what the one line must say)
+    "resume-true-without-a-checkpoint": (
+        _no_checkpoints,
+        lambda d: [*BASE, f"hydra.run.dir={d}", "resume=true"],
+        lambda d: [f"resume=true but {d} holds no checkpoint", "valid: hydra.run.dir="],
+    ),
+    "resume-true-in-a-new-directory": (
+        None,
+        lambda d: [*BASE, f"hydra.run.dir={d.parent / 'new'}", "resume=true"],
+        lambda d: [f"resume=true but {d.parent / 'new'} holds no checkpoint", "valid: "],
+    ),
+    "resume-a-missing-path": (
+        None,
+        lambda d: [*BASE, "resume=/no/such/path"],
+        lambda d: ["resume='/no/such/path' is no checkpoint file", "valid: true, auto, a checkpoint file"],
+    ),
+    "changed-learning-rate": (
+        None,
+        lambda d: [*BASE, "inner.lr=0.002", f"hydra.run.dir={d}", "resume=true"],
+        lambda d: ["inner.lr=0.002 differs from the checkpoint's 0.003", "valid: inner.lr=0.003"],
+    ),
+    "changed-learning-rate-resumed-by-path": (
+        None,
+        lambda d: [*BASE, "inner.lr=0.002", f"resume={ckpt(d, 4)}"],
+        lambda d: ["inner.lr=0.002 differs from the checkpoint's 0.003", "valid: inner.lr=0.003"],
+    ),
+    "extended-without-an-explicit-decay": (
+        None,
+        lambda d: [*BASE, "phase.updates=10", f"hydra.run.dir={d}", "resume=true"],
+        # The line names the longer phase and the explicit decay that would keep the schedule.
+        lambda d: ["phase.updates=10 extends the run (8 before)", "valid: ", "inner.decay_steps=8"],
+    ),
+    "a-finished-run-without-resume": (
+        None,
+        lambda d: [*BASE, f"hydra.run.dir={d}"],
+        lambda d: [f"hydra.run.dir={d} already holds a run", "valid: a new directory"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_a_resume_that_cannot_be_done_fails_with_one_line_and_touches_nothing(tmp_path, reference, name):
+    prepare, args, says = REFUSALS[name]
+    run_dir = copy_run(reference, tmp_path / "run")
+    if prepare is not None:
+        prepare(run_dir)
+    before = tree(tmp_path)
+    done = run(args(run_dir), tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = error_lines(done.stderr)
+    assert len(lines) == 1 and lines[0].startswith("hypertrain: error: "), done.stderr
+    assert all(part in lines[0] for part in says(run_dir)), lines[0]
+    assert tree(tmp_path) == before, "a refused resume created or changed files"
+
+
+# -- 6: a corrupt checkpoint -----------------------------------------------------------------------
+
+
+def _two_newest_cut(reference: Path, to: Path, cut: tuple[int, ...]) -> Path:
+    """A copy of the reference holding what checkpoint.keep=2 leaves (ckpt-u6, ckpt-u8), the ones
+    in `cut` truncated to half their bytes (a write that never finished, a damaged disk)."""
+    run_dir = copy_run(reference, to)
+    for u in (2, 4):
+        ckpt(run_dir, u).unlink()
+    for u in cut:
+        data = ckpt(run_dir, u).read_bytes()
+        ckpt(run_dir, u).write_bytes(data[: len(data) // 2])
+    return run_dir
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
+    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(8,))
+    before = (run_dir / METRICS_FILE).read_bytes()
+    saved = torch.load(ckpt(run_dir, 6), weights_only=False)
+    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    # One warning line on stderr names the unreadable checkpoint and the one used instead.
+    (warning,) = [x for x in done.stderr.splitlines() if "cannot be read" in x]
+    assert warning.startswith(f"hypertrain: warning: checkpoint {ckpt(run_dir, 8)} cannot be read")
+    assert warning.endswith(f"resuming from {ckpt(run_dir, 6)} instead")
+    assert not [x for x in done.stderr.splitlines() if x.startswith("hypertrain: error")]
+    assert assert_resumed_records(run_dir, before, ckpt(run_dir, 6), saved, 8) == [7, 8]
+    assert_identical(run_dir, reference)
+
+
+def test_every_checkpoint_corrupt_fails_with_one_line_and_touches_nothing(tmp_path, reference):
+    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(6, 8))
+    before = tree(tmp_path)
+    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert error_lines(done.stderr) == [
+        f"hypertrain: error: no checkpoint in {run_dir / 'checkpoints'} can be read; "
+        "valid: a run with a whole checkpoint"
+    ]
+    assert tree(tmp_path) == before
+
+
+# -- 7: a finished run extended --------------------------------------------------------------------
+
+
+def test_a_finished_run_extended_runs_the_extra_updates_and_keeps_its_first(tmp_path, reference):
+    """phase.updates=4 with inner.decay_steps=8 set explicitly, finished, then resumed with
+    phase.updates=8 (the same decay): updates 5-8 run after the checkpoint of the last sync; the
+    first 4 are the original's, and the whole equals the uninterrupted 8-update run (whose decay is
+    its 8 updates), so the extension is a continuation, not a new schedule."""
+    run_dir = tmp_path / "run"
+    short = [*RUN, "inner.H=2", "phase.updates=4", "inner.decay_steps=8"]
+    done = run([*short, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    original = outcome(run_dir)
+    assert [r["update"] for r in original.updates] == [1, 2, 3, 4]
+    before = (run_dir / METRICS_FILE).read_bytes()
+    saved = torch.load(ckpt(run_dir, 4), weights_only=False)
+
+    longer = [*RUN, "inner.H=2", "phase.updates=8", "inner.decay_steps=8"]
+    done = run([*longer, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert assert_resumed_records(run_dir, before, ckpt(run_dir, 4), saved, 8) == []
+    extended = outcome(run_dir)
+    assert extended.updates[:4] == original.updates
+    assert extended.heldout[:3] == original.heldout
+    assert_identical(run_dir, reference)
+
+
+def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_path, reference):
+    """A scheduler's restart with resume=auto: the run died in its first round (no checkpoint yet),
+    so it starts again in its own directory; what it had written moves to metrics.superseded.jsonl.
+    A finished run is never started over (the refusals above)."""
+    run_dir = tmp_path / "run"
+    killed = run([*BASE, f"hydra.run.dir={run_dir}"], tmp_path, "0:1:kill")
+    assert killed.returncode == KILLED, killed.stderr
+    before = (run_dir / METRICS_FILE).read_bytes()
+    assert before and not (run_dir / "checkpoints").exists()
+    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / SUPERSEDED_FILE).read_bytes() == before
+    assert_identical(run_dir, reference)
+    again = run(
+        [*BASE, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path
+    )  # finished: resumes, adds nothing
+    assert again.returncode == 0, again.stderr
+    assert_identical(run_dir, reference)
