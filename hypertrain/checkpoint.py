@@ -52,6 +52,10 @@ def write(path: Path, payload: dict, keep: int) -> tuple[int, float]:
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
+    except RuntimeError as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
+        if isinstance(e.__context__, OSError):
+            raise OSError(e.__context__.errno, e.__context__.strerror, str(path)) from e
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     folder = os.open(path.parent, os.O_RDONLY)

@@ -269,6 +269,9 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("engine.nproc", e.nproc, 0)
     if not e.timeout_s > 0:
         raise ConfigError(f"engine.timeout_s={e.timeout_s!r} is not valid; valid: > 0 seconds")
+    if e.name != "dist" and (e.nproc or e.layout != "auto"):
+        what = f"engine.nproc={e.nproc}" if e.nproc else f"engine.layout={e.layout!r}"
+        raise ConfigError(f"{what} applies to engine=dist only (now engine={e.name}); valid: engine=dist")
     if e.name == "dist":
         try:
             choose_layout(process_count(e.nproc, cfg.world.size), cfg.world.size, cfg.replicas, e.layout)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from hypertrain import checkpoint
 from hypertrain.config import TrainConfig
-from hypertrain.engines import NonFiniteError
+from hypertrain.failures import RankFailed, RunFailure, Terminated
 from hypertrain.layouts import Layout, choose_layout
 from hypertrain.model import Params
 from hypertrain.optim import OptState
@@ -48,18 +48,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 PEER_FAILURE_GRACE_S = 1.0  # > the launcher's 0.1 s poll: it records the rank that failed first
-
-
-class Terminated(RuntimeError):
-    """SIGTERM (the launcher stopping this worker after another failed, or a scheduler)."""
-
-    exit_code = 143
-
-
-class CollectiveFailed(RuntimeError):
-    """A collective failed or timed out: another rank died, hung or diverged."""
-
-    exit_code = 1
 
 
 _WHAT = {
@@ -80,7 +68,7 @@ def _collective(what: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, dist.DistBackendError) as e:
-        raise CollectiveFailed(f"{what} failed: {_first_line(e)}") from None
+        raise RankFailed(f"{what} failed: {_first_line(e)}") from None
 
 
 def _flat(tensors: list[Tensor]) -> Tensor:
@@ -233,7 +221,7 @@ class DistReplicaGroups(ReplicaGroups):
         with _collective("the replica's weight check"):
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.replica_group)
         if int(bounds[0]) != -int(bounds[1]):
-            raise RuntimeError(
+            raise RankFailed(
                 f"the {self.L} ranks of replica {self.replicas[0]} hold different weights at a sync "
                 "(they must be bitwise equal: every rank averages the same gradients)"
             )
@@ -301,12 +289,12 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         summary = train_session(run, where, job.resolved, job.identity, groups, resume)
         return summary if rank == 0 else None
     except Exception as e:
-        if not isinstance(e, (NonFiniteError, CollectiveFailed, Terminated, RuntimeError)):
+        if not isinstance(e, RunFailure):
             traceback.print_exc()  # not a run failure we know: a bug, shown whole
         code = getattr(e, "exit_code", 1)
         print(f"hypertrain: error: run failed on rank {rank}: {_first_line(e)}", file=sys.stderr)
         sys.stderr.flush()
-        if isinstance(e, CollectiveFailed):
+        if isinstance(e, RankFailed):
             # A peer failed first: give the launcher (it polls every 0.1 s) time to see that rank's
             # failure before this one's, so the run is reported as the root cause, not its echo.
             signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
@@ -320,7 +308,8 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
 def launch(job: WorkerJob) -> dict:
     """Start P = engine.nproc workers on this node with torch's elastic launcher and wait for them.
 
-    Returns rank 0's summary; a failed run raises `RunFailed` naming the first rank that failed.
+    Returns rank 0's summary; a failed run raises `RankFailed` naming the first rank that failed,
+    with that rank's exit code (3 when it died of a signal).
     """
     import logging
 
@@ -346,16 +335,9 @@ def launch(job: WorkerJob) -> dict:
         results = elastic_launch(config, run_worker)(job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        what = (
-            f"died of {failure.signal_name()}"
-            if failure.exitcode < 0
-            else f"exited with code {failure.exitcode}"
-        )
-        raise RunFailed(f"rank {rank} {what}; the launcher stopped the other ranks") from None
+        code = failure.exitcode
+        what = f"died of {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+        stopped = RankFailed(f"rank {rank} {what}; the launcher stopped the other ranks")
+        stopped.exit_code = code if code > 0 else RankFailed.exit_code  # the rank's own failure's code
+        raise stopped from None
     return results[0]
-
-
-class RunFailed(RuntimeError):
-    """A worker of a self-launched dist run failed (the entry exits 1 with this line)."""
-
-    exit_code = 1

@@ -20,6 +20,7 @@ from torch import Tensor
 from hypertrain.batches import Microbatch, ReplicaBatch
 from hypertrain.compiled import forward_fn
 from hypertrain.config import ENGINES, TrainConfig
+from hypertrain.failures import NonFiniteError
 from hypertrain.model import Params
 from hypertrain.optim import OptState
 
@@ -46,12 +47,6 @@ class ReplicaResult:
     @property
     def stepped(self) -> bool:
         return any(loss is not None for loss in self.losses)
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, gradient or held-out loss went non-finite: the run stops (exit code 1), never trains on."""
-
-    exit_code = 1
 
 
 def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: list[int], update: int) -> None:

@@ -173,7 +173,10 @@ class RunLogger:
                 if error is not None:
                     end |= {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
                     end |= {"exit_code": exit_code}
-                self._write(end)
+                try:
+                    self._write(end)
+                except OSError:  # a full disk: the rows before it are flushed; the error is reported
+                    pass
         finally:
             if self._file is not None:
                 self._file.close()

@@ -14,9 +14,11 @@ built once. Under torchrun every rank runs the entry; only rank 0 lets Hydra cre
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from hypertrain.plan import PlanError
 # Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
 LABELLED_GROUPS = ("model", "outer", "phase")
 
+CONF = Path(__file__).resolve().parent.parent / "conf"
 _prepared: dict[str, object] = {}  # resolved task config (as YAML) -> the PreparedRun built for it
 
 
@@ -39,6 +42,25 @@ def fail(message: str, code: int = 2) -> None:
     """The entry's one line for a mistake (`hypertrain: error: ...`), then exit (2 = a user mistake)."""
     print(f"hypertrain: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def check_experiment(choices: dict) -> None:
+    """`experiment` is an optional group: Hydra silently ignores an option that does not exist."""
+    chosen = choices.get("experiment")
+    options = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+    if chosen is not None and chosen not in options:
+        raise ConfigError(f"experiment={chosen!r} is not an experiment; valid: {', '.join(options)}")
+
+
+def check_fields(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """`+key=value` adds a key the run would never read: every key must be a field of the schema."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in fields:
+            raise ConfigError(f"{prefix}{key} is not a config field; valid: {', '.join(sorted(fields))}")
+        kind = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(kind) and isinstance(node[key], DictConfig):
+            check_fields(node[key], kind, f"{prefix}{key}.")
 
 
 def check_labels(cfg: TrainConfig, choices: dict) -> None:
@@ -66,8 +88,56 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(
             f"hydra.run.dir={run_dir} lies under {existing}, which is a file; valid: a path under a directory"
         )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"hydra.run.dir={run_dir}: {existing} is not writable; valid: a writable directory")
+    try:  # permission bits do not tell for root or special filesystems: try, and leave nothing
+        os.rmdir(tempfile.mkdtemp(prefix=".hypertrain-probe-", dir=existing))
+    except OSError as e:
+        raise ConfigError(
+            f"hydra.run.dir={run_dir}: nothing can be created in {existing} ({e.strerror}); "
+            "valid: a writable directory"
+        ) from None
+
+
+def composition_error(error: Exception) -> str:
+    """Hydra's own composition error as one line: its first line, with the cause or the options."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else type(error).__name__
+    options = getattr(error, "options", None)
+    if options:  # an option of a group that does not exist
+        return f"{first}; valid: {', '.join(sorted(options))}"
+    cause = error.__cause__
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    return f"{first} {detail}".strip() if detail and detail not in first else first
+
+
+def check_composition(args: list[str]) -> None:
+    """Compose the command line's overrides as Hydra will, before Hydra runs: an unknown option,
+    a misspelled key or a value of the wrong type exits 2 with one line (Hydra's own wording),
+    nothing created. In a multirun each sweep is checked at its first value (every job is then
+    checked in full when it starts). Hydra's flags (--help, --cfg, ...) are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return
+    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    multirun = len(overrides) < len(args)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        first, sweeps = [], []
+        for override, text in zip(parsed, overrides, strict=True):
+            if override.is_sweep_override():
+                sweeps.append(text)
+                text = f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}"
+            first.append(text)
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            composed = compose("train", overrides=first, return_hydra_config=True)
+    except Exception as e:  # Hydra's errors have no common base class beyond Exception
+        fail(composition_error(e))
+    if sweeps and not multirun and str(composed.hydra.mode) != "RunMode.MULTIRUN":
+        fail(
+            f"Ambiguous value for argument '{sweeps[0]}'; valid: -m to sweep over the values, "
+            "or key=[a,b] for a list"
+        )
 
 
 def with_layout(cfg: TrainConfig) -> TrainConfig:
@@ -118,6 +188,8 @@ def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -
     `run_dir` None: this process writes nothing (a torchrun rank other than 0)."""
     from hypertrain.trainer import prepare  # torch and data only once the config is known to be sane
 
+    check_experiment(choices)
+    check_fields(task_cfg, TrainConfig)
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
     check_labels(cfg, choices)
     validate(cfg)

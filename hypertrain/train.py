@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hypertrain import checkpoint, preflight
 from hypertrain.config import TrainConfig, register_configs
-from hypertrain.engines import NonFiniteError
+from hypertrain.failures import RankFailed, RunFailure
 from hypertrain.layouts import launched_by_torchrun
 from hypertrain.trainer import Resume, train_session
 
@@ -121,7 +121,7 @@ def main(dict_cfg: DictConfig) -> float:
         else:
             try:
                 summary = dist.launch(job)
-            except dist.RunFailed as e:
+            except RankFailed as e:
                 preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
         if not writer:
             return math.nan
@@ -132,9 +132,9 @@ def main(dict_cfg: DictConfig) -> float:
             torch.set_num_threads(run.cfg.engine.threads)
         try:
             summary = train_session(run, run_dir, resolved, identity, resume=resume)
-        except NonFiniteError as e:
+        except RunFailure as e:
             # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
-            preflight.fail(f"run failed: {e} ({run_dir})", code=NonFiniteError.exit_code)
+            preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     logger.info(
         "done: held-out loss %.4f, %.1f replica-steps/s, %s",
         summary["eval/final_loss"],
@@ -146,4 +146,5 @@ def main(dict_cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     sys.argv = quote_numeric_choices(sys.argv)
+    preflight.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
     main()

@@ -12,12 +12,14 @@ global weights are evaluated on held-out ids.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,11 +35,11 @@ from hypertrain.data import Dataset, build_dataset
 from hypertrain.engines import (
     Assignment,
     Engine,
-    NonFiniteError,
     ReplicaResult,
     engine_for,
     microbatch_loss,
 )
+from hypertrain.failures import DiskFull, NonFiniteError
 from hypertrain.log import NoLog, RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
@@ -451,6 +453,22 @@ def train(
     return summary, state
 
 
+@contextmanager
+def disk_full_as_failure() -> Iterator[None]:
+    """No space left while writing (records, a checkpoint, the weights): a run failure (exit 4).
+    torch.save reports it as a RuntimeError whose context is the OSError, hence the walk."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        cause: BaseException | None = e
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        where = getattr(cause, "filename", None) or "the run's records"
+        raise DiskFull(f"no space left on the device writing {where}") from None
+
+
 @dataclass
 class Resume:
     """Where a resumed run goes on from: the checkpoint and what its session left in metrics.jsonl."""
@@ -479,7 +497,7 @@ def train_session(
         return train(run, None, groups, checkpointer, saved)[0]
     wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
     records = RunLogger(run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, **identity)
-    with records as log:
+    with records as log, disk_full_as_failure():
         if resume is not None:
             log.log_resume(
                 {
@@ -491,5 +509,5 @@ def train_session(
             )
         checkpointer = Checkpointer(run_dir, resolved, run.plan_facts, every, keep, log, groups)
         summary, state = train(run, log, groups, checkpointer, saved)
-    torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
+        torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
     return summary

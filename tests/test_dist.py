@@ -53,6 +53,7 @@ from test_stacked import rounding_floors
 
 from hypertrain import loop
 from hypertrain.config import EngineConfig, TrainConfig, validate
+from hypertrain.failures import RankFailed
 from hypertrain.log import read_metrics
 from hypertrain.run_state import RunState
 from hypertrain.train import quote_numeric_choices
@@ -355,7 +356,7 @@ def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
     done = entry(args, tmp_path, env={FAULT_ENV: f"1:{FAULT_UPDATE}:{action}"})
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == RankFailed.exit_code, done.stderr  # a rank died or hung (docs/errors.md)
     assert "Traceback" not in done.stderr, done.stderr
 
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -377,10 +378,10 @@ def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
         assert rank1 == []  # SIGKILL leaves no last words
         assert parent[0].startswith("hypertrain: error: run failed: rank 1 died of SIGKILL;"), parent
         # Rank 0 notices the dead peer in its next collective, unless the launcher's SIGTERM comes first.
-        assert (end["exit_code"], end["error"].startswith(stopped)) in ((1, False), (143, True)), end
+        assert (end["exit_code"], end["error"].startswith(stopped)) in ((3, False), (143, True)), end
     else:
-        assert "timed out" in end["error"].lower() and end["exit_code"] == 1, end
-        assert parent[0].startswith("hypertrain: error: run failed: rank 0 exited with code 1;"), parent
+        assert "timed out" in end["error"].lower() and end["exit_code"] == 3, end
+        assert parent[0].startswith("hypertrain: error: run failed: rank 0 exited with code 3;"), parent
         assert len(rank1) == 1 and stopped in rank1[0], done.stderr  # the launcher stops the hung rank
 
     start = rows[0]

@@ -190,11 +190,14 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_kept(tmp_
     assert tree(run_dir) == before  # not one byte of the first run touched, .hydra/ included
 
 
-def test_an_unknown_option_fails_with_hydras_error(tmp_path):
+def test_an_unknown_option_fails_with_hydras_wording_in_one_line(tmp_path):
+    """Hydra's own composition error, checked before Hydra runs: its first line and the options."""
     done = entry(["model=huge"], tmp_path)
-    assert done.returncode == 1
-    assert "Could not find 'model/huge'" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "hypertrain: error: In 'train': Could not find 'model/huge'; valid: base, small, tiny"
+    ]
+    assert tree(tmp_path) == {}
 
 
 @pytest.mark.parametrize("launcher", ["basic", "joblib"])

@@ -16,7 +16,8 @@ import torch
 from test_trainer import run_losses, small_cfg
 
 from hypertrain.config import ConfigError, InnerConfig, PhaseConfig, validate
-from hypertrain.engines import NonFiniteError, check_finite
+from hypertrain.engines import check_finite
+from hypertrain.failures import NonFiniteError
 from hypertrain.model import count_params
 from hypertrain.optim import init_state, inner_step, sync_inner_states
 from hypertrain.trainer import ring_allreduce_bytes, round_bytes

@@ -1,0 +1,49 @@
+"""How a run that has started can fail, and the exit code each failure leaves with.
+
+A user mistake is found before anything runs and exits 2 (`config.ConfigError`, `plan.PlanError`);
+the failures here happen during a run. Each stops it with one line (`hypertrain: error: run
+failed: ...`), its metrics.jsonl closed with an `end` row that holds the line and the code, its W&B
+run finished with the code, and its checkpoints intact (docs/errors.md lists them all).
+"""
+
+from __future__ import annotations
+
+
+class RunFailure(RuntimeError):
+    """A run that started and could not go on."""
+
+    exit_code = 1
+
+
+class NonFiniteError(RunFailure):
+    """A loss, gradient or held-out loss went non-finite: the run stops, never trains on."""
+
+    exit_code = 1
+
+
+class RankFailed(RunFailure):
+    """engine=dist: a collective failed or timed out, as another rank died, hung or failed."""
+
+    exit_code = 3
+
+
+class DiskFull(RunFailure):
+    """No space left while writing the run's records or a checkpoint (the previous one is intact)."""
+
+    exit_code = 4
+
+
+class Terminated(RunFailure):
+    """SIGTERM: a scheduler's stop, or the launcher stopping every rank once one has failed."""
+
+    exit_code = 143
+
+
+EXIT_CODES = {
+    0: "the run finished",
+    1: "a non-finite loss, gradient or held-out loss (NonFiniteError), or an unexpected error",
+    2: "a user mistake, found before the run started: nothing was created or changed",
+    3: "engine=dist: a rank died, hung past engine.timeout_s, or failed (RankFailed)",
+    4: "no space left on the device while writing records or a checkpoint (DiskFull)",
+    143: "stopped by SIGTERM (Terminated)",
+}
