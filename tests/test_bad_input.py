@@ -1,0 +1,321 @@
+"""The catalogue of user mistakes: each one line naming the bad value and what is valid, exit 2, no
+traceback, nothing created or changed. Each case runs the entry in a subprocess in an empty working
+directory; an earlier run's directory beside it must stay byte for byte as it was.
+
+Hydra's own composition errors (unknown option, misspelled key, wrong type, an ambiguous sweep) keep
+Hydra's wording: the entry composes the command line before Hydra runs and prints Hydra's first
+line, with the options or the cause, as its one line.
+
+`CASES` is also the source of docs/errors.md: `.venv/bin/python tests/test_bad_input.py` rewrites
+it, and `test_the_errors_page_is_the_catalogue` fails when the page and the cases differ.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_entry import QUICK, entry, tree
+
+from hypertrain.failures import EXIT_CODES
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+BASE = [*QUICK, "logger=none"]
+
+
+@dataclass
+class Case:
+    mistake: str  # what the user did, for docs/errors.md
+    args: list[str]  # after BASE; {earlier} is the earlier run's directory, {cwd} the working one
+    says: str  # the start of the one line after "hypertrain: error: " (placeholders as in args)
+    fix: str  # what to do, for docs/errors.md
+    files: dict[str, bytes] = field(default_factory=dict)  # made in the working directory first
+    hydra: bool = False  # Hydra's own wording
+
+
+def token_file(largest: int, n: int = 20000) -> bytes:
+    """A uint16 token file of distinct-enough random ids up to `largest` (which it holds)."""
+    ids = np.random.default_rng(0).integers(0, largest, size=n)
+    ids[n // 2] = largest
+    return ids.astype("<u2").tobytes()
+
+
+CASES = {
+    "unknown-group-option": Case(
+        "an option a group does not have",
+        ["model=huge"],
+        "In 'train': Could not find 'model/huge'; valid: base, small, tiny",
+        "pick one of the options listed",
+        hydra=True,
+    ),
+    "misspelled-key": Case(
+        "a key the group does not have",
+        ["inner.hh=3"],
+        "Could not override 'inner.hh'. Key 'hh' not in 'InnerConfig'",
+        "spell the key as `hypertrain/config.py` documents it",
+        hydra=True,
+    ),
+    "wrong-type": Case(
+        "a value of the wrong type",
+        ["inner.H=abc"],
+        "Error merging override inner.H=abc Value 'abc' of type 'str' could not be converted to Integer",
+        "give a value of the field's type",
+        hydra=True,
+    ),
+    "schema-as-option": Case(
+        "a schema's name used as an option",
+        ["model=model_schema"],
+        "In 'train': Could not find 'model/model_schema'; valid: base, small, tiny",
+        "schemas are not options; pick one of the options listed",
+        hydra=True,
+    ),
+    "ambiguous-sweep": Case(
+        "a list of values without -m",
+        ["replicas=1,2"],
+        "Ambiguous value for argument 'replicas=1,2'; valid: -m to sweep",
+        "add -m to sweep, or write key=[a,b] for a list",
+        hydra=True,
+    ),
+    "unknown-experiment": Case(
+        "an experiment that does not exist",
+        ["experiment=nope"],
+        "experiment='nope' is not an experiment; valid: phases, quick, sweep_rh, weak_scaling",
+        "pick one of the experiments listed",
+    ),
+    "added-key": Case(
+        "`+key=value` for a key the run never reads",
+        ["+inner.foo=1"],
+        "inner.foo is not a config field; valid: H, beta1",
+        "drop it, or use one of the fields listed",
+    ),
+    "label-not-option": Case(
+        "a group's label changed instead of its option",
+        ["outer.name=average"],
+        "outer.name='average' only labels the run; the outer is chosen with outer=...",
+        "choose the option: outer=average",
+    ),
+    "replicas-not-dividing-world": Case(
+        "R that does not divide the world",
+        ["replicas=3"],
+        "replicas=3 does not divide world.size (8); valid: a divisor of 8",
+        "a divisor of world.size",
+    ),
+    "global-batch-below-replicas": Case(
+        "a global batch smaller than R",
+        ["phase.global_batch=1"],
+        "phase.global_batch=1 is smaller than replicas=2",
+        "at least one id per replica and update",
+    ),
+    "zero-H": Case("H = 0", ["inner.H=0"], "inner.H=0 is too small; valid: >= 1", "at least 1"),
+    "zero-updates": Case(
+        "a phase of no updates", ["phase.updates=0"], "phase smoke: updates=0", "at least 1 update"
+    ),
+    "negative-updates": Case(
+        "a negative number of updates", ["phase.updates=-1"], "phase smoke: updates=-1", "at least 1"
+    ),
+    "negative-lr": Case(
+        "a negative learning rate", ["inner.lr=-0.1"], "inner.lr=-0.1 is too small; valid: >= 0.0", ">= 0"
+    ),
+    "phase-past-the-data": Case(
+        "a phase that starts past the end of the data",
+        ["phase.offset=100000000"],
+        "phase.offset=100000000 lies past the training stream",
+        "an offset inside the stream, or more data",
+    ),
+    "missing-data-path": Case(
+        "a data source without a path",
+        ["data=text_files"],
+        "data.path is empty; data=text_files needs a path",
+        "data.path='my/**/*.txt'",
+    ),
+    "data-path-matches-nothing": Case(
+        "a glob that matches no file",
+        ["data=text_files", "data.path=nothing/*.txt"],
+        "data.path='nothing/*.txt' matches no files",
+        "a glob of existing text files",
+    ),
+    "empty-data-file": Case(
+        "an empty data file",
+        ["data=text_files", "data.path=empty.txt"],
+        "data.path='empty.txt' holds 0 bytes",
+        "a file with more examples than data.heldout",
+        files={"empty.txt": b""},
+    ),
+    "token-ids-beyond-vocab": Case(
+        "token ids at or above the model's vocabulary",
+        ["data=token_bin", "data.path=train.bin", "model.vocab=256"],
+        "model.vocab=256 is smaller than the data's vocabulary (301)",
+        "model.vocab at least the largest id + 1",
+        files={"train.bin": token_file(300)},
+    ),
+    "padded-bound-below-longest": Case(
+        "a padded-token bound below the longest example",
+        ["data.examples=documents", "data.max_len=128", "data.max_padded_tokens=64"],
+        "data.max_padded_tokens=64 is smaller than the longest example",
+        "at least data.max_len + 1",
+    ),
+    "engine-option-without-dist": Case(
+        "an engine=dist option on another engine",
+        ["engine.layout=benchmark"],
+        "engine.layout='benchmark' applies to engine=dist only (now engine=stacked); valid: engine=dist",
+        "engine=dist, or drop the option",
+    ),
+    "no-dist-layout": Case(
+        "engine=dist with processes that fit no layout",
+        ["engine=dist", "world.size=8", "replicas=4", "engine.nproc=3"],
+        "engine=dist with 3 processes, world.size=8 and replicas=4 fits no layout; valid: benchmark",
+        "processes = world.size, or a divisor of replicas",
+    ),
+    "absent-device": Case(
+        "a device this machine does not have",
+        ["engine.device=cuda:99"],
+        "engine.device='cuda:99'",
+        "cpu, or a CUDA device that exists",
+    ),
+    "unwritable-output": Case(
+        "an output directory where nothing can be created",
+        ["hydra.run.dir=/proc/self/run"],
+        "hydra.run.dir=/proc/self/run: nothing can be created in /proc/self",
+        "a writable directory",
+    ),
+    "output-under-a-file": Case(
+        "an output directory under a file",
+        ["hydra.run.dir=notes/run"],
+        "hydra.run.dir={cwd}/notes/run lies under {cwd}/notes, which is a file",
+        "a path under a directory",
+        files={"notes": b"x"},
+    ),
+    "run-directory-holds-a-run": Case(
+        "a run directory that holds a run, without resume",
+        ["hydra.run.dir={earlier}"],
+        "hydra.run.dir={earlier} already holds a run (metrics.jsonl); valid: a new directory",
+        "a new directory, or resume=true to go on",
+    ),
+    "nothing-to-resume": Case(
+        "resume=true where there is no checkpoint",
+        ["hydra.run.dir=fresh", "resume=true"],
+        "resume=true but {cwd}/fresh holds no checkpoint",
+        "the directory of a run that wrote checkpoints",
+    ),
+    "resume-missing-path": Case(
+        "resume= a path that does not exist",
+        ["resume=/no/such/run"],
+        "resume='/no/such/run' is no checkpoint file and no run directory holding one",
+        "true, auto, a checkpoint file or a run directory",
+    ),
+    "resume-changed-plan": Case(
+        "resume with a changed plan",
+        ["hydra.run.dir={earlier}", "resume=true", "phase.offset=64"],
+        "phase.offset=64 differs from the checkpoint's 0",
+        "the run's own config (only logger.*, checkpoint.* and phase.updates may change)",
+    ),
+    "resume-corrupt-checkpoint": Case(
+        "resume from a corrupt checkpoint",
+        ["resume=broken.pt"],
+        "checkpoint {cwd}/broken.pt cannot be read",
+        "an earlier checkpoint (resume=true skips a corrupt newest one)",
+        files={"broken.pt": b"PK\x03\x04 not a whole zip"},
+    ),
+    "extended-without-decay": Case(
+        "phase.updates extended without an explicit inner.decay_steps",
+        ["hydra.run.dir={earlier}", "resume=true", "phase.updates=8"],
+        "phase.updates=8 extends the run (6 before)",
+        "set inner.decay_steps to the saved value explicitly",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory) -> Path:
+    """A finished run (with checkpoints) that every case's working directory lies beside."""
+    root = tmp_path_factory.mktemp("earlier")
+    done = entry([*BASE, f"hydra.run.dir={root / 'run'}"], root)
+    assert done.returncode == 0, done.stderr
+    return root / "run"
+
+
+def fill(text: str, earlier: Path, cwd: Path) -> str:
+    return text.replace("{earlier}", str(earlier)).replace("{cwd}", str(cwd))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, name):
+    case = CASES[name]
+    if name == "absent-device" and torch.cuda.device_count() > 99:
+        pytest.skip("this machine has a 100th CUDA device")
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    for file, data in case.files.items():
+        (cwd / file).write_bytes(data)
+    before, earlier_before = tree(cwd), tree(earlier)
+    done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("hypertrain: error: " + fill(case.says, earlier, cwd)), lines[0]
+    assert "Traceback" not in done.stderr + done.stdout
+    assert tree(cwd) == before, "a rejected run created or changed files"
+    assert tree(earlier) == earlier_before, "a rejected run touched the earlier run"
+
+
+def test_a_sweep_stops_at_its_invalid_second_job_and_keeps_the_first(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = entry(["-m", *BASE, "replicas=2,3", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert done.returncode == 2
+    errors = [x for x in done.stderr.splitlines() if x.startswith("hypertrain:")]
+    assert errors == ["hypertrain: error: replicas=3 does not divide world.size (8); valid: a divisor of 8"]
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0_w8_r2_h3"]  # the first job's results; the rejected job left no directory
+    assert (sweep / "0_w8_r2_h3" / "metrics.jsonl").read_text().rstrip().endswith('"status": "finished"}')
+
+
+def render() -> str:
+    """docs/errors.md from CASES and failures.EXIT_CODES."""
+    lines = [
+        "# Errors",
+        "",
+        "Generated from `tests/test_bad_input.py` (`.venv/bin/python tests/test_bad_input.py` rewrites",
+        "it; a test fails when they differ). Every user mistake below stops the run before anything is",
+        "written, with one line on stderr (`hypertrain: error: ...`) and exit code 2; an earlier run's",
+        "files are never touched. Lines marked Hydra keep Hydra's own wording (its first line, with the",
+        "options or the cause). `<cwd>` is the working directory, `<run>` an earlier run's directory.",
+        "",
+        "| mistake | the line begins | what to do |",
+        "|---|---|---|",
+    ]
+    for case in CASES.values():
+        says = case.says.replace("{cwd}", "<cwd>").replace("{earlier}", "<run>").replace("|", "\\\\|")
+        mark = " (Hydra)" if case.hydra else ""
+        lines.append(f"| {case.mistake}{mark} | `{says}` | {case.fix} |")
+    lines += [
+        "",
+        "A sweep stops at its first invalid job with that job's line (exit 2); the jobs before it keep",
+        "their results.",
+        "",
+        "## Failures during a run",
+        "",
+        "These are not mistakes in the command: the run started and could not go on. Each stops it with",
+        "one line (`hypertrain: error: run failed: ...`), its metrics.jsonl closed with an `end` row that",
+        "holds the line and the code, its W&B run finished with the code, its checkpoints intact",
+        "(`hypertrain/failures.py`).",
+        "",
+        "| exit code | meaning |",
+        "|---|---|",
+    ]
+    lines += [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_errors_page_is_the_catalogue():
+    assert DOCS.read_text() == render(), (
+        "docs/errors.md differs: run .venv/bin/python tests/test_bad_input.py"
+    )
+
+
+if __name__ == "__main__":
+    DOCS.write_text(render())
+    print(f"wrote {DOCS}", file=sys.stderr)
