@@ -18,6 +18,7 @@ launcher stops the rest; each rank says what happened in one line and exits non-
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -67,6 +68,8 @@ def _collective(what: str) -> Iterator[None]:
     """A collective's failure (a peer died, hung past the timeout) as one line naming the collective."""
     try:
         yield
+    except RunFailure:  # SIGTERM's Terminated, raised while waiting in the collective: as it is
+        raise
     except (RuntimeError, dist.DistBackendError) as e:
         raise RankFailed(f"{what} failed: {_first_line(e)}") from None
 
@@ -239,6 +242,21 @@ class WorkerJob:
     superseded: int | None = None  # rank 0: bytes of metrics.jsonl the entry moved aside for it
 
 
+def same_run_everywhere(run, resolved: dict, rank: int, processes: int) -> None:
+    """Every rank must train the same config on the same data in the same order (agents started
+    with other overrides, or nodes whose Python has another standard library, would not)."""
+    mine = (json.dumps(resolved, sort_keys=True), run.plan_facts["data/fingerprint"])
+    everyone = [None] * processes
+    with _collective("the start's comparison of configs and data"):
+        dist.all_gather_object(everyone, mine)
+    for other, theirs in enumerate(everyone):
+        if theirs != mine:
+            what = "data (fingerprint)" if theirs[0] == mine[0] else "config"
+            raise RankFailed(
+                f"rank {other} has another {what} than rank {rank}; every rank must run the same"
+            )
+
+
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
     if cfg.engine.device.startswith("cuda"):
         device = torch.device("cuda", local_rank)
@@ -281,6 +299,7 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         dist.broadcast_object_list(run_dir, src=0)  # rank 0 decided the directory; the others learn it
         groups = DistReplicaGroups(layout, rank, device, cfg.engine.timeout_s)
         run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
+        same_run_everywhere(run, job.resolved, rank, processes)
         resume = None
         if job.resume_from is not None:
             saved = checkpoint.load(Path(job.resume_from))

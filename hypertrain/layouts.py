@@ -81,7 +81,14 @@ def launched_by_torchrun() -> bool:
 
 
 def process_count(nproc: int, world: int) -> int:
-    """P: the launcher's process count under torchrun when engine.nproc is 0, else nproc or world."""
-    if launched_by_torchrun() and nproc == 0:
-        return int(os.environ["WORLD_SIZE"])
+    """P: the launcher's process count under torchrun (engine.nproc 0 or equal to it), else nproc or
+    world; LayoutError when engine.nproc disagrees with the processes torchrun started."""
+    if launched_by_torchrun():
+        started = int(os.environ["WORLD_SIZE"])
+        if nproc not in (0, started):
+            raise LayoutError(
+                f"engine.nproc={nproc} but torchrun started {started} processes; "
+                f"valid: engine.nproc=0 (the launcher's count) or {started}"
+            )
+        return started
     return nproc or world

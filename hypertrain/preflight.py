@@ -133,7 +133,13 @@ def check_composition(args: list[str]) -> None:
             composed = compose("train", overrides=first, return_hydra_config=True)
     except Exception as e:  # Hydra's errors have no common base class beyond Exception
         fail(composition_error(e))
-    if sweeps and not multirun and str(composed.hydra.mode) != "RunMode.MULTIRUN":
+    sweeping = multirun or str(composed.hydra.mode) == "RunMode.MULTIRUN"
+    if sweeping and launched_by_torchrun():
+        fail(
+            "a multirun (-m) under torchrun is not supported: every rank would run the whole sweep; "
+            "valid: python -m hypertrain.train -m engine=dist ... (each job starts its own processes)"
+        )
+    if sweeps and not sweeping:
         fail(
             f"Ambiguous value for argument '{sweeps[0]}'; valid: -m to sweep over the values, "
             "or key=[a,b] for a list"
