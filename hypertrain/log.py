@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from hypertrain.config import LoggerConfig
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_RETRIES = 15  # seconds to wait for a killed session's wandb service to let its run id go
 
 # The sync row's fields that W&B gets under their own names; any other field goes to `sync/<key>`.
 _SYNC_KEYS = {
@@ -205,7 +206,7 @@ class RunLogger:
         import wandb
 
         self._mode = os.environ.get("WANDB_MODE") or self.logger_cfg.mode
-        run = wandb.init(
+        settings = dict(
             project=self.logger_cfg.project,
             entity=self.logger_cfg.entity or None,
             dir=str(self.run_dir),
@@ -215,12 +216,30 @@ class RunLogger:
             group=self.group,
             job_type=self.job_type,
             tags=self.tags,
-            id=self.wandb_id,
             # Several loggers may live in one process (a multirun); each owns its own run object.
             reinit="create_new",
             # Console capture and the system monitor cost start-up time and add nothing offline.
             settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True, silent=True),
         )
+        # A resumed run keeps its id; right after a kill, wandb's service of the killed session may
+        # still hold it ("run ID ... is in use") for a few seconds: wait for it, then, if it still
+        # does, go on under a new id (metrics.jsonl is the record; the resume row says where).
+        for attempt in range(WANDB_ID_RETRIES + 1):
+            try:
+                run = wandb.init(id=self.wandb_id, **settings)
+                break
+            except Exception as e:  # wandb's ServerResponseError has no stable import path
+                if self.wandb_id is None or "in use" not in str(e):
+                    raise
+                if attempt == WANDB_ID_RETRIES:
+                    warnings.warn(
+                        f"W&B run id {self.wandb_id} still in use; this session logs under a new id",
+                        stacklevel=2,
+                    )
+                    self.wandb_id = None
+                    run = wandb.init(id=None, **settings)
+                    break
+                time.sleep(1.0)
         run.define_metric("update")
         run.define_metric("*", step_metric="update")
         return run
