@@ -81,5 +81,7 @@ def test_throughput_agrees_with_each_runs_own_records(sweep):
         # Presented per update: G examples (strong), or W * b (weak: base streams k = W/B times).
         k = 1 if r["kind"] == "strong" else r["world"] // phase.base_world
         examples = sum(u["tokens"] for u in timed) * k // 32  # data.seq_len=32 targets per window
+        # The same float64 quotient, its sums taken in another order (a few dozen terms, each
+        # addition within 2**-53): any difference is far below 1e-9; a wrong count or window is not.
         assert math.isclose(r["samples_per_s"], examples / seconds, rel_tol=1e-9)
         assert math.isclose(r["tokens_per_s"], 32 * examples / seconds, rel_tol=1e-9)
