@@ -1,7 +1,9 @@
-"""Checkpoints: the run's whole state at a sync, written atomically, found and checked on resume.
+"""Checkpoints: the run's whole state at a sync or mid-round, written atomically, found and checked
+on resume.
 
 A checkpoint (`run_dir/checkpoints/ckpt-u<next update>.pt`, torch.save) holds the `RunState` of
-every replica (rank 0 gathers the inner states it does not hold), the resolved config, both plan
+every replica (rank 0 gathers the replica states it does not hold: inner state, and mid-round the
+weights each replica has reached and whether it has stepped), the resolved config, both plan
 hashes, the byte length of metrics.jsonl when it was written, and the W&B run id. Written to a
 temporary file in the same folder, fsync'ed, renamed over, the folder fsync'ed: a crash or a full
 disk mid-write leaves the previous checkpoint whole. The last `checkpoint.keep` are kept.
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from hypertrain import fault_points
 from hypertrain.config import ConfigError
 from hypertrain.log import METRICS_FILE
 
@@ -51,6 +54,9 @@ def write(path: Path, payload: dict, keep: int) -> tuple[int, float]:
             torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
+        fault_points.act(
+            0, "checkpoint", range(payload["state"]["next_update"] - 1, payload["state"]["next_update"])
+        )
         os.replace(tmp, path)
     except RuntimeError as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
         if isinstance(e.__context__, OSError):
@@ -159,24 +165,64 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
         )
 
 
-class Checkpointer:
-    """Writes the run's checkpoints after syncs: every process calls `after_sync` (the replicas'
-    states are gathered to rank 0), rank 0 writes and logs a `checkpoint` row (size, seconds)."""
+def _cpu(tensors: dict) -> dict:
+    return {n: t.detach().cpu() for n, t in tensors.items()}
 
-    def __init__(self, run_dir: Path, resolved: dict, plan_facts: dict, every: int, keep: int, log, groups):
+
+class Checkpointer:
+    """Writes the run's checkpoints: every process calls `after_sync` at a sync, `after_update` after
+    the updates of a round's part and `save` for a stop (the replicas' states are gathered to rank 0);
+    rank 0 writes and logs a `checkpoint` row (size, seconds). `every` counts syncs, `every_updates`
+    the updates from the phase's start (mid-round only; a round's end is the sync's)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        resolved: dict,
+        plan_facts: dict,
+        every: int,
+        keep: int,
+        log,
+        groups,
+        every_updates: int = 0,
+    ):
         self.run_dir, self.resolved, self.every, self.keep = Path(run_dir), resolved, every, keep
+        self.every_updates = every_updates
         self.plan = {k: plan_facts[k] for k in PLAN_KEYS}
         self.log, self.groups = log, groups
+        self.saved_at: int | None = None  # the next update of the newest checkpoint this session wrote
 
-    def after_sync(self, state, rounds_done: int, last: bool) -> None:
-        if not self.every or not (last or rounds_done % self.every == 0):
-            return
-        inner = self.groups.gather_inner(state.inner)
+    def after_sync(self, state, last: bool) -> None:
+        if self.every and (last or state.rounds_done % self.every == 0):
+            self.save(state)
+
+    def after_update(self, state) -> None:
+        """Mid-round: a checkpoint when `next_update` is a multiple of `every_updates`."""
+        if self.every_updates and state.mid_round and state.next_update % self.every_updates == 0:
+            self.save(state)
+
+    def save(self, state) -> Path | None:
+        """Write a checkpoint of `state` now (every process calls it); its path on the writer."""
+        mid = state.mid_round
+        records = [
+            {
+                "m": _cpu(s.m),
+                "v": _cpu(s.v),
+                "step": s.step.cpu(),
+                "params": _cpu(state.round_params[i]) if mid else None,
+                "stepped": state.round_stepped[i] if mid else None,
+            }
+            for i, s in enumerate(state.inner)
+        ]
+        every = self.groups.gather_replicas(records)
+        self.saved_at = state.next_update
         if not self.groups.is_writer:
-            return
+            return None
         saved = state.state_dict()
-        saved["inner"] = [{"m": s.m, "v": s.v, "step": s.step} for s in inner]
-        saved["replicas"] = list(range(len(inner)))
+        saved["inner"] = [{k: r[k] for k in ("m", "v", "step")} for r in every]
+        saved["replicas"] = list(range(len(every)))
+        saved["round_params"] = [r["params"] for r in every] if mid else None
+        saved["round_stepped"] = [r["stepped"] for r in every] if mid else None
         payload = {
             "format": FORMAT,
             "state": saved,
@@ -190,12 +236,14 @@ class Checkpointer:
         self.log.log_checkpoint(
             {
                 "update": state.next_update,
-                "round": rounds_done,
+                "round": state.rounds_done,
+                "mid_round": mid,
                 "path": str(path),
                 "bytes": size,
                 "seconds": seconds,
             }
         )
+        return path
 
 
 def drop_later(run_dir: Path, next_update: int) -> list[Path]:

@@ -153,6 +153,10 @@ class LoggerConfig:
 class CheckpointConfig:
     every: int = 1  # write a checkpoint after every `every` syncs (and after the last); 0 = never
     keep: int = 2  # checkpoints kept in run_dir/checkpoints (the newest)
+    # > 0: also a checkpoint in the middle of a round whenever the updates done since the phase's
+    # start are a multiple of it (a round's end is a sync's checkpoint, `every`); 0 = syncs only.
+    # A stop signal (SIGTERM, SIGUSR2) always checkpoints where it stops (docs/resume.md).
+    every_updates: int = 0
 
 
 @dataclass
@@ -284,6 +288,7 @@ def validate(cfg: TrainConfig) -> None:
 
     _at_least("checkpoint.every", cfg.checkpoint.every, 0)
     _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+    _at_least("checkpoint.every_updates", cfg.checkpoint.every_updates, 0)
     _choice("logger.name", cfg.logger.name, ("wandb", "none"))
     _choice("logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
     _choice("logger.progress", cfg.logger.progress, ("auto", "always", "never"))

@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hypertrain import checkpoint
+from hypertrain import checkpoint, fault_points, slurm_env
 from hypertrain.config import TrainConfig
-from hypertrain.failures import RankFailed, RunFailure, Terminated
-from hypertrain.layouts import Layout, choose_layout
+from hypertrain.failures import RankFailed, RunFailure
+from hypertrain.layouts import LaunchedRank, Layout, choose_layout, launched_rank
 from hypertrain.model import Params
-from hypertrain.optim import OptState
-from hypertrain.replica_groups import ReplicaGroups, inject_fault
+from hypertrain.preemption import Preempted, StopSignals
+from hypertrain.replica_groups import ReplicaGroups
 
 # torch >= 2.12 renames all_gather_into_tensor (and warns at every call of the old name).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -123,7 +123,7 @@ class DistReplicaGroups(ReplicaGroups):
     def before_round(self, updates: range) -> None:
         """Start the round together: rank 0's held-out eval and logging stay out of the next
         update's timing (the other ranks would otherwise wait for it inside their first all-reduce)."""
-        inject_fault(self.rank, updates)
+        fault_points.act(self.rank, "round", updates)
         with _collective("the round's start barrier"):
             dist.barrier()
 
@@ -199,22 +199,23 @@ class DistReplicaGroups(ReplicaGroups):
     def gather_ranks(self, table: Tensor) -> Tensor:
         return torch.stack(self._gather_all(table, "the round's gather of timings")).cpu()
 
-    def gather_inner(self, states: list) -> list | None:
-        """Rank 0 gathers one copy of every replica's state (a replica's ranks hold the same one)."""
-        mine = None
-        if self.local_rank == 0:  # one rank per replica sends (every rank under the stacked layout)
-            mine = [
-                OptState(
-                    {n: t.cpu() for n, t in s.m.items()}, {n: t.cpu() for n, t in s.v.items()}, s.step.cpu()
-                )
-                for s in states
-            ]
+    def gather_replicas(self, records: list) -> list | None:
+        """Rank 0 gathers one copy of every replica's record (a replica's ranks hold the same one)."""
+        mine = records if self.local_rank == 0 else None  # one rank per replica sends
         gathered = [None] * self.size if self.rank == 0 else None
         with _collective("the checkpoint's gather"):
             dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
             return None
-        return [state for part in gathered if part is not None for state in part]
+        return [record for part in gathered if part is not None for record in part]
+
+    def max_over_processes(self, value: int) -> int:
+        """One all-reduce (MAX) of one number over every process: 4 bytes per update for the stop
+        check, not counted as the run's communication (it carries no training data)."""
+        out = torch.tensor([value], dtype=torch.int32, device=self.device)
+        with _collective("the stop check's all-reduce"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out.item())
 
     def check_replicas_identical(self, params: Params) -> None:
         if self.replica_group is None:
@@ -271,8 +272,20 @@ def _backend(cfg: TrainConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated("stopped by SIGTERM (the launcher stops every rank once one has failed)")
+def _cpu_threads(me: LaunchedRank) -> int:
+    """Intra-op threads of a CPU worker: the CPUs SLURM gave its task, else the node's cores shared
+    by the node's workers (at least 1)."""
+    given = os.environ.get("SLURM_CPUS_PER_TASK", "") if me.launcher == "srun" else ""
+    return int(given) if given.isdigit() else max(1, (os.cpu_count() or 1) // me.local_processes)
+
+
+def _rendezvous(me: LaunchedRank) -> dict:
+    """init_process_group's rendezvous: torch's agent exported it (env://); srun's tasks meet on the
+    step's first node at a port derived from the job id (hypertrain.slurm_env), no torchrun needed."""
+    if me.launcher != "srun":
+        return {}
+    host, port = slurm_env.rendezvous()
+    return {"init_method": f"tcp://{host}:{port}", "rank": me.rank, "world_size": me.processes}
 
 
 def run_worker(job: WorkerJob, run=None) -> dict | None:
@@ -284,29 +297,40 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     """
     from hypertrain.trainer import Resume, prepare, train_session
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    processes, local_processes = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    signals = StopSignals().install()  # SIGTERM, SIGUSR2: stop after the update in flight, checkpointed
+    me = launched_rank()  # torch's agent (torchrun, the self-launch) or srun's tasks started this process
+    if me is None:
+        raise RuntimeError("run_worker runs in a process a launcher started as one rank of several")
+    rank, local_rank, processes = me.rank, me.local_rank, me.processes
     cfg = job.cfg
     device = _device(cfg, local_rank)
     if device.type == "cpu":  # the node's cores shared by its workers, never oversubscribed
-        torch.set_num_threads(cfg.engine.threads or max(1, (os.cpu_count() or 1) // local_processes))
+        torch.set_num_threads(cfg.engine.threads or _cpu_threads(me))
     cfg = replace(cfg, engine=replace(cfg.engine, device=str(device)))
-    dist.init_process_group(_backend(cfg, device), timeout=timedelta(seconds=cfg.engine.timeout_s))
+    timeout = timedelta(seconds=cfg.engine.timeout_s)
+    dist.init_process_group(_backend(cfg, device), timeout=timeout, **_rendezvous(me))
     try:
         layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.engine.layout)
-        run_dir = [job.run_dir]
-        dist.broadcast_object_list(run_dir, src=0)  # rank 0 decided the directory; the others learn it
+        # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
+        decided = [job.run_dir, job.resume_from]
+        dist.broadcast_object_list(decided, src=0)
+        run_dir, resume_from = decided
         groups = DistReplicaGroups(layout, rank, device, cfg.engine.timeout_s)
         run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
         same_run_everywhere(run, job.resolved, rank, processes)
         resume = None
-        if job.resume_from is not None:
-            saved = checkpoint.load(Path(job.resume_from))
-            resume = Resume(job.resume_from, saved, job.superseded or 0)
-        where = Path(run_dir[0])
+        if resume_from is not None:
+            saved = checkpoint.load(Path(resume_from))
+            resume = Resume(resume_from, saved, job.superseded or 0)
+        where = Path(run_dir)
         summary = train_session(run, where, job.resolved, job.identity, groups, resume)
         return summary if rank == 0 else None
+    except Preempted as e:  # every rank stopped after the same update, the checkpoint written
+        if rank == 0:
+            print(f"hypertrain: {e}", file=sys.stderr)
+            sys.stderr.flush()
+        signals.hand_over()  # a launcher's own handler (submitit requeues), when there was one
+        os._exit(e.exit_code)
     except Exception as e:
         if not isinstance(e, RunFailure):
             traceback.print_exc()  # not a run failure we know: a bug, shown whole
@@ -320,18 +344,34 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             time.sleep(PEER_FAILURE_GRACE_S)
         os._exit(code)  # no teardown that could wait on a dead peer
     finally:
+        signals.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _start_resource_tracker_deaf_to(signum: int) -> None:
+    """multiprocessing's resource tracker (a helper process the spawned workers share) ignores
+    SIGINT and SIGTERM but dies of SIGUSR2, which a scheduler sends to every process of the job:
+    start it now with that signal ignored (a process started with a signal ignored keeps it so)."""
+    from multiprocessing import resource_tracker
+
+    before = signal.signal(signum, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signum, before)
 
 
 def launch(job: WorkerJob) -> dict:
     """Start P = engine.nproc workers on this node with torch's elastic launcher and wait for them.
 
     Returns rank 0's summary; a failed run raises `RankFailed` naming the first rank that failed,
-    with that rank's exit code (3 when it died of a signal).
+    with that rank's exit code (3 when it died of a signal); a stop signal (to this process or to the
+    ranks) raises `Preempted` once the ranks have stopped.
     """
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -349,12 +389,28 @@ def launch(job: WorkerJob) -> dict:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        # The agent stops its workers with the signal it got (they checkpoint after their update in
+        # flight); SIGUSR2, a scheduler's warning, is not among the ones it handles unless asked.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
     )
+    _start_resource_tracker_deaf_to(signal.SIGUSR2)
     try:
         results = elastic_launch(config, run_worker)(job)
+    except SignalException as e:
+        raise Preempted(
+            f"stopped by {signal.Signals(e.sigval).name}: the ranks stopped after their update in flight "
+            "and checkpointed; resume=auto goes on",
+            e.sigval,
+        ) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
+        if code == Preempted.exit_code:  # the ranks got a stop signal themselves and checkpointed
+            raise Preempted(
+                "stopped by a signal to the ranks: they stopped after their update in flight and "
+                "checkpointed; resume=auto goes on",
+                signal.SIGTERM,
+            ) from None
         what = f"died of {failure.signal_name()}" if code < 0 else f"exited with code {code}"
         stopped = RankFailed(f"rank {rank} {what}; the launcher stopped the other ranks")
         stopped.exit_code = code if code > 0 else RankFailed.exit_code  # the rank's own failure's code

@@ -1,8 +1,11 @@
 """What every engine shares: a replica's work for a round in, its weights, state and losses out.
 
-An engine is `train_replicas(cfg, theta, assigns, states) -> list[ReplicaResult]`: every replica
-in `assigns` starts from the global weights `theta`, takes the round's inner steps on its own
-microbatches and returns its weights, optimizer state and loss at every update. `engine_for(name)`
+An engine is `train_replicas(cfg, theta, assigns, states, average=None, stop=None) ->
+list[ReplicaResult]`: every replica in `assigns` starts from the global weights `theta` (or, in the
+middle of a round, from its own `Assignment.start`), takes its inner steps on its own microbatches
+and returns its weights, optimizer state and loss at every update it took. `stop(update)` is asked
+after every update of the first replicas an engine runs (the same updates in every process); when
+it says yes, every replica stops after that update, so all leave at the same update. `engine_for(name)`
 gives the engine of `engine.name`; `microbatch_loss` is the loss every engine and the held-out
 eval weight the same way; `check_finite` stops a round at the first non-finite loss or gradient.
 No engine imports another; each imports this module.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -22,16 +25,27 @@ from hypertrain.compiled import forward_fn
 from hypertrain.config import ENGINES, TrainConfig
 from hypertrain.failures import NonFiniteError
 from hypertrain.model import Params
-from hypertrain.optim import OptState
+from hypertrain.optim import OptState, lr_at
 
 
 @dataclass
 class Assignment:
-    """A replica's work for one round: its batch at every update, and the round's first update."""
+    """A replica's work for (part of) a round: its batch at every update, where they start in the
+    phase and in the round, and the weights it starts from when that is not the round's start."""
 
     replica: int
-    global_step0: int
+    global_step0: int  # the plan's 0-based update of batches[0]
     batches: list[ReplicaBatch]
+    inner_step0: int = 0  # batches[0]'s step within its round (the lr's re-warmup counts from it)
+    start: Params | None = None  # [1, ...] weights the replica has reached; None = the global weights
+
+    def lr(self, cfg: TrainConfig, t: int) -> float:
+        """The inner learning rate of this assignment's update `t`."""
+        return lr_at(cfg.inner, self.global_step0 + t, self.inner_step0 + t)
+
+    def first(self, updates: int) -> Assignment:
+        """The same work cut to its first `updates` updates."""
+        return replace(self, batches=self.batches[:updates])
 
 
 @dataclass
@@ -73,8 +87,25 @@ def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: li
 
 # In place: a replica's gradients and loss [local replicas] averaged over its ranks (benchmark layout).
 GradientAverage = Callable[[Params, Tensor], None]
-# engine(cfg, theta, assigns, states, average_in_replica=None) -> one result per assignment
+# engine(cfg, theta, assigns, states, average_in_replica=None, stop=None) -> one result per assignment
 Engine = Callable[..., list[ReplicaResult]]
+# stop(update) -> True to end every replica's work after the plan's 0-based `update`.
+StopAfter = Callable[[int], bool]
+
+
+def in_lockstep(
+    run_group: Callable, assigns: list, states: list, groups: list[slice], stop: StopAfter | None
+) -> list[ReplicaResult]:
+    """Run `run_group(assigns, states, stop)` for each slice of replicas in `groups`, one after another:
+    the first may stop early (asking `stop`); the others are then cut to the updates it took, so every
+    replica leaves at the same update. Returns the results of all, in order."""
+    results: list[ReplicaResult] = []
+    for part in groups:
+        todo = assigns[part]
+        if results:  # the first group decided how far this call goes
+            todo = [a.first(len(results[0].losses)) for a in todo]
+        results += run_group(todo, states[part], stop if not results else None)
+    return results
 
 
 def timed_average(average: GradientAverage | None, grads: Params, loss: Tensor) -> float:

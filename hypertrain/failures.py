@@ -34,7 +34,7 @@ class DiskFull(RunFailure):
 
 
 class Terminated(RunFailure):
-    """SIGTERM: a scheduler's stop, or the launcher stopping every rank once one has failed."""
+    """SIGTERM where the run cannot finish its update (a hung rank the launcher stops)."""
 
     exit_code = 143
 
@@ -45,5 +45,5 @@ EXIT_CODES = {
     2: "a user mistake, found before the run started: nothing was created or changed",
     3: "engine=dist: a rank died, hung past engine.timeout_s, or failed (RankFailed)",
     4: "no space left on the device while writing records or a checkpoint (DiskFull)",
-    143: "stopped by SIGTERM (Terminated)",
+    143: "stopped by SIGTERM or SIGUSR2 after an update, checkpointed: resume=auto goes on (Preempted)",
 }

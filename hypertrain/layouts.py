@@ -8,12 +8,18 @@ Pure arithmetic on (P processes, W = world.size, R replicas), no torch (DESIGN.m
   stacked, each on its whole share; W is then only the plan's label, as in the simulation.
 `auto` picks (a) when P = W, else (b) when P divides R; a P, W, R that fit no layout is a
 `ConfigError` naming the values, the valid layouts and a command that fits.
+
+`launched_rank()` says whether a launcher started this process as one of P ranks: torchrun's agent
+(or the entry's own elastic self-launch), or `srun` as one task of a SLURM job step of several tasks
+(`hypertrain.slurm_env`). Then P is the launcher's count, and only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from hypertrain import slurm_env
 
 LAYOUTS = ("auto", "benchmark", "stacked")
 
@@ -80,14 +86,47 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
+@dataclass(frozen=True)
+class LaunchedRank:
+    """This process as one of the P ranks a launcher started together."""
+
+    launcher: str  # "torchrun" (torch's elastic agent) or "srun" (the tasks of a SLURM job step)
+    rank: int
+    processes: int  # P
+    local_rank: int  # among the ranks on this node (a GPU's index)
+    local_processes: int
+
+
+def launched_rank() -> LaunchedRank | None:
+    """This process's rank when a launcher started it as one of several: torch's agent (its
+    environment), or srun with more than one task (SLURM's; one task runs the entry as a plain
+    process, which may self-launch). None for a plain process."""
+    if launched_by_torchrun():  # also a torchrun that srun started, one per node: torch's ranks count
+        env = os.environ
+        return LaunchedRank(
+            "torchrun",
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        )
+    task = slurm_env.step_task()
+    if task is not None and task.tasks > 1:
+        return LaunchedRank("srun", task.rank, task.tasks, task.local_rank, task.local_tasks)
+    return None
+
+
 def process_count(nproc: int, world: int) -> int:
-    """P: the launcher's process count under torchrun (engine.nproc 0 or equal to it), else nproc or
-    world; LayoutError when engine.nproc disagrees with the processes torchrun started."""
-    if launched_by_torchrun():
-        started = int(os.environ["WORLD_SIZE"])
+    """P: the launcher's process count when one started this process as a rank (engine.nproc 0 or
+    equal to it), else nproc or world; LayoutError when engine.nproc disagrees with the launcher."""
+    launched = launched_rank()
+    if launched is not None:
+        started = launched.processes
         if nproc not in (0, started):
+            what = "torchrun started" if launched.launcher == "torchrun" else "the SLURM job step has"
+            unit = "processes" if launched.launcher == "torchrun" else "tasks"
             raise LayoutError(
-                f"engine.nproc={nproc} but torchrun started {started} processes; "
+                f"engine.nproc={nproc} but {what} {started} {unit}; "
                 f"valid: engine.nproc=0 (the launcher's count) or {started}"
             )
         return started

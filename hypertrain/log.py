@@ -6,16 +6,18 @@ plotted against the update. `read_metrics` reads the file back. Imports wandb on
 
 Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity` tokens):
 - `start`: one per `RunLogger`, `{"kind", "time", "name", "group", "job_type", "tags", "replicas",
-  "wandb_run_id"}`; a resumed run appends a second one, so every session of a file is visible.
+  "wandb_run_id", "pid", "host"}` (the writing process and `socket.gethostname()`, so a file without
+  an `end` row tells a running session from a dead one); a resumed run appends a second one, so
+  every session of a file is visible.
 - `eval`: the held-out loss before training, `{"kind", "update", "round", "eval_loss"}` (`log_eval`).
 - `update`: `{"kind", "update", "round", "lr", "loss": [per replica, null = skipped], "tokens", "wall",
   ..., "loss_mean"}` (`log_update`).
 - `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
   "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
 - `summary`: `{"kind", ...values}` (`summary`).
-- `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed"}`, and for a
-  failed run `"error"` (its one line) and `"exit_code"`; written by `close`. A file that ends
-  without one is a run that was killed or is still running.
+- `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed" | "preempted"}`,
+  and for a failed or preempted run `"error"` (its one line) and `"exit_code"`; written by `close`.
+  A file that ends without one is a run that was killed or is still running.
 
 W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
@@ -28,10 +30,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hypertrain import fault_points
 
 if TYPE_CHECKING:
     from hypertrain.config import LoggerConfig
@@ -147,6 +152,8 @@ class RunLogger:
                 "tags": self.tags,
                 "replicas": self.replicas,
                 "wandb_run_id": self._run.id if self._run is not None and self._mode != "disabled" else None,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
             }
         )
         return self
@@ -169,7 +176,7 @@ class RunLogger:
                 end = {
                     "kind": "end",
                     "time": time.time(),
-                    "status": "finished" if error is None else "failed",
+                    "status": "finished" if error is None else getattr(error, "status", "failed"),
                 }
                 if error is not None:
                     end |= {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
@@ -316,7 +323,13 @@ class RunLogger:
     def _write(self, row: dict) -> None:
         if self._file is None or self._file.closed:
             raise RuntimeError("RunLogger is not open; use it as a context manager (with RunLogger(...))")
-        self._file.write(json.dumps(row, default=_plain) + "\n")
+        line = json.dumps(row, default=_plain) + "\n"
+        at = range(row["update"] - 1, row["update"]) if row["kind"] == "update" else range(0)
+        if fault_points.due(0, "metrics", at):
+            self._file.write(line[: len(line) // 2])  # tests only: die half-way through the row
+            self._file.flush()
+            fault_points.act(0, "metrics", at)
+        self._file.write(line)
         self._file.flush()
 
     def _wandb_log(self, data: dict, extra: dict, prefix: str) -> None:

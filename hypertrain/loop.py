@@ -1,10 +1,12 @@
 """The reference engine: each replica's inner steps of one round, replica after replica.
 
-`train_replicas(cfg, theta, assigns, states)` starts every replica from a fresh copy of the
-global weights `theta`, runs its H (or fewer) inner steps on its own microbatches, and returns
-per replica its weights, its optimizer state and its loss at every step (None where it had no
-ids and skipped the step). Parameters and optimizer state carry a replica axis of size 1, so
-the math is exactly the shared model and optimizer code the stacked engine runs with R > 1.
+`train_replicas(cfg, theta, assigns, states, average, stop)` starts every replica from a fresh
+copy of the global weights `theta` (or of its `Assignment.start` mid-round), runs its inner steps
+on its own microbatches, and returns per replica its weights, its optimizer state and its loss at
+every step (None where it had no ids and skipped the step). The first replica asks `stop` after
+every update; the others then take as many updates as it did. Parameters and optimizer state
+carry a replica axis of size 1, so the math is exactly the shared model and optimizer code the
+stacked engine runs with R > 1.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from hypertrain.engines import (
     Assignment,
     GradientAverage,
     ReplicaResult,
+    StopAfter,
     check_finite,
     gradients,
+    in_lockstep,
     microbatch_loss,
     timed_average,
 )
 from hypertrain.model import Params
-from hypertrain.optim import OptState, lr_at
+from hypertrain.optim import OptState
 
 
 def train_replica(
@@ -34,32 +38,43 @@ def train_replica(
     assign: Assignment,
     state: OptState,
     average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
 ) -> ReplicaResult:
-    """One replica's inner steps for one round (state is updated in place and returned)."""
+    """One replica's inner steps (state is updated in place and returned); it ends after the update
+    at which `stop` says so."""
     device = torch.device(cfg.engine.device)
-    params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in theta.items()}
+    begin = theta if assign.start is None else {n: t[0] for n, t in assign.start.items()}
+    params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in begin.items()}
     losses: list[float | None] = []
-    seconds, allreduce = [0.0] * len(assign.batches), [0.0] * len(assign.batches)
-    for t, batch in enumerate(assign.batches):
-        if batch.empty:
-            losses.append(None)
-            continue
-        start = time.perf_counter()
-        loss = torch.zeros((), device=device)
-        for mb in batch.microbatches:
-            part = microbatch_loss(cfg, params, mb)
-            part.backward()
-            loss += part.detach()
-        grads = gradients(params)
-        allreduce[t] = timed_average(average_in_replica, grads, loss.view(1))
-        lr = lr_at(cfg.inner, assign.global_step0 + t, t)
-        norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, lr)
-        check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
-        for p in params.values():
-            p.grad = None
-        losses.append(loss.item())
-        seconds[t] = time.perf_counter() - start
+    seconds, allreduce = [], []
+    for t in range(len(assign.batches)):
+        loss, seconds_t, allreduce_t = _update(cfg, assign, t, params, state, average_in_replica, device)
+        losses.append(loss)
+        seconds.append(seconds_t)
+        allreduce.append(allreduce_t)
+        if stop is not None and stop(assign.global_step0 + t):
+            break
     return ReplicaResult({n: p.detach() for n, p in params.items()}, state, losses, seconds, allreduce)
+
+
+def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, average, device):
+    """The replica's update `t`: (loss or None when it had no ids, seconds, gradient-average seconds)."""
+    batch = assign.batches[t]
+    if batch.empty:
+        return None, 0.0, 0.0
+    start = time.perf_counter()
+    loss = torch.zeros((), device=device)
+    for mb in batch.microbatches:
+        part = microbatch_loss(cfg, params, mb)
+        part.backward()
+        loss += part.detach()
+    grads = gradients(params)
+    allreduce = timed_average(average, grads, loss.view(1))
+    norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, assign.lr(cfg, t))
+    check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
+    for p in params.values():
+        p.grad = None
+    return loss.item(), time.perf_counter() - start, allreduce
 
 
 def train_replicas(
@@ -68,6 +83,11 @@ def train_replicas(
     assigns: list[Assignment],
     states: list[OptState],
     average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
 ) -> list[ReplicaResult]:
-    """Every replica's round, one after another (the reference for the stacked engine)."""
-    return [train_replica(cfg, theta, a, s, average_in_replica) for a, s in zip(assigns, states, strict=True)]
+    """Every replica's updates, one replica after another (the reference for the stacked engine)."""
+
+    def one(todo: list[Assignment], kept: list[OptState], asking: StopAfter | None) -> list[ReplicaResult]:
+        return [train_replica(cfg, theta, todo[0], kept[0], average_in_replica, asking)]
+
+    return in_lockstep(one, assigns, states, [slice(i, i + 1) for i in range(len(assigns))], stop)

@@ -105,26 +105,48 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def cells(rows: list[dict], columns) -> tuple[list[str], list[list[str]]]:
+    """A table's titles and each row's cells, formatted by `columns` ((key, title, format) triples);
+    a missing value is `-`. The phases table and the run report (hypertrain/report.py) share it."""
+    return [title for _, title, _ in columns], [
+        [_cell(r.get(key), fmt) for key, _, fmt in columns] for r in rows
+    ]
+
+
+def markdown_table(titles: list[str], body: list[list[str]], pad: bool = False) -> list[str]:
+    """A markdown table's lines; with `pad`, each column padded to its widest cell (for a terminal)."""
+    widths = (
+        [max(len(c) for c in column) for column in zip(titles, *body, strict=True)]
+        if pad
+        else [0] * len(titles)
+    )
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|" if pad else "|" + "---|" * len(titles)
+    return [line(titles), rule, *(line(row) for row in body)]
+
+
+SCALING_NOTE = (
+    "Strong: scaling efficiency = throughput ratio / world ratio; weak: per-rank throughput ratio; "
+    "both against the phase's smallest world. Throughput after each phase's timing_warmup updates."
+)
+
+
+def measured_on(rows: list[dict]) -> list[str]:
+    """One line per run: what it was measured on, its timed window and its plan hashes."""
+    return [
+        f"{r['phase']} world {r['world']}: {r['processes']} processes ({r['layout']} layout), "
+        f"{r['device']}, torch {r['torch']}, {r['backend']}; {r['timed_updates']} timed updates after "
+        f"{r['timing_warmup']}; union {r['union_sha256']}, data order {r['data_order_sha256']}, "
+        f"ranks {r['rank_sha256']}"
+        for r in rows
+    ]
+
+
 def markdown(rows: list[dict]) -> str:
     """The table, then one line per run of what it was measured on and its plan hashes."""
-    lines = [
-        "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    lines += ["| " + " | ".join(_cell(r[key], fmt) for key, _, fmt in COLUMNS) + " |" for r in rows]
-    lines.append("")
-    lines.append(
-        "Strong: scaling efficiency = throughput ratio / world ratio; weak: per-rank throughput ratio; "
-        "both against the phase's smallest world. Throughput after each phase's timing_warmup updates."
-    )
-    lines.append("")
-    for r in rows:
-        lines.append(
-            f"- {r['phase']} world {r['world']}: {r['processes']} processes ({r['layout']} layout), "
-            f"{r['device']}, torch {r['torch']}, {r['backend']}; {r['timed_updates']} timed updates after "
-            f"{r['timing_warmup']}; union {r['union_sha256']}, data order {r['data_order_sha256']}, "
-            f"ranks {r['rank_sha256']}"
-        )
+    lines = markdown_table(*cells(rows, COLUMNS))
+    lines += ["", SCALING_NOTE, ""]
+    lines += [f"- {line}" for line in measured_on(rows)]
     return "\n".join(lines) + "\n"
 
 

@@ -6,9 +6,11 @@ runs, so a mistake found there would leave a directory behind, or touch an earli
 composed config before Hydra creates anything: it builds the typed config, validates it,
 prepares the run (data and plan) and checks the run directory, and on a mistake prints one line
 and exits 2. The prepared run is handed to the task function (`take_prepared`), so the data is
-built once. Under torchrun every rank runs the entry; only rank 0 lets Hydra create anything
-(`write_nothing`). Multirun jobs are checked the same way by `check_job` inside the task function
-(Hydra has made the job's directory by then); a rejected job's directory is removed again.
+built once. Under torchrun, or as one of a SLURM job step's tasks, every rank runs the entry; only
+rank 0 lets Hydra create anything (`write_nothing`; `hypertrain.slurm` does the same for the
+submitit launcher's multi-task jobs). Multirun jobs are checked the same way by `check_job` inside
+the task function (Hydra has made the job's directory by then); a rejected job's directory is
+removed again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain import checkpoint
 from hypertrain.config import ConfigError, TrainConfig, validate
-from hypertrain.layouts import choose_layout, launched_by_torchrun, process_count
+from hypertrain.layouts import choose_layout, launched_rank, process_count
 from hypertrain.log import METRICS_FILE
 from hypertrain.plan import PlanError
 
@@ -134,10 +136,11 @@ def check_composition(args: list[str]) -> None:
     except Exception as e:  # Hydra's errors have no common base class beyond Exception
         fail(composition_error(e))
     sweeping = multirun or str(composed.hydra.mode) == "RunMode.MULTIRUN"
-    if sweeping and launched_by_torchrun():
+    if sweeping and (launched := launched_rank()) is not None:
         fail(
-            "a multirun (-m) under torchrun is not supported: every rank would run the whole sweep; "
-            "valid: python -m hypertrain.train -m engine=dist ... (each job starts its own processes)"
+            f"a multirun (-m) under {launched.launcher} is not supported: every rank would run the whole "
+            "sweep; valid: python -m hypertrain.train -m engine=dist ... (each job starts its own "
+            "processes), or -m hydra/launcher=slurm_dist (each job's SLURM tasks are its ranks)"
         )
     if sweeps and not sweeping:
         fail(
@@ -201,6 +204,12 @@ def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -
     validate(cfg)
     if cfg.engine.name == "dist":
         cfg = with_layout(cfg)
+    elif (launched := launched_rank()) is not None:
+        raise ConfigError(
+            f"engine={cfg.engine.name} runs in one process, but {launched.launcher} started this one as "
+            f"one of {launched.processes} ranks; valid: engine=dist (the ranks are its processes), "
+            "or a single process"
+        )
     found, restart = None, False
     if run_dir is not None:
         run_dir, found = resume_target(cfg.resume, run_dir)
@@ -245,8 +254,9 @@ def _key(task_cfg: DictConfig) -> str:
 
 
 def write_nothing(config: DictConfig) -> None:
-    """For a torchrun rank other than 0: Hydra makes no directory, writes no `.hydra/` and no log file
-    (rank 0 decides and writes the run; its directory name holds a time, so each rank's would differ)."""
+    """For a rank other than 0 (torchrun's or srun's): Hydra makes no directory, writes no `.hydra/`
+    and no log file (rank 0 decides and writes the run; its directory name holds a time, so each
+    rank's would differ)."""
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.run.dir = os.getcwd()  # exists already: Hydra's mkdir does nothing
         config.hydra.output_subdir = None
@@ -262,7 +272,8 @@ class Preflight(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         task = _task_part(config)
         run_dir = Path(OmegaConf.select(config, "hydra.run.dir")).absolute()
-        if launched_by_torchrun() and os.environ["RANK"] != "0":
+        launched = launched_rank()
+        if launched is not None and launched.rank != 0:
             write_nothing(config)
             run_dir = None  # rank 0 alone checks and writes the run directory
         try:
@@ -280,12 +291,13 @@ def take_prepared(task_cfg: DictConfig) -> Checked | None:
     return _prepared.pop(_key(task_cfg), None)
 
 
-def check_job(task_cfg: DictConfig, choices: dict, job_dir: Path) -> Checked:
+def check_job(task_cfg: DictConfig, choices: dict, job_dir: Path | None) -> Checked:
     """A multirun job's checks, inside the task function; a rejected job leaves no directory."""
     try:
         return prepare_checked(task_cfg, choices, job_dir)
     except (ConfigError, PlanError) as e:
-        remove_rejected_job_dir(job_dir)
+        if job_dir is not None:  # None: a rank other than 0, which made nothing
+            remove_rejected_job_dir(job_dir)
         fail(str(e))
 
 

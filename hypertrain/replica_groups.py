@@ -5,19 +5,18 @@ which replicas this process trains (`replicas`) and, under the benchmark layout,
 it is (`rank_share`); averaging a replica's gradients and loss over its ranks every update
 (`average_in_replica`); summing a per-replica quantity over all replicas at a sync
 (`sum_over_replicas`, `max_over_replicas`); every replica's per-update records on the writer
-once per round (`gather_round`); and whether this process writes the run (`is_writer`).
+once per round (`gather_round`); whether some process was asked to stop (`max_over_processes`), and
+every replica's state for a checkpoint (`gather_replicas`); and whether this process writes the
+run (`is_writer`).
 `ReplicaGroups` is the one-process case, where every collective is the identity; the real
 processes of `engine=dist` (`hypertrain.dist`) subclass it with torch.distributed collectives.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 from torch import Tensor
 
+from hypertrain import fault_points
 from hypertrain.model import Params
 
 
@@ -62,35 +61,24 @@ class ReplicaGroups:
         """[updates, k] per process -> [P, updates, k] (per-process timings and token counts)."""
         return table.unsqueeze(0)
 
-    def gather_inner(self, states: list) -> list | None:
-        """Every replica's inner state (a list of `OptState`, replica order) on the writer, None
-        elsewhere: what a checkpoint saves."""
-        return states
+    def gather_replicas(self, records: list) -> list | None:
+        """One record per local replica (CPU tensors) -> every replica's, in replica order, on the
+        writer; None elsewhere: what a checkpoint saves of the replicas."""
+        return records
+
+    def max_over_processes(self, value: int) -> int:
+        """The largest of every process's `value` (every process asks at the same point): whether,
+        and by which signal, some process was asked to stop."""
+        return value
 
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
 
     def before_round(self, updates: range) -> None:
-        """Called as a round starts: real processes wait for each other here; the test-only fault
-        point of every engine."""
-        inject_fault(self.rank, updates)
+        """Called as a round (or the part of one up to a checkpoint) starts: real processes wait for
+        each other here; the test-only fault point `round` (hypertrain.fault_points)."""
+        fault_points.act(self.rank, "round", updates)
 
     def comm_stats(self) -> dict:
         """Measured payload bytes handed to collectives and seconds spent in them, since the last call."""
         return {}
-
-
-FAULT_ENV = "HYPERTRAIN_FAULT"  # tests only: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
-
-
-def inject_fault(rank: int, updates: range) -> None:
-    """Tests only: `HYPERTRAIN_FAULT=RANK:UPDATE:kill|sleep` kills or hangs rank RANK at the start of
-    the round that holds the 1-based UPDATE, so a test names the point instead of racing a clock."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    target, update, action = spec.split(":")
-    if int(target) == rank and int(update) - 1 in updates:
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(3600)

@@ -2,8 +2,10 @@
 
 `RunState` holds the global weights and the outer optimizer's momentum, the inner optimizer
 state of every replica this process trains (moments and per-replica step counts), the position
-in the phase (next update, rounds done) and the running totals. Replica weights are not kept
-between rounds: at every round boundary each replica restarts from the global weights. Nothing
+in the phase (next update, the current round's first update, rounds done) and the running totals.
+At a round boundary every replica restarts from the global weights, so replica weights are kept
+only in the middle of a round (`round_params`, with which replicas have stepped in it so far),
+where a mid-round checkpoint or a stop leaves them. Nothing
 in training draws random numbers after the initial weights (the plan and the data order are
 pure functions of the config), so there is no RNG state to carry. `state_dict()` gives plain
 tensors and numbers; `load_state_dict` puts them back in place.
@@ -36,9 +38,18 @@ class RunState:
     outer: OuterState
     inner: list[OptState]  # per local replica, each with a leading replica axis of 1
     replicas: list[int]  # the global index of each local replica, in `inner`'s order
-    next_update: int = 0  # the plan's 0-based update the next round starts at
+    next_update: int = 0  # the plan's 0-based update to run next
     rounds_done: int = 0
     totals: Totals = field(default_factory=Totals)
+    round_first: int = 0  # the first update of the round `next_update` is in (== it at a boundary)
+    # Mid-round only (None at a boundary): each local replica's weights [1, ...] so far in the
+    # round, and whether it has stepped in the round (a replica that has not sits the sync out).
+    round_params: list[Params] | None = None
+    round_stepped: list[bool] | None = None
+
+    @property
+    def mid_round(self) -> bool:
+        return self.round_params is not None
 
     @classmethod
     def start(cls, cfg: TrainConfig, theta: Params, replicas: list[int] | None = None) -> RunState:
@@ -56,6 +67,9 @@ class RunState:
             "next_update": self.next_update,
             "rounds_done": self.rounds_done,
             "totals": vars(self.totals).copy(),
+            "round_first": self.round_first,
+            "round_params": self.round_params,
+            "round_stepped": self.round_stepped,
         }
 
     @torch.no_grad()
@@ -76,3 +90,11 @@ class RunState:
             state.step.copy_(kept["step"])
         self.next_update, self.rounds_done = int(saved["next_update"]), int(saved["rounds_done"])
         self.totals = Totals(**saved["totals"])
+        self.round_first = int(saved.get("round_first", self.next_update))  # older: boundaries only
+        self.round_params = self.round_stepped = None
+        if saved.get("round_params") is not None:
+            device = next(iter(self.theta.values())).device
+            self.round_params = [
+                {n: t.to(device) for n, t in saved["round_params"][where[m]].items()} for m in self.replicas
+            ]
+            self.round_stepped = [bool(saved["round_stepped"][where[m]]) for m in self.replicas]

@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from hypertrain import checkpoint, preflight
 from hypertrain.config import TrainConfig, register_configs
 from hypertrain.failures import RankFailed, RunFailure
-from hypertrain.layouts import launched_by_torchrun
+from hypertrain.layouts import launched_rank
+from hypertrain.preemption import Preempted, StopSignals
 from hypertrain.trainer import Resume, train_session
 
 register_configs()
@@ -74,16 +75,26 @@ def quote_numeric_choices(argv: list[str], groups: tuple[str, ...] = ("world",))
     return out
 
 
+def stopped(stop: Preempted, signals: StopSignals, run_dir: Path) -> None:
+    """A stop signal ended the run at an update boundary, checkpointed and flushed: say so in one
+    line, hand over to the launcher's handler (submitit requeues the job), else exit 143."""
+    print(f"hypertrain: {stop} ({run_dir})", file=sys.stderr)
+    sys.stderr.flush()
+    signals.hand_over()
+    sys.exit(stop.exit_code)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(dict_cfg: DictConfig) -> float:
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    launched = launched_rank()  # one rank of several that torchrun or srun started: rank 0 writes
+    writer = launched is None or launched.rank == 0
     checked = preflight.take_prepared(dict_cfg)
     if checked is None:  # a multirun job: Hydra has made its directory; a rejected job removes it again
-        checked = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), run_dir)
+        checked = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), run_dir if writer else None)
     run = checked.run
-    writer = not launched_by_torchrun() or os.environ["RANK"] == "0"
     resolved = preflight.resolved_config(run.cfg)
     identity = run_identity(run.cfg, resolved)
     resume = None
@@ -116,13 +127,16 @@ def main(dict_cfg: DictConfig) -> float:
             None if checked.resume is None else str(checked.resume[0]),
             None if resume is None else resume.superseded,
         )
-        if launched_by_torchrun():  # this process is one rank; a failure ends it inside run_worker
+        if launched is not None:  # this process is one rank; a failure ends it inside run_worker
             summary = dist.run_worker(job, run)
         else:
-            try:
-                summary = dist.launch(job)
-            except RankFailed as e:
-                preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
+            with StopSignals() as signals:  # torch's agent replaces them while it runs the ranks
+                try:
+                    summary = dist.launch(job)
+                except Preempted as e:
+                    stopped(e, signals, run_dir)
+                except RankFailed as e:
+                    preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
         if not writer:
             return math.nan
     else:
@@ -130,11 +144,14 @@ def main(dict_cfg: DictConfig) -> float:
             import torch
 
             torch.set_num_threads(run.cfg.engine.threads)
-        try:
-            summary = train_session(run, run_dir, resolved, identity, resume=resume)
-        except RunFailure as e:
-            # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
-            preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
+        with StopSignals() as signals:
+            try:
+                summary = train_session(run, run_dir, resolved, identity, resume=resume)
+            except Preempted as e:
+                stopped(e, signals, run_dir)
+            except RunFailure as e:
+                # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
+                preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     logger.info(
         "done: held-out loss %.4f, %.1f replica-steps/s, %s",
         summary["eval/final_loss"],

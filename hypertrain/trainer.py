@@ -16,6 +16,7 @@ import errno
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hypertrain import plan
+from hypertrain import checkpoint, fault_points, plan, preemption
 from hypertrain.batches import ReplicaBatch, replica_batch
 from hypertrain.checkpoint import Checkpointer
 from hypertrain.config import ConfigError, TrainConfig
@@ -36,6 +37,7 @@ from hypertrain.engines import (
     Assignment,
     Engine,
     ReplicaResult,
+    StopAfter,
     engine_for,
     microbatch_loss,
 )
@@ -43,7 +45,6 @@ from hypertrain.failures import DiskFull, NonFiniteError
 from hypertrain.log import NoLog, RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
-    lr_at,
     outer_step,
     pseudo_gradient_sum,
     sync_inner_states,
@@ -160,9 +161,12 @@ def heldout_loss(run: PreparedRun, theta: Params) -> float:
     return float(total)
 
 
-def assignments(run: PreparedRun, updates: range, groups: ReplicaGroups | None = None) -> list[Assignment]:
-    """This process's replicas' batches for the updates of one round, as the plan assigns them: each
-    replica's whole share, or (benchmark layout) this rank's share weighted over its replica's ranks."""
+def assignments(
+    run: PreparedRun, updates: range, groups: ReplicaGroups | None = None, state: RunState | None = None
+) -> list[Assignment]:
+    """This process's replicas' batches for `updates` (a round, or the rest of one), as the plan
+    assigns them: each replica's whole share, or (benchmark layout) this rank's share weighted over its
+    replica's ranks. With `state` in the middle of a round, each starts from the weights it reached."""
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     share = groups.rank_share()
@@ -175,23 +179,34 @@ def assignments(run: PreparedRun, updates: range, groups: ReplicaGroups | None =
         mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
         return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, ranks_per_replica)
 
-    return [Assignment(m, updates[0], [batch(u, m) for u in updates]) for m in groups.replicas]
+    first = updates[0] if state is None else state.round_first
+    reached = state.round_params if state is not None and state.mid_round else [None] * len(groups.replicas)
+    return [
+        Assignment(m, updates[0], [batch(u, m) for u in updates], updates[0] - first, start)
+        for m, start in zip(groups.replicas, reached, strict=True)
+    ]
 
 
 def sync(
-    cfg: TrainConfig, state: RunState, results: list[ReplicaResult], groups: ReplicaGroups | None = None
+    cfg: TrainConfig,
+    state: RunState,
+    params: list[Params],
+    stepped: list[bool],
+    groups: ReplicaGroups | None = None,
 ) -> tuple[float, int]:
     """End a round: outer step on the replicas that stepped, then the inner state policy.
 
-    Every process sums its replicas' pseudo-gradients and the sum goes over all processes
-    (`groups.sum_over_replicas`), so each steps the same `state.theta` in place (it never shares
-    storage with a replica's weights). Returns the pseudo-gradient norm and the replicas that took part.
+    `params` are this process's replicas' weights at the round's end ([1, ...] each), `stepped`
+    whether each stepped in the round; their inner states are `state.inner`. Every process sums its
+    replicas' pseudo-gradients and the sum goes over all processes (`groups.sum_over_replicas`), so
+    each steps the same `state.theta` in place (it never shares storage with a replica's weights).
+    Returns the pseudo-gradient norm and the replicas that took part.
     """
     groups = groups or ReplicaGroups(cfg.replicas)
     theta = state.theta
     device = next(iter(theta.values())).device
-    active = torch.tensor([res.stepped for res in results], device=device)
-    replica_params = {n: torch.cat([res.params[n] for res in results]) for n in theta}
+    active = torch.tensor(stepped, device=device)
+    replica_params = {n: torch.cat([p[n] for p in params]) for n in theta}
     total = groups.sum_over_replicas(pseudo_gradient_sum(theta, replica_params, active))
     synced = int(total[-1])
     if synced == 0:  # nobody stepped: no pseudo-gradient, and momentum must not move theta
@@ -202,8 +217,8 @@ def sync(
     outer_step(cfg.outer, theta, delta, state.outer)
     sync_inner_states(
         cfg.inner,
-        [res.state for res in results],
-        active.to(results[0].state.step.device),
+        state.inner,
+        active.to(state.inner[0].step.device),
         groups.sum_over_replicas,
         groups.max_over_replicas,
     )
@@ -246,18 +261,21 @@ class Progress:
 
 
 @dataclass
-class Round:
-    """One finished round: its updates, what this process's replicas were given and did, its sync,
-    and every replica's per-update records (`table`, gathered once per round for the writer)."""
+class Segment:
+    """A finished round, or the part of one that a mid-round checkpoint or a stop cut off: its
+    updates, what this process's replicas were given and did, every replica's per-update records
+    (`table`, gathered once per segment for the writer) and, when it ends the round, the sync."""
 
-    index: int  # 1-based
-    updates: range  # the plan's update indices of the round
+    index: int  # the 1-based round it belongs to
+    updates: range  # the plan's update indices of the segment
+    round_updates: range  # those of its whole round
     assigns: list[Assignment]  # this process's replicas
     results: list[ReplicaResult]
-    delta_norm: float  # norm of the mean pseudo-gradient the outer step used
-    synced: int  # replicas that stepped in the round and took part in the sync
     table: Tensor  # float64 [updates, R, 3]: loss (NaN = skipped), the replica's targets, microbatches
     ranks: Tensor  # float64 [P, updates, 5]: each process's work and seconds (throughput.COLUMNS)
+    ends_round: bool = False  # the round's sync followed
+    delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
+    synced: int = 0  # replicas that stepped in the round and took part in the sync
 
     def losses(self, t: int) -> list[float | None]:
         return [None if math.isnan(x) else x for x in self.table[t, :, 0].tolist()]
@@ -302,30 +320,75 @@ def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tens
 
 
 def rounds(
-    run: PreparedRun, state: RunState, engine: Engine | None = None, groups: ReplicaGroups | None = None
-) -> Iterator[Round]:
-    """The phase's rounds from `state.next_update` on: this process's replicas' inner steps, then the
-    sync that steps `state.theta` in place; `state` is advanced past each round before it is yielded.
+    run: PreparedRun,
+    state: RunState,
+    engine: Engine | None = None,
+    groups: ReplicaGroups | None = None,
+    stop: StopAfter | None = None,
+    every_updates: int = 0,
+) -> Iterator[Segment]:
+    """The phase's rounds from `state.next_update` on (the rest of a round first when `state` is in
+    the middle of one): this process's replicas' inner steps, then the sync that steps `state.theta`
+    in place; `state` is advanced past each segment before it is yielded. A round is cut into
+    segments where `next_update` reaches a multiple of `every_updates`, and after the update at which
+    `stop` says so. Cuts change no number: a replica goes on from the weights and state it reached.
     With `groups` of several processes every process runs this same loop on its own replicas."""
     cfg = run.cfg
     engine = engine or engine_for(cfg.engine.name)
     groups = groups or ReplicaGroups(cfg.replicas)
     average = groups.average_in_replica if groups.rank_share() is not None else None
-    for first in range(state.next_update, run.updates, cfg.inner.H):
-        updates = range(first, min(first + cfg.inner.H, run.updates))
+    while state.next_update < run.updates:
+        whole = range(state.round_first, min(state.round_first + cfg.inner.H, run.updates))
+        end = whole.stop
+        if every_updates:
+            end = min(end, (state.next_update // every_updates + 1) * every_updates)
+        updates = range(state.next_update, end)
         groups.before_round(updates)
-        assigns = assignments(run, updates, groups)
-        results = engine(cfg, state.theta, assigns, state.inner, average)
-        groups.check_replicas_identical({n: torch.cat([r.params[n] for r in results]) for n in state.theta})
+        assigns = assignments(run, updates, groups, state)
+        results = engine(cfg, state.theta, assigns, state.inner, average, stop)
+        updates = updates[: len(results[0].losses)]  # a stop ends every replica after the same update
+        assigns = [a.first(len(updates)) for a in assigns]
+        before = state.round_stepped or [False] * len(results)
+        stepped = [was or res.stepped for was, res in zip(before, results, strict=True)]
         state.inner = [res.state for res in results]
-        table = groups.gather_round(local_table(assigns, results))
-        ranks = groups.gather_ranks(process_table(assigns, results))
-        delta_norm, synced = sync(cfg, state, results, groups)
-        state.next_update, state.rounds_done = updates[-1] + 1, state.rounds_done + 1
-        yield Round(state.rounds_done, updates, assigns, results, delta_norm, synced, table, ranks)
+        part = Segment(
+            state.rounds_done + 1,
+            updates,
+            whole,
+            assigns,
+            results,
+            groups.gather_round(local_table(assigns, results)),
+            groups.gather_ranks(process_table(assigns, results)),
+        )
+        state.next_update = updates.stop
+        if updates.stop == whole.stop:
+            params = [res.params for res in results]
+            groups.check_replicas_identical({n: torch.cat([p[n] for p in params]) for n in state.theta})
+            part.delta_norm, part.synced = sync(cfg, state, params, stepped, groups)
+            part.ends_round = True
+            state.round_first, state.rounds_done = whole.stop, state.rounds_done + 1
+            state.round_params = state.round_stepped = None
+        else:
+            state.round_params, state.round_stepped = [res.params for res in results], stepped
+        yield part
 
 
-def log_sync_row(log, rnd: Round, eval_loss: float, totals, inner: int, outer: int, measured: dict) -> None:
+class StopCheck:
+    """The engines' `stop`: after every update, whether some process of the run got a stop signal
+    (one agreement per update, so every process stops after the same one); `signum` is the signal
+    (the largest number when processes got different ones). The test-only fault point `after`
+    (hypertrain.fault_points) fires first."""
+
+    def __init__(self, groups: ReplicaGroups):
+        self.groups, self.signum = groups, 0
+
+    def __call__(self, update: int) -> bool:
+        fault_points.act(self.groups.rank, "after", range(update, update + 1))
+        self.signum = self.groups.max_over_processes(preemption.requested() or 0)
+        return self.signum > 0
+
+
+def log_sync_row(log, rnd: Segment, eval_loss: float, totals, inner: int, outer: int, measured: dict) -> None:
     """The sync row: held-out loss, pseudo-gradient norm, the formula's and the measured bytes."""
     log.log_sync(
         {
@@ -341,6 +404,49 @@ def log_sync_row(log, rnd: Round, eval_loss: float, totals, inner: int, outer: i
             **measured,
         }
     )
+
+
+def after_sync(
+    run: PreparedRun, state: RunState, rnd: Segment, groups, log, progress, checkpointer, n_params: int
+) -> float:
+    """A round's end: the bytes it sent, the held-out loss of the new global weights (the writer),
+    the sync row and the checkpoint it asks for. Returns the held-out loss (NaN off the writer)."""
+    totals = state.totals
+    inner_bytes, outer_bytes = round_bytes(run.cfg, n_params, len(rnd.round_updates), rnd.synced)
+    totals.comm_inner_bytes += inner_bytes
+    totals.comm_outer_bytes += outer_bytes
+    measured = groups.comm_stats()
+    eval_loss = math.nan
+    if groups.is_writer:
+        eval_loss = heldout_loss(run, state.theta)
+        if not math.isfinite(eval_loss):
+            raise NonFiniteError(
+                f"the held-out loss of the global weights after the sync at update "
+                f"{rnd.updates[-1] + 1} is {eval_loss}; the run stops"
+            )
+        progress.eval_loss = eval_loss
+        log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
+    if checkpointer is not None:
+        checkpointer.after_sync(state, last=state.next_update >= run.updates)
+    return eval_loss
+
+
+def stop_here(
+    run: PreparedRun, state: RunState, signum: int, checkpointer: Checkpointer | None, groups: ReplicaGroups
+) -> None:
+    """Every process stops after the same update: a checkpoint of this point (unless one was just
+    written), then `Preempted`, which closes the records with a `preempted` end row. A stop after the
+    last update is no stop: the run has finished."""
+    if state.next_update >= run.updates:
+        return
+    name, where = signal.Signals(signum).name, f"after update {state.next_update}"
+    if checkpointer is None or not (checkpointer.every or checkpointer.every_updates):
+        raise preemption.Preempted(f"stopped by {name} {where}; no checkpoint (checkpoint.every=0)", signum)
+    if checkpointer.saved_at != state.next_update:
+        checkpointer.save(state)
+    groups.max_over_processes(0)  # the others wait until rank 0 has written it, then leave together
+    path = checkpoint.path_for(checkpointer.run_dir, state.next_update)
+    raise preemption.Preempted(f"stopped by {name} {where}; checkpoint {path}; resume=auto goes on", signum)
 
 
 def train(
@@ -391,15 +497,17 @@ def train(
     timed_from, timed_steps_before = start, 0
     throughput = Throughput(groups.size, warmup)
     round_started = start
-    for rnd in rounds(run, state, groups=groups):
+    stop = StopCheck(groups)
+    every_updates = checkpointer.every_updates if checkpointer is not None else 0
+    for rnd in rounds(run, state, groups=groups, stop=stop, every_updates=every_updates):
         throughput.add(rnd.updates, rnd.ranks)
         if warmup in rnd.updates and warmup > 0:
-            # The timed window opens where the first timed update started: its round's start plus
-            # the updates before it (rank 0's own seconds; rows are only written at the round's end).
+            # The timed window opens where the first timed update started: its segment's start plus
+            # the updates before it (rank 0's own seconds; rows are only written at the segment's end).
             before = rnd.updates.index(warmup)
             timed_from = round_started + float(rnd.ranks[0, :before, 3].sum())
-        # Rows are written once the round is over: `wall` is when the round that holds the update
-        # ended (an engine runs a round as a whole), the same for every update of a round.
+        # Rows are written once the segment (a round, unless a checkpoint or a stop cut it) is over:
+        # `wall` is when it ended (an engine runs a segment as a whole), the same for its updates.
         round_end = time.perf_counter() - start
         for t, u in enumerate(rnd.updates):
             losses = rnd.losses(t)
@@ -411,7 +519,7 @@ def train(
                 {
                     "update": u + 1,
                     "round": rnd.index,
-                    "lr": lr_at(cfg.inner, u, t),
+                    "lr": rnd.assigns[0].lr(cfg, t),
                     "loss": losses,
                     "tokens": tokens,
                     "grad_accum": int(rnd.table[t, :, 2].max()),
@@ -422,21 +530,12 @@ def train(
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
             if u < warmup:
                 timed_steps_before = totals.replica_steps
-        inner_bytes, outer_bytes = round_bytes(cfg, n_params, len(rnd.updates), rnd.synced)
-        totals.comm_inner_bytes += inner_bytes
-        totals.comm_outer_bytes += outer_bytes
-        measured = groups.comm_stats()
-        if writer:
-            eval_loss = heldout_loss(run, state.theta)
-            if not math.isfinite(eval_loss):
-                raise NonFiniteError(
-                    f"the held-out loss of the global weights after the sync at update "
-                    f"{rnd.updates[-1] + 1} is {eval_loss}; the run stops"
-                )
-            progress.eval_loss = eval_loss
-            log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
-        if checkpointer is not None:
-            checkpointer.after_sync(state, rnd.index, last=state.next_update >= run.updates)
+        if rnd.ends_round:
+            eval_loss = after_sync(run, state, rnd, groups, log, progress, checkpointer, n_params)
+        elif checkpointer is not None:
+            checkpointer.after_update(state)
+        if stop.signum:
+            stop_here(run, state, stop.signum, checkpointer, groups)
         round_started = time.perf_counter()
     progress.close()
     end = time.perf_counter()
@@ -491,10 +590,14 @@ def train_session(
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     saved = None if resume is None else resume.saved["state"]
-    every, keep = cfg.checkpoint.every, cfg.checkpoint.keep
+    ckpt = cfg.checkpoint
+
+    def checkpointer(log) -> Checkpointer:
+        facts = run.plan_facts
+        return Checkpointer(run_dir, resolved, facts, ckpt.every, ckpt.keep, log, groups, ckpt.every_updates)
+
     if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
-        checkpointer = Checkpointer(run_dir, resolved, run.plan_facts, every, keep, NoLog(), groups)
-        return train(run, None, groups, checkpointer, saved)[0]
+        return train(run, None, groups, checkpointer(NoLog()), saved)[0]
     wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
     records = RunLogger(run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, **identity)
     with records as log, disk_full_as_failure():
@@ -507,7 +610,6 @@ def train_session(
                     "superseded_bytes": resume.superseded,
                 }
             )
-        checkpointer = Checkpointer(run_dir, resolved, run.plan_facts, every, keep, log, groups)
-        summary, state = train(run, log, groups, checkpointer, saved)
+        summary, state = train(run, log, groups, checkpointer(log), saved)
         torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
     return summary

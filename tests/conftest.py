@@ -15,3 +15,6 @@ os.environ["WANDB_ERROR_REPORTING"] = "false"
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 
 torch.set_num_threads(1)
+
+# The one-node SLURM cluster of the `slurm` tests (tests/slurm_cluster.py), started only when asked for.
+from slurm_cluster import slurm_cluster  # noqa: E402, F401

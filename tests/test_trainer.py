@@ -168,7 +168,7 @@ def test_every_sync_matches_a_float64_reference_outer_step():
             for n, t in theta.items():
                 assert t.untyped_storage().data_ptr() != res.params[n].untyped_storage().data_ptr()
         before = {n: t.clone() for n, t in theta.items()}
-        sync(cfg, state, results)
+        sync(cfg, state, [r.params for r in results], [r.stepped for r in results])
         for n in theta:
             delta = torch.stack([before[n].double() - r.params[n][0].double() for r in results]).mean(0)
             ref_buf[n] = mu * ref_buf[n] + delta

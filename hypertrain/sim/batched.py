@@ -24,12 +24,14 @@ from hypertrain.engines import (
     Assignment,
     GradientAverage,
     ReplicaResult,
+    StopAfter,
     check_finite,
     gradients,
+    in_lockstep,
     timed_average,
 )
 from hypertrain.model import Params
-from hypertrain.optim import OptState, lr_at
+from hypertrain.optim import OptState
 
 
 def _stack_states(states: list[OptState]) -> OptState:
@@ -66,23 +68,26 @@ def train_many(
     assigns: list[Assignment],
     states: list[OptState],
     average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
 ) -> list[ReplicaResult]:
-    """One round's inner steps for the replicas in `assigns`, stacked (one sub-round)."""
+    """The inner steps of the replicas in `assigns`, stacked (one sub-round); they end together after
+    the update at which `stop` says so."""
     check_supported(cfg)
     device = torch.device(cfg.engine.device)
-    if len({a.global_step0 for a in assigns}) != 1 or len({len(a.batches) for a in assigns}) != 1:
+    spans = {(a.global_step0, a.inner_step0, len(a.batches)) for a in assigns}
+    if len(spans) != 1:
         raise ValueError(
             "engine=stacked: the replicas of a sub-round must share the round's updates "
-            f"(first updates {sorted({a.global_step0 for a in assigns})}, "
-            f"update counts {sorted({len(a.batches) for a in assigns})})"
+            f"((first update, step in round, updates): {sorted(spans)})"
         )
     if len(states) != len(assigns):
         raise ValueError(f"engine=stacked: {len(assigns)} assignments but {len(states)} optimizer states")
-    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" else 0
     R, steps = len(assigns), len(assigns[0].batches)
-    params = {
-        n: t.detach().unsqueeze(0).expand(R, *t.shape).clone().requires_grad_(True) for n, t in theta.items()
-    }
+    if assigns[0].start is None:  # a round's start: every replica from the global weights
+        begin = {n: t.detach().unsqueeze(0).expand(R, *t.shape) for n, t in theta.items()}
+    else:  # mid-round: each from the weights it reached
+        begin = {n: torch.cat([a.start[n] for a in assigns]) for n in theta}
+    params = {n: t.clone().requires_grad_(True) for n, t in begin.items()}
     state = _stack_states(states)
     forward, inner_step = forward_fn(cfg.engine.compile), inner_step_fn(cfg.engine.compile)
     losses = torch.zeros(steps, R, device=device)
@@ -91,27 +96,17 @@ def train_many(
     for t in range(steps):
         batches = [a.batches[t] for a in assigns]
         active = [not b.empty for b in batches]
-        if not any(active):
-            continue
-        start = time.perf_counter()
-        stepped[t] = torch.tensor(active)
-        for parts in stacked_microbatches(batches, bound):
-            tokens, mask, weights = stack_microbatches(parts, device)
-            per_replica = forward(cfg.model, params, tokens, mask) * weights
-            per_replica.sum().backward()
-            losses[t] += per_replica.detach()
-        grads = gradients(params)
-        allreduce[t] = timed_average(average_in_replica, grads, losses[t])
-        lr = lr_at(cfg.inner, assigns[0].global_step0 + t, t)
-        # The mask costs a copy of the state: pass it only when some replica sits this step out.
-        mask = None if all(active) else stepped[t].to(device)
-        norms = inner_step(cfg.inner, params, grads, state, lr, active=mask)
-        # A skipped replica's gradient is zero and its loss 0, so only real steps can trip the check.
-        check_finite(losses[t], norms, grads, [a.replica for a in assigns], assigns[0].global_step0 + t)
-        for p in params.values():
-            p.grad = None
-        seconds[t] = time.perf_counter() - start  # check_finite synced with the device
+        if any(active):
+            seconds[t], allreduce[t] = _update(
+                cfg, assigns, t, params, state, (forward, inner_step), active, losses, average_in_replica
+            )
+            stepped[t] = torch.tensor(active)
+        if stop is not None and stop(assigns[0].global_step0 + t):
+            steps = t + 1
+            break
     host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy
+    # One timing list shared by the stacked replicas (throughput.process_table counts it once).
+    seconds, allreduce = seconds[:steps], allreduce[:steps]
     return [
         ReplicaResult(
             {n: p[r : r + 1].detach().clone() for n, p in params.items()},
@@ -124,17 +119,44 @@ def train_many(
     ]
 
 
+def _update(cfg, assigns, t, params, state, fns, active, losses, average_in_replica) -> tuple[float, float]:
+    """Update `t` of the stacked replicas, in place; (its seconds, its gradient average's seconds)."""
+    forward, inner_step = fns
+    device = losses.device
+    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" else 0
+    batches = [a.batches[t] for a in assigns]
+    start = time.perf_counter()
+    for parts in stacked_microbatches(batches, bound):
+        tokens, mask, weights = stack_microbatches(parts, device)
+        per_replica = forward(cfg.model, params, tokens, mask) * weights
+        per_replica.sum().backward()
+        losses[t] += per_replica.detach()
+    grads = gradients(params)
+    allreduce = timed_average(average_in_replica, grads, losses[t])
+    # The mask costs a copy of the state: pass it only when some replica sits this step out.
+    mask = None if all(active) else torch.tensor(active, device=device)
+    norms = inner_step(cfg.inner, params, grads, state, assigns[0].lr(cfg, t), active=mask)
+    # A skipped replica's gradient is zero and its loss 0, so only real steps can trip the check.
+    check_finite(losses[t], norms, grads, [a.replica for a in assigns], assigns[0].global_step0 + t)
+    for p in params.values():
+        p.grad = None
+    return time.perf_counter() - start, allreduce  # check_finite synced with the device
+
+
 def train_replicas(
     cfg: TrainConfig,
     theta: Params,
     assigns: list[Assignment],
     states: list[OptState],
     average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
 ) -> list[ReplicaResult]:
-    """Every replica's round, `engine.stack` replicas at a time (0 = all at once)."""
+    """Every replica's updates, `engine.stack` replicas at a time (0 = all at once); the first
+    sub-round asks `stop`, the others take as many updates as it did."""
     size = cfg.engine.stack or len(assigns)
-    results: list[ReplicaResult] = []
-    for start in range(0, len(assigns), size):
-        part = slice(start, start + size)
-        results += train_many(cfg, theta, assigns[part], states[part], average_in_replica)
-    return results
+
+    def group(todo: list[Assignment], kept: list[OptState], asking: StopAfter | None) -> list[ReplicaResult]:
+        return train_many(cfg, theta, todo, kept, average_in_replica, asking)
+
+    parts = [slice(start, start + size) for start in range(0, len(assigns), size)]
+    return in_lockstep(group, assigns, states, parts, stop)

@@ -1,0 +1,438 @@
+"""The run report (issue 14): `python -m hypertrain.report` on real runs, checked against their records.
+
+The module's runs are made through the entry, as a user makes them (world 2, engine=stacked, a
+32-wide model, logger=none): a Hydra sweep of the smoke phase over R in 1, 2 and H in 1, 3; one run
+with another `data.shuffle_seed` (the same ids, other examples under them: another data
+fingerprint); one run hung by the test-only fault hook at update 4, read while it hangs and then
+SIGKILLed; and a small `experiment=phases` sweep (the smoke phase at worlds 1 and 2). Every figure
+of the table is recomputed here from metrics.jsonl and config.yaml by its definition (docs/report.md),
+not read back from the report's own code; the page is loaded in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+from omegaconf import OmegaConf
+from test_dist import FAULT_ENV, finish, start_entry
+from test_entry import tree
+
+from hypertrain import checkpoint, report
+from hypertrain.log import read_metrics
+from hypertrain.report_runs import load_run, read_rows, run_status
+from hypertrain.report_table import DIFFERENT_DATA, NOT_COMPARED
+
+SMALL = ["phase=smoke", "model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
+RUN = [*SMALL, "world=2"]  # world 2: with R = 1 a replica's 2 ranks all-reduce every update
+SWEEP = {(r, h) for r in (1, 2) for h in (1, 3)}
+HANG_AT = 4  # R = 2, H = 1: rounds 1-3 are logged, the fault hangs the run as round 4 starts
+TIMEOUT = 120
+
+
+def _wait_for_sync(metrics: Path, update: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        # read_rows: the file is being written, its last line may be cut short for a moment.
+        if metrics.exists() and any(
+            r["kind"] == "sync" and r["update"] == update for r in read_rows(metrics)[0]
+        ):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the hung run exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"the run did not log the sync of update {update} within {TIMEOUT} s")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """The runs, and what the hung run's status read while its process was alive."""
+    tmp = tmp_path_factory.mktemp("report")
+    runs = tmp / "runs"
+    hung_dir = runs / "killed"
+    hung = start_entry(
+        [*RUN, "replicas=2", "inner.H=1", f"hydra.run.dir={hung_dir}"], tmp, {FAULT_ENV: f"0:{HANG_AT}:sleep"}
+    )
+    try:
+        sweep = finish(
+            start_entry(["-m", *RUN, "replicas=1,2", "inner.H=1,3", f"hydra.sweep.dir={runs / 'sweep'}"], tmp)
+        )
+        assert sweep.returncode == 0, sweep.stderr[-3000:]
+        other = finish(
+            start_entry(
+                [*RUN, "replicas=2", "inner.H=3", "data.shuffle_seed=1", f"hydra.run.dir={runs / 'seed1'}"],
+                tmp,
+            )
+        )
+        assert other.returncode == 0, other.stderr[-3000:]
+        _wait_for_sync(hung_dir / "metrics.jsonl", HANG_AT - 1, hung)
+        alive = load_run(hung_dir).status
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its own session: the entry we started, nothing else
+            os.killpg(hung.pid, signal.SIGKILL)
+        hung.communicate()
+    phases = finish(
+        start_entry(["experiment=phases", *SMALL, "world=1,2", f"hydra.sweep.dir={tmp / 'phases'}"], tmp), 300
+    )
+    assert phases.returncode == 0, phases.stderr[-3000:]
+    return {"runs": runs, "killed": hung_dir, "pid": hung.pid, "alive": alive, "phases": tmp / "phases"}
+
+
+def _report(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = report.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def made_report(made):
+    code, stdout, stderr = _report([str(made["runs"])])
+    assert code == 0, stderr
+    out = made["runs"] / "report"
+    return out, json.loads((out / "report.json").read_text()), stdout
+
+
+# -- status ------------------------------------------------------------------------------------------
+
+
+def test_a_hung_run_reads_running_and_after_sigkill_crashed(made):
+    (start,) = [r for r in read_metrics(made["killed"] / "metrics.jsonl") if r["kind"] == "start"]
+    assert start["pid"] == made["pid"] and start["host"] == socket.gethostname()
+    assert made["alive"] == "running"
+    assert load_run(made["killed"]).status == "crashed"
+
+
+def test_a_last_row_cut_short_by_a_crash_is_left_out(made, tmp_path):
+    run = tmp_path / "cut"
+    shutil.copytree(made["killed"], run, ignore=shutil.ignore_patterns("checkpoints", "report"))
+    updates = len([r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "update"])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "update", "update": 4, "round": 4, "loss": [5.4')  # SIGKILL mid-write
+    code, _, stderr = _report([str(run)])
+    assert code == 0, stderr
+    (row,) = json.loads((run / "report" / "report.json").read_text())["runs"]
+    assert row["status"] == "crashed" and row["updates_run"] == updates
+    assert row["status_note"] == "crashed (last row cut short)"
+
+
+def test_a_session_without_an_end_row_is_judged_by_its_own_start_row():
+    now = time.time()
+    me = {"kind": "start", "time": now, "pid": os.getpid(), "host": socket.gethostname()}
+    assert run_status([me, {"kind": "update"}]) == "running"
+    assert run_status([me | {"host": "another-node"}]) == "unknown"  # cannot look at its process
+    assert run_status([{k: v for k, v in me.items() if k != "pid"}]) == "unknown"  # a file from before pids
+    # This pid, but a start row older than this process: the pid was reused, the run is gone.
+    assert run_status([me | {"time": now - 10 * 365 * 86400}]) == "crashed"
+    # A resumed run: its first session's end row was superseded; the last session decides.
+    dead = {"kind": "start", "time": now, "pid": 2**22 + 1, "host": me["host"]}  # above Linux's pid_max
+    assert run_status([dead, {"kind": "update"}]) == "crashed"
+    assert run_status([dead, {"kind": "update"}, me, {"kind": "end", "status": "finished"}]) == "finished"
+    assert run_status([me, {"kind": "end", "status": "failed"}]) == "failed"
+
+
+# -- the table against the runs' own records -----------------------------------------------------
+
+
+def _expected(run_dir: Path) -> dict:
+    """The table's figures, recomputed from metrics.jsonl and config.yaml by their definitions."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")]
+    updates = [r for r in rows if r["kind"] == "update"]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    last = [x for x in updates[-1]["loss"] if x is not None]
+    timed = [r for r in updates if r["update"] > cfg.phase.timing_warmup]
+    finished = rows[-1]["kind"] == "end"
+    return {
+        "heldout_final": evals[-1],
+        "heldout_best": min(evals),
+        "train_loss_final": math.fsum(last) / len(last),
+        "updates_run": len(updates),
+        "updates_planned": cfg.phase.updates,
+        "comm_inner_bytes": sum(r["comm_inner_bytes"] for r in syncs),
+        "comm_outer_bytes": sum(r["comm_outer_bytes"] for r in syncs),
+        "wall_s": summary["train/wall_s"] if finished else updates[-1]["wall"],
+        "status": "finished" if finished else "crashed",
+        "config": {
+            "inner.H": cfg.inner.H,
+            "replicas": cfg.replicas,
+            "data.shuffle_seed": cfg.data.shuffle_seed,
+        },
+        "replica_steps": sum(len([x for x in r["loss"] if x is not None]) for r in timed),
+        "timed": timed,
+        "summary": summary if finished else {},
+        "syncs": len(syncs),
+        "params": summary["model/params"],
+    }
+
+
+def test_the_table_equals_what_each_runs_records_say(made_report):
+    _, record, _ = made_report
+    assert set(record["keys"]) == {"inner.H", "replicas", "data.shuffle_seed"}  # what the runs were given
+    by_config = {}
+    for row in record["runs"]:
+        want = _expected(Path(row["path"]))
+        for key in ("heldout_final", "heldout_best", "train_loss_final", "updates_run", "updates_planned"):
+            assert row[key] == want[key], (row["run"], key)
+        for key in ("comm_inner_bytes", "comm_outer_bytes", "wall_s", "status", "config"):
+            assert row[key] == want[key], (row["run"], key)
+        # The ring formula: 2 (n-1)/n x params x 4 bytes; inner among L = W/R ranks every update, outer
+        # among the R replicas every sync.
+        R, L = row["config"]["replicas"], 2 // row["config"]["replicas"]
+        assert row["comm_inner_bytes"] == want["updates_run"] * 2 * (L - 1) * want["params"] * 4 // L
+        assert row["comm_outer_bytes"] == want["syncs"] * 2 * (R - 1) * want["params"] * 4 // R
+        if want["status"] == "crashed":
+            assert row["replica_steps_per_s"] is None and row["tokens_per_s"] is None
+            assert row["updates_run"] == HANG_AT - 1
+            continue
+        summary = want["summary"]
+        # Replica-steps after the warm-up over the timed seconds: the same integer over the same float.
+        assert row["replica_steps_per_s"] == want["replica_steps"] / summary["train/timed_s"]
+        # Supervised tokens of the timed updates over the slowest process's seconds for them: the same
+        # float64 quotient, its sums taken in another order (a few terms, each within 2**-53 relative).
+        seconds = max(
+            sum(r["rank_seconds"][k] for r in want["timed"])
+            for k in range(len(want["timed"][0]["rank_seconds"]))
+        )
+        assert math.isclose(
+            row["tokens_per_s"], sum(r["tokens"] for r in want["timed"]) / seconds, rel_tol=1e-9
+        )
+        if row["config"]["data.shuffle_seed"] == 0:
+            by_config[(R, row["config"]["inner.H"])] = row
+    assert set(by_config) == SWEEP  # every sweep job has its own finished row
+
+
+def test_only_the_run_that_saw_other_data_is_flagged(made, made_report):
+    _, record, stdout = made_report
+    flagged = [row["run"] for row in record["runs"] if row["data"]]
+    assert flagged == ["seed1"]
+    assert record["runs"][[r["run"] for r in record["runs"]].index("seed1")]["data"] == DIFFERENT_DATA
+    # The data-order digest depends on R, so it differs between R = 1 and R = 2 runs on the same data;
+    # they must not be flagged for it.
+    orders = {}
+    for row in record["runs"]:
+        plan = json.loads((Path(row["path"]) / "plan.json").read_text())
+        orders.setdefault(row["config"]["replicas"], set()).add(plan["plan/data_order_sha256"])
+    assert len(orders[1]) == len(orders[2]) == 1 and orders[1] != orders[2]
+    (heldout,) = [p for p in record["plots"] if p["file"] == "heldout.png"]
+    assert [DIFFERENT_DATA in label for label in heldout["series"]] == [
+        r["run"] == "seed1" for r in record["runs"]
+    ]
+    assert ["[crashed]" in label for label in heldout["series"]] == [
+        r["run"] == "killed" for r in record["runs"]
+    ]
+    assert f"seed1: {DIFFERENT_DATA}" in stdout
+
+
+def _decimals(cell: str) -> int:
+    return len(cell.split(".")[1]) if "." in cell else 0
+
+
+def test_markdown_and_terminal_tables_show_the_recorded_values(made_report):
+    out, record, stdout = made_report
+    lines = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
+    titles = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = {
+        row[0]: dict(zip(titles, row, strict=True))
+        for row in ([c.strip() for c in l.strip("|").split("|")] for l in lines[1:])
+    }
+    numbers = {
+        "held-out final": "heldout_final",
+        "held-out best": "heldout_best",
+        "train loss final": "train_loss_final",
+        "replica-steps/s": "replica_steps_per_s",
+        "tokens/s": "tokens_per_s",
+        "wall s": "wall_s",
+    }
+    for row in record["runs"]:
+        shown = cells[row["run"]]
+        for title, key in numbers.items():
+            if row[key] is None:
+                assert shown[title] == "-"
+                continue
+            # The cell is the value rounded to the digits it shows.
+            assert abs(float(shown[title]) - row[key]) <= 0.5 * 10 ** -_decimals(shown[title]) * (1 + 1e-9)
+        assert int(shown["inner bytes/rank"].replace(",", "")) == row["comm_inner_bytes"]
+        assert int(shown["outer bytes/replica"].replace(",", "")) == row["comm_outer_bytes"]
+        assert shown["updates"] == f"{row['updates_run']}/{row['updates_planned']}"
+        assert shown["status"] == row["status"] and shown["data"] == row["data"]
+        for key, value in row["config"].items():
+            assert shown[key] == str(value)
+        printed = [line for line in stdout.splitlines() if line.startswith(f"| {row['run']} ")]
+        assert len(printed) == 1 and [c.strip() for c in printed[0].strip("|").split("|")] == list(
+            shown.values()
+        )
+
+
+# -- plots and the page ------------------------------------------------------------------------------
+
+
+def test_every_png_decodes_at_its_stated_size(made_report):
+    out, record, _ = made_report
+    assert {p.name for p in out.glob("*.png")} == {p["file"] for p in record["plots"]}
+    spreads = [p for p in record["plots"] if p["file"].startswith("spread-")]
+    assert len(spreads) == sum(r["config"]["replicas"] > 1 for r in record["runs"])  # never across R
+    page = (out / "report.html").read_text()
+    markdown = (out / "report.md").read_text()
+    for plot in record["plots"]:
+        image = imread(out / plot["file"])
+        assert image.shape[:2] == (plot["height"], plot["width"]), plot["file"]
+        assert f"({plot['width']} x {plot['height']} px)" in markdown
+        assert f'width="{plot["width"]}" height="{plot["height"]}"' in page
+
+
+CHROMIUM = next(
+    (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None
+)
+MARK = (
+    "<script>window.addEventListener('load', () => { document.body.dataset.images = "
+    "Array.from(document.images).map(i => i.complete && i.naturalWidth > 0 ? 'ok' : 'broken').join(' '); });"
+    "</script></body>"
+)
+
+
+def _load_in_chromium(page: Path, profile: Path) -> tuple[list[str], list[str]]:
+    """The page's images as 'ok' / 'broken' after its load event, and Chromium's console lines."""
+    done = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--user-data-dir={profile}",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    marked = re.search(r'data-images="([^"]*)"', done.stdout)
+    assert marked, f"the page was not loaded: {done.stderr[-2000:]}"
+    return marked.group(1).split(), [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_the_page_loads_in_chromium_with_every_image_and_no_console_message(made_report, tmp_path):
+    out, record, _ = made_report
+    page = (out / "report.html").read_text()
+    # Self-contained: every image is a data URL, nothing is fetched.
+    assert re.findall(r'src="([^"]*)"', page) and all(
+        s.startswith("data:image/png;base64,") for s in re.findall(r'src="([^"]*)"', page)
+    )
+    assert not re.search(r'(src|href)="(?!data:)', page) and "<link" not in page and "url(" not in page
+    if CHROMIUM is None:
+        print("SKIPPED: no chromium on PATH (Debian's `chromium`, installed by .ci/run)")
+        pytest.skip("no chromium on PATH (Debian's `chromium`, installed by .ci/run)")
+    marked = tmp_path / "report.html"
+    marked.write_text(page.replace("</body>", MARK))
+    images, console = _load_in_chromium(marked, tmp_path / "profile")
+    assert images == ["ok"] * len(record["plots"]) and not console, (images, console)
+    # The same check on a page with one image cut short and one console message must fail.
+    first = page.index("base64,") + len("base64,")
+    broken = tmp_path / "broken.html"
+    broken.write_text(
+        page[:first]
+        + "AAAA"
+        + page[first + 4000 :].replace("</body>", "<script>console.error('x')</script>" + MARK)
+    )
+    images, console = _load_in_chromium(broken, tmp_path / "profile")
+    assert images.count("broken") == 1 and len(console) == 1
+
+
+def test_a_phases_sweep_gets_the_phases_table_and_its_plot(made):
+    code, stdout, stderr = _report([str(made["phases"])])
+    assert code == 0, stderr
+    out = made["phases"] / "report"
+    record = json.loads((out / "report.json").read_text())
+    written = json.loads((made["phases"] / "phases.json").read_text())  # by the sweep's own callback
+    (rows,) = record["phases"].values()
+    assert [(r["phase"], r["world"], r["samples_per_s"], r["scaling_efficiency"]) for r in rows] == [
+        (r["phase"], r["world"], r["samples_per_s"], r["scaling_efficiency"]) for r in written
+    ]
+    (plot,) = [p for p in record["plots"] if p["file"].startswith("phases-")]
+    assert imread(out / plot["file"]).shape[:2] == (plot["height"], plot["width"])
+    assert "world.size" in record["keys"] and "| smoke | 2 |" in (out / "report.md").read_text()
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_the_comparison_leaves_out_what_a_resume_may_change():
+    assert NOT_COMPARED == checkpoint.MAY_CHANGE
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("missing", "PATH={tmp}/nowhere does not exist"),
+        ("empty", "PATH={tmp}/empty holds no metrics.jsonl"),
+        ("not-json", "{tmp}/bad/run/metrics.jsonl cannot be read ({tmp}/bad/run/metrics.jsonl:2 is not"),
+        ("not-a-row", "{tmp}/bad/run/metrics.jsonl: row 2 (sync) lacks eval_loss"),
+        ("not-yaml", "{tmp}/bad/run/config.yaml cannot be read"),
+        ("no-config", "{tmp}/bad/run/config.yaml is missing"),
+        ("two-paths", "2 PATHs and no --out"),
+        ("out-is-a-file", "--out={tmp}/file is a file"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(made, tmp_path, case, named):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    run = tmp_path / "bad" / "run"
+    shutil.copytree(made["runs"] / "seed1", run, ignore=shutil.ignore_patterns("checkpoints", "report"))
+    if case == "not-json":  # a line cut short
+        (run / "metrics.jsonl").write_text('{"kind": "start"}\n{"kind": "upd\n')
+    if case == "not-a-row":
+        (run / "metrics.jsonl").write_text('{"kind": "start"}\n{"kind": "sync", "update": 1}\n')
+    if case == "not-yaml":
+        (run / "config.yaml").write_text(": [\n")
+    if case == "no-config":
+        (run / "config.yaml").unlink()
+    argv = {
+        "missing": [str(tmp_path / "nowhere")],
+        "empty": [str(tmp_path / "empty")],
+        "not-json": [str(tmp_path / "bad")],
+        "not-a-row": [str(tmp_path / "bad")],
+        "not-yaml": [str(tmp_path / "bad")],
+        "no-config": [str(tmp_path / "bad")],
+        "two-paths": [str(tmp_path / "bad"), str(made["runs"] / "seed1")],
+        "out-is-a-file": [str(tmp_path / "bad"), "--out", str(tmp_path / "file")],
+    }[case]
+    before = tree(tmp_path)
+    code, stdout, stderr = _report(argv)
+    assert code == 2 and not stdout
+    assert stderr.splitlines() == [stderr.strip()] and stderr.startswith("hypertrain.report: error: ")
+    assert named.format(tmp=tmp_path) in stderr and "valid: " in stderr
+    assert tree(tmp_path) == before
+
+
+def test_the_command_line_reports_bad_input_without_a_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "hypertrain.report", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
+    assert "nowhere does not exist" in done.stderr and not list(tmp_path.iterdir())
+    no_path = subprocess.run(
+        [sys.executable, "-m", "hypertrain.report"], capture_output=True, text=True, timeout=60
+    )
+    assert no_path.returncode == 2 and no_path.stderr.strip().count("\n") == 0 and "PATH" in no_path.stderr
