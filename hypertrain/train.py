@@ -30,7 +30,7 @@ from hypertrain.config import TrainConfig, register_configs
 from hypertrain.failures import RankFailed, RunFailure
 from hypertrain.layouts import launched_rank
 from hypertrain.preemption import Preempted, StopSignals
-from hypertrain.trainer import Resume, train_session
+from hypertrain.session import Resume, train_session
 
 register_configs()
 logger = logging.getLogger("hypertrain")

@@ -2,17 +2,18 @@
 
 `prepare(cfg)` builds the data and the plan and checks that the phase fits the stream (all
 user mistakes raise `ConfigError`/`PlanError` before anything is written). `rounds(run, state)`
-yields the rounds, advancing the run's state (`hypertrain.run_state.RunState`); `train(run, log)`
-runs and logs them. A round is H updates (the last may be shorter and still ends with a sync);
-the engine (loop or stacked) returns every replica's
+yields the rounds (cut into segments where a mid-round checkpoint or a stop falls), advancing the
+run's state (`hypertrain.run_state.RunState`); `train(run, log)` runs and logs them. A round is H
+updates (the last may be shorter and still ends with a sync); the engine returns every replica's
 weights, state and losses; the sync steps the global weights with the outer optimizer on the
 mean pseudo-gradient of the replicas that stepped and applies the inner state policy; then the
-global weights are evaluated on held-out ids.
+global weights are evaluated on held-out ids. After every update the processes agree whether a
+stop signal arrived (`StopCheck`); if so the run checkpoints there and raises `Preempted`.
+`hypertrain.session` wraps `train` with the run's records.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -20,9 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,7 +40,7 @@ from hypertrain.engines import (
     engine_for,
     microbatch_loss,
 )
-from hypertrain.failures import DiskFull, NonFiniteError
+from hypertrain.failures import NonFiniteError
 from hypertrain.log import NoLog, RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
@@ -550,66 +549,3 @@ def train(
     } | throughput.summary()
     log.summary(summary)
     return summary, state
-
-
-@contextmanager
-def disk_full_as_failure() -> Iterator[None]:
-    """No space left while writing (records, a checkpoint, the weights): a run failure (exit 4).
-    torch.save reports it as a RuntimeError whose context is the OSError, hence the walk."""
-    try:
-        yield
-    except (OSError, RuntimeError) as e:
-        cause: BaseException | None = e
-        while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        where = getattr(cause, "filename", None) or "the run's records"
-        raise DiskFull(f"no space left on the device writing {where}") from None
-
-
-@dataclass
-class Resume:
-    """Where a resumed run goes on from: the checkpoint and what its session left in metrics.jsonl."""
-
-    path: str  # the checkpoint file
-    saved: dict  # its payload (checkpoint.load)
-    superseded: int  # bytes of metrics.jsonl moved to metrics.superseded.jsonl
-
-
-def train_session(
-    run: PreparedRun,
-    run_dir: Path,
-    resolved: dict,
-    identity: dict,
-    groups: ReplicaGroups | None = None,
-    resume: Resume | None = None,
-) -> dict:
-    """One session of the writer (or, with `groups`, of every process): open the records (rank 0),
-    say where a resumed run goes on from, train with checkpoints, save weights.pt; the summary."""
-    cfg = run.cfg
-    groups = groups or ReplicaGroups(cfg.replicas)
-    saved = None if resume is None else resume.saved["state"]
-    ckpt = cfg.checkpoint
-
-    def checkpointer(log) -> Checkpointer:
-        facts = run.plan_facts
-        return Checkpointer(run_dir, resolved, facts, ckpt.every, ckpt.keep, log, groups, ckpt.every_updates)
-
-    if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
-        return train(run, None, groups, checkpointer(NoLog()), saved)[0]
-    wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
-    records = RunLogger(run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, **identity)
-    with records as log, disk_full_as_failure():
-        if resume is not None:
-            log.log_resume(
-                {
-                    "from": resume.path,
-                    "update": resume.saved["state"]["next_update"],
-                    "round": resume.saved["state"]["rounds_done"],
-                    "superseded_bytes": resume.superseded,
-                }
-            )
-        summary, state = train(run, log, groups, checkpointer(log), saved)
-        torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
-    return summary

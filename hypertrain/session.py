@@ -1,0 +1,87 @@
+"""One session of a run: open its records, say where a resumed run goes on from, train with
+checkpoints, save the final weights.
+
+`train_session(run, run_dir, resolved, identity, groups, resume)` is what the entry (one process) and
+every `engine=dist` worker call: rank 0 opens `RunLogger` (metrics.jsonl, W&B) and writes; the other
+ranks take part in the checkpoints' gathers and write nothing. A full disk while writing becomes
+`DiskFull` (exit 4); the records are closed by `RunLogger` whatever ends the session.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hypertrain.checkpoint import Checkpointer
+from hypertrain.failures import DiskFull
+from hypertrain.log import NoLog, RunLogger
+from hypertrain.replica_groups import ReplicaGroups
+from hypertrain.trainer import PreparedRun, train
+
+
+@contextmanager
+def disk_full_as_failure() -> Iterator[None]:
+    """No space left while writing (records, a checkpoint, the weights): a run failure (exit 4).
+    torch.save reports it as a RuntimeError whose context is the OSError, hence the walk."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        cause: BaseException | None = e
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        where = getattr(cause, "filename", None) or "the run's records"
+        raise DiskFull(f"no space left on the device writing {where}") from None
+
+
+@dataclass
+class Resume:
+    """Where a resumed run goes on from: the checkpoint and what its session left in metrics.jsonl."""
+
+    path: str  # the checkpoint file
+    saved: dict  # its payload (checkpoint.load)
+    superseded: int  # bytes of metrics.jsonl moved to metrics.superseded.jsonl
+
+
+def train_session(
+    run: PreparedRun,
+    run_dir: Path,
+    resolved: dict,
+    identity: dict,
+    groups: ReplicaGroups | None = None,
+    resume: Resume | None = None,
+) -> dict:
+    """One session of the writer (or, with `groups`, of every process): open the records (rank 0),
+    say where a resumed run goes on from, train with checkpoints, save weights.pt; the summary."""
+    cfg = run.cfg
+    groups = groups or ReplicaGroups(cfg.replicas)
+    saved = None if resume is None else resume.saved["state"]
+    ckpt = cfg.checkpoint
+
+    def checkpointer(log) -> Checkpointer:
+        facts = run.plan_facts
+        return Checkpointer(run_dir, resolved, facts, ckpt.every, ckpt.keep, log, groups, ckpt.every_updates)
+
+    if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
+        return train(run, None, groups, checkpointer(NoLog()), saved)[0]
+    wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
+    records = RunLogger(run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, **identity)
+    with records as log, disk_full_as_failure():
+        if resume is not None:
+            log.log_resume(
+                {
+                    "from": resume.path,
+                    "update": resume.saved["state"]["next_update"],
+                    "round": resume.saved["state"]["rounds_done"],
+                    "superseded_bytes": resume.superseded,
+                }
+            )
+        summary, state = train(run, log, groups, checkpointer(log), saved)
+        torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
+    return summary
