@@ -28,32 +28,47 @@ def ffn_width(cfg: ModelConfig) -> int:
     return cfg.d_ff or 16 * math.ceil(8 * cfg.d_model / 3 / 16)
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of one replica's parameters, in a fixed (sorted) order."""
+# What a parameter is for; the inner optimizer picks its rule by role (Muon takes `hidden`).
+ROLES = ("embedding", "head", "norm", "hidden")
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, role) of one replica's parameters, in a fixed (sorted) order. Every parameter
+    is given its role where it is declared, so a new one cannot fall to the wrong optimizer rule."""
     d, hd, f = cfg.d_model, cfg.d_model // cfg.n_heads, ffn_width(cfg)
-    shapes = {"emb": (cfg.vocab, d), "head": (d, cfg.vocab), "norm": (d,)}
+    specs = {"emb": ((cfg.vocab, d), "embedding"), "head": ((d, cfg.vocab), "head"), "norm": ((d,), "norm")}
     for i in range(cfg.n_layers):
         pre = f"layers.{i:03d}."
-        shapes |= {
-            pre + "attn_norm": (d,),
-            pre + "wq": (d, cfg.n_heads * hd),
-            pre + "wk": (d, cfg.n_kv_heads * hd),
-            pre + "wv": (d, cfg.n_kv_heads * hd),
-            pre + "wo": (cfg.n_heads * hd, d),
-            pre + "mlp_norm": (d,),
-            pre + "w1": (d, f),
-            pre + "w3": (d, f),
-            pre + "w2": (f, d),
+        specs |= {
+            pre + "attn_norm": ((d,), "norm"),
+            pre + "wq": ((d, cfg.n_heads * hd), "hidden"),
+            pre + "wk": ((d, cfg.n_kv_heads * hd), "hidden"),
+            pre + "wv": ((d, cfg.n_kv_heads * hd), "hidden"),
+            pre + "wo": ((cfg.n_heads * hd, d), "hidden"),
+            pre + "mlp_norm": ((d,), "norm"),
+            pre + "w1": ((d, f), "hidden"),
+            pre + "w3": ((d, f), "hidden"),
+            pre + "w2": ((f, d), "hidden"),
         }
-    return dict(sorted(shapes.items()))
+    return dict(sorted(specs.items()))
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one replica's parameters, in a fixed (sorted) order."""
+    return {name: shape for name, (shape, _) in param_specs(cfg).items()}
+
+
+def param_roles(cfg: ModelConfig) -> dict[str, str]:
+    """Name -> role (`ROLES`) of every parameter."""
+    return {name: role for name, (_, role) in param_specs(cfg).items()}
 
 
 def init_params(cfg: ModelConfig, seed: int) -> Params:
     """One replica's fp32 weights from `seed`: normal(0, init_std), residual outputs scaled down."""
     gen = torch.Generator().manual_seed(seed)
     params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm"):
+    for name, (shape, role) in param_specs(cfg).items():
+        if role == "norm":
             params[name] = torch.ones(shape)
             continue
         std = cfg.init_std

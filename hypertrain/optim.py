@@ -41,17 +41,20 @@ class OptState:
     step: Tensor
 
 
-def uses_muon(inner: InnerConfig, name: str) -> bool:
-    """Muon handles hidden matrices (`layers.*` but not norms); embeddings, head and norms use AdamW."""
-    return inner.name == "muon" and name.startswith("layers.") and not name.endswith("norm")
+def uses_muon(inner: InnerConfig, role: str) -> bool:
+    """Muon handles the hidden matrices (role `hidden`, `model.ROLES`); embeddings, heads and norms
+    use AdamW."""
+    return inner.name == "muon" and role == "hidden"
 
 
-def init_state(inner: InnerConfig, params: Params) -> OptState:
-    """Zero state on the params' device and dtype; step counts [R] start at 0."""
+def init_state(inner: InnerConfig, params: Params, roles: dict[str, str]) -> OptState:
+    """Zero state on the params' device and dtype; step counts [R] start at 0. `roles` (the model's
+    `param_roles`) decides each parameter's rule: an AdamW parameter has a second moment `v`, a Muon
+    one has not, and `inner_step` reads the rule from that."""
     first = next(iter(params.values()))
     return OptState(
         m={n: torch.zeros_like(p) for n, p in params.items()},
-        v={n: torch.zeros_like(p) for n, p in params.items() if not uses_muon(inner, n)},
+        v={n: torch.zeros_like(p) for n, p in params.items() if not uses_muon(inner, roles[n])},
         step=torch.zeros(first.shape[0], dtype=torch.int64, device=first.device),
     )
 
@@ -144,8 +147,8 @@ def inner_step(
         g_list = torch._foreach_mul(g_list, [_per_replica(clip, g) for g in g_list])
     g_of = dict(zip(names, g_list, strict=True))
 
-    adam = [n for n in names if not uses_muon(inner, n)]
-    muon = [n for n in names if uses_muon(inner, n)]
+    adam = [n for n in names if n in state.v]  # init_state gave AdamW's parameters their `v`
+    muon = [n for n in names if n not in state.v]
     touched = [params[n] for n in names] + [state.m[n] for n in names] + [state.v[n] for n in adam]
     saved = torch._foreach_clone(touched) if active is not None else None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hypertrain.config import TrainConfig
-from hypertrain.model import Params
+from hypertrain.model import Params, param_roles
 from hypertrain.optim import OptState, OuterState, init_outer_state, init_state
 
 
@@ -56,7 +56,9 @@ class RunState:
         """The state before the first update: `theta` (owned by the state), zero optimizer state."""
         local = list(range(cfg.replicas)) if replicas is None else list(replicas)
         one = {n: t.unsqueeze(0) for n, t in theta.items()}
-        return cls(theta, init_outer_state(theta), [init_state(cfg.inner, one) for _ in local], local)
+        roles = param_roles(cfg.model)
+        states = [init_state(cfg.inner, one, roles) for _ in local]
+        return cls(theta, init_outer_state(theta), states, local)
 
     def state_dict(self) -> dict:
         return {

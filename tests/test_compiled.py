@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from hypertrain.compiled import inner_step_fn
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model import init_params
+from hypertrain.model import init_params, param_roles
 from hypertrain.optim import init_state, inner_step
 from hypertrain.sim import batched
 
@@ -57,7 +57,8 @@ def test_compiled_inner_step_equals_eager_for_every_learning_rate_without_recomp
     m = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2)
     eager = {n: t.expand(3, *t.shape).clone() for n, t in init_params(m, 0).items()}
     compiled = {n: t.clone() for n, t in eager.items()}
-    eager_state, compiled_state = init_state(inner, eager), init_state(inner, compiled)
+    roles = param_roles(m)
+    eager_state, compiled_state = init_state(inner, eager, roles), init_state(inner, compiled, roles)
     step = inner_step_fn(True)
     gen = torch.Generator().manual_seed(0)
     before_graphs = compiled_graphs()
@@ -76,8 +77,8 @@ def test_compiled_inner_step_equals_eager_for_every_learning_rate_without_recomp
                 compiled_state.v[n].copy_(eager_state.v[n])
         zero = {n: torch.zeros_like(t) for n, t in eager.items()}
         decayed_eager, decayed_compiled = ({n: t.clone() for n, t in eager.items()} for _ in range(2))
-        inner_step(inner, decayed_eager, zero, init_state(inner, zero), lr)
-        step(inner, decayed_compiled, zero, init_state(inner, zero), lr)
+        inner_step(inner, decayed_eager, zero, init_state(inner, zero, roles), lr)
+        step(inner, decayed_compiled, zero, init_state(inner, zero, roles), lr)
         for n, t in decayed_eager.items():
             assert torch.equal(decayed_compiled[n], t), (i, n)
     assert compiled_graphs() - before_graphs == 1  # one graph for all five learning rates

@@ -23,6 +23,8 @@ from hypertrain.model import count_params
 from hypertrain.optim import init_state, inner_step, sync_inner_states
 from hypertrain.trainer import ring_allreduce_bytes, round_bytes
 
+ROLES = {"emb": "embedding", "layers.000.w1": "hidden"}  # embedding_like's parameters
+
 
 def embedding_like(R: int = 2) -> tuple[dict, dict]:
     """Weights and gradients where row 0 of the table was never looked up: its grad and moments are 0."""
@@ -41,7 +43,7 @@ def test_adamw_at_a_learning_rate_of_zero_moves_nothing_and_writes_no_nan(wd):
     inner = InnerConfig(wd=wd, grad_clip=1.0)
     params, grads = embedding_like()
     before = {n: t.clone() for n, t in params.items()}
-    state = init_state(inner, params)
+    state = init_state(inner, params, ROLES)
     for _ in range(3):
         inner_step(inner, params, grads, state, 0.0)
     for n, t in params.items():
@@ -94,7 +96,7 @@ def test_a_non_finite_gradient_is_named_by_its_tensor():
 def test_averaging_inner_states_uses_only_the_replicas_that_stepped():
     inner = InnerConfig(state_policy="average")
     params, grads = embedding_like(R=3)
-    state = init_state(inner, params)
+    state = init_state(inner, params, ROLES)
     active = torch.tensor([True, True, False])  # replica 2 had no ids in this round
     for _ in range(3):
         inner_step(inner, params, grads, state, 1e-3, active=active)
@@ -115,7 +117,7 @@ def test_averaging_inner_states_uses_only_the_replicas_that_stepped():
 def test_averaging_when_no_replica_stepped_changes_nothing():
     inner = InnerConfig(state_policy="average")
     params, grads = embedding_like(R=2)
-    state = init_state(inner, params)
+    state = init_state(inner, params, ROLES)
     inner_step(inner, params, grads, state, 1e-3)
     before = {n: t.clone() for n, t in state.m.items()}
     sync_inner_states(inner, [state], torch.tensor([False, False]))

@@ -59,6 +59,8 @@ SHAPES = {
     "layers.000.w1": (8, 12),
     "layers.000.w2": (12, 8),
 }
+# Each test parameter's role, as a model declares it (model.param_specs).
+ROLES = {n: "norm" if n.endswith("norm") else "hidden" for n in SHAPES} | {"emb": "embedding", "head": "head"}
 LRS = [3e-3, 1e-2, 5e-3, 2e-3, 7e-3]  # a changing lr, one per step
 
 
@@ -118,7 +120,7 @@ def test_adamw_matches_torch_adamw_per_replica(R):
     step here (eps is far below sqrt(v) for these gradients)."""
     inner = inner_cfg()
     params = make_params(R)
-    state = init_state(inner, params)
+    state = init_state(inner, params, ROLES)
     runs = [
         [torch_adamw_for(inner, rows(params, r), dtype) for r in range(R)]
         for dtype in (torch.float32, torch.float64)
@@ -192,10 +194,10 @@ def test_muon_matches_torch_muon(ns_dtype, monkeypatch):
     buffer (Newton-Schulz's normalisation makes the scale irrelevant to the update)."""
     mu, wd, ns_steps = 0.95, 0.1, 5
     inner = inner_cfg(name="muon", muon_momentum=mu, wd=wd, ns_steps=ns_steps, ns_dtype=ns_dtype)
-    shapes = {n: s for n, s in SHAPES.items() if uses_muon(inner, n)}
+    shapes = {n: s for n, s in SHAPES.items() if uses_muon(inner, ROLES[n])}
     params = make_params(1, shapes=shapes)
     start = rows(params, 0)
-    state = init_state(inner, params)
+    state = init_state(inner, params, ROLES)
     assert state.v == {}
     for step, lr in enumerate(LRS):
         inner_step(inner, params, make_grads(1, step, shapes), state, lr)
@@ -234,8 +236,8 @@ def test_stacked_replicas_equal_separate_single_replica_steps(ns_dtype):
     inner = inner_cfg(name="muon", ns_dtype=ns_dtype, grad_clip=1.0)
     stacked = make_params(R)
     singles = [rows(stacked, slice(r, r + 1)) for r in range(R)]
-    stacked_state = init_state(inner, stacked)
-    single_states = [init_state(inner, p) for p in singles]
+    stacked_state = init_state(inner, stacked, ROLES)
+    single_states = [init_state(inner, p, ROLES) for p in singles]
     ref, ref_state = float64_steps(
         inner, stacked, stacked_state, [(make_grads(R, s), lr) for s, lr in enumerate(LRS)]
     )
@@ -270,7 +272,7 @@ def test_clipping_is_per_replica():
     inner = inner_cfg(name="muon", grad_clip=5.0)
     params = make_params(2)
     alone = rows(params, slice(0, 1))
-    state, alone_state = init_state(inner, params), init_state(inner, alone)
+    state, alone_state = init_state(inner, params, ROLES), init_state(inner, alone, ROLES)
     grads = make_grads(2, 0)
     grads = {n: torch.cat([g[:1], g[1:] * 1e4]) for n, g in grads.items()}  # replica 1 explodes
     expected = torch.stack(
@@ -286,7 +288,7 @@ def test_clipping_is_per_replica():
     # replica 1 stepped as with its gradient pre-scaled to the clip norm and clipping off
     unclipped = dataclasses.replace(inner, grad_clip=0.0)
     scaled_params = rows(make_params(2), slice(1, 2))
-    scaled_state = init_state(inner, scaled_params)
+    scaled_state = init_state(inner, scaled_params, ROLES)
     coefficient = inner.grad_clip / (norms[1] + 1e-6)
     scaled = {n: g[1:] * coefficient for n, g in grads.items()}
     ref, _ = float64_steps(unclipped, scaled_params, scaled_state, [(scaled, 1e-2)])
@@ -302,7 +304,7 @@ def test_inactive_replicas_are_bitwise_unchanged_and_active_ones_step_as_alone()
     inner = inner_cfg(name="muon", grad_clip=1.0)
     active = torch.tensor([True, False, True])
     params = make_params(3)
-    state = init_state(inner, params)
+    state = init_state(inner, params, ROLES)
     for step in range(2):  # non-zero moments and counts before the masked step
         inner_step(inner, params, make_grads(3, step), state, LRS[step])
     kept = rows(params, slice(0, 3, 2))
@@ -371,18 +373,18 @@ def test_grad_norms_are_per_replica_global_norms():
 
 def test_uses_muon_only_for_hidden_matrices():
     muon = inner_cfg(name="muon")
-    assert [n for n in SHAPES if uses_muon(muon, n)] == [
+    assert [n for n in SHAPES if uses_muon(muon, ROLES[n])] == [
         "layers.000.wq",
         "layers.000.wk",
         "layers.000.w1",
         "layers.000.w2",
     ]
-    assert not any(uses_muon(inner_cfg(), n) for n in SHAPES)
+    assert not any(uses_muon(inner_cfg(), ROLES[n]) for n in SHAPES)
 
 
 def _states_for_sync(inner):
     one, two = make_params(1, seed=1), make_params(2, seed=2)
-    states = [init_state(inner, one), init_state(inner, two)]
+    states = [init_state(inner, one, ROLES), init_state(inner, two, ROLES)]
     for s, p in zip(states, (one, two), strict=True):
         R = next(iter(p.values())).shape[0]
         for step in range(R + 1):  # different counts per state

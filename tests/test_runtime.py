@@ -32,7 +32,7 @@ LARGEST = activation_pages(ffn_width(MODEL))
 CHILD = f"""
 import resource, sys, torch
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model import forward, init_params
+from hypertrain.model import forward, init_params, param_roles
 from hypertrain.optim import init_state, inner_step
 from hypertrain.runtime import keep_freed_memory
 if sys.argv[1] == "keep":
@@ -40,7 +40,7 @@ if sys.argv[1] == "keep":
 torch.set_num_threads(1)
 m, inner = ModelConfig(**{MODEL_ARGS!r}), InnerConfig()
 params = {{n: t.expand({R}, *t.shape).clone().requires_grad_() for n, t in init_params(m, 0).items()}}
-state = init_state(inner, params)
+state = init_state(inner, params, param_roles(m))
 tokens = torch.randint(0, m.vocab, ({R}, {B}, {T + 1}))
 def step():
     forward(m, params, tokens).sum().backward()

@@ -26,7 +26,7 @@ from test_trainer import run_losses, small_cfg, update_losses
 from hypertrain import loop
 from hypertrain.batches import Microbatch, ReplicaBatch, stacked_microbatches
 from hypertrain.config import DataConfig, EngineConfig, InnerConfig, PhaseConfig, TrainConfig, WorldConfig
-from hypertrain.model import init_params
+from hypertrain.model import init_params, param_roles
 from hypertrain.optim import init_state
 from hypertrain.run_state import RunState
 from hypertrain.sim import batched
@@ -188,7 +188,10 @@ def test_skipped_replicas_keep_weights_state_and_step_count():
     cfg = replace(cfg, phase=replace(cfg.phase, offset=run.samples - 12 - 2, updates=2))
     run = prepare(cfg)
     theta = init_params(cfg.model, cfg.seed)
-    states = [init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(4)]
+    states = [
+        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}, param_roles(cfg.model))
+        for _ in range(4)
+    ]
     first = batched.train_replicas(cfg, theta, assignments(run, range(0, 1)), states)
     saved = [
         ({n: t.clone() for n, t in r.params.items()}, {n: t.clone() for n, t in r.state.m.items()})

@@ -25,7 +25,7 @@ from hypertrain.config import (
 )
 from hypertrain.log import RunLogger, read_metrics
 from hypertrain.loop import train_replicas
-from hypertrain.model import forward, init_params
+from hypertrain.model import forward, init_params, param_roles
 from hypertrain.optim import init_state
 from hypertrain.run_state import RunState
 from hypertrain.trainer import assignments, prepare, sync, train
@@ -215,7 +215,10 @@ def test_a_replica_with_no_ids_in_a_tail_update_skips_its_step(tmp_path):
     cfg = replace(cfg, phase=tail, inner=replace(cfg.inner, H=2))
     run = prepare(cfg)
     theta = init_params(cfg.model, cfg.seed)
-    states = [init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}) for _ in range(4)]
+    states = [
+        init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}, param_roles(cfg.model))
+        for _ in range(4)
+    ]
     results = train_replicas(cfg, theta, assignments(run, range(0, 2)), states)
     assert [r.losses[1] is None for r in results] == [False, False, True, True]
     assert [int(r.state.step) for r in results] == [2, 2, 1, 1]

@@ -35,7 +35,7 @@ from torch.optim._muon import Muon
 
 from hypertrain.config import InnerConfig, ModelConfig
 from hypertrain.model import forward as model_forward
-from hypertrain.model import init_params, matmul_params
+from hypertrain.model import init_params, matmul_params, param_roles
 from hypertrain.optim import init_state, inner_step, uses_muon
 from hypertrain.runtime import keep_freed_memory
 
@@ -61,7 +61,7 @@ def make_step(
         n: t.unsqueeze(0).expand(R, *t.shape).clone().to(device).requires_grad_(True)
         for n, t in theta.items()
     }
-    state = init_state(inner, params)
+    state = init_state(inner, params, param_roles(m))
     tokens = torch.randint(0, m.vocab, (R, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(R)).to(
         device
     )
@@ -124,10 +124,11 @@ def muon_compare(d: int, R: int, repeats: int) -> dict:
     m = model_cfg(d)
     inner = InnerConfig(name="muon", ns_dtype="bf16", grad_clip=0.0, wd=0.1)
     gen = torch.Generator().manual_seed(1)
-    hidden = {n: t for n, t in init_params(m, 0).items() if uses_muon(inner, n)}
+    roles = param_roles(m)
+    hidden = {n: t for n, t in init_params(m, 0).items() if uses_muon(inner, roles[n])}
     ours = {n: t.unsqueeze(0).expand(R, *t.shape).clone() for n, t in hidden.items()}
     grads = {n: torch.randn(R, *t.shape, generator=gen) * 0.01 for n, t in hidden.items()}
-    state = init_state(inner, ours)
+    state = init_state(inner, ours, roles)
     theirs = [{n: t[r].clone() for n, t in ours.items()} for r in range(R)]
     optimizers = []
     for r in range(R):
@@ -149,7 +150,9 @@ def muon_compare(d: int, R: int, repeats: int) -> dict:
     before = {n: t.clone() for n, t in ours.items()}
     reference = {n: t.clone() for n, t in ours.items()}
     fp32 = InnerConfig(name="muon", ns_dtype="fp32", grad_clip=0.0, wd=0.1)
-    inner_step(fp32, reference, grads, init_state(fp32, reference), inner.lr)
+    inner_step(
+        fp32, reference, grads, init_state(fp32, reference, {n: "hidden" for n in reference}), inner.lr
+    )
     inner_step(inner, ours, grads, state, inner.lr)
     with torch.no_grad():
         for opt in optimizers:
