@@ -269,10 +269,12 @@ def test_phase_options_are_the_plans_presets(name):
     assert typed.phase.to_plan() == plan.PRESETS[name]
 
 
-def test_the_slurm_launcher_preset_composes():
-    cfg = _compose(["hydra/launcher=slurm"], hydra_cfg=True)
-    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
-    assert cfg.hydra.launcher.timeout_min == 120
+def test_the_slurm_launcher_presets_compose_for_a_plain_cpu_cluster():
+    for preset, tasks in (("slurm", 1), ("slurm_dist", 2)):  # tests/test_slurm.py runs them on SLURM
+        launcher = _compose([f"hydra/launcher={preset}"], hydra_cfg=True).hydra.launcher
+        assert launcher._target_ == "hydra_plugins.hypertrain_slurm.slurm_launcher.SlurmLauncher"
+        assert (launcher.gpus_per_node, launcher.gres, launcher.partition) == (None, None, None)
+        assert launcher.tasks_per_node * launcher.nodes == tasks and launcher.max_num_timeout > 0
 
 
 def test_a_typo_in_a_field_is_rejected_by_the_schema():
