@@ -7,6 +7,14 @@ Each microbatch carries the plan's channel coefficient (its share of the replica
 tokens, `world` = 1 in simulation), so the weighted sum of microbatch mean losses is the exact
 token mean of the replica batch whatever the split. Both engines use it; the stacked engine
 stacks the j-th microbatch of several replicas with `stacked_microbatches`.
+
+A multistream dataset (one with `channel_scales`: examples `[C, L]`, a negative id = no token) gives
+microbatches `[B, C, L]` padded with -1, each with per-token channel weights `channel_weights[c] =
+coef_c / count_c` from `plan.channel_coefficients` (counts of the channel's targets in the
+microbatch; the replica's totals), so `sum_c channel_weights[c] * (sum of channel c's losses)`
+summed over microbatches (and averaged over a replica's L ranks) is exactly `sum_c k_c * mean_c /
+sum_{c with targets} k_c` over the replica batch. A channel without targets in a microbatch weighs
+0 there; without targets in the whole replica batch it leaves the objective and the normaliser.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ from hypertrain.data import Dataset, load_batch, pad_batch
 
 @dataclass
 class Microbatch:
-    tokens: Tensor  # int64 [B, T+1]
+    tokens: Tensor  # int64 [B, T+1]; multistream [B, C, T+1], -1 where a channel has no token
     mask: Tensor | None  # bool [B, T+1] of real positions; None = every position is real
-    weight: float  # this microbatch's share of the replica's target tokens
-    targets: int  # real target tokens in this microbatch
+    weight: float  # this microbatch's share of the replica's target tokens (multistream: 1)
+    targets: int  # real target tokens in this microbatch (multistream: summed over channels)
+    channel_weights: Tensor | None = None  # multistream: float64 [C], each channel's per-token weight
 
 
 @dataclass
@@ -47,7 +56,7 @@ class ReplicaBatch:
     @property
     def padded(self) -> int:
         """Target positions computed, padding included (rows x (width - 1) per microbatch)."""
-        return sum(mb.tokens.shape[0] * (mb.tokens.shape[1] - 1) for mb in self.microbatches)
+        return sum(mb.tokens.shape[0] * (mb.tokens.shape[-1] - 1) for mb in self.microbatches)
 
     @property
     def replica_total(self) -> int:
@@ -74,6 +83,8 @@ def replica_batch(
     share, `replica_ids` its replica's `V_m` (whose lengths give the totals) and `world` the
     replica's L ranks, so the average of the L ranks' losses is the replica batch's token mean.
     """
+    if is_multistream(dataset):
+        return _multistream_batch(dataset, ids, data, replica_ids, world)
     total = None if replica_ids is None else _targets(dataset, replica_ids)
     if len(ids) == 0:
         return ReplicaBatch([], 0, total)
@@ -94,6 +105,45 @@ def replica_batch(
     return ReplicaBatch(micro, share, total)
 
 
+def is_multistream(dataset) -> bool:
+    """Whether the dataset's examples hold several token channels (`[C, L]` arrays)."""
+    return getattr(dataset, "channel_scales", None) is not None
+
+
+def pad_channels(rows: list[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """Examples `[C, L_i]` right-padded with -1 (no token) to the longest: int64 [n, C, L] and the
+    bool mask [n, L] of real positions."""
+    lengths = np.array([row.shape[1] for row in rows], dtype=np.int64)
+    tokens = np.full((len(rows), rows[0].shape[0], int(lengths.max())), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        tokens[i, :, : row.shape[1]] = row
+    mask = np.arange(tokens.shape[2]) < lengths[:, None]
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def channel_targets(tokens: Tensor) -> np.ndarray:
+    """Targets per channel [C] of multistream rows [B, C, L]: the tokens after each row's first."""
+    return (tokens[:, :, 1:] >= 0).sum((0, 2)).numpy().astype(np.int64)
+
+
+def _multistream_batch(dataset, ids: np.ndarray, data: DataConfig, replica_ids, world: int) -> ReplicaBatch:
+    scales = np.asarray(dataset.channel_scales, dtype=np.float64)
+    totals = None if replica_ids is None else dataset.channel_counts(replica_ids).sum(0)
+    if len(ids) == 0:
+        return ReplicaBatch([], 0, None if totals is None else int(totals.sum()))
+    groups = plan.length_microbatches(dataset.lengths(ids), data.max_padded_tokens, data.max_examples)
+    parts = [pad_channels([dataset.get(int(i)) for i in ids[g]]) for g in groups]
+    counts = [channel_targets(tokens) for tokens, _ in parts]
+    share = np.sum(counts, axis=0)
+    total = share if totals is None else totals
+    micro = []
+    for (tokens, mask), count in zip(parts, counts, strict=True):
+        coef = plan.channel_coefficients(count, total, scales, world=world)
+        per_token = np.divide(coef, count, out=np.zeros_like(coef), where=count > 0)
+        micro.append(Microbatch(tokens, mask, 1.0, int(count.sum()), torch.from_numpy(per_token)))
+    return ReplicaBatch(micro, int(share.sum()), None if totals is None else int(total.sum()))
+
+
 def _targets(dataset: Dataset, ids: np.ndarray) -> int:
     """Real target tokens of examples `ids` (each example of n ids has n - 1), from lengths only."""
     return int(dataset.lengths(ids).sum()) - len(ids)
@@ -101,32 +151,45 @@ def _targets(dataset: Dataset, ids: np.ndarray) -> int:
 
 def stack_microbatches(
     parts: list[Microbatch | None], device: torch.device
-) -> tuple[Tensor, Tensor | None, Tensor]:
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """Microbatch j of several replicas as one stacked batch.
 
     Rows are padded to the longest row and the largest row count across the replicas (a replica
-    with fewer rows, or none, gets masked rows). Returns tokens [R, B, T+1], mask [R, B, T+1]
-    (None when nothing is padded) and the per-replica weights [R] (0 for a missing part).
+    with fewer rows, or none, gets masked rows). Returns tokens [R, B, T+1] (multistream [R, B, C,
+    T+1], padded with -1), mask [R, B, T+1] (None when nothing is padded, and always for
+    multistream, whose padding holds no tokens), the per-replica weights [R] (0 for a missing part)
+    and the multistream channel weights [R, C] (0 for a missing part; None for one channel).
     """
     present = [p for p in parts if p is not None]
     rows = max(p.tokens.shape[0] for p in present)
-    length = max(p.tokens.shape[1] for p in present)
-    padded = any(p is None or p.mask is not None or p.tokens.shape != (rows, length) for p in parts)
-    tokens = torch.zeros(len(parts), rows, length, dtype=torch.int64)
+    length = max(p.tokens.shape[-1] for p in present)
+    multi = present[0].channel_weights is not None
+    channel_weights = None
+    if multi:
+        C = present[0].tokens.shape[1]
+        tokens = torch.full((len(parts), rows, C, length), -1, dtype=torch.int64)
+        channel_weights = torch.zeros(len(parts), C, dtype=torch.float64)
+        padded = False
+    else:
+        padded = any(p is None or p.mask is not None or p.tokens.shape != (rows, length) for p in parts)
+        tokens = torch.zeros(len(parts), rows, length, dtype=torch.int64)
     mask = torch.zeros(len(parts), rows, length, dtype=torch.bool) if padded else None
     weights = torch.zeros(len(parts))
     for r, p in enumerate(parts):
         if p is None:
             continue
-        b, t = p.tokens.shape
-        tokens[r, :b, :t] = p.tokens
+        b, t = p.tokens.shape[0], p.tokens.shape[-1]
+        tokens[r, :b, ..., :t] = p.tokens
         if mask is not None:
             mask[r, :b, :t] = True if p.mask is None else p.mask
         weights[r] = p.weight
+        if multi:
+            channel_weights[r] = p.channel_weights
     return (
         tokens.to(device),
         None if mask is None else mask.to(device),
         weights.to(device),
+        None if channel_weights is None else channel_weights.to(device),
     )
 
 
@@ -142,12 +205,15 @@ def _row_slice(part: Microbatch, lengths: Tensor, start: int, stop: int) -> Micr
     rows = lengths[start:stop]
     if rows.numel() == 0:
         return None
-    targets = int((rows - 1).clamp(min=0).sum())
     width = int(rows.max())
     mask = None if part.mask is None else part.mask[start:stop, :width]
+    tokens = part.tokens[start:stop, ..., :width]
+    if part.channel_weights is not None:  # per-token weights: a piece keeps them as they are
+        return Microbatch(tokens, mask, part.weight, int(channel_targets(tokens).sum()), part.channel_weights)
+    targets = int((rows - 1).clamp(min=0).sum())
     # The microbatch's weight is its share of the replica's targets; a piece keeps its own share of it.
     weight = part.weight * targets / part.targets if part.targets else 0.0
-    return Microbatch(part.tokens[start:stop, :width], mask, weight, targets)
+    return Microbatch(tokens, mask, weight, targets)
 
 
 def stacked_microbatches(
@@ -166,7 +232,7 @@ def stacked_microbatches(
         parts = [b.microbatches[j] if j < len(b.microbatches) else None for b in batches]
         present = [p for p in parts if p is not None]
         rows = max(p.tokens.shape[0] for p in present)
-        width = max(p.tokens.shape[1] for p in present)
+        width = max(p.tokens.shape[-1] for p in present)
         if not max_padded_tokens or rows * width <= max_padded_tokens:
             groups.append(parts)
             continue

@@ -24,9 +24,14 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    arch: str = "decoder"  # only the dense decoder exists; "multistream" comes later
+    # decoder (one token stream), or multistream (several token channels per position, e.g. text and
+    # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each)
+    arch: str = "decoder"
     is_moe: bool = False  # mixture-of-experts MLPs (not built yet)
-    vocab: int = 256  # byte-level tokens for the embedded corpus
+    vocab: int = 256  # decoder: byte-level tokens for the embedded corpus
+    # multistream: each channel's vocabulary, in the data's channel order; [] = the data's, filled
+    # in at start-up (a list that differs from the data's is refused)
+    channel_vocabs: list[int] = field(default_factory=list)
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -112,16 +117,49 @@ class WorldConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib (embedded default), text_files, or token_bin
-    path: str = ""  # text_files: a glob of the user's files; token_bin: the token file
+    name: str = "stdlib"  # stdlib (embedded default), text_files, token_bin, or speech (docs/audio.md)
+    # text_files: a glob of the user's files; token_bin: the token file; speech: a glob of the text to
+    # speak ("" = the stdlib's docstrings and comments; a glob ending in .py reads the docstrings and
+    # comments of those files, any other glob plain text)
+    path: str = ""
     token_dtype: str = "uint16"  # token_bin: uint16 or uint32
     examples: str = "windows"  # windows (fixed seq_len + 1 ids) or documents (variable length)
     seq_len: int = 64  # windows: tokens the model reads per row (each row holds seq_len + 1 ids)
     max_len: int = 256  # documents: a paragraph is cut at max_len + 1 ids (max_len targets)
     heldout: int = 256  # the last ids of the stream, never trained on, for the held-out loss
-    max_padded_tokens: int = 12000  # documents: bound on rows * longest row in one microbatch
-    max_examples: int = 16  # documents: bound on rows in one microbatch
-    shuffle_seed: int = 0  # order of windows / documents in the stream
+    max_padded_tokens: int = 12000  # documents, speech: bound on rows * longest row in one microbatch
+    max_examples: int = 16  # documents, speech: bound on rows in one microbatch
+    shuffle_seed: int = 0  # order of windows / documents / utterances in the stream
+    # speech: espeak-ng speech of the source's sentences; per 80 ms frame one text token and
+    # `codebooks` residual-VQ codes of its log-mel. Built once into a cache directory keyed by every
+    # field below but `audio_delay` and `cache_dir` (python -m hypertrain.audio build; docs/audio.md).
+    speech_voice: str = "en-us"  # an espeak-ng voice, as `espeak-ng --voices` names it (+variant allowed)
+    speech_rate: int = 175  # words per minute (espeak-ng's default)
+    speech_sentences: int = 18000  # sentences spoken: a seeded sample of the source's distinct ones; 0 = all
+    speech_max_words: int = 24  # a longer sentence is cut into near-equal pieces of at most this many words
+    speech_seed: int = 0  # the sentence sample and the quantiser's k-means
+    mel_bins: int = 80  # log-mel bins per frame
+    codebooks: int = 12  # K: residual-VQ stages, one token channel each (the seed's 12)
+    codebook_size: int = 1024  # entries per stage
+    quantizer_frames: int = 32768  # frames sampled to fit the quantiser (at least codebook_size)
+    text_vocab: int = 4096  # the text channel's byte-level BPE vocabulary, its PAD and END included
+    audio_delay: int = 1  # frames codebooks 2..K lag the text and codebook 1 (Moshi's acoustic delay)
+    cache_dir: str = ""  # where speech datasets are built; "" = $XDG_CACHE_HOME/hypertrain/speech
+
+    def check_speech(self) -> None:
+        """The speech fields' ranges; ConfigError (one line) naming the first bad one."""
+        for name in ("speech_rate", "speech_max_words", "mel_bins", "codebooks"):
+            _at_least(f"data.{name}", getattr(self, name), 1)
+        for name in ("speech_sentences", "speech_seed", "audio_delay"):
+            _at_least(f"data.{name}", getattr(self, name), 0)
+        _at_least("data.codebook_size", self.codebook_size, 2)
+        _at_least("data.quantizer_frames", self.quantizer_frames, self.codebook_size)
+        _at_least("data.text_vocab", self.text_vocab, 258)  # PAD, END and the 256 byte symbols
+        for name in ("codebook_size", "text_vocab"):  # codes and text tokens are stored as uint16
+            if getattr(self, name) > 65536:
+                raise ConfigError(f"data.{name}={getattr(self, name)} is too large; valid: <= 65536")
+        if not self.speech_voice.strip():
+            raise ConfigError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
 
 
 @dataclass
@@ -191,7 +229,7 @@ def _at_least(name: str, value: int | float, low: int | float) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Check every field that can be checked without the data; the run checks the stream length."""
     m, c, o, d, e = cfg.model, cfg.inner, cfg.outer, cfg.data, cfg.engine
-    _choice("model.arch", m.arch, ("decoder",))
+    _choice("model.arch", m.arch, ("decoder", "multistream"))
     if m.is_moe:
         raise ConfigError("model.is_moe=True is not built yet; valid: False")
     _choice("model.compute_dtype", m.compute_dtype, ("fp32", "bf16"))
@@ -250,10 +288,17 @@ def validate(cfg: TrainConfig) -> None:
             f"world.size={cfg.world.size} is not a multiple of phase.base_world={phase.base_world}"
         )
 
-    _choice("data.name", d.name, ("stdlib", "text_files", "token_bin"))
+    _choice("data.name", d.name, ("stdlib", "text_files", "token_bin", "speech"))
     _choice("data.examples", d.examples, ("windows", "documents"))
     _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
-    if d.name != "stdlib" and not d.path:
+    if d.name == "speech":
+        d.check_speech()
+        if m.arch != "multistream":  # refused here, before a first use would build the speech cache
+            raise ConfigError(
+                f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
+                f"model.arch={m.arch!r} reads one stream; valid: the multistream model (model.arch=multistream)"
+            )
+    if d.name in ("text_files", "token_bin") and not d.path:
         raise ConfigError(f"data.path is empty; data={d.name} needs a path (a glob or a file)")
     if d.name == "token_bin" and d.examples != "windows":
         raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")

@@ -138,5 +138,8 @@ def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
     """One replica's weighted loss on one microbatch: its share of the replica batch's token mean."""
     device = torch.device(cfg.engine.device)
     tokens = mb.tokens.unsqueeze(0).to(device)
+    if mb.channel_weights is not None:  # multistream: per-token channel weights, no mask needed
+        weights = mb.channel_weights.unsqueeze(0).to(device)
+        return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, None, weights)[0] * mb.weight
     mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
     return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight

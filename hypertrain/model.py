@@ -1,12 +1,20 @@
 """The decoder, written once for parameters that carry a leading replica axis.
 
 `init_params(cfg, seed)` gives one replica's weights (a dict of tensors, names in
-docs/interfaces.md). `forward(cfg, params, tokens, mask)` runs R replicas at once: every
-parameter is `[R, ...]`, tokens are `[R, B, T+1]`, and it returns each replica's mean
-next-token cross-entropy over its real target positions. The per-replica loop engine calls it
-with R = 1; the stacked engine with R = many. Architecture: pre-norm RMSNorm, RoPE, causal
-attention with grouped-query heads (torch's scaled-dot-product attention, replica axis folded
-into its batch), SwiGLU MLP, untied head. No Hydra here: `cfg` is a plain `ModelConfig`.
+docs/interfaces.md). `forward(cfg, params, tokens, mask, channel_weights)` runs R replicas at
+once: every parameter is `[R, ...]`; the per-replica loop engine calls it with R = 1, the stacked
+engine with R = many. Architecture: pre-norm RMSNorm, RoPE, causal attention with grouped-query
+heads (torch's scaled-dot-product attention, replica axis folded into its batch), SwiGLU MLP.
+
+- `arch=decoder`: tokens `[R, B, T+1]`, one embedding and one untied head; returns each replica's
+  mean next-token cross-entropy over its real target positions.
+- `arch=multistream`: tokens `[R, B, C, T+1]`, C channels per position (text and audio codebooks
+  per frame), a negative id meaning "no token". The input at a position is the sum of its
+  channels' embeddings (`emb.<c>`, one table per channel); each channel has its own head
+  (`head.<c>`) predicting its token at the next position. `channel_sums` gives the per-channel sums
+  of cross-entropy `[R, C]` over the targets that exist; `forward` returns `sum_c w_c * sum_c`
+  with the per-token channel weights `[R, C]` the plan's coefficients give (`hypertrain.batches`).
+No Hydra here: `cfg` is a plain `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -36,7 +44,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, role) of one replica's parameters, in a fixed (sorted) order. Every parameter
     is given its role where it is declared, so a new one cannot fall to the wrong optimizer rule."""
     d, hd, f = cfg.d_model, cfg.d_model // cfg.n_heads, ffn_width(cfg)
-    specs = {"emb": ((cfg.vocab, d), "embedding"), "head": ((d, cfg.vocab), "head"), "norm": ((d,), "norm")}
+    specs = {"norm": ((d,), "norm")}
+    if cfg.arch == "multistream":
+        for c, vocab in enumerate(cfg.channel_vocabs):
+            specs |= {f"emb.{c:02d}": ((vocab, d), "embedding"), f"head.{c:02d}": ((d, vocab), "head")}
+    else:
+        specs |= {"emb": ((cfg.vocab, d), "embedding"), "head": ((d, cfg.vocab), "head")}
     for i in range(cfg.n_layers):
         pre = f"layers.{i:03d}."
         specs |= {
@@ -83,8 +96,8 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters used in matmuls per token (everything but the embedding lookup and norms)."""
-    return sum(math.prod(s) for n, s in param_shapes(cfg).items() if len(s) == 2 and n != "emb")
+    """Parameters used in matmuls per token (everything but the embedding lookups and norms)."""
+    return sum(math.prod(shape) for shape, role in param_specs(cfg).values() if role in ("hidden", "head"))
 
 
 def embed(weight: Tensor, tokens: Tensor) -> Tensor:
@@ -138,32 +151,48 @@ def _mlp(p: Params, pre: str, x: Tensor) -> Tensor:
     return torch.bmm(F.silu(torch.bmm(x, p[pre + "w1"])) * torch.bmm(x, p[pre + "w3"]), p[pre + "w2"])
 
 
-def logits(cfg: ModelConfig, p: Params, inputs: Tensor) -> Tensor:
-    """inputs int64 [R, B, T] -> logits [R, B*T, vocab]."""
-    R, B, T = inputs.shape
-    x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)
+def hidden(cfg: ModelConfig, p: Params, x: Tensor, B: int, T: int) -> Tensor:
+    """The layers and the final norm: x [R, B*T, d] -> [R, B*T, d]."""
     for i in range(cfg.n_layers):
         pre = f"layers.{i:03d}."
         x = x + _attention(cfg, p, pre, _rms_norm(x, p[pre + "attn_norm"]), B, T)
         x = x + _mlp(p, pre, _rms_norm(x, p[pre + "mlp_norm"]))
-    return torch.bmm(_rms_norm(x, p["norm"]), p["head"])
+    return _rms_norm(x, p["norm"])
 
 
-def forward(cfg: ModelConfig, p: Params, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Per-replica mean cross-entropy [R] (in the weights' dtype) over real targets.
+def logits(cfg: ModelConfig, p: Params, inputs: Tensor) -> Tensor:
+    """inputs int64 [R, B, T] -> logits [R, B*T, vocab]."""
+    R, B, T = inputs.shape
+    x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)
+    return torch.bmm(hidden(cfg, p, x, B, T), p["head"])
 
-    tokens int64 [R, B, T+1]; mask bool [R, B, T+1] marks real positions (None = all real). A
-    target counts when it and its input are real. A replica with no real target gets loss 0,
-    never NaN, so stacked replicas with empty rows are safe.
+
+def _autocast(cfg: ModelConfig, device: torch.device):
+    if cfg.compute_dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def forward(
+    cfg: ModelConfig,
+    p: Params,
+    tokens: Tensor,
+    mask: Tensor | None = None,
+    channel_weights: Tensor | None = None,
+) -> Tensor:
+    """Per-replica loss [R] (in the weights' dtype).
+
+    decoder: the mean cross-entropy over real targets. tokens int64 [R, B, T+1]; mask bool
+    [R, B, T+1] marks real positions (None = all real). A target counts when it and its input are
+    real. A replica with no real target gets loss 0, never NaN, so stacked replicas with empty rows
+    are safe. multistream: `sum_c channel_weights[:, c] * channel_sums[:, c]` (see `channel_sums`;
+    the mask is not needed: padding holds no tokens).
     """
+    if cfg.arch == "multistream":
+        return (channel_sums(cfg, p, tokens) * channel_weights.to(p["norm"].dtype)).sum(-1)
     R = tokens.shape[0]
     inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
-    autocast = (
-        torch.autocast(tokens.device.type, dtype=torch.bfloat16)
-        if cfg.compute_dtype == "bf16"
-        else nullcontext()
-    )
-    with autocast:
+    with _autocast(cfg, tokens.device):
         out = logits(cfg, p, inputs)
     # Under bf16 autocast the logits are bf16; the loss is taken in the weights' dtype.
     ce = F.cross_entropy(
@@ -173,3 +202,30 @@ def forward(cfg: ModelConfig, p: Params, tokens: Tensor, mask: Tensor | None = N
         return ce.mean(1)
     real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
     return (ce * real).sum(1) / real.sum(1).clamp(min=1.0)
+
+
+def channel_sums(cfg: ModelConfig, p: Params, tokens: Tensor) -> Tensor:
+    """multistream: sums of next-position cross-entropy per replica and channel [R, C] (in the
+    weights' dtype) over the targets that exist. tokens int64 [R, B, C, T+1]; a negative id is no
+    token: it adds nothing to the input and is no target. A channel without targets sums to 0."""
+    R, B, C, T1 = tokens.shape
+    T, dtype = T1 - 1, p["norm"].dtype
+    inputs, targets = tokens[..., :-1], tokens[..., 1:]
+    with _autocast(cfg, tokens.device):
+        x = torch.zeros(R, B * T, cfg.d_model, device=tokens.device, dtype=dtype)
+        for c in range(C):
+            present = (inputs[:, :, c] >= 0).reshape(R, B * T, 1)
+            looked_up = embed(p[f"emb.{c:02d}"], inputs[:, :, c].clamp(min=0)).view(R, B * T, -1)
+            x = x + looked_up * present
+        h = hidden(cfg, p, x, B, T)
+        sums = []
+        for c in range(C):
+            out = torch.bmm(h, p[f"head.{c:02d}"]).to(dtype)
+            ce = F.cross_entropy(
+                out.reshape(R * B * T, -1),
+                targets[:, :, c].clamp(min=-1).reshape(-1),
+                ignore_index=-1,
+                reduction="none",
+            )
+            sums.append(ce.view(R, -1).sum(1))
+    return torch.stack(sums, dim=1)

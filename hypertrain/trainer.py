@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from hypertrain import checkpoint, fault_points, plan, preemption
-from hypertrain.batches import ReplicaBatch, replica_batch
+from hypertrain.batches import ReplicaBatch, is_multistream, replica_batch
 from hypertrain.checkpoint import Checkpointer
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import ConfigError, ModelConfig, TrainConfig
 from hypertrain.data import Dataset, build_dataset
 from hypertrain.engines import (
     Assignment,
@@ -88,11 +88,37 @@ def check_device(device: str) -> None:
         )
 
 
+def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
+    """The model config with what the data decides filled in (a multistream model's channel
+    vocabularies); ConfigError when model and data do not go together."""
+    model = cfg.model
+    if not is_multistream(dataset):
+        if model.arch == "multistream":
+            raise ConfigError(
+                f"model.arch=multistream needs data with several token channels, not data.name="
+                f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
+            )
+        return model
+    vocabs = [int(v) for v in dataset.channel_vocabs]
+    if model.arch != "multistream":
+        raise ConfigError(
+            f"data.name={cfg.data.name!r} has {len(vocabs)} token channels per position but "
+            f"model.arch={model.arch!r} reads one; valid: model=multistream_tiny or multistream_small"
+        )
+    if model.channel_vocabs and list(model.channel_vocabs) != vocabs:
+        raise ConfigError(
+            f"model.channel_vocabs={list(model.channel_vocabs)} differs from the data's {vocabs}; "
+            "valid: [] (taken from the data)"
+        )
+    return replace(model, channel_vocabs=vocabs)
+
+
 def prepare(cfg: TrainConfig) -> PreparedRun:
     """Build data and plan facts; raise ConfigError/PlanError on any user mistake."""
     check_device(cfg.engine.device)
     dataset = build_dataset(cfg.data)
-    if cfg.model.vocab < dataset.vocab:
+    cfg = replace(cfg, model=model_for_data(cfg, dataset))
+    if cfg.model.arch == "decoder" and cfg.model.vocab < dataset.vocab:
         raise ConfigError(
             f"model.vocab={cfg.model.vocab} is smaller than the data's vocabulary ({dataset.vocab}); "
             f"valid: >= {dataset.vocab}"

@@ -48,7 +48,7 @@ CASES = {
     "unknown-group-option": Case(
         "an option a group does not have",
         ["model=huge"],
-        "In 'train': Could not find 'model/huge'; valid: base, small, tiny",
+        "In 'train': Could not find 'model/huge'; valid: base, multistream_small, multistream_tiny, small, tiny",
         "pick one of the options listed",
         hydra=True,
     ),
@@ -69,7 +69,7 @@ CASES = {
     "schema-as-option": Case(
         "a schema's name used as an option",
         ["model=model_schema"],
-        "In 'train': Could not find 'model/model_schema'; valid: base, small, tiny",
+        "In 'train': Could not find 'model/model_schema'; valid: base, multistream_small, multistream_tiny, small, tiny",
         "schemas are not options; pick one of the options listed",
         hydra=True,
     ),
@@ -157,6 +157,12 @@ CASES = {
         ["data.examples=documents", "data.max_len=128", "data.max_padded_tokens=64"],
         "data.max_padded_tokens=64 is smaller than the longest example",
         "at least data.max_len + 1",
+    ),
+    "multistream-model-on-text": Case(
+        "a multistream model on one-channel data",
+        ["model=multistream_tiny"],
+        "model.arch=multistream needs data with several token channels, not data.name='stdlib'",
+        "data=speech, or a one-channel model",
     ),
     "engine-option-without-dist": Case(
         "an engine=dist option on another engine",

@@ -222,5 +222,5 @@ def test_the_run_entry_gives_the_loop_losses(tmp_path):
 def test_unsupported_model_is_a_clear_error():
     cfg = cfg_for(3, 1, 0)
     cfg = replace(cfg, model=replace(cfg.model, is_moe=True))
-    with pytest.raises(ValueError, match="engine=stacked supports the dense decoder only"):
+    with pytest.raises(ValueError, match="engine=stacked supports dense models only"):
         batched.check_supported(cfg)

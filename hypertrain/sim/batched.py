@@ -53,10 +53,10 @@ def _replica_state(state: OptState, r: int) -> OptState:
 def check_supported(cfg: TrainConfig) -> None:
     """Raise ValueError naming any configuration the stacked engine does not implement."""
     m = cfg.model
-    if m.arch != "decoder" or m.is_moe:
+    if m.is_moe:
         raise ValueError(
-            f"engine=stacked supports the dense decoder only, not model.arch={m.arch!r} "
-            f"with model.is_moe={m.is_moe}; valid: engine=loop for that model"
+            f"engine=stacked supports dense models only, not model.is_moe={m.is_moe}; "
+            "valid: engine=loop for that model"
         )
     if m.compute_dtype not in ("fp32", "bf16"):
         raise ValueError(f"engine=stacked: model.compute_dtype={m.compute_dtype!r}; valid: 'fp32', 'bf16'")
@@ -127,8 +127,8 @@ def _update(cfg, assigns, t, params, state, fns, active, losses, average_in_repl
     batches = [a.batches[t] for a in assigns]
     start = time.perf_counter()
     for parts in stacked_microbatches(batches, bound):
-        tokens, mask, weights = stack_microbatches(parts, device)
-        per_replica = forward(cfg.model, params, tokens, mask) * weights
+        tokens, mask, weights, channel_weights = stack_microbatches(parts, device)
+        per_replica = forward(cfg.model, params, tokens, mask, channel_weights) * weights
         per_replica.sum().backward()
         losses[t] += per_replica.detach()
     grads = gradients(params)

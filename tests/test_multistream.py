@@ -1,0 +1,208 @@
+"""The multistream model's loss: exact for any partition into ranks and microbatches.
+
+DESIGN.md ("Loss"): per replica and update, the token mean of each channel over the replica batch,
+combined as `sum_c k_c * mean_c / sum_c k_c` over the channels that have targets. The data here is
+a small synthetic multistream set made in the test (random tokens; holes where a channel has no
+token, as a delayed codebook's first frame; a channel with no targets at all in some examples;
+examples of 2 to 13 positions): the property is arithmetic, so any tokens exercise it.
+
+- The reference objective is computed in the test from its definition: one padded batch of all
+  the replica's examples, the model's per-channel cross-entropy sums (`model.channel_sums`) divided
+  by the channel's target count, combined with the k's. Everything in float64.
+- The partitioned loss is what training computes: `batches.replica_batch` microbatches (one-example
+  ones included) weighted by the plan's per-token channel weights, summed over microbatches and
+  averaged over L ranks that each hold part of the replica's ids (the benchmark layout).
+- Bound: float64 throughout. Each gradient entry is a sum of at most M = (positions) x (d_model)
+  products, each rounded with unit roundoff u = 2^-53; summed in another order it differs by at
+  most 2 M u times the sum of the terms' magnitudes, which is at most a few times the gradient's
+  largest entry here (cross-entropy gradients are bounded by 1 per logit). M < 2^11 here, so
+  1e-11 x max |gradient| covers 2 M u = 2^-41 ~ 4.5e-13 with margin (factor ~20), and is still
+  eight orders of magnitude below the negative control's difference.
+- Negative control: the mean of microbatch means (each microbatch's own channel combination,
+  microbatches weighted equally) is a different objective: its gradient must fail the check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from hypertrain.batches import channel_targets, pad_channels, replica_batch
+from hypertrain.config import DataConfig, InnerConfig, ModelConfig
+from hypertrain.engines import microbatch_loss
+from hypertrain.model import channel_sums, init_params, param_roles
+from hypertrain.optim import init_state, uses_muon
+
+VOCABS = [23, 9, 9, 9]  # text, then three codebooks
+SCALES = [1.0] + [32.0 / 3] * 3  # the seed's k: text 1, each of K codebooks 32/K
+REL = 1e-11  # see the module docstring
+
+
+@dataclass
+class SyntheticStreams:
+    """Multistream examples [C, L]: the interface `batches.replica_batch` reads."""
+
+    n_total: int = 40
+    seed: int = 0
+    empty_channel_below: int = 10  # examples with ids below this have no token in channel 3
+
+    channel_vocabs = tuple(VOCABS)
+    channel_scales = tuple(SCALES)
+    fixed_length = False
+
+    def __post_init__(self):
+        gen = np.random.default_rng(self.seed)
+        self.rows = []
+        for i in range(self.n_total):
+            length = int(gen.integers(2, 14))
+            row = np.stack([gen.integers(0, v, length) for v in VOCABS]).astype(np.int64)
+            row[1:, 0] = -1  # codebooks delayed by one position: none at the first
+            row[0, gen.random(length) < 0.2] = -1  # text holes
+            if i < self.empty_channel_below:
+                row[3] = -1
+            self.rows.append(row)
+
+    def get(self, i: int) -> np.ndarray:
+        return self.rows[i].copy()
+
+    def lengths(self, ids) -> np.ndarray:
+        return np.array([self.rows[int(i)].shape[1] for i in ids], dtype=np.int64)
+
+    def channel_counts(self, ids) -> np.ndarray:
+        return np.array([(self.rows[int(i)][:, 1:] >= 0).sum(1) for i in ids], dtype=np.int64)
+
+
+def model_cfg() -> ModelConfig:
+    return ModelConfig(
+        arch="multistream", channel_vocabs=VOCABS, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2
+    )
+
+
+def float64_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    return {
+        n: t.double().unsqueeze(0).requires_grad_(True) for n, t in init_params(model_cfg(), seed).items()
+    }
+
+
+def gradient(loss: torch.Tensor, params: dict) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def reference_objective(data: SyntheticStreams, ids: np.ndarray, params: dict) -> torch.Tensor:
+    """sum_c k_c mean_c / sum_{c with targets} k_c over one padded batch of all `ids`."""
+    tokens, _ = pad_channels([data.get(int(i)) for i in ids])
+    sums = channel_sums(model_cfg(), params, tokens.unsqueeze(0))[0]
+    counts = torch.from_numpy(channel_targets(tokens)).double()
+    k = torch.tensor(SCALES, dtype=torch.float64)
+    active = counts > 0
+    means = torch.where(active, sums / counts.clamp(min=1), torch.zeros_like(sums))
+    return (k * means).sum() / k[active].sum()
+
+
+def partitioned_loss(data, ids: np.ndarray, params: dict, ranks: int, max_examples: int) -> torch.Tensor:
+    """Training's loss: each of `ranks` ranks holds a contiguous part of `ids`; its microbatches of at
+    most `max_examples` examples are weighted with the replica's totals; the ranks' losses averaged."""
+    cfg = _train_cfg()
+    data_cfg = DataConfig(examples="documents", max_examples=max_examples, max_padded_tokens=10_000)
+    total = torch.zeros((), dtype=torch.float64)
+    for share in np.array_split(ids, ranks):
+        batch = replica_batch(data, share, data_cfg, 0, replica_ids=ids, world=ranks)
+        for mb in batch.microbatches:
+            total = total + microbatch_loss(cfg, params, mb)
+    return total / ranks
+
+
+def _train_cfg():
+    from hypertrain.config import TrainConfig
+
+    return TrainConfig(model=model_cfg())
+
+
+def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
+    bound = REL * float(want.abs().max())
+    assert float((got - want).abs().max()) <= bound
+
+
+PARTITIONS = [(1, 16), (1, 1), (1, 3), (2, 2), (3, 1), (4, 5)]  # (ranks, examples per microbatch)
+
+
+@pytest.mark.parametrize(("ranks", "max_examples"), PARTITIONS)
+def test_any_partition_into_ranks_and_microbatches_gives_the_single_batch_gradient(ranks, max_examples):
+    data = SyntheticStreams()
+    ids = np.arange(4, 20)  # ids 4..9 lack channel 3, ids 10..19 have it
+    params = float64_params()
+    want = gradient(reference_objective(data, ids, params), params)
+    got = gradient(partitioned_loss(data, ids, params, ranks, max_examples), params)
+    assert_same_gradient(got, want)
+
+
+def test_a_channel_without_targets_leaves_the_objective_and_its_k_the_normaliser():
+    """Ids 0..9 hold no channel-3 token: the objective is the other channels' combination, exactly
+    as if channel 3 did not exist, and nothing is NaN (one-example microbatches included)."""
+    data = SyntheticStreams()
+    ids = np.arange(0, 8)
+    params = float64_params()
+    loss = partitioned_loss(data, ids, params, ranks=2, max_examples=1)
+    assert torch.isfinite(loss)
+    tokens, _ = pad_channels([data.get(int(i)) for i in ids])
+    sums = channel_sums(model_cfg(), params, tokens.unsqueeze(0))[0]
+    counts = torch.from_numpy(channel_targets(tokens)).double()
+    assert counts[3] == 0 and (counts[:3] > 0).all()
+    k = torch.tensor(SCALES[:3], dtype=torch.float64)
+    three_channels = (k * sums[:3] / counts[:3]).sum() / k.sum()
+    assert_same_gradient(gradient(loss, params), gradient(three_channels, params))
+
+
+def test_the_mean_of_microbatch_means_is_another_objective():
+    """Negative control: the check above fails for the objective the exact weighting replaces."""
+    data = SyntheticStreams()
+    ids = np.arange(4, 20)
+    params = float64_params()
+    want = gradient(reference_objective(data, ids, params), params)
+    data_cfg = DataConfig(examples="documents", max_examples=3, max_padded_tokens=10_000)
+    batch = replica_batch(data, ids, data_cfg, 0)
+    own = [
+        reference_objective(data, ids[_rows_of(batch, j, ids, data)], params)
+        for j in range(len(batch.microbatches))
+    ]
+    naive = torch.stack(own).mean()
+    got = gradient(naive, params)
+    with pytest.raises(AssertionError):
+        assert_same_gradient(got, want)
+
+
+def _rows_of(batch, j: int, ids: np.ndarray, data: SyntheticStreams) -> list[int]:
+    """The positions in `ids` of microbatch j's examples (found by their tokens)."""
+    tokens = batch.microbatches[j].tokens
+    found = []
+    for row in tokens:
+        for pos, i in enumerate(ids):
+            example = data.get(int(i))
+            if (
+                pos not in found
+                and example.shape[1] <= row.shape[1]
+                and torch.equal(torch.from_numpy(example), row[:, : example.shape[1]])
+                and bool((row[:, example.shape[1] :] < 0).all())
+            ):
+                found.append(pos)
+                break
+    assert len(found) == tokens.shape[0]
+    return found
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_every_embedding_head_and_norm():
+    """Roles, not names: every channel's embedding and head (however many channels) is AdamW's."""
+    cfg = model_cfg()
+    roles = param_roles(cfg)
+    muon = InnerConfig(name="muon")
+    taken = sorted(n for n, role in roles.items() if uses_muon(muon, role))
+    assert taken == sorted(n for n in roles if n.startswith("layers.") and not n.endswith("norm"))
+    params = {n: t.unsqueeze(0) for n, t in init_params(cfg, 0).items()}
+    state = init_state(muon, params, roles)
+    for c in range(len(VOCABS)):
+        assert f"emb.{c:02d}" in state.v and f"head.{c:02d}" in state.v  # AdamW's second moment
+    assert not any(n in state.v for n in taken)
