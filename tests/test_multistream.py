@@ -206,3 +206,30 @@ def test_muon_takes_the_hidden_matrices_and_adamw_every_embedding_head_and_norm(
     for c in range(len(VOCABS)):
         assert f"emb.{c:02d}" in state.v and f"head.{c:02d}" in state.v  # AdamW's second moment
     assert not any(n in state.v for n in taken)
+
+
+# -- the engines ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize(("R", "H", "stack"), [(3, 2, 0), (3, 2, 2)])
+def test_stacked_equals_loop_on_multistream_data(monkeypatch, optimizer, R, H, stack):
+    """test_stacked's check (each fp32 engine against the float64 loop, within twice the loop's own
+    error or its derived floor) on multistream examples of unequal lengths and channel holes, with
+    microbatches cut by the padded-token bound."""
+    from dataclasses import replace
+
+    from test_stacked import assert_engines_agree, cfg_for
+
+    from hypertrain import trainer
+
+    data = SyntheticStreams(n_total=120, empty_channel_below=30)
+    data.fingerprint, data.description = "synthetic-multistream", "synthetic multistream examples"
+    monkeypatch.setattr(trainer, "build_dataset", lambda cfg: data)
+    base = cfg_for(R, H, stack, name=optimizer)
+    cfg = replace(
+        base,
+        model=model_cfg(),
+        data=replace(base.data, examples="documents", heldout=8, max_examples=3, max_padded_tokens=40),
+    )
+    assert_engines_agree(cfg)
