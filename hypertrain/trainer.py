@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from hypertrain import checkpoint, fault_points, plan, preemption
-from hypertrain.batches import ReplicaBatch, is_multistream, replica_batch
+from hypertrain.batches import ReplicaBatch, channel_targets, is_multistream, replica_batch
 from hypertrain.checkpoint import Checkpointer
 from hypertrain.config import ConfigError, ModelConfig, TrainConfig
 from hypertrain.data import Dataset, build_dataset
@@ -42,7 +42,7 @@ from hypertrain.engines import (
 )
 from hypertrain.failures import NonFiniteError
 from hypertrain.log import NoLog, RunLogger
-from hypertrain.model import Params, count_params, init_params
+from hypertrain.model import Params, channel_sums, count_params, init_params
 from hypertrain.optim import (
     outer_step,
     pseudo_gradient_sum,
@@ -184,6 +184,22 @@ def heldout_loss(run: PreparedRun, theta: Params) -> float:
     params = {n: t.unsqueeze(0) for n, t in theta.items()}
     total = sum(microbatch_loss(run.cfg, params, mb).double() for mb in run.heldout.microbatches)
     return float(total)
+
+
+@torch.no_grad()
+def heldout_channels(run: PreparedRun, theta: Params) -> dict[str, float]:
+    """multistream: the held-out token mean of the text channel (channel 0) and the mean over the
+    audio channels (1..C-1) of theirs, as `eval_loss_text` and `eval_loss_audio_mean`; {} otherwise."""
+    if run.cfg.model.arch != "multistream" or not run.heldout.microbatches:
+        return {}
+    params = {n: t.unsqueeze(0) for n, t in theta.items()}
+    device = torch.device(run.cfg.engine.device)
+    sums, counts = 0.0, 0
+    for mb in run.heldout.microbatches:
+        sums = sums + channel_sums(run.cfg.model, params, mb.tokens.unsqueeze(0).to(device))[0].double()
+        counts = counts + torch.from_numpy(channel_targets(mb.tokens)).double().to(device)
+    means = (sums / counts.clamp(min=1)).tolist()
+    return {"eval_loss_text": means[0], "eval_loss_audio_mean": sum(means[1:]) / max(1, len(means) - 1)}
 
 
 def assignments(
@@ -414,7 +430,8 @@ class StopCheck:
 
 
 def log_sync_row(log, rnd: Segment, eval_loss: float, totals, inner: int, outer: int, measured: dict) -> None:
-    """The sync row: held-out loss, pseudo-gradient norm, the formula's and the measured bytes."""
+    """The sync row: held-out loss, pseudo-gradient norm, the formula's and the measured bytes (and
+    `measured`'s other figures: a multistream model's per-channel held-out losses)."""
     log.log_sync(
         {
             "update": rnd.updates[-1] + 1,
@@ -450,6 +467,7 @@ def after_sync(
                 f"{rnd.updates[-1] + 1} is {eval_loss}; the run stops"
             )
         progress.eval_loss = eval_loss
+        measured |= heldout_channels(run, state.theta)
         log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
     if checkpointer is not None:
         checkpointer.after_sync(state, last=state.next_update >= run.updates)
@@ -512,7 +530,7 @@ def train(
     )
     eval_loss = heldout_loss(run, state.theta) if writer else math.nan
     if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
-        log.log_eval(update=0, eval_loss=eval_loss)
+        log.log_eval(update=0, eval_loss=eval_loss, **(heldout_channels(run, state.theta) if writer else {}))
     progress = Progress(run.updates, cfg.logger.progress if writer else "never")
     progress.eval_loss = eval_loss
     start = time.perf_counter()
