@@ -195,7 +195,8 @@ def test_an_unknown_option_fails_with_hydras_wording_in_one_line(tmp_path):
     done = entry(["model=huge"], tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "hypertrain: error: In 'train': Could not find 'model/huge'; valid: base, small, tiny"
+        "hypertrain: error: In 'train': Could not find 'model/huge'; valid: base, multistream_small, "
+        "multistream_tiny, small, tiny"
     ]
     assert tree(tmp_path) == {}
 
@@ -253,7 +254,9 @@ def _compose(overrides: list[str], hydra_cfg: bool = False):
     + [f"experiment={o}" for o in _options("experiment")],
 )
 def test_every_config_option_composes_and_validates(override):
-    cfg = _compose([override, "replicas=1"])
+    # Speech has several token channels per frame: it is read by the multistream model.
+    model = ["model=multistream_tiny"] if override == "data=speech" else []
+    cfg = _compose([override, *model, "replicas=1"])
     typed: TrainConfig = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
     if override == "data=text_files" or override == "data=token_bin":
