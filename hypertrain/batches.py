@@ -38,6 +38,14 @@ class Microbatch:
     targets: int  # real target tokens in this microbatch (multistream: summed over channels)
     channel_weights: Tensor | None = None  # multistream: float64 [C], each channel's per-token weight
 
+    @property
+    def frames(self) -> int:
+        """Positions the model reads (each row's real length - 1): a token each for one stream, a
+        frame (all its channels) for multistream."""
+        if self.mask is None:
+            return self.tokens.shape[0] * (self.tokens.shape[-1] - 1)
+        return int((self.mask.sum(1) - 1).clamp(min=0).sum())
+
 
 @dataclass
 class ReplicaBatch:
@@ -55,8 +63,19 @@ class ReplicaBatch:
 
     @property
     def padded(self) -> int:
-        """Target positions computed, padding included (rows x (width - 1) per microbatch)."""
-        return sum(mb.tokens.shape[0] * (mb.tokens.shape[-1] - 1) for mb in self.microbatches)
+        """Target positions computed, padding included (rows x (width - 1) per microbatch; times the
+        channels for multistream, whose every channel has a head: supervised / padded <= 1)."""
+        return sum(
+            mb.tokens.shape[0]
+            * (mb.tokens.shape[-1] - 1)
+            * (mb.tokens.shape[1] if mb.tokens.ndim == 3 else 1)
+            for mb in self.microbatches
+        )
+
+    @property
+    def frames(self) -> int:
+        """Positions read (frames for multistream, tokens otherwise), padding excluded."""
+        return sum(mb.frames for mb in self.microbatches)
 
     @property
     def replica_total(self) -> int:

@@ -66,7 +66,7 @@ def job_row(job_dir: Path) -> dict:
         "data_order_sha256": summary.get("plan/data_order_sha256"),
         "rank_sha256": summary.get("plan/rank_sha256"),
         "status": end["status"],
-    }
+    } | ({"frames_per_s": summary.get("bench/frames_per_s")} if cfg.model.arch == "multistream" else {})
 
 
 def with_scaling(rows: list[dict]) -> list[dict]:
@@ -88,6 +88,7 @@ COLUMNS = (
     ("world", "world", "{}"),
     ("samples_per_s", "examples/s", "{:.1f}"),
     ("samples_per_s_per_rank", "examples/s per rank", "{:.1f}"),
+    ("frames_per_s", "frames/s", "{:.0f}"),
     ("tokens_per_s", "tokens/s", "{:.0f}"),
     ("padded_tokens_per_s", "padded tokens/s", "{:.0f}"),
     ("compute_ms_per_update", "compute ms/update", "{:.1f}"),
@@ -142,9 +143,16 @@ def measured_on(rows: list[dict]) -> list[str]:
     ]
 
 
+def columns_for(rows: list[dict]) -> tuple:
+    """The table's columns: frames/s only where some run is multistream (frames of audio)."""
+    if any(r.get("frames_per_s") is not None for r in rows):
+        return COLUMNS
+    return tuple(c for c in COLUMNS if c[0] != "frames_per_s")
+
+
 def markdown(rows: list[dict]) -> str:
     """The table, then one line per run of what it was measured on and its plan hashes."""
-    lines = markdown_table(*cells(rows, COLUMNS))
+    lines = markdown_table(*cells(rows, columns_for(rows)))
     lines += ["", SCALING_NOTE, ""]
     lines += [f"- {line}" for line in measured_on(rows)]
     return "\n".join(lines) + "\n"

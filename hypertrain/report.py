@@ -95,7 +95,7 @@ def phases_sections(runs: list[Run], out: Path) -> tuple[list[Section], dict]:
             Section(
                 f"Benchmark phases: {sweep.name}",
                 paragraphs=[phases.SCALING_NOTE],
-                table=phases.cells(rows, phases.COLUMNS),
+                table=phases.cells(rows, phases.columns_for(rows)),
                 bullets=phases.measured_on(rows),
                 plots=[plot],
             )

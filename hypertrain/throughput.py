@@ -1,10 +1,11 @@
 """What each process did and how long it took, per update, and the benchmark's figures from it.
 
-`process_table(assigns, results)` is one process's record of a round, float64 [updates, 5]:
+`process_table(assigns, results)` is one process's record of a round, float64 [updates, 6]:
 examples, supervised target tokens, padded target positions (rows x width: what the model
-computed), wall seconds of the update (forward, backward, gradient all-reduce, step) and of its
-gradient all-reduce alone. The round loop gathers it from every process once per round
-([P, updates, 5]); `Throughput` adds up the updates after the phase's `timing_warmup` and gives
+computed; times the channels for multistream), wall seconds of the update (forward, backward,
+gradient all-reduce, step) and of its gradient all-reduce alone, and the positions read (frames
+for multistream, tokens otherwise). The round loop gathers it from every process once per round
+([P, updates, 6]); `Throughput` adds up the updates after the phase's `timing_warmup` and gives
 the steady-state figures the seed's data-parallel benchmark reports: examples/s, supervised and
 padded tokens/s per rank and in total, compute and all-reduce seconds per update, the all-reduce's
 share, and the padding efficiency. Data loading happens before a round's first update and is
@@ -19,11 +20,11 @@ from torch import Tensor
 
 from hypertrain.engines import Assignment, ReplicaResult
 
-COLUMNS = ("samples", "tokens", "padded", "seconds", "allreduce_seconds")
+COLUMNS = ("samples", "tokens", "padded", "seconds", "allreduce_seconds", "frames")
 
 
 def process_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
-    """[updates, 5] float64 for this process: its replicas' (or rank's) shares summed; the seconds
+    """[updates, 6] float64 for this process: its replicas' (or rank's) shares summed; the seconds
     of replicas stacked together counted once (they share one timing)."""
     steps = len(assigns[0].batches)
     table = torch.zeros(steps, len(COLUMNS), dtype=torch.float64)
@@ -35,6 +36,7 @@ def process_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Te
         table[t, 2] = sum(b.padded for b in batches)
         table[t, 3] = sum(res.seconds[t] for res in timings.values())
         table[t, 4] = sum(res.allreduce_seconds[t] for res in timings.values())
+        table[t, 5] = sum(b.frames for b in batches)
     return table
 
 
@@ -48,7 +50,7 @@ class Throughput:
         self.presentations = 0  # examples over every update and process, warm-up included
 
     def add(self, updates: range, table: Tensor) -> None:
-        """`table` [P, len(updates), 5] for the plan's `updates`."""
+        """`table` [P, len(updates), 6] for the plan's `updates`."""
         self.presentations += int(table[:, :, 0].sum())
         timed = [t for t, u in enumerate(updates) if u >= self.warmup]
         if timed:
@@ -59,7 +61,7 @@ class Throughput:
         """bench/* figures; per-rank ones as lists in rank order. Empty before any timed update."""
         if not self.updates:
             return {"train/presentations": self.presentations}
-        samples, tokens, padded, seconds, allreduce = self.sums.T
+        samples, tokens, padded, seconds, allreduce, frames = self.sums.T
         wall = float(seconds.max())  # ranks advance in lockstep: the slowest rank's time is the run's
         per_rank = lambda x: (x / seconds.clamp(min=1e-12)).tolist()  # noqa: E731
         return {
@@ -67,6 +69,7 @@ class Throughput:
             "bench/samples_per_s": float(samples.sum()) / wall,
             "bench/tokens_per_s": float(tokens.sum()) / wall,
             "bench/padded_tokens_per_s": float(padded.sum()) / wall,
+            "bench/frames_per_s": float(frames.sum()) / wall,
             "bench/samples_per_s_per_rank": per_rank(samples),
             "bench/tokens_per_s_per_rank": per_rank(tokens),
             "bench/padded_tokens_per_s_per_rank": per_rank(padded),

@@ -313,7 +313,7 @@ class Segment:
     assigns: list[Assignment]  # this process's replicas
     results: list[ReplicaResult]
     table: Tensor  # float64 [updates, R, 3]: loss (NaN = skipped), the replica's targets, microbatches
-    ranks: Tensor  # float64 [P, updates, 5]: each process's work and seconds (throughput.COLUMNS)
+    ranks: Tensor  # float64 [P, updates, 6]: each process's work and seconds (throughput.COLUMNS)
     ends_round: bool = False  # the round's sync followed
     delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
     synced: int = 0  # replicas that stepped in the round and took part in the sync
