@@ -37,6 +37,7 @@ class Microbatch:
     weight: float  # this microbatch's share of the replica's target tokens (multistream: 1)
     targets: int  # real target tokens in this microbatch (multistream: summed over channels)
     channel_weights: Tensor | None = None  # multistream: float64 [C], each channel's per-token weight
+    channel_counts: Tensor | None = None  # multistream: float64 [C], each channel's targets here
 
     @property
     def frames(self) -> int:
@@ -159,7 +160,8 @@ def _multistream_batch(dataset, ids: np.ndarray, data: DataConfig, replica_ids, 
     for (tokens, mask), count in zip(parts, counts, strict=True):
         coef = plan.channel_coefficients(count, total, scales, world=world)
         per_token = np.divide(coef, count, out=np.zeros_like(coef), where=count > 0)
-        micro.append(Microbatch(tokens, mask, 1.0, int(count.sum()), torch.from_numpy(per_token)))
+        counted = torch.from_numpy(count.astype(np.float64))
+        micro.append(Microbatch(tokens, mask, 1.0, int(count.sum()), torch.from_numpy(per_token), counted))
     return ReplicaBatch(micro, int(share.sum()), None if totals is None else int(total.sum()))
 
 
@@ -178,6 +180,7 @@ def stack_microbatches(
     T+1], padded with -1), mask [R, B, T+1] (None when nothing is padded, and always for
     multistream, whose padding holds no tokens), the per-replica weights [R] (0 for a missing part)
     and the multistream channel weights [R, C] (0 for a missing part; None for one channel).
+    The parts' channel counts are `stacked_channel_counts`.
     """
     present = [p for p in parts if p is not None]
     rows = max(p.tokens.shape[0] for p in present)
@@ -212,6 +215,16 @@ def stack_microbatches(
     )
 
 
+def stacked_channel_counts(parts: list[Microbatch | None], device: torch.device) -> Tensor:
+    """multistream: each replica's targets per channel in microbatch j, float64 [R, C] (0 if missing)."""
+    C = next(p for p in parts if p is not None).channel_counts.numel()
+    counts = torch.zeros(len(parts), C, dtype=torch.float64)
+    for r, p in enumerate(parts):
+        if p is not None:
+            counts[r] = p.channel_counts
+    return counts.to(device)
+
+
 def _row_lengths(part: Microbatch) -> Tensor:
     """Real ids in each row of a microbatch, int64 [B]."""
     if part.mask is None:
@@ -228,7 +241,9 @@ def _row_slice(part: Microbatch, lengths: Tensor, start: int, stop: int) -> Micr
     mask = None if part.mask is None else part.mask[start:stop, :width]
     tokens = part.tokens[start:stop, ..., :width]
     if part.channel_weights is not None:  # per-token weights: a piece keeps them as they are
-        return Microbatch(tokens, mask, part.weight, int(channel_targets(tokens).sum()), part.channel_weights)
+        count = channel_targets(tokens)
+        counted = torch.from_numpy(count.astype(np.float64))
+        return Microbatch(tokens, mask, part.weight, int(count.sum()), part.channel_weights, counted)
     targets = int((rows - 1).clamp(min=0).sum())
     # The microbatch's weight is its share of the replica's targets; a piece keeps its own share of it.
     weight = part.weight * targets / part.targets if part.targets else 0.0

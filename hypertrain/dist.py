@@ -190,8 +190,9 @@ class DistReplicaGroups(ReplicaGroups):
         parts = self._gather_all(table, "the round's gather of losses")
         if self.layout == "stacked":
             return torch.cat(parts, dim=1).cpu()
-        # Benchmark: [P, H, 1, 3] -> [R, L, H, 3]; a replica's ranks share its loss and targets.
-        per_rank = torch.stack(parts)[:, :, 0, :].reshape(self.total_replicas, self.L, -1, 3)
+        # Benchmark: [P, H, 1, k] -> [R, L, H, k]; a replica's ranks share its loss and targets.
+        k = table.shape[-1]
+        per_rank = torch.stack(parts)[:, :, 0, :].reshape(self.total_replicas, self.L, -1, k)
         merged = per_rank[:, 0].clone()
         merged[..., 2] = per_rank[..., 2].amax(dim=1)
         return merged.permute(1, 0, 2).cpu()

@@ -57,6 +57,8 @@ class ReplicaResult:
     # check's host sync), and of its gradient average alone; shared by replicas stacked together.
     seconds: list[float] = field(default_factory=list)
     allreduce_seconds: list[float] = field(default_factory=list)
+    # multistream: each update's per-channel token means (a list of C; None = skipped); [] otherwise
+    channel_losses: list = field(default_factory=list)
 
     @property
     def stepped(self) -> bool:
@@ -117,6 +119,11 @@ def timed_average(average: GradientAverage | None, grads: Params, loss: Tensor) 
     return time.perf_counter() - start
 
 
+def channel_means(sums: Tensor, counts: Tensor) -> Tensor:
+    """Per-channel token means from sums and target counts (0 where a channel had no target)."""
+    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+
+
 def gradients(params: Params) -> Params:
     """The accumulated gradients; zeros for a rank that had no ids while its replica did (it still
     takes part in its replica's average, with nothing to add)."""
@@ -136,10 +143,17 @@ def engine_for(name: str) -> Engine:
 
 def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
     """One replica's weighted loss on one microbatch: its share of the replica batch's token mean."""
+    return microbatch_terms(cfg, params, mb)[0]
+
+
+def microbatch_terms(cfg: TrainConfig, params: Params, mb: Microbatch) -> tuple[Tensor, Tensor | None]:
+    """`microbatch_loss`, and for a multistream microbatch its per-channel sums of cross-entropy [C]
+    (for the per-channel losses; None for one stream)."""
     device = torch.device(cfg.engine.device)
     tokens = mb.tokens.unsqueeze(0).to(device)
     if mb.channel_weights is not None:  # multistream: per-token channel weights, no mask needed
         weights = mb.channel_weights.unsqueeze(0).to(device)
-        return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, None, weights)[0] * mb.weight
+        out = forward_fn(cfg.engine.compile)(cfg.model, params, tokens, None, weights)[0]
+        return out[0] * mb.weight, out[1:]
     mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
-    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight
+    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight, None

@@ -22,10 +22,11 @@ from hypertrain.engines import (
     GradientAverage,
     ReplicaResult,
     StopAfter,
+    channel_means,
     check_finite,
     gradients,
     in_lockstep,
-    microbatch_loss,
+    microbatch_terms,
     timed_average,
 )
 from hypertrain.model import Params
@@ -46,35 +47,52 @@ def train_replica(
     begin = theta if assign.start is None else {n: t[0] for n, t in assign.start.items()}
     params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in begin.items()}
     losses: list[float | None] = []
-    seconds, allreduce = [], []
+    seconds, allreduce, channels = [], [], []
+    multistream = cfg.model.arch == "multistream"
     for t in range(len(assign.batches)):
-        loss, seconds_t, allreduce_t = _update(cfg, assign, t, params, state, average_in_replica, device)
+        loss, seconds_t, allreduce_t, channel_t = _update(
+            cfg, assign, t, params, state, average_in_replica, device
+        )
         losses.append(loss)
         seconds.append(seconds_t)
         allreduce.append(allreduce_t)
+        channels.append(channel_t)
         if stop is not None and stop(assign.global_step0 + t):
             break
-    return ReplicaResult({n: p.detach() for n, p in params.items()}, state, losses, seconds, allreduce)
+    weights = {n: p.detach() for n, p in params.items()}
+    return ReplicaResult(weights, state, losses, seconds, allreduce, channels if multistream else [])
 
 
 def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, average, device):
-    """The replica's update `t`: (loss or None when it had no ids, seconds, gradient-average seconds)."""
+    """The replica's update `t`: (loss or None when it had no ids, seconds, gradient-average seconds,
+    multistream: the per-channel token means)."""
     batch = assign.batches[t]
     if batch.empty:
-        return None, 0.0, 0.0
+        return None, 0.0, 0.0, None
     start = time.perf_counter()
     loss = torch.zeros((), device=device)
+    sums = counts = None
     for mb in batch.microbatches:
-        part = microbatch_loss(cfg, params, mb)
+        part, channel_sums = microbatch_terms(cfg, params, mb)
         part.backward()
         loss += part.detach()
+        if channel_sums is not None:
+            sums = channel_sums.detach() + (0 if sums is None else sums)
+            counts = mb.channel_counts.to(device) + (0 if counts is None else counts)
     grads = gradients(params)
-    allreduce = timed_average(average, grads, loss.view(1))
+    if sums is None:
+        allreduce = timed_average(average, grads, loss.view(1))
+    else:  # the replica's ranks average the channel sums and counts with the loss (ratios unchanged)
+        stats = torch.cat([loss.view(1), sums.to(loss.dtype), counts.to(loss.dtype)]).view(1, -1)
+        allreduce = timed_average(average, grads, stats)
+        C = sums.numel()
+        loss, sums, counts = stats[0, 0], stats[0, 1 : 1 + C], stats[0, 1 + C :]
     norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, assign.lr(cfg, t))
     check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
     for p in params.values():
         p.grad = None
-    return loss.item(), time.perf_counter() - start, allreduce
+    channels = None if sums is None else channel_means(sums, counts).tolist()
+    return loss.item(), time.perf_counter() - start, allreduce, channels
 
 
 def train_replicas(

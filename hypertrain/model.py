@@ -180,7 +180,8 @@ def forward(
     mask: Tensor | None = None,
     channel_weights: Tensor | None = None,
 ) -> Tensor:
-    """Per-replica loss [R] (in the weights' dtype).
+    """Per-replica loss [R] (in the weights' dtype); multistream [R, 1 + C]: the loss, then the
+    per-channel sums it weighed (`channel_sums`, for the per-channel losses the run logs).
 
     decoder: the mean cross-entropy over real targets. tokens int64 [R, B, T+1]; mask bool
     [R, B, T+1] marks real positions (None = all real). A target counts when it and its input are
@@ -189,7 +190,9 @@ def forward(
     the mask is not needed: padding holds no tokens).
     """
     if cfg.arch == "multistream":
-        return (channel_sums(cfg, p, tokens) * channel_weights.to(p["norm"].dtype)).sum(-1)
+        sums = channel_sums(cfg, p, tokens)
+        loss = (sums * channel_weights.to(sums.dtype)).sum(-1, keepdim=True)
+        return torch.cat([loss, sums], dim=-1)
     R = tokens.shape[0]
     inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
     with _autocast(cfg, tokens.device):

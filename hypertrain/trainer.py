@@ -312,7 +312,7 @@ class Segment:
     round_updates: range  # those of its whole round
     assigns: list[Assignment]  # this process's replicas
     results: list[ReplicaResult]
-    table: Tensor  # float64 [updates, R, 3]: loss (NaN = skipped), the replica's targets, microbatches
+    table: Tensor  # float64 [updates, R, 5]: loss (NaN = skipped), targets, microbatches, text, audio
     ranks: Tensor  # float64 [P, updates, 6]: each process's work and seconds (throughput.COLUMNS)
     ends_round: bool = False  # the round's sync followed
     delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
@@ -345,13 +345,23 @@ def initial_weights(run: PreparedRun) -> Params:
 
 
 def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
-    """[updates, local replicas, 3] float64: loss or NaN when skipped, the replica's targets, microbatches."""
+    """[updates, local replicas, 5] float64: loss or NaN when skipped, the replica's targets,
+    microbatches, and for multistream the text channel's token mean and the audio channels' mean
+    (NaN otherwise)."""
+
+    def channels(res: ReplicaResult, t: int) -> list[float]:
+        means = res.channel_losses[t] if res.channel_losses else None
+        if means is None:
+            return [math.nan, math.nan]
+        return [means[0], sum(means[1:]) / max(1, len(means) - 1)]
+
     rows = [
         [
             [
                 math.nan if res.losses[t] is None else res.losses[t],
                 a.batches[t].replica_total,
                 len(a.batches[t].microbatches),
+                *channels(res, t),
             ]
             for a, res in zip(assigns, results, strict=True)
         ]
@@ -446,6 +456,16 @@ def log_sync_row(log, rnd: Segment, eval_loss: float, totals, inner: int, outer:
             **measured,
         }
     )
+
+
+def channel_losses(table: Tensor) -> dict[str, float]:
+    """multistream: an update's text and mean audio training losses, averaged over the replicas that
+    stepped (`loss/text`, `loss/audio_mean`; W&B `train/loss/text`, `train/loss/audio_mean`)."""
+    text, audio = table[:, 3], table[:, 4]
+    stepped = ~torch.isnan(text)
+    if not bool(stepped.any()):
+        return {}
+    return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
 
 
 def after_sync(
@@ -568,6 +588,7 @@ def train(
                     "grad_accum": int(rnd.table[t, :, 2].max()),
                     "wall": round_end,
                     "rank_seconds": rnd.ranks[:, t, 3].tolist(),  # each process's time for the update
+                    **channel_losses(rnd.table[t]),
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hypertrain.batches import stack_microbatches, stacked_microbatches
+from hypertrain.batches import stack_microbatches, stacked_channel_counts, stacked_microbatches
 from hypertrain.compiled import forward_fn, inner_step_fn
 from hypertrain.config import TrainConfig
 from hypertrain.engines import (
@@ -25,6 +25,7 @@ from hypertrain.engines import (
     GradientAverage,
     ReplicaResult,
     StopAfter,
+    channel_means,
     check_finite,
     gradients,
     in_lockstep,
@@ -91,6 +92,9 @@ def train_many(
     state = _stack_states(states)
     forward, inner_step = forward_fn(cfg.engine.compile), inner_step_fn(cfg.engine.compile)
     losses = torch.zeros(steps, R, device=device)
+    # multistream: per update and replica, each channel's token mean (filled by _update)
+    C = len(cfg.model.channel_vocabs) if cfg.model.arch == "multistream" else 0
+    channels = torch.zeros(steps, R, C, dtype=torch.float64, device=device)
     stepped = torch.zeros(steps, R, dtype=torch.bool)
     seconds, allreduce = [0.0] * steps, [0.0] * steps
     for t in range(steps):
@@ -98,13 +102,22 @@ def train_many(
         active = [not b.empty for b in batches]
         if any(active):
             seconds[t], allreduce[t] = _update(
-                cfg, assigns, t, params, state, (forward, inner_step), active, losses, average_in_replica
+                cfg,
+                assigns,
+                t,
+                params,
+                state,
+                (forward, inner_step),
+                active,
+                (losses, channels),
+                average_in_replica,
             )
             stepped[t] = torch.tensor(active)
         if stop is not None and stop(assigns[0].global_step0 + t):
             steps = t + 1
             break
-    host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy
+    host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy (two, multistream)
+    host_channels = channels.cpu().tolist() if C else None
     # One timing list shared by the stacked replicas (throughput.process_table counts it once).
     seconds, allreduce = seconds[:steps], allreduce[:steps]
     return [
@@ -114,25 +127,41 @@ def train_many(
             [host_losses[t][r] if stepped[t, r] else None for t in range(steps)],
             seconds,
             allreduce,
+            [host_channels[t][r] if stepped[t, r] else None for t in range(steps)] if C else [],
         )
         for r in range(R)
     ]
 
 
-def _update(cfg, assigns, t, params, state, fns, active, losses, average_in_replica) -> tuple[float, float]:
-    """Update `t` of the stacked replicas, in place; (its seconds, its gradient average's seconds)."""
+def _update(cfg, assigns, t, params, state, fns, active, records, average_in_replica) -> tuple[float, float]:
+    """Update `t` of the stacked replicas, in place; (its seconds, its gradient average's seconds).
+    `records` are the losses [steps, R] and the multistream channel means [steps, R, C] to fill."""
     forward, inner_step = fns
+    losses, channels = records
     device = losses.device
-    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" else 0
+    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" or cfg.data.name == "speech" else 0
     batches = [a.batches[t] for a in assigns]
     start = time.perf_counter()
+    sums = counts = None
     for parts in stacked_microbatches(batches, bound):
         tokens, mask, weights, channel_weights = stack_microbatches(parts, device)
-        per_replica = forward(cfg.model, params, tokens, mask, channel_weights) * weights
+        out = forward(cfg.model, params, tokens, mask, channel_weights)
+        if channel_weights is not None:  # multistream: [R, 1 + C], the loss then the channel sums
+            part_sums, out = out[:, 1:].detach(), out[:, 0]
+            sums = part_sums + (0 if sums is None else sums)
+            counts = stacked_channel_counts(parts, device) + (0 if counts is None else counts)
+        per_replica = out * weights
         per_replica.sum().backward()
         losses[t] += per_replica.detach()
     grads = gradients(params)
-    allreduce = timed_average(average_in_replica, grads, losses[t])
+    if sums is None:
+        allreduce = timed_average(average_in_replica, grads, losses[t])
+    else:  # the replica's ranks average the channel sums and counts with the loss (ratios unchanged)
+        C = sums.shape[1]
+        stats = torch.cat([losses[t].unsqueeze(1), sums.to(losses.dtype), counts.to(losses.dtype)], dim=1)
+        allreduce = timed_average(average_in_replica, grads, stats)
+        losses[t] = stats[:, 0]
+        channels[t] = channel_means(stats[:, 1 : 1 + C].double(), stats[:, 1 + C :].double())
     # The mask costs a copy of the state: pass it only when some replica sits this step out.
     mask = None if all(active) else torch.tensor(active, device=device)
     norms = inner_step(cfg.inner, params, grads, state, assigns[0].lr(cfg, t), active=mask)
