@@ -233,3 +233,194 @@ def test_stacked_equals_loop_on_multistream_data(monkeypatch, optimizer, R, H, s
         data=replace(base.data, examples="documents", heldout=8, max_examples=3, max_padded_tokens=40),
     )
     assert_engines_agree(cfg)
+
+
+# -- on the synthesised speech (data=speech, a small build made here) -------------------------------
+
+SPEECH = [
+    "data=speech",
+    "data.codebooks=4",
+    "data.codebook_size=64",
+    "data.quantizer_frames=4096",
+    "data.text_vocab=400",
+    "data.heldout=32",
+]
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory) -> list[str]:
+    """The overrides of a small speech build (600 sentences, about 420 utterances, ~15 s), built once
+    with `python -m hypertrain.audio build` into a directory of this module."""
+    cache = tmp_path_factory.mktemp("speech")
+    overrides = [*SPEECH, "data.speech_sentences=600", f"data.cache_dir={cache}"]
+    build_speech(overrides)
+    return overrides
+
+
+def build_speech(overrides: list[str]) -> None:
+    """`python -m hypertrain.audio build` with the data fields of `overrides` (a skip, saying why,
+    where espeak-ng is not installed)."""
+    import subprocess
+    import sys
+
+    args = [a for a in overrides if a.startswith("data.") and not a.startswith("data.heldout")]
+    command = [sys.executable, "-m", "hypertrain.audio", "build", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0 and "espeak-ng" in done.stderr and "install" in done.stderr:
+        pytest.skip(f"espeak-ng is not installed here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+
+
+def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
+    """engine=dist at world 2, R = 1: the benchmark layout, 2 ranks per replica, each weighing its
+    share's channels with the replica's totals (world L = 2) before the gradients are averaged. The
+    entry's losses, held-out losses and final weights against the one-process loop, each within twice
+    the loop's own error against the float64 loop (test_dist's check)."""
+    from references import assert_losses_within_rounding, assert_within_rounding
+    from test_dist import DIST, compose_cfg, finish, simulate, start_entry
+    from test_stacked import rounding_floors
+
+    from hypertrain.log import read_metrics
+
+    overrides = [
+        *[a for a in DIST if not a.startswith(("data.", "model."))],
+        *speech,
+        "model=multistream_tiny",
+        "world=2",
+        "replicas=1",
+        "inner.H=2",
+        "phase.global_batch=16",
+        "phase.updates=6",
+    ]
+    proc = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    cfg = compose_cfg(overrides)
+    batches: list = []
+    ref_losses, ref_evals, ref_theta, _ = simulate(cfg, torch.float64, batches)
+    sim_losses, sim_evals, sim_theta, _ = simulate(cfg)
+    done = finish(proc)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}[
+        "engine/layout"
+    ] == "benchmark"
+    losses = [r["loss"] for r in rows if r["kind"] == "update"]
+    loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
+    assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor)
+    evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")]
+    assert_losses_within_rounding([evals], [sim_evals], [ref_evals], loss_floor)
+    weights = torch.load(tmp_path / "run" / "weights.pt")
+    for n, t in ref_theta.items():
+        assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
+    channels = [r for r in rows if r["kind"] == "sync"][-1]
+    assert 0 < channels["eval_loss_text"] and 0 < channels["eval_loss_audio_mean"]
+    # The per-channel training losses reach the records (their values: the test below).
+    assert all(r["loss/text"] > 0 and r["loss/audio_mean"] > 0 for r in rows if r["kind"] == "update")
+
+
+def test_worlds_8_and_16_give_the_same_losses_in_simulation(speech):
+    """In simulation W is a label: the replicas' batches, and so their losses, do not depend on it."""
+    from test_dist import compose_cfg, simulate
+
+    base = [*speech, "model=multistream_tiny", "replicas=2", "inner.H=2", "phase.global_batch=16"]
+    base += ["phase.timing_warmup=0"]
+    eight = simulate(compose_cfg([*base, "world='8'", "phase.updates=4"]))[0]
+    sixteen = simulate(compose_cfg([*base, "world='16'", "phase.updates=4"]))[0]
+    assert eight == sixteen and len(eight) == 4
+
+
+def unigram_entropies(dataset, ids) -> list[float]:
+    """Per channel, the entropy (nats) of its target tokens' frequencies over `ids`: the loss of the
+    best model that ignores context, the baseline a learning model must beat."""
+    counts = [np.zeros(v) for v in dataset.channel_vocabs]
+    for i in ids:
+        targets = dataset.get(int(i))[:, 1:]
+        for c, row in enumerate(targets):
+            np.add.at(counts[c], row[row >= 0], 1)
+    entropies = []
+    for count in counts:
+        p = count[count > 0] / count.sum()
+        entropies.append(float(-(p * np.log(p)).sum()))
+    return entropies
+
+
+@pytest.mark.slow
+def test_the_multistream_model_learns_text_and_audio(tmp_path):
+    """multistream_tiny, one replica, every training utterance of a 6000-sentence build once (about
+    320 updates of 16; the build takes ~50 s and the run ~40 s on 2 cores): the held-out text loss
+    and the held-out mean audio loss each end below 0.9 x their unigram baselines (the audio one
+    against the mean of the codebooks' entropies)."""
+    from test_dist import compose_cfg, finish, start_entry
+
+    from hypertrain.data import build_dataset
+    from hypertrain.log import read_metrics
+
+    overrides = [
+        *[a for a in SPEECH if not a.startswith("data.heldout")],
+        "data.heldout=64",
+        "data.speech_sentences=6000",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model=multistream_tiny",
+        "logger=none",
+        "world='1'",
+        "replicas=1",
+        "inner.H=10",
+        "phase.global_batch=16",
+        "phase.updates=400",  # more than the stream holds: the run ends at its end (a warning says so)
+        "phase.timing_warmup=2",
+    ]
+    build_speech(overrides)
+    done = finish(start_entry([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path), timeout=900)
+    assert done.returncode == 0, done.stderr
+    final = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "sync"][-1]
+    cfg = compose_cfg(overrides)
+    dataset = build_dataset(cfg.data)
+    entropy = unigram_entropies(dataset, range(dataset.n_total - cfg.data.heldout))
+    text, audio = entropy[0], float(np.mean(entropy[1:]))
+    print(
+        f"held-out text {final['eval_loss_text']:.3f} vs unigram {text:.3f}; "
+        f"audio mean {final['eval_loss_audio_mean']:.3f} vs {audio:.3f} after {final['update']} updates"
+    )
+    assert final["eval_loss_text"] < 0.9 * text
+    assert final["eval_loss_audio_mean"] < 0.9 * audio
+
+
+def test_the_per_channel_training_losses_are_each_channels_token_mean():
+    """One update of two replicas: the loop engine, in float64, reports for each replica each channel's
+    token mean over its batch, as computed here from the definition (within float64 summation
+    rounding, the gradient test's 1e-11); the stacked engine in fp32 agrees with the fp32 loop within
+    twice the loop's own error against that float64 value (references.py's rule; floor: 64 U32, the
+    roundings of a mean over fewer than 2^10 targets accumulated over a few microbatches)."""
+    from references import U32, assert_within_rounding, float64_arithmetic
+
+    from hypertrain import loop
+    from hypertrain.config import TrainConfig
+    from hypertrain.engines import Assignment
+    from hypertrain.sim import batched
+
+    data = SyntheticStreams(n_total=60, empty_channel_below=4)
+    data_cfg = DataConfig(examples="documents", max_examples=3, max_padded_tokens=40)
+    cfg = TrainConfig(model=model_cfg(), data=data_cfg)
+    shares = [np.arange(0, 4), np.arange(4, 20)]  # replica 0's examples have no channel-3 token
+    theta = init_params(cfg.model, 0)
+    roles = param_roles(cfg.model)
+
+    def one_update(engine, dtype):
+        start = {n: t.to(dtype) for n, t in theta.items()}
+        assigns = [Assignment(m, 0, [replica_batch(data, ids, data_cfg, 0)]) for m, ids in enumerate(shares)]
+        states = [init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in start.items()}, roles) for _ in shares]
+        return [r.channel_losses[0] for r in engine(cfg, start, assigns, states)]
+
+    with float64_arithmetic():
+        exact = one_update(loop.train_replicas, torch.float64)
+        params = {n: t.double().unsqueeze(0) for n, t in theta.items()}
+        for got, ids in zip(exact, shares, strict=True):
+            tokens, _ = pad_channels([data.get(int(i)) for i in ids])
+            sums = channel_sums(cfg.model, params, tokens.unsqueeze(0))[0]
+            counts = torch.from_numpy(channel_targets(tokens)).double()
+            want = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+            assert (counts[3] == 0) == (ids[0] == 0)
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=REL, atol=REL)
+    ref = torch.tensor(exact)
+    fp32_loop = torch.tensor(one_update(loop.train_replicas, torch.float32))
+    fp32_stacked = torch.tensor(one_update(batched.train_replicas, torch.float32))
+    assert_within_rounding(fp32_stacked, fp32_loop, ref, 64 * U32 * float(ref.norm()), "channel losses")
