@@ -135,7 +135,7 @@ class DataConfig:
     # field below but `audio_delay` and `cache_dir` (python -m hypertrain.audio build; docs/audio.md).
     speech_voice: str = "en-us"  # an espeak-ng voice, as `espeak-ng --voices` names it (+variant allowed)
     speech_rate: int = 175  # words per minute (espeak-ng's default)
-    speech_sentences: int = 18000  # sentences spoken: a seeded sample of the source's distinct ones; 0 = all
+    speech_sentences: int = 17000  # sentences spoken: a seeded sample of the source's distinct ones; 0 = all
     speech_max_words: int = 24  # a longer sentence is cut into near-equal pieces of at most this many words
     speech_seed: int = 0  # the sentence sample and the quantiser's k-means
     mel_bins: int = 80  # log-mel bins per frame
@@ -296,7 +296,7 @@ def validate(cfg: TrainConfig) -> None:
         if m.arch != "multistream":  # refused here, before a first use would build the speech cache
             raise ConfigError(
                 f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
-                f"model.arch={m.arch!r} reads one stream; valid: the multistream model (model.arch=multistream)"
+                f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"
             )
     if d.name in ("text_files", "token_bin") and not d.path:
         raise ConfigError(f"data.path is empty; data={d.name} needs a path (a glob or a file)")

@@ -9,6 +9,8 @@ Sources (all read in sorted path order, files concatenated without separators):
 - `text_files`: the files matched by the glob `cfg.path` (`**` recursive), byte-level (vocab 256).
 - `token_bin`: a flat little-endian uint16/uint32 token file (nanoGPT's `train.bin`), memory-mapped;
   `vocab` is its largest token id + 1 (the trainer checks `model.vocab >= dataset.vocab`).
+- `speech`: espeak-ng speech of the stdlib's (or `cfg.path`'s) sentences as multistream examples,
+  built once into a cache: `hypertrain.audio.dataset.SpeechDataset` (docs/audio.md).
 Examples:
 - `windows`: window w is tokens `[w*seq_len, w*seq_len + seq_len + 1)`, so consecutive windows share
   one token and every token but the first is a target once; there are `(n_tokens - 1) // seq_len`.
@@ -38,11 +40,15 @@ import sysconfig
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hypertrain.config import ConfigError, DataConfig
+
+if TYPE_CHECKING:
+    from hypertrain.audio.dataset import SpeechDataset
 
 SampleFn = Callable[[int], np.ndarray]
 
@@ -113,8 +119,12 @@ class _Source:
     vocab: int
 
 
-def build_dataset(cfg: DataConfig) -> Dataset:
+def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:
     """The dataset `cfg` describes; raises ConfigError (one line) for a missing or too short source."""
+    if cfg.name == "speech":  # multistream examples from a built cache (hypertrain/audio, docs/audio.md)
+        from hypertrain.audio.dataset import speech_dataset
+
+        return speech_dataset(cfg)
     if cfg.examples not in ("windows", "documents"):
         raise ConfigError(f"data.examples={cfg.examples!r} is not valid; valid: 'windows', 'documents'")
     if cfg.name == "stdlib":
@@ -126,7 +136,9 @@ def build_dataset(cfg: DataConfig) -> Dataset:
             raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
         source = _token_bin_source(cfg.path, cfg.token_dtype)
     else:
-        raise ConfigError(f"data.name={cfg.name!r} is not valid; valid: 'stdlib', 'text_files', 'token_bin'")
+        raise ConfigError(
+            f"data.name={cfg.name!r} is not valid; valid: 'stdlib', 'text_files', 'token_bin', 'speech'"
+        )
 
     settings = {
         "v": _FINGERPRINT_VERSION,

@@ -48,7 +48,8 @@ CASES = {
     "unknown-group-option": Case(
         "an option a group does not have",
         ["model=huge"],
-        "In 'train': Could not find 'model/huge'; valid: base, multistream_small, multistream_tiny, small, tiny",
+        "In 'train': Could not find 'model/huge'; valid: base, multistream_small, multistream_tiny, small, "
+        "tiny",
         "pick one of the options listed",
         hydra=True,
     ),
@@ -69,7 +70,8 @@ CASES = {
     "schema-as-option": Case(
         "a schema's name used as an option",
         ["model=model_schema"],
-        "In 'train': Could not find 'model/model_schema'; valid: base, multistream_small, multistream_tiny, small, tiny",
+        "In 'train': Could not find 'model/model_schema'; valid: base, multistream_small, multistream_tiny, "
+        "small, tiny",
         "schemas are not options; pick one of the options listed",
         hydra=True,
     ),
@@ -83,7 +85,7 @@ CASES = {
     "unknown-experiment": Case(
         "an experiment that does not exist",
         ["experiment=nope"],
-        "experiment='nope' is not an experiment; valid: phases, quick, sweep_rh, weak_scaling",
+        "experiment='nope' is not an experiment; valid: audio_phases, phases, quick, sweep_rh, weak_scaling",
         "pick one of the experiments listed",
     ),
     "added-key": Case(
@@ -163,6 +165,13 @@ CASES = {
         ["model=multistream_tiny"],
         "model.arch=multistream needs data with several token channels, not data.name='stdlib'",
         "data=speech, or a one-channel model",
+    ),
+    "speech-on-the-byte-decoder": Case(
+        "speech data on the one-stream (byte) decoder",
+        ["data=speech"],
+        "data=speech gives 1 + data.codebooks = 13 token channels per frame but model.arch='decoder' "
+        "reads one stream; valid: model=multistream_tiny or multistream_small",
+        "model=multistream_tiny (refused before the speech is built)",
     ),
     "engine-option-without-dist": Case(
         "an engine=dist option on another engine",

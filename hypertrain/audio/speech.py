@@ -1,0 +1,179 @@
+"""espeak-ng through ctypes: text in, 16-bit mono audio and the library's timed events out.
+
+`Speaker(voice, rate)` loads `libespeak-ng.so.1` (or `$ESPEAK_NG_LIBRARY`), initialises it in
+synchronous retrieval mode with phoneme events, and `speak(text)` returns an `Utterance`: the samples
+at `sample_rate` Hz and every event of the synthesis callback (type, 0-based character position in
+`text`, length in characters, time in ms). Synthesis is deterministic: the same text, voice, rate and
+library version give the same samples and events. The library holds global state, so one `Speaker`
+per process. A missing library raises `EspeakMissing` (a `ConfigError`) naming how to install it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from hypertrain.config import ConfigError
+
+LIBRARY = "libespeak-ng.so.1"
+INSTALL = "apt-get install espeak-ng libespeak-ng1"
+
+# speak_lib.h (espeak-ng 1.49-1.52): the constants and the event struct of the legacy API.
+_AUDIO_OUTPUT_SYNCHRONOUS = 2
+_INITIALIZE_PHONEME_EVENTS = 1  # options bit 0: report espeakEVENT_PHONEME
+_POS_CHARACTER = 1
+_CHARS_UTF8 = 1
+_RATE = 1  # espeak_PARAMETER espeakRATE, words per minute
+_BUFFER_MS = 500  # audio handed to the callback at a time
+
+LIST_TERMINATED, WORD, SENTENCE, MARK, PLAY, END, MSG_TERMINATED, PHONEME, SAMPLERATE = range(9)
+
+
+class EspeakMissing(ConfigError):
+    """espeak-ng's library cannot be loaded or initialised."""
+
+
+class _EventId(ctypes.Union):
+    _fields_ = [("number", ctypes.c_int), ("name", ctypes.c_char_p), ("string", ctypes.c_char * 8)]
+
+
+class _Event(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("unique_identifier", ctypes.c_uint),
+        ("text_position", ctypes.c_int),  # 1-based, in characters of the text
+        ("length", ctypes.c_int),  # characters of the word (WORD events)
+        ("audio_position", ctypes.c_int),  # ms from the start of the synthesised speech
+        ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p),
+        ("id", _EventId),
+    ]
+
+
+_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event)
+)
+# The fields copied out of each event, as one numpy record (ints in the struct's own layout).
+_EVENT_DTYPE = np.dtype(
+    {
+        "names": ["type", "text_position", "length", "audio_position", "name"],
+        "formats": ["<i4", "<i4", "<i4", "<i4", "S8"],
+        "offsets": [
+            _Event.type.offset,
+            _Event.text_position.offset,
+            _Event.length.offset,
+            _Event.audio_position.offset,
+            _Event.id.offset,
+        ],
+        "itemsize": ctypes.sizeof(_Event),
+    }
+)
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One synthesis: `samples` int16 [n] at the speaker's rate; `events` in the order reported.
+
+    `events` is a structured array: `type` (WORD, PHONEME, END, ...), `position` (0-based character
+    index into the text), `length` (characters, WORD events), `ms` (time in the audio), `name` (the
+    phoneme's mnemonic, PHONEME events; empty otherwise).
+    """
+
+    samples: np.ndarray
+    events: np.ndarray
+
+
+def library_path() -> str:
+    """The library to load: `$ESPEAK_NG_LIBRARY` when set, else libespeak-ng.so.1 from the loader's path."""
+    return os.environ.get("ESPEAK_NG_LIBRARY") or LIBRARY
+
+
+class Speaker:
+    """espeak-ng in this process, set to one voice and rate; `speak(text)` synthesises."""
+
+    def __init__(self, voice: str, rate: int) -> None:
+        path = library_path()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as error:
+            reason = str(error).split(":")[-1].strip() or "cannot be loaded"
+            raise EspeakMissing(
+                f"espeak-ng's library {path} cannot be loaded ({reason}); data=speech synthesises its "
+                f"speech with it; install it: {INSTALL}"
+            ) from None
+        lib.espeak_Info.restype = ctypes.c_char_p
+        lib.espeak_Info.argtypes = [ctypes.c_void_p]
+        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.espeak_SetSynthCallback.argtypes = [_CALLBACK]
+        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+        lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.espeak_Synth.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_uint,
+            ctypes.c_int,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        self.version = lib.espeak_Info(None).decode()
+        self.sample_rate = lib.espeak_Initialize(
+            _AUDIO_OUTPUT_SYNCHRONOUS, _BUFFER_MS, None, _INITIALIZE_PHONEME_EVENTS
+        )
+        if self.sample_rate <= 0:
+            raise EspeakMissing(
+                f"espeak-ng's library {path} loaded but found no voice data; install it: {INSTALL}"
+            )
+        if lib.espeak_SetVoiceByName(voice.encode()) != 0:
+            raise ConfigError(
+                f"data.speech_voice={voice!r} is not an espeak-ng voice; "
+                "valid: a name or file `espeak-ng --voices` lists, e.g. 'en-us'"
+            )
+        if lib.espeak_SetParameter(_RATE, rate, 0) != 0:
+            raise ConfigError(
+                f"data.speech_rate={rate} is refused by espeak-ng; valid: 80..450 words per minute"
+            )
+        self.voice, self.rate = voice, rate
+        self._lib = lib
+        self._audio: list[bytes] = []
+        self._events: list[bytes] = []
+        self._callback = _CALLBACK(self._receive)  # kept alive as long as the speaker
+        lib.espeak_SetSynthCallback(self._callback)
+
+    def _receive(self, wav, count, events) -> int:
+        if count > 0:
+            self._audio.append(ctypes.string_at(wav, count * 2))
+        n = 0
+        while events[n].type != LIST_TERMINATED:
+            n += 1
+        if n:
+            self._events.append(ctypes.string_at(events, n * ctypes.sizeof(_Event)))
+        return 0  # go on synthesising
+
+    def speak(self, text: str) -> Utterance:
+        """The speech of `text` (one utterance, spoken to its end) with its events."""
+        self._audio, self._events = [], []
+        data = text.encode()
+        status = self._lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
+        if status != 0:
+            raise RuntimeError(f"espeak_Synth failed with status {status} on {text[:60]!r}")
+        samples = np.frombuffer(b"".join(self._audio), dtype="<i2").copy()
+        raw = np.frombuffer(b"".join(self._events), dtype=_EVENT_DTYPE)
+        events = np.empty(len(raw), dtype=EVENT_DTYPE)
+        events["type"] = raw["type"]
+        events["position"] = raw["text_position"] - 1
+        events["length"] = raw["length"]
+        events["ms"] = raw["audio_position"]
+        # A phoneme's mnemonic ends at its first zero byte (the rest of the 8 bytes is not cleared).
+        names = [name.split(b"\0", 1)[0] for name in raw["name"].tolist()]
+        events["name"] = np.where(raw["type"] == PHONEME, np.array(names, dtype="S8"), b"")
+        return Utterance(samples, events)
+
+
+EVENT_DTYPE = np.dtype(
+    [("type", "<i4"), ("position", "<i4"), ("length", "<i4"), ("ms", "<i4"), ("name", "S8")]
+)
