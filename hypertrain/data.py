@@ -80,9 +80,7 @@ class Dataset:
 
     def get(self, sample_id: int) -> np.ndarray:
         """Example `sample_id` as a fresh int64 array; the same id always gives the same row."""
-        i = operator.index(sample_id)
-        if not 0 <= i < self.n_total:
-            raise IndexError(f"sample id {i} is outside the stream; valid: 0..{self.n_total - 1}")
+        i = stream_index(sample_id, self.n_total)
         start = int(self._starts[i])
         length = self.max_length if self._lengths is None else int(self._lengths[i])
         return np.array(self._tokens[start : start + length], dtype=np.int64)
@@ -117,6 +115,14 @@ class _Source:
     digest: str  # sha256 hex of the file names and contents, in order
     label: str  # the start of the description, e.g. "stdlib (Python 3.11.7): 1790 files, 31.5 MB"
     vocab: int
+
+
+def stream_index(sample_id: int, n_total: int) -> int:
+    """`sample_id` as an index into a stream of `n_total` examples; IndexError naming the valid range."""
+    i = operator.index(sample_id)
+    if not 0 <= i < n_total:
+        raise IndexError(f"sample id {i} is outside the stream; valid: 0..{n_total - 1}")
+    return i
 
 
 def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:

@@ -151,7 +151,7 @@ def spread_plot(run: Run, name: str, number: int, out_dir: Path) -> Plot:
     ax.set_ylabel(f"loss ({LOSS_UNIT})")
     ax.set_title(f"{name}: training loss of its R = {run.replicas} replicas ({run.status})")
     ax.legend(fontsize="small")
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+    safe = file_safe(name)
     return _save(
         fig,
         out_dir,
@@ -162,6 +162,11 @@ def spread_plot(run: Run, name: str, number: int, out_dir: Path) -> Plot:
         "per-replica batches shrink as R grows, so compare runs by the held-out loss.",
         series=["min-max", "mean over replicas", "held-out loss of the global weights"],
     )
+
+
+def file_safe(name: str) -> str:
+    """`name` with every run of characters a file name should not hold replaced by `_`."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
 def phases_plot(rows: list[dict], sweep: str, out_dir: Path) -> Plot:
@@ -186,7 +191,7 @@ def phases_plot(rows: list[dict], sweep: str, out_dir: Path) -> Plot:
     speed.legend(fontsize="small")
     scaling.legend(fontsize="small")
     fig.suptitle(f"experiment=phases: {sweep}")
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", sweep).strip("_")
+    safe = file_safe(sweep)
     return _save(
         fig,
         out_dir,

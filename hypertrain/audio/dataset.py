@@ -32,6 +32,7 @@ import numpy as np
 from hypertrain.audio import cache, text
 from hypertrain.audio.codes import Quantizer
 from hypertrain.config import ConfigError, DataConfig
+from hypertrain.data import stream_index
 
 logger = logging.getLogger(__name__)
 NO_TOKEN = -1
@@ -75,9 +76,7 @@ class SpeechDataset:
 
     def get(self, sample_id: int) -> np.ndarray:
         """Example `sample_id` as a fresh int64 [channels, positions] array (layout: module docstring)."""
-        i = operator.index(sample_id)
-        if not 0 <= i < self.n_total:
-            raise IndexError(f"sample id {i} is outside the stream; valid: 0..{self.n_total - 1}")
+        i = stream_index(sample_id, self.n_total)
         start, frames = int(self._starts[i]), int(self._frames[i])
         codes = np.asarray(self._codes[start : start + frames], dtype=np.int64).T  # [K, T]
         out = np.full((self.channels, self._length(frames)), NO_TOKEN, dtype=np.int64)
