@@ -15,6 +15,7 @@ nothing); one is active at a time, and `requested()` tells anyone whether it has
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -81,8 +82,9 @@ class StopSignals:
         # and through its launcher): the launcher's or scheduler's SIGKILL is the hard stop.
         if self.received is None:
             self.received = signum
-            name = signal.Signals(signum).name
-            print(f"hypertrain: {name} received: stopping after the update in flight", file=sys.stderr)
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # one line per run
+                name = signal.Signals(signum).name
+                print(f"hypertrain: {name} received: stopping after the update in flight", file=sys.stderr)
 
     def hand_over(self) -> None:
         """After the stop's checkpoint: call the handler that was there before (a launcher's requeue)
