@@ -101,11 +101,7 @@ class Dataset:
         return self._lengths[index].copy()
 
     def _checked(self, ids: Iterable[int]) -> np.ndarray:
-        index = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
-        if index.size and (index.min() < 0 or index.max() >= self.n_total):
-            bad = index[(index < 0) | (index >= self.n_total)][0]
-            raise IndexError(f"sample id {bad} is outside the stream; valid: 0..{self.n_total - 1}")
-        return index
+        return stream_indices(ids, self.n_total)
 
 
 @dataclass(frozen=True)
@@ -123,6 +119,15 @@ def stream_index(sample_id: int, n_total: int) -> int:
     if not 0 <= i < n_total:
         raise IndexError(f"sample id {i} is outside the stream; valid: 0..{n_total - 1}")
     return i
+
+
+def stream_indices(ids: Iterable[int], n_total: int) -> np.ndarray:
+    """`ids` as an int64 index array into a stream of `n_total`; IndexError naming the first outside."""
+    index = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
+    if index.size and (index.min() < 0 or index.max() >= n_total):
+        bad = index[(index < 0) | (index >= n_total)][0]
+        raise IndexError(f"sample id {bad} is outside the stream; valid: 0..{n_total - 1}")
+    return index
 
 
 def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:

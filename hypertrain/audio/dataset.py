@@ -32,7 +32,7 @@ import numpy as np
 from hypertrain.audio import cache, text
 from hypertrain.audio.codes import Quantizer
 from hypertrain.config import ConfigError, DataConfig
-from hypertrain.data import stream_index
+from hypertrain.data import stream_index, stream_indices
 
 logger = logging.getLogger(__name__)
 NO_TOKEN = -1
@@ -147,11 +147,7 @@ class SpeechDataset:
         return frames + 1 + max(1, self.audio_delay)
 
     def _checked(self, ids: Iterable[int]) -> np.ndarray:
-        index = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
-        if index.size and (index.min() < 0 or index.max() >= self.n_total):
-            bad = index[(index < 0) | (index >= self.n_total)][0]
-            raise IndexError(f"sample id {bad} is outside the stream; valid: 0..{self.n_total - 1}")
-        return index
+        return stream_indices(ids, self.n_total)
 
 
 def speech_dataset(cfg: DataConfig) -> SpeechDataset:
