@@ -213,7 +213,7 @@ class RunLogger:
         import wandb
 
         self._mode = os.environ.get("WANDB_MODE") or self.logger_cfg.mode
-        settings = dict(
+        settings = lambda: dict(  # noqa: E731  (fresh per attempt: wandb.init writes the id into Settings)
             project=self.logger_cfg.project,
             entity=self.logger_cfg.entity or None,
             dir=str(self.run_dir),
@@ -233,7 +233,7 @@ class RunLogger:
         # does, go on under a new id (metrics.jsonl is the record; the resume row says where).
         for attempt in range(WANDB_ID_RETRIES + 1):
             try:
-                run = wandb.init(id=self.wandb_id, **settings)
+                run = wandb.init(id=self.wandb_id, **settings())
                 break
             except Exception as e:  # wandb's ServerResponseError has no stable import path
                 if self.wandb_id is None or "in use" not in str(e):
@@ -244,7 +244,7 @@ class RunLogger:
                         stacklevel=2,
                     )
                     self.wandb_id = None
-                    run = wandb.init(id=None, **settings)
+                    run = wandb.init(id=None, **settings())
                     break
                 time.sleep(1.0)
         run.define_metric("update")

@@ -162,6 +162,10 @@ def main(dict_cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    # A W&B service token inherited from the parent process (wandb keeps it in WANDB_SERVICE) would
+    # make this run a client of the parent's service: a run of a killed earlier session would still
+    # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
+    os.environ.pop("WANDB_SERVICE", None)
     sys.argv = quote_numeric_choices(sys.argv)
     preflight.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
     main()
