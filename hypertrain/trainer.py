@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from hypertrain import checkpoint, fault_points, plan, preemption
-from hypertrain.batches import ReplicaBatch, channel_targets, is_multistream, replica_batch
+from hypertrain.batches import ReplicaBatch, is_multistream, replica_batch
 from hypertrain.checkpoint import Checkpointer
 from hypertrain.config import ConfigError, ModelConfig, TrainConfig
 from hypertrain.data import Dataset, build_dataset
@@ -37,12 +37,13 @@ from hypertrain.engines import (
     Engine,
     ReplicaResult,
     StopAfter,
+    channel_means,
     engine_for,
-    microbatch_loss,
+    microbatch_terms,
 )
 from hypertrain.failures import NonFiniteError
 from hypertrain.log import NoLog, RunLogger
-from hypertrain.model import Params, channel_sums, count_params, init_params
+from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
     outer_step,
     pseudo_gradient_sum,
@@ -181,25 +182,29 @@ def round_bytes(cfg: TrainConfig, params: int, updates: int, synced: int) -> tup
 @torch.no_grad()
 def heldout_loss(run: PreparedRun, theta: Params) -> float:
     """Token-mean loss of the global weights on the held-out ids (the last data.heldout ids)."""
-    params = {n: t.unsqueeze(0) for n, t in theta.items()}
-    total = sum(microbatch_loss(run.cfg, params, mb).double() for mb in run.heldout.microbatches)
-    return float(total)
+    return heldout_eval(run, theta)[0]
 
 
 @torch.no_grad()
-def heldout_channels(run: PreparedRun, theta: Params) -> dict[str, float]:
-    """multistream: the held-out token mean of the text channel (channel 0) and the mean over the
-    audio channels (1..C-1) of theirs, as `eval_loss_text` and `eval_loss_audio_mean`; {} otherwise."""
-    if run.cfg.model.arch != "multistream" or not run.heldout.microbatches:
-        return {}
+def heldout_eval(run: PreparedRun, theta: Params) -> tuple[float, dict[str, float]]:
+    """The held-out loss of the global weights and, for multistream, from the same forward passes,
+    the text channel's (channel 0) held-out token mean and the mean over the audio channels (1..C-1)
+    of theirs, as `eval_loss_text` and `eval_loss_audio_mean` ({} otherwise)."""
     params = {n: t.unsqueeze(0) for n, t in theta.items()}
-    device = torch.device(run.cfg.engine.device)
-    sums, counts = 0.0, 0
+    total, sums, counts = 0, None, None
     for mb in run.heldout.microbatches:
-        sums = sums + channel_sums(run.cfg.model, params, mb.tokens.unsqueeze(0).to(device))[0].double()
-        counts = counts + torch.from_numpy(channel_targets(mb.tokens)).double().to(device)
-    means = (sums / counts.clamp(min=1)).tolist()
-    return {"eval_loss_text": means[0], "eval_loss_audio_mean": sum(means[1:]) / max(1, len(means) - 1)}
+        loss, channel = microbatch_terms(run.cfg, params, mb)
+        total = total + loss.double()
+        if channel is not None:
+            sums = channel.double() + (0 if sums is None else sums)
+            counts = mb.channel_counts.to(channel.device) + (0 if counts is None else counts)
+    if sums is None:
+        return float(total), {}
+    means = channel_means(sums, counts).tolist()
+    return float(total), {
+        "eval_loss_text": means[0],
+        "eval_loss_audio_mean": sum(means[1:]) / max(1, len(means) - 1),
+    }
 
 
 def assignments(
@@ -480,14 +485,14 @@ def after_sync(
     measured = groups.comm_stats()
     eval_loss = math.nan
     if groups.is_writer:
-        eval_loss = heldout_loss(run, state.theta)
+        eval_loss, channels = heldout_eval(run, state.theta)
         if not math.isfinite(eval_loss):
             raise NonFiniteError(
                 f"the held-out loss of the global weights after the sync at update "
                 f"{rnd.updates[-1] + 1} is {eval_loss}; the run stops"
             )
         progress.eval_loss = eval_loss
-        measured |= heldout_channels(run, state.theta)
+        measured |= channels
         log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
     if checkpointer is not None:
         checkpointer.after_sync(state, last=state.next_update >= run.updates)
@@ -548,9 +553,9 @@ def train(
             "env/torch": torch.__version__,
         }
     )
-    eval_loss = heldout_loss(run, state.theta) if writer else math.nan
+    eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
     if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
-        log.log_eval(update=0, eval_loss=eval_loss, **(heldout_channels(run, state.theta) if writer else {}))
+        log.log_eval(update=0, eval_loss=eval_loss, **channels)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never")
     progress.eval_loss = eval_loss
     start = time.perf_counter()
