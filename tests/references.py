@@ -37,7 +37,7 @@ def schedule_lr(inner: InnerConfig, update: int) -> float:
     )
 
 
-# Float64 references and the rounding bounds derived from them (DESIGN.md, "within float rounding").
+# Float64 references and the rounding bounds derived from them (docs/design.md, "Within float rounding").
 #
 # A result computed in fp32 is compared with the same computation in float64 (hypertrain's own code on
 # float64 tensors, in `float64_arithmetic`). Two fp32 paths that evaluate the same real-number expression

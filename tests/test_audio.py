@@ -134,7 +134,7 @@ def test_a_small_build_gives_multistream_examples_with_the_seeds_channel_counts(
     assert figures["examples"] + figures["dropped_unaligned"] == figures["sentences_spoken"] == 300
     K = d.manifest["inputs"]["codebooks"]
     assert d.channels == 1 + K and d.channel_vocabs == (512,) + (64,) * K
-    assert d.channel_scales == (1.0,) + (32.0 / K,) * K  # DESIGN.md: text k = 1, each codebook 32 / K
+    assert d.channel_scales == (1.0,) + (32.0 / K,) * K  # docs/design.md "Loss weights": 1, 32 / K
     ids = np.arange(d.n_total)
     frames = d.frames(ids)
     assert frames.sum() == figures["frames"]

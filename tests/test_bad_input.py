@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_entry import QUICK, entry, tree
+from helpers import QUICK, entry, tree
 
 from hypertrain.failures import EXIT_CODES
 
@@ -99,6 +99,36 @@ CASES = {
         ["outer.name=average"],
         "outer.name='average' only labels the run; the outer is chosen with outer=...",
         "choose the option: outer=average",
+    ),
+    "model-label-not-option": Case(
+        "the model's label changed instead of its option",
+        ["model.name=small"],
+        "model.name='small' only labels the run; the model is chosen with model=...",
+        "choose the option: model=small",
+    ),
+    "unknown-state-policy": Case(
+        "an inner state policy that does not exist",
+        ["inner.state_policy=keep"],
+        "inner.state_policy='keep' is not valid; valid: 'carry', 'reset', 'average'",
+        "one of the policies listed",
+    ),
+    "kv-heads-not-dividing-heads": Case(
+        "key/value heads that do not divide the heads",
+        ["model.n_kv_heads=3"],
+        "model.n_kv_heads=3 does not divide model.n_heads=4",
+        "a divisor of model.n_heads",
+    ),
+    "vocab-below-the-data": Case(
+        "a vocabulary smaller than the data's",
+        ["model.vocab=100"],
+        "model.vocab=100 is smaller than the data's vocabulary (256); valid: >= 256",
+        "model.vocab at least the data's vocabulary",
+    ),
+    "min-lr-ratio-out-of-range": Case(
+        "a minimum learning-rate ratio outside [0, 1]",
+        ["inner.min_lr_ratio=1.5"],
+        "inner.min_lr_ratio=1.5 is out of range; valid: [0, 1]",
+        "a ratio in [0, 1]",
     ),
     "replicas-not-dividing-world": Case(
         "R that does not divide the world",
@@ -185,6 +215,12 @@ CASES = {
         "engine=dist with 3 processes, world.size=8 and replicas=4 fits no layout; valid: benchmark",
         "processes = world.size, or a divisor of replicas",
     ),
+    "cuda-on-a-cpu-build": Case(
+        "a CUDA device on a machine or torch build without one",
+        ["engine.device=cuda"],
+        "engine.device='cuda'",
+        "cpu, or a machine whose torch sees a CUDA device",
+    ),
     "absent-device": Case(
         "a device this machine does not have",
         ["engine.device=cuda:99"],
@@ -262,6 +298,8 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
     case = CASES[name]
     if name == "absent-device" and torch.cuda.device_count() > 99:
         pytest.skip("this machine has a 100th CUDA device")
+    if name == "cuda-on-a-cpu-build" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: engine.device=cuda is valid here")
     cwd = tmp_path / "work"
     cwd.mkdir()
     for file, data in case.files.items():

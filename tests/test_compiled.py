@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import assert_engines_agree, cfg_for, run_rounds
 from references import U32, assert_within_rounding, float64_inner_step, float64_state, to_float64
-from test_stacked import assert_engines_agree, cfg_for, run_rounds
 from torch._dynamo.utils import counters
 
 from hypertrain.compiled import inner_step_fn
@@ -24,11 +24,16 @@ from hypertrain.model import init_params, param_roles
 from hypertrain.optim import init_state, inner_step
 from hypertrain.sim import batched
 
-NO_COMPILER = shutil.which(os.environ.get("CXX", "g++")) is None
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(NO_COMPILER, reason="torch.compile's inductor needs a C++ compiler"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def a_cxx_compiler():
+    """torch.compile's inductor builds C++: `scripts/setup --dev` installs g++, so its absence fails."""
+    compiler = os.environ.get("CXX", "g++")
+    assert shutil.which(compiler), (
+        f"no C++ compiler {compiler!r} on PATH (`scripts/setup --dev` installs g++)"
+    )
 
 
 def compiled_graphs() -> int:

@@ -1,6 +1,6 @@
 """engine=dist on real processes (gloo, CPU), run through the entry as a user runs it.
 
-DESIGN.md, "Real processes" and invariant 7.
+docs/design.md, "Real processes" and invariant 7.
 
 Parity. Each case runs `python -m hypertrain.train engine=dist ...` (self-launched workers,
 or `torchrun`) in a subprocess and compares what rank 0 wrote (per-replica losses at every update from
@@ -38,87 +38,34 @@ import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    FAULT_ENV,
+    QUICK,
+    compose_cfg,
+    entry,
+    error_lines,
+    finish,
+    rounding_floors,
+    start_entry,
+    tree,
+)
 from omegaconf import OmegaConf
 from references import assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
-from test_entry import QUICK, _compose, tree
-from test_stacked import rounding_floors
 
 from hypertrain import loop
 from hypertrain.config import EngineConfig, TrainConfig, validate
 from hypertrain.failures import RankFailed
 from hypertrain.log import read_metrics
 from hypertrain.run_state import RunState
-from hypertrain.train import quote_numeric_choices
 from hypertrain.trainer import heldout_loss, initial_weights, prepare, rounds
 from hypertrain.wandb_offline import read_run
 
-FAULT_ENV = "HYPERTRAIN_FAULT"  # the test-only fault hook: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
-TIMEOUT = 300  # seconds for one entry subprocess: a bug fails the test instead of hanging CI
 DIST = [*QUICK, "logger=none", "engine=dist"]
-
-
-def _command(args: list[str], torchrun: int = 0) -> list[str]:
-    if not torchrun:
-        return [sys.executable, "-m", "hypertrain.train", *args]
-    script = Path(sys.executable).with_name("torchrun")  # the venv's torchrun, else the module it runs
-    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    # --standalone: a free port for the rendezvous, so parallel tests never collide on torchrun's 29500.
-    return [*launcher, "--standalone", "--nproc_per_node", str(torchrun), "-m", "hypertrain.train", *args]
-
-
-def start_entry(args: list[str], cwd: Path, env: dict | None = None, torchrun: int = 0) -> subprocess.Popen:
-    """test_entry's `entry()` environment (offline W&B, one line per Hydra error), one thread per
-    process, no fault unless asked; started in its own session so a hung run can be stopped whole."""
-    base = os.environ | {
-        "WANDB_MODE": "offline",
-        "WANDB_ERROR_REPORTING": "false",
-        "HYDRA_FULL_ERROR": "0",
-        "OMP_NUM_THREADS": "1",
-    }
-    for name in ("WANDB_DIR", FAULT_ENV, "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        base.pop(name, None)
-    return subprocess.Popen(
-        _command(args, torchrun),
-        cwd=cwd,
-        env=base | (env or {}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the entry and the workers it started, nothing else
-        out, err = proc.communicate()
-        pytest.fail(f"the entry ran past {timeout} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def entry(
-    args: list[str], cwd: Path, env: dict | None = None, torchrun: int = 0
-) -> subprocess.CompletedProcess:
-    return finish(start_entry(args, cwd, env, torchrun))
-
-
-def compose_cfg(overrides: list[str]) -> TrainConfig:
-    """The TrainConfig the entry builds from these command-line overrides (before its layout is filled)."""
-    return OmegaConf.to_object(_compose(quote_numeric_choices(overrides)))
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("hypertrain:")]
 
 
 # -- the simulation ------------------------------------------------------------------------------

@@ -3,39 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
+from helpers import CONF, QUICK, compose_train, entry
 from omegaconf import OmegaConf
 
 from hypertrain import plan
-from hypertrain.config import ConfigError, TrainConfig, register_configs, validate
+from hypertrain.config import ConfigError, TrainConfig, validate
 from hypertrain.log import read_metrics
 from hypertrain.wandb_offline import read_run
-
-REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
-QUICK = ["experiment=quick", "model.d_model=32", "data.seq_len=32", "data.heldout=64"]
-
-
-def entry(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false", "HYDRA_FULL_ERROR": "0"}
-    env.pop("WANDB_DIR", None)
-    return subprocess.run(
-        [sys.executable, "-m", "hypertrain.train", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_default_entry_writes_metrics_plan_and_a_matching_wandb_run(tmp_path):
@@ -99,72 +78,6 @@ def test_progress_shows_on_request_and_stays_quiet_otherwise(tmp_path):
     assert "ETA" not in quiet.stderr
 
 
-def tree(path: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) under `path`: what a rejected run must leave alone."""
-    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in path.rglob("*")}
-
-
-NO_CUDA = not torch.cuda.is_available()
-
-
-@pytest.mark.parametrize(
-    ("override", "named"),
-    [
-        ("replicas=3", "replicas=3"),
-        ("inner.H=0", "inner.H=0"),
-        ("phase.offset=100000000", "phase.offset=100000000"),
-        ("model.n_kv_heads=3", "model.n_kv_heads=3"),
-        ("inner.state_policy=keep", "inner.state_policy='keep'"),
-        ("data=text_files", "data.path"),
-        ("model.vocab=100", "model.vocab=100"),
-        ("phase.global_batch=1", "phase.global_batch=1"),
-        ("inner.min_lr_ratio=1.5", "inner.min_lr_ratio=1.5"),
-        ("outer.name=average", "outer.name='average'"),
-        ("model.name=small", "model.name='small'"),
-        pytest.param(
-            "engine.device=cuda",
-            "engine.device='cuda'",
-            marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is present"),
-        ),
-        ("engine.device=cuda:99", "engine.device='cuda:99'"),
-    ],
-)
-def test_a_bad_value_fails_with_one_line_and_exit_code_2_and_creates_nothing(tmp_path, override, named):
-    """Checked before Hydra makes the run directory: nothing at all appears in the working directory."""
-    done = entry([*QUICK, override], tmp_path)
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("hypertrain: error:"), done.stderr
-    assert named in lines[0]
-    assert tree(tmp_path) == {}, "a rejected run left files behind"
-
-
-def test_a_run_directory_under_a_file_fails_with_one_line(tmp_path):
-    (tmp_path / "notes").write_text("x")
-    done = entry([*QUICK, f"hydra.run.dir={tmp_path / 'notes' / 'run'}"], tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        f"hypertrain: error: hydra.run.dir={tmp_path / 'notes' / 'run'} lies under {tmp_path / 'notes'}, "
-        "which is a file; valid: a path under a directory"
-    ]
-    assert tree(tmp_path) == {"notes": b"x"}
-
-
-def test_an_empty_data_file_fails_with_one_line_naming_it(tmp_path):
-    (tmp_path / "empty.txt").write_bytes(b"")
-    done = entry([*QUICK, "data=text_files", "data.path=empty.txt"], tmp_path)
-    assert done.returncode == 2, done.stderr
-    (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("hypertrain: error: data.path='empty.txt'") and "heldout < 0" not in line
-    assert tree(tmp_path) == {"empty.txt": b""}
-
-
-def test_the_schemas_are_not_offered_as_group_options(tmp_path):
-    done = entry(["model=huge"], tmp_path)
-    assert "Could not find 'model/huge'" in done.stderr
-    assert "tiny" in done.stderr and "_schema" not in done.stderr
-
-
 def test_a_diverging_run_exits_1_with_one_line_and_closed_records(tmp_path):
     run_dir = tmp_path / "run"
     done = entry([*QUICK, "inner.lr=1e30", "inner.warmup_steps=0", f"hydra.run.dir={run_dir}"], tmp_path)
@@ -180,34 +93,13 @@ def test_a_diverging_run_exits_1_with_one_line_and_closed_records(tmp_path):
     assert read_run(wandb_dir)["exit_code"] == 1
 
 
-def test_a_second_run_into_the_same_directory_is_refused_and_the_first_kept(tmp_path):
-    run_dir = tmp_path / "run"
-    assert entry([*QUICK, "logger=none", f"hydra.run.dir={run_dir}"], tmp_path).returncode == 0
-    before = tree(run_dir)
-    done = entry([*QUICK, "logger=none", "seed=1", f"hydra.run.dir={run_dir}"], tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("hypertrain: error: hydra.run.dir=")
-    assert tree(run_dir) == before  # not one byte of the first run touched, .hydra/ included
-
-
-def test_an_unknown_option_fails_with_hydras_wording_in_one_line(tmp_path):
-    """Hydra's own composition error, checked before Hydra runs: its first line and the options."""
-    done = entry(["model=huge"], tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "hypertrain: error: In 'train': Could not find 'model/huge'; valid: base, multistream_small, "
-        "multistream_tiny, small, tiny"
-    ]
-    assert tree(tmp_path) == {}
-
-
 @pytest.mark.parametrize("launcher", ["basic", "joblib"])
 def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, launcher):
     sweep = tmp_path / "sweep"
     done = entry(
         ["-m", *QUICK, "world=4,8", "replicas=1,2", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}"],
         tmp_path,
-        600,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     jobs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists())
@@ -224,23 +116,8 @@ def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, laun
     assert digests["0_w4_r1_h3"] == digests["2_w8_r1_h3"] != digests["1_w4_r2_h3"]
 
 
-def test_a_sweep_stops_at_the_first_invalid_job(tmp_path):
-    sweep = tmp_path / "sweep"
-    done = entry(["-m", *QUICK, "replicas=3,2", f"hydra.sweep.dir={sweep}"], tmp_path)
-    assert done.returncode == 2
-    assert "hypertrain: error: replicas=3 does not divide world.size (8)" in done.stderr
-    assert not list(sweep.glob("*/metrics.jsonl"))
-    assert not [p for p in sweep.iterdir() if p.is_dir()]  # the rejected job's directory is removed
-
-
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def _compose(overrides: list[str], hydra_cfg: bool = False):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=hydra_cfg)
 
 
 @pytest.mark.parametrize(
@@ -256,7 +133,7 @@ def _compose(overrides: list[str], hydra_cfg: bool = False):
 def test_every_config_option_composes_and_validates(override):
     # Speech has several token channels per frame: it is read by the multistream model.
     model = ["model=multistream_tiny"] if override == "data=speech" else []
-    cfg = _compose([override, *model, "replicas=1"])
+    cfg = compose_train([override, *model, "replicas=1"])
     typed: TrainConfig = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
     if override == "data=text_files" or override == "data=token_bin":
@@ -268,13 +145,13 @@ def test_every_config_option_composes_and_validates(override):
 
 @pytest.mark.parametrize("name", _options("phase"))
 def test_phase_options_are_the_plans_presets(name):
-    typed: TrainConfig = OmegaConf.to_object(_compose([f"phase={name}"]))
+    typed: TrainConfig = OmegaConf.to_object(compose_train([f"phase={name}"]))
     assert typed.phase.to_plan() == plan.PRESETS[name]
 
 
 def test_the_slurm_launcher_presets_compose_for_a_plain_cpu_cluster():
     for preset, tasks in (("slurm", 1), ("slurm_dist", 2)):  # tests/test_slurm.py runs them on SLURM
-        launcher = _compose([f"hydra/launcher={preset}"], hydra_cfg=True).hydra.launcher
+        launcher = compose_train([f"hydra/launcher={preset}"], hydra_cfg=True).hydra.launcher
         assert launcher._target_ == "hydra_plugins.hypertrain_slurm.slurm_launcher.SlurmLauncher"
         assert (launcher.gpus_per_node, launcher.gres, launcher.partition) == (None, None, None)
         assert launcher.tasks_per_node * launcher.nodes == tasks and launcher.max_num_timeout > 0
@@ -282,4 +159,4 @@ def test_the_slurm_launcher_presets_compose_for_a_plain_cpu_cluster():
 
 def test_a_typo_in_a_field_is_rejected_by_the_schema():
     with pytest.raises(Exception, match="inner.hh"):
-        _compose(["inner.hh=3"])
+        compose_train(["inner.hh=3"])

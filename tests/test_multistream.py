@@ -1,10 +1,10 @@
 """The multistream model's loss: exact for any partition into ranks and microbatches.
 
-DESIGN.md ("Loss"): per replica and update, the token mean of each channel over the replica batch,
-combined as `sum_c k_c * mean_c / sum_c k_c` over the channels that have targets. The data here is
-a small synthetic multistream set made in the test (random tokens; holes where a channel has no
-token, as a delayed codebook's first frame; a channel with no targets at all in some examples;
-examples of 2 to 13 positions): the property is arithmetic, so any tokens exercise it.
+docs/design.md ("Loss weights"): per replica and update, the token mean of each channel over the
+replica batch, combined as `sum_c k_c * mean_c / sum_c k_c` over the channels that have targets.
+The data here is a small synthetic multistream set made in the test (random tokens; holes where a
+channel has no token, as a delayed codebook's first frame; a channel with no targets at all in some
+examples; examples of 2 to 13 positions): the property is arithmetic, so any tokens exercise it.
 
 - The reference objective is computed in the test from its definition: one padded batch of all
   the replica's examples, the model's per-channel cross-entropy sums (`model.channel_sums`) divided
@@ -258,17 +258,15 @@ def speech(tmp_path_factory) -> list[str]:
 
 
 def build_speech(overrides: list[str]) -> None:
-    """`python -m hypertrain.audio build` with the data fields of `overrides` (a skip, saying why,
-    where espeak-ng is not installed)."""
+    """`python -m hypertrain.audio build` with the data fields of `overrides` (espeak-ng is installed by
+    `scripts/setup --dev`: its absence fails, naming the set-up)."""
     import subprocess
     import sys
 
     args = [a for a in overrides if a.startswith("data.") and not a.startswith("data.heldout")]
     command = [sys.executable, "-m", "hypertrain.audio", "build", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0 and "espeak-ng" in done.stderr and "install" in done.stderr:
-        pytest.skip(f"espeak-ng is not installed here: {done.stderr.strip()}")
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, f"{done.stderr.strip()} (`scripts/setup --dev` installs espeak-ng)"
 
 
 def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import run_losses, small_cfg
 from references import U32
-from test_trainer import run_losses, small_cfg
 
 from hypertrain.config import ConfigError, InnerConfig, PhaseConfig, validate
 from hypertrain.engines import check_finite

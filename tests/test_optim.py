@@ -1,6 +1,6 @@
 """The inner and outer optimizers against torch's own optimizers and float64 references.
 
-No bound here is a measured difference. Two kinds (DESIGN.md, "within float rounding"):
+No bound here is a measured difference. Two kinds (docs/design.md, "Within float rounding"):
 - Two fp32 paths of the same arithmetic (ours and torch's, stacked and per-replica, batched and
   single Newton-Schulz): both against a float64 reference, ours within twice the other's error or
   twice a floor of k roundings of the stored values (tests/references.py, `assert_within_rounding`).

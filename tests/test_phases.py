@@ -11,7 +11,7 @@ import json
 import math
 
 import pytest
-from test_entry import QUICK, entry  # noqa: F401  (QUICK documents the small-model overrides)
+from helpers import entry
 
 from hypertrain import plan
 from hypertrain.log import read_metrics
@@ -23,7 +23,9 @@ SMALL = ["model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("phases")
-    done = entry(["experiment=phases", "world=2,4", *SMALL, f"hydra.sweep.dir={tmp / 'sweep'}"], tmp, 600)
+    done = entry(
+        ["experiment=phases", "world=2,4", *SMALL, f"hydra.sweep.dir={tmp / 'sweep'}"], tmp, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     return tmp / "sweep", done
 

@@ -1,4 +1,4 @@
-"""The vectorised plan against plain-Python references written from DESIGN.md, and the channel weights."""
+"""The vectorised plan against plain-Python references written from docs/design.md; the channel weights."""
 
 from __future__ import annotations
 

@@ -32,8 +32,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dist import error_lines, finish, start_entry
-from test_resume import BASE, DATA, ENGINES, INNERS, KILLED, assert_identical, ckpt, outcome, run
+from helpers import (
+    BASE,
+    DATA,
+    ENGINES,
+    INNERS,
+    KILLED,
+    assert_identical,
+    ckpt,
+    entry,
+    error_lines,
+    finish,
+    outcome,
+    start_entry,
+)
 
 from hypertrain.checkpoint import SUPERSEDED_FILE, checkpoints
 from hypertrain.log import METRICS_FILE, read_metrics
@@ -76,7 +88,7 @@ def assert_stopped_after(run_dir: Path, update: int, done, name: str) -> None:
 
 
 def resume_auto(run_dir: Path, overrides: list[str], cwd: Path) -> None:
-    done = run([*overrides, f"hydra.run.dir={run_dir}", "resume=auto"], cwd)
+    done = entry([*overrides, f"hydra.run.dir={run_dir}", "resume=auto"], cwd)
     assert done.returncode == 0, done.stderr
     rows = rows_of(run_dir)
     assert [r["update"] for r in rows if r["kind"] == "update"] == list(range(1, 9))
@@ -98,7 +110,7 @@ def test_a_stop_signal_stops_after_the_update_checkpointed_and_resume_auto_finis
 ):
     overrides = [*H4, *ENGINES[engine]]
     run_dir = tmp_path / "run"
-    done = run([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
+    done = entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
     update = int(fault.split(":")[1])
     assert_stopped_after(run_dir, update, done, name)
     resume_auto(run_dir, overrides, tmp_path)
@@ -117,7 +129,7 @@ def test_the_other_optimizers_and_data_stop_and_resume_the_same(tmp_path, engine
     reference = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'reference'}"], tmp_path)
     run_dir = tmp_path / "run"
     rank = "1" if engine == "dist" else "0"
-    done = run([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, f"{rank}:3:term:after")
+    done = entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, f"{rank}:3:term:after")
     assert finish(reference).returncode == 0
     assert_stopped_after(run_dir, 3, done, "SIGTERM")
     resume_auto(run_dir, overrides, tmp_path)
@@ -151,12 +163,12 @@ def test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run(tmp_pa
 def test_checkpoints_every_few_updates_inside_a_round_resume_exactly(tmp_path, references):
     overrides = [*H4, "checkpoint.every_updates=3", "checkpoint.keep=10"]
     run_dir = tmp_path / "run"
-    killed = run([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, "0:7:kill:after")
+    killed = entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, "0:7:kill:after")
     assert killed.returncode == KILLED, killed.stderr
     assert checkpoints(run_dir) == [ckpt(run_dir, u) for u in (3, 4, 6)]  # 3, 6 mid-round; 4 a sync's
     rows = [r for r in rows_of(run_dir) if r["kind"] == "checkpoint"]
     assert [(r["update"], r["mid_round"]) for r in rows] == [(3, True), (4, False), (6, True)]
-    done = run([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     resumed = [r for r in rows_of(run_dir) if r["kind"] == "resume"]
     assert [r["update"] for r in resumed] == [6]
@@ -177,7 +189,7 @@ def test_killed_while_writing_resumes_from_the_previous_checkpoint_exactly(
     has the previous one. A row is appended: killed half-way, the torn row lies past the
     checkpoint's length and moves to metrics.superseded.jsonl."""
     run_dir = tmp_path / "run"
-    killed = run([*H4, f"hydra.run.dir={run_dir}"], tmp_path, fault)
+    killed = entry([*H4, f"hydra.run.dir={run_dir}"], tmp_path, fault)
     assert killed.returncode == KILLED, killed.stderr
     assert checkpoints(run_dir)[-1] == ckpt(run_dir, newest)
     before = (run_dir / METRICS_FILE).read_bytes()
@@ -185,7 +197,7 @@ def test_killed_while_writing_resumes_from_the_previous_checkpoint_exactly(
         assert not before.endswith(b"\n")  # the torn row
     else:
         assert ckpt(run_dir, 8).with_name(ckpt(run_dir, 8).name + ".tmp").exists()
-    done = run([*H4, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*H4, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     saved = torch.load(ckpt(run_dir, newest), weights_only=False)
     assert (run_dir / SUPERSEDED_FILE).read_bytes() == before[saved["metrics_bytes"] :]
@@ -196,7 +208,7 @@ def test_killed_while_writing_resumes_from_the_previous_checkpoint_exactly(
 def test_a_mid_round_checkpoint_without_the_replica_weights_resumes_to_another_run(tmp_path, references):
     """Negative control: the global weights in place of replica 1's weights inside the round."""
     run_dir = tmp_path / "run"
-    stopped = run([*H4, f"hydra.run.dir={run_dir}"], tmp_path, "0:2:term:after")
+    stopped = entry([*H4, f"hydra.run.dir={run_dir}"], tmp_path, "0:2:term:after")
     assert stopped.returncode == STOPPED, stopped.stderr
     path = ckpt(run_dir, 2)
     saved = torch.load(path, weights_only=False)

@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import rounding_floors
 from references import assert_losses_within_rounding, schedule_lr, torch_adamw
 from smoke_fixture import FIXTURE, smoke_config, smoke_losses
-from test_stacked import rounding_floors
 
 from hypertrain import plan
 from hypertrain.model import init_params

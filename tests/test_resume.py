@@ -1,4 +1,4 @@
-"""Stop anywhere, resume from the last checkpoint: the rest is bit-identical (DESIGN.md invariant 9).
+"""Stop anywhere, resume from the last checkpoint: the rest is bit-identical (docs/design.md invariant 9).
 
 Every case runs the entry as a user does (`python -m hypertrain.train`, a subprocess) and stops a
 run with the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:kill`: SIGKILL at the start of
@@ -29,35 +29,35 @@ A known limitation: a SIGKILLed session's W&B piece holds only what wandb's writ
 from __future__ import annotations
 
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from test_dist import FAULT_ENV, finish, start_entry
-from test_entry import QUICK, tree
+from helpers import (
+    BASE,
+    DATA,
+    ENGINES,
+    INNERS,
+    KILLED,
+    QUICK,
+    RUN,
+    assert_identical,
+    ckpt,
+    entry,
+    finish,
+    outcome,
+    start_entry,
+    stderr_lines,
+    tree,
+)
 
 from hypertrain.checkpoint import SUPERSEDED_FILE
 from hypertrain.failures import RankFailed
 from hypertrain.log import METRICS_FILE, read_metrics
 from hypertrain.wandb_offline import read_run
 
-RUN = [*QUICK, "logger=none"]
-# 4 rounds of 2 updates (syncs after updates 2, 4, 6, 8); the decay spans the phase (decay_steps = 8).
-BASE = [*RUN, "inner.H=2", "phase.updates=8"]
-KILLED = -9  # the entry's return code when the fault hook SIGKILLs it (one-process engines)
 DIST_FAILED = RankFailed.exit_code  # the entry's exit code when a dist rank dies (docs/errors.md)
-DOCUMENTS = ["data.examples=documents", "data.max_len=48", "data.max_examples=4"]
-
-
-def run(args: list[str], cwd: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    """The entry in a subprocess (test_dist's: offline W&B, one thread, a hung run killed whole)."""
-    return finish(start_entry(args, cwd, {FAULT_ENV: fault} if fault else None))
-
-
-def ckpt(run_dir: Path, next_update: int) -> Path:
-    return run_dir / "checkpoints" / f"ckpt-u{next_update:07d}.pt"
 
 
 def copy_run(source: Path, to: Path) -> Path:
@@ -65,54 +65,7 @@ def copy_run(source: Path, to: Path) -> Path:
     return to
 
 
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.strip()]
-
-
 # -- what a run produced, and the exact comparison -------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    updates: list[dict]  # update rows without their timings
-    syncs: list[dict]  # sync rows without their seconds
-    heldout: list[float]  # the held-out loss before training, then after every sync
-    final: dict  # the last summary's final held-out loss and token total
-    weights: dict[str, torch.Tensor]
-
-
-def _untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k not in ("wall", "rank_seconds") and not k.endswith("_s")}
-
-
-def outcome(run_dir: Path) -> Outcome:
-    rows = read_metrics(run_dir / METRICS_FILE)
-    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
-    return Outcome(
-        [_untimed(r) for r in rows if r["kind"] == "update"],
-        [_untimed(r) for r in rows if r["kind"] == "sync"],
-        [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")],
-        {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
-        torch.load(run_dir / "weights.pt"),
-    )
-
-
-def assert_same_weights(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"weights.pt differs at {name}"
-
-
-def assert_identical(run_dir: Path, reference: Path) -> None:
-    """The run in `run_dir` equals the uninterrupted `reference` exactly (==, torch.equal)."""
-    got, want = outcome(run_dir), outcome(reference)
-    assert [r["update"] for r in got.updates] == [r["update"] for r in want.updates]
-    for a, b in zip(got.updates, want.updates, strict=True):
-        assert a == b, f"update {b['update']}: {a} != {b}"
-    assert got.syncs == want.syncs
-    assert got.heldout == want.heldout and len(got.heldout) == len(want.syncs) + 1
-    assert got.final == want.final
-    assert_same_weights(got.weights, want.weights)
 
 
 def assert_resumed_records(run_dir: Path, before: bytes, path: Path, saved: dict, updates: int) -> list[int]:
@@ -154,7 +107,7 @@ def kill_and_resume(
     resume=true; check the records of both sessions. Returns the run directory and the update rows
     the resumed session superseded."""
     run_dir = tmp_path / "run"
-    killed = run([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
+    killed = entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
     assert killed.returncode == killed_rc, killed.stderr
     assert not (run_dir / "weights.pt").exists()
     newest = sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))[-1]
@@ -162,7 +115,7 @@ def kill_and_resume(
     saved = torch.load(newest, weights_only=False)
     before = (run_dir / METRICS_FILE).read_bytes()
 
-    done = run([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     return run_dir, assert_resumed_records(run_dir, before, newest, saved, updates)
 
@@ -172,7 +125,7 @@ def reference(tmp_path_factory) -> Path:
     """BASE run uninterrupted, every checkpoint kept (ckpt-u2, u4, u6, u8): what resumed runs must
     equal, and the run directory the refusals and the edited checkpoints start from."""
     where = tmp_path_factory.mktemp("reference")
-    done = run([*BASE, "checkpoint.keep=10", f"hydra.run.dir={where / 'run'}"], where)
+    done = entry([*BASE, "checkpoint.keep=10", f"hydra.run.dir={where / 'run'}"], where)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (where / "run" / "checkpoints").iterdir()) == [
         ckpt(where, u).name for u in (2, 4, 6, 8)
@@ -182,9 +135,6 @@ def reference(tmp_path_factory) -> Path:
 
 # -- 1, 2: killed anywhere, resumed, identical; the records of both sessions ----------------------
 
-ENGINES = {"stacked": [], "loop": ["engine=loop"], "dist": ["engine=dist", "world=2", "replicas=2"]}
-INNERS = {"adamw": [], "muon": ["inner=muon"]}
-DATA = {"windows": [], "documents": DOCUMENTS}
 DEFAULT_CASES = {("stacked", "adamw", "windows"), ("loop", "muon", "documents"), ("dist", "adamw", "windows")}
 
 
@@ -307,7 +257,7 @@ def _edited(reference: Path, to: Path, change) -> Path:
         change(saved["state"])
         torch.save(saved, path)
     # keep=10: the newer checkpoints of the run that had gone on stay (see the xfail test below).
-    done = run([*BASE, "checkpoint.keep=10", f"resume={path}"], to.parent)
+    done = entry([*BASE, "checkpoint.keep=10", f"resume={path}"], to.parent)
     assert done.returncode == 0, done.stderr
     return run_dir
 
@@ -357,9 +307,9 @@ def test_resumed_from_an_older_checkpoint_and_killed_again_resumes_from_the_new_
     8, killed again as round 4 starts; resume=true must go on from the checkpoint this timeline
     wrote (after update 6), not from the abandoned one's, and the run equals the reference."""
     run_dir = copy_run(reference, tmp_path / "run")
-    killed = run([*BASE, f"resume={ckpt(run_dir, 2)}"], tmp_path, "0:7:kill")
+    killed = entry([*BASE, f"resume={ckpt(run_dir, 2)}"], tmp_path, "0:7:kill")
     assert killed.returncode == KILLED, killed.stderr
-    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     resumes = [r for r in read_metrics(run_dir / METRICS_FILE) if r["kind"] == "resume"]
     assert [r["from"] for r in resumes] == [str(ckpt(run_dir, 2)), str(ckpt(run_dir, 6))]
@@ -421,9 +371,9 @@ def test_a_resume_that_cannot_be_done_fails_with_one_line_and_touches_nothing(tm
     if prepare is not None:
         prepare(run_dir)
     before = tree(tmp_path)
-    done = run(args(run_dir), tmp_path)
+    done = entry(args(run_dir), tmp_path)
     assert done.returncode == 2, done.stderr
-    lines = error_lines(done.stderr)
+    lines = stderr_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith("hypertrain: error: "), done.stderr
     assert all(part in lines[0] for part in says(run_dir)), lines[0]
     assert tree(tmp_path) == before, "a refused resume created or changed files"
@@ -448,7 +398,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, re
     run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(8,))
     before = (run_dir / METRICS_FILE).read_bytes()
     saved = torch.load(ckpt(run_dir, 6), weights_only=False)
-    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     # One warning line on stderr names the unreadable checkpoint and the one used instead.
     (warning,) = [x for x in done.stderr.splitlines() if "cannot be read" in x]
@@ -462,9 +412,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, re
 def test_every_checkpoint_corrupt_fails_with_one_line_and_touches_nothing(tmp_path, reference):
     run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(6, 8))
     before = tree(tmp_path)
-    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 2, done.stderr
-    assert error_lines(done.stderr) == [
+    assert stderr_lines(done.stderr) == [
         f"hypertrain: error: no checkpoint in {run_dir / 'checkpoints'} can be read; "
         "valid: a run with a whole checkpoint"
     ]
@@ -481,7 +431,7 @@ def test_a_finished_run_extended_runs_the_extra_updates_and_keeps_its_first(tmp_
     its 8 updates), so the extension is a continuation, not a new schedule."""
     run_dir = tmp_path / "run"
     short = [*RUN, "inner.H=2", "phase.updates=4", "inner.decay_steps=8"]
-    done = run([*short, f"hydra.run.dir={run_dir}"], tmp_path)
+    done = entry([*short, f"hydra.run.dir={run_dir}"], tmp_path)
     assert done.returncode == 0, done.stderr
     original = outcome(run_dir)
     assert [r["update"] for r in original.updates] == [1, 2, 3, 4]
@@ -489,7 +439,7 @@ def test_a_finished_run_extended_runs_the_extra_updates_and_keeps_its_first(tmp_
     saved = torch.load(ckpt(run_dir, 4), weights_only=False)
 
     longer = [*RUN, "inner.H=2", "phase.updates=8", "inner.decay_steps=8"]
-    done = run([*longer, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    done = entry([*longer, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert assert_resumed_records(run_dir, before, ckpt(run_dir, 4), saved, 8) == []
     extended = outcome(run_dir)
@@ -503,15 +453,15 @@ def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_p
     so it starts again in its own directory; what it had written moves to metrics.superseded.jsonl.
     A finished run is never started over (the refusals above)."""
     run_dir = tmp_path / "run"
-    killed = run([*BASE, f"hydra.run.dir={run_dir}"], tmp_path, "0:1:kill")
+    killed = entry([*BASE, f"hydra.run.dir={run_dir}"], tmp_path, "0:1:kill")
     assert killed.returncode == KILLED, killed.stderr
     before = (run_dir / METRICS_FILE).read_bytes()
     assert before and not (run_dir / "checkpoints").exists()
-    done = run([*BASE, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path)
+    done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert (run_dir / SUPERSEDED_FILE).read_bytes() == before
     assert_identical(run_dir, reference)
-    again = run(
+    again = entry(
         [*BASE, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path
     )  # finished: resumes, adds nothing
     assert again.returncode == 0, again.stderr

@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from test_trainer import small_cfg
+from helpers import small_cfg
 
 from hypertrain.config import InnerConfig
 from hypertrain.run_state import RunState

@@ -1,4 +1,4 @@
-"""The stacked engine equals the per-replica loop (DESIGN.md invariant 6).
+"""The stacked engine equals the per-replica loop (docs/design.md invariant 6).
 
 Each case runs the same plan through `hypertrain.loop` and `hypertrain.sim.batched` with the
 trainer's own `assignments` and `sync`, and compares per-replica losses at every step and the
@@ -14,84 +14,27 @@ restores from a copy (`torch.where`), so they are bitwise by construction.
 
 from __future__ import annotations
 
-import math
-from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
-from references import U32, assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
-from test_trainer import run_losses, small_cfg, update_losses
+from helpers import (
+    assert_engines_agree,
+    cfg_for,
+    rounding_floors,
+    run_losses,
+    run_rounds,
+    update_losses,
+)
+from references import assert_losses_within_rounding
 
 from hypertrain import loop
 from hypertrain.batches import Microbatch, ReplicaBatch, stacked_microbatches
-from hypertrain.config import DataConfig, EngineConfig, InnerConfig, PhaseConfig, TrainConfig, WorldConfig
+from hypertrain.config import DataConfig, EngineConfig
 from hypertrain.model import init_params, param_roles
 from hypertrain.optim import init_state
-from hypertrain.run_state import RunState
 from hypertrain.sim import batched
-from hypertrain.trainer import assignments, initial_weights, prepare, rounds
-
-
-def run_rounds(
-    cfg: TrainConfig, engine, dtype: torch.dtype = torch.float32, batches: list | None = None
-) -> tuple[list[list[float | None]], dict[str, torch.Tensor]]:
-    """The trainer's rounds (assignments, engine, sync with the state policy), without logging.
-
-    dtype float64: the float64 reference, the same code on float64 weights and state (references.py's
-    `float64_arithmetic`), from the same fp32 initial weights. `batches`: a list that collects every
-    replica batch that stepped."""
-    run = prepare(cfg)
-    state = RunState.start(run.cfg, {n: t.to(dtype) for n, t in initial_weights(run).items()})
-    theta = state.theta
-    losses: list[list[float | None]] = []
-    with float64_arithmetic() if dtype == torch.float64 else nullcontext():
-        for rnd in rounds(run, state, engine):
-            losses += [list(step) for step in zip(*(r.losses for r in rnd.results), strict=True)]
-            if batches is not None:
-                batches += [b for a in rnd.assigns for b in a.batches if not b.empty]
-    return losses, theta
-
-
-def rounding_floors(cfg: TrainConfig, batches: list, updates: int) -> tuple[float, float]:
-    """(relative floor of a loss, floor of a weight tensor relative to its norm) for one fp32 path.
-
-    A loss: the mean of N targets' cross-entropies, each a log-sum-exp minus a logit (2 roundings),
-    summed pairwise (ceil(log2 N) levels), divided (1), then weighted and accumulated once per
-    microbatch (2 per microbatch): (3 + ceil(log2 N) + 2 M) U32, N and M a replica update's most
-    targets and microbatches (over `batches`). A weight: each of a replica's `updates` inner updates
-    rounds it twice (decay, then the update's add) and each sync once: (2 updates + rounds) U32."""
-    targets = max(b.targets for b in batches)
-    microbatches = max(len(b.microbatches) for b in batches)
-    loss = (3 + math.ceil(math.log2(targets)) + 2 * microbatches) * U32
-    weights = (2 * updates + math.ceil(updates / cfg.inner.H)) * U32
-    return loss, weights
-
-
-def assert_engines_agree(cfg: TrainConfig, got=None) -> None:
-    """The stacked engine (or `got`, a `run_rounds` result) against the eager loop, each against the
-    float64 loop: per-replica losses elementwise and final weights per tensor within twice the eager
-    loop's own error, or twice its floor (`rounding_floors`), whichever is larger (references.py).
-    This covers bf16 Newton-Schulz and autocast too: their bound is then the loop's own bf16 error."""
-    batches: list = []
-    ref_losses, ref_theta = run_rounds(cfg, loop.train_replicas, torch.float64, batches)
-    loop_losses, loop_theta = run_rounds(cfg, loop.train_replicas)
-    losses, theta = got or run_rounds(cfg, batched.train_replicas)
-    loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
-    assert_losses_within_rounding(losses, loop_losses, ref_losses, loss_floor)
-    for n, t in ref_theta.items():
-        assert_within_rounding(theta[n], loop_theta[n], t, weight_floor * float(t.norm()), n)
-
-
-def cfg_for(R: int, H: int, stack: int = 0, **inner) -> TrainConfig:
-    cfg = small_cfg(
-        replicas=R,
-        world=WorldConfig(size=6 if R == 3 else 8),
-        inner=InnerConfig(H=H, lr=3e-3, warmup_steps=2, **inner),
-        phase=PhaseConfig(name="t", kind="strong", offset=0, global_batch=12, updates=2 * H, timing_warmup=0),
-        engine=EngineConfig(name="stacked", stack=stack),
-    )
-    return cfg
+from hypertrain.trainer import assignments, prepare
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

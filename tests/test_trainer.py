@@ -1,4 +1,4 @@
-"""The rounds, proven on the real stdlib corpus: DESIGN.md invariants 4, 5 and 8, plain DP, skips."""
+"""The rounds, proven on the real stdlib corpus: docs/design.md invariants 4, 5 and 8, plain DP, skips."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from helpers import run_losses, small_cfg, update_losses
 from references import schedule_lr, torch_adamw
 
 from hypertrain import plan
@@ -15,50 +16,17 @@ from hypertrain.batches import replica_batch
 from hypertrain.config import (
     DataConfig,
     InnerConfig,
-    LoggerConfig,
     ModelConfig,
     OuterConfig,
     PhaseConfig,
     TrainConfig,
     WorldConfig,
-    validate,
 )
-from hypertrain.log import RunLogger, read_metrics
 from hypertrain.loop import train_replicas
 from hypertrain.model import forward, init_params, param_roles
 from hypertrain.optim import init_state
 from hypertrain.run_state import RunState
-from hypertrain.trainer import assignments, prepare, sync, train
-
-
-def small_cfg(**overrides) -> TrainConfig:
-    """A config that trains in about a second: tiny model, short windows, a small strong phase."""
-    cfg = TrainConfig(
-        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2),
-        inner=InnerConfig(H=2, lr=3e-3, warmup_steps=2),
-        phase=PhaseConfig(name="t", kind="strong", offset=0, global_batch=24, updates=4, timing_warmup=0),
-        world=WorldConfig(size=8),
-        data=DataConfig(seq_len=16, heldout=32),
-        logger=LoggerConfig(name="none", progress="never"),
-        replicas=2,
-    )
-    for key, value in overrides.items():
-        cfg = replace(cfg, **{key: value})
-    validate(cfg)
-    return cfg
-
-
-def run_losses(cfg: TrainConfig, tmp_path) -> list[dict]:
-    run = prepare(cfg)
-    with RunLogger(
-        tmp_path, {}, cfg.logger, name="t", group="t", job_type="t", tags=[], replicas=cfg.replicas
-    ) as log:
-        train(run, log)
-    return read_metrics(tmp_path / "metrics.jsonl")
-
-
-def update_losses(rows: list[dict]) -> list[list[float | None]]:
-    return [r["loss"] for r in rows if r["kind"] == "update"]
+from hypertrain.trainer import assignments, prepare, sync
 
 
 def test_strong_world_8_and_16_give_bitwise_equal_replica_losses(tmp_path):

@@ -1,0 +1,304 @@
+"""What the test modules share: the entry run as a user runs it, composed configs, the trainer's rounds
+with their rounding floors, and the records a run leaves. Test modules import from here (and from
+references.py, the float64 references), never from each other."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from references import U32, assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
+
+from hypertrain import loop
+from hypertrain.config import (
+    DataConfig,
+    EngineConfig,
+    InnerConfig,
+    LoggerConfig,
+    ModelConfig,
+    PhaseConfig,
+    TrainConfig,
+    WorldConfig,
+    register_configs,
+    validate,
+)
+from hypertrain.log import METRICS_FILE, RunLogger, read_metrics
+from hypertrain.run_state import RunState
+from hypertrain.sim import batched
+from hypertrain.train import quote_numeric_choices
+from hypertrain.trainer import initial_weights, prepare, rounds, train
+
+# -- the entry in a subprocess ---------------------------------------------------------------------
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+CONF = REPO / "conf"
+
+
+QUICK = ["experiment=quick", "model.d_model=32", "data.seq_len=32", "data.heldout=64"]
+
+
+def tree(path: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under `path`: what a rejected run must leave alone."""
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in path.rglob("*")}
+
+
+def compose_train(overrides: list[str], hydra_cfg: bool = False):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra_cfg)
+
+
+FAULT_ENV = "HYPERTRAIN_FAULT"  # the test-only fault hook: "RANK:UPDATE:kill" or "RANK:UPDATE:sleep"
+
+
+TIMEOUT = 300  # seconds for one entry subprocess: a bug fails the test instead of hanging CI
+
+
+def _command(args: list[str], torchrun: int = 0) -> list[str]:
+    if not torchrun:
+        return [sys.executable, "-m", "hypertrain.train", *args]
+    script = Path(sys.executable).with_name("torchrun")  # the venv's torchrun, else the module it runs
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    # --standalone: a free port for the rendezvous, so parallel tests never collide on torchrun's 29500.
+    return [*launcher, "--standalone", "--nproc_per_node", str(torchrun), "-m", "hypertrain.train", *args]
+
+
+def start_entry(args: list[str], cwd: Path, env: dict | None = None, torchrun: int = 0) -> subprocess.Popen:
+    """The entry started as a user starts it: offline W&B, one line per Hydra error, one thread per
+    process, no fault unless asked; in its own session so a hung run can be stopped whole."""
+    base = os.environ | {
+        "WANDB_MODE": "offline",
+        "WANDB_ERROR_REPORTING": "false",
+        "HYDRA_FULL_ERROR": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    for name in ("WANDB_DIR", FAULT_ENV, "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        base.pop(name, None)
+    return subprocess.Popen(
+        _command(args, torchrun),
+        cwd=cwd,
+        env=base | (env or {}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the entry and the workers it started, nothing else
+        out, err = proc.communicate()
+        pytest.fail(f"the entry ran past {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def entry(
+    args: list[str],
+    cwd: Path,
+    fault: str | None = None,
+    *,
+    timeout: int = TIMEOUT,
+    env: dict | None = None,
+    torchrun: int = 0,
+) -> subprocess.CompletedProcess:
+    """`python -m hypertrain.train ARGS` (or under `torchrun` with that many processes) in `cwd`, to
+    its end; `fault` sets the test-only fault hook (FAULT_ENV)."""
+    extra = (env or {}) | ({FAULT_ENV: fault} if fault else {})
+    return finish(start_entry(args, cwd, extra, torchrun), timeout)
+
+
+def compose_cfg(overrides: list[str]) -> TrainConfig:
+    """The TrainConfig the entry builds from these command-line overrides (before its layout is filled)."""
+    return OmegaConf.to_object(compose_train(quote_numeric_choices(overrides)))
+
+
+def error_lines(stderr: str) -> list[str]:
+    """hypertrain's own lines (errors, warnings, notices) among what a run printed."""
+    return [line for line in stderr.splitlines() if line.startswith("hypertrain:")]
+
+
+def stderr_lines(stderr: str) -> list[str]:
+    """Every non-blank line: a one-line error must be the only one."""
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+# -- the trainer's rounds in this process ----------------------------------------------------------
+
+
+def small_cfg(**overrides) -> TrainConfig:
+    """A config that trains in about a second: tiny model, short windows, a small strong phase."""
+    cfg = TrainConfig(
+        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2),
+        inner=InnerConfig(H=2, lr=3e-3, warmup_steps=2),
+        phase=PhaseConfig(name="t", kind="strong", offset=0, global_batch=24, updates=4, timing_warmup=0),
+        world=WorldConfig(size=8),
+        data=DataConfig(seq_len=16, heldout=32),
+        logger=LoggerConfig(name="none", progress="never"),
+        replicas=2,
+    )
+    for key, value in overrides.items():
+        cfg = replace(cfg, **{key: value})
+    validate(cfg)
+    return cfg
+
+
+def run_losses(cfg: TrainConfig, tmp_path) -> list[dict]:
+    run = prepare(cfg)
+    with RunLogger(
+        tmp_path, {}, cfg.logger, name="t", group="t", job_type="t", tags=[], replicas=cfg.replicas
+    ) as log:
+        train(run, log)
+    return read_metrics(tmp_path / "metrics.jsonl")
+
+
+def update_losses(rows: list[dict]) -> list[list[float | None]]:
+    return [r["loss"] for r in rows if r["kind"] == "update"]
+
+
+def run_rounds(
+    cfg: TrainConfig, engine, dtype: torch.dtype = torch.float32, batches: list | None = None
+) -> tuple[list[list[float | None]], dict[str, torch.Tensor]]:
+    """The trainer's rounds (assignments, engine, sync with the state policy), without logging.
+
+    dtype float64: the float64 reference, the same code on float64 weights and state (references.py's
+    `float64_arithmetic`), from the same fp32 initial weights. `batches`: a list that collects every
+    replica batch that stepped."""
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, {n: t.to(dtype) for n, t in initial_weights(run).items()})
+    theta = state.theta
+    losses: list[list[float | None]] = []
+    with float64_arithmetic() if dtype == torch.float64 else nullcontext():
+        for rnd in rounds(run, state, engine):
+            losses += [list(step) for step in zip(*(r.losses for r in rnd.results), strict=True)]
+            if batches is not None:
+                batches += [b for a in rnd.assigns for b in a.batches if not b.empty]
+    return losses, theta
+
+
+def rounding_floors(cfg: TrainConfig, batches: list, updates: int) -> tuple[float, float]:
+    """(relative floor of a loss, floor of a weight tensor relative to its norm) for one fp32 path.
+
+    A loss: the mean of N targets' cross-entropies, each a log-sum-exp minus a logit (2 roundings),
+    summed pairwise (ceil(log2 N) levels), divided (1), then weighted and accumulated once per
+    microbatch (2 per microbatch): (3 + ceil(log2 N) + 2 M) U32, N and M a replica update's most
+    targets and microbatches (over `batches`). A weight: each of a replica's `updates` inner updates
+    rounds it twice (decay, then the update's add) and each sync once: (2 updates + rounds) U32."""
+    targets = max(b.targets for b in batches)
+    microbatches = max(len(b.microbatches) for b in batches)
+    loss = (3 + math.ceil(math.log2(targets)) + 2 * microbatches) * U32
+    weights = (2 * updates + math.ceil(updates / cfg.inner.H)) * U32
+    return loss, weights
+
+
+def assert_engines_agree(cfg: TrainConfig, got=None) -> None:
+    """The stacked engine (or `got`, a `run_rounds` result) against the eager loop, each against the
+    float64 loop: per-replica losses elementwise and final weights per tensor within twice the eager
+    loop's own error, or twice its floor (`rounding_floors`), whichever is larger (references.py).
+    This covers bf16 Newton-Schulz and autocast too: their bound is then the loop's own bf16 error."""
+    batches: list = []
+    ref_losses, ref_theta = run_rounds(cfg, loop.train_replicas, torch.float64, batches)
+    loop_losses, loop_theta = run_rounds(cfg, loop.train_replicas)
+    losses, theta = got or run_rounds(cfg, batched.train_replicas)
+    loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
+    assert_losses_within_rounding(losses, loop_losses, ref_losses, loss_floor)
+    for n, t in ref_theta.items():
+        assert_within_rounding(theta[n], loop_theta[n], t, weight_floor * float(t.norm()), n)
+
+
+def cfg_for(R: int, H: int, stack: int = 0, **inner) -> TrainConfig:
+    cfg = small_cfg(
+        replicas=R,
+        world=WorldConfig(size=6 if R == 3 else 8),
+        inner=InnerConfig(H=H, lr=3e-3, warmup_steps=2, **inner),
+        phase=PhaseConfig(name="t", kind="strong", offset=0, global_batch=12, updates=2 * H, timing_warmup=0),
+        engine=EngineConfig(name="stacked", stack=stack),
+    )
+    return cfg
+
+
+# -- runs stopped and resumed, and what a run directory holds ------------------------------------
+
+
+RUN = [*QUICK, "logger=none"]
+
+
+# 4 rounds of 2 updates (syncs after updates 2, 4, 6, 8); the decay spans the phase (decay_steps = 8).
+BASE = [*RUN, "inner.H=2", "phase.updates=8"]
+
+
+KILLED = -9  # the entry's return code when the fault hook SIGKILLs it (one-process engines)
+
+
+DOCUMENTS = ["data.examples=documents", "data.max_len=48", "data.max_examples=4"]
+
+
+ENGINES = {"stacked": [], "loop": ["engine=loop"], "dist": ["engine=dist", "world=2", "replicas=2"]}
+
+
+INNERS = {"adamw": [], "muon": ["inner=muon"]}
+
+
+DATA = {"windows": [], "documents": DOCUMENTS}
+
+
+def ckpt(run_dir: Path, next_update: int) -> Path:
+    return run_dir / "checkpoints" / f"ckpt-u{next_update:07d}.pt"
+
+
+@dataclass
+class Outcome:
+    updates: list[dict]  # update rows without their timings
+    syncs: list[dict]  # sync rows without their seconds
+    heldout: list[float]  # the held-out loss before training, then after every sync
+    final: dict  # the last summary's final held-out loss and token total
+    weights: dict[str, torch.Tensor]
+
+
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in ("wall", "rank_seconds") and not k.endswith("_s")}
+
+
+def outcome(run_dir: Path) -> Outcome:
+    rows = read_metrics(run_dir / METRICS_FILE)
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    return Outcome(
+        [_untimed(r) for r in rows if r["kind"] == "update"],
+        [_untimed(r) for r in rows if r["kind"] == "sync"],
+        [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")],
+        {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
+        torch.load(run_dir / "weights.pt"),
+    )
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"weights.pt differs at {name}"
+
+
+def assert_identical(run_dir: Path, reference: Path) -> None:
+    """The run in `run_dir` equals the uninterrupted `reference` exactly (==, torch.equal)."""
+    got, want = outcome(run_dir), outcome(reference)
+    assert [r["update"] for r in got.updates] == [r["update"] for r in want.updates]
+    for a, b in zip(got.updates, want.updates, strict=True):
+        assert a == b, f"update {b['update']}: {a} != {b}"
+    assert got.syncs == want.syncs
+    assert got.heldout == want.heldout and len(got.heldout) == len(want.syncs) + 1
+    assert got.final == want.final
+    assert_same_weights(got.weights, want.weights)
