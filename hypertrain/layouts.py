@@ -1,6 +1,6 @@
 """Where the replicas of `engine=dist` live: which process trains what, and with whom it talks.
 
-Pure arithmetic on (P processes, W = world.size, R replicas), no torch (DESIGN.md "Real processes"):
+Pure arithmetic on (P processes, W = world.size, R replicas), no torch (docs/design.md, "Real processes"):
 - benchmark (a), P = W: process r is plan rank r; replica m is the block of L = W/R processes
   `m*L .. m*L + L-1` (its replica group); local rank j = r - m*L; the R processes of local rank j
   form cross-replica group j.
