@@ -1,4 +1,4 @@
-"""The sample plan: the seed's facts, its own check run against ours, properties, hashes, errors, CLI."""
+"""The sample plan: the seed's recorded outputs against ours; properties, hashes, errors, CLI."""
 
 from __future__ import annotations
 
@@ -20,47 +20,38 @@ from hypertrain import plan, plan_check
 from hypertrain.plan import PlanError, StrongPhase, WeakPhase
 
 REPO = Path(__file__).resolve().parents[1]
-SEED = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "plan.py.txt"
-
-# The seed's `check_plan()` output: facts, not computed here.
-SEED_JSON = {
-    "status": "PASS",
-    "strong_unique_samples": 10240,
-    "strong_union_sha256": "bb5cecec2771d74cd91692688992e4df636bba1d7196ed4bb0e9ec929d81d6c9",
-    "worlds": [8, 16],
-    "global_batch_strong": 256,
-    "per_gpu_weak": 32,
-    "strong_warmup_updates": 10,
-    "strong_steady_updates": 30,
-    "weak_warmup_updates": 4,
-    "weak_steady_updates": 8,
-    "weak_input_rule": "Exact same eight real per-GPU streams, replicated once across the additional eight "
-    "GPUs at four nodes. Benchmark-only repetitions, explicitly counted as presentations.",
-    "loss_weighting": "Exact global per-channel supervised-token mean, independent of rank and microbatch "
-    "partition.",
-}
+# What the seed (the user's reference implementation, ../shared/seeds/plan.py.txt, absent from a user's
+# clone) returned when its own functions ran: recorded by tests/record_seed_plan.py, which says how.
+REFERENCE = json.loads((REPO / "tests" / "assets" / "seed_plan_reference.json").read_text())
+SEED_JSON = REFERENCE["check_plan"]  # the seed's `check_plan()` output
+SAMPLES = REFERENCE["samples"]  # 16384, the seed's default stream length
 
 
-def load_seed() -> dict:
-    """A fresh namespace of the seed module, exec'd from ../shared; skips where that folder is absent."""
-    if not SEED.exists():
-        reason = f"the seed {SEED} is absent (a user's clone has no ../shared)"
-        print(reason)
-        pytest.skip(reason)
-    lines = SEED.read_text().splitlines()
-    if lines and lines[0].strip().endswith(".py"):  # a path header, not Python
-        lines = lines[1:]
-    namespace: dict = {"__name__": "seed_plan"}
-    exec(compile("\n".join(lines), str(SEED), "exec"), namespace)
-    return namespace
+def seed_phase_dicts(world: int) -> list[dict]:
+    """The seed's `benchmark_phases(world)` dicts, as it returned them."""
+    return REFERENCE["benchmark_phases"][str(world)]
 
 
-@pytest.fixture(scope="module")
-def seed_step_indices():
-    return load_seed()["step_indices"]
+def case_bytes(world: int, samples: int, step: int, rank: int, ids) -> bytes:
+    """One case of the fixture's digests (its digest_rule): int64s world, samples, step, rank, n, ids."""
+    head = np.array([world, samples, step, rank, len(ids)], dtype="<i8").tobytes()
+    return head + np.asarray(ids, dtype="<i8").tobytes()
+
+
+def seed_weights(args) -> tuple[list[float], float]:
+    """The seed's `dynamic_weights(*args)`, recorded."""
+    records = REFERENCE["dynamic_weights"] + REFERENCE["check_plan_dynamic_weights"]
+    (record,) = {json.dumps(r): r for r in records if r["args"] == list(args)}.values()
+    return record["weights"], record["scale"]
 
 
 # ---------------------------------------------------------------------------------------- the seed
+
+
+def test_the_seed_reference_is_a_labelled_fixture_of_a_passing_seed():
+    assert REFERENCE["about"].startswith("Regression fixture: outputs of the user's reference implementation")
+    assert "python tests/record_seed_plan.py" in REFERENCE["about"]
+    assert SEED_JSON["status"] == "PASS" and SAMPLES == 16384
 
 
 def test_check_plan_reproduces_the_seed_json():
@@ -68,12 +59,33 @@ def test_check_plan_reproduces_the_seed_json():
     assert plan.check_plan(16384, (16, 8), (1,)) == SEED_JSON
 
 
-def test_seed_check_plan_passes_with_our_functions():
-    seed = load_seed()
-    seed["step_indices"] = plan.step_indices
-    seed["microbatches"] = plan.microbatches
-    seed["dynamic_weights"] = plan.dynamic_weights
-    assert seed["check_plan"]() == SEED_JSON
+def test_our_functions_give_the_seed_outputs_its_check_plan_uses():
+    """The seed's `check_plan()` with our functions in place of its own, without the seed's code.
+
+    Its check calls only `step_indices` (the two benchmark phase dicts at worlds 8 and 16, every update
+    and rank, N = 16384) and `dynamic_weights` (four rank cells), and passed on the seed's own outputs
+    (the fixture's check_plan is its JSON, status PASS). Ours return the same outputs for every one of
+    those calls, so its check run on ours sees the same values, passes, and returns the same JSON; our
+    own `check_plan` returns that JSON too.
+    """
+    visited = REFERENCE["check_plan_step_indices"]["digests"]
+    assert sorted(visited) == ["16 strong", "16 weak", "8 strong", "8 weak"]
+    for world in (8, 16):
+        for phase in seed_phase_dicts(world):
+            digest, count = hashlib.sha256(), 0
+            for step in range(phase["updates"]):
+                for rank in range(world):
+                    ids = plan.step_indices(phase, step, rank, world, SAMPLES)
+                    digest.update(case_bytes(world, SAMPLES, step, rank, ids))
+                    count += len(ids)
+            expect = visited[f"{world} {phase['name']}"]
+            assert {"ids": count, "sha256": digest.hexdigest()} == expect, (world, phase["name"])
+    assert len(REFERENCE["check_plan_dynamic_weights"]) == 4
+    for record in REFERENCE["check_plan_dynamic_weights"]:
+        weights, scale = plan.dynamic_weights(*record["args"])
+        assert np.allclose(weights, record["weights"], rtol=1e-14, atol=0), record["args"]
+        assert np.isclose(scale, record["scale"], rtol=1e-14, atol=0), record["args"]
+    assert plan.check_plan() == SEED_JSON
 
 
 def test_benchmark_phases_are_the_seed_numbers():
@@ -84,20 +96,127 @@ def test_benchmark_phases_are_the_seed_numbers():
             "weak", offset=10240, base_world=8, per_rank_batch=32, updates=12, timing_warmup=4
         )
         assert (strong.update_size, weak.update_size) == (256, 256)
+        seed_strong, seed_weak = seed_phase_dicts(world)
+        assert seed_strong == {
+            "name": "strong",
+            "offset": 0,
+            "global_batch": 256,
+            "updates": 40,
+            "warmup": 10,
+        }
+        assert seed_weak == {
+            "name": "weak",
+            "offset": 10240,
+            "global_batch": world * weak.per_rank_batch,
+            "updates": 12,
+            "warmup": 4,
+            "replicated_base_world": weak.base_world,
+        }
 
 
 def test_seed_phase_dicts_give_the_seed_step_indices():
-    seed = load_seed()
+    entries = {
+        (e["world"], e["phase"], e["step"]): e["ids_by_rank"]
+        for e in REFERENCE["phase_dict_step_indices"]["entries"]
+    }
+    compared = 0
     for world in (8, 16):
-        for phase in seed["benchmark_phases"](world):
+        for phase in seed_phase_dicts(world):
             for step in (0, 3, phase["updates"] - 1, phase["updates"] + 30):
                 inside = phase["offset"] + (step + 1) * 256 <= 16384
                 if phase["name"] == "weak" and not inside:  # the seed's weak phase ignores N; we cut
                     assert plan.step_indices(phase, step, 0, world, 16384) == []
                     continue
+                expect = entries[(world, phase["name"], step)]
+                assert len(expect) == world
                 for rank in range(world):
-                    expect = seed["step_indices"](phase, step, rank, world, 16384)
-                    assert plan.step_indices(phase, step, rank, world, 16384) == expect
+                    assert plan.step_indices(phase, step, rank, world, 16384) == expect[rank]
+                compared += 1
+    assert compared == len(entries)
+
+
+def test_one_replica_rank_ids_are_the_seed_step_indices_on_a_grid():
+    """R = 1: our rank ids, and our step_indices of the seed's phase dicts, against the seed's.
+
+    Strong and weak phase dicts (offsets, batch sizes, base worlds, worlds, updates, every rank) at
+    stream lengths that cut an update, end on a boundary, or lie before the phase; weak updates only
+    where whole (the seed's weak phase ignores N; ours cuts at N).
+    """
+    grid = REFERENCE["step_indices_grid"]
+    updates, steps = grid["updates"], grid["steps"]
+
+    def strong_cases(offset, g):
+        samples = sorted({0} | {offset + d for d in (0, 1, g - 1, g, g + g // 2, 2 * g, 3 * g + 5)})
+        phase = StrongPhase("s", offset, g, updates)
+        as_dict = {"name": "s", "offset": offset, "global_batch": g, "updates": updates, "warmup": 0}
+        for world in grid["strong_worlds"]:
+            for n in samples:
+                for step in steps:
+                    yield phase, as_dict, world, n, step
+
+    def weak_cases(offset, base, per_rank):
+        size = base * per_rank
+        phase = WeakPhase("w", offset, base, per_rank, updates)
+        for world in (base * k for k in grid["weak_world_multiples"]):
+            as_dict = {"name": "w", "offset": offset, "global_batch": per_rank * world, "updates": updates}
+            as_dict |= {"warmup": 0, "replicated_base_world": base}
+            for n in (offset + size, offset + 2 * size + 1, offset + 4 * size, offset + 4 * size + 5):
+                for step in steps:
+                    if offset + (step + 1) * size <= n:
+                        yield phase, as_dict, world, n, step
+
+    expected_groups = [
+        {"kind": "strong", "offset": o, "global_batch": g}
+        for o in grid["offsets"]
+        for g in grid["strong_global_batches"]
+    ] + [
+        {"kind": "weak", "offset": o, "base_world": b, "per_rank_batch": p}
+        for o in grid["offsets"]
+        for b in grid["weak_base_worlds"]
+        for p in grid["weak_per_rank_batches"]
+    ]
+    groups = grid["groups"]
+    assert [{k: v for k, v in g.items() if k not in ("cases", "sha256")} for g in groups] == expected_groups
+    wrong, total = [], 0
+    for group in groups:
+        if group["kind"] == "strong":
+            cases = strong_cases(group["offset"], group["global_batch"])
+        else:
+            cases = weak_cases(group["offset"], group["base_world"], group["per_rank_batch"])
+        digests = [hashlib.sha256() for _ in range(2)]
+        count = 0
+        for phase, as_dict, world, n, step in cases:
+            for r in range(world):
+                ours = plan.rank_ids(phase, step, r, world, 1, n).tolist()
+                seed_api = plan.step_indices(as_dict, step, r, world, n)
+                for digest, ids in zip(digests, (ours, seed_api), strict=True):
+                    digest.update(case_bytes(world, n, step, r, ids))
+                count += 1
+        total += count
+        if count != group["cases"] or any(d.hexdigest() != group["sha256"] for d in digests):
+            wrong.append(group)
+    assert not wrong, f"{len(wrong)} groups differ from the seed's step_indices, first: {wrong[0]}"
+    assert total > 30_000
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 50, 200])
+@pytest.mark.parametrize("bounds", [(12000, 16), (2000, 4), (900, 1)])
+def test_microbatches_on_examples_equal_the_seed_cuts(n, bounds):
+    lengths = REFERENCE["microbatches"]["lengths"][str(n)]
+    assert len(lengths) == n
+    examples = [{"input_ids": [0] * length, "tag": i} for i, length in enumerate(lengths)]
+    cuts = REFERENCE["microbatches"]["cuts"][f"{n} {bounds[0]} {bounds[1]}"]
+    assert plan.microbatches(examples, *bounds) == [[examples[tag] for tag in batch] for batch in cuts]
+
+
+@pytest.mark.parametrize(
+    "case", [(13, 1, 263, 16, 4), (120, 7, 263, 16, 4), (1, 0, 1, 0, 1), (5, 5, 50, 5, 8)]
+)
+def test_dynamic_weights_equal_the_seed(case):
+    expect_weights, expect_scale = seed_weights(case)
+    weights, scale = plan.dynamic_weights(*case)
+    assert np.allclose(weights, expect_weights, rtol=1e-14, atol=0)
+    assert np.isclose(scale, expect_scale, rtol=1e-14, atol=0)
 
 
 def test_cpu_presets_pass_the_check_at_worlds_2_and_4():
@@ -202,7 +321,7 @@ def test_weak_rank_streams_repeat_the_base_world(run):
 
 @given(runs())
 @settings(max_examples=100, deadline=None)
-def test_one_replica_rank_ids_are_the_seed_step_indices(seed_step_indices, run):
+def test_one_replica_rank_ids_are_our_step_indices(run):
     phase, world, _, samples = run
     if isinstance(phase, WeakPhase):
         as_dict = {"name": "w", "offset": phase.offset, "global_batch": phase.per_rank_batch * world}
@@ -211,14 +330,10 @@ def test_one_replica_rank_ids_are_the_seed_step_indices(seed_step_indices, run):
         as_dict = {"name": "s", "offset": phase.offset, "global_batch": phase.global_batch}
         as_dict |= {"updates": phase.updates, "warmup": 0}
     for update in range(phase.updates + 1):
-        # the seed's weak phase ignores N; ours cuts at N: compare where the update is whole
-        whole = phase.offset + (update + 1) * phase.update_size <= samples
         for r in range(world):
             ours = plan.rank_ids(phase, update, r, world, 1, samples).tolist()
             assert plan.step_indices(phase, update, r, world, samples) == ours
             assert plan.step_indices(as_dict, update, r, world, samples) == ours
-            if whole or isinstance(phase, StrongPhase):
-                assert seed_step_indices(as_dict, update, r, world, samples) == ours
 
 
 @given(runs())

@@ -12,12 +12,22 @@ backward) self time; and prints the floor ratio `stacked kernel time / best loop
 issue's target. A floor above the target means no stacked step on torch's kernels reaches it here.
 First, the premise: the model's GEMM shapes as one `bmm` over 16 replicas against 16 `mm` calls.
 
+torch's profiler backend (kineto) writes a `USDT:... profiler_start` and a `... profiler_stop` line to
+the process's stderr (file descriptor 2, from C++) at every start and stop of a profile. Only
+KINETO_LOG_LEVEL=6 drops them, and that level drops kineto's errors (level 3) too; so `QuietProfile`
+lets those two calls write to a temporary file and passes every other line on to stderr.
+
     .venv/bin/python experiments/bench/stacked_floor.py [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
+import sys
+import tempfile
 
 import torch
 from stacked_vs_loop import ROWS, SEQ, interleaved, make_loop, make_step, model_cfg
@@ -33,6 +43,43 @@ ATTENTION = {
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
 }
 TARGETS = {64: 0.5, 128: 0.7}  # the issue's stacked/loop targets at R = 16
+# e.g. "USDT:2026-12-01 22:12:59 5112:5112 SyncActivityProfilerHandler.cpp:52] profiler_start"
+KINETO_NOTICE = re.compile(r"USDT:[^\n\]]*\] profiler_(start|stop)\n?")
+
+
+@contextlib.contextmanager
+def without_kineto_notices():
+    """Send file descriptor 2 to a temporary file; then write back each line but kineto's notices.
+
+    Only around the profiler's start and stop: whatever else is written there (a warning, an error)
+    still reaches stderr, in order, once the call returns or raises.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not KINETO_NOTICE.fullmatch(line)))
+            sys.stderr.flush()
+
+
+class QuietProfile(profile):
+    """torch.profiler.profile without kineto's profiler_start / profiler_stop lines on stderr."""
+
+    def start(self) -> None:
+        with without_kineto_notices():
+            super().start()
+
+    def stop(self) -> None:
+        with without_kineto_notices():
+            super().stop()
 
 
 def kernel_seconds(step, repeats: int) -> tuple[float, float]:
@@ -42,7 +89,7 @@ def kernel_seconds(step, repeats: int) -> tuple[float, float]:
     small ops) far more than the stacked step's, so wall times are measured without it; the
     kernels here take milliseconds each, so the fixed cost barely moves their self time.
     """
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with QuietProfile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             step()
     events = prof.key_averages()
