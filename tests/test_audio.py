@@ -202,6 +202,7 @@ def test_the_codes_reconstruct_the_log_mel_within_the_reported_error(built, repl
     assert wrong / count > reported[-1] * (1 + SUM_REORDERED)  # codes read without the delay: worse
 
 
+@pytest.mark.slow
 def test_the_same_inputs_build_the_same_examples(root, built):
     again = small_config(root, cache_dir=str(root / "second_cache"))
     done = subprocess.run(
@@ -218,6 +219,7 @@ def test_the_same_inputs_build_the_same_examples(root, built):
         assert np.array_equal(second.get(i), built.get(i))
 
 
+@pytest.mark.slow
 def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(root, built, monkeypatch):
     base = small_config(root)
     assert cache.recipe(base).directory == built.directory

@@ -143,7 +143,13 @@ def tail_offset(overrides: list[str], tail: int) -> str:
     return f"phase.offset={samples - (cfg.phase.updates - 1) * cfg.phase.global_batch - tail}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The quick loop (`pytest -m 'not slow'`) keeps one case of each kind; the rest are slow.
+SLOW_CASES = {"w4-r2-adamw-documents-tail", "stacked-p2-r4-muon-tail"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_CASES else ()) for n in CASES]
+)
 def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
     case = CASES[name]
     overrides = [*DIST, *case.overrides]
@@ -234,6 +240,7 @@ def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
 # -- sweeps --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group(tmp_path):
     sweep = tmp_path / "sweep"
     done = entry(
@@ -275,7 +282,7 @@ LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/dist.py,
 SCHEDULING_S = 1.0  # a process of a 2-core machine shared by parallel tests may wait this long to run
 
 
-@pytest.mark.parametrize("action", ["kill", "sleep"])
+@pytest.mark.parametrize("action", ["kill", pytest.param("sleep", marks=pytest.mark.slow)])
 def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
     """Rank 1 dies (SIGKILL) or hangs as round 3 starts. Exit code 1; one line from each rank that failed
     and the parent's; rank 0's metrics.jsonl holds rounds 1-2 and ends with a failed `end` row.

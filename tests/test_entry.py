@@ -93,7 +93,7 @@ def test_a_diverging_run_exits_1_with_one_line_and_closed_records(tmp_path):
     assert read_run(wandb_dir)["exit_code"] == 1
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+@pytest.mark.parametrize("launcher", ["basic", pytest.param("joblib", marks=pytest.mark.slow)])
 def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, launcher):
     sweep = tmp_path / "sweep"
     done = entry(

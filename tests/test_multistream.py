@@ -269,6 +269,7 @@ def build_speech(overrides: list[str]) -> None:
     assert done.returncode == 0, f"{done.stderr.strip()} (`scripts/setup --dev` installs espeak-ng)"
 
 
+@pytest.mark.slow
 def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
     """engine=dist at world 2, R = 1: the benchmark layout, 2 ranks per replica, each weighing its
     share's channels with the replica's totals (world L = 2) before the gradients are averaged. The

@@ -17,6 +17,8 @@ from hypertrain import plan
 from hypertrain.log import read_metrics
 from hypertrain.phases import TABLE_JSON, TABLE_MD
 
+pytestmark = pytest.mark.slow  # one experiment=phases sweep of real processes (~40 s)
+
 SMALL = ["model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
 
 

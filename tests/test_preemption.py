@@ -100,7 +100,7 @@ def resume_auto(run_dir: Path, overrides: list[str], cwd: Path) -> None:
 SIGNALLED = [
     pytest.param("stacked", "0:3:term:after", "SIGTERM", id="stacked-sigterm"),
     pytest.param("loop", "0:6:usr2:after", "SIGUSR2", id="loop-sigusr2"),
-    pytest.param("dist", "1:3:usr2:after", "SIGUSR2", id="dist-sigusr2-to-rank-1"),
+    pytest.param("dist", "1:3:usr2:after", "SIGUSR2", id="dist-sigusr2-to-rank-1", marks=pytest.mark.slow),
 ]
 
 
@@ -136,6 +136,7 @@ def test_the_other_optimizers_and_data_stop_and_resume_the_same(tmp_path, engine
     assert_identical(run_dir, tmp_path / "reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["stacked", "dist"])
 def test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run(tmp_path, references, engine):
     """SIGUSR2 to the run's process group (the entry and, for dist, the workers torch's agent
@@ -160,6 +161,7 @@ def test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run(tmp_pa
 # -- mid-round checkpoints, and crashes while writing ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_checkpoints_every_few_updates_inside_a_round_resume_exactly(tmp_path, references):
     overrides = [*H4, "checkpoint.every_updates=3", "checkpoint.keep=10"]
     run_dir = tmp_path / "run"
@@ -175,6 +177,7 @@ def test_checkpoints_every_few_updates_inside_a_round_resume_exactly(tmp_path, r
     assert_identical(run_dir, references["stacked"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault", "newest"),
     [
@@ -205,6 +208,7 @@ def test_killed_while_writing_resumes_from_the_previous_checkpoint_exactly(
     assert_identical(run_dir, references["stacked"])
 
 
+@pytest.mark.slow
 def test_a_mid_round_checkpoint_without_the_replica_weights_resumes_to_another_run(tmp_path, references):
     """Negative control: the global weights in place of replica 1's weights inside the round."""
     run_dir = tmp_path / "run"

@@ -109,6 +109,7 @@ def made_report(made):
 # -- status ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_hung_run_reads_running_and_after_sigkill_crashed(made):
     (start,) = [r for r in read_metrics(made["killed"] / "metrics.jsonl") if r["kind"] == "start"]
     assert start["pid"] == made["pid"] and start["host"] == socket.gethostname()
@@ -116,6 +117,7 @@ def test_a_hung_run_reads_running_and_after_sigkill_crashed(made):
     assert load_run(made["killed"]).status == "crashed"
 
 
+@pytest.mark.slow
 def test_a_last_row_cut_short_by_a_crash_is_left_out(made, tmp_path):
     run = tmp_path / "cut"
     shutil.copytree(made["killed"], run, ignore=shutil.ignore_patterns("checkpoints", "report"))
@@ -181,6 +183,7 @@ def _expected(run_dir: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_table_equals_what_each_runs_records_say(made_report):
     _, record, _ = made_report
     assert set(record["keys"]) == {"inner.H", "replicas", "data.shuffle_seed"}  # what the runs were given
@@ -217,6 +220,7 @@ def test_the_table_equals_what_each_runs_records_say(made_report):
     assert set(by_config) == SWEEP  # every sweep job has its own finished row
 
 
+@pytest.mark.slow
 def test_only_the_run_that_saw_other_data_is_flagged(made, made_report):
     _, record, stdout = made_report
     flagged = [row["run"] for row in record["runs"] if row["data"]]
@@ -243,6 +247,7 @@ def _decimals(cell: str) -> int:
     return len(cell.split(".")[1]) if "." in cell else 0
 
 
+@pytest.mark.slow
 def test_markdown_and_terminal_tables_show_the_recorded_values(made_report):
     out, record, stdout = made_report
     lines = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
@@ -282,6 +287,7 @@ def test_markdown_and_terminal_tables_show_the_recorded_values(made_report):
 # -- plots and the page ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_png_decodes_at_its_stated_size(made_report):
     out, record, _ = made_report
     assert {p.name for p in out.glob("*.png")} == {p["file"] for p in record["plots"]}
@@ -329,6 +335,7 @@ def _load_in_chromium(page: Path, profile: Path) -> tuple[list[str], list[str]]:
     return marked.group(1).split(), [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
 
 
+@pytest.mark.slow
 def test_the_page_loads_in_chromium_with_every_image_and_no_console_message(made_report, tmp_path):
     out, record, _ = made_report
     page = (out / "report.html").read_text()
@@ -355,6 +362,7 @@ def test_the_page_loads_in_chromium_with_every_image_and_no_console_message(made
     assert images.count("broken") == 1 and len(console) == 1
 
 
+@pytest.mark.slow
 def test_a_phases_sweep_gets_the_phases_table_and_its_plot(made):
     code, stdout, stderr = _report([str(made["phases"])])
     assert code == 0, stderr
@@ -390,6 +398,7 @@ def test_the_comparison_leaves_out_what_a_resume_may_change():
         ("out-is-a-file", "--out={tmp}/file is a file"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(made, tmp_path, case, named):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")

@@ -65,6 +65,7 @@ def faults_per_step(mode: str) -> tuple[float, float]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+@pytest.mark.slow
 def test_a_stacked_step_stops_page_faulting_its_activations():
     """Bounds from the sizes, in pages of the step's own activations (SMALLEST = 1024, LARGEST = 2816).
 
