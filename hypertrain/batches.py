@@ -101,7 +101,9 @@ def replica_batch(
 
     Simulation: `ids` are the replica's `V_m`, `world` 1. Benchmark layout: `ids` are one rank's
     share, `replica_ids` its replica's `V_m` (whose lengths give the totals) and `world` the
-    replica's L ranks, so the average of the L ranks' losses is the replica batch's token mean.
+    replica's distinct streams (L ranks; L/k in a weak phase at W = kB, where each id lies on k of
+    them: `trainer.rank_streams`), so the average of the L ranks' losses is the replica batch's
+    token mean.
     """
     if is_multistream(dataset):
         return _multistream_batch(dataset, ids, data, replica_ids, world)

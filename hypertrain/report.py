@@ -28,6 +28,7 @@ from hypertrain.report_table import (
     data_flags,
     differing_keys,
     flat,
+    phase_of,
     table_rows,
 )
 
@@ -67,14 +68,26 @@ def run_names(runs: list[Run]) -> list[str]:
 
 
 def data_note(runs: list[Run], flags: list[str]) -> str:
-    reference = next(run for run, flag in zip(runs, flags, strict=True) if flag != DIFFERENT_DATA)
-    fingerprint = reference.plan.get("data/fingerprint") or "-"
-    union = reference.plan.get("plan/union_sha256") or "-"
+    """What the data flags compare against: per phase, the data most of its runs saw."""
+    references: dict = {}  # phase -> its first run that saw the reference data
+    for run, flag in zip(runs, flags, strict=True):
+        if flag != DIFFERENT_DATA:
+            references.setdefault(phase_of(run), run)
+    saw = []
+    for phase, reference in references.items():
+        fingerprint = reference.plan.get("data/fingerprint") or "-"
+        union = reference.plan.get("plan/union_sha256") or "-"
+        where = f"of phase {phase} " if len(references) > 1 else ""
+        saw.append(
+            f"most runs {where}saw data fingerprint `{fingerprint[:16]}` with union hash `{union[:16]}`"
+        )
     return (
-        f"data: most runs saw data fingerprint `{fingerprint[:16]}` with union hash `{union[:16]}`; "
-        f"'{DIFFERENT_DATA}': another fingerprint or union hash; '{OTHER_ORDER}': the same data, but "
-        "another data-order digest than most runs with the same R (the digest depends on R, so runs "
-        "with another R are not compared; the rank digest, which depends on the world, never is)."
+        f"data: {'; '.join(saw)}; "
+        f"'{DIFFERENT_DATA}': another fingerprint or union hash than most runs of its phase (runs of "
+        f"different phases are not compared: their ids differ by design); '{OTHER_ORDER}': the same "
+        "data, but another data-order digest than most runs of its phase with the same R (the digest "
+        "depends on R, so runs with another R are not compared; the rank digest, which depends on the "
+        "world, never is)."
     )
 
 

@@ -3,8 +3,9 @@
 `differing_keys(runs)` finds the dotted config keys whose values are not the same in every run
 (where and how a run logs and checkpoints, and whether it resumed, left out: they do not change its
 numbers), most varied first. `data_flags(runs)` marks the runs that saw other data than most runs
-(another data fingerprint or union hash), and, between runs with the same R only, another data
-order; the rank digest is never compared (it changes with the world size). `table_rows(runs, names)`
+of the same phase (another data fingerprint or union hash), and, between runs of the same phase
+with the same R only, another data order; runs of different phases are never compared (their ids
+differ by design), nor is the rank digest (it changes with the world size). `table_rows(runs, names)`
 gives each run's figures, read from its metrics.jsonl; `COLUMNS` formats them.
 """
 
@@ -58,22 +59,38 @@ def differing_keys(runs: list[Run]) -> list[str]:
     return sorted(spread, key=lambda k: (-spread[k], order[k]))
 
 
+def phase_of(run: Run):
+    """The phase a run trained (its `phase.name`): runs of different phases are meant to see
+    different data (a strong and a weak phase have different ids, so different union hashes)."""
+    return run.config.get("phase.name")
+
+
+def _data(run: Run) -> tuple:
+    return run.plan.get("data/fingerprint"), run.plan.get("plan/union_sha256")
+
+
 def data_flags(runs: list[Run]) -> list[str]:
-    """Per run: '' (saw what most runs saw; ties go to the earlier run), DIFFERENT_DATA (another data
-    fingerprint or union hash), or OTHER_ORDER (the same data, and among the runs with its R, another
-    data-order digest than most of them)."""
-    data = [(run.plan.get("data/fingerprint"), run.plan.get("plan/union_sha256")) for run in runs]
-    reference = Counter(data).most_common(1)[0][0]
-    flags = ["" if d == reference else DIFFERENT_DATA for d in data]
-    for replicas in {run.replicas for run in runs}:
-        same_r = [i for i, run in enumerate(runs) if run.replicas == replicas and not flags[i]]
-        if not same_r:
-            continue
-        orders = [runs[i].plan.get("plan/data_order_sha256") for i in same_r]
-        usual = Counter(orders).most_common(1)[0][0]
-        for i, order in zip(same_r, orders, strict=True):
-            if order != usual:
-                flags[i] = OTHER_ORDER
+    """Per run: '' (saw what most runs of its phase saw; ties go to the earlier run), DIFFERENT_DATA
+    (another data fingerprint or union hash than most runs of its phase), or OTHER_ORDER (the same
+    data, and among the runs of its phase with its R, another data-order digest than most of them).
+    Runs of different phases are never compared."""
+    flags = [""] * len(runs)
+    for phase in dict.fromkeys(phase_of(run) for run in runs):
+        same_phase = [i for i, run in enumerate(runs) if phase_of(run) == phase]
+        data = {i: _data(runs[i]) for i in same_phase}
+        reference = Counter(data.values()).most_common(1)[0][0]
+        for i in same_phase:
+            if data[i] != reference:
+                flags[i] = DIFFERENT_DATA
+        for replicas in dict.fromkeys(runs[i].replicas for i in same_phase):
+            same_r = [i for i in same_phase if runs[i].replicas == replicas and not flags[i]]
+            if not same_r:
+                continue
+            orders = [runs[i].plan.get("plan/data_order_sha256") for i in same_r]
+            usual = Counter(orders).most_common(1)[0][0]
+            for i, order in zip(same_r, orders, strict=True):
+                if order != usual:
+                    flags[i] = OTHER_ORDER
     return flags
 
 

@@ -207,6 +207,17 @@ def heldout_eval(run: PreparedRun, theta: Params) -> tuple[float, dict[str, floa
     }
 
 
+def rank_streams(phase: plan.Phase, world: int, ranks_per_replica: int) -> int:
+    """The `world` a rank's loss weights use under the benchmark layout: the replica's distinct
+    streams. A strong phase's L ranks split the replica's ids, so L. A weak phase at W = kB presents
+    each of the replica's ids on k of its L ranks (docs/design.md, "Rank ids"): their shares cover the
+    batch k times, so each rank weighs its share as one of L/k = B/R streams. The average of the L
+    ranks' losses (and gradients) is then the replica batch's token mean, as in the simulation, not k
+    times it."""
+    repeats = world // phase.base_world if isinstance(phase, plan.WeakPhase) else 1
+    return ranks_per_replica // repeats
+
+
 def assignments(
     run: PreparedRun, updates: range, groups: ReplicaGroups | None = None, state: RunState | None = None
 ) -> list[Assignment]:
@@ -216,14 +227,15 @@ def assignments(
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     share = groups.rank_share()
+    streams = rank_streams(run.phase, share[1], share[2]) if share is not None else 1
 
     def batch(u: int, m: int) -> ReplicaBatch:
         ids = plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples)
         if share is None:
             return replica_batch(run.dataset, ids, cfg.data, cfg.inner.micro_batch)
-        rank, world, ranks_per_replica = share
+        rank, world, _ = share
         mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
-        return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, ranks_per_replica)
+        return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, streams)
 
     first = updates[0] if state is None else state.round_first
     reached = state.round_params if state is not None and state.mid_round else [None] * len(groups.replicas)

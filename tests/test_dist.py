@@ -17,6 +17,9 @@ the same number and size, only in another order:
   addition, as in the single pass of the simulation; the factor L in the rank weights and the division
   by L in the average are exact for L a power of two (the cases use L = 1, 2). A rank's share is cut
   into at most as many microbatches as the replica's, so the loss floor's microbatch count covers it.
+  A weak phase at W = kB presents each id on k of the L ranks, weighted with `world = L/k`: the k equal
+  partials of a stream add exactly to k times one (k = 2 in the cases), so its sums have the same
+  levels as a strong phase's at L/k ranks, and the factor L/k and the division by L are powers of two.
 - the sync's all-reduce sums the R replicas' pseudo-gradients (HSDP-sharded, or once over the stacked
   layout's processes) like the simulation's torch.sum, in another order: R terms, the same count of
   roundings of a pseudo-gradient, far below U32 of the weights (references.py, `float64_arithmetic`).
@@ -125,6 +128,29 @@ CASES = {
         4,
         tail=1,
     ),
+    # benchmark, weak phase at W = 2 = k*B (base world B = 1, k = 2), R = 1, L = 2: both ranks present
+    # all of V_0 (every id twice); the logged loss must still be the replica's token mean, as in the
+    # simulation. The quick loop's weak case: two processes.
+    "w2-r1-weak-k2": Case(
+        [
+            "phase=cpu_weak",
+            "phase.base_world=1",
+            "world=2",
+            "replicas=1",
+            "inner.H=1",
+            "phase.updates=2",
+            "phase.timing_warmup=1",
+        ],
+        "benchmark",
+        2,
+    ),
+    # benchmark, cpu_weak itself at W = 4 = k*B (B = 2, k = 2), R = 2, L = 2: each replica has one base
+    # stream, presented by both of its ranks; 2 rounds of 2 updates, HSDP syncs across the replicas.
+    "w4-r2-weak-k2": Case(
+        ["phase=cpu_weak", "world=4", "replicas=2", "inner.H=2", "phase.updates=4", "phase.timing_warmup=1"],
+        "benchmark",
+        4,
+    ),
     # stacked layout: 2 processes of 2 stacked replicas each (P = 2 != W = 4, P divides R = 4); the last
     # round is a tail update of 1 id, so process 1 has no replica that steps in it.
     "stacked-p2-r4-muon-tail": Case(
@@ -144,7 +170,7 @@ def tail_offset(overrides: list[str], tail: int) -> str:
 
 
 # The quick loop (`pytest -m 'not slow'`) keeps one case of each kind; the rest are slow.
-SLOW_CASES = {"w4-r2-adamw-documents-tail", "stacked-p2-r4-muon-tail"}
+SLOW_CASES = {"w4-r2-adamw-documents-tail", "w4-r2-weak-k2", "stacked-p2-r4-muon-tail"}
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from hypertrain import checkpoint, report
 from hypertrain.log import read_metrics
 from hypertrain.report_runs import load_run, read_rows, run_status
-from hypertrain.report_table import DIFFERENT_DATA, NOT_COMPARED
+from hypertrain.report_table import DIFFERENT_DATA, NOT_COMPARED, OTHER_ORDER
 
 SMALL = ["phase=smoke", "model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
 RUN = [*SMALL, "world=2"]  # world 2: with R = 1 a replica's 2 ranks all-reduce every update
@@ -241,6 +241,79 @@ def test_only_the_run_that_saw_other_data_is_flagged(made, made_report):
         r["run"] == "killed" for r in record["runs"]
     ]
     assert f"seed1: {DIFFERENT_DATA}" in stdout
+
+
+def _hand_run(path: Path, phase: str, world: int, replicas: int, data: str, union: str, order: str) -> None:
+    """A finished run's three files, written by hand in the format a run writes them (one round of
+    one update), with the plan facts the data flags compare; `data`, `union`, `order` name the data
+    fingerprint, union hash and data-order digest."""
+    path.mkdir(parents=True)
+    facts = {
+        "plan/check": "PASS",
+        "plan/union_sha256": union * 4,
+        "plan/data_order_sha256": order * 4,
+        "plan/rank_sha256": f"{order}-w{world}" * 4,  # changes with the world: never compared
+        "data/fingerprint": data * 4,
+        "plan/updates_run": 1,
+    }
+    (path / "plan.json").write_text(json.dumps(facts))
+    config = {
+        "experiment": "hand",
+        "replicas": replicas,
+        "world": {"size": world},
+        "phase": {"name": phase, "kind": phase.split("_")[1]},
+        "data": {"shuffle_seed": 0},
+    }
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    losses = [5.0 + 0.1 * m for m in range(replicas)]
+    rows = [
+        {"kind": "start", "time": 0.0, "replicas": replicas},
+        {"kind": "summary"} | facts,
+        {"kind": "eval", "update": 0, "round": 0, "eval_loss": 5.5},
+        {"kind": "update", "update": 1, "round": 1, "loss": losses, "tokens": 64, "wall": 0.5}
+        | {"rank_seconds": [0.1] * world, "loss_mean": sum(losses) / replicas},
+        {"kind": "sync", "update": 1, "round": 1, "eval_loss": 5.25, "comm_inner_total": 0}
+        | {"comm_outer_total": 0, "comm_inner_bytes": 0, "comm_outer_bytes": 0},
+        {"kind": "summary", "train/wall_s": 0.5, "train/replica_steps_per_s": 2.0 * replicas},
+        {"kind": "end", "time": 1.0, "status": "finished"},
+    ]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_runs_are_compared_with_runs_of_their_own_phase_only(tmp_path):
+    # An experiment=phases sweep: a strong and a weak phase have different ids by design (another union
+    # hash, another data order), so neither is flagged for the other's data. Within each phase a run
+    # that truly saw other data (another union hash; another fingerprint) or, at equal R, another data
+    # order still is; the weak phase's R = 2 run has another data-order digest by definition (not flagged).
+    runs = tmp_path / "runs"
+    hand = {  # name: phase, world, R, data fingerprint, union hash, data-order digest
+        "strong-w1": ("cpu_strong", 1, 1, "F", "S", "s1"),
+        "strong-w2": ("cpu_strong", 2, 1, "F", "S", "s1"),
+        "strong-w4": ("cpu_strong", 4, 1, "F", "S", "s1"),
+        "strong-offset": ("cpu_strong", 2, 1, "F", "S2", "s9"),  # another phase.offset: other ids
+        "weak-w2": ("cpu_weak", 2, 1, "F", "W", "w1"),
+        "weak-w4": ("cpu_weak", 4, 1, "F", "W", "w1"),
+        "weak-w4-r2": ("cpu_weak", 4, 2, "F", "W", "w2"),
+        "weak-order": ("cpu_weak", 2, 1, "F", "W", "w9"),  # the same data in another order at R = 1
+        "weak-seed1": ("cpu_weak", 2, 1, "G", "W", "w1"),  # another data fingerprint
+    }
+    for name, (phase, world, replicas, data, union, order) in hand.items():
+        _hand_run(runs / name, phase, world, replicas, data, union, order)
+    code, stdout, stderr = _report([str(runs)])
+    assert code == 0, stderr
+    record = json.loads((runs / "report" / "report.json").read_text())
+    flags = {row["run"]: row["data"] for row in record["runs"] if row["data"]}
+    assert flags == {
+        "strong-offset": DIFFERENT_DATA,
+        "weak-order": OTHER_ORDER,
+        "weak-seed1": DIFFERENT_DATA,
+    }
+    assert sorted(line for line in stdout.splitlines() if line.endswith(("data", "order"))) == [
+        f"{name}: {flag}" for name, flag in sorted(flags.items())
+    ]
+    page = (runs / "report" / "report.md").read_text()
+    assert "most runs of phase cpu_strong saw data fingerprint `FFFF`" in page
+    assert "most runs of phase cpu_weak saw data fingerprint `FFFF`" in page
 
 
 def _decimals(cell: str) -> int:
