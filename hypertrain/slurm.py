@@ -10,6 +10,9 @@ hydra_plugins namespace), the plugin's submitit launcher changed in three places
   requeued job, which composes its config again) is built from, so it never moves;
 - in a job of several tasks (srun's tasks are the ranks of one engine=dist run) only task 0 lets
   Hydra create the job's directory, `.hydra/` and log file, as under torchrun.
+While the submitting process waits for the jobs, submitit's polls of `sacct` go through `SacctWatcher`:
+a failing `sacct` (a cluster without accounting fails every call) is reported once per sweep and
+error, not three times per poll.
 `SlurmPreflight` (a Hydra callback the presets register) checks every job of the sweep before
 anything is created or submitted: the run's config, and for several tasks per job that the run is
 engine=dist and the tasks fit a layout. A mistake prints one line and exits 2.
@@ -17,7 +20,12 @@ engine=dist and the tasks fit a layout. A mistake prints one line and exits 2.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +38,8 @@ from hypertrain.layouts import LayoutError, choose_layout, launched_rank
 from hypertrain.plan import PlanError
 
 RESUME = "auto"  # what a job's `resume` is unless the command line says: a requeued job goes on
+
+log = logging.getLogger(__name__)
 
 
 def _override_value(text: str) -> str:
@@ -50,6 +60,75 @@ def prepare_sweep(config: DictConfig, job_overrides) -> list[list[str]]:
     return [
         list(o) if any(_key(x) == "resume" for x in o) else [*o, f"resume={RESUME}"] for o in job_overrides
     ]
+
+
+def sacct_watcher_class():
+    """`SacctWatcher`, built on submitit's `SlurmInfoWatcher` (imported only when a SLURM sweep runs)."""
+    from submitit.core import logger as submitit_logger
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    class SacctWatcher(SlurmInfoWatcher):
+        """submitit's watcher of job states, but for what a failing `sacct` prints: submitit lets
+        sacct's stderr through and logs its own warning on every poll, which its logger prints twice
+        (its stdout and stderr handlers) and Hydra's root logger a third time. Here sacct's stderr is
+        captured and each distinct failure (exit status and message) is logged once, as one warning
+        through this module's logger; a repeat goes to submitit's debug log. A new error (another
+        message, another status, sacct missing) is a new warning."""
+
+        def __init__(self, delay_s: int = 60) -> None:
+            super().__init__(delay_s=delay_s)
+            self.reported: set[str] = set()
+
+        def _report(self, problem: str, meaning: str = "") -> None:
+            if problem in self.reported:
+                submitit_logger.get_logger().debug(f"Call #{self.num_calls} - {problem} (again)")
+                return
+            self.reported.add(problem)
+            log.warning(f"{problem}{meaning}; said once per sweep, submitit's polls go on")
+
+        def update(self) -> None:
+            command = self._make_command()
+            if command is None:
+                return
+            self._num_calls += 1
+            submitit_logger.get_logger().debug(f"Call #{self.num_calls} - Command {' '.join(command)}")
+            blind = (
+                ": submitit reads the jobs' states from their result files only, so a job that ends "
+                "without one is not seen to end (squeue and scontrol show job tell)"
+            )
+            try:
+                done = subprocess.run(command, capture_output=True, check=False)
+            except OSError as e:
+                self._report(f"sacct could not run ({e})", blind)
+            else:
+                said = done.stderr.decode(errors="replace").strip()
+                if done.returncode != 0:
+                    self._report(f"sacct failed (exit {done.returncode}: {said or 'no message'})", blind)
+                else:
+                    if said:  # a warning beside a result
+                        self._report(f"sacct: {said}")
+                    self._output = done.stdout
+                    self._info_dict.update(self.read_info(self._output))
+            self._last_status_check = time.time()
+            for job_id in self._registered - self._finished:  # as submitit's: note the finished jobs
+                if self.is_done(job_id, mode="cache"):
+                    self._finished.add(job_id)
+
+    return SacctWatcher
+
+
+@contextlib.contextmanager
+def sacct_reported_once() -> Iterator[None]:
+    """While a sweep is submitted and waited for: submitit's SLURM jobs poll `SacctWatcher` (a
+    fresh one per sweep), not submitit's own watcher, which is put back afterwards."""
+    from submitit.slurm.slurm import SlurmJob
+
+    before = SlurmJob.watcher
+    SlurmJob.watcher = sacct_watcher_class()(delay_s=before._delay_s)
+    try:
+        yield
+    finally:
+        SlurmJob.watcher = before
 
 
 def writes_the_job() -> bool:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PORT_BASE, PORT_SPAN = 20000, 20000  # rendezvous ports 20000-39999, below Linux's ephemeral range
+PORT_BASE, PORT_SPAN = 20000, 20000  # rendezvous ports 20000-39999; 32768 and up lie in Linux's ephemeral range
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,12 @@ What each test proves, against an independent run of the same config on this mac
   not renamed by the requeue) and finishes with the records of a run never stopped.
 
 Every test is bounded: each sweep subprocess by SWEEP_TIMEOUT_S (then it is killed, its jobs are
-cancelled and the test fails with their logs), each wait on SLURM by STATE_TIMEOUT_S, and a job that
-SLURM records as failed fails the test at once. The jobs use the smoke phase (seconds each); the
-file took 51 s on this 2-core machine (74 s with -n 2, each test process starting its own cluster).
+cancelled and the test fails with their logs), the wait for a job's first rows by JOB_DONE_S, each
+wait for a SLURM state by STATE_TIMEOUT_S, and a job that SLURM records as failed (or a sweep that
+exits early) fails the test at once. The bounds are derived below from SLURM's intervals and the
+jobs' CPU time on a loaded 2-core machine, not measured durations. The jobs use the smoke phase
+(seconds each); the file took 51 s on this 2-core machine (74 s with -n 2, each test process
+starting its own cluster), 1.2 to 3.5 minutes beside a CPU-bound process at load averages of 2 to 13.
 """
 
 from __future__ import annotations
@@ -31,18 +34,33 @@ import time
 from pathlib import Path
 
 import pytest
-from test_dist import FAULT_ENV, finish, start_entry
-from test_entry import QUICK
-from test_resume import assert_identical, assert_same_weights, outcome
+from helpers import FAULT_ENV, QUICK, assert_identical, assert_same_weights, finish, outcome, start_entry
+from slurm_cluster import END_TIMEOUT_S, RPC_S, SCHED_INTERVAL_S, SLOWDOWN, STOP_CPU_S
 
 from hypertrain.checkpoint import SUPERSEDED_FILE
 from hypertrain.log import METRICS_FILE, read_metrics
 from hypertrain.wandb_offline import read_run
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # a SLURM cluster per test process: 1-2 min
 
-SWEEP_TIMEOUT_S = 150  # one sweep, submission to the last job's result (measured: 15-40 s)
-STATE_TIMEOUT_S = 60  # a job reaching a state SLURM is asked for (measured: under 2 s)
+# The bounds of the waits, derived. tests/slurm_cluster.py holds SLURM's intervals (written into its
+# slurm.conf) and SLOWDOWN, the wall seconds per CPU second of one process on the loaded machine.
+# CPU seconds do not change with the load; these were measured with /usr/bin/time on this 2-core
+# machine (a job's task: wrapped by `+hydra.launcher.srun_args`) and are rounded up to the second:
+SUBMIT_CPU_S = 4  # the submitting process: Python, Hydra, the preflight, sbatch (3.8 to its end)
+JOB_CPU_S = 6  # one task of the longest job (LONG, 2 tasks), its start to its result (5.45 and 4.6)
+# Queued to running: the scheduler's periodic pass at the latest (the event-driven pass comes
+# BATCH_SCHED_DELAY_S + 1 s after a submission or `scontrol update`), then three messages: the batch
+# script's launch to slurmd, srun's step request to slurmctld, srun's launch of the tasks.
+JOB_START_S = SCHED_INTERVAL_S + 3 * RPC_S  # 120 s
+# A sweep's start to its job's result (and to its first update rows, which come before it).
+JOB_DONE_S = SUBMIT_CPU_S * SLOWDOWN + JOB_START_S + JOB_CPU_S * SLOWDOWN  # 170 s
+RESULT_POLL_S = 1  # submitit's Job.wait looks for a job's result file once a second
+SWEEP_TIMEOUT_S = JOB_DONE_S + RESULT_POLL_S  # one sweep to its last job's result: 171 s
+# A job reaching the state asked for, after its result or a stop signal: its process stops and
+# exits (STOP_CPU_S at SLOWDOWN), then SLURM ends the job (END_TIMEOUT_S: a message, KillWait, the
+# completion messages).
+STATE_TIMEOUT_S = STOP_CPU_S * SLOWDOWN + END_TIMEOUT_S  # 90 s
 FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 RUN = [*QUICK, "logger=none"]
 
@@ -117,6 +135,24 @@ def wait_for(what: str, condition, timeout: float = STATE_TIMEOUT_S, cwd: Path |
     pytest.fail(f"timed out after {timeout} s waiting for {what}\n{job_logs(cwd) if cwd else ''}")
 
 
+def wait_first_rows(proc: subprocess.Popen, cwd: Path, cluster, sweeps: Path) -> Path:
+    """The sweep's job directory once it holds update rows (by JOB_DONE_S: they come before the
+    job's result); a sweep that exits first, or a job SLURM records as failed, fails the test at once."""
+
+    def rows() -> list[Path]:
+        failed = failed_jobs(cluster, cwd)
+        if proc.poll() is not None or failed:
+            if proc.poll() is None:  # without accounting, submitit waits for ever for a failed job
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            cluster.cancel_all()
+            why = f"SLURM jobs failed: {failed}" if failed else f"the sweep exited with {proc.returncode}"
+            pytest.fail(f"{why} before the job's first update rows\n{err[-3000:]}\n{job_logs(cwd)}")
+        return [p for p in sweeps.glob("*/*/0_*") if update_rows(p)]
+
+    return wait_for("the job's first update rows", rows, timeout=JOB_DONE_S, cwd=cwd)[0]
+
+
 def submitit_jobs(sweep_dir: Path) -> list[str]:
     """The SLURM job ids of a sweep, from submitit's folders: `<id>` for one job; for an array (one
     job per Hydra job), `<array>_<index>` beside the array's own `<array>`."""
@@ -163,6 +199,12 @@ def test_a_slurm_sweep_equals_the_basic_launchers_sweep_job_for_job(cluster, tmp
     done = wait_sweep(submitted, tmp_path, cluster)
     assert done.returncode == 0, done.stderr[-3000:] + job_logs(tmp_path)
     assert basic.returncode == 0, basic.stderr
+    # Without accounting every poll of sacct fails: said once for the sweep (hypertrain.slurm's
+    # SacctWatcher), neither sacct's own line nor submitit's warning on every poll.
+    said = done.stdout + done.stderr
+    assert said.count("sacct failed (exit 1: Slurm accounting storage is disabled)") == 1, said[-3000:]
+    assert said.count("Slurm accounting storage is disabled") == 1, said[-3000:]
+    assert "Bypassing sacct error" not in said, said[-3000:]
 
     jobs = ["0_w1_r1_h3", "1_w2_r1_h3"]
     assert sorted(p.name for p in slurm_dir.iterdir() if not p.name.startswith(".")) == [
@@ -271,10 +313,7 @@ def test_a_preempted_job_is_requeued_and_finishes_as_a_run_never_stopped(cluster
     reference = start_entry([*LONG, *config, f"hydra.run.dir={tmp_path / 'reference'}"], tmp_path)
 
     sweeps = tmp_path / "outputs" / "sweeps"
-    job_dir = wait_for(
-        "the job's first update rows", lambda: [p for p in sweeps.glob("*/*/0_*") if update_rows(p)]
-    )
-    job_dir = job_dir[0]
+    job_dir = wait_first_rows(submitted, tmp_path, cluster, sweeps)
     (job_id,) = submitit_jobs(job_dir.parent)
     stopped_after = len(update_rows(job_dir))
     if how == "usr2":

@@ -15,12 +15,14 @@ except ImportError:  # the dev extra is not installed: the SLURM presets are una
 if SubmititSlurmLauncher is not None:
 
     class SlurmLauncher(SubmititSlurmLauncher):
-        """Jobs run with resume=auto, the sweep directory pinned, and one writer per multi-task job."""
+        """Jobs run with resume=auto, the sweep directory pinned, and one writer per multi-task job;
+        a failing sacct is reported once per sweep while the jobs are waited for."""
 
         def launch(self, job_overrides, initial_job_idx):
             from hypertrain import slurm
 
-            return super().launch(slurm.prepare_sweep(self.config, job_overrides), initial_job_idx)
+            with slurm.sacct_reported_once():
+                return super().launch(slurm.prepare_sweep(self.config, job_overrides), initial_job_idx)
 
         def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
             from hypertrain import slurm
