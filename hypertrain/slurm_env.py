@@ -15,7 +15,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PORT_BASE, PORT_SPAN = 20000, 20000  # rendezvous ports 20000-39999; 32768 and up lie in Linux's ephemeral range
+# rendezvous ports 20000-39999; from 32768 up they lie in Linux's default ephemeral range
+PORT_BASE, PORT_SPAN = 20000, 20000
 
 
 @dataclass(frozen=True)
