@@ -12,12 +12,18 @@ disk mid-write leaves the previous checkpoint whole. The last `checkpoint.keep` 
 names the one used instead); `compatible(saved, resolved, plan_facts)` raises a one-line
 `ConfigError` when the run to resume differs from the saved one beyond what may change (logger
 fields, checkpoint fields, `resume`, and `phase.updates` when `inner.decay_steps` is explicit, in
-which case the updates already run must be the same ones); `rewind_metrics` truncates
-metrics.jsonl to the checkpoint's length and keeps what was cut in metrics.superseded.jsonl.
+which case the updates already run must be the same ones); `records_match(run_dir, path, saved)`
+raises one when the run directory's metrics.jsonl is not the records the checkpoint was written
+with (the run id of the session that wrote it, the length and the sha256 of the records up to that
+length, all saved in the checkpoint); `rewind_metrics` cuts metrics.jsonl back to the checkpoint's
+length (never extends it) and keeps what was cut in metrics.superseded.jsonl. Pruning removes only
+checkpoints this run wrote (named in its own `checkpoint` rows, or written by this session).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import sys
@@ -44,8 +50,9 @@ def path_for(run_dir: Path, next_update: int) -> Path:
     return Path(run_dir) / FOLDER / f"ckpt-u{next_update:07d}.pt"
 
 
-def write(path: Path, payload: dict, keep: int) -> tuple[int, float]:
-    """Save `payload` atomically at `path`, keep the newest `keep` checkpoints; (bytes, seconds)."""
+def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -> tuple[int, float]:
+    """Save `payload` atomically at `path`, keep the newest `keep` checkpoints; (bytes, seconds).
+    With `ours` (the names of the checkpoints this run wrote, `path`'s added) only those are pruned."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -69,8 +76,11 @@ def write(path: Path, payload: dict, keep: int) -> tuple[int, float]:
         os.fsync(folder)
     finally:
         os.close(folder)
+    if ours is not None and path.name not in ours:
+        ours.append(path.name)
     for old in checkpoints(path.parent.parent)[:-keep]:
-        old.unlink(missing_ok=True)
+        if ours is None or old.name in ours:
+            old.unlink(missing_ok=True)
     return path.stat().st_size, time.perf_counter() - start
 
 
@@ -185,8 +195,10 @@ class Checkpointer:
         log,
         groups,
         every_updates: int = 0,
+        ours: list[str] | None = None,
     ):
         self.run_dir, self.resolved, self.every, self.keep = Path(run_dir), resolved, every, keep
+        self.ours = list(ours or [])  # names of the checkpoints this run wrote: the only ones pruned
         self.every_updates = every_updates
         self.plan = {k: plan_facts[k] for k in PLAN_KEYS}
         self.log, self.groups = log, groups
@@ -229,10 +241,12 @@ class Checkpointer:
             "config": self.resolved,
             "plan": self.plan,
             "metrics_bytes": self.log.position(),
+            "metrics_sha256": self.log.digest(),
+            "run_id": self.log.run_id,
             "wandb_run_id": self.log.wandb_run_id,
         }
         path = path_for(self.run_dir, state.next_update)
-        size, seconds = write(path, payload, self.keep)
+        size, seconds = write(path, payload, self.keep, self.ours)
         self.log.log_checkpoint(
             {
                 "update": state.next_update,
@@ -257,9 +271,14 @@ def drop_later(run_dir: Path, next_update: int) -> list[Path]:
 
 def rewind_metrics(run_dir: Path, length: int) -> int:
     """Cut metrics.jsonl back to `length` bytes, appending what was cut to metrics.superseded.jsonl
-    (never lost); returns the bytes moved."""
+    (never lost); returns the bytes moved. A file shorter than `length` is never extended (the
+    preflight's `records_match` refuses such a resume before anything is changed)."""
     metrics = Path(run_dir) / METRICS_FILE
-    data = metrics.read_bytes()
+    data = metrics.read_bytes() if metrics.exists() else b""
+    if len(data) < length:
+        raise ValueError(f"{metrics} holds {len(data)} bytes, fewer than {length}: nothing to rewind")
+    if not metrics.exists():
+        return 0
     tail = data[length:]
     if tail:
         with open(Path(run_dir) / SUPERSEDED_FILE, "ab") as superseded:
@@ -269,3 +288,84 @@ def rewind_metrics(run_dir: Path, length: int) -> int:
     with open(metrics, "r+b") as file:
         file.truncate(length)
     return len(tail)
+
+
+def written_by_run(run_dir: Path, resumed: Path | None = None) -> list[str]:
+    """Names of the checkpoints the run in `run_dir` wrote, as its metrics.jsonl's `checkpoint` rows
+    name them (after a rewind: the sessions up to the checkpoint resumed from), and `resumed` itself
+    (its row lies past the length it recorded): what pruning may remove, and nothing else."""
+    names: list[str] = []
+    metrics = Path(run_dir) / METRICS_FILE
+    if metrics.exists():
+        with open(metrics, encoding="utf-8", errors="replace") as rows:
+            for line in rows:
+                if '"checkpoint"' not in line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("kind") == "checkpoint" and row.get("path"):
+                    names.append(Path(str(row["path"])).name)
+    if resumed is not None:
+        names.append(Path(resumed).name)
+    return sorted(set(names))
+
+
+def _start_rows(data: bytes) -> list[dict]:
+    """The `start` rows among `data`'s lines (unreadable lines skipped)."""
+    starts = []
+    for line in data.splitlines():
+        if b'"start"' not in line:
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(row, dict) and row.get("kind") == "start":
+            starts.append(row)
+    return starts
+
+
+def records_match(run_dir: Path, path: Path, saved: dict) -> None:
+    """Raise ConfigError (one line) unless `run_dir`'s metrics.jsonl holds the records checkpoint
+    `path` (payload `saved`) was written with: at least its recorded length, the session that wrote
+    it (the last `start` row before that length) of the same run id, and the same sha256 of the
+    bytes up to that length. A checkpoint written before run ids and digests were saved is checked
+    by the length alone (and that the length ends a row)."""
+    metrics = Path(run_dir) / METRICS_FILE
+    length = int(saved.get("metrics_bytes", 0))
+    if not metrics.is_file():
+        raise ConfigError(
+            f"{metrics} is missing but checkpoint {path} goes on from its first {length} bytes; valid: "
+            "the run's own metrics.jsonl beside its checkpoints (restore it), or a new run directory"
+        )
+    data = metrics.read_bytes()
+    if len(data) < length:
+        raise ConfigError(
+            f"{metrics} holds {len(data)} bytes, fewer than the {length} checkpoint {path} was written "
+            "after: rows were lost; valid: the run's own metrics.jsonl (restore it), or a new run directory"
+        )
+    kept = data[:length]
+    run_id, digest = saved.get("run_id"), saved.get("metrics_sha256")
+    if run_id is not None:
+        starts = _start_rows(kept)
+        theirs = starts[-1].get("run_id") if starts else None
+        if theirs != run_id:
+            raise ConfigError(
+                f"checkpoint {path} is of run {run_id} but {metrics} is of run {theirs}; valid: a "
+                "checkpoint of the run whose records are in this directory"
+            )
+    if digest is not None:
+        got = hashlib.sha256(kept).hexdigest()
+        if got != digest:
+            raise ConfigError(
+                f"{metrics} up to byte {length} has sha256 {got[:12]}..., not the {digest[:12]}... "
+                f"checkpoint {path} recorded: its rows were changed; valid: the run's own unedited "
+                "metrics.jsonl, or a new run directory"
+            )
+    elif length and not kept.endswith(b"\n"):
+        raise ConfigError(
+            f"{metrics} does not end a row at byte {length}, where checkpoint {path} (no digest: written "
+            "before records were checked) goes on; valid: the run's own metrics.jsonl"
+        )

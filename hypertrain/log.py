@@ -5,9 +5,11 @@ with `logger.name == "wandb"`, logs the same numbers to a Weights & Biases run (
 plotted against the update. `read_metrics` reads the file back. Imports wandb only when it is used.
 
 Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity` tokens):
-- `start`: one per `RunLogger`, `{"kind", "time", "name", "group", "job_type", "tags", "replicas",
-  "wandb_run_id", "pid", "host"}` (the writing process and `socket.gethostname()`, so a file without
-  an `end` row tells a running session from a dead one); a resumed run appends a second one, so
+- `start`: one per `RunLogger`, `{"kind", "time", "run_id", "name", "group", "job_type", "tags",
+  "replicas", "wandb_run_id", "pid", "host"}` (`run_id`: the run's own id, kept by every session of
+  it and by its checkpoints, which must match their records to be resumed; `pid` and `host`: the
+  writing process and `socket.gethostname()`, so a file without an `end` row tells a running
+  session from a dead one); a resumed run appends a second one, so
   every session of a file is visible.
 - `eval`: the held-out loss before training, `{"kind", "update", "round", "eval_loss"}` (`log_eval`).
 - `update`: `{"kind", "update", "round", "lr", "loss": [per replica, null = skipped], "tokens", "wall",
@@ -27,11 +29,13 @@ W&B keys: `update` (the step metric of every other key), `round`, `train/loss/re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import socket
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,6 +120,7 @@ class RunLogger:
         tags: list[str],
         replicas: int,
         wandb_id: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / METRICS_FILE
@@ -124,6 +129,8 @@ class RunLogger:
         self.name, self.group, self.job_type, self.tags = name, group, job_type, list(tags)
         self.replicas = replicas
         self.wandb_id = wandb_id  # a resumed run keeps its W&B run id
+        self.run_id = run_id or uuid.uuid4().hex  # a resumed run keeps its own id too
+        self._sha = hashlib.sha256()  # of every byte of metrics.jsonl so far (checkpoints record it)
         self._file = None
         self._run = None
         self._mode: str | None = None
@@ -134,8 +141,12 @@ class RunLogger:
     def __enter__(self) -> RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.metrics_path, "a", encoding="utf-8")
-        if self._file.tell() > 0 and not self._ends_with_newline():
-            self._file.write("\n")  # a line cut short by a crash stays its own (unreadable) line
+        if self._file.tell() > 0:
+            with open(self.metrics_path, "rb") as earlier:  # the sessions before this one
+                for block in iter(lambda: earlier.read(1 << 20), b""):
+                    self._sha.update(block)
+            if not self._ends_with_newline():
+                self._append("\n")  # a line cut short by a crash stays its own (unreadable) line
         try:
             if self.logger_cfg.name == "wandb":
                 self._run = self._init_wandb()
@@ -146,6 +157,7 @@ class RunLogger:
             {
                 "kind": "start",
                 "time": time.time(),
+                "run_id": self.run_id,
                 "name": self.name,
                 "group": self.group,
                 "job_type": self.job_type,
@@ -296,6 +308,10 @@ class RunLogger:
         """Bytes written to metrics.jsonl so far (every row is flushed as it is written)."""
         return self._file.tell()
 
+    def digest(self) -> str:
+        """sha256 of metrics.jsonl's first `position()` bytes (what a checkpoint records with it)."""
+        return self._sha.hexdigest()
+
     @property
     def wandb_run_id(self) -> str | None:
         return self._run.id if self._run is not None and self._mode != "disabled" else None
@@ -326,11 +342,14 @@ class RunLogger:
         line = json.dumps(row, default=_plain) + "\n"
         at = range(row["update"] - 1, row["update"]) if row["kind"] == "update" else range(0)
         if fault_points.due(0, "metrics", at):
-            self._file.write(line[: len(line) // 2])  # tests only: die half-way through the row
-            self._file.flush()
+            self._append(line[: len(line) // 2])  # tests only: die half-way through the row
             fault_points.act(0, "metrics", at)
-        self._file.write(line)
+        self._append(line)
+
+    def _append(self, text: str) -> None:
+        self._file.write(text)
         self._file.flush()
+        self._sha.update(text.encode("utf-8"))
 
     def _wandb_log(self, data: dict, extra: dict, prefix: str) -> None:
         if self._run is None:

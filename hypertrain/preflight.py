@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
+import fcntl
 import os
 import shutil
 import sys
@@ -77,12 +79,31 @@ def check_labels(cfg: TrainConfig, choices: dict) -> None:
             )
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """The run directory can be created here and holds no earlier run."""
-    if (run_dir / METRICS_FILE).exists():
-        raise ConfigError(
-            f"hydra.run.dir={run_dir} already holds a run ({METRICS_FILE}); valid: a new directory"
-        )
+LOCK_FILE = ".lock"  # rank 0 holds an exclusive flock on it while the run writes its directory
+# What a session of a run writes before its first checkpoint: a restart (resume=auto) may find these.
+SESSION_FILES = frozenset(
+    {
+        METRICS_FILE,
+        checkpoint.SUPERSEDED_FILE,
+        "config.yaml",
+        "plan.json",
+        "wandb",
+        checkpoint.FOLDER,
+        "weights.pt",
+    }
+)
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+def hydra_files(config: DictConfig) -> frozenset[str]:
+    """What Hydra itself writes into a run directory: its `.hydra/` folder and the job's log file."""
+    subdir = OmegaConf.select(config, "hydra.output_subdir")
+    job = OmegaConf.select(config, "hydra.job.name") or "train"
+    return frozenset({str(subdir or ".hydra"), f"{job}.log"})
+
+
+def check_place(run_dir: Path) -> None:
+    """The run directory can be created here: not under a file, somewhere writable."""
     existing = run_dir
     while not existing.exists():
         existing = existing.parent
@@ -97,6 +118,208 @@ def check_run_dir(run_dir: Path) -> None:
             f"hydra.run.dir={run_dir}: nothing can be created in {existing} ({e.strerror}); "
             "valid: a writable directory"
         ) from None
+
+
+def _in_use_error(run_dir: Path) -> ConfigError:
+    return ConfigError(
+        f"hydra.run.dir={run_dir} is in use: another process holds {run_dir / LOCK_FILE} and writes there; "
+        "valid: another hydra.run.dir, or wait until that run has ended"
+    )
+
+
+def _no_locks_error(run_dir: Path, e: OSError) -> ConfigError:
+    return ConfigError(
+        f"hydra.run.dir={run_dir}: its filesystem does not support locking {run_dir / LOCK_FILE} "
+        f"({errno.errorcode.get(e.errno, e.errno)}: {e.strerror}), so two runs could write it at once; "
+        "valid: a run directory on a filesystem with flock (a local disk, NFS with locking)"
+    )
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """No other process holds the run directory's lock (a probe: it takes and drops it, creates nothing)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+    except OSError:  # no lock file (no run has written here), or none we could open
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise _in_use_error(run_dir) from None
+        if e.errno in _NO_LOCKS:
+            raise _no_locks_error(run_dir, e) from None
+        raise
+    finally:
+        os.close(fd)  # closing drops a lock it took
+
+
+def foreign(run_dir: Path, own: frozenset[str]) -> list[str]:
+    """The entries of `run_dir` that are not this run's own (`own`, and the lock file)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in own and p.name != LOCK_FILE)
+
+
+def check_run_dir(run_dir: Path, own: frozenset[str] = frozenset()) -> None:
+    """A new run's directory: it can be created here, and it does not exist, is empty, or holds only
+    this run's own files (`own`: Hydra's of this very launch, the lock file)."""
+    if (run_dir / METRICS_FILE).exists():
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds a run ({METRICS_FILE}); valid: a new directory"
+        )
+    others = foreign(run_dir, own)
+    if others:
+        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds files that are not this run's ({named}); valid: a new or "
+            "empty directory"
+        )
+    check_place(run_dir)
+
+
+def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> None:
+    """resume=auto without a checkpoint: `run_dir` may hold only what an earlier session of this same
+    run wrote before its first checkpoint (its config.yaml is this run's, beyond what may change)."""
+    metrics = (run_dir / METRICS_FILE).exists()
+    # A session writes config.yaml and plan.json, then metrics.jsonl, then the rest: without its
+    # records, anything more is not the start of a run that stopped, but a run whose records are gone.
+    others = foreign(run_dir, own | (SESSION_FILES if metrics else {"config.yaml", "plan.json"}))
+    if others:
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds files that are not this run's ({', '.join(others[:3])}); "
+            "valid: a new or empty directory, or the directory of this run"
+        )
+    written = run_dir / "config.yaml"
+    if not written.is_file():
+        if metrics:
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} holds a run's {METRICS_FILE} without its config.yaml, so it cannot "
+                "be told to be this run's; valid: a new directory"
+            )
+        return
+    try:
+        before = OmegaConf.to_container(OmegaConf.load(written), resolve=True)
+    except Exception:  # not YAML, or not a mapping: not this run's
+        before = None
+    if not isinstance(before, dict):
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds a config.yaml that is not a run's; valid: a new directory"
+        )
+    was, now = checkpoint._flat(before), checkpoint._flat(resolved)
+    changed = sorted(
+        k
+        for k in was.keys() | now.keys()
+        if was.get(k) != now.get(k) and k.split(".")[0] not in checkpoint.MAY_CHANGE
+    )
+    if changed:
+        key = changed[0]
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds another run that stopped before its first checkpoint ({key}="
+            f"{was.get(key)!r} there, {now.get(key)!r} here); valid: {key}={was.get(key)!r}, "
+            "or a new directory"
+        )
+
+
+def finished_updates(run_dir: Path) -> int | None:
+    """The last update of a run whose records end with a `finished` end row; None otherwise."""
+    from hypertrain.log import read_metrics
+
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        return None
+    try:
+        rows = read_metrics(metrics)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not (rows and rows[-1].get("kind") == "end" and rows[-1].get("status") == "finished"):
+        return None
+    return max((int(r["update"]) for r in rows if r.get("kind") == "update"), default=0)
+
+
+class RunLock:
+    """Rank 0's exclusive flock on `run_dir/.lock` (opened read-write) while the run writes there.
+    The kernel drops it when the process ends however it ends, so a dead holder leaves no stale lock
+    (the file stays; it is not a PID file). `release(undo=True)` also removes what `acquire` made."""
+
+    def __init__(self, path: Path, fd: int, made: list[Path]):
+        self.path, self.fd, self.made = path, fd, made
+
+    def release(self, undo: bool = False) -> None:
+        if self.fd is None:
+            return
+        if undo:  # while still held: nobody else can be using the file
+            for made in self.made:
+                try:
+                    made.unlink() if made == self.path else made.rmdir()
+                except OSError:
+                    pass
+        os.close(self.fd)
+        self.fd = None
+
+
+_held: list[RunLock] = []  # the locks this process holds (released when its run ends)
+
+
+def acquire(run_dir: Path) -> RunLock:
+    """Create `run_dir` if need be and take its lock; ConfigError (one line) when another process
+    holds it or the filesystem cannot lock, with whatever this call made removed again."""
+    missing = []
+    parent = run_dir
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    while True:
+        made = list(missing)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            made.insert(0, path)
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:  # removed in between by a process that gave up: again
+                continue
+            except OSError as e:
+                raise ConfigError(
+                    f"hydra.run.dir={run_dir}: {path} cannot be opened read-write to lock it ({e.strerror}); "
+                    "valid: a run directory this user can write"
+                ) from None
+        except OSError as e:
+            for made_dir in missing:
+                try:
+                    made_dir.rmdir()
+                except OSError:
+                    pass
+            raise ConfigError(
+                f"hydra.run.dir={run_dir}: {path} cannot be created ({e.strerror}); "
+                "valid: a writable directory"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _NO_LOCKS:
+                RunLock(path, fd, made).release(undo=True)
+                raise _no_locks_error(run_dir, e) from None
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise _in_use_error(run_dir) from None
+            raise
+        try:  # the file we locked must still be the one at the path (not removed by one that gave up)
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            lock = RunLock(path, fd, made)
+            _held.append(lock)
+            return lock
+        os.close(fd)
+
+
+def release_all() -> None:
+    """Drop the locks this process holds (the end of a run; a multirun's next job takes its own)."""
+    while _held:
+        _held.pop().release()
 
 
 def composition_error(error: Exception) -> str:
@@ -189,12 +412,25 @@ class Checked:
     run: object  # trainer.PreparedRun
     run_dir: Path | None
     resume: tuple[Path, dict] | None
-    restart: bool = False  # resume=auto on a run stopped before its first checkpoint
+    restart: bool = False  # resume=auto on a run stopped before its first checkpoint: start over
+    finished: int | None = None  # resumed, but the run has finished all its updates: nothing to do
+    own: frozenset[str] = frozenset()  # the entries of run_dir that are this run's (besides the lock)
+    session: bool = False  # resume=auto without a checkpoint in a directory an earlier session wrote
+    lock: RunLock | None = None  # held once `claim` has taken it
 
 
-def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -> Checked:
+def prepare_checked(
+    task_cfg: DictConfig,
+    choices: dict,
+    run_dir: Path | None,
+    hydra: frozenset[str] = frozenset(),
+    hydra_written: bool = False,
+) -> Checked:
     """The typed, validated, prepared run; ConfigError/PlanError (one line) on any user mistake.
-    `run_dir` None: this process writes nothing (a torchrun rank other than 0)."""
+    `run_dir` None: this process writes nothing (a torchrun rank other than 0). `hydra`: the names of
+    Hydra's own files in a run directory; `hydra_written`: Hydra has written them for this very launch
+    (a multirun job), so they are this run's. A directory is written only when it does not exist, is
+    empty, holds only this run's own files, or is resumed (its checkpoint and records belonging together)."""
     from hypertrain.trainer import prepare  # torch and data only once the config is known to be sane
 
     check_experiment(choices)
@@ -210,30 +446,76 @@ def prepare_checked(task_cfg: DictConfig, choices: dict, run_dir: Path | None) -
             f"one of {launched.processes} ranks; valid: engine=dist (the ranks are its processes), "
             "or a single process"
         )
-    found, restart = None, False
+    found, session = None, False
+    auto = cfg.resume.strip().lower() == "auto"
+    # Hydra's files are this run's when Hydra wrote them for this launch; under resume=auto also an
+    # earlier launch's of the same job (a requeued job: Hydra writes them again).
+    own = hydra if hydra_written or auto else frozenset()
     if run_dir is not None:
         run_dir, found = resume_target(cfg.resume, run_dir)
-        restart = found is None and cfg.resume.strip().lower() == "auto" and stopped_early(run_dir)
-        if found is None and not restart:
-            check_run_dir(run_dir)
+        check_not_in_use(run_dir)
+        session = found is None and auto and bool(foreign(run_dir, own))
+        if found is None and not session:
+            check_run_dir(run_dir, own)
     run = prepare(cfg)
+    checked = Checked(run, run_dir, found, own=own, session=session)
     if found is not None:
-        checkpoint.compatible(found[1], resolved_config(run.cfg), run.plan_facts)
-    return Checked(run, run_dir, found, restart)
+        path, saved = found
+        checkpoint.compatible(saved, resolved_config(run.cfg), run.plan_facts)
+        checkpoint.records_match(run_dir, path, saved)
+        newest = checkpoint.checkpoints(run_dir)
+        if newest and newest[-1] == path:  # resume=PATH to an older checkpoint goes back: never a no-op
+            checked.finished = finished_of(run_dir, run.updates)
+    elif session:
+        check_own_session(run_dir, own, resolved_config(run.cfg))
+        checked.finished = finished_of(run_dir, run.updates)
+        checked.restart = checked.finished is None and (run_dir / METRICS_FILE).exists()
+    return checked
 
 
-def stopped_early(run_dir: Path) -> bool:
-    """run_dir holds a run that stopped before it finished (no `end` row saying so)."""
-    from hypertrain.log import read_metrics
+def finished_of(run_dir: Path, updates: int) -> int | None:
+    """`updates` when the run in `run_dir` has finished them all (its records say so), else None."""
+    done = finished_updates(run_dir)
+    return updates if done is not None and done >= updates else None
 
-    metrics = run_dir / METRICS_FILE
-    if not metrics.exists():
-        return False
+
+def recheck(checked: Checked) -> None:
+    """The directory checks again, now that this process holds the lock (another run may have written
+    there between the first checks and the lock)."""
+    run_dir = checked.run_dir
+    if checked.resume is not None:
+        path, saved = checked.resume
+        if not path.is_file():
+            raise ConfigError(f"checkpoint {path} is gone; valid: resume from a checkpoint that exists")
+        checkpoint.records_match(run_dir, path, saved)
+    elif checked.session:
+        check_own_session(run_dir, checked.own, resolved_config(checked.run.cfg))
+        if finished_updates(run_dir) is not None:
+            raise ConfigError(f"hydra.run.dir={run_dir} has just finished; valid: a new directory")
+    else:
+        check_run_dir(run_dir, checked.own)
+
+
+def claim(checked: Checked) -> None:
+    """Rank 0 takes the run directory's lock (creating the directory), then checks it again; on a
+    refusal whatever the lock made is removed again."""
+    lock = acquire(checked.run_dir)
     try:
-        rows = read_metrics(metrics)
-    except ValueError:  # a line cut short by the stop
-        return True
-    return not (rows and rows[-1].get("kind") == "end" and rows[-1].get("status") == "finished")
+        recheck(checked)
+    except ConfigError:
+        _held.remove(lock)
+        lock.release(undo=True)
+        raise
+    checked.lock = lock
+
+
+def finished_notice(checked: Checked) -> str:
+    """The one line of a resumed run that has nothing left to do."""
+    n = checked.finished
+    return (
+        f"hypertrain: {checked.run_dir} has finished (update {n} of {n}); nothing was run or written "
+        "(a longer phase.updates with the same explicit inner.decay_steps extends it: docs/resume.md)"
+    )
 
 
 def resolved_config(cfg: TrainConfig) -> dict:
@@ -277,7 +559,12 @@ class Preflight(Callback):
             write_nothing(config)
             run_dir = None  # rank 0 alone checks and writes the run directory
         try:
-            checked = prepare_checked(task, dict(config.hydra.runtime.choices), run_dir)
+            checked = prepare_checked(task, dict(config.hydra.runtime.choices), run_dir, hydra_files(config))
+            if checked.finished is not None:  # before Hydra writes anything: a no-op, exit 0
+                print(finished_notice(checked), file=sys.stderr)
+                sys.exit(0)
+            if checked.run_dir is not None:
+                claim(checked)  # before Hydra creates the directory or writes .hydra/ there
         except (ConfigError, PlanError) as e:
             fail(str(e))
         if checked.run_dir is not None and checked.run_dir != run_dir:  # resume=PATH: that run's directory
@@ -291,10 +578,16 @@ def take_prepared(task_cfg: DictConfig) -> Checked | None:
     return _prepared.pop(_key(task_cfg), None)
 
 
-def check_job(task_cfg: DictConfig, choices: dict, job_dir: Path | None) -> Checked:
-    """A multirun job's checks, inside the task function; a rejected job leaves no directory."""
+def check_job(
+    task_cfg: DictConfig, choices: dict, job_dir: Path | None, hydra: frozenset[str] = frozenset()
+) -> Checked:
+    """A multirun job's checks, inside the task function (Hydra has written `hydra`, its own files,
+    into the job's directory for this launch); a rejected job leaves no directory."""
     try:
-        return prepare_checked(task_cfg, choices, job_dir)
+        checked = prepare_checked(task_cfg, choices, job_dir, hydra, hydra_written=True)
+        if checked.run_dir is not None and checked.finished is None:
+            claim(checked)
+        return checked
     except (ConfigError, PlanError) as e:
         if job_dir is not None:  # None: a rank other than 0, which made nothing
             remove_rejected_job_dir(job_dir)

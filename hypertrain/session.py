@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hypertrain.checkpoint import Checkpointer
+from hypertrain.checkpoint import Checkpointer, written_by_run
 from hypertrain.failures import DiskFull
 from hypertrain.log import NoLog, RunLogger
 from hypertrain.replica_groups import ReplicaGroups
@@ -64,14 +64,23 @@ def train_session(
     saved = None if resume is None else resume.saved["state"]
     ckpt = cfg.checkpoint
 
+    # Pruning removes only checkpoints this run wrote: a new run's own; a resumed run's are named
+    # by its records (rewound to the checkpoint it goes on from) and that checkpoint.
+    ours = [] if resume is None or not groups.is_writer else written_by_run(run_dir, Path(resume.path))
+
     def checkpointer(log) -> Checkpointer:
         facts = run.plan_facts
-        return Checkpointer(run_dir, resolved, facts, ckpt.every, ckpt.keep, log, groups, ckpt.every_updates)
+        return Checkpointer(
+            run_dir, resolved, facts, ckpt.every, ckpt.keep, log, groups, ckpt.every_updates, ours
+        )
 
     if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
         return train(run, None, groups, checkpointer(NoLog()), saved)[0]
     wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
-    records = RunLogger(run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, **identity)
+    run_id = None if resume is None else resume.saved.get("run_id")  # None: a new id (RunLogger)
+    records = RunLogger(
+        run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, run_id=run_id, **identity
+    )
     with records as log, disk_full_as_failure():
         if resume is not None:
             log.log_resume(

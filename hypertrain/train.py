@@ -93,7 +93,28 @@ def main(dict_cfg: DictConfig) -> float:
     writer = launched is None or launched.rank == 0
     checked = preflight.take_prepared(dict_cfg)
     if checked is None:  # a multirun job: Hydra has made its directory; a rejected job removes it again
-        checked = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), run_dir if writer else None)
+        hydra_files = frozenset({hydra_cfg.output_subdir or ".hydra", f"{hydra_cfg.job.name}.log"})
+        job_dir = run_dir if writer else None
+        checked = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), job_dir, hydra_files)
+    if checked.finished is not None:  # a multirun job resumed after its run finished: nothing to do
+        print(preflight.finished_notice(checked), file=sys.stderr)
+        return finished_loss(run_dir)
+    try:  # rank 0 holds the run directory's lock (preflight.claim) until the run ends
+        return run_checked(checked, run_dir, launched, writer)
+    finally:
+        preflight.release_all()
+
+
+def finished_loss(run_dir: Path) -> float:
+    """The final held-out loss a finished run's records hold (NaN when they hold none)."""
+    from hypertrain.log import read_metrics
+
+    losses = [r["eval/final_loss"] for r in read_metrics(run_dir) if "eval/final_loss" in r]
+    return losses[-1] if losses else math.nan
+
+
+def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: bool) -> float:
+    """The run the preflight checked (and whose directory rank 0 has locked): records, engine, log."""
     run = checked.run
     resolved = preflight.resolved_config(run.cfg)
     identity = run_identity(run.cfg, resolved)

@@ -12,7 +12,9 @@ it, and `test_the_errors_page_is_the_catalogue` fails when the page and the case
 
 from __future__ import annotations
 
+import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,44 @@ class Case:
     fix: str  # what to do, for docs/errors.md
     files: dict[str, bytes] = field(default_factory=dict)  # made in the working directory first
     hydra: bool = False  # Hydra's own wording
+    setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
+
+
+def copy_of_earlier(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
+    """A setup: the earlier run copied to cwd/run, then `change(cwd/run)`."""
+
+    def setup(earlier: Path, cwd: Path) -> None:
+        shutil.copytree(earlier, cwd / "run")
+        change(cwd / "run")
+
+    return setup
+
+
+def _without(name: str) -> Callable[[Path], None]:
+    return lambda run: shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+
+
+def _metrics_cut(run: Path) -> None:
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:100])
+
+
+def _metrics_edited(run: Path) -> None:
+    """One character of the first update row changed (its loss's last digit): the same length."""
+    metrics = run / "metrics.jsonl"
+    data = bytearray(metrics.read_bytes())
+    at = data.index(b'"loss": [') + len(b'"loss": [')
+    at = data.index(b",", at) - 1
+    data[at] = ord("1") if data[at] != ord("1") else ord("2")
+    metrics.write_bytes(bytes(data))
+
+
+def _checkpoint_of_another_run(run: Path) -> None:
+    """The newest checkpoint stands for one of another run: its run id changed."""
+    path = sorted((run / "checkpoints").glob("ckpt-u*.pt"))[-1]
+    saved = torch.load(path, weights_only=False)
+    saved["run_id"] = "0" * 32
+    torch.save(saved, path)
 
 
 def token_file(largest: int, n: int = 20000) -> bytes:
@@ -246,6 +286,30 @@ CASES = {
         "hydra.run.dir={earlier} already holds a run (metrics.jsonl); valid: a new directory",
         "a new directory, or resume=true to go on",
     ),
+    "directory-with-the-users-files": Case(
+        "a run directory that holds files of the user's (hydra.run.dir=. in a folder of one's own)",
+        ["hydra.run.dir=."],
+        "hydra.run.dir={cwd} holds files that are not this run's (checkpoints, config.yaml, plan.json); "
+        "valid: a new or empty directory",
+        "a new or empty directory (a run writes config.yaml, plan.json, weights.pt, checkpoints/ there)",
+        files={"config.yaml": b"mine", "plan.json": b"{}", "checkpoints/ckpt-u0000001.pt": b"mine"},
+    ),
+    "old-run-without-its-records": Case(
+        "an earlier run's directory whose metrics.jsonl was deleted, reused",
+        ["hydra.run.dir=run"],
+        "hydra.run.dir={cwd}/run holds files that are not this run's (.hydra, checkpoints, config.yaml "
+        "and 3 more); valid: a new or empty directory",
+        "a new directory (or restore metrics.jsonl and resume=true)",
+        setup=copy_of_earlier(_without("metrics.jsonl")),
+    ),
+    "old-run-without-records-or-checkpoints-auto": Case(
+        "the same with its checkpoints deleted too, and resume=auto",
+        ["hydra.run.dir=run", "resume=auto"],
+        "hydra.run.dir={cwd}/run holds files that are not this run's (weights.pt); valid: a new or empty "
+        "directory, or the directory of this run",
+        "a new directory",
+        setup=copy_of_earlier(lambda run: (_without("metrics.jsonl")(run), _without("checkpoints")(run))),
+    ),
     "nothing-to-resume": Case(
         "resume=true where there is no checkpoint",
         ["hydra.run.dir=fresh", "resume=true"],
@@ -270,6 +334,35 @@ CASES = {
         "checkpoint {cwd}/broken.pt cannot be read",
         "an earlier checkpoint (resume=true skips a corrupt newest one)",
         files={"broken.pt": b"PK\x03\x04 not a whole zip"},
+    ),
+    "resume-records-missing": Case(
+        "resume where the run's metrics.jsonl was deleted",
+        ["hydra.run.dir=run", "resume=true"],
+        "{cwd}/run/metrics.jsonl is missing but checkpoint {cwd}/run/checkpoints/ckpt-u0000006.pt goes on "
+        "from its first",
+        "restore the run's metrics.jsonl, or start a new run",
+        setup=copy_of_earlier(_without("metrics.jsonl")),
+    ),
+    "resume-records-cut-short": Case(
+        "resume where metrics.jsonl is shorter than the checkpoint recorded",
+        ["hydra.run.dir=run", "resume=true"],
+        "{cwd}/run/metrics.jsonl holds 100 bytes, fewer than the",
+        "restore the run's metrics.jsonl (rows were lost), or start a new run",
+        setup=copy_of_earlier(_metrics_cut),
+    ),
+    "resume-records-edited": Case(
+        "resume where metrics.jsonl was changed before the checkpoint's length",
+        ["hydra.run.dir=run", "resume=true"],
+        "{cwd}/run/metrics.jsonl up to byte",
+        "the run's own unedited metrics.jsonl",
+        setup=copy_of_earlier(_metrics_edited),
+    ),
+    "resume-checkpoint-of-another-run": Case(
+        "resume from a checkpoint of another run than the directory's records",
+        ["hydra.run.dir=run", "resume=true"],
+        "checkpoint {cwd}/run/checkpoints/ckpt-u0000006.pt is of run 00000000000000000000000000000000 but",
+        "a checkpoint of the run whose metrics.jsonl is beside it",
+        setup=copy_of_earlier(_checkpoint_of_another_run),
     ),
     "extended-without-decay": Case(
         "phase.updates extended without an explicit inner.decay_steps",
@@ -303,7 +396,10 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
     cwd = tmp_path / "work"
     cwd.mkdir()
     for file, data in case.files.items():
+        (cwd / file).parent.mkdir(parents=True, exist_ok=True)
         (cwd / file).write_bytes(data)
+    if case.setup is not None:
+        case.setup(earlier, cwd)
     before, earlier_before = tree(cwd), tree(earlier)
     done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd)
     assert done.returncode == 2, done.stderr

@@ -383,6 +383,22 @@ def test_a_resume_that_cannot_be_done_fails_with_one_line_and_touches_nothing(tm
     assert tree(tmp_path) == before, "a refused resume created or changed files"
 
 
+@pytest.mark.parametrize("resume", ["true", "auto", "dir"])
+def test_a_finished_run_resumed_is_a_no_op_with_one_line(tmp_path, reference, resume):
+    """resume=true, resume=auto (a requeued job's) or resume=<its directory> on a finished run: one
+    line saying it has finished, exit 0, nothing run or written (no summary rewritten, no .hydra/)."""
+    run_dir = copy_run(reference, tmp_path / "run")
+    before = tree(tmp_path)
+    where = [f"resume={run_dir}"] if resume == "dir" else [f"hydra.run.dir={run_dir}", f"resume={resume}"]
+    done = entry([*BASE, *where], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert stderr_lines(done.stderr) == [
+        f"hypertrain: {run_dir} has finished (update 8 of 8); nothing was run or written (a longer "
+        "phase.updates with the same explicit inner.decay_steps extends it: docs/resume.md)"
+    ]
+    assert tree(tmp_path) == before, "resuming a finished run changed files"
+
+
 # -- 6: a corrupt checkpoint -----------------------------------------------------------------------
 
 
