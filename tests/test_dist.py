@@ -170,7 +170,12 @@ def tail_offset(overrides: list[str], tail: int) -> str:
 
 
 # The quick loop (`pytest -m 'not slow'`) keeps one case of each kind; the rest are slow.
-SLOW_CASES = {"w4-r2-adamw-documents-tail", "w4-r2-weak-k2", "stacked-p2-r4-muon-tail"}
+SLOW_CASES = {
+    "w4-r2-adamw-documents-tail",
+    "w4-r2-weak-k2",
+    "stacked-p2-r4-muon-tail",
+    "w2-r2-muon-microbatches",
+}
 
 
 @pytest.mark.parametrize(

@@ -316,6 +316,7 @@ def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
     assert all(r["loss/text"] > 0 and r["loss/audio_mean"] > 0 for r in rows if r["kind"] == "update")
 
 
+@pytest.mark.slow  # the speech fixture's build (~25 s)
 def test_worlds_8_and_16_give_the_same_losses_in_simulation(speech):
     """In simulation W is a label: the replicas' batches, and so their losses, do not depend on it."""
     from test_dist import compose_cfg, simulate
