@@ -35,7 +35,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = Path(os.environ.get("PLAN_SPEED_SEED") or REPO.parent / "shared" / "seeds" / "plan.py.txt")
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # hypertrain; the seed's loader
+
+import record_seed_plan  # noqa: E402
 
 from hypertrain import plan  # noqa: E402
 from hypertrain.plan_check import verify_phase  # noqa: E402
@@ -47,15 +49,8 @@ EXIT_MISSED, EXIT_NOT_MEASURED = 1, 3
 
 
 def load_seed(path: Path = SEED) -> dict | None:
-    """The seed's functions, exec'd from `path` (its first line is a path header, not Python)."""
-    if not path.is_file():
-        return None
-    lines = path.read_text().splitlines()
-    if lines and lines[0].strip().endswith(".py") and not lines[0].lstrip().startswith(("#", '"')):
-        lines = lines[1:]
-    namespace: dict = {"__name__": "seed_plan"}
-    exec(compile("\n".join(lines), str(path), "exec"), namespace)
-    return namespace
+    """The seed's functions, exec'd from `path` by the fixture recorder's loader; None if absent."""
+    return record_seed_plan.load_seed(path) if path.is_file() else None
 
 
 def best_of(repeats: int, fn) -> float:
