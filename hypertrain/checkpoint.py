@@ -262,9 +262,12 @@ class Checkpointer:
 
 def drop_later(run_dir: Path, next_update: int) -> list[Path]:
     """Remove the run's checkpoints past `next_update`: resuming from an earlier one abandons them
-    (their records are superseded), and they must never be found as the newest again."""
+    (their records are superseded), and they must never be found as the newest again; and the
+    temporary file of a write that a kill cut short (`write` renames a whole one into place)."""
     later = [p for p in checkpoints(run_dir) if int(_NAME.search(p.name).group(1)) > next_update]
-    for path in later:
+    folder = Path(run_dir) / FOLDER
+    cut_short = sorted(folder.glob("ckpt-u*.pt.tmp")) if folder.is_dir() else []
+    for path in later + cut_short:
         path.unlink()
     return later
 

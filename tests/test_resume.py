@@ -414,6 +414,22 @@ def _two_newest_cut(reference: Path, to: Path, cut: tuple[int, ...]) -> Path:
     return run_dir
 
 
+def test_a_checkpoint_write_cut_short_leaves_no_temporary_file_after_the_resume(tmp_path, reference):
+    """Killed after the temporary file of a mid-round checkpoint (after update 7, with
+    checkpoint.every_updates=1) is whole, before its rename; resumed without mid-round checkpoints,
+    the run never writes that name again, so only the resume can remove the temporary file."""
+    run_dir = tmp_path / "run"
+    killed = entry(
+        [*BASE, "checkpoint.every_updates=1", f"hydra.run.dir={run_dir}"], tmp_path, "0:7:kill:checkpoint"
+    )
+    assert killed.returncode == KILLED, killed.stderr
+    assert [p.name for p in (run_dir / "checkpoints").glob("*.tmp")] == [ckpt(run_dir, 7).name + ".tmp"]
+    done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_identical(run_dir, reference)
+
+
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
     run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(8,))
     before = (run_dir / METRICS_FILE).read_bytes()
