@@ -178,8 +178,31 @@ class PhasesTable(Callback):
             print(write_table(sweep_dir), end="")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+def main(argv: list[str]) -> int:
+    """`python -m hypertrain.phases SWEEP_DIR`: the table of a finished sweep, or one line and exit 2
+    (nothing written) for a folder that is missing, holds no job, or holds a job whose records
+    cannot be read."""
+    if len(argv) != 1:
         print("usage: python -m hypertrain.phases SWEEP_DIR", file=sys.stderr)
-        sys.exit(2)
-    print(write_table(Path(sys.argv[1])), end="")
+        return 2
+    sweep_dir = Path(argv[0])
+    valid = "valid: the sweep directory of an experiment=phases run (it holds one folder per job)"
+    if not sweep_dir.is_dir():
+        return _fail(f"SWEEP_DIR={str(sweep_dir)!r} is not a directory; {valid}")
+    if not list(sweep_dir.glob(f"*/{METRICS_FILE}")):
+        return _fail(f"{sweep_dir} holds no job (no */{METRICS_FILE}); {valid}")
+    try:
+        text = write_table(sweep_dir)
+    except (ValueError, OSError) as e:  # a job's metrics.jsonl not JSON lines, a file unreadable
+        return _fail(f"{sweep_dir}: a job's records cannot be read ({e}); valid: the jobs' own records")
+    print(text, end="")
+    return 0
+
+
+def _fail(line: str) -> int:
+    print(f"hypertrain: error: {line}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from helpers import entry
@@ -16,8 +17,9 @@ from helpers import entry
 from hypertrain import plan
 from hypertrain.log import read_metrics
 from hypertrain.phases import TABLE_JSON, TABLE_MD
+from hypertrain.phases import main as phases_main
 
-pytestmark = pytest.mark.slow  # one experiment=phases sweep of real processes (~40 s)
+# The tests on `sweep` are slow: one experiment=phases sweep of real processes (~40 s).
 
 SMALL = ["model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
 
@@ -32,6 +34,7 @@ def sweep(tmp_path_factory):
     return tmp / "sweep", done
 
 
+@pytest.mark.slow
 def test_the_table_has_every_phase_and_world_and_every_cell(sweep):
     sweep_dir, done = sweep
     rows = json.loads((sweep_dir / TABLE_JSON).read_text())
@@ -53,6 +56,7 @@ def test_the_table_has_every_phase_and_world_and_every_cell(sweep):
     assert markdown.count("| cpu_") == 4 and "union " in markdown
 
 
+@pytest.mark.slow
 def test_the_timed_window_leaves_out_the_warm_up_updates(sweep):
     sweep_dir, _ = sweep
     for r in json.loads((sweep_dir / TABLE_JSON).read_text()):
@@ -61,6 +65,7 @@ def test_the_timed_window_leaves_out_the_warm_up_updates(sweep):
         assert r["timed_updates"] == phase.updates - phase.timing_warmup
 
 
+@pytest.mark.slow
 def test_the_weak_phase_at_twice_its_base_world_presents_each_id_twice(sweep):
     sweep_dir, _ = sweep
     weak = {r["world"]: r for r in json.loads((sweep_dir / TABLE_JSON).read_text()) if r["kind"] == "weak"}
@@ -72,6 +77,7 @@ def test_the_weak_phase_at_twice_its_base_world_presents_each_id_twice(sweep):
     assert all(r["presentations"] == r["unique_ids"] for r in strong)
 
 
+@pytest.mark.slow
 def test_throughput_agrees_with_each_runs_own_records(sweep):
     """examples/s and tokens/s = what the timed updates presented / the slowest rank's timed seconds,
     both from metrics.jsonl (per-rank seconds of every update; ranks move in lockstep)."""
@@ -89,3 +95,36 @@ def test_throughput_agrees_with_each_runs_own_records(sweep):
         # addition within 2**-53): any difference is far below 1e-9; a wrong count or window is not.
         assert math.isclose(r["samples_per_s"], examples / seconds, rel_tol=1e-9)
         assert math.isclose(r["tokens_per_s"], 32 * examples / seconds, rel_tol=1e-9)
+
+
+def _job(sweep: Path, name: str, metrics: str) -> None:
+    (sweep / name).mkdir(parents=True)
+    (sweep / name / "metrics.jsonl").write_text(metrics)
+
+
+@pytest.mark.parametrize(
+    ("layout", "says"),
+    [
+        (None, "SWEEP_DIR='{sweep}' is not a directory; valid: the sweep directory of an experiment=phases"),
+        ({}, "{sweep} holds no job (no */metrics.jsonl); valid: the sweep directory"),
+        (
+            {"0_w2": '{"kind": "start"}\n{"kind": "upd\n'},
+            "{sweep}: a job's records cannot be read ({sweep}/0_w2/",
+        ),
+    ],
+    ids=["missing", "empty", "malformed"],
+)
+def test_the_table_command_refuses_what_it_cannot_read_with_one_line(tmp_path, capsys, layout, says):
+    """`python -m hypertrain.phases SWEEP_DIR` on a folder that is missing, holds no job, or holds a
+    job whose metrics.jsonl is not JSON lines: one line, exit 2, nothing written."""
+    sweep = tmp_path / "sweep"
+    if layout is not None:
+        sweep.mkdir()
+        for name, metrics in layout.items():
+            _job(sweep, name, metrics)
+    before = sorted(tmp_path.rglob("*"))
+    assert phases_main([str(sweep)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("hypertrain: error: " + says.format(sweep=sweep)), err
+    assert sorted(tmp_path.rglob("*")) == before
