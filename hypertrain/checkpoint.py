@@ -42,7 +42,7 @@ SUPERSEDED_FILE = "metrics.superseded.jsonl"
 _NAME = re.compile(r"ckpt-u(\d+)\.pt$")
 
 # Config keys a resumed run may change: where and how it logs and checkpoints, and whether it resumes.
-MAY_CHANGE = ("logger", "checkpoint", "resume")
+MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")  # never change a number of the run
 PLAN_KEYS = ("data/fingerprint", "plan/union_sha256", "plan/data_order_sha256")
 
 
@@ -161,7 +161,7 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
         key = changed[0]
         raise ConfigError(
             f"{key}={now.get(key)!r} differs from the checkpoint's {before.get(key)!r}; a resumed run may "
-            f"change only {', '.join(f'{k}.*' for k in MAY_CHANGE[:2])} and phase.updates; valid: "
+            f"change only {', '.join(f'{k}.*' for k in MAY_CHANGE[:3])} and phase.updates; valid: "
             f"{key}={before.get(key)!r}"
         )
     # With only phase.updates longer, the ids of the updates already run are the same by the plan's

@@ -1,18 +1,20 @@
 """Typed configuration for every Hydra group, registered with Hydra's ConfigStore, and validated.
 
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
-engine, logger) plus `replicas` (R) and `seed`. Each field is documented here, once. `validate(cfg)`
-checks a composed config before anything is trained or written and raises `ConfigError` (a
-`ValueError`) with one line naming the field, the bad value and what is valid.
+engine, logger, checkpoint, guard) plus `replicas` (R) and `seed`. Each field is documented here,
+once. `validate(cfg)` checks a composed config before anything is trained or written and raises
+`ConfigError` (a `ValueError`) with one line naming the field, the bad value and what is valid.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from hypertrain.layouts import LAYOUTS, LayoutError, choose_layout, process_count
-from hypertrain.plan import PlanError, StrongPhase, WeakPhase
+from hypertrain.plan import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
 ENGINES = ("loop", "stacked", "dist")  # engine.name values; hypertrain.engines maps each to its engine
 
@@ -198,6 +200,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The divergence guard: at every sync the run stops (exit 1, one line naming the update and the
+    figure; records closed, checkpoints intact) when the global weights have diverged without a
+    non-finite number (a non-finite one always stops it)."""
+
+    enabled: bool = True  # false: only non-finite numbers stop a run
+    # the held-out loss may exceed the uniform prediction's loss by at most this many nats (ln vocab;
+    # multistream: each channel's ln vocab weighted as the loss weighs the channels)
+    heldout_margin: float = 1.0
+    # the pseudo-gradient's norm may be at most this many times the global weights' norm before the sync
+    pseudo_grad_ratio: float = 1000.0
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -208,6 +224,7 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     replicas: int = 4  # R, model replicas; must divide the world (weak phases: the base world)
     seed: int = 0  # initial weights (the same for every replica)
     experiment: str = "default"  # names the W&B group of a run unless logger.group is set
@@ -226,9 +243,21 @@ def _at_least(name: str, value: int | float, low: int | float) -> None:
         raise ConfigError(f"{name}={value!r} is too small; valid: >= {low}")
 
 
+def check_finite_floats(node: Any, prefix: str = "") -> None:
+    """Every float field of the config (any group) is a finite number: nan or inf would start a run
+    that fails, or trains on silently, later."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            check_finite_floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name}={value!r} is not a finite number; valid: a finite number")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every field that can be checked without the data; the run checks the stream length."""
     m, c, o, d, e = cfg.model, cfg.inner, cfg.outer, cfg.data, cfg.engine
+    check_finite_floats(cfg)
     _choice("model.arch", m.arch, ("decoder", "multistream"))
     if m.is_moe:
         raise ConfigError("model.is_moe=True is not built yet; valid: False")
@@ -270,6 +299,9 @@ def validate(cfg: TrainConfig) -> None:
 
     _at_least("world.size", cfg.world.size, 1)
     _at_least("replicas", cfg.replicas, 1)
+    # The plan's checks and digests go over every rank: a world beyond any machine is refused.
+    if cfg.world.size > MAX_WORLD:
+        raise ConfigError(f"world.size={cfg.world.size} is too large; valid: 1..{MAX_WORLD}")
     phase = cfg.phase.to_plan()
     base = phase.base_world if isinstance(phase, WeakPhase) else cfg.world.size
     if cfg.world.size % cfg.replicas or base % cfg.replicas:
@@ -330,6 +362,10 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("engine.threads", e.threads, 0)
     if not (e.device == "cpu" or e.device.startswith("cuda")):
         raise ConfigError(f"engine.device={e.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
+
+    _at_least("guard.heldout_margin", cfg.guard.heldout_margin, 0.0)
+    if not cfg.guard.pseudo_grad_ratio > 0:
+        raise ConfigError(f"guard.pseudo_grad_ratio={cfg.guard.pseudo_grad_ratio!r} is not valid; valid: > 0")
 
     _at_least("checkpoint.every", cfg.checkpoint.every, 0)
     _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 _HASH_CHUNK = 1 << 19  # int64s hashed per numpy block (4 MiB): bounded memory, no Python object per id
+# The largest world (ranks) the plan takes: its checks, digests and views go over every rank, so a
+# world beyond any machine would make them run for hours; refused with one line instead.
+MAX_WORLD = 1 << 16
 
 
 class PlanError(ValueError):
@@ -139,6 +142,8 @@ def _check_replicas(phase: Phase, replicas: int) -> int:
 
 def _check_world(phase: Phase, world: int, replicas: int) -> tuple[int, int]:
     world = _integer("world", world, 1)
+    if world > MAX_WORLD:
+        raise PlanError(f"world={world} is too large; valid: an integer 1..{MAX_WORLD}")
     replicas = _check_replicas(phase, replicas)
     if world % replicas:
         raise PlanError(f"replicas={replicas} does not divide world={world}; valid: a divisor of {world}")

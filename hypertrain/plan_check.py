@@ -35,6 +35,9 @@ from hypertrain.plan import (
 )
 
 EXHAUSTIVE_UPDATES = 1000  # up to this many run updates, every update is checked one by one
+# ... and only while updates x ranks (over the worlds and replica counts checked) stays below this: each
+# checked update looks at every rank, so a large world checks the distinct update shapes only.
+EXHAUSTIVE_RANK_UPDATES = 200_000
 SEED_WEAK_RULE = (
     "Exact same eight real per-GPU streams, replicated once across the additional eight GPUs at four "
     "nodes. Benchmark-only repetitions, explicitly counted as presentations."
@@ -92,9 +95,10 @@ def verify_phase(
 ) -> dict:
     """Prove the phase's plan at every world and replica count; returns its union's size and hash.
 
-    Exhaustive (default up to EXHAUSTIVE_UPDATES run updates): every update, rank and replica. Otherwise
-    every distinct update shape (first, second, middle, last full and tail update): rank_ids is one
-    layout per update size shifted by the update's start, so equal shapes give equal verdicts.
+    Exhaustive (default up to EXHAUSTIVE_UPDATES run updates, and EXHAUSTIVE_RANK_UPDATES updates x
+    ranks): every update, rank and replica. Otherwise every distinct update shape (first, second,
+    middle, last full and tail update): rank_ids is one layout per update size shifted by the update's
+    start, so equal shapes give equal verdicts.
     """
     for world in worlds:
         for r in replicas:
@@ -103,7 +107,8 @@ def verify_phase(
     size = phase.update_size
     end = min(samples, phase.offset + phase.updates * size)
     if exhaustive is None:
-        exhaustive = count <= EXHAUSTIVE_UPDATES
+        rank_updates = count * sum(worlds) * len(replicas)
+        exhaustive = count <= EXHAUSTIVE_UPDATES and rank_updates <= EXHAUSTIVE_RANK_UPDATES
     inspect = (
         range(count) if exhaustive else sorted({0, 1, count // 2, count - 2, count - 1} & set(range(count)))
     )

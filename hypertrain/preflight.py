@@ -322,8 +322,41 @@ def release_all() -> None:
         _held.pop().release()
 
 
+def grammar_error(error: Exception) -> str | None:
+    """An override Hydra's grammar cannot read (`hydra.run.dir=~/x`: a leading ~) as one line naming
+    the value, where it stops and what would be valid; None for any other error."""
+    from hydra.errors import OverrideParseException
+
+    if not isinstance(error, OverrideParseException):
+        return None
+    text = error.override
+    key, sep, value = text.partition("=")
+    lines = str(error).splitlines()
+    prefix = "LexerNoViableAltException: "
+    where = ""
+    if len(lines) > 1 and lines[0].startswith(prefix) and "^" in lines[1]:
+        at = lines[1].index("^") - len(prefix)
+        if 0 <= at < len(text):
+            where = f" (at {text[at]!r}, character {at + 1})"
+    if not sep:
+        return f"{text!r} cannot be read by Hydra's override grammar{where}; valid: key=value"
+    quote = '"' if "'" in value else "'"
+    quoted = f"{key}={quote}{value}{quote}"
+    if value.startswith("~"):
+        hint = (
+            f"valid: an absolute path, {key}={os.path.expanduser(value)} (Hydra does not expand ~), or "
+            f"the value quoted, {quoted}, for a folder named ~"
+        )
+    else:
+        hint = f"valid: the value quoted for Hydra, {quoted} (on a shell, quote the whole argument)"
+    return f"{key}={value} cannot be read by Hydra's override grammar{where}; {hint}"
+
+
 def composition_error(error: Exception) -> str:
     """Hydra's own composition error as one line: its first line, with the cause or the options."""
+    unreadable = grammar_error(error)
+    if unreadable is not None:
+        return unreadable
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     first = lines[0] if lines else type(error).__name__
     options = getattr(error, "options", None)
@@ -334,11 +367,15 @@ def composition_error(error: Exception) -> str:
     return f"{first} {detail}".strip() if detail and detail not in first else first
 
 
+SWEEP_ROOT_ENV = "HYPERTRAIN_SWEEP_ROOT"  # the deepest folder above the sweep directory that existed
+
+
 def check_composition(args: list[str]) -> None:
     """Compose the command line's overrides as Hydra will, before Hydra runs: an unknown option,
     a misspelled key or a value of the wrong type exits 2 with one line (Hydra's own wording),
-    nothing created. In a multirun each sweep is checked at its first value (every job is then
-    checked in full when it starts). Hydra's flags (--help, --cfg, ...) are left to Hydra."""
+    nothing created. In a multirun every value of every sweep is composed (with the other sweeps'
+    first values), before Hydra writes the sweep directory; every job is then checked in full when
+    it starts. Hydra's flags (--help, --cfg, ...) are left to Hydra."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -348,17 +385,33 @@ def check_composition(args: list[str]) -> None:
     multirun = len(overrides) < len(args)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        first, sweeps = [], []
+        first, sweeps, others = [], [], []  # others: (position in first, the sweep's other values)
         for override, text in zip(parsed, overrides, strict=True):
             if override.is_sweep_override():
                 sweeps.append(text)
-                text = f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}"
+                key = override.get_key_element()
+                try:
+                    values = [f"{key}={v}" for v in override.sweep_string_iterator()]
+                except Exception:  # a sweep Hydra enumerates only later (glob, interval): the jobs check it
+                    continue
+                if not values:
+                    continue
+                text = values[0]
+                others.append((len(first), values[1:]))
             first.append(text)
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             composed = compose("train", overrides=first, return_hydra_config=True)
+            sweeping = multirun or str(composed.hydra.mode) == "RunMode.MULTIRUN"
+            if sweeping:  # each value once: time in proportion to the values given, not their product
+                for at, values in others:
+                    for value in values:
+                        compose(
+                            "train",
+                            overrides=[*first[:at], value, *first[at + 1 :]],
+                            return_hydra_config=True,
+                        )
     except Exception as e:  # Hydra's errors have no common base class beyond Exception
         fail(composition_error(e))
-    sweeping = multirun or str(composed.hydra.mode) == "RunMode.MULTIRUN"
     if sweeping and (launched := launched_rank()) is not None:
         fail(
             f"a multirun (-m) under {launched.launcher} is not supported: every rank would run the whole "
@@ -370,6 +423,21 @@ def check_composition(args: list[str]) -> None:
             f"Ambiguous value for argument '{sweeps[0]}'; valid: -m to sweep over the values, "
             "or key=[a,b] for a list"
         )
+    if sweeping:
+        note_sweep_root(composed)
+
+
+def note_sweep_root(composed: DictConfig) -> None:
+    """Remember (for the jobs, in the environment) the deepest folder above the sweep directory that
+    exists before Hydra makes it: a sweep whose first job is rejected removes what Hydra made below."""
+    try:
+        sweep_dir = Path(str(OmegaConf.select(composed, "hydra.sweep.dir"))).absolute()
+    except Exception:  # a sweep directory that only resolves inside Hydra's run: nothing is removed
+        return
+    existing = sweep_dir
+    while not existing.exists():
+        existing = existing.parent
+    os.environ[SWEEP_ROOT_ENV] = str(existing)
 
 
 def with_layout(cfg: TrainConfig) -> TrainConfig:
@@ -579,10 +647,15 @@ def take_prepared(task_cfg: DictConfig) -> Checked | None:
 
 
 def check_job(
-    task_cfg: DictConfig, choices: dict, job_dir: Path | None, hydra: frozenset[str] = frozenset()
+    task_cfg: DictConfig,
+    choices: dict,
+    job_dir: Path | None,
+    hydra: frozenset[str] = frozenset(),
+    sweep_dir: Path | None = None,
 ) -> Checked:
     """A multirun job's checks, inside the task function (Hydra has written `hydra`, its own files,
-    into the job's directory for this launch); a rejected job leaves no directory."""
+    into the job's directory for this launch); a rejected job leaves no directory, and when no job
+    of the sweep has left one, no sweep directory (`sweep_dir`) either."""
     try:
         checked = prepare_checked(task_cfg, choices, job_dir, hydra, hydra_written=True)
         if checked.run_dir is not None and checked.finished is None:
@@ -591,7 +664,32 @@ def check_job(
     except (ConfigError, PlanError) as e:
         if job_dir is not None:  # None: a rank other than 0, which made nothing
             remove_rejected_job_dir(job_dir)
+            if sweep_dir is not None:
+                remove_rejected_sweep_dir(sweep_dir)
         fail(str(e))
+
+
+SWEEP_FILE = "multirun.yaml"  # what Hydra writes into a sweep directory before its first job
+
+
+def remove_rejected_sweep_dir(sweep_dir: Path) -> None:
+    """A sweep whose jobs so far were all rejected: remove its directory when it holds only Hydra's
+    multirun.yaml, and the empty folders Hydra made above it (below the one noted before, if any)."""
+    sweep_dir = sweep_dir.absolute()
+    if not sweep_dir.is_dir() or {p.name for p in sweep_dir.iterdir()} != {SWEEP_FILE}:
+        return
+    (sweep_dir / SWEEP_FILE).unlink(missing_ok=True)
+    noted = os.environ.get(SWEEP_ROOT_ENV)
+    root = Path(noted) if noted else None
+    folder = sweep_dir
+    while root is None or root in folder.parents:  # below the folder that existed before, if noted
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: not only Hydra's
+            return
+        if root is None:
+            return
+        folder = folder.parent
 
 
 def remove_rejected_job_dir(job_dir: Path) -> None:

@@ -18,7 +18,7 @@ from hypertrain.report_runs import Run
 
 # Config sections that may differ without changing a run's numbers (checkpoint.MAY_CHANGE names the
 # same ones; it is not imported, so that reading a report does not import torch).
-NOT_COMPARED = ("logger", "checkpoint", "resume")
+NOT_COMPARED = ("logger", "checkpoint", "guard", "resume")
 DIFFERENT_DATA = "saw different data"
 OTHER_ORDER = "saw another data order"
 

@@ -38,7 +38,8 @@ logger = logging.getLogger("hypertrain")
 
 def config_hash(resolved: dict) -> str:
     """A short stable hash of the resolved config: two runs of one config share it (where and how
-    they log and checkpoint, and whether they resume, are left out: a resumed run keeps its name)."""
+    they log and checkpoint, whether they resume, and the divergence guard, which changes no number,
+    are left out: a resumed run keeps its name)."""
     kept = {k: v for k, v in resolved.items() if k not in checkpoint.MAY_CHANGE}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:8]
 
@@ -95,7 +96,9 @@ def main(dict_cfg: DictConfig) -> float:
     if checked is None:  # a multirun job: Hydra has made its directory; a rejected job removes it again
         hydra_files = frozenset({hydra_cfg.output_subdir or ".hydra", f"{hydra_cfg.job.name}.log"})
         job_dir = run_dir if writer else None
-        checked = preflight.check_job(dict_cfg, dict(hydra_cfg.runtime.choices), job_dir, hydra_files)
+        sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
+        choices = dict(hydra_cfg.runtime.choices)
+        checked = preflight.check_job(dict_cfg, choices, job_dir, hydra_files, sweep_dir)
     if checked.finished is not None:  # a multirun job resumed after its run finished: nothing to do
         print(preflight.finished_notice(checked), file=sys.stderr)
         return finished_loss(run_dir)

@@ -41,7 +41,7 @@ from hypertrain.engines import (
     engine_for,
     microbatch_terms,
 )
-from hypertrain.failures import NonFiniteError
+from hypertrain.failures import NonFiniteError, RunFailure
 from hypertrain.log import NoLog, RunLogger
 from hypertrain.model import Params, count_params, init_params
 from hypertrain.optim import (
@@ -58,6 +58,14 @@ from hypertrain.throughput import Throughput, process_table
 
 logger = logging.getLogger("hypertrain")
 HELDOUT_ROWS_PER_PASS = 64
+
+
+class Diverged(RunFailure):
+    """The divergence guard (`guard.*`): at a sync, the held-out loss lies more than guard.heldout_margin
+    above the uniform prediction's, or the pseudo-gradient's norm exceeds guard.pseudo_grad_ratio times
+    the global weights' norm. The run stops there (exit 1), never trains on."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -334,6 +342,7 @@ class Segment:
     ends_round: bool = False  # the round's sync followed
     delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
     synced: int = 0  # replicas that stepped in the round and took part in the sync
+    theta_norm: float = 0.0  # norm of the global weights the outer step started from
 
     def losses(self, t: int) -> list[float | None]:
         return [None if math.isnan(x) else x for x in self.table[t, :, 0].tolist()]
@@ -432,6 +441,7 @@ def rounds(
         if updates.stop == whole.stop:
             params = [res.params for res in results]
             groups.check_replicas_identical({n: torch.cat([p[n] for p in params]) for n in state.theta})
+            part.theta_norm = weights_norm(state.theta)  # before the outer step changes theta in place
             part.delta_norm, part.synced = sync(cfg, state, params, stepped, groups)
             part.ends_round = True
             state.round_first, state.rounds_done = whole.stop, state.rounds_done + 1
@@ -485,11 +495,78 @@ def channel_losses(table: Tensor) -> dict[str, float]:
     return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
 
 
+def weights_norm(theta: Params) -> float:
+    """The global weights' norm (all tensors as one vector, summed in float64)."""
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in theta.values()))
+
+
+def uniform_loss(run: PreparedRun) -> tuple[float, str]:
+    """The held-out loss of the uniform prediction and how it is made: ln vocab; for a multistream
+    model each channel's ln vocab weighted as the held-out loss weighs its channels' token means
+    (k_c over the channels with held-out targets, docs/design.md "Loss weights")."""
+    model = run.cfg.model
+    if not is_multistream(run.dataset):
+        return math.log(model.vocab), f"ln {model.vocab}"
+    counts = sum(mb.channel_counts for mb in run.heldout.microbatches).tolist()
+    scales = run.dataset.channel_scales
+    active = [(k, v) for k, v, n in zip(scales, model.channel_vocabs, counts, strict=True) if n > 0]
+    loss = sum(k * math.log(v) for k, v in active) / sum(k for k, _ in active)
+    return loss, "each channel's ln vocab, weighted as the loss weighs the channels"
+
+
+# The verdicts of a sync, agreed by every process (the largest wins): 0 = train on.
+PSEUDO_GRAD, HELDOUT_ABOVE_UNIFORM, HELDOUT_NON_FINITE = 1, 2, 3
+
+
+def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tuple[int, str]:
+    """This process's verdict on a sync and its reason: the held-out loss (the writer's, None
+    elsewhere) non-finite or above the uniform prediction's by more than guard.heldout_margin, or the
+    pseudo-gradient's norm (the same on every process) beyond guard.pseudo_grad_ratio x the weights'."""
+    guard, update = run.cfg.guard, rnd.updates[-1] + 1
+    if eval_loss is not None and not math.isfinite(eval_loss):
+        return HELDOUT_NON_FINITE, (
+            f"the held-out loss of the global weights after the sync at update {update} is {eval_loss}; "
+            "the run stops"
+        )
+    if not guard.enabled:
+        return 0, ""
+    if eval_loss is not None:
+        uniform, how = uniform_loss(run)
+        if eval_loss > uniform + guard.heldout_margin:
+            return HELDOUT_ABOVE_UNIFORM, (
+                f"diverged: the held-out loss of the global weights after the sync at update {update} is "
+                f"{eval_loss:.4f}, more than guard.heldout_margin={guard.heldout_margin:g} nats above the "
+                f"uniform prediction's {uniform:.4f} ({how}); the run stops"
+            )
+    if rnd.synced and not rnd.delta_norm <= guard.pseudo_grad_ratio * rnd.theta_norm:
+        return PSEUDO_GRAD, (
+            f"diverged: the pseudo-gradient norm at the sync at update {update} is {rnd.delta_norm:.4g}, "
+            f"more than guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times the global weights' "
+            f"norm {rnd.theta_norm:.4g}; the run stops"
+        )
+    return 0, ""
+
+
+def stop_on_verdict(agreed: int, mine: int, why: str, rnd: Segment) -> None:
+    """Every process raises on the verdict they agreed (a process other than the writer names the
+    writer's held-out verdict without its figure: the writer's line and end row hold it)."""
+    if not agreed:
+        return
+    if agreed != mine:
+        why = (
+            f"the held-out loss of the global weights after the sync at update {rnd.updates[-1] + 1} "
+            f"{'is non-finite' if agreed == HELDOUT_NON_FINITE else 'diverged'} on rank 0; the run stops"
+        )
+    raise (NonFiniteError if agreed == HELDOUT_NON_FINITE else Diverged)(why)
+
+
 def after_sync(
     run: PreparedRun, state: RunState, rnd: Segment, groups, log, progress, checkpointer, n_params: int
 ) -> float:
     """A round's end: the bytes it sent, the held-out loss of the new global weights (the writer),
-    the sync row and the checkpoint it asks for. Returns the held-out loss (NaN off the writer)."""
+    the sync row and the checkpoint it asks for. Returns the held-out loss (NaN off the writer).
+    Before the checkpoint every process agrees the sync's verdict (`sync_verdict`): a non-finite
+    held-out loss or a divergence stops them all here, the writer's sync row holding a finite figure."""
     totals = state.totals
     inner_bytes, outer_bytes = round_bytes(run.cfg, n_params, len(rnd.round_updates), rnd.synced)
     totals.comm_inner_bytes += inner_bytes
@@ -498,14 +575,12 @@ def after_sync(
     eval_loss = math.nan
     if groups.is_writer:
         eval_loss, channels = heldout_eval(run, state.theta)
-        if not math.isfinite(eval_loss):
-            raise NonFiniteError(
-                f"the held-out loss of the global weights after the sync at update "
-                f"{rnd.updates[-1] + 1} is {eval_loss}; the run stops"
-            )
+    verdict, why = sync_verdict(run, rnd, eval_loss if groups.is_writer else None)
+    if groups.is_writer and verdict != HELDOUT_NON_FINITE:
         progress.eval_loss = eval_loss
         measured |= channels
         log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
+    stop_on_verdict(groups.max_over_processes(verdict), verdict, why, rnd)
     if checkpointer is not None:
         checkpointer.after_sync(state, last=state.next_update >= run.updates)
     return eval_loss

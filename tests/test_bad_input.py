@@ -192,6 +192,30 @@ CASES = {
     "negative-lr": Case(
         "a negative learning rate", ["inner.lr=-0.1"], "inner.lr=-0.1 is too small; valid: >= 0.0", ">= 0"
     ),
+    "non-finite-lr": Case(
+        "a learning rate that is not a finite number (any float field: nan, inf)",
+        ["inner.lr=nan"],
+        "inner.lr=nan is not a finite number; valid: a finite number",
+        "a finite number",
+    ),
+    "infinite-outer-lr": Case(
+        "an infinite outer learning rate",
+        ["outer.lr=inf"],
+        "outer.lr=inf is not a finite number; valid: a finite number",
+        "a finite number",
+    ),
+    "huge-world": Case(
+        "a world beyond any machine (the plan's checks go over every rank)",
+        ["world.size=1000000000", "replicas=1"],
+        "world.size=1000000000 is too large; valid: 1..65536",
+        "at most 65536 ranks",
+    ),
+    "divergence-guard-limit": Case(
+        "a divergence guard limit out of range",
+        ["guard.pseudo_grad_ratio=0"],
+        "guard.pseudo_grad_ratio=0.0 is not valid; valid: > 0",
+        "a positive ratio (guard.enabled=false turns the guard off)",
+    ),
     "phase-past-the-data": Case(
         "a phase that starts past the end of the data",
         ["phase.offset=100000000"],
@@ -280,6 +304,34 @@ CASES = {
         "a path under a directory",
         files={"notes": b"x"},
     ),
+    "path-hydra-cannot-read": Case(
+        "a path Hydra's override grammar cannot read (a leading ~)",
+        ["hydra.run.dir=~/x"],
+        "hydra.run.dir=~/x cannot be read by Hydra's override grammar (at '~', character 15); valid: an "
+        "absolute path, hydra.run.dir=",
+        "an absolute path ($HOME/x), or the value in quotes: 'hydra.run.dir=\"~/x\"'",
+    ),
+    "sweep-invalid-first-job": Case(
+        "a sweep whose first job is invalid (-m; here hydra.mode=MULTIRUN, as -m must come first)",
+        ["hydra.mode=MULTIRUN", "replicas=3,2", "hydra.sweep.dir=sweep"],
+        "replicas=3 does not divide world.size (8); valid: a divisor of 8",
+        "a valid value; a rejected sweep leaves no sweep directory",
+    ),
+    "sweep-later-value-wrong-type": Case(
+        "a sweep with a value of the wrong type after its first (Hydra)",
+        ["-m", "inner.H=1,x,3"],
+        "Error merging override inner.H=x Value 'x' of type 'str' could not be converted to Integer",
+        "every value of a sweep is composed before its first job runs; give values of the field's type",
+        hydra=True,
+    ),
+    "sweep-later-option-missing": Case(
+        "a sweep over a group's options, one of which does not exist (Hydra)",
+        ["-m", "model=tiny,huge"],
+        "In 'train': Could not find 'model/huge'; valid: base, multistream_small, multistream_tiny, small, "
+        "tiny",
+        "pick options the group has",
+        hydra=True,
+    ),
     "run-directory-holds-a-run": Case(
         "a run directory that holds a run, without resume",
         ["hydra.run.dir={earlier}"],
@@ -326,7 +378,7 @@ CASES = {
         "resume with a changed plan",
         ["hydra.run.dir={earlier}", "resume=true", "phase.offset=64"],
         "phase.offset=64 differs from the checkpoint's 0",
-        "the run's own config (only logger.*, checkpoint.* and phase.updates may change)",
+        "the run's own config (only logger.*, checkpoint.*, guard.* and phase.updates may change)",
     ),
     "resume-corrupt-checkpoint": Case(
         "resume from a corrupt checkpoint",
@@ -422,6 +474,29 @@ def test_a_sweep_stops_at_its_invalid_second_job_and_keeps_the_first(tmp_path):
     assert (sweep / "0_w8_r2_h3" / "metrics.jsonl").read_text().rstrip().endswith('"status": "finished"}')
 
 
+def test_the_plan_command_refuses_a_world_beyond_any_machine_at_once(tmp_path):
+    """`python -m hypertrain.plan show|check` with a huge world: one line, exit 2, in seconds (it went
+    over every rank: a billion of them)."""
+    import subprocess
+
+    for args in (
+        ["show", "--world", "1000000000", "--replicas", "1"],
+        ["check", "--worlds", "8", "1000000000"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "hypertrain.plan", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == [
+            "error: world=1000000000 is too large; valid: an integer 1..65536"
+        ], done.stderr
+        assert list(tmp_path.iterdir()) == []
+
+
 def render() -> str:
     """docs/errors.md from CASES and failures.EXIT_CODES."""
     lines = [
@@ -443,7 +518,8 @@ def render() -> str:
     lines += [
         "",
         "A sweep stops at its first invalid job with that job's line (exit 2); the jobs before it keep",
-        "their results.",
+        "their results. Every value of every sweep is composed (Hydra's checks) before Hydra writes the",
+        "sweep directory, and a sweep whose first job is invalid leaves no sweep directory.",
         "",
         "## Failures during a run",
         "",

@@ -10,17 +10,23 @@ take, and pruning beside checkpoints the run did not write (issue 21, "a run dir
 - A filesystem that cannot lock (ENOLCK, ENOSYS): refused with one line naming it; nothing made.
 - Pruning (`checkpoint.keep`) removes only checkpoints this run wrote: a file of the user's named like
   a checkpoint, in a resumed run's checkpoints/, stays.
+- The divergence guard: a run whose numbers stay finite but whose global weights diverge (a huge
+  inner lr) stops at the sync where it shows, on every engine, real processes included (all ranks
+  stop together): exit 1, one line naming the update and the figure, records closed, earlier
+  checkpoints intact, no final weights.
 """
 
 from __future__ import annotations
 
 import errno
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import BASE, KILLED, ckpt, entry, finish, start_entry, stderr_lines, tree
+from helpers import BASE, ENGINES, KILLED, ckpt, entry, error_lines, finish, start_entry, stderr_lines, tree
 
 from hypertrain.config import ConfigError
 from hypertrain.log import METRICS_FILE, read_metrics
@@ -154,3 +160,78 @@ def test_pruning_removes_only_the_checkpoints_this_run_wrote(tmp_path):
     assert done.returncode == 0, done.stderr
     assert mine.read_bytes() == b"the user's own file"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [mine.name, ckpt(run_dir, 8).name]
+
+
+PSEUDO_GRAD_LINE = (
+    r"diverged: the pseudo-gradient norm at the sync at update (\d+) is ([0-9.e+]+), more than "
+    r"guard\.pseudo_grad_ratio=1000 times the global weights' norm ([0-9.e+]+); the run stops"
+)
+HELDOUT_LINE = (
+    r"diverged: the held-out loss of the global weights after the sync at update (\d+) is ([0-9.]+), more "
+    r"than guard\.heldout_margin=1 nats above the uniform prediction's 5\.5452 \(ln 256\); the run stops"
+)
+
+
+def assert_stopped_by_the_guard(done, run_dir: Path, line: str, engine: str) -> re.Match:
+    """Exit 1; the one line (engine=dist: each rank's, rank 0's naming the figure, and the parent's);
+    metrics.jsonl: the updates up to the sync that tripped, its sync row, a failed end row; the
+    checkpoints of earlier syncs only; no weights.pt. Returns the end row's match of `line`."""
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    rows = read_metrics(run_dir / METRICS_FILE)
+    end = rows[-1]
+    assert end["kind"] == "end" and end["status"] == "failed" and end["exit_code"] == 1, end
+    found = re.fullmatch(line, end["error"])
+    assert found, end["error"]
+    update = int(found.group(1))
+    if engine == "dist":
+        lines = [x for x in error_lines(done.stderr) if x.startswith("hypertrain: error: ")]
+        assert f"hypertrain: error: run failed on rank 0: {end['error']}" in lines, done.stderr
+        parent = [x for x in lines if x.startswith("hypertrain: error: run failed: ")]
+        assert len(parent) == 1 and "exited with code 1" in parent[0], done.stderr
+    else:
+        assert stderr_lines(done.stderr) == [f"hypertrain: error: run failed: {end['error']} ({run_dir})"]
+    assert [r["update"] for r in rows if r["kind"] == "update"] == list(range(1, update + 1))
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert syncs[-1]["update"] == update  # the sync that tripped is recorded with its figures
+    if "pseudo-gradient" in line:
+        assert syncs[-1]["pseudo_grad_norm"] == pytest.approx(float(found.group(2)), rel=1e-3)
+    else:
+        assert syncs[-1]["eval_loss"] == pytest.approx(float(found.group(2)), abs=1e-4)
+    saved = sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))
+    assert saved == [ckpt(run_dir, u) for u in range(2, update, 2)][-2:]  # BASE syncs every 2; keep 2
+    assert not (run_dir / "weights.pt").exists()
+    return found
+
+
+# inner.lr=300 on the quick model: every number finite at the first sync (update 2), but the held-out
+# loss ~2e5 nats and the pseudo-gradient ~1e3 x the weights' norm; inner.lr=10: held-out 28 nats there.
+LIMITS = {
+    "held-out": (["inner.lr=300"], HELDOUT_LINE),
+    "pseudo-gradient": (["inner.lr=300", "guard.heldout_margin=1e9"], PSEUDO_GRAD_LINE),
+}
+
+
+@pytest.mark.parametrize("limit", list(LIMITS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_run_whose_weights_diverge_without_nan_stops_at_the_sync(tmp_path, engine, limit):
+    """Every engine stops at the sync where a limit is passed, real processes all together (engine=dist:
+    only rank 0 evaluates the held-out loss; every rank stops on its verdict)."""
+    run_dir = tmp_path / "run"
+    overrides, line = LIMITS[limit]
+    done = entry([*BASE, *ENGINES[engine], *overrides, f"hydra.run.dir={run_dir}"], tmp_path)
+    found = assert_stopped_by_the_guard(done, run_dir, line, engine)
+    if limit == "held-out":
+        assert float(found.group(2)) > math.log(256) + 1
+    else:
+        assert float(found.group(2)) > 1000 * float(found.group(3))
+
+
+def test_the_guard_off_trains_a_diverging_run_to_its_end(tmp_path):
+    """guard.enabled=false: inner.lr=10 trains on to a held-out loss of hundreds of nats, exit 0."""
+    run_dir = tmp_path / "run"
+    done = entry([*BASE, "inner.lr=10", "guard.enabled=false", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(run_dir / METRICS_FILE)
+    assert rows[-1]["status"] == "finished"
+    assert [r["eval_loss"] > math.log(256) + 1 for r in rows if r["kind"] == "sync"] == [True] * 4

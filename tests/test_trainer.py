@@ -26,7 +26,7 @@ from hypertrain.loop import train_replicas
 from hypertrain.model import forward, init_params, param_roles
 from hypertrain.optim import init_state
 from hypertrain.run_state import RunState
-from hypertrain.trainer import assignments, prepare, sync
+from hypertrain.trainer import Diverged, assignments, prepare, sync, uniform_loss
 
 
 def test_strong_world_8_and_16_give_bitwise_equal_replica_losses(tmp_path):
@@ -236,3 +236,27 @@ def test_the_timed_window_opens_inside_a_round_where_the_warm_up_ends(tmp_path):
     seconds = [r["rank_seconds"][0] for r in rows if r["kind"] == "update"]
     # At least the timed updates' own seconds, at most the whole run.
     assert sum(seconds[2:]) <= summary["train/timed_s"] <= summary["train/wall_s"]
+
+
+def test_the_uniform_prediction_loss_weighs_the_channels_as_the_held_out_loss_does():
+    """The divergence guard's reference: ln vocab; multistream: sum_c k_c ln V_c / sum_c k_c over the
+    channels with held-out targets (a channel without any leaves the loss and its k the normaliser)."""
+    from types import SimpleNamespace as NS
+
+    decoder = NS(cfg=NS(model=ModelConfig(vocab=300)), dataset=NS(), heldout=NS(microbatches=[]))
+    assert uniform_loss(decoder)[0] == math.log(300)
+    counts = [torch.tensor(c, dtype=torch.float64) for c in ([5.0, 4.0, 0.0], [3.0, 4.0, 0.0])]
+    multistream = NS(
+        cfg=NS(model=NS(channel_vocabs=[4096, 1024, 2048])),
+        dataset=NS(channel_scales=(1.0, 16.0, 16.0)),
+        heldout=NS(microbatches=[NS(channel_counts=c) for c in counts]),
+    )
+    assert uniform_loss(multistream)[0] == pytest.approx((math.log(4096) + 16 * math.log(1024)) / 17)
+
+
+@pytest.mark.parametrize("engine", ["loop", "stacked"])
+def test_the_divergence_guard_stops_a_finite_but_diverged_run_at_its_first_sync(tmp_path, engine):
+    cfg = small_cfg(inner=InnerConfig(H=2, lr=1000.0, warmup_steps=0))
+    cfg = replace(cfg, engine=replace(cfg.engine, name=engine))
+    with pytest.raises(Diverged, match=r"^diverged: the pseudo-gradient norm at the sync at update 2 is "):
+        run_losses(cfg, tmp_path)
