@@ -19,6 +19,7 @@ launcher stops the rest; each rank says what happened in one line and exits non-
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -40,8 +41,9 @@ from hypertrain import checkpoint, fault_points, slurm_env
 from hypertrain.config import TrainConfig
 from hypertrain.failures import RankFailed, RunFailure
 from hypertrain.layouts import LaunchedRank, Layout, choose_layout, launched_rank
+from hypertrain.log import METRICS_FILE, session_end, session_rows
 from hypertrain.model import Params
-from hypertrain.preemption import Preempted, StopSignals
+from hypertrain.preemption import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
 from hypertrain.replica_groups import ReplicaGroups
 
 # torch >= 2.12 renames all_gather_into_tensor (and warns at every call of the old name).
@@ -242,6 +244,7 @@ class WorkerJob:
     identity: dict  # W&B name, group, job type, tags
     resume_from: str | None = None  # the checkpoint every rank loads its replicas' state from
     superseded: int | None = None  # rank 0: bytes of metrics.jsonl the entry moved aside for it
+    self_launched: bool = False  # set by `launch`: the entry says how the run ended, the workers not
 
 
 def same_run_everywhere(run, resolved: dict, rank: int, processes: int) -> None:
@@ -326,9 +329,11 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             resume = Resume(resume_from, saved, job.superseded or 0)
         where = Path(run_dir)
         summary = train_session(run, where, job.resolved, job.identity, groups, resume)
+        # Tests only: die in teardown, once rank 0's end row is written (a finished run stays finished).
+        fault_points.act(rank, "end", range(run.updates), ready=lambda: _has_end_row(where))
         return summary if rank == 0 else None
     except Preempted as e:  # every rank stopped after the same update, the checkpoint written
-        if rank == 0:
+        if rank == 0 and not job.self_launched:  # self-launched, the entry prints the end row's line
             print(f"hypertrain: {e}", file=sys.stderr)
             sys.stderr.flush()
         signals.hand_over()  # a launcher's own handler (submitit requeues), when there was one
@@ -351,36 +356,124 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             dist.destroy_process_group()
 
 
-def _start_resource_tracker_deaf_to(signum: int) -> None:
+def _start_resource_tracker_deaf_to(*signums: int) -> None:
     """multiprocessing's resource tracker (a helper process the spawned workers share) ignores
-    SIGINT and SIGTERM but dies of SIGUSR2, which a scheduler sends to every process of the job:
-    start it now with that signal ignored (a process started with a signal ignored keeps it so)."""
+    SIGINT and SIGTERM but dies of SIGUSR2 and SIGHUP, which a scheduler or a closed terminal sends
+    to every process of the job (a tracker started again by a worker then prints a traceback for
+    every name it never saw): start it now with those ignored (a process started with a signal
+    ignored keeps it so)."""
     from multiprocessing import resource_tracker
 
-    before = signal.signal(signum, signal.SIG_IGN)
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
     try:
         resource_tracker.ensure_running()
     finally:
-        signal.signal(signum, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+class _QuietSignalNotice(logging.Filter):
+    """Drops torch's agent's "Received <signal> death signal, shutting down workers" warning: the
+    stop's one line is the entry's (the agent logs it on a logger whose level torch sets itself,
+    `torch.distributed.elastic.agent.server.api`, so the parent logger's level does not reach it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Received %s death signal")
+
+
+_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+def _quiet_agent() -> None:
+    """The launcher's own logging, silenced where it only repeats what the run says in one line."""
+    # The launcher logs every worker failure as a traceback of its own process-watching code; the
+    # workers and `launch` already say what failed in one line each.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    agent = logging.getLogger(_AGENT_LOGGER)
+    if not any(isinstance(f, _QuietSignalNotice) for f in agent.filters):
+        agent.addFilter(_QuietSignalNotice())
+
+
+def _has_end_row(run_dir: Path) -> bool:
+    return any(r.get("kind") == "end" for r in session_rows(run_dir))
+
+
+def _wait_for_workers(signum: int, timeout_s: float = 30.0) -> None:
+    """After a signal the agent did not pass on (a second Ctrl-C cuts its shutdown short), the
+    workers may still run: pass on that and any further stop signal, and wait for them (as torch's
+    agent does: SIGKILL after `timeout_s`), so that rank 0's records are closed before they are read."""
+    from multiprocessing import active_children
+
+    workers = active_children()
+
+    def forward(received: int, frame=None) -> None:
+        for worker in workers:
+            try:
+                os.kill(worker.pid, received)
+            except (ProcessLookupError, TypeError):  # gone already (TypeError: never started)
+                pass
+
+    before = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    try:
+        if workers:
+            forward(signum)
+        deadline = time.monotonic() + timeout_s
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | None, results) -> dict:
+    """How the run ended, decided once: as rank 0's `end` row says (its status and exit code), the
+    launcher's view of the workers only where that row says less (which rank failed first) or is
+    missing (rank 0 died before writing it). Returns the summary of a finished run; raises otherwise."""
+    rows = session_rows(Path(job.run_dir), since)
+    end = session_end(rows)
+    if end is None:  # rank 0 wrote no end row: the launcher's view is all there is
+        if failed is not None:
+            raise failed
+        name = signal.Signals(signum or signal.SIGTERM).name
+        stop = Preempted(f"stopped by {name} before rank 0 closed its records", signum or signal.SIGTERM)
+        raise stop
+    code = int(end.get("exit_code", 0))
+    if end.get("status") == "finished":
+        if failed is not None:  # a worker died after the run finished (its records and weights are whole)
+            print(f"hypertrain: warning: {failed.teardown}; the run had finished", file=sys.stderr)
+            sys.stderr.flush()
+        if results:
+            return results[0]
+        return {k: v for r in rows if r.get("kind") == "summary" for k, v in r.items() if k != "kind"}
+    error = end.get("error") or end.get("status", "failed")
+    if end.get("status") in ("preempted", "interrupted"):
+        kind = StoppedAtOnce if error.startswith("stopped at once") else Preempted
+        raise kind(error, signum or signal.SIGTERM, exit_code=code, status=end["status"])
+    if failed is None:
+        failed = RankFailed(f"rank 0 failed: {error}")
+    failed.exit_code = code
+    raise failed
 
 
 def launch(job: WorkerJob) -> dict:
     """Start P = engine.nproc workers on this node with torch's elastic launcher and wait for them.
 
-    Returns rank 0's summary; a failed run raises `RankFailed` naming the first rank that failed,
-    with that rank's exit code (3 when it died of a signal); a stop signal (to this process or to the
-    ranks) raises `Preempted` once the ranks have stopped.
+    How the run ended is what rank 0's `end` row says (`_ended`), so the entry's exit code is the
+    records' own: a finished run returns rank 0's summary (a worker that died after the end row is a
+    warning line), a stop (a signal to this process, forwarded by torch's agent, or to the ranks)
+    raises `Preempted` with the end row's line and code, a failure `RankFailed` naming the first
+    rank that failed, with the end row's code (without an end row: that rank's, 3 for a signal).
     """
-    import logging
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The launcher logs every worker failure as a traceback of its own process-watching code; the
-    # workers and this function already say what failed in one line each.
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    _quiet_agent()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -393,28 +486,23 @@ def launch(job: WorkerJob) -> dict:
         start_method="spawn",
         # The agent stops its workers with the signal it got (they checkpoint after their update in
         # flight); SIGUSR2, a scheduler's warning, is not among the ones it handles unless asked.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+        signals_to_handle=",".join(signal.Signals(s).name for s in (*STOP_SIGNALS, signal.SIGQUIT)),
     )
-    _start_resource_tracker_deaf_to(signal.SIGUSR2)
+    _start_resource_tracker_deaf_to(signal.SIGUSR2, signal.SIGHUP)
+    metrics = Path(job.run_dir) / METRICS_FILE
+    since = metrics.stat().st_size if metrics.exists() else 0  # this session's rows start here
+    job = replace(job, self_launched=True)
+    results, failed, signum = None, None, None
     try:
         results = elastic_launch(config, run_worker)(job)
     except SignalException as e:
-        raise Preempted(
-            f"stopped by {signal.Signals(e.sigval).name}: the ranks stopped after their update in flight "
-            "and checkpointed; resume=auto goes on",
-            e.sigval,
-        ) from None
+        signum = int(e.sigval)
+        _wait_for_workers(signum)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
-        if code == Preempted.exit_code:  # the ranks got a stop signal themselves and checkpointed
-            raise Preempted(
-                "stopped by a signal to the ranks: they stopped after their update in flight and "
-                "checkpointed; resume=auto goes on",
-                signal.SIGTERM,
-            ) from None
         what = f"died of {failure.signal_name()}" if code < 0 else f"exited with code {code}"
-        stopped = RankFailed(f"rank {rank} {what}; the launcher stopped the other ranks")
-        stopped.exit_code = code if code > 0 else RankFailed.exit_code  # the rank's own failure's code
-        raise stopped from None
-    return results[0]
+        failed = RankFailed(f"rank {rank} {what}; the launcher stopped the other ranks")
+        failed.exit_code = code if code > 0 else RankFailed.exit_code  # the rank's own failure's code
+        failed.teardown = f"rank {rank} {what} in its teardown"
+    return _ended(job, since, failed, signum, results)

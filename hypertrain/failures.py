@@ -45,5 +45,8 @@ EXIT_CODES = {
     2: "a user mistake, found before the run started: nothing was created or changed",
     3: "engine=dist: a rank died, hung past engine.timeout_s, or failed (RankFailed)",
     4: "no space left on the device while writing records or a checkpoint (DiskFull)",
+    129: "stopped by SIGHUP after an update, checkpointed: resume=auto goes on (Preempted, `interrupted`)",
+    130: "stopped by SIGINT (Ctrl-C) after an update, checkpointed: resume=auto goes on (Preempted, "
+    "`interrupted`); a second Ctrl-C stops at once, the newest checkpoint intact (StoppedAtOnce)",
     143: "stopped by SIGTERM or SIGUSR2 after an update, checkpointed: resume=auto goes on (Preempted)",
 }

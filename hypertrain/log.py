@@ -17,9 +17,12 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
 - `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
   "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
 - `summary`: `{"kind", ...values}` (`summary`).
-- `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed" | "preempted"}`,
-  and for a failed or preempted run `"error"` (its one line) and `"exit_code"`; written by `close`.
-  A file that ends without one is a run that was killed or is still running.
+- `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed" | "preempted" |
+  "interrupted"}`, and for a run that did not finish `"error"` (its one line) and `"exit_code"`, the
+  code the entry exits with (`preempted`: SIGTERM or SIGUSR2, 143; `interrupted`: SIGINT 130, SIGHUP
+  129; hypertrain.preemption); written by `close`. A file that ends without one is a run that was
+  killed or is still running. `session_end` reads it back: the entry of a self-launched
+  `engine=dist` run exits as its rank 0's end row says.
 
 W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
@@ -376,3 +379,33 @@ def read_metrics(path: Path | str) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number} is not a JSON line ({e.msg}): {line[:80]!r}") from None
     return rows
+
+
+def session_rows(path: Path | str, since: int = 0) -> list[dict]:
+    """The rows of a `metrics.jsonl` (a file, or a run directory holding one) from byte `since` on,
+    leaving out a line that is not JSON (a row cut short by a kill); [] when there is no file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def session_end(rows: list[dict]) -> dict | None:
+    """The session's `end` row among `rows` (`session_rows`), None when it has none; its exit code is
+    `end.get("exit_code", 0)`."""
+    ends = [r for r in rows if r.get("kind") == "end"]
+    return ends[-1] if ends else None

@@ -4,7 +4,8 @@ checkpoints, save the final weights.
 `train_session(run, run_dir, resolved, identity, groups, resume)` is what the entry (one process) and
 every `engine=dist` worker call: rank 0 opens `RunLogger` (metrics.jsonl, W&B) and writes; the other
 ranks take part in the checkpoints' gathers and write nothing. A full disk while writing becomes
-`DiskFull` (exit 4); the records are closed by `RunLogger` whatever ends the session.
+`DiskFull` (exit 4); the records are closed by `RunLogger` whatever ends the session (a stop signal's
+`Preempted` too: its end row holds the stop's status, line and exit code, hypertrain.preemption).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from hypertrain.checkpoint import Checkpointer, written_by_run
 from hypertrain.failures import DiskFull
 from hypertrain.log import NoLog, RunLogger
+from hypertrain.preemption import stopping
 from hypertrain.replica_groups import ReplicaGroups
 from hypertrain.trainer import PreparedRun, train
 
@@ -75,13 +77,16 @@ def train_session(
         )
 
     if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
-        return train(run, None, groups, checkpointer(NoLog()), saved)[0]
+        with stopping(run_dir):
+            return train(run, None, groups, checkpointer(NoLog()), saved)[0]
     wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
     run_id = None if resume is None else resume.saved.get("run_id")  # None: a new id (RunLogger)
     records = RunLogger(
         run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, run_id=run_id, **identity
     )
-    with records as log, disk_full_as_failure():
+    # `stopping` is innermost: a stop has settled (a second Ctrl-C changes nothing) before the records
+    # close, and the end row of a stop at once names the checkpoint that is intact.
+    with records as log, disk_full_as_failure(), stopping(run_dir):
         if resume is not None:
             log.log_resume(
                 {

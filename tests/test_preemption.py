@@ -5,12 +5,14 @@ most stops land inside a round, where the replicas' own weights and the round's 
 saved and restored. Every case resumes and must equal the uninterrupted run exactly (test_resume's
 `assert_identical`: ==, torch.equal, no tolerance; the same machine runs the same arithmetic).
 
-- A stop signal (SIGTERM, or SIGUSR2, submitit's warning) sent at a named update by the test-only
-  fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:term|usr2:after`, the signal sent to the process right
-  after that update's step): the run stops after that same update in every process, writes a
-  checkpoint there, closes its records with a `preempted` end row, says so in one line and exits
-  143; `resume=auto` goes on from it. For engine=stacked, engine=loop and engine=dist (the signal
-  to rank 1 only: rank 0 must stop after the same update).
+- A stop signal (SIGTERM, or SIGUSR2, submitit's warning; SIGINT, Ctrl-C; SIGHUP, a hangup) sent
+  at a named update by the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:term|usr2|int|hup:after`,
+  the signal sent to the process right after that update's step): the run stops after that same
+  update in every process, writes a checkpoint there, closes its records with an end row whose
+  status and exit code are the process's (`preempted` 143 for SIGTERM and SIGUSR2, `interrupted`
+  130 for SIGINT, 129 for SIGHUP), says so in exactly one line (nothing else on stderr) and exits
+  with that code; `resume=auto` goes on from it. For engine=stacked, engine=loop and engine=dist
+  (the signal to rank 1 only: rank 0 must stop after the same update).
 - The same with the signal sent from outside at a moment the test does not choose (to the
   process group, as SLURM and a terminal do), for engine=stacked and engine=dist.
 - `checkpoint.every_updates=3`: checkpoints after updates 3 and 6 inside the rounds besides the
@@ -41,15 +43,15 @@ from helpers import (
     assert_identical,
     ckpt,
     entry,
-    error_lines,
     finish,
     outcome,
     start_entry,
+    stderr_lines,
 )
 
 from hypertrain.checkpoint import SUPERSEDED_FILE, checkpoints
 from hypertrain.log import METRICS_FILE, read_metrics
-from hypertrain.preemption import Preempted, StopSignals, requested
+from hypertrain.preemption import EXIT_CODES, STATUSES, Preempted, StopSignals, requested
 
 H4 = [*BASE, "inner.H=4"]  # syncs after updates 4 and 8
 STOPPED = Preempted.exit_code  # 143, docs/errors.md
@@ -71,17 +73,22 @@ def rows_of(run_dir: Path) -> list[dict]:
 
 
 def assert_stopped_after(run_dir: Path, update: int, done, name: str) -> None:
-    """A run stopped by `name` after `update`: exit 143, one line, a checkpoint there, update rows
-    1..update, a `preempted` end row."""
-    assert done.returncode == STOPPED, done.stderr
+    """A run stopped by `name` after `update`: the signal's exit code (143, 130, 129), one line and
+    nothing else on stderr, a checkpoint there, update rows 1..update, an end row with the same code."""
+    signum = signal.Signals[name]
+    code, status = EXIT_CODES[signum], STATUSES.get(signum, "interrupted")
+    assert done.returncode == code, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    said = [x for x in error_lines(done.stderr) if x.startswith("hypertrain: stopped by")]
-    assert any(f"stopped by {name} after update {update};" in x for x in said), done.stderr
+    lines = stderr_lines(done.stderr)
+    assert len(lines) == 1 and f"hypertrain: stopped by {name} after update {update};" in lines[0], (
+        done.stderr
+    )
     assert checkpoints(run_dir)[-1] == ckpt(run_dir, update)
     rows = rows_of(run_dir)
     assert [r["update"] for r in rows if r["kind"] == "update"] == list(range(1, update + 1))
     end = rows[-1]
-    assert end["kind"] == "end" and end["status"] == "preempted" and end["exit_code"] == STOPPED, end
+    assert end["kind"] == "end" and end["status"] == status and end["exit_code"] == code, end
+    assert lines[0].startswith(f"hypertrain: {end['error']}"), (lines, end)  # the line is the record's
     saved = torch.load(ckpt(run_dir, update), weights_only=False)
     assert saved["state"]["next_update"] == update
     assert (saved["state"]["round_params"] is not None) == (update % 4 != 0)  # mid-round: replica weights
@@ -100,7 +107,10 @@ def resume_auto(run_dir: Path, overrides: list[str], cwd: Path) -> None:
 SIGNALLED = [
     pytest.param("stacked", "0:3:term:after", "SIGTERM", id="stacked-sigterm"),
     pytest.param("loop", "0:6:usr2:after", "SIGUSR2", id="loop-sigusr2"),
+    pytest.param("stacked", "0:3:int:after", "SIGINT", id="stacked-sigint"),
+    pytest.param("loop", "0:6:hup:after", "SIGHUP", id="loop-sighup"),
     pytest.param("dist", "1:3:usr2:after", "SIGUSR2", id="dist-sigusr2-to-rank-1", marks=pytest.mark.slow),
+    pytest.param("dist", "1:5:int:after", "SIGINT", id="dist-sigint-to-rank-1", marks=pytest.mark.slow),
 ]
 
 
@@ -136,12 +146,21 @@ def test_the_other_optimizers_and_data_stop_and_resume_the_same(tmp_path, engine
     assert_identical(run_dir, tmp_path / "reference")
 
 
+OUTSIDE = [
+    ("stacked", "SIGUSR2"),
+    ("dist", "SIGUSR2"),
+    ("stacked", "SIGINT"),
+    ("dist", "SIGINT"),
+    ("dist", "SIGHUP"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["stacked", "dist"])
-def test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run(tmp_path, references, engine):
-    """SIGUSR2 to the run's process group (the entry and, for dist, the workers torch's agent
-    started) once the held-out loss before training is written; the stop lands wherever the run
-    then is (8 updates remain)."""
+@pytest.mark.parametrize(("engine", "name"), OUTSIDE, ids=["-".join(c).lower() for c in OUTSIDE])
+def test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run(tmp_path, references, engine, name):
+    """The signal to the run's process group (the entry and, for dist, the workers torch's agent
+    started: a terminal's Ctrl-C and hangup reach them all so) once the held-out loss before
+    training is written; the stop lands wherever the run then is (8 updates remain)."""
     overrides = [*H4, *ENGINES[engine]]
     run_dir = tmp_path / "run"
     proc = start_entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path)
@@ -149,11 +168,11 @@ def test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run(tmp_pa
     while not (metrics.exists() and b'"kind": "eval"' in metrics.read_bytes()):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first rows"
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGUSR2)
+    os.killpg(proc.pid, signal.Signals[name])
     done = finish(proc)
-    assert done.returncode == STOPPED, done.stderr
+    assert done.returncode == EXIT_CODES[signal.Signals[name]], done.stderr
     stopped_after = [r["update"] for r in rows_of(run_dir) if r["kind"] == "update"][-1]
-    assert_stopped_after(run_dir, stopped_after, done, "SIGUSR2")
+    assert_stopped_after(run_dir, stopped_after, done, name)
     resume_auto(run_dir, overrides, tmp_path)
     assert_identical(run_dir, references[engine])
 
