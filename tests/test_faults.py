@@ -213,7 +213,9 @@ LIMITS = {
 
 
 @pytest.mark.parametrize("limit", list(LIMITS))
-@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize(
+    "engine", [pytest.param(e, marks=() if e == "stacked" else pytest.mark.slow) for e in ENGINES]
+)
 def test_a_run_whose_weights_diverge_without_nan_stops_at_the_sync(tmp_path, engine, limit):
     """Every engine stops at the sync where a limit is passed, real processes all together (engine=dist:
     only rank 0 evaluates the held-out loss; every rank stops on its verdict)."""

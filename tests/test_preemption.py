@@ -57,15 +57,26 @@ H4 = [*BASE, "inner.H=4"]  # syncs after updates 4 and 8
 STOPPED = Preempted.exit_code  # 143, docs/errors.md
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, Path]:
-    """The uninterrupted H4 run per engine, started side by side (one process each, dist two)."""
-    where = tmp_path_factory.mktemp("references")
-    procs = {e: start_entry([*H4, *ENGINES[e], f"hydra.run.dir={where / e}"], where) for e in ENGINES}
-    for engine, proc in procs.items():
-        done = finish(proc)
+class References(dict):
+    """The uninterrupted H4 run per engine, each run the first time a test asks for it (the quick
+    loop asks for one engine's only)."""
+
+    def __init__(self, where: Path):
+        super().__init__()
+        self.where = where
+
+    def __missing__(self, engine: str) -> Path:
+        done = finish(
+            start_entry([*H4, *ENGINES[engine], f"hydra.run.dir={self.where / engine}"], self.where)
+        )
         assert done.returncode == 0, (engine, done.stderr)
-    return {e: where / e for e in ENGINES}
+        self[engine] = self.where / engine
+        return self[engine]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> References:
+    return References(tmp_path_factory.mktemp("references"))
 
 
 def rows_of(run_dir: Path) -> list[dict]:
@@ -106,9 +117,9 @@ def resume_auto(run_dir: Path, overrides: list[str], cwd: Path) -> None:
 
 SIGNALLED = [
     pytest.param("stacked", "0:3:term:after", "SIGTERM", id="stacked-sigterm"),
-    pytest.param("loop", "0:6:usr2:after", "SIGUSR2", id="loop-sigusr2"),
+    pytest.param("loop", "0:6:usr2:after", "SIGUSR2", id="loop-sigusr2", marks=pytest.mark.slow),
     pytest.param("stacked", "0:3:int:after", "SIGINT", id="stacked-sigint"),
-    pytest.param("loop", "0:6:hup:after", "SIGHUP", id="loop-sighup"),
+    pytest.param("loop", "0:6:hup:after", "SIGHUP", id="loop-sighup", marks=pytest.mark.slow),
     pytest.param("dist", "1:3:usr2:after", "SIGUSR2", id="dist-sigusr2-to-rank-1", marks=pytest.mark.slow),
     pytest.param("dist", "1:5:int:after", "SIGINT", id="dist-sigint-to-rank-1", marks=pytest.mark.slow),
 ]

@@ -55,7 +55,7 @@ def resume_auto_identically(run_dir: Path, overrides: list[str], reference: Path
     ("engine", "fault"),
     [
         pytest.param("stacked", "0:6:int2:after", id="stacked"),
-        pytest.param("dist", "1:6:int2:after", id="dist"),
+        pytest.param("dist", "1:6:int2:after", id="dist", marks=pytest.mark.slow),
     ],
 )
 def test_a_second_ctrl_c_stops_at_once_with_one_line_and_the_last_checkpoint_intact(tmp_path, engine, fault):
