@@ -27,9 +27,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from types import FrameType
 
 from hypertrain.failures import RunFailure
@@ -56,7 +53,7 @@ class Preempted(RunFailure):
 
 class StoppedAtOnce(Preempted):
     """A second SIGINT: the run stopped where it was, without a checkpoint of its own; the newest
-    checkpoint written before it is intact (`stopping` names it)."""
+    checkpoint written before it is intact (`session.stopping` names it)."""
 
 
 _active: StopSignals | None = None
@@ -136,31 +133,3 @@ class StopSignals:
         self.restore()
         if callable(before) and before is not signal.default_int_handler:
             before(signum, None)
-
-
-@contextmanager
-def stopping(run_dir: Path | str) -> Iterator[None]:
-    """Around a session's training, inside its records: a stop's checkpoint is settled before the
-    records close; a stop at once says which checkpoint is intact (the end row holds the line). A
-    collective that fails while this process is stopping on a Ctrl-C is another rank that stopped at
-    once on the second one (every process of the run gets it), not a failure of the run."""
-    from hypertrain.checkpoint import checkpoints
-    from hypertrain.failures import RankFailed
-
-    def at_once(what: str) -> StoppedAtOnce:
-        settled()
-        newest = checkpoints(Path(run_dir))
-        intact = f"checkpoint {newest[-1]} is intact; resume=auto goes on" if newest else "no checkpoint yet"
-        return StoppedAtOnce(f"{what}, without finishing the update in flight; {intact}", signal.SIGINT)
-
-    try:
-        yield
-    except StoppedAtOnce as e:
-        raise at_once(str(e)) from None
-    except Preempted:
-        settled()
-        raise
-    except RankFailed:
-        if requested() != signal.SIGINT:
-            raise
-        raise at_once("stopped at once by a second SIGINT (to another rank)") from None

@@ -11,6 +11,7 @@ ranks take part in the checkpoints' gathers and write nothing. A full disk while
 from __future__ import annotations
 
 import errno
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,12 +19,38 @@ from pathlib import Path
 
 import torch
 
-from hypertrain.checkpoint import Checkpointer, written_by_run
-from hypertrain.failures import DiskFull
+from hypertrain.checkpoint import Checkpointer, checkpoints, written_by_run
+from hypertrain.failures import DiskFull, RankFailed
 from hypertrain.log import NoLog, RunLogger
-from hypertrain.preemption import stopping
+from hypertrain.preemption import Preempted, StoppedAtOnce, requested, settled
 from hypertrain.replica_groups import ReplicaGroups
 from hypertrain.trainer import PreparedRun, train
+
+
+@contextmanager
+def stopping(run_dir: Path | str) -> Iterator[None]:
+    """Around a session's training, inside its records: a stop's checkpoint is settled before the
+    records close; a stop at once says which checkpoint is intact (the end row holds the line). A
+    collective that fails while this process is stopping on a Ctrl-C is another rank that stopped at
+    once on the second one (every process of the run gets it), not a failure of the run."""
+
+    def at_once(what: str) -> StoppedAtOnce:
+        settled()
+        newest = checkpoints(Path(run_dir))
+        intact = f"checkpoint {newest[-1]} is intact; resume=auto goes on" if newest else "no checkpoint yet"
+        return StoppedAtOnce(f"{what}, without finishing the update in flight; {intact}", signal.SIGINT)
+
+    try:
+        yield
+    except StoppedAtOnce as e:
+        raise at_once(str(e)) from None
+    except Preempted:
+        settled()
+        raise
+    except RankFailed:
+        if requested() != signal.SIGINT:
+            raise
+        raise at_once("stopped at once by a second SIGINT (to another rank)") from None
 
 
 @contextmanager
