@@ -27,6 +27,13 @@ SEED_JSON = REFERENCE["check_plan"]  # the seed's `check_plan()` output
 SAMPLES = REFERENCE["samples"]  # 16384, the seed's default stream length
 
 
+# Our channel weights against the reference's recorded ones, in float64 (unit roundoff u = 2^-53,
+# about 1.1e-16). A weight is at most 4 roundings (two products, a quotient, the 32/12 constant) and
+# the scale a 13-term sum and a quotient, at most 15; two implementations that order these
+# differently differ by at most 2 * 15 u, about 3.3e-15, so 1e-14 holds on any IEEE machine.
+WEIGHTS_RTOL = 1e-14
+
+
 def seed_phase_dicts(world: int) -> list[dict]:
     """The seed's `benchmark_phases(world)` dicts, as it returned them."""
     return REFERENCE["benchmark_phases"][str(world)]
@@ -83,8 +90,8 @@ def test_our_functions_give_the_seed_outputs_its_check_plan_uses():
     assert len(REFERENCE["check_plan_dynamic_weights"]) == 4
     for record in REFERENCE["check_plan_dynamic_weights"]:
         weights, scale = plan.dynamic_weights(*record["args"])
-        assert np.allclose(weights, record["weights"], rtol=1e-14, atol=0), record["args"]
-        assert np.isclose(scale, record["scale"], rtol=1e-14, atol=0), record["args"]
+        assert np.allclose(weights, record["weights"], rtol=WEIGHTS_RTOL, atol=0), record["args"]
+        assert np.isclose(scale, record["scale"], rtol=WEIGHTS_RTOL, atol=0), record["args"]
     assert plan.check_plan() == SEED_JSON
 
 
@@ -215,8 +222,8 @@ def test_microbatches_on_examples_equal_the_seed_cuts(n, bounds):
 def test_dynamic_weights_equal_the_seed(case):
     expect_weights, expect_scale = seed_weights(case)
     weights, scale = plan.dynamic_weights(*case)
-    assert np.allclose(weights, expect_weights, rtol=1e-14, atol=0)
-    assert np.isclose(scale, expect_scale, rtol=1e-14, atol=0)
+    assert np.allclose(weights, expect_weights, rtol=WEIGHTS_RTOL, atol=0)
+    assert np.isclose(scale, expect_scale, rtol=WEIGHTS_RTOL, atol=0)
 
 
 def test_cpu_presets_pass_the_check_at_worlds_2_and_4():
