@@ -17,7 +17,8 @@ raises one when the run directory's metrics.jsonl is not the records the checkpo
 with (the run id of the session that wrote it, the length and the sha256 of the records up to that
 length, all saved in the checkpoint); `rewind_metrics` cuts metrics.jsonl back to the checkpoint's
 length (never extends it) and keeps what was cut in metrics.superseded.jsonl. Pruning removes only
-checkpoints this run wrote (named in its own `checkpoint` rows, or written by this session).
+checkpoints this run wrote (named in its own `checkpoint` and `resume` rows, or written by this
+session).
 """
 
 from __future__ import annotations
@@ -295,24 +296,36 @@ def rewind_metrics(run_dir: Path, length: int) -> int:
 
 def written_by_run(run_dir: Path, resumed: Path | None = None) -> list[str]:
     """Names of the checkpoints the run in `run_dir` wrote, as its metrics.jsonl's `checkpoint` rows
-    name them (after a rewind: the sessions up to the checkpoint resumed from), and `resumed` itself
-    (its row lies past the length it recorded): what pruning may remove, and nothing else."""
+    name them (after a rewind: the sessions up to the checkpoint resumed from), and as its `resume`
+    rows and `resumed` name them: what pruning may remove, and nothing else. A checkpoint's own row
+    lies past the length it recorded, so resuming from it moves that row aside; the resume row (of a
+    checkpoint `records_match` found to be this run's) stands for it, or a checkpoint an earlier
+    session resumed from would never be pruned."""
     names: list[str] = []
     metrics = Path(run_dir) / METRICS_FILE
     if metrics.exists():
         with open(metrics, encoding="utf-8", errors="replace") as rows:
             for line in rows:
-                if '"checkpoint"' not in line:
+                if '"checkpoint"' not in line and '"resume"' not in line:
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(row, dict) and row.get("kind") == "checkpoint" and row.get("path"):
-                    names.append(Path(str(row["path"])).name)
+                path = _written_path(row)
+                if path:
+                    names.append(Path(path).name)
     if resumed is not None:
         names.append(Path(resumed).name)
     return sorted(set(names))
+
+
+def _written_path(row) -> str | None:
+    """The checkpoint a `checkpoint` row (its `path`) or a `resume` row (its `from`) names."""
+    if not isinstance(row, dict):
+        return None
+    key = {"checkpoint": "path", "resume": "from"}.get(row.get("kind"))
+    return str(row[key]) if key and row.get(key) else None
 
 
 def _start_rows(data: bytes) -> list[dict]:

@@ -17,6 +17,7 @@ from hypertrain.layouts import LAYOUTS, LayoutError, choose_layout, process_coun
 from hypertrain.plan import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
 ENGINES = ("loop", "stacked", "dist")  # engine.name values; hypertrain.engines maps each to its engine
+INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 
 
 class ConfigError(ValueError):
@@ -211,6 +212,11 @@ class GuardConfig:
     heldout_margin: float = 1.0
     # the pseudo-gradient's norm may be at most this many times the global weights' norm before the sync
     pseudo_grad_ratio: float = 1000.0
+    # Before anything is made: refuse a run whose estimated memory (hypertrain/memory.py: weights,
+    # optimizer state, activations, batches, per process) exceeds 90% of the memory available (host,
+    # and the GPU's on engine.device=cuda); false skips the comparison (a tensor larger than torch can
+    # index is refused still). A guard: it changes no number, so a resumed run may change it.
+    memory_check: bool = True
 
 
 @dataclass
@@ -254,10 +260,27 @@ def check_finite_floats(node: Any, prefix: str = "") -> None:
             raise ConfigError(f"{prefix}{f.name}={value!r} is not a finite number; valid: a finite number")
 
 
+def check_int64(node: Any, prefix: str = "") -> None:
+    """Every int field of the config (any group, in lists too) fits a 64-bit integer: a larger one
+    would fail later, in torch or numpy, with a traceback."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            check_int64(value, f"{prefix}{f.name}.")
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and not -INT64_MAX - 1 <= item <= INT64_MAX:
+                raise ConfigError(
+                    f"{prefix}{f.name}={value!r} does not fit a 64-bit integer; valid: -{INT64_MAX + 1}.."
+                    f"{INT64_MAX}"
+                )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every field that can be checked without the data; the run checks the stream length."""
     m, c, o, d, e = cfg.model, cfg.inner, cfg.outer, cfg.data, cfg.engine
     check_finite_floats(cfg)
+    check_int64(cfg)
     _choice("model.arch", m.arch, ("decoder", "multistream"))
     if m.is_moe:
         raise ConfigError("model.is_moe=True is not built yet; valid: False")

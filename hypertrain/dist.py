@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hypertrain import checkpoint, fault_points, slurm_env
-from hypertrain.config import TrainConfig
+from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.failures import RankFailed, RunFailure
 from hypertrain.layouts import LaunchedRank, Layout, choose_layout, launched_rank
 from hypertrain.log import METRICS_FILE, session_end, session_rows
@@ -270,6 +270,40 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def check_backend(cfg: TrainConfig, local_processes: int) -> None:
+    """engine.backend and engine.device can run `local_processes` ranks on this machine, checked
+    before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
+    "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
+    engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. ConfigError
+    (one line) otherwise; engine.device=cuda without CUDA is `trainer.check_device`'s to refuse."""
+    e = cfg.engine
+    cuda = e.device.startswith("cuda")
+    if e.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"engine.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
+                f"({torch.__version__}); valid: engine.backend=gloo or auto (gloo on CPUs)"
+            )
+        if not dist.is_nccl_available():
+            raise ConfigError(
+                f"engine.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
+                "valid: engine.backend=gloo or auto"
+            )
+        if not cuda:
+            raise ConfigError(
+                f"engine.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
+                "valid: engine.device=cuda, or engine.backend=gloo or auto (gloo on CPUs)"
+            )
+    if cuda and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(
+            f"engine=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
+            f"one CUDA device each, but it has {count} (fewer GPUs than processes); valid: at most "
+            f"{count} processes per machine (engine.nproc, torchrun --nproc_per_node), or "
+            "engine.device=cpu with engine.backend=gloo or auto"
+        )
+
+
 def _backend(cfg: TrainConfig, device: torch.device) -> str:
     if cfg.engine.backend != "auto":
         return cfg.engine.backend
@@ -313,8 +347,12 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         torch.set_num_threads(cfg.engine.threads or _cpu_threads(me))
     cfg = replace(cfg, engine=replace(cfg.engine, device=str(device)))
     timeout = timedelta(seconds=cfg.engine.timeout_s)
-    dist.init_process_group(_backend(cfg, device), timeout=timeout, **_rendezvous(me))
     try:
+        backend = _backend(cfg, device)
+        try:  # its cause in this rank's one line, not lost behind the launcher's exit code
+            dist.init_process_group(backend, timeout=timeout, **_rendezvous(me))
+        except Exception as e:
+            raise RankFailed(f"torch.distributed could not start ({backend}): {_first_line(e)}") from None
         layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.engine.layout)
         # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
         decided = [job.run_dir, job.resume_from]

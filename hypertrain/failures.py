@@ -33,6 +33,13 @@ class DiskFull(RunFailure):
     exit_code = 4
 
 
+class WandbFailed(RunFailure):
+    """W&B could not start the run's W&B run (wandb.init failed: a network error, a server's refusal):
+    nothing of a new run is left (its directory as before), so the same command can run again."""
+
+    exit_code = 1
+
+
 class Terminated(RunFailure):
     """SIGTERM where the run cannot finish its update (a hung rank the launcher stops)."""
 
@@ -41,12 +48,17 @@ class Terminated(RunFailure):
 
 EXIT_CODES = {
     0: "the run finished",
-    1: "a non-finite loss, gradient or held-out loss (NonFiniteError), or an unexpected error",
+    1: "a non-finite loss, gradient or held-out loss (NonFiniteError), W&B that could not start "
+    "(WandbFailed: nothing of a new run is left), or an unexpected error",
     2: "a user mistake, found before the run started: nothing was created or changed",
     3: "engine=dist: a rank died, hung past engine.timeout_s, or failed (RankFailed)",
-    4: "no space left on the device while writing records or a checkpoint (DiskFull)",
+    4: "no space left on the device while writing records or a checkpoint (DiskFull); before the first "
+    "record (or under 128 KiB free at the start) nothing of a new run is left",
     129: "stopped by SIGHUP after an update, checkpointed: resume=auto goes on (Preempted, `interrupted`)",
     130: "stopped by SIGINT (Ctrl-C) after an update, checkpointed: resume=auto goes on (Preempted, "
-    "`interrupted`); a second Ctrl-C stops at once, the newest checkpoint intact (StoppedAtOnce)",
+    "`interrupted`); a second Ctrl-C stops at once, the newest checkpoint intact (StoppedAtOnce); before "
+    "training started: one line, nothing of a new run left (every stop signal, with its own code)",
+    131: "stopped by SIGQUIT (Ctrl-\\\\) after an update, checkpointed, as SIGINT: resume=auto goes on "
+    "(Preempted, `interrupted`)",
     143: "stopped by SIGTERM or SIGUSR2 after an update, checkpointed: resume=auto goes on (Preempted)",
 }

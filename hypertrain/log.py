@@ -28,14 +28,20 @@ W&B keys: `update` (the step metric of every other key), `round`, `train/loss/re
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
 `sync/pseudo_grad_norm`, `sync/<extra>`, `comm/inner_bytes`, `comm/outer_bytes`, `comm/inner_total`,
 `comm/outer_total`; summary keys as given.
+
+W&B that cannot start is refused before anything is written where that can be known (`check_wandb`:
+the mode, the project's name, credentials for an online mode); where `wandb.init` still fails,
+`RunLogger` removes what it made and raises `WandbFailed` (the entry removes the rest of a new run).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -44,6 +50,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hypertrain import fault_points
+from hypertrain.config import ConfigError
+from hypertrain.failures import WandbFailed
 
 if TYPE_CHECKING:
     from hypertrain.config import LoggerConfig
@@ -61,6 +69,90 @@ _SYNC_KEYS = {
     "comm_outer_total": "comm/outer_total",
 }
 _UPDATE_KEYS = ("lr", "tokens", "wall")
+
+# What wandb 0.31 accepts (`wandb.Settings.mode`; `run` and `shared` log online, `dryrun` offline) and
+# its project-name rule (`Settings.validate_project`); tests/test_log.py holds them to wandb's own.
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")  # need no credentials
+PROJECT_MAX = 128
+PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+def wandb_mode(logger_cfg: LoggerConfig) -> str:
+    """The mode W&B runs in: the WANDB_MODE environment variable when set (wandb reads it, even
+    empty), else `logger.mode`."""
+    return os.environ["WANDB_MODE"] if "WANDB_MODE" in os.environ else logger_cfg.mode
+
+
+def check_wandb(logger_cfg: LoggerConfig) -> None:
+    """ConfigError (one line) when W&B could not start this run's W&B run, as far as that is known
+    before anything is written: a mode wandb does not have, a project name it rejects, an online mode
+    without credentials where wandb looks for them (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the
+    netrc for its host, its settings file: wandb's own lookup, which reads files, asks no server)."""
+    if logger_cfg.name != "wandb":
+        return
+    mode = wandb_mode(logger_cfg)
+    named = f"WANDB_MODE={mode!r}" if "WANDB_MODE" in os.environ else f"logger.mode={mode!r}"
+    if mode not in WANDB_MODES:
+        raise ConfigError(f"{named} is not a W&B mode; valid: {', '.join(WANDB_MODES)}")
+    project = logger_cfg.project
+    found = sorted({c for c in project if c in PROJECT_FORBIDDEN})
+    if len(project) > PROJECT_MAX or found or not project.strip():
+        why = f"{len(project)} characters" if len(project) > PROJECT_MAX else f"it holds {''.join(found)!r}"
+        why = "it is empty" if not project.strip() else why
+        raise ConfigError(
+            f"logger.project={project!r} is not a W&B project name ({why}); valid: 1 to {PROJECT_MAX} "
+            f"characters, none of {' '.join(PROJECT_FORBIDDEN)}"
+        )
+    if mode not in WANDB_LOCAL_MODES:
+        _check_credentials(named)
+
+
+def _quiet_wandb() -> None:
+    """Before wandb is set up: it reports no error home and prints no line of its own (its settings
+    read these once; a run's failure is the entry's one line)."""
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def _check_credentials(named: str) -> None:
+    """An online mode needs credentials wandb finds without asking (the entry is no login prompt)."""
+    _quiet_wandb()
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    try:  # wandb's settings read the WANDB_* environment: a bad value there is wandb.init's failure too
+        host = wandb_setup.singleton().settings.base_url
+    except Exception as e:  # pydantic's ValidationError: several lines, the first names the setting
+        said = " ".join(str(e).split())[:200]
+        raise ConfigError(
+            f"{named}: W&B's settings from the environment are not valid ({said}); valid: the WANDB_* "
+            "variables as wandb documents them"
+        ) from None
+    try:
+        found = authenticate.authenticate_session(
+            host=host, source="hypertrain", prompt=False, update_session=False
+        )
+    except Exception as e:  # wandb.errors.AuthenticationError: a key of the wrong form
+        raise ConfigError(
+            f"{named}: W&B's credentials for {host} are not valid ({str(e).splitlines()[0]}); valid: "
+            "`wandb login`, or logger.mode=offline"
+        ) from None
+    if found is None:
+        raise ConfigError(
+            f"{named} needs W&B credentials for {host}, and there are none (no WANDB_API_KEY, no netrc "
+            "entry, no `wandb login`); valid: `wandb login` or WANDB_API_KEY=..., or logger.mode=offline "
+            "(upload later with `wandb sync`)"
+        )
+
+
+def no_space(error: BaseException) -> OSError | None:
+    """The ENOSPC OSError behind `error` (itself, or its cause or context: torch.save reports one as
+    a RuntimeError), None when there is none."""
+    cause: BaseException | None = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+        cause = cause.__cause__ or cause.__context__
+    return cause
 
 
 def _plain(value: Any) -> Any:
@@ -142,7 +234,36 @@ class RunLogger:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> RunLogger:
+        """Open the records and write the `start` row. On any failure before that row is whole (no
+        space, W&B that cannot start: `WandbFailed`, a stop at once) nothing this call made is left:
+        metrics.jsonl if it made it, the wandb folder if it made it, a W&B run finished."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        made = [p for p in (self.metrics_path, self.run_dir / "wandb") if not p.exists()]
+        try:
+            self._open()
+        except BaseException:
+            self._undo_open(made)
+            raise
+        return self
+
+    def _undo_open(self, made: list[Path]) -> None:
+        """What a failed `__enter__` made, removed again; the file closed, a W&B run finished."""
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+        if self._run is not None:
+            run, self._run = self._run, None
+            try:
+                run.finish(exit_code=1)
+            except Exception:  # W&B's own failure to finish changes nothing: its folder goes
+                pass
+        for path in made:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+    def _open(self) -> None:
         self._file = open(self.metrics_path, "a", encoding="utf-8")
         if self._file.tell() > 0:
             with open(self.metrics_path, "rb") as earlier:  # the sessions before this one
@@ -150,12 +271,17 @@ class RunLogger:
                     self._sha.update(block)
             if not self._ends_with_newline():
                 self._append("\n")  # a line cut short by a crash stays its own (unreadable) line
-        try:
-            if self.logger_cfg.name == "wandb":
+        if self.logger_cfg.name == "wandb":
+            try:
                 self._run = self._init_wandb()
-        except BaseException:
-            self._file.close()
-            raise
+            except Exception as e:  # wandb's errors have no common base class beyond Exception
+                if no_space(e) is not None:
+                    raise
+                said = str(e).strip().splitlines()
+                raise WandbFailed(
+                    f"W&B could not start ({type(e).__name__}{': ' + said[0] if said else ''}); "
+                    "valid: run again, or logger.mode=offline"
+                ) from None
         self._write(
             {
                 "kind": "start",
@@ -171,7 +297,6 @@ class RunLogger:
                 "host": socket.gethostname(),
             }
         )
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(error=exc)
@@ -224,10 +349,10 @@ class RunLogger:
             return f.read(1) == b"\n"
 
     def _init_wandb(self):
-        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        _quiet_wandb()
         import wandb
 
-        self._mode = os.environ.get("WANDB_MODE") or self.logger_cfg.mode
+        self._mode = wandb_mode(self.logger_cfg)
         settings = lambda: dict(  # noqa: E731  (fresh per attempt: wandb.init writes the id into Settings)
             project=self.logger_cfg.project,
             entity=self.logger_cfg.entity or None,

@@ -1,17 +1,17 @@
 """A stop signal ends a run at the next update boundary, checkpointed, then hands over.
 
 SIGTERM (what SLURM sends at a time limit or preemption, and torchrun forwards to its workers),
-SIGUSR2 (submitit's warning, `signal_delay_s` before the limit), SIGINT (Ctrl-C) and SIGHUP (the
-terminal went away) only set a flag here. The round loop asks after every update whether some
-process of the run got one (`hypertrain.trainer`); if so every process stops after that same
-update, a checkpoint is written, the records are flushed with an `end` row (status `preempted`
-for SIGTERM and SIGUSR2, `interrupted` for SIGINT and SIGHUP, and the exit code: 143, 143, 130,
-129), and the entry calls `hand_over()`: the handler that was installed before this one
-(submitit's, which requeues the job) when it was a Python function, otherwise the process exits
-with that code.
+SIGUSR2 (submitit's warning, `signal_delay_s` before the limit), SIGINT (Ctrl-C), SIGHUP (the
+terminal went away) and SIGQUIT (Ctrl-\\, which would otherwise dump core) only set a flag here.
+The round loop asks after every update whether some process of the run got one
+(`hypertrain.trainer`); if so every process stops after that same update, a checkpoint is written,
+the records are flushed with an `end` row (status `preempted` for SIGTERM and SIGUSR2, `interrupted`
+for SIGINT, SIGHUP and SIGQUIT, and the exit code: 143, 143, 130, 129, 131), and the entry calls
+`hand_over()`: the handler that was installed before this one (submitit's, which requeues the job)
+when it was a Python function, otherwise the process exits with that code.
 
-A repeated SIGTERM, SIGUSR2 or SIGHUP changes nothing; the launcher's or the scheduler's SIGKILL
-after its grace time (torch's agent: 30 s; SLURM: KillWait) is the hard stop. A second SIGINT (a
+A repeated SIGTERM, SIGUSR2, SIGHUP or SIGQUIT changes nothing; the launcher's or the scheduler's
+SIGKILL after its grace time (torch's agent: 30 s; SLURM: KillWait) is the hard stop. A second SIGINT (a
 second Ctrl-C) stops at once (`StoppedAtOnce`, exit 130): the update in flight and the stop's own
 checkpoint are given up, the newest checkpoint already written stays intact and the end row names
 it. Under a launcher one Ctrl-C reaches a worker twice (the terminal signals the whole process
@@ -20,20 +20,37 @@ counts as the same one. Once the stop's checkpoint is written (`settled()`), not
 
 `StopSignals` is a context manager (only the main thread may install handlers; elsewhere it does
 nothing); one is active at a time, and `requested()` tells anyone whether it has been asked to stop.
+
+Before training starts (the imports, composing the config, building the data, Hydra's writes), there
+is no update to stop after: with `guard_start()`, the entry's first statement, a stop signal there
+ends the process at once with one line and the signal's exit code, a new run's directory emptied
+again (`preflight.abandon_unstarted`), rather than raising into whatever library code is running
+(an import half done, Hydra's writes). `StopSignals` takes over for the session and puts it back.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 from hypertrain.failures import RunFailure
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
-# A stop's exit code and end-row status per signal (a scheduler's preemption, or a user's interrupt).
-EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR2: 143, signal.SIGINT: 130, signal.SIGHUP: 129}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# A stop's exit code and end-row status per signal (a scheduler's preemption, or a user's interrupt):
+# 128 + the signal's number, as a shell reports a process the signal ended, but SIGUSR2 (submitit's
+# warning before SIGTERM) ends as SIGTERM would.
+EXIT_CODES = {
+    signal.SIGTERM: 143,
+    signal.SIGUSR2: 143,
+    signal.SIGINT: 130,
+    signal.SIGHUP: 129,
+    signal.SIGQUIT: 131,
+}
 STATUSES = {signal.SIGTERM: "preempted", signal.SIGUSR2: "preempted"}  # the others: "interrupted"
 REPEAT_S = 1.0  # under a launcher: a SIGINT this soon after the first is the same Ctrl-C delivered twice
 
@@ -54,6 +71,31 @@ class Preempted(RunFailure):
 class StoppedAtOnce(Preempted):
     """A second SIGINT: the run stopped where it was, without a checkpoint of its own; the newest
     checkpoint written before it is intact (`session.stopping` names it)."""
+
+
+_leave: Callable[[], list[Path]] = list  # empties a new run's directory: the directories emptied
+
+
+def _stop_before_start(signum: int, frame: FrameType | None) -> None:
+    """No update runs: nothing to checkpoint; what a new run made so far goes, then the process."""
+    emptied = _leave()
+    left = f"; nothing of the run was left in {emptied[0]}" if emptied else ""
+    name = signal.Signals(signum).name
+    print(f"hypertrain: stopped by {name} while no update was running{left}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODES[signum])  # at once: no library code half way through an import or a write goes on
+
+
+def guard_start(leave: Callable[[], list[Path]] | None = None) -> None:
+    """The entry's first statement (and again, with `leave`, once it can empty a run directory): until
+    a `StopSignals` takes over, and again once it has put this back, a stop signal ends the process
+    with one line and its exit code, after `leave()` (`preflight.abandon_unstarted`)."""
+    global _leave
+    if leave is not None:
+        _leave = leave
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _stop_before_start)
 
 
 _active: StopSignals | None = None
@@ -102,7 +144,7 @@ class StopSignals:
         self.restore()
 
     def restore(self) -> None:
-        """Put back the handlers that were there before."""
+        """Put back the handlers that were there before (the entry's guard, where it is the entry)."""
         global _active
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
@@ -127,9 +169,9 @@ class StopSignals:
     def hand_over(self) -> None:
         """After the stop's checkpoint: call the handler that was there before (a launcher's requeue)
         when it was a Python function; return otherwise (the caller exits with the stop's code).
-        Python's own SIGINT handler (it raises KeyboardInterrupt) is not called."""
+        Python's own SIGINT handler (it raises KeyboardInterrupt) and the entry's guard are not called."""
         signum = self.received
         before = self.previous.get(signum) if signum is not None else None
         self.restore()
-        if callable(before) and before is not signal.default_int_handler:
+        if callable(before) and before not in (signal.default_int_handler, _stop_before_start):
             before(signum, None)

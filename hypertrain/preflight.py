@@ -29,10 +29,11 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain import checkpoint
+from hypertrain import checkpoint, memory
 from hypertrain.config import ConfigError, TrainConfig, validate
+from hypertrain.failures import DiskFull
 from hypertrain.layouts import choose_layout, launched_rank, process_count
-from hypertrain.log import METRICS_FILE
+from hypertrain.log import METRICS_FILE, check_wandb
 from hypertrain.plan import PlanError
 
 # Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
@@ -43,9 +44,32 @@ _prepared: dict[str, object] = {}  # resolved task config (as YAML) -> the Prepa
 
 
 def fail(message: str, code: int = 2) -> None:
-    """The entry's one line for a mistake (`hypertrain: error: ...`), then exit (2 = a user mistake)."""
+    """The entry's one line for a mistake (`hypertrain: error: ...`), then exit (2 = a user mistake).
+    One of several ranks (torchrun's, srun's) leaves a mistake's line to rank 0 (`after_rank_0`)."""
+    launched = launched_rank()
+    if code == 2 and launched is not None and launched.rank != 0:
+        message = after_rank_0(message, launched.rank)
     print(f"hypertrain: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+# Every rank finds the same mistake after the same work (imports, composition: about 3 CPU seconds
+# here), started together by the launcher: rank 0 is at most that far behind, several times over on
+# a loaded machine. Only a mistake that rank 0 does not see (this machine's own) waits this long.
+REFUSAL_GRACE_S = 10.0
+
+
+def after_rank_0(message: str, rank: int) -> str:
+    """A rank other than 0 found a mistake: rank 0 finds it too and prints it once, and its exit makes
+    the launcher stop this rank (torchrun's agent: SIGTERM), which then exits 2 without a line. Exiting
+    at once instead would make the launcher stop rank 0 before its line. A mistake still unseen by
+    rank 0 after REFUSAL_GRACE_S is this rank's own: its line, naming the rank, is returned."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    time.sleep(REFUSAL_GRACE_S)
+    return f"rank {rank}: {message}"
 
 
 def check_experiment(choices: dict) -> None:
@@ -243,6 +267,7 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int, made: list[Path]):
         self.path, self.fd, self.made = path, fd, made
+        self.fresh = False  # a new run's directory (claim): it held only this run's own files
 
     def release(self, undo: bool = False) -> None:
         if self.fd is None:
@@ -260,9 +285,10 @@ class RunLock:
 _held: list[RunLock] = []  # the locks this process holds (released when its run ends)
 
 
-def acquire(run_dir: Path) -> RunLock:
+def acquire(run_dir: Path, fresh: bool = False) -> RunLock:
     """Create `run_dir` if need be and take its lock; ConfigError (one line) when another process
-    holds it or the filesystem cannot lock, with whatever this call made removed again."""
+    holds it or the filesystem cannot lock, with whatever this call made removed again. `fresh`: a
+    new run's directory (`abandon_unstarted` may empty it)."""
     missing = []
     parent = run_dir
     while not parent.exists():
@@ -311,6 +337,7 @@ def acquire(run_dir: Path) -> RunLock:
             same = False
         if same:
             lock = RunLock(path, fd, made)
+            lock.fresh = fresh
             _held.append(lock)
             return lock
         os.close(fd)
@@ -320,6 +347,57 @@ def release_all() -> None:
     """Drop the locks this process holds (the end of a run; a multirun's next job takes its own)."""
     while _held:
         _held.pop().release()
+
+
+def abandon_unstarted() -> list[Path]:
+    """The run this process claimed ended before its first record (a stop signal, a full disk, W&B
+    that could not start): a new run's directory held only this run's own files when it was claimed,
+    so what it holds now is this launch's: removed, with the lock and the folders the claim made, so
+    the same hydra.run.dir is accepted again. A resumed run's directory stays (its rerun resumes), as
+    does a run with a record (its records end with its end row). Returns the directories emptied."""
+    emptied = []
+    for lock in list(_held):
+        run_dir = lock.path.parent
+        metrics = run_dir / METRICS_FILE
+        if not lock.fresh or (metrics.exists() and metrics.stat().st_size > 0):
+            continue
+        import logging
+
+        logging.shutdown()  # Hydra's log file handler: closed before its file goes
+        for entry in run_dir.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        _held.remove(lock)
+        lock.release(undo=True)
+        emptied.append(run_dir)
+    return emptied
+
+
+# What a run writes before its first record: Hydra's three .hydra/ files and its log, config.yaml,
+# plan.json, the lock, metrics.jsonl and W&B's first files (about 16 files and 8 folders), each
+# taking at least one block (4 KiB on the usual filesystems) and none over 16 KiB: 128 KiB holds
+# them, so a disk with less is full for this run before it starts.
+START_BYTES = 128 * 1024
+
+
+def check_room(run_dir: Path) -> None:
+    """DiskFull (exit 4) before anything is written when the run directory's filesystem has less than
+    START_BYTES free for this user (a disk full before the first record would leave partial files)."""
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    stats = os.statvfs(existing)
+    free = stats.f_bavail * stats.f_frsize
+    if free < START_BYTES:
+        raise DiskFull(
+            f"no space left on the device for hydra.run.dir={run_dir}: {free} bytes free, a run writes "
+            f"about {START_BYTES // 1024} KiB before its first record; nothing was written; valid: a "
+            "run directory on a filesystem with room"
+        )
 
 
 def grammar_error(error: Exception) -> str | None:
@@ -402,13 +480,16 @@ def check_composition(args: list[str]) -> None:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             composed = compose("train", overrides=first, return_hydra_config=True)
             sweeping = multirun or str(composed.hydra.mode) == "RunMode.MULTIRUN"
+            jobs = [composed]
             if sweeping:  # each value once: time in proportion to the values given, not their product
                 for at, values in others:
                     for value in values:
-                        compose(
-                            "train",
-                            overrides=[*first[:at], value, *first[at + 1 :]],
-                            return_hydra_config=True,
+                        jobs.append(
+                            compose(
+                                "train",
+                                overrides=[*first[:at], value, *first[at + 1 :]],
+                                return_hydra_config=True,
+                            )
                         )
     except Exception as e:  # Hydra's errors have no common base class beyond Exception
         fail(composition_error(e))
@@ -424,7 +505,23 @@ def check_composition(args: list[str]) -> None:
             "or key=[a,b] for a list"
         )
     if sweeping:
+        for job in jobs:
+            check_sweep_memory(job)
         note_sweep_root(composed)
+
+
+def check_sweep_memory(composed: DictConfig) -> None:
+    """A sweep's value fits this machine's memory (hypertrain.memory), checked before Hydra writes the
+    sweep directory: one line, exit 2. A value that is not valid is left to its own job's checks."""
+    try:
+        cfg = OmegaConf.to_object(_task_part(composed))
+        validate(cfg)
+    except Exception:  # not valid (or not typed): its job says what is wrong, in its turn
+        return
+    try:
+        memory.check(cfg)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def note_sweep_root(composed: DictConfig) -> None:
@@ -463,6 +560,7 @@ def resume_target(resume: str, run_dir: Path) -> tuple[Path, tuple[Path, dict] |
         return run_dir, found
     path = Path(mode).expanduser().absolute()
     if path.is_file():
+        check_checkpoint_place(mode, path)
         return path.parent.parent, (path, checkpoint.load(path))
     found = checkpoint.find(path) if path.is_dir() else None
     if found is None:
@@ -471,6 +569,23 @@ def resume_target(resume: str, run_dir: Path) -> tuple[Path, tuple[Path, dict] |
             "a checkpoint file, or a run directory with checkpoints/"
         )
     return path, found
+
+
+def check_checkpoint_place(mode: str, path: Path) -> None:
+    """resume=FILE: the file lies in RUN/checkpoints/ of a run that has its metrics.jsonl, since RUN
+    becomes the run directory (Hydra writes there, the records are rewound there)."""
+    run_dir = path.parent.parent
+    if path.parent.name == checkpoint.FOLDER and (run_dir / METRICS_FILE).is_file():
+        return
+    where = (
+        f"{run_dir} holds no {METRICS_FILE}"
+        if path.parent.name == checkpoint.FOLDER
+        else f"it lies outside a run's {checkpoint.FOLDER}/ folder"
+    )
+    raise ConfigError(
+        f"resume={mode!r} is a file, but {where}; valid: a run directory, or a checkpoint inside "
+        f"RUN/{checkpoint.FOLDER}/ of a run that has its {METRICS_FILE}"
+    )
 
 
 @dataclass
@@ -499,21 +614,29 @@ def prepare_checked(
     Hydra's own files in a run directory; `hydra_written`: Hydra has written them for this very launch
     (a multirun job), so they are this run's. A directory is written only when it does not exist, is
     empty, holds only this run's own files, or is resumed (its checkpoint and records belonging together)."""
-    from hypertrain.trainer import prepare  # torch and data only once the config is known to be sane
+    from hypertrain.trainer import check_device, prepare  # torch and data once the config is sane
 
     check_experiment(choices)
     check_fields(task_cfg, TrainConfig)
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
     check_labels(cfg, choices)
     validate(cfg)
+    if run_dir is not None:  # the process that writes the run (rank 0) starts its W&B run
+        check_wandb(cfg.logger)
     if cfg.engine.name == "dist":
+        from hypertrain.dist import check_backend
+
         cfg = with_layout(cfg)
+        launched = launched_rank()  # the ranks on this machine: the launcher's, else the self-launch's
+        check_backend(cfg, cfg.engine.nproc if launched is None else launched.local_processes)
     elif (launched := launched_rank()) is not None:
         raise ConfigError(
             f"engine={cfg.engine.name} runs in one process, but {launched.launcher} started this one as "
             f"one of {launched.processes} ranks; valid: engine=dist (the ranks are its processes), "
             "or a single process"
         )
+    check_device(cfg.engine.device)  # a device this process lacks, before the memory check asks it
+    memory.check(cfg)  # before anything is built: the sizes the config asks for fit this machine
     found, session = None, False
     auto = cfg.resume.strip().lower() == "auto"
     # Hydra's files are this run's when Hydra wrote them for this launch; under resume=auto also an
@@ -526,6 +649,7 @@ def prepare_checked(
         if found is None and not session:
             check_run_dir(run_dir, own)
     run = prepare(cfg)
+    memory.check(run.cfg, run.dataset.max_length)  # again with the data's longest example (speech's)
     checked = Checked(run, run_dir, found, own=own, session=session)
     if found is not None:
         path, saved = found
@@ -566,8 +690,9 @@ def recheck(checked: Checked) -> None:
 
 def claim(checked: Checked) -> None:
     """Rank 0 takes the run directory's lock (creating the directory), then checks it again; on a
-    refusal whatever the lock made is removed again."""
-    lock = acquire(checked.run_dir)
+    refusal whatever the lock made is removed again. DiskFull when the disk has no room for a start."""
+    check_room(checked.run_dir)
+    lock = acquire(checked.run_dir, fresh=checked.resume is None and not checked.session)
     try:
         recheck(checked)
     except ConfigError:
@@ -635,6 +760,8 @@ class Preflight(Callback):
                 claim(checked)  # before Hydra creates the directory or writes .hydra/ there
         except (ConfigError, PlanError) as e:
             fail(str(e))
+        except DiskFull as e:
+            fail(str(e), code=e.exit_code)
         if checked.run_dir is not None and checked.run_dir != run_dir:  # resume=PATH: that run's directory
             with read_write(config.hydra), open_dict(config.hydra):
                 config.hydra.run.dir = str(checked.run_dir)
@@ -661,12 +788,12 @@ def check_job(
         if checked.run_dir is not None and checked.finished is None:
             claim(checked)
         return checked
-    except (ConfigError, PlanError) as e:
+    except (ConfigError, PlanError, DiskFull) as e:
         if job_dir is not None:  # None: a rank other than 0, which made nothing
             remove_rejected_job_dir(job_dir)
             if sweep_dir is not None:
                 remove_rejected_sweep_dir(sweep_dir)
-        fail(str(e))
+        fail(str(e), code=getattr(e, "exit_code", 2))
 
 
 SWEEP_FILE = "multirun.yaml"  # what Hydra writes into a sweep directory before its first job

@@ -6,14 +6,15 @@ every `engine=dist` worker call: rank 0 opens `RunLogger` (metrics.jsonl, W&B) a
 ranks take part in the checkpoints' gathers and write nothing. A full disk while writing becomes
 `DiskFull` (exit 4); the records are closed by `RunLogger` whatever ends the session (a stop signal's
 `Preempted` too: its end row holds the stop's status, line and exit code, hypertrain.preemption).
+A session that fails while opening its records (no space, W&B that cannot start) has written no
+record: `RunLogger` leaves nothing of its own, and the entry removes the rest of a new run.
 """
 
 from __future__ import annotations
 
-import errno
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from hypertrain.checkpoint import Checkpointer, checkpoints, written_by_run
 from hypertrain.failures import DiskFull, RankFailed
-from hypertrain.log import NoLog, RunLogger
+from hypertrain.log import NoLog, RunLogger, no_space
 from hypertrain.preemption import Preempted, StoppedAtOnce, requested, settled
 from hypertrain.replica_groups import ReplicaGroups
 from hypertrain.trainer import PreparedRun, train
@@ -60,9 +61,7 @@ def disk_full_as_failure() -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError) as e:
-        cause: BaseException | None = e
-        while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
-            cause = cause.__cause__ or cause.__context__
+        cause = no_space(e)
         if cause is None:
             raise
         where = getattr(cause, "filename", None) or "the run's records"
@@ -112,8 +111,13 @@ def train_session(
         run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, run_id=run_id, **identity
     )
     # `stopping` is innermost: a stop has settled (a second Ctrl-C changes nothing) before the records
-    # close, and the end row of a stop at once names the checkpoint that is intact.
-    with records as log, disk_full_as_failure(), stopping(run_dir):
+    # close, and the end row of a stop at once names the checkpoint that is intact. A full disk while
+    # opening them is DiskFull too, though no end row can hold it (there is no record yet).
+    with ExitStack() as stack:
+        with disk_full_as_failure():
+            log = stack.enter_context(records)
+        stack.enter_context(disk_full_as_failure())
+        stack.enter_context(stopping(run_dir))
         if resume is not None:
             log.log_resume(
                 {

@@ -14,15 +14,19 @@ While the submitting process waits for the jobs, submitit's polls of `sacct` go 
 a failing `sacct` (a cluster without accounting fails every call) is reported once per sweep and
 error, not three times per poll.
 `SlurmPreflight` (a Hydra callback the presets register) checks every job of the sweep before
-anything is created or submitted: the run's config, and for several tasks per job that the run is
-engine=dist and the tasks fit a layout. A mistake prints one line and exits 2.
+anything is created or submitted: the run's config, for several tasks per job that the run is
+engine=dist and the tasks fit a layout, and that `sbatch` is installed and a SLURM controller answers
+`scontrol ping`. A mistake prints one line and exits 2. An `sbatch` that refuses the submission all
+the same (`refused_submission`) is one line too, exit 2, with what the launcher made removed again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -38,6 +42,11 @@ from hypertrain.layouts import LayoutError, choose_layout, launched_rank
 from hypertrain.plan import PlanError
 
 RESUME = "auto"  # what a job's `resume` is unless the command line says: a requeued job goes on
+# `scontrol ping` answers at once from a live controller and reports a dead one (refused, or no
+# answer within SLURM's MessageTimeout, 10 s by default, per controller: a primary and a backup)
+# itself; this bound only stops an scontrol that retries on its own, as it does for 60 s when
+# SLURM_CONF names a file that does not exist.
+PING_TIMEOUT_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +218,118 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+def slurm_said(text: str) -> str:
+    """The one line of a SLURM command's output that says why it failed: its `fatal:` line, else its
+    last `error:` line, else a line saying a controller is DOWN, else its last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for pick in (
+        lambda line: " fatal: " in f" {line}",
+        lambda line: " error: " in f" {line}",
+        lambda line: " is DOWN" in line,
+    ):
+        found = [line for line in lines if pick(line)]
+        if found:
+            return found[-1]
+    return lines[-1] if lines else "no message"
+
+
+def _what_to_do(launcher: str) -> str:
+    return (
+        "valid: submit where a SLURM controller answers `scontrol ping` (SLURM_CONF names the "
+        f"cluster's slurm.conf), or drop hydra/launcher={launcher} to run the sweep on this machine"
+    )
+
+
+def controller_problem(launcher: str) -> str | None:
+    """Why `sbatch` cannot submit from here, found without submitting: it is not installed, or no
+    SLURM controller answers `scontrol ping`. None when one answers (scontrol missing: sbatch tells)."""
+    if shutil.which("sbatch") is None:
+        said = "sbatch is not installed on this machine"
+    elif shutil.which("scontrol") is None:
+        return None
+    else:
+        try:
+            done = subprocess.run(
+                ["scontrol", "ping"], capture_output=True, text=True, timeout=PING_TIMEOUT_S, check=False
+            )
+        except subprocess.TimeoutExpired:
+            said = f"scontrol ping: no answer within {PING_TIMEOUT_S:.0f} s"
+        else:
+            # A controller that answers says "is UP" (a backup's answer is enough to submit); the exit
+            # status alone would also fail a cluster whose backup controller is down.
+            if "is UP" in done.stdout:
+                return None
+            said = "scontrol ping: " + slurm_said(done.stdout + "\n" + done.stderr)
+    return (
+        f"hydra/launcher={launcher}: no SLURM controller can be reached from here ({said}); nothing was "
+        f"submitted; {_what_to_do(launcher)}"
+    )
+
+
+class SubmissionRefused(RuntimeError):
+    """`sbatch` refused the sweep's submission (its message): no job was submitted."""
+
+
+def _made_since(folders: list[Path]) -> dict[Path, set[Path] | None]:
+    """What each folder holds now (None: it does not exist), to remove later what came after."""
+    return {f: set(f.rglob("*")) if f.is_dir() else None for f in folders}
+
+
+def _remove_made(before: dict[Path, set[Path] | None]) -> None:
+    """Remove what appeared in the folders since `before` (deepest first), and a folder made since."""
+    for folder, held in before.items():
+        if not folder.is_dir():
+            continue
+        new = set(folder.rglob("*")) - (held or set())
+        if held is None:
+            new.add(folder)
+        for path in sorted(new, key=lambda p: len(p.parts), reverse=True):
+            try:
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+            except OSError:  # not empty: something else wrote there; left alone
+                pass
+
+
+@contextlib.contextmanager
+def refused_submission(config: DictConfig) -> Iterator[None]:
+    """While the launcher submits the sweep: an `sbatch` that fails (a controller gone since the
+    preflight's ping, a partition the cluster lacks) is one line and exit 2, not submitit's
+    traceback after sbatch's own lines, and what the launcher made (the sweep directory, submitit's
+    pickles and submission script) is removed again. The jobs of a sweep go in one array: one sbatch,
+    so either every job was submitted or none."""
+    from submitit.core.utils import FailedJobError
+    from submitit.slurm.slurm import SlurmExecutor
+
+    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    folder = Path(str(config.hydra.launcher.submitit_folder)).absolute()
+    while "%" in str(folder):  # submitit's per-job folder (%j): the folder made before any job id
+        folder = folder.parent
+    before = _made_since([folder, sweep_dir])
+    submit = SlurmExecutor._submit_command
+
+    def submit_or_refuse(self, command: str):
+        said = io.StringIO()  # submitit prints sbatch's stderr itself before raising it
+        try:
+            with contextlib.redirect_stderr(said):
+                return submit(self, command)
+        except FailedJobError as e:
+            raise SubmissionRefused(slurm_said(f"{said.getvalue()}\n{e}")) from None
+
+    SlurmExecutor._submit_command = submit_or_refuse
+    try:
+        yield
+    except SubmissionRefused as e:
+        _remove_made(before)
+        preflight.remove_rejected_sweep_dir(sweep_dir)
+        launcher = config.hydra.runtime.choices.get("hydra/launcher", "slurm")
+        preflight.fail(
+            f"hydra/launcher={launcher}: sbatch refused the sweep ({e}); nothing was submitted; "
+            f"{_what_to_do(launcher)}, or change what sbatch names (hydra.launcher.*)"
+        )
+    finally:
+        SlurmExecutor._submit_command = submit
+
+
 class SlurmPreflight(Callback):
     """Checks every job of a SLURM sweep before Hydra creates the sweep directory or submits a job."""
 
@@ -236,3 +357,6 @@ class SlurmPreflight(Callback):
                 check_job(cfg, tasks)
             except (ConfigError, PlanError) as e:
                 preflight.fail(f"{e}{where}")
+        problem = controller_problem(config.hydra.runtime.choices.get("hydra/launcher", "slurm"))
+        if problem is not None:
+            preflight.fail(problem)

@@ -6,10 +6,17 @@ prepares the run before Hydra creates anything (a user mistake prints one line
 loss) prints one line and exits 1, its metrics.jsonl and W&B run closed. Then
 config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json` and `metrics.jsonl`
 in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by default).
-Multirun (`-m`) sweeps run each job as its own W&B run in one group.
+Multirun (`-m`) sweeps run each job as its own W&B run in one group. A run that ends before its
+first record (a stop signal, a full disk, W&B that cannot start) prints one line, exits with its
+code (hypertrain/failures.py) and leaves nothing of a new run behind.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # first of all: a Ctrl-C during the seconds of imports below is one line too
+    from hypertrain.preemption import guard_start
+
+    guard_start()
 
 import hashlib
 import json
@@ -27,10 +34,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from hypertrain import checkpoint, preflight
 from hypertrain.config import TrainConfig, register_configs
-from hypertrain.failures import RankFailed, RunFailure
+from hypertrain.failures import DiskFull, RankFailed, RunFailure
 from hypertrain.layouts import launched_rank
-from hypertrain.preemption import Preempted, StopSignals
-from hypertrain.session import Resume, train_session
+from hypertrain.preemption import Preempted, StopSignals, guard_start
+from hypertrain.session import Resume, disk_full_as_failure, train_session
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -76,6 +83,13 @@ def quote_numeric_choices(argv: list[str], groups: tuple[str, ...] = ("world",))
     return out
 
 
+def multirun_first(argv: list[str]) -> list[str]:
+    """`experiment=quick -m inner.H=1,2` -> `-m experiment=quick inner.H=1,2`: Hydra's parser takes
+    -m/--multirun before or after the overrides, not between them (argparse's usage dump)."""
+    flags = [a for a in argv[1:] if a in ("-m", "--multirun")]
+    return [argv[0], *flags, *(a for a in argv[1:] if a not in flags)]
+
+
 def stopped(stop: Preempted, signals: StopSignals, run_dir: Path) -> None:
     """A stop signal ended the run at an update boundary, checkpointed and flushed: say so in one
     line, hand over to the launcher's handler (submitit requeues the job), else exit 143."""
@@ -104,6 +118,9 @@ def main(dict_cfg: DictConfig) -> float:
         return finished_loss(run_dir)
     try:  # rank 0 holds the run directory's lock (preflight.claim) until the run ends
         return run_checked(checked, run_dir, launched, writer)
+    except BaseException:  # before its first record, a new run leaves nothing (after: its records)
+        preflight.abandon_unstarted()
+        raise
     finally:
         preflight.release_all()
 
@@ -116,6 +133,38 @@ def finished_loss(run_dir: Path) -> float:
     return losses[-1] if losses else math.nan
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`path` holds `text` whole or keeps what it held: a kill mid-write never leaves a torn file
+    (a torn config.yaml would make resume=auto refuse the run's own directory)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) -> Resume | None:
+    """Rank 0, before the session: rewind a resumed run's records, write config.yaml and plan.json,
+    say what runs. Where the session goes on from (None: a new run)."""
+    resume = None
+    if checked.restart:  # resume=auto, stopped before its first checkpoint: start over here
+        moved = checkpoint.rewind_metrics(run_dir, 0)
+        logger.info("resume=auto: no checkpoint yet, starting over (%d bytes superseded)", moved)
+    if checked.resume is not None:  # only now, every check passed: rewind the records
+        path, saved = checked.resume
+        checkpoint.drop_later(run_dir, saved["state"]["next_update"])
+        moved = checkpoint.rewind_metrics(run_dir, saved["metrics_bytes"])
+        resume = Resume(str(path), saved, moved)
+        logger.info("resuming from %s at update %d", path, saved["state"]["next_update"] + 1)
+    write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
+    write_whole(run_dir / "plan.json", json.dumps(run.plan_facts, indent=2) + "\n")
+    logger.info("run %s: %s", identity["name"], run.dataset.description)
+    if run.cfg.engine.name == "dist":
+        engine = run.cfg.engine
+        logger.info("engine=dist: %d processes, %s layout", engine.nproc, engine.layout)
+    if run.cfg.engine.compile:
+        logger.info("engine.compile=true: the first updates and held-out eval include compilation")
+    return resume
+
+
 def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: bool) -> float:
     """The run the preflight checked (and whose directory rank 0 has locked): records, engine, log."""
     run = checked.run
@@ -123,23 +172,11 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
     identity = run_identity(run.cfg, resolved)
     resume = None
     if writer:
-        if checked.restart:  # resume=auto, stopped before its first checkpoint: start over here
-            moved = checkpoint.rewind_metrics(run_dir, 0)
-            logger.info("resume=auto: no checkpoint yet, starting over (%d bytes superseded)", moved)
-        if checked.resume is not None:  # only now, every check passed: rewind the records
-            path, saved = checked.resume
-            checkpoint.drop_later(run_dir, saved["state"]["next_update"])
-            moved = checkpoint.rewind_metrics(run_dir, saved["metrics_bytes"])
-            resume = Resume(str(path), saved, moved)
-            logger.info("resuming from %s at update %d", path, saved["state"]["next_update"] + 1)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
-        (run_dir / "plan.json").write_text(json.dumps(run.plan_facts, indent=2) + "\n")
-        logger.info("run %s: %s", identity["name"], run.dataset.description)
-        if run.cfg.engine.name == "dist":
-            engine = run.cfg.engine
-            logger.info("engine=dist: %d processes, %s layout", engine.nproc, engine.layout)
-        if run.cfg.engine.compile:
-            logger.info("engine.compile=true: the first updates and held-out eval include compilation")
+        try:
+            with disk_full_as_failure():
+                resume = write_start(checked, run_dir, run, identity)
+        except DiskFull as e:
+            preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     if run.cfg.engine.name == "dist":
         from hypertrain import dist
 
@@ -190,6 +227,7 @@ if __name__ == "__main__":
     # make this run a client of the parent's service: a run of a killed earlier session would still
     # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
     os.environ.pop("WANDB_SERVICE", None)
-    sys.argv = quote_numeric_choices(sys.argv)
+    sys.argv = quote_numeric_choices(multirun_first(sys.argv))
+    guard_start(preflight.abandon_unstarted)  # a stop before training: what a new run made goes again
     preflight.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
     main()

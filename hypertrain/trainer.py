@@ -649,7 +649,9 @@ def train(
     # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
     # all are timed when that would leave none.
     warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
-    timed_from, timed_steps_before = start, 0
+    # A resumed session times only its own updates: the steps restored from the checkpoint are not its.
+    first = state.next_update
+    timed_from, timed_steps_before = start, totals.replica_steps
     throughput = Throughput(groups.size, warmup)
     round_started = start
     stop = StopCheck(groups)
@@ -701,7 +703,7 @@ def train(
         "train/tokens_total": totals.tokens,
         "train/wall_s": end - start,
         "train/replica_steps_per_s": (totals.replica_steps - timed_steps_before) / timed if timed else 0.0,
-        "train/timed_updates": run.updates - warmup,  # the updates the throughput counts
+        "train/timed_updates": run.updates - max(warmup, first),  # the updates the throughput counts
         "train/timed_s": timed,
     } | throughput.summary()
     log.summary(summary)

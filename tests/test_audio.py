@@ -293,3 +293,84 @@ def test_the_default_build_holds_the_seeds_stream_and_the_held_out_slice(tmp_pat
     dataset = speech.speech_dataset(cfg)
     assert dataset.n_total >= 16384 + cfg.heldout
     print(dataset.description, f"built in {dataset.manifest['figures']['build_seconds']:.0f} s")
+
+
+# -- voices espeak-ng does not list, and the build lock (issue 21) ---------------------------------
+
+
+def build_command(tmp_path: Path, *fields: str) -> subprocess.CompletedProcess:
+    """`python -m hypertrain.audio build FIELDS` with the cache under tmp_path/cache."""
+    return subprocess.run(
+        [sys.executable, "-m", "hypertrain.audio", "build", f"cache_dir={tmp_path / 'cache'}", *fields],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("voice", "why"),
+    [
+        ("zz-nope", "('zz-nope' is not a voice espeak-ng lists)"),
+        # espeak-ng itself takes this one: it sets en-us without a variant and reports success.
+        ("en-us+zz", "(the variant 'zz' is not one espeak-ng lists)"),
+    ],
+)
+def test_a_voice_espeak_ng_does_not_list_is_one_line_exit_2_and_creates_nothing(tmp_path, voice, why):
+    done = build_command(tmp_path, f"speech_voice={voice}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"hypertrain: error: data.speech_voice={voice!r} is not an espeak-ng voice {why}; valid: a "
+        "language, name or file `espeak-ng --voices` lists, e.g. 'en-us', optionally +a variant "
+        "`espeak-ng --voices=variant` lists, e.g. 'en-us+m3'"
+    ]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_build_that_fails_under_its_lock_leaves_no_lock_file(tmp_path):
+    (tmp_path / "source.txt").write_text("Only one short sentence here.\n")  # spoken, then too few frames
+    done = build_command(tmp_path, f"path={tmp_path / 'source.txt'}")
+    assert done.returncode == 2, done.stderr
+    assert "frames cannot fit data.codebook_size=1024 centroids" in done.stderr  # after the speech
+    assert list((tmp_path / "cache").iterdir()) == []  # neither the lock file nor a staging directory
+
+
+def test_the_build_lock_excludes_a_second_builder_and_leaves_no_file(tmp_path):
+    import threading
+
+    directory = tmp_path / "cache" / "0123456789abcdef"
+    holder = subprocess.Popen(  # another process (another rank, another user's command) holds it
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from hypertrain.audio.cache import build_lock\n"
+            f"with build_lock(Path({str(directory)!r})):\n"
+            "    print('held', flush=True); sys.stdin.readline()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        entered = threading.Event()
+
+        def second() -> None:
+            with cache.build_lock(directory):
+                entered.set()
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        # A lock that did not exclude would let the thread in within milliseconds; one that does
+        # never lets it in while the holder waits for its stdin, so this wait cannot pass by luck.
+        assert not entered.wait(1.0), "the build lock let a second builder in while held"
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.wait(60) == 0
+        waiter.join(60)
+        assert entered.is_set(), "the second builder never got the lock its holder gave up"
+    finally:
+        holder.kill()
+    with pytest.raises(ValueError), cache.build_lock(directory):
+        raise ValueError("a build that fails")
+    assert list((tmp_path / "cache").iterdir()) == []  # the lock file went with each holder

@@ -27,6 +27,15 @@ from hypertrain.failures import EXIT_CODES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 BASE = [*QUICK, "logger=none"]
+# A one-node cluster whose controller does not run: port 1 on loopback refuses at once (privileged,
+# never a slurmctld's), so `scontrol ping` says DOWN without waiting (no munged is needed for that).
+DEAD_CLUSTER = b"""ClusterName=nobody
+SlurmctldHost=n1(127.0.0.1)
+SlurmctldPort=1
+AuthType=auth/munge
+NodeName=n1 NodeAddr=127.0.0.1 CPUs=1
+PartitionName=test Nodes=n1 Default=YES
+"""
 
 
 @dataclass
@@ -38,6 +47,7 @@ class Case:
     files: dict[str, bytes] = field(default_factory=dict)  # made in the working directory first
     hydra: bool = False  # Hydra's own wording
     setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
+    env: dict[str, str] = field(default_factory=dict)  # the entry's environment ({cwd} as in args)
 
 
 def copy_of_earlier(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
@@ -209,6 +219,63 @@ CASES = {
         ["world.size=1000000000", "replicas=1"],
         "world.size=1000000000 is too large; valid: 1..65536",
         "at most 65536 ranks",
+    ),
+    # Sizes that cannot fit (hypertrain/memory.py): the estimate is a pure function of the config, so
+    # the line is the same on every machine up to "but <the memory available>"; each needs far more
+    # than any test machine has (the smallest, the 7B model, 630 GB).
+    "model-too-large-for-memory": Case(
+        "a model whose replicas cannot fit this machine's memory",
+        ["model.d_model=1000000"],
+        "model.d_model=1000000, model.n_layers=2, model.vocab=256, replicas=2 need about 2.5 PB "
+        "(weights 96 TB",
+        "smaller sizes; guard.memory_check=false skips the check (the line gives the estimate's parts)",
+    ),
+    "vocabulary-too-large-for-memory": Case(
+        "a vocabulary whose logits cannot fit",
+        ["model.vocab=10000000000"],
+        "phase.global_batch=32, data.seq_len=32, model.d_model=32, model.n_layers=2, model.vocab=10000000000 "
+        "need about 312 TB",
+        "a smaller vocabulary (or microbatch: inner.micro_batch)",
+    ),
+    "global-batch-too-large-for-memory": Case(
+        "a global batch whose activations cannot fit",
+        ["phase.global_batch=100000000"],
+        "phase.global_batch=100000000, data.seq_len=32, model.d_model=32, model.n_layers=2, model.vocab=256 "
+        "need about 39.1 TB",
+        "a smaller batch, or inner.micro_batch to cut each replica's share into microbatches",
+    ),
+    "7b-model-on-a-small-machine": Case(
+        "a 7B-sized model (d 4096, 32 layers, vocabulary 32000) on a machine without the memory for it",
+        ["model.d_model=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8"]
+        + ["model.vocab=32000"],
+        "model.d_model=4096, model.n_layers=32, model.vocab=32000, replicas=2 need about 630 GB",
+        "a machine with the memory the line gives, or a smaller model",
+    ),
+    "replicas-too-many-for-memory": Case(
+        "more replicas than this machine's memory holds",
+        ["world.size=65536", "replicas=65536", "phase.global_batch=65536", "model.d_model=256"],
+        "model.d_model=256, model.n_layers=2, model.vocab=256, replicas=65536 need about 5.54 TB",
+        "fewer replicas, or engine=dist over several machines",
+    ),
+    "sweep-value-too-large-for-memory": Case(
+        "a sweep with a value that cannot fit (checked before the sweep directory is written)",
+        ["-m", "model.d_model=32,1000000", "hydra.sweep.dir=sweep"],
+        "model.d_model=1000000, model.n_layers=2, model.vocab=256, replicas=2 need about 2.5 PB",
+        "values that fit; no job runs and no sweep directory is left",
+    ),
+    "int-beyond-int64": Case(
+        "an integer beyond 64 bits (any int field)",
+        ["model.d_model=9223372036854775808"],
+        "model.d_model=9223372036854775808 does not fit a 64-bit integer; valid: "
+        "-9223372036854775808..9223372036854775807",
+        "a value that fits 64 bits",
+    ),
+    "tensor-beyond-torch": Case(
+        "sizes whose product is a tensor larger than torch can index (even with guard.memory_check=false)",
+        ["model.vocab=4611686018427387904", "guard.memory_check=false"],
+        "model.d_model=32, model.n_layers=2, model.vocab=4611686018427387904, phase.global_batch=32, "
+        "data.seq_len=32 give the logits of a microbatch of 4.72e+21 elements, more than a tensor can hold",
+        "smaller sizes",
     ),
     "divergence-guard-limit": Case(
         "a divergence guard limit out of range",
@@ -382,10 +449,10 @@ CASES = {
     ),
     "resume-corrupt-checkpoint": Case(
         "resume from a corrupt checkpoint",
-        ["resume=broken.pt"],
-        "checkpoint {cwd}/broken.pt cannot be read",
+        ["resume=run/checkpoints/broken.pt"],
+        "checkpoint {cwd}/run/checkpoints/broken.pt cannot be read",
         "an earlier checkpoint (resume=true skips a corrupt newest one)",
-        files={"broken.pt": b"PK\x03\x04 not a whole zip"},
+        files={"run/metrics.jsonl": b"", "run/checkpoints/broken.pt": b"PK\x03\x04 not a whole zip"},
     ),
     "resume-records-missing": Case(
         "resume where the run's metrics.jsonl was deleted",
@@ -422,6 +489,74 @@ CASES = {
         "phase.updates=8 extends the run (6 before)",
         "set inner.decay_steps to the saved value explicitly",
     ),
+    # Launch-side refusals (issue 21): a SLURM sweep without a controller, a backend the machine
+    # cannot run, -m among the overrides.
+    "slurm-without-controller": Case(
+        "a SLURM sweep where no SLURM controller answers (here SLURM_CONF names a cluster whose "
+        "slurmctld does not run; or sbatch is not installed)",
+        ["-m", "hydra/launcher=slurm"],
+        "hydra/launcher=slurm: no SLURM controller can be reached from here (",
+        "submit where `scontrol ping` answers (SLURM_CONF), or drop hydra/launcher=slurm; nothing is "
+        "created or submitted (an sbatch that refuses at submission: the same, exit 2)",
+        files={"slurm.conf": DEAD_CLUSTER},
+        env={"SLURM_CONF": "{cwd}/slurm.conf"},
+    ),
+    "nccl-without-cuda": Case(
+        "engine.backend=nccl on a machine without CUDA",
+        ["engine=dist", "world=2", "replicas=1", "engine.backend=nccl"],
+        "engine.backend=nccl needs CUDA devices, but CUDA is not available to this torch",
+        "engine.backend=gloo or auto (nccl also needs engine.device=cuda and a GPU per process)",
+    ),
+    "nccl-on-cpu-tensors": Case(
+        "engine.backend=nccl with engine.device=cpu on a machine with CUDA",
+        ["engine=dist", "world=2", "replicas=1", "engine.backend=nccl"],
+        "engine.backend=nccl moves CUDA tensors only, but engine.device='cpu'",
+        "engine.device=cuda, or engine.backend=gloo or auto",
+    ),
+    "multirun-flag-among-overrides": Case(
+        "-m between overrides (Hydra's parser takes it only first or last; the entry takes it anywhere)",
+        ["-m", "replicas=3,2", "hydra.sweep.dir=sweep"],
+        "replicas=3 does not divide world.size (8); valid: a divisor of 8",
+        "-m anywhere works as -m first; a rejected sweep leaves no sweep directory",
+    ),
+    # Run-start failures known up front (issue 21): W&B that could not start, resume=FILE outside a
+    # run. NETRC and WANDB_CONFIG_DIR name files that do not exist: no credentials, whoever runs it.
+    "wandb-online-without-credentials": Case(
+        "W&B online without credentials (no WANDB_API_KEY, netrc entry or `wandb login`)",
+        ["logger=wandb", "logger.mode=online"],
+        "WANDB_MODE='online' needs W&B credentials for ",
+        "`wandb login` or WANDB_API_KEY, or logger.mode=offline and `wandb sync` later",
+        env={
+            "WANDB_MODE": "online",
+            "WANDB_API_KEY": "",
+            "WANDB_IDENTITY_TOKEN_FILE": "",
+            "NETRC": "{cwd}/no-netrc",
+            "WANDB_CONFIG_DIR": "{cwd}/no-wandb-config",
+        },
+    ),
+    "wandb-mode-unknown": Case(
+        "a W&B mode wandb does not have",
+        ["logger=wandb"],
+        "WANDB_MODE='bogus' is not a W&B mode; valid: online, offline, disabled, dryrun, run, shared",
+        "one of the modes listed (WANDB_MODE wins over logger.mode)",
+        env={"WANDB_MODE": "bogus"},
+    ),
+    "wandb-project-rejected": Case(
+        "a W&B project name wandb rejects (a '/', or over 128 characters)",
+        ["logger=wandb", "logger.project=team/speech"],
+        "logger.project='team/speech' is not a W&B project name (it holds '/'); valid: 1 to 128 characters",
+        "a name without / \\ # ? % : (the team goes in logger.entity)",
+    ),
+    "resume-file-outside-a-run": Case(
+        "resume= a checkpoint file copied out of its run's checkpoints/ folder",
+        ["resume=loose.pt"],
+        "resume='loose.pt' is a file, but it lies outside a run's checkpoints/ folder; valid: a run "
+        "directory, or a checkpoint inside RUN/checkpoints/ of a run that has its metrics.jsonl",
+        "the checkpoint where its run wrote it, or the run's directory",
+        setup=lambda earlier, cwd: shutil.copy(
+            sorted((earlier / "checkpoints").iterdir())[-1], cwd / "loose.pt"
+        ),
+    ),
 }
 
 
@@ -445,6 +580,11 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
         pytest.skip("this machine has a 100th CUDA device")
     if name == "cuda-on-a-cpu-build" and torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device: engine.device=cuda is valid here")
+    if name == "nccl-without-cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: its nccl refusal is engine.device's")
+    nccl = torch.cuda.is_available() and torch.distributed.is_nccl_available()
+    if name == "nccl-on-cpu-tensors" and not nccl:
+        pytest.skip("this machine has no CUDA device or torch no NCCL: nccl is refused for that")
     cwd = tmp_path / "work"
     cwd.mkdir()
     for file, data in case.files.items():
@@ -453,7 +593,8 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
     if case.setup is not None:
         case.setup(earlier, cwd)
     before, earlier_before = tree(cwd), tree(earlier)
-    done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd)
+    env = {key: fill(value, earlier, cwd) for key, value in case.env.items()}
+    done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd, env=env)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr

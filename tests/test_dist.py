@@ -415,3 +415,28 @@ def test_processes_that_fit_no_layout_fail_with_one_line_and_create_nothing(tmp_
     offered = dict(w.split("=", 1) for w in words[3:])
     mine = {k: v for k, v in (o.split("=", 1) for o in [*DIST, *overrides]) if k not in offered}
     validate(compose_cfg([f"{k}={v}" for k, v in (mine | offered).items()]))
+
+
+# -- refusals under torchrun ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["engine.nproc=4"], "engine.nproc=4 but torchrun started 2 processes; valid: "),
+        (["-m", "replicas=1,2"], "a multirun (-m) under torchrun is not supported: "),
+    ],
+    ids=["nproc", "multirun"],
+)
+def test_a_mistake_under_torchrun_is_one_line_from_rank_0_and_creates_nothing(tmp_path, overrides, says):
+    """Every rank finds the mistake; rank 0 alone prints it and exits 2, the other ranks wait for the
+    launcher to stop them (docs/distributed.md). What follows is torchrun's own: its log lines, its
+    ChildFailedError summary naming rank 0's exit code 2 as the root cause, and its exit code 1."""
+    args = ["engine=dist", "world=2", "replicas=1", *QUICK, "logger=none", *overrides]
+    done = entry(args, tmp_path, torchrun=2)
+    lines = error_lines(done.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"hypertrain: error: {says}"), done.stderr
+    assert done.returncode == 1, done.stderr  # torchrun's: the ChildFailedError it raises
+    root_cause = done.stderr[done.stderr.index("Root Cause") :]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: 2 ", root_cause), done.stderr
+    assert tree(tmp_path) == {}, "a rejected run left files behind"

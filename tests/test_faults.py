@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import re
 import subprocess
 import sys
@@ -237,3 +238,73 @@ def test_the_guard_off_trains_a_diverging_run_to_its_end(tmp_path):
     rows = read_metrics(run_dir / METRICS_FILE)
     assert rows[-1]["status"] == "finished"
     assert [r["eval_loss"] > math.log(256) + 1 for r in rows if r["kind"] == "sync"] == [True] * 4
+
+
+# -- Run-start failures (issue 21): W&B that cannot start, a disk full before the first record. A new
+# run that fails before its first record leaves nothing, so the same command runs again as is.
+
+
+def test_wandb_that_cannot_reach_its_server_fails_in_one_line_and_leaves_nothing(tmp_path):
+    """Online, with credentials of the right form, against a server nobody listens on (port 9,
+    discard): wandb.init fails at run start after WANDB_INIT_TIMEOUT. Exit 1, one line, no
+    directory; the same hydra.run.dir then runs offline to its end."""
+    run_dir = tmp_path / "new" / "run"
+    online = {
+        "WANDB_MODE": "online",
+        "WANDB_BASE_URL": "http://127.0.0.1:9",
+        "WANDB_API_KEY": "k" * 40,  # wandb's form: 40 characters (never sent anywhere that answers)
+        "WANDB_INIT_TIMEOUT": "5",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+    }
+    args = [*BASE, "logger=wandb", "logger.progress=never", f"hydra.run.dir={run_dir}"]
+    done = entry(args, tmp_path, env=online)
+    assert done.returncode == 1, done.stderr
+    lines = stderr_lines(done.stderr)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hypertrain: error: run failed: W&B could not start ("), lines
+    assert not (tmp_path / "new").exists(), "a run W&B could not start left its directory"
+    again = entry(args, tmp_path)  # offline (helpers' environment)
+    assert again.returncode == 0, again.stderr
+    assert read_metrics(run_dir / METRICS_FILE)[-1]["status"] == "finished"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB tmpfs (room for BASE's run: two 1 MiB checkpoints and its files), unmounted after."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        why = made.stderr.decode().strip()
+        pytest.skip(f"cannot mount a tmpfs here (root with CAP_SYS_ADMIN needed): {why}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill_leaving(mount: Path, left: int) -> Path:
+    """Fill the filesystem at `mount` until `left` bytes (whole pages) stay free; the filler file."""
+    filler = mount / "filler"
+    stats = os.statvfs(mount)
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (stats.f_bavail * stats.f_frsize - left))
+    return filler
+
+
+@pytest.mark.parametrize("left", [0, 4096, 64 * 1024])
+def test_a_disk_full_before_the_first_record_is_exit_4_one_line_and_nothing_made(small_disk, left):
+    """0 bytes, a page and 64 KiB free (under what a run writes before its first record): exit 4, one
+    line naming the directory, nothing created; with the filler gone the same command runs."""
+    filler = fill_leaving(small_disk, left)
+    run_dir = small_disk / "runs" / "run"
+    args = [*BASE, f"hydra.run.dir={run_dir}"]
+    before = tree(small_disk)
+    done = entry(args, small_disk.parent)
+    assert done.returncode == 4, done.stderr
+    lines = stderr_lines(done.stderr)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"hypertrain: error: no space left on the device for hydra.run.dir={run_dir}: "
+    ), lines
+    assert tree(small_disk) == before, "a run on a full disk created files"
+    filler.unlink()
+    again = entry(args, small_disk.parent)
+    assert again.returncode == 0, again.stderr

@@ -249,3 +249,88 @@ def test_read_run_rejects_a_file_that_is_not_a_wandb_log(tmp_path):
     path.write_bytes(b"not a transaction log")
     with pytest.raises(WandbFileError, match="not a .wandb file"):
         read_run(path)
+
+
+# -- W&B that cannot start (issue 21) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["online", "offline", "disabled", "dryrun", "run", "shared", "bogus", ""])
+def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
+    """check_wandb's list against wandb's own Settings (a wandb that adds or drops a mode fails this)."""
+    import wandb
+
+    from hypertrain.config import ConfigError
+    from hypertrain.log import WANDB_LOCAL_MODES, check_wandb
+
+    try:
+        wandb.Settings(mode=mode)
+        wandb_accepts = True
+    except Exception:  # pydantic's ValidationError
+        wandb_accepts = False
+    offline_env.setenv("WANDB_MODE", mode)
+    offline_env.setenv("WANDB_API_KEY", "k" * 40)  # credentials are not what this compares
+    try:
+        check_wandb(LoggerConfig(name="wandb", project="hypertrain-test"))
+        we_accept = True
+    except ConfigError as e:
+        assert str(e).startswith(f"WANDB_MODE={mode!r} is not a W&B mode; valid: "), e
+        we_accept = False
+    assert we_accept == wandb_accepts, (mode, wandb_accepts)
+    assert set(WANDB_LOCAL_MODES) <= {"offline", "dryrun", "disabled"}
+
+
+@pytest.mark.parametrize(
+    "project", ["hypertrain", "a" * 128, "a" * 129, "team/speech", "a\\b", "a#b", "a?b", "a%b", "a:b"]
+)
+def test_the_project_names_check_wandb_refuses_are_the_ones_wandb_refuses(offline_env, project):
+    import wandb
+
+    from hypertrain.config import ConfigError
+    from hypertrain.log import check_wandb
+
+    try:
+        wandb.Settings(project=project)
+        wandb_accepts = True
+    except Exception:  # wandb's UsageError
+        wandb_accepts = False
+    offline_env.setenv("WANDB_MODE", "offline")
+    try:
+        check_wandb(LoggerConfig(name="wandb", project=project))
+        we_accept = True
+    except ConfigError as e:
+        assert "\n" not in str(e) and "valid: 1 to 128 characters" in str(e), e
+        we_accept = False
+    assert we_accept == wandb_accepts, (project, wandb_accepts)
+
+
+def test_wandb_that_cannot_start_leaves_no_records_and_no_wandb_folder(offline_env, tmp_path):
+    """wandb.init failing at run start (here: a mode only the environment gave it, past the entry's
+    check): WandbFailed in one line, and neither metrics.jsonl nor the wandb folder is left, so the
+    directory is as it was (a new run's, empty)."""
+    from hypertrain.failures import WandbFailed
+
+    offline_env.setenv("WANDB_MODE", "bogus")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(WandbFailed) as failed:
+        with open_logger(run_dir):
+            pytest.fail("the records opened although W&B could not start")
+    assert str(failed.value).startswith("W&B could not start (") and "\n" not in str(failed.value)
+    assert failed.value.exit_code == 1
+    assert list(run_dir.iterdir()) == []
+
+
+def test_a_resumed_runs_records_stay_when_wandb_cannot_start(offline_env, tmp_path):
+    """The records a run already has are not this session's: they stay byte for byte."""
+    from hypertrain.failures import WandbFailed
+
+    run_dir = tmp_path / "run"
+    with open_logger(run_dir, name="none") as log:
+        log.log_update(UPDATES[0])
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    offline_env.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(WandbFailed):
+        with open_logger(run_dir):
+            pass
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]

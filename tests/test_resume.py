@@ -504,3 +504,20 @@ def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_p
     )  # finished: resumes, adds nothing
     assert again.returncode == 0, again.stderr
     assert_identical(run_dir, reference)
+
+
+def test_a_resumed_sessions_throughput_counts_only_its_own_updates(tmp_path):
+    """A resumed session's throughput is its own (docs/report.md): the replica-steps it took over the
+    seconds it timed, and the updates it timed, never the restored run's. Killed as update 7 starts
+    (checkpoint after update 4, warm-up 1), the resumed session takes updates 5..8: its replica-steps
+    are the non-null losses of those rows, and replica_steps_per_s x timed_s equals them (float
+    division and one multiplication: a relative error of a few ulps, 1e-12 is far above it)."""
+    run_dir, _ = kill_and_resume(tmp_path, [*BASE, "checkpoint.every=2"], "0:7:kill", KILLED, at=4, updates=8)
+    rows = read_metrics(run_dir)
+    last_start = max(i for i, r in enumerate(rows) if r["kind"] == "start")
+    session = rows[last_start:]
+    steps = sum(x is not None for r in session if r["kind"] == "update" for x in r["loss"])
+    assert steps == 2 * 4  # experiment=quick's 2 replicas, 4 updates
+    summary = {k: v for r in session if r["kind"] == "summary" for k, v in r.items()}
+    assert summary["train/timed_updates"] == 4
+    assert summary["train/replica_steps_per_s"] * summary["train/timed_s"] == pytest.approx(steps, rel=1e-12)

@@ -144,3 +144,63 @@ def test_a_second_sigint_raises_at_once_but_not_the_same_ctrl_c_delivered_twice(
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# -- a stop before training starts, and SIGQUIT (issue 21) ------------------------------------------
+
+
+def wait_for(path: Path, proc, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before {path} appeared"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGQUIT])
+@pytest.mark.parametrize("when", ["importing", "claimed"])
+def test_a_stop_before_training_is_one_line_its_code_and_leaves_nothing(tmp_path, when, signum):
+    """`importing`: 0.5 s after start, inside the entry's imports (they take seconds: torch), where
+    Python's own Ctrl-C was a traceback and SIGQUIT a core dump. `claimed`: as soon as the run
+    directory's lock exists (Hydra then writes .hydra/, the entry config.yaml): the directory goes
+    again. Either way: one line, 130 / 131, nothing left, and the same command then runs."""
+    run_dir = tmp_path / "new" / "run"
+    args = [*BASE, f"hydra.run.dir={run_dir}"]
+    proc = start_entry(args, tmp_path)
+    if when == "importing":
+        time.sleep(0.5)
+    else:
+        wait_for(run_dir / ".lock", proc)
+    os.kill(proc.pid, signum)
+    done = finish(proc)
+    assert done.returncode == EXIT_CODES[signum], done.stderr
+    lines = stderr_lines(done.stderr)
+    name = signal.Signals(signum).name
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"hypertrain: stopped by {name} while no update was running"), lines
+    assert not (tmp_path / "new").exists(), "a run stopped before training left its directory"
+    if when == "claimed":
+        assert entry(args, tmp_path).returncode == 0
+
+
+def test_sigquit_during_training_stops_after_the_update_checkpointed(tmp_path):
+    """Ctrl-\\ stops as Ctrl-C does (not a core dump): after the update in flight, a checkpoint, an
+    `interrupted` end row with exit code 131, one line; resume=auto finishes the run."""
+    run_dir = tmp_path / "run"
+    proc = start_entry([*H4, f"hydra.run.dir={run_dir}"], tmp_path)
+    metrics, deadline = run_dir / METRICS_FILE, time.monotonic() + 120
+    while not (metrics.exists() and b'"kind": "update"' in metrics.read_bytes()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first update"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGQUIT)
+    done = finish(proc)
+    assert done.returncode == EXIT_CODES[signal.SIGQUIT] == 131, done.stderr
+    rows = rows_of(run_dir)
+    end = rows[-1]
+    assert end["kind"] == "end" and end["status"] == "interrupted" and end["exit_code"] == 131, end
+    stopped = [r["update"] for r in rows if r["kind"] == "update"][-1]
+    if stopped < 8:  # a stop after the last update is no stop: the run finished
+        assert checkpoints(run_dir)[-1] == ckpt(run_dir, stopped)
+    assert stderr_lines(done.stderr) == [f"hypertrain: {end['error']} ({run_dir})"], done.stderr
+    again = entry([*H4, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert rows_of(run_dir)[-1]["status"] == "finished"

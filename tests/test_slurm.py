@@ -344,3 +344,20 @@ def test_a_preempted_job_is_requeued_and_finishes_as_a_run_never_stopped(cluster
     assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished"
     # ... and the whole equals the run that was never stopped.
     assert_identical_but_measured(job_dir, tmp_path / "reference")
+
+
+def test_a_submission_sbatch_refuses_is_one_line_exit_2_and_leaves_nothing(cluster, tmp_path):
+    """The controller answers `scontrol ping` (the preflight passes) but sbatch refuses the array (a
+    partition the cluster lacks): one line naming sbatch's reason, exit 2, no sweep directory and no
+    submitit files left, no job queued (issue 21)."""
+    args = [*RUN, "hydra/launcher=slurm", "hydra.launcher.partition=nope"]
+    done = wait_sweep(start_sweep(args, tmp_path, cluster), tmp_path, cluster)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    refused = r"hypertrain: error: hydra/launcher=slurm: sbatch refused the sweep \((.*)\); (.*)"
+    said = re.fullmatch(refused, lines[0])
+    assert said and said.group(1).startswith("sbatch: error: ") and "partition" in said.group(1), lines[0]
+    assert said.group(2).startswith("nothing was submitted; valid: "), lines[0]
+    assert list(tmp_path.iterdir()) == []
+    assert cluster.jobs() == []

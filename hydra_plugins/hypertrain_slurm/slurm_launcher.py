@@ -16,12 +16,13 @@ if SubmititSlurmLauncher is not None:
 
     class SlurmLauncher(SubmititSlurmLauncher):
         """Jobs run with resume=auto, the sweep directory pinned, and one writer per multi-task job;
-        a failing sacct is reported once per sweep while the jobs are waited for."""
+        a failing sacct is reported once per sweep while the jobs are waited for; a submission sbatch
+        refuses is one line, exit 2, nothing left."""
 
         def launch(self, job_overrides, initial_job_idx):
             from hypertrain import slurm
 
-            with slurm.sacct_reported_once():
+            with slurm.sacct_reported_once(), slurm.refused_submission(self.config):
                 return super().launch(slurm.prepare_sweep(self.config, job_overrides), initial_job_idx)
 
         def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):

@@ -9,6 +9,7 @@ error. A user mistake or a missing tool prints one line `hypertrain: error: ...`
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import fields
 
@@ -47,6 +48,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"hypertrain: error: {message}; valid: {usage}\n")
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM (a scheduler, `kill`) ends the build as Ctrl-C does: through Python's exit, so the
+    build lock removes its file and a half-built temporary directory is cleaned up."""
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m hypertrain.audio", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["build"])
@@ -57,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         help="no summary, and a user mistake's line on stdout (for a caller that reports it: training)",
     )
     args = parser.parse_intermixed_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         from hypertrain.audio import build, cache
 

@@ -132,21 +132,40 @@ def content_digest(directory: Path) -> str:
 @contextmanager
 def build_lock(directory: Path):
     """Held while building `directory`: a second build of the same inputs (another rank, another
-    user's command) waits, then finds it built. ConfigError when the cache root cannot be written."""
+    user's command) waits, then finds it built. The lock file `<directory>.lock` is removed while
+    still held, on every exit Python sees (a result, an error, Ctrl-C, SIGTERM: `__main__`), so none
+    is left; a waiter that then gets the lock of the removed file takes the lock anew. ConfigError
+    when the cache root cannot be written."""
+    path = directory.parent / f"{directory.name}.lock"
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(directory.parent / f"{directory.name}.lock", "w")
     except OSError as error:
-        raise ConfigError(
-            f"the speech cache {directory.parent} cannot be written ({error.strerror}); "
-            "valid: data.cache_dir=a writable directory"
-        ) from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        raise _unwritable(directory, error) from None
+    while True:
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock = open(path, "a")  # "a": never truncates a file another process holds
+        except OSError as error:
+            raise _unwritable(directory, error) from None
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:  # the file locked must still be the one at the path (not removed by its holder)
+                held = os.path.samestat(os.fstat(lock.fileno()), os.stat(path))
+            except FileNotFoundError:
+                held = False
+            if not held:
+                continue
+            try:
+                yield
+                return
+            finally:
+                path.unlink(missing_ok=True)  # before unlocking: a waiter sees it gone and retries
+
+
+def _unwritable(directory: Path, error: OSError) -> ConfigError:
+    return ConfigError(
+        f"the speech cache {directory.parent} cannot be written ({error.strerror}); "
+        "valid: data.cache_dir=a writable directory"
+    )
 
 
 def is_built(directory: Path) -> bool:

@@ -91,6 +91,66 @@ def library_path() -> str:
     return os.environ.get("ESPEAK_NG_LIBRARY") or LIBRARY
 
 
+class _Voice(ctypes.Structure):
+    """speak_lib.h's espeak_VOICE: `languages` is a run of (priority byte, name, NUL), then a 0 byte."""
+
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("languages", ctypes.c_void_p),
+        ("identifier", ctypes.c_char_p),
+        ("gender", ctypes.c_ubyte),
+        ("age", ctypes.c_ubyte),
+        ("variant", ctypes.c_ubyte),
+        ("xx1", ctypes.c_ubyte),
+        ("score", ctypes.c_int),
+        ("spare", ctypes.c_void_p),
+    ]
+
+
+def _languages(address: int) -> list[str]:
+    out = []
+    while ctypes.string_at(address, 1) != b"\0":  # the priority byte; 0 ends the list
+        name = ctypes.string_at(address + 1)
+        out.append(name.decode())
+        address += len(name) + 2
+    return out
+
+
+def listed_voices(lib, kind: str | None = None) -> tuple[set[str], set[str]]:
+    """(languages and names, files) of the voices espeak-ng lists, as `espeak-ng --voices` does
+    (`kind="variant"`: the variants, as `--voices=variant`). Languages and names are lower case (the
+    library matches them so); a file is a path under espeak-ng's voices folder."""
+    lib.espeak_ListVoices.restype = ctypes.POINTER(ctypes.POINTER(_Voice))
+    lib.espeak_ListVoices.argtypes = [ctypes.POINTER(_Voice)]
+    spec = None
+    if kind is not None:
+        wanted = ctypes.create_string_buffer(kind.encode())
+        spec = ctypes.pointer(_Voice(languages=ctypes.cast(wanted, ctypes.c_void_p).value))
+    voices = lib.espeak_ListVoices(spec)
+    words, files, i = set(), set(), 0
+    while voices[i]:
+        voice = voices[i].contents
+        words |= {voice.name.decode().lower(), *(x.lower() for x in _languages(voice.languages))}
+        files.add(voice.identifier.decode())
+        i += 1
+    return words, files
+
+
+def unlisted_voice(lib, voice: str) -> str | None:
+    """Why espeak-ng would speak `voice` with a fallback: the part of `voice` (`base` or
+    `base+variant`) it does not list, said as a clause; None when it lists both. espeak-ng sets an
+    unknown variant's voice without one and reports success (`espeak_SetVoiceByName("en-us+zz")`)."""
+    base, plus, variant = voice.partition("+")
+    words, files = listed_voices(lib)
+    if base.lower() not in words and base not in files:
+        return f" ({base!r} is not a voice espeak-ng lists)"
+    if plus:
+        _, variant_files = listed_voices(lib, "variant")
+        if variant not in {f.rpartition("/")[2] for f in variant_files}:
+            return f" (the variant {variant!r} is not one espeak-ng lists)"
+    return None
+
+
 class Speaker:
     """espeak-ng in this process, set to one voice and rate; `speak(text)` synthesises."""
 
@@ -128,10 +188,12 @@ class Speaker:
             raise EspeakMissing(
                 f"espeak-ng's library {path} loaded but found no voice data; install it: {INSTALL}"
             )
-        if lib.espeak_SetVoiceByName(voice.encode()) != 0:
+        unlisted = unlisted_voice(lib, voice)
+        if unlisted is not None or lib.espeak_SetVoiceByName(voice.encode()) != 0:
             raise ConfigError(
-                f"data.speech_voice={voice!r} is not an espeak-ng voice; "
-                "valid: a name or file `espeak-ng --voices` lists, e.g. 'en-us'"
+                f"data.speech_voice={voice!r} is not an espeak-ng voice{unlisted or ''}; valid: a language, "
+                "name or file `espeak-ng --voices` lists, e.g. 'en-us', optionally +a variant "
+                "`espeak-ng --voices=variant` lists, e.g. 'en-us+m3'"
             )
         if lib.espeak_SetParameter(_RATE, rate, 0) != 0:
             raise ConfigError(
