@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypertrain.layouts import LAYOUTS, LayoutError, choose_layout, process_count
-from hypertrain.plan import MAX_WORLD, PlanError, StrongPhase, WeakPhase
+from hypertrain.distributed.layouts import LAYOUTS, LayoutError, choose_layout, process_count
+from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
 ENGINES = ("loop", "stacked", "dist")  # engine.name values; hypertrain.engines maps each to its engine
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
@@ -135,7 +135,7 @@ class DataConfig:
     shuffle_seed: int = 0  # order of windows / documents / utterances in the stream
     # speech: espeak-ng speech of the source's sentences; per 80 ms frame one text token and
     # `codebooks` residual-VQ codes of its log-mel. Built once into a cache directory keyed by every
-    # field below but `audio_delay` and `cache_dir` (python -m hypertrain.audio build; docs/audio.md).
+    # field below but `audio_delay` and `cache_dir` (python -m hypertrain.data.speech build; docs/audio.md).
     speech_voice: str = "en-us"  # an espeak-ng voice, as `espeak-ng --voices` names it (+variant allowed)
     speech_rate: int = 175  # words per minute (espeak-ng's default)
     speech_sentences: int = 17000  # sentences spoken: a seeded sample of the source's distinct ones; 0 = all
@@ -212,7 +212,7 @@ class GuardConfig:
     heldout_margin: float = 1.0
     # the pseudo-gradient's norm may be at most this many times the global weights' norm before the sync
     pseudo_grad_ratio: float = 1000.0
-    # Before anything is made: refuse a run whose estimated memory (hypertrain/memory.py: weights,
+    # Before anything is made: refuse a run whose estimated memory (hypertrain/run/memory.py: weights,
     # optimizer state, activations, batches, per process) exceeds 90% of the memory available (host,
     # and the GPU's on engine.device=cuda); false skips the comparison (a tensor larger than torch can
     # index is refused still). A guard: it changes no number, so a resumed run may change it.

@@ -8,13 +8,13 @@ config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json` and `
 in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by default).
 Multirun (`-m`) sweeps run each job as its own W&B run in one group. A run that ends before its
 first record (a stop signal, a full disk, W&B that cannot start) prints one line, exits with its
-code (hypertrain/failures.py) and leaves nothing of a new run behind.
+code (hypertrain/failures/__init__.py) and leaves nothing of a new run behind.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # first of all: a Ctrl-C during the seconds of imports below is one line too
-    from hypertrain.preemption import guard_start
+    from hypertrain.failures.signals import guard_start
 
     guard_start()
 
@@ -32,12 +32,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain import checkpoint, preflight
 from hypertrain.config import TrainConfig, register_configs
+from hypertrain.distributed.layouts import launched_rank
 from hypertrain.failures import DiskFull, RankFailed, RunFailure
-from hypertrain.layouts import launched_rank
-from hypertrain.preemption import Preempted, StopSignals, guard_start
-from hypertrain.session import Resume, disk_full_as_failure, train_session
+from hypertrain.failures.signals import Preempted, StopSignals, guard_start
+from hypertrain.run import checkpoint, preflight
+from hypertrain.run.session import Resume, disk_full_as_failure, train_session
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -127,7 +127,7 @@ def main(dict_cfg: DictConfig) -> float:
 
 def finished_loss(run_dir: Path) -> float:
     """The final held-out loss a finished run's records hold (NaN when they hold none)."""
-    from hypertrain.log import read_metrics
+    from hypertrain.run.records import read_metrics
 
     losses = [r["eval/final_loss"] for r in read_metrics(run_dir) if "eval/final_loss" in r]
     return losses[-1] if losses else math.nan
@@ -178,7 +178,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
         except DiskFull as e:
             preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     if run.cfg.engine.name == "dist":
-        from hypertrain import dist
+        from hypertrain.run import processes as dist
 
         job = dist.WorkerJob(
             run.cfg,

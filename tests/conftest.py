@@ -9,7 +9,7 @@ The embedded stdlib corpus is built once per test process for each data config, 
 `trainer.prepare` (up to ~1 s each at short windows). The stdlib cannot change during a session
 and a Dataset is read-only (frozen; its arrays are made unwritable here, so a test that wrote into
 one would fail, not leak into the next). Other sources are built every time: their files are the
-tests' own and may change. Tests of building itself call `hypertrain.data.build_dataset` unwrapped.
+tests' own and may change. Tests of building itself call `hypertrain.data.text.build_dataset` unwrapped.
 """
 
 import dataclasses
@@ -24,8 +24,8 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 # The one-node SLURM cluster of the `slurm` tests (tests/slurm_cluster.py), started only when asked for.
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
-from hypertrain import trainer  # noqa: E402
-from hypertrain.data import build_dataset  # noqa: E402
+from hypertrain.data.text import build_dataset  # noqa: E402
+from hypertrain.run import trainer  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -19,7 +19,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from references import U32, assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
 
-from hypertrain import loop
 from hypertrain.config import (
     DataConfig,
     EngineConfig,
@@ -32,11 +31,11 @@ from hypertrain.config import (
     register_configs,
     validate,
 )
-from hypertrain.log import METRICS_FILE, RunLogger, read_metrics
-from hypertrain.run_state import RunState
-from hypertrain.sim import batched
+from hypertrain.diloco.state import RunState
+from hypertrain.engines import loop, stacked
+from hypertrain.run.records import METRICS_FILE, RunLogger, read_metrics
+from hypertrain.run.trainer import initial_weights, prepare, rounds, train
 from hypertrain.train import quote_numeric_choices
-from hypertrain.trainer import initial_weights, prepare, rounds, train
 
 # -- the entry in a subprocess ---------------------------------------------------------------------
 
@@ -214,7 +213,7 @@ def assert_engines_agree(cfg: TrainConfig, got=None) -> None:
     batches: list = []
     ref_losses, ref_theta = run_rounds(cfg, loop.train_replicas, torch.float64, batches)
     loop_losses, loop_theta = run_rounds(cfg, loop.train_replicas)
-    losses, theta = got or run_rounds(cfg, batched.train_replicas)
+    losses, theta = got or run_rounds(cfg, stacked.train_replicas)
     loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
     assert_losses_within_rounding(losses, loop_losses, ref_losses, loss_floor)
     for n, t in ref_theta.items():

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from hypertrain import optim
 from hypertrain.config import InnerConfig
+from hypertrain.optim import inner as optim
 
 
 def torch_adamw(inner: InnerConfig, params: list[torch.Tensor], matrix_ndim: int = 2) -> torch.optim.AdamW:

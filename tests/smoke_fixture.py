@@ -18,8 +18,8 @@ import torch
 
 from hypertrain import plan
 from hypertrain.config import DataConfig, InnerConfig, LoggerConfig, ModelConfig, PhaseConfig, TrainConfig
-from hypertrain.log import RunLogger, read_metrics
-from hypertrain.trainer import prepare, train
+from hypertrain.run.records import RunLogger, read_metrics
+from hypertrain.run.trainer import prepare, train
 
 FIXTURE = Path(__file__).parent / "assets" / "smoke_losses.json"
 TOLERANCE = {"rtol": 1e-5, "atol": 0.0}  # same machine kind: float32 reductions, threads may reorder

@@ -1,7 +1,7 @@
 """Speech data (data=speech): espeak-ng speech of real text, aligned text tokens and residual-VQ codes.
 
 Small builds (300 sentences of a few stdlib modules' docstrings and comments, 4 codebooks of 64) run
-end to end through the same command the training entry starts (`python -m hypertrain.audio build`).
+end to end through the same command the training entry starts (`python -m hypertrain.data.speech build`).
 The checks read espeak-ng's own events and recompute the log-mel by replaying the synthesis, so they
 test the stored data against its sources, not against numbers the build wrote down:
 - every word's text tokens lie inside the frames its phonemes were spoken in (events read here, with
@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hypertrain.audio import cache, synth
-from hypertrain.audio import dataset as speech
-from hypertrain.audio.speech import PHONEME
 from hypertrain.config import ConfigError, DataConfig, TrainConfig, validate
+from hypertrain.data.speech import cache, synth
+from hypertrain.data.speech import dataset as speech
+from hypertrain.data.speech.speech import PHONEME
 
 SOURCE_MODULES = ["asyncio/base_events.py", "asyncio/events.py", "asyncio/tasks.py", "asyncio/streams.py"]
 FRAME_MS = 80.0
@@ -206,7 +206,13 @@ def test_the_codes_reconstruct_the_log_mel_within_the_reported_error(built, repl
 def test_the_same_inputs_build_the_same_examples(root, built):
     again = small_config(root, cache_dir=str(root / "second_cache"))
     done = subprocess.run(
-        [sys.executable, "-m", "hypertrain.audio", "build", *(f"{k}={v}" for k, v in vars(again).items())],
+        [
+            sys.executable,
+            "-m",
+            "hypertrain.data.speech",
+            "build",
+            *(f"{k}={v}" for k, v in vars(again).items()),
+        ],
         capture_output=True,
         text=True,
     )
@@ -261,7 +267,7 @@ def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(root, built, monk
 def test_a_missing_espeak_library_is_one_line_exit_2(root, monkeypatch):
     env = {"ESPEAK_NG_LIBRARY": str(root / "no" / "libespeak-ng.so.1"), "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
-        [sys.executable, "-m", "hypertrain.audio", "build", f"cache_dir={root / 'unused'}"],
+        [sys.executable, "-m", "hypertrain.data.speech", "build", f"cache_dir={root / 'unused'}"],
         capture_output=True,
         text=True,
         env=env,
@@ -276,7 +282,7 @@ def test_a_missing_espeak_library_is_one_line_exit_2(root, monkeypatch):
 
 
 def test_the_build_command_reads_back_every_field_the_training_entry_hands_it():
-    from hypertrain.audio.__main__ import parse_config
+    from hypertrain.data.speech.__main__ import parse_config
 
     for cfg in (DataConfig(name="speech"), small_config(Path("/x y"), speech_voice="en+m3", audio_delay=0)):
         assert parse_config([f"{k}={v}" for k, v in vars(cfg).items()]) == cfg  # as run_build writes them
@@ -299,9 +305,9 @@ def test_the_default_build_holds_the_seeds_stream_and_the_held_out_slice(tmp_pat
 
 
 def build_command(tmp_path: Path, *fields: str) -> subprocess.CompletedProcess:
-    """`python -m hypertrain.audio build FIELDS` with the cache under tmp_path/cache."""
+    """`python -m hypertrain.data.speech build FIELDS` with the cache under tmp_path/cache."""
     return subprocess.run(
-        [sys.executable, "-m", "hypertrain.audio", "build", f"cache_dir={tmp_path / 'cache'}", *fields],
+        [sys.executable, "-m", "hypertrain.data.speech", "build", f"cache_dir={tmp_path / 'cache'}", *fields],
         capture_output=True,
         text=True,
         timeout=120,
@@ -343,7 +349,7 @@ def test_the_build_lock_excludes_a_second_builder_and_leaves_no_file(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; from hypertrain.audio.cache import build_lock\n"
+            "import sys; from pathlib import Path; from hypertrain.data.speech.cache import build_lock\n"
             f"with build_lock(Path({str(directory)!r})):\n"
             "    print('held', flush=True); sys.stdin.readline()",
         ],

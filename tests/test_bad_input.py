@@ -220,7 +220,7 @@ CASES = {
         "world.size=1000000000 is too large; valid: 1..65536",
         "at most 65536 ranks",
     ),
-    # Sizes that cannot fit (hypertrain/memory.py): the estimate is a pure function of the config, so
+    # Sizes that cannot fit (hypertrain/run/memory.py): the estimate is a pure function of the config, so
     # the line is the same on every machine up to "but <the memory available>"; each needs far more
     # than any test machine has (the smallest, the 7B model, 630 GB).
     "model-too-large-for-memory": Case(
@@ -667,7 +667,7 @@ def render() -> str:
         "These are not mistakes in the command: the run started and could not go on. Each stops it with",
         "one line (`hypertrain: error: run failed: ...`), its metrics.jsonl closed with an `end` row that",
         "holds the line and the code, its W&B run finished with the code, its checkpoints intact",
-        "(`hypertrain/failures.py`).",
+        "(`hypertrain/failures/__init__.py`).",
         "",
         "| exit code | meaning |",
         "|---|---|",

@@ -18,11 +18,11 @@ from helpers import assert_engines_agree, cfg_for, run_rounds
 from references import U32, assert_within_rounding, float64_inner_step, float64_state, to_float64
 from torch._dynamo.utils import counters
 
-from hypertrain.compiled import inner_step_fn
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model import init_params, param_roles
-from hypertrain.optim import init_state, inner_step
-from hypertrain.sim import batched
+from hypertrain.engines import stacked
+from hypertrain.engines.compiled import inner_step_fn
+from hypertrain.model.transformer import init_params, param_roles
+from hypertrain.optim.inner import init_state, inner_step
 
 pytestmark = pytest.mark.slow
 
@@ -98,5 +98,5 @@ def test_compiled_stacked_engine_agrees_with_the_eager_loop(optimizer):
     eager_cfg = cfg_for(3, 3, 0, name=optimizer)  # warmup then cosine: the lr changes every step
     compiled_cfg = replace(eager_cfg, engine=replace(eager_cfg.engine, compile=True))
     before_graphs = compiled_graphs()
-    assert_engines_agree(eager_cfg, got=run_rounds(compiled_cfg, batched.train_replicas))
+    assert_engines_agree(eager_cfg, got=run_rounds(compiled_cfg, stacked.train_replicas))
     assert compiled_graphs() - before_graphs >= 2  # the loss and the step ran compiled

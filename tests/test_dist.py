@@ -60,13 +60,13 @@ from helpers import (
 from omegaconf import OmegaConf
 from references import assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
 
-from hypertrain import loop
 from hypertrain.config import EngineConfig, TrainConfig, validate
+from hypertrain.diloco.state import RunState
+from hypertrain.engines import loop
 from hypertrain.failures import RankFailed
-from hypertrain.log import read_metrics
-from hypertrain.run_state import RunState
-from hypertrain.trainer import heldout_loss, initial_weights, prepare, rounds
-from hypertrain.wandb_offline import read_run
+from hypertrain.run.records import read_metrics
+from hypertrain.run.trainer import heldout_loss, initial_weights, prepare, rounds
+from hypertrain.run.wandb_offline import read_run
 
 DIST = [*QUICK, "logger=none", "engine=dist"]
 
@@ -309,7 +309,7 @@ def test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group(tmp_pa
 
 FAULT_UPDATE = 3  # with H = 1, rounds 1 and 2 finish and the fault lands as round 3 starts
 FAULT_TIMEOUT_S = 5.0
-LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/dist.py, launch)
+LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/run/processes.py, launch)
 SCHEDULING_S = 1.0  # a process of a 2-core machine shared by parallel tests may wait this long to run
 
 

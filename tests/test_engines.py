@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from hypertrain import loop
 from hypertrain.config import ENGINES
-from hypertrain.engines import engine_for
-from hypertrain.sim import batched
+from hypertrain.engines import loop, stacked
+from hypertrain.engines.contract import engine_for
 
 
 def test_each_engine_name_selects_its_own_engine():
     assert engine_for("loop") is loop.train_replicas
-    assert engine_for("stacked") is batched.train_replicas
-    assert engine_for("dist") is batched.train_replicas  # each process stacks its own replicas
+    assert engine_for("stacked") is stacked.train_replicas
+    assert engine_for("dist") is stacked.train_replicas  # each process stacks its own replicas
     assert set(ENGINES) == {"loop", "stacked", "dist"}
 
 

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from hypertrain import plan
 from hypertrain.config import ConfigError, TrainConfig, validate
-from hypertrain.log import read_metrics
-from hypertrain.wandb_offline import read_run
+from hypertrain.run.records import read_metrics
+from hypertrain.run.wandb_offline import read_run
 
 
 def test_default_entry_writes_metrics_plan_and_a_matching_wandb_run(tmp_path):

@@ -30,7 +30,7 @@ import pytest
 from helpers import BASE, ENGINES, KILLED, ckpt, entry, error_lines, finish, start_entry, stderr_lines, tree
 
 from hypertrain.config import ConfigError
-from hypertrain.log import METRICS_FILE, read_metrics
+from hypertrain.run.records import METRICS_FILE, read_metrics
 
 HOLD = (
     "import fcntl, os, sys, time\n"
@@ -128,7 +128,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
 def test_a_filesystem_without_locks_is_refused_with_one_line_and_nothing_made(tmp_path, monkeypatch, code):
-    from hypertrain import preflight
+    from hypertrain.run import preflight
 
     def no_locks(fd, op):
         raise OSError(code, "not supported")

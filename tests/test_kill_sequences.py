@@ -5,7 +5,7 @@ Each case is one seeded random sequence of operations on ONE run directory: star
 or resume=auto on a directory that does not exist yet), then one to three sessions killed with
 SIGKILL, then a session that finishes it, then a resume of the finished run (a no-op). A killed
 session is stopped either by the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:kill:POINT`,
-hypertrain/fault_points.py: at a named update, as its round starts, right after its inner step,
+hypertrain/failures/fault_points.py: at a named update, as its round starts, right after its inner step,
 with its metrics row half written, or with its checkpoint's temporary file whole but not renamed),
 or from outside at a moment the run does not choose: SIGKILL to the entry's process group a random
 0-20 ms after the session's K-th row reached metrics.jsonl, or a random 0.5-3.5 s after launch (in
@@ -73,9 +73,9 @@ from helpers import (
     stderr_lines,
 )
 
-from hypertrain.checkpoint import MAY_CHANGE
 from hypertrain.failures import RankFailed
-from hypertrain.log import METRICS_FILE, read_metrics, session_rows
+from hypertrain.run.checkpoint import MAY_CHANGE
+from hypertrain.run.records import METRICS_FILE, read_metrics, session_rows
 
 H = 2  # BASE's inner.H: a round is 2 updates, 8 updates in all
 UPDATES = 8

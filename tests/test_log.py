@@ -8,8 +8,8 @@ import math
 import pytest
 
 from hypertrain.config import LoggerConfig
-from hypertrain.log import RunLogger, loss_mean, read_metrics
-from hypertrain.wandb_offline import WandbFileError, has_exit_record, read_run
+from hypertrain.run.records import RunLogger, loss_mean, read_metrics
+from hypertrain.run.wandb_offline import WandbFileError, has_exit_record, read_run
 
 CONFIG = {"replicas": 2, "seed": 0, "inner": {"name": "adamw", "H": 2, "lr": 0.003}, "world": {"size": 8}}
 SUMMARY = {
@@ -260,7 +260,7 @@ def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
     import wandb
 
     from hypertrain.config import ConfigError
-    from hypertrain.log import WANDB_LOCAL_MODES, check_wandb
+    from hypertrain.run.records import WANDB_LOCAL_MODES, check_wandb
 
     try:
         wandb.Settings(mode=mode)
@@ -286,7 +286,7 @@ def test_the_project_names_check_wandb_refuses_are_the_ones_wandb_refuses(offlin
     import wandb
 
     from hypertrain.config import ConfigError
-    from hypertrain.log import check_wandb
+    from hypertrain.run.records import check_wandb
 
     try:
         wandb.Settings(project=project)

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 from helpers import QUICK, compose_cfg, entry, error_lines
 
-from hypertrain import memory
 from hypertrain.config import INT64_MAX, ConfigError, InnerConfig, ModelConfig, validate
-from hypertrain.model import count_params, init_params, param_roles
-from hypertrain.optim import init_state
+from hypertrain.model.transformer import count_params, init_params, param_roles
+from hypertrain.optim.inner import init_state
+from hypertrain.run import memory
 
 MODELS = {
     "tiny": ModelConfig(),
@@ -78,9 +78,9 @@ PEAK = """
 import json, re, sys
 from dataclasses import replace
 from pathlib import Path
-from hypertrain import memory
+from hypertrain.run import memory
 from hypertrain.config import TrainConfig, ModelConfig, PhaseConfig, WorldConfig, InnerConfig, DataConfig
-from hypertrain.trainer import prepare, train
+from hypertrain.run.trainer import prepare, train
 
 def status(key):
     return int(re.search(rf"{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024

@@ -30,11 +30,11 @@ import numpy as np
 import pytest
 import torch
 
-from hypertrain.batches import channel_targets, pad_channels, replica_batch
 from hypertrain.config import DataConfig, InnerConfig, ModelConfig
-from hypertrain.engines import microbatch_loss
-from hypertrain.model import channel_sums, init_params, param_roles
-from hypertrain.optim import init_state, uses_muon
+from hypertrain.data.batches import channel_targets, pad_channels, replica_batch
+from hypertrain.engines.contract import microbatch_loss
+from hypertrain.model.transformer import channel_sums, init_params, param_roles
+from hypertrain.optim.inner import init_state, uses_muon
 
 VOCABS = [23, 9, 9, 9]  # text, then three codebooks
 SCALES = [1.0] + [32.0 / 3] * 3  # the seed's k: text 1, each of K codebooks 32/K
@@ -221,7 +221,7 @@ def test_stacked_equals_loop_on_multistream_data(monkeypatch, optimizer, R, H, s
 
     from test_stacked import assert_engines_agree, cfg_for
 
-    from hypertrain import trainer
+    from hypertrain.run import trainer
 
     data = SyntheticStreams(n_total=120, empty_channel_below=30)
     data.fingerprint, data.description = "synthetic-multistream", "synthetic multistream examples"
@@ -250,7 +250,7 @@ SPEECH = [
 @pytest.fixture(scope="module")
 def speech(tmp_path_factory) -> list[str]:
     """The overrides of a small speech build (600 sentences, about 420 utterances, ~15 s), built once
-    with `python -m hypertrain.audio build` into a directory of this module."""
+    with `python -m hypertrain.data.speech build` into a directory of this module."""
     cache = tmp_path_factory.mktemp("speech")
     overrides = [*SPEECH, "data.speech_sentences=600", f"data.cache_dir={cache}"]
     build_speech(overrides)
@@ -258,13 +258,13 @@ def speech(tmp_path_factory) -> list[str]:
 
 
 def build_speech(overrides: list[str]) -> None:
-    """`python -m hypertrain.audio build` with the data fields of `overrides` (espeak-ng is installed by
+    """`python -m hypertrain.data.speech build` with the data fields of `overrides` (espeak-ng is installed by
     `scripts/setup --dev`: its absence fails, naming the set-up)."""
     import subprocess
     import sys
 
     args = [a for a in overrides if a.startswith("data.") and not a.startswith("data.heldout")]
-    command = [sys.executable, "-m", "hypertrain.audio", "build", *args]
+    command = [sys.executable, "-m", "hypertrain.data.speech", "build", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{done.stderr.strip()} (`scripts/setup --dev` installs espeak-ng)"
 
@@ -279,7 +279,7 @@ def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
     from test_dist import DIST, compose_cfg, finish, simulate, start_entry
     from test_stacked import rounding_floors
 
-    from hypertrain.log import read_metrics
+    from hypertrain.run.records import read_metrics
 
     overrides = [
         *[a for a in DIST if not a.startswith(("data.", "model."))],
@@ -351,8 +351,8 @@ def test_the_multistream_model_learns_text_and_audio(tmp_path):
     against the mean of the codebooks' entropies)."""
     from test_dist import compose_cfg, finish, start_entry
 
-    from hypertrain.data import build_dataset
-    from hypertrain.log import read_metrics
+    from hypertrain.data.text import build_dataset
+    from hypertrain.run.records import read_metrics
 
     overrides = [
         *[a for a in SPEECH if not a.startswith("data.heldout")],
@@ -392,10 +392,9 @@ def test_the_per_channel_training_losses_are_each_channels_token_mean():
     roundings of a mean over fewer than 2^10 targets accumulated over a few microbatches)."""
     from references import U32, assert_within_rounding, float64_arithmetic
 
-    from hypertrain import loop
     from hypertrain.config import TrainConfig
-    from hypertrain.engines import Assignment
-    from hypertrain.sim import batched
+    from hypertrain.engines import loop, stacked
+    from hypertrain.engines.contract import Assignment
 
     data = SyntheticStreams(n_total=60, empty_channel_below=4)
     data_cfg = DataConfig(examples="documents", max_examples=3, max_padded_tokens=40)
@@ -422,5 +421,5 @@ def test_the_per_channel_training_losses_are_each_channels_token_mean():
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=REL, atol=REL)
     ref = torch.tensor(exact)
     fp32_loop = torch.tensor(one_update(loop.train_replicas, torch.float32))
-    fp32_stacked = torch.tensor(one_update(batched.train_replicas, torch.float32))
+    fp32_stacked = torch.tensor(one_update(stacked.train_replicas, torch.float32))
     assert_within_rounding(fp32_stacked, fp32_loop, ref, 64 * U32 * float(ref.norm()), "channel losses")

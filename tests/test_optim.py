@@ -32,7 +32,7 @@ from references import (
 from torch.optim._muon import Muon
 
 from hypertrain.config import InnerConfig, OuterConfig
-from hypertrain.optim import (
+from hypertrain.optim.inner import (
     OptState,
     OuterState,
     grad_norms,

@@ -15,9 +15,9 @@ import pytest
 from helpers import entry
 
 from hypertrain import plan
-from hypertrain.log import read_metrics
-from hypertrain.phases import TABLE_JSON, TABLE_MD
-from hypertrain.phases import main as phases_main
+from hypertrain.report.phases import TABLE_JSON, TABLE_MD
+from hypertrain.report.phases import main as phases_main
+from hypertrain.run.records import read_metrics
 
 # The tests on `sweep` are slow: one experiment=phases sweep of real processes (~40 s).
 
@@ -115,7 +115,7 @@ def _job(sweep: Path, name: str, metrics: str) -> None:
     ids=["missing", "empty", "malformed"],
 )
 def test_the_table_command_refuses_what_it_cannot_read_with_one_line(tmp_path, capsys, layout, says):
-    """`python -m hypertrain.phases SWEEP_DIR` on a folder that is missing, holds no job, or holds a
+    """`python -m hypertrain.report.phases SWEEP_DIR` on a folder that is missing, holds no job, or holds a
     job whose metrics.jsonl is not JSON lines: one line, exit 2, nothing written."""
     sweep = tmp_path / "sweep"
     if layout is not None:

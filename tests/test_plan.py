@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypertrain import plan, plan_check
-from hypertrain.plan import PlanError, StrongPhase, WeakPhase
+from hypertrain import plan
+from hypertrain.plan import check as plan_check
+from hypertrain.plan.sampling import PlanError, StrongPhase, WeakPhase
 
 REPO = Path(__file__).resolve().parents[1]
 # What the seed (the user's reference implementation, ../shared/seeds/plan.py.txt, absent from a user's
@@ -512,7 +513,7 @@ def test_cli_bad_input_exits_2_with_one_line(args):
 
 def test_cli_failed_property_exits_1_naming_it():
     code = (
-        "import sys; from hypertrain import plan_check as c; honest = c.rank_ids; "
+        "import sys; from hypertrain.plan import check as c; honest = c.rank_ids; "
         "c.rank_ids = lambda *a: honest(*a)[1:]; sys.exit(c.main(['check']))"
     )
     done = cli(code=code)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypertrain import plan
-from hypertrain.plan import StrongPhase, WeakPhase
+from hypertrain.plan.sampling import StrongPhase, WeakPhase
 
 # ------------------------------------------------------------------- ids: the definitions, one by one
 

@@ -49,9 +49,9 @@ from helpers import (
     stderr_lines,
 )
 
-from hypertrain.checkpoint import SUPERSEDED_FILE, checkpoints
-from hypertrain.log import METRICS_FILE, read_metrics
-from hypertrain.preemption import EXIT_CODES, STATUSES, Preempted, StopSignals, requested
+from hypertrain.failures.signals import EXIT_CODES, STATUSES, Preempted, StopSignals, requested
+from hypertrain.run.checkpoint import SUPERSEDED_FILE, checkpoints
+from hypertrain.run.records import METRICS_FILE, read_metrics
 
 H4 = [*BASE, "inner.H=4"]  # syncs after updates 4 and 8
 STOPPED = Preempted.exit_code  # 143, docs/errors.md

@@ -30,10 +30,11 @@ from helpers import FAULT_ENV, finish, start_entry, tree
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
-from hypertrain import checkpoint, report
-from hypertrain.log import read_metrics
-from hypertrain.report_runs import load_run, read_rows, run_status
-from hypertrain.report_table import DIFFERENT_DATA, NOT_COMPARED, OTHER_ORDER
+from hypertrain.report import cli as report
+from hypertrain.report.runs import load_run, read_rows, run_status
+from hypertrain.report.table import DIFFERENT_DATA, NOT_COMPARED, OTHER_ORDER
+from hypertrain.run import checkpoint
+from hypertrain.run.records import read_metrics
 
 SMALL = ["phase=smoke", "model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
 RUN = [*SMALL, "world=2"]  # world 2: with R = 1 a replica's 2 ranks all-reduce every update

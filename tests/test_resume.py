@@ -52,10 +52,10 @@ from helpers import (
     tree,
 )
 
-from hypertrain.checkpoint import SUPERSEDED_FILE
 from hypertrain.failures import RankFailed
-from hypertrain.log import METRICS_FILE, read_metrics
-from hypertrain.wandb_offline import read_run
+from hypertrain.run.checkpoint import SUPERSEDED_FILE
+from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.run.wandb_offline import read_run
 
 DIST_FAILED = RankFailed.exit_code  # the entry's exit code when a dist rank dies (docs/errors.md)
 

@@ -9,8 +9,8 @@ import torch
 from helpers import small_cfg
 
 from hypertrain.config import InnerConfig
-from hypertrain.run_state import RunState
-from hypertrain.trainer import initial_weights, prepare, rounds
+from hypertrain.diloco.state import RunState
+from hypertrain.run.trainer import initial_weights, prepare, rounds
 
 
 def losses_of(rnds) -> list:

@@ -1,6 +1,6 @@
 """The stacked engine equals the per-replica loop (docs/design.md invariant 6).
 
-Each case runs the same plan through `hypertrain.loop` and `hypertrain.sim.batched` with the
+Each case runs the same plan through `hypertrain.engines.loop` and `hypertrain.engines.stacked` with the
 trainer's own `assignments` and `sync`, and compares per-replica losses at every step and the
 final global weights. The bound is not a number picked from a measured difference: both engines
 are compared with the same plan run in float64 by the loop, and the stacked engine's error must
@@ -28,13 +28,12 @@ from helpers import (
 )
 from references import assert_losses_within_rounding
 
-from hypertrain import loop
-from hypertrain.batches import Microbatch, ReplicaBatch, stacked_microbatches
 from hypertrain.config import DataConfig, EngineConfig
-from hypertrain.model import init_params, param_roles
-from hypertrain.optim import init_state
-from hypertrain.sim import batched
-from hypertrain.trainer import assignments, prepare
+from hypertrain.data.batches import Microbatch, ReplicaBatch, stacked_microbatches
+from hypertrain.engines import loop, stacked
+from hypertrain.model.transformer import init_params, param_roles
+from hypertrain.optim.inner import init_state
+from hypertrain.run.trainer import assignments, prepare
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -126,7 +125,7 @@ def test_a_tail_update_with_empty_replicas_skips_them():
     run = prepare(cfg)
     tail = replace(cfg.phase, offset=run.samples - 12 - 2, updates=2)  # update 1: 2 ids, 4 replicas
     cfg = replace(cfg, phase=tail)
-    losses, _ = run_rounds(cfg, batched.train_replicas)
+    losses, _ = run_rounds(cfg, stacked.train_replicas)
     assert [x is None for x in losses[1]] == [False, False, True, True]
     assert_engines_agree(cfg)
     assert_engines_agree(replace(cfg, inner=replace(cfg.inner, name="muon", state_policy="average")))
@@ -142,12 +141,12 @@ def test_skipped_replicas_keep_weights_state_and_step_count():
         init_state(cfg.inner, {n: t.unsqueeze(0) for n, t in theta.items()}, param_roles(cfg.model))
         for _ in range(4)
     ]
-    first = batched.train_replicas(cfg, theta, assignments(run, range(0, 1)), states)
+    first = stacked.train_replicas(cfg, theta, assignments(run, range(0, 1)), states)
     saved = [
         ({n: t.clone() for n, t in r.params.items()}, {n: t.clone() for n, t in r.state.m.items()})
         for r in first
     ]
-    second = batched.train_replicas(
+    second = stacked.train_replicas(
         cfg, theta, assignments(run, range(1, 2)), [r.state for r in first]
     )  # restarts from theta, so compare the state only
     assert [int(r.state.step) for r in second] == [2, 2, 1, 1]
@@ -173,4 +172,4 @@ def test_unsupported_model_is_a_clear_error():
     cfg = cfg_for(3, 1, 0)
     cfg = replace(cfg, model=replace(cfg.model, is_moe=True))
     with pytest.raises(ValueError, match="engine=stacked supports dense models only"):
-        batched.check_supported(cfg)
+        stacked.check_supported(cfg)

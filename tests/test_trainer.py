@@ -12,7 +12,6 @@ from helpers import run_losses, small_cfg, update_losses
 from references import schedule_lr, torch_adamw
 
 from hypertrain import plan
-from hypertrain.batches import replica_batch
 from hypertrain.config import (
     DataConfig,
     InnerConfig,
@@ -22,11 +21,12 @@ from hypertrain.config import (
     TrainConfig,
     WorldConfig,
 )
-from hypertrain.loop import train_replicas
-from hypertrain.model import forward, init_params, param_roles
-from hypertrain.optim import init_state
-from hypertrain.run_state import RunState
-from hypertrain.trainer import Diverged, assignments, prepare, sync, uniform_loss
+from hypertrain.data.batches import replica_batch
+from hypertrain.diloco.state import RunState
+from hypertrain.engines.loop import train_replicas
+from hypertrain.model.transformer import forward, init_params, param_roles
+from hypertrain.optim.inner import init_state
+from hypertrain.run.trainer import Diverged, assignments, prepare, sync, uniform_loss
 
 
 def test_strong_world_8_and_16_give_bitwise_equal_replica_losses(tmp_path):

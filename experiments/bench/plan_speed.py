@@ -40,7 +40,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # hypertrain; the seed's loader
 import record_seed_plan  # noqa: E402
 
 from hypertrain import plan  # noqa: E402
-from hypertrain.plan_check import verify_phase  # noqa: E402
+from hypertrain.plan.check import verify_phase  # noqa: E402
 
 SPEEDUP_TARGET = 10.0
 MEMORY_TARGET_MIB = 64.0

@@ -34,8 +34,8 @@ from stacked_vs_loop import ROWS, SEQ, interleaved, make_loop, make_step, model_
 from torch.profiler import ProfilerActivity, profile
 
 from hypertrain.config import InnerConfig
-from hypertrain.model import ffn_width
-from hypertrain.runtime import keep_freed_memory
+from hypertrain.model.transformer import ffn_width
+from hypertrain.run.runtime import keep_freed_memory
 
 MATMULS = {"aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm"}
 ATTENTION = {
@@ -119,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    keep_freed_memory()  # as the trainer does (hypertrain/runtime.py)
+    keep_freed_memory()  # as the trainer does (hypertrain/run/runtime.py)
     gemm_comparison(args.repeats)
     print("d    engine    eager ms  compiled ms  matmul ms  attention ms  kernels/step")
     for d in (64, 128):

@@ -34,10 +34,10 @@ import torch
 from torch.optim._muon import Muon
 
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model import forward as model_forward
-from hypertrain.model import init_params, matmul_params, param_roles
-from hypertrain.optim import init_state, inner_step, uses_muon
-from hypertrain.runtime import keep_freed_memory
+from hypertrain.model.transformer import forward as model_forward
+from hypertrain.model.transformer import init_params, matmul_params, param_roles
+from hypertrain.optim.inner import init_state, inner_step, uses_muon
+from hypertrain.run.runtime import keep_freed_memory
 
 SEQ, ROWS, LAYERS = 64, 8, 2
 
@@ -220,7 +220,7 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--memory-child", default="")
     args = parser.parse_args()
-    # The trainer's own process setting (hypertrain/runtime.py); without it glibc page-faults every
+    # The trainer's own process setting (hypertrain/run/runtime.py); without it glibc page-faults every
     # large activation of the stacked step anew. The loop's tensors are unaffected either way.
     print(f"keep_freed_memory: {keep_freed_memory()}")
     if args.memory_child:

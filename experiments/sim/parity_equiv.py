@@ -22,7 +22,6 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from hypertrain import loop
 from hypertrain.config import (
     DataConfig,
     EngineConfig,
@@ -34,9 +33,9 @@ from hypertrain.config import (
     WorldConfig,
     validate,
 )
-from hypertrain.run_state import RunState
-from hypertrain.sim import batched
-from hypertrain.trainer import initial_weights, prepare, rounds
+from hypertrain.diloco.state import RunState
+from hypertrain.engines import loop, stacked
+from hypertrain.run.trainer import initial_weights, prepare, rounds
 
 TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}
 
@@ -117,7 +116,7 @@ def main() -> int:
         ref_losses, ref_theta = run_rounds(cfg, loop.train_replicas)
         for stack in stacks:
             losses, theta = run_rounds(
-                replace(cfg, engine=EngineConfig(name="stacked", stack=stack)), batched.train_replicas
+                replace(cfg, engine=EngineConfig(name="stacked", stack=stack)), stacked.train_replicas
             )
             loss_rel = relative(ref_losses, losses)
             weight_rel = max(float((theta[n] - t).norm() / t.norm()) for n, t in ref_theta.items())

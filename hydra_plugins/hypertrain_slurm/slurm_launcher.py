@@ -1,7 +1,7 @@
 """hypertrain's SLURM launcher: Hydra's submitit launcher with what hypertrain's runs need.
 
 Selected by `conf/hydra/launcher/slurm.yaml` and `slurm_dist.yaml`; what it changes and why is in
-`hypertrain/slurm.py`, which holds the code (imported only when a SLURM sweep runs: Hydra imports
+`hypertrain/launchers/slurm.py`, which holds the code (imported only when a SLURM sweep runs: Hydra imports
 this module at every start). Without hydra-submitit-launcher installed there is no launcher here.
 """
 
@@ -20,13 +20,13 @@ if SubmititSlurmLauncher is not None:
         refuses is one line, exit 2, nothing left."""
 
         def launch(self, job_overrides, initial_job_idx):
-            from hypertrain import slurm
+            from hypertrain.launchers import slurm
 
             with slurm.sacct_reported_once(), slurm.refused_submission(self.config):
                 return super().launch(slurm.prepare_sweep(self.config, job_overrides), initial_job_idx)
 
         def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
-            from hypertrain import slurm
+            from hypertrain.launchers import slurm
 
             if slurm.writes_the_job():
                 return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)

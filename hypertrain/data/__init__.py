@@ -1,0 +1,2 @@
+"""The data: token windows and documents from text sources, speech, and the batches an update trains
+on."""

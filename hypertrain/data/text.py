@@ -1,0 +1,440 @@
+"""Datasets behind one `SampleFn`: `get(id)` returns example `id` as an int64 array of token ids.
+
+`build_dataset(cfg)` turns a `DataConfig` into a `Dataset` of `n_total` examples in a seeded shuffled
+order; the last `cfg.heldout` ids are the held-out slice. The same config gives the same rows in every
+process. `load_batch` stacks fixed-length rows into a tensor; `pad_batch` pads variable-length ones.
+
+Sources (all read in sorted path order, files concatenated without separators):
+- `stdlib`: the running Python's own standard-library `.py` files, byte-level (vocab 256); no download.
+- `text_files`: the files matched by the glob `cfg.path` (`**` recursive), byte-level (vocab 256).
+- `token_bin`: a flat little-endian uint16/uint32 token file (nanoGPT's `train.bin`), memory-mapped;
+  `vocab` is its largest token id + 1 (the trainer checks `model.vocab >= dataset.vocab`).
+- `speech`: espeak-ng speech of the stdlib's (or `cfg.path`'s) sentences as multistream examples,
+  built once into a cache: `hypertrain.data.speech.dataset.SpeechDataset` (docs/audio.md).
+Examples:
+- `windows`: window w is tokens `[w*seq_len, w*seq_len + seq_len + 1)`, so consecutive windows share
+  one token and every token but the first is a target once; there are `(n_tokens - 1) // seq_len`.
+- `documents` (byte sources): each file split on `b"\\n\\n"` into paragraphs, each cut to its first
+  `max_len + 1` tokens; paragraphs under 2 tokens (no input/target pair) are dropped.
+Examples are de-duplicated by content (the tokens of the example as presented, after the cut): of
+equal examples only the first in source order is kept, so no two ids hold the same tokens, and in
+particular no held-out example also appears among the training ids (licence headers and other
+boilerplate repeat across files). `n_total` counts the distinct examples; the description says how
+many duplicates were dropped. Windows are grouped by a vectorised 64-bit hash and then compared
+token for token, so the result depends on content only, never on the hash.
+Stream id i is distinct example `perm[i]`, `perm = np.random.default_rng(shuffle_seed).permutation(n_total)`,
+so the held-out slice is a uniform sample of the distinct examples. numpy does not promise that stream
+across versions, so the fingerprint covers the resulting order: two machines whose orders differ get
+different fingerprints.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import operator
+import os
+import platform
+import sysconfig
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hypertrain.config import ConfigError, DataConfig
+
+if TYPE_CHECKING:
+    from hypertrain.data.speech.dataset import SpeechDataset
+
+SampleFn = Callable[[int], np.ndarray]
+
+# Bumped whenever the way examples are derived from the source changes, so old fingerprints differ.
+_FINGERPRINT_VERSION = 2  # 2: examples de-duplicated by content; the order hashed in
+_EXCLUDED_DIRS = ("site-packages", "dist-packages")
+_TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_HASH_CHUNK = 1 << 24  # tokens per chunk when hashing and scanning a token file
+_ROWS_CHUNK_BYTES = 1 << 22  # bytes of window rows handled at once when de-duplicating
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """`n_total` examples in stream order; `get(id)` copies one out as int64 token ids."""
+
+    n_total: int  # examples in the stream, the held-out slice included
+    vocab: int  # token ids are in [0, vocab)
+    fingerprint: str  # sha256 hex of the source, the settings that determine the examples, and their order
+    description: str  # one line for logs
+    duplicates: int  # examples dropped because an earlier example has the same tokens
+    fixed_length: bool  # every example has `max_length` tokens (windows)
+    max_length: int  # tokens in the longest example (seq_len + 1 for windows)
+    _tokens: np.ndarray = field(repr=False)  # the whole token stream (uint8, or a uint16/32 memmap)
+    _starts: np.ndarray = field(repr=False)  # int64 [n_total]: where stream id i starts in _tokens
+    _lengths: np.ndarray | None = field(repr=False)  # int64 [n_total]; None when fixed_length
+
+    def __len__(self) -> int:
+        return self.n_total
+
+    def get(self, sample_id: int) -> np.ndarray:
+        """Example `sample_id` as a fresh int64 array; the same id always gives the same row."""
+        i = stream_index(sample_id, self.n_total)
+        start = int(self._starts[i])
+        length = self.max_length if self._lengths is None else int(self._lengths[i])
+        return np.array(self._tokens[start : start + length], dtype=np.int64)
+
+    def get_many(self, ids: Iterable[int]) -> np.ndarray:
+        """Fixed-length examples `ids` as one int64 array [len(ids), max_length], by one fancy index."""
+        if not self.fixed_length:
+            raise ValueError("get_many needs fixed-length examples (windows); use get and pad_batch")
+        index = self._checked(ids)
+        positions = self._starts[index][:, None] + np.arange(self.max_length)
+        return np.asarray(self._tokens[positions], dtype=np.int64)
+
+    def lengths(self, ids: Iterable[int]) -> np.ndarray:
+        """Token counts of examples `ids` as int64, without reading their tokens."""
+        index = self._checked(ids)
+        if self._lengths is None:
+            return np.full(len(index), self.max_length, dtype=np.int64)
+        return self._lengths[index].copy()
+
+    def _checked(self, ids: Iterable[int]) -> np.ndarray:
+        return stream_indices(ids, self.n_total)
+
+
+@dataclass(frozen=True)
+class _Source:
+    tokens: np.ndarray  # the concatenated token stream
+    file_bounds: np.ndarray  # int64 [n_files + 1]: file f is tokens[bounds[f]:bounds[f + 1]]
+    digest: str  # sha256 hex of the file names and contents, in order
+    label: str  # the start of the description, e.g. "stdlib (Python 3.11.7): 1790 files, 31.5 MB"
+    vocab: int
+
+
+def stream_index(sample_id: int, n_total: int) -> int:
+    """`sample_id` as an index into a stream of `n_total` examples; IndexError naming the valid range."""
+    i = operator.index(sample_id)
+    if not 0 <= i < n_total:
+        raise IndexError(f"sample id {i} is outside the stream; valid: 0..{n_total - 1}")
+    return i
+
+
+def stream_indices(ids: Iterable[int], n_total: int) -> np.ndarray:
+    """`ids` as an int64 index array into a stream of `n_total`; IndexError naming the first outside."""
+    index = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
+    if index.size and (index.min() < 0 or index.max() >= n_total):
+        bad = index[(index < 0) | (index >= n_total)][0]
+        raise IndexError(f"sample id {bad} is outside the stream; valid: 0..{n_total - 1}")
+    return index
+
+
+def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:
+    """The dataset `cfg` describes; raises ConfigError (one line) for a missing or too short source."""
+    if (
+        cfg.name == "speech"
+    ):  # multistream examples from a built cache (hypertrain/data/speech, docs/audio.md)
+        from hypertrain.data.speech.dataset import speech_dataset
+
+        return speech_dataset(cfg)
+    if cfg.examples not in ("windows", "documents"):
+        raise ConfigError(f"data.examples={cfg.examples!r} is not valid; valid: 'windows', 'documents'")
+    if cfg.name == "stdlib":
+        source = _stdlib_source()
+    elif cfg.name == "text_files":
+        source = _text_files_source(cfg.path)
+    elif cfg.name == "token_bin":
+        if cfg.examples != "windows":
+            raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
+        source = _token_bin_source(cfg.path, cfg.token_dtype)
+    else:
+        raise ConfigError(
+            f"data.name={cfg.name!r} is not valid; valid: 'stdlib', 'text_files', 'token_bin', 'speech'"
+        )
+
+    settings = {
+        "v": _FINGERPRINT_VERSION,
+        "data": cfg.name,
+        "examples": cfg.examples,
+        "seed": cfg.shuffle_seed,
+    }
+    if cfg.name == "token_bin":
+        settings["token_dtype"] = cfg.token_dtype
+    if cfg.examples == "windows":
+        if cfg.seq_len < 1:
+            raise ConfigError(f"data.seq_len={cfg.seq_len} is too small; valid: >= 1")
+        settings["seq_len"] = cfg.seq_len
+        windows = max(len(source.tokens) - 1, 0) // cfg.seq_len
+        kept = _distinct_windows(source.tokens, cfg.seq_len, windows)
+        example_starts, example_lengths = kept * cfg.seq_len, None
+        n_total, duplicates = len(kept), windows - len(kept)
+        max_length = cfg.seq_len + 1
+        what = f"{n_total:,} windows of {max_length} ({duplicates:,} duplicates dropped)"
+    else:
+        if cfg.max_len < 2:
+            raise ConfigError(f"data.max_len={cfg.max_len} is too small; valid: >= 2")
+        settings["max_len"] = cfg.max_len
+        example_starts, example_lengths, duplicates = _paragraphs(source, cfg.max_len + 1)
+        n_total = len(example_starts)
+        max_length = int(example_lengths.max()) if n_total else 0
+        mean = float(example_lengths.mean()) if n_total else 0.0
+        what = (
+            f"{n_total:,} paragraphs of 2..{max_length} tokens (mean {mean:.0f}, cut at {cfg.max_len + 1}; "
+            f"{duplicates:,} duplicates dropped)"
+        )
+
+    if n_total <= cfg.heldout:
+        raise ConfigError(_too_short(cfg, source, n_total, duplicates))
+    order = np.random.default_rng(cfg.shuffle_seed).permutation(n_total)
+    stream_starts = example_starts[order]
+    # The order is hashed in (numpy does not promise permutation's stream across versions): the
+    # starts of the stream's examples in stream order, as little-endian int64, cover both the
+    # permutation and which examples were kept.
+    order_digest = hashlib.sha256(np.ascontiguousarray(stream_starts, dtype="<i8")).hexdigest()
+    header = json.dumps(settings, sort_keys=True).encode()
+    fingerprint = hashlib.sha256(header + b"\0" + source.digest.encode() + b"\0" + order_digest.encode())
+    return Dataset(
+        n_total=n_total,
+        vocab=source.vocab,
+        fingerprint=fingerprint.hexdigest(),
+        description=f"{source.label}, {what}",
+        duplicates=duplicates,
+        fixed_length=example_lengths is None,
+        max_length=max_length,
+        _tokens=source.tokens,
+        _starts=stream_starts,
+        _lengths=None if example_lengths is None else example_lengths[order],
+    )
+
+
+def _too_short(cfg: DataConfig, source: _Source, n_total: int, duplicates: int) -> str:
+    """One line for a source with no more examples than the held-out slice, naming the source."""
+    where = "data=stdlib" if cfg.name == "stdlib" else f"data.path={cfg.path!r}"
+    unit = "tokens" if cfg.name == "token_bin" else "bytes"
+    one = "window" if cfg.examples == "windows" else "paragraph"
+    valid = f"a source with more than data.heldout={cfg.heldout} {one}s"
+    holds = f"{where} holds {len(source.tokens):,} {unit}"
+    if n_total == 0:
+        need = f"seq_len + 1 = {cfg.seq_len + 1}" if cfg.examples == "windows" else "at least 2"
+        return f"{holds}: no {one}s (one needs {need} {unit}); valid: {valid}"
+    gives = f"{n_total:,} distinct {one}{'s' if n_total > 1 else ''}"
+    dropped = f" ({duplicates:,} duplicates dropped)" if duplicates else ""
+    valid = f"data.heldout < {n_total}, or {valid}" if n_total > 1 else valid
+    return (
+        f"{holds}: {gives}{dropped}, not more than "
+        f"data.heldout={cfg.heldout}, so none to train on; valid: {valid}"
+    )
+
+
+def load_batch(get: SampleFn | Dataset, ids: Iterable[int]) -> torch.Tensor:
+    """Fixed-length examples `ids` as an int64 tensor [len(ids), T + 1], rows in `ids` order.
+
+    `get` is a SampleFn or a Dataset; a Dataset (or its bound `get`) takes the vectorised `get_many`.
+    Rows of different lengths raise ValueError: variable-length examples go through `pad_batch`.
+    """
+    dataset = get if isinstance(get, Dataset) else getattr(get, "__self__", None)
+    if isinstance(dataset, Dataset) and dataset.fixed_length:
+        return torch.from_numpy(dataset.get_many(ids))
+    fetch = get.get if isinstance(get, Dataset) else get
+    rows = [fetch(int(i)) for i in ids]
+    if not rows:
+        return torch.zeros((0, 0), dtype=torch.int64)
+    lengths = {len(row) for row in rows}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"load_batch needs rows of one length, got lengths {min(lengths)}..{max(lengths)}; "
+            "use pad_batch for variable-length examples"
+        )
+    return torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
+
+
+def pad_batch(rows: list[np.ndarray], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows right-padded with 0 to the longest row (or `length`): int64 tokens [n, T] and bool mask [n, T].
+
+    `mask[i, t]` is True where `tokens[i, t]` is a real token; the loss keeps the targets `mask[:, 1:]`.
+    """
+    row_lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    longest = int(row_lengths.max()) if len(rows) else 0
+    width = longest if length is None else length
+    if width < longest:
+        raise ValueError(f"pad_batch length={length} is shorter than the longest row ({longest} tokens)")
+    mask = np.arange(width) < row_lengths[:, None]
+    tokens = np.zeros((len(rows), width), dtype=np.int64)
+    if longest:
+        tokens[mask] = np.concatenate(rows)  # mask is row-major, the order of the concatenated rows
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def _stdlib_source() -> _Source:
+    # Listing with os.walk, pruning site-packages before descending, takes ~20 ms; rglob walks
+    # the installed packages too and takes ~300 ms. The whole build, de-duplication included, takes
+    # ~0.15 s (windows) to ~0.2 s (documents), so no cache.
+    root = sysconfig.get_paths()["stdlib"]
+    names = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if not any(x in d for x in _EXCLUDED_DIRS)]
+        prefix = os.path.relpath(directory, root).replace(os.sep, "/") + "/"
+        names += [prefix.removeprefix("./") + f for f in files if f.endswith(".py")]
+    names.sort()
+    source = _read_files([os.path.join(root, n) for n in names], names)
+    label = f"stdlib (Python {platform.python_version()}): {len(names)} files, {_megabytes(source)}"
+    return replace(source, label=label)
+
+
+def _text_files_source(pattern: str) -> _Source:
+    expanded = os.path.expanduser(pattern)
+    paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
+    if not paths:
+        raise ConfigError(
+            f"data.path={pattern!r} matches no files; valid: a glob of text files, e.g. 'docs/**/*.txt'"
+        )
+    # Names relative to the files' common folder, so the fingerprint does not depend on where they live.
+    base = os.path.commonpath(paths)
+    base = os.path.dirname(base) if len(paths) == 1 else base
+    entries = sorted((Path(os.path.relpath(p, base)).as_posix(), p) for p in paths)
+    source = _read_files([p for _, p in entries], [name for name, _ in entries])
+    return replace(source, label=f"text_files {pattern}: {len(paths)} files, {_megabytes(source)}")
+
+
+def _read_files(paths: list[str], names: list[str]) -> _Source:
+    digest = hashlib.sha256()
+    chunks, bounds = [], [0]
+    for path, name in zip(paths, names, strict=True):
+        with open(path, "rb") as file:
+            data = file.read()
+        digest.update(os.fsencode(name) + b"\0" + str(len(data)).encode() + b"\0")
+        digest.update(data)
+        chunks.append(data)
+        bounds.append(bounds[-1] + len(data))
+    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)  # read-only: rows are always copied out
+    return _Source(tokens, np.array(bounds, dtype=np.int64), digest.hexdigest(), "", vocab=256)
+
+
+def _token_bin_source(path_text: str, token_dtype: str) -> _Source:
+    if token_dtype not in _TOKEN_DTYPES:
+        raise ConfigError(f"data.token_dtype={token_dtype!r} is not valid; valid: 'uint16', 'uint32'")
+    dtype = _TOKEN_DTYPES[token_dtype]
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"data.path={path_text!r} is not a file; data=token_bin needs a flat {token_dtype} token file"
+        )
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError(
+            f"data.path={path_text!r} has {size} bytes, not a whole number of {token_dtype} tokens; "
+            "valid: a flat token file written with that dtype (data.token_dtype)"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+    # One pass over the file gives both the content hash and the largest id (a few s per GB of tokens).
+    digest, largest = hashlib.sha256(), -1
+    for start in range(0, len(tokens), _HASH_CHUNK):
+        chunk = np.asarray(tokens[start : start + _HASH_CHUNK])
+        digest.update(chunk.tobytes())
+        largest = max(largest, int(chunk.max()))
+    label = f"token_bin {path.name} ({token_dtype}): {len(tokens):,} tokens, largest id {largest}"
+    return _Source(tokens, np.array([0, len(tokens)], dtype=np.int64), digest.hexdigest(), label, largest + 1)
+
+
+def _paragraphs(source: _Source, cut: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Start, length (cut to `cut`) of the first of each distinct paragraph of >= 2 tokens, in file order.
+
+    Also the number of paragraphs dropped as duplicates: equal to an earlier one once cut.
+    """
+    starts, lengths, seen, duplicates = [], [], set(), 0
+    bounds = source.file_bounds
+    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        position = begin
+        for paragraph in source.tokens[begin:end].tobytes().split(b"\n\n"):
+            example = paragraph[:cut]
+            if len(example) >= 2:
+                if example in seen:
+                    duplicates += 1
+                else:
+                    seen.add(example)
+                    starts.append(position)
+                    lengths.append(len(example))
+            position += len(paragraph) + 2  # + 2: the separator
+    return np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64), duplicates
+
+
+def _distinct_windows(tokens: np.ndarray, seq_len: int, n: int) -> np.ndarray:
+    """Indices of windows `0..n-1` whose tokens no earlier window has, increasing (first occurrences)."""
+    length = seq_len + 1
+    data = np.asarray(tokens)  # a memmap stays a view: rows are read on demand
+
+    def rows(windows: np.ndarray) -> np.ndarray:
+        return data[windows[:, None] * seq_len + np.arange(length)]
+
+    # One np.sort of (key, window) packed in a uint64, the key's high bits above the window's index,
+    # orders by key and, within a key, by source order (3x faster than a stable argsort). The key
+    # loses `bits` bits: a few more windows share a key, which only means a few more comparisons.
+    bits = max(1, (n - 1).bit_length())
+    packed = _window_hashes(tokens, seq_len, n) >> np.uint64(bits) << np.uint64(bits)
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & np.uint64((1 << bits) - 1)).astype(np.int64)
+    packed >>= np.uint64(bits)  # the keys, sorted
+    opens = np.ones(n, dtype=bool)
+    opens[1:] = packed[1:] != packed[:-1]
+    first = np.empty(n, dtype=np.int64)  # first[w]: the earliest window with w's key
+    first[order] = order[np.maximum.accumulate(np.where(opens, np.arange(n), 0))]
+    keep = first == np.arange(n)
+    # A window whose key an earlier window has is a duplicate when its tokens equal that window's;
+    # a key shared by different tokens (a hash collision) leaves its whole group to be settled by content.
+    candidates = np.flatnonzero(~keep)
+    step = max(1, _ROWS_CHUNK_BYTES // (length * data.dtype.itemsize))
+    collided = [np.zeros(0, dtype=np.int64)]
+    for i in range(0, len(candidates), step):
+        chunk = candidates[i : i + step]
+        differ = (rows(chunk) != rows(first[chunk])).any(axis=1)
+        collided.append(first[chunk[differ]])
+    collided_keys = np.unique(np.concatenate(collided))
+    if len(collided_keys):
+        members = np.flatnonzero(np.isin(first, collided_keys))  # every window of those groups, in order
+        seen = set()
+        for i in range(0, len(members), step):
+            chunk = members[i : i + step]
+            for window, row in zip(chunk.tolist(), rows(chunk), strict=True):
+                content = row.tobytes()
+                keep[window] = content not in seen
+                seen.add(content)
+    return np.flatnonzero(keep).astype(np.int64)
+
+
+def _window_hashes(tokens: np.ndarray, seq_len: int, n: int) -> np.ndarray:
+    """A uint64 key per window `0..n-1` that equal windows share (distinct ones almost never do).
+
+    Multilinear hashing: the window's bytes as little-endian 32-bit words, each times its own odd
+    64-bit constant, summed mod 2**64 (about 2 GB/s, faster than the sha256 of the source).
+    """
+    length, itemsize = seq_len + 1, tokens.dtype.itemsize
+    size = length * itemsize
+    words = -(-size // 4)
+    multipliers = _odd_constants(words)
+    step = max(1, _ROWS_CHUNK_BYTES // (words * 4))
+    keys = np.empty(n, dtype=np.uint64)
+    for w0 in range(0, n, step):
+        w1 = min(n, w0 + step)
+        span = np.ascontiguousarray(tokens[w0 * seq_len : (w1 - 1) * seq_len + length]).view(np.uint8)
+        rows = np.lib.stride_tricks.as_strided(
+            span, shape=(w1 - w0, size), strides=(seq_len * itemsize, 1), writeable=False
+        )
+        padded = np.zeros((w1 - w0, words * 4), dtype=np.uint8)
+        padded[:, :size] = rows
+        keys[w0:w1] = padded.view("<u4").astype(np.uint64) @ multipliers
+    return keys
+
+
+def _odd_constants(count: int) -> np.ndarray:
+    """`count` fixed odd uint64 constants (splitmix64 of 1..count), the same on every machine."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+
+
+def _megabytes(source: _Source) -> str:
+    return f"{len(source.tokens) / 1e6:.1f} MB"

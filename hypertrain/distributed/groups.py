@@ -1,0 +1,85 @@
+"""Which replicas a process trains, and the collectives a round needs; one process is the simulation.
+
+The round loop (`hypertrain.trainer`) asks its processes for five things, whatever their number:
+which replicas this process trains (`replicas`) and, under the benchmark layout, which plan rank
+it is (`rank_share`); averaging a replica's gradients and loss over its ranks every update
+(`average_in_replica`); summing a per-replica quantity over all replicas at a sync
+(`sum_over_replicas`, `max_over_replicas`); every replica's per-update records on the writer
+once per round (`gather_round`); whether some process was asked to stop (`max_over_processes`), and
+every replica's state for a checkpoint (`gather_replicas`); and whether this process writes the
+run (`is_writer`).
+`ReplicaGroups` is the one-process case, where every collective is the identity; the real
+processes of `engine=dist` (`hypertrain.dist`) subclass it with torch.distributed collectives.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from hypertrain.failures import fault_points
+from hypertrain.model.transformer import Params
+
+
+class ReplicaGroups:
+    """P = 1: this process trains all R replicas, each on its whole share (`world` = 1)."""
+
+    layout = "simulation"
+    backend = "none"  # torch.distributed's backend (gloo, nccl) when there are several processes
+    rank, size = 0, 1  # this process among the P processes
+
+    def __init__(self, replicas: int):
+        self.total_replicas = replicas
+        self.replicas = list(range(replicas))  # global indices of the replicas this process trains
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 alone writes the run directory, metrics.jsonl and W&B."""
+        return self.rank == 0
+
+    def rank_share(self) -> tuple[int, int, int] | None:
+        """(plan rank, world W, ranks per replica L) when this process is one plan rank (benchmark
+        layout); None when it trains whole replicas."""
+        return None
+
+    def average_in_replica(self, grads: Params, loss: Tensor) -> None:
+        """In place: the mean over the replica's ranks of their gradients and losses (DDP's average)."""
+
+    def sum_over_replicas(self, flat: Tensor) -> Tensor:
+        """The sum over all R replicas of a flat per-replica quantity; this process passes the sum over
+        its own replicas (under the benchmark layout every rank of a replica passes the same value)."""
+        return flat
+
+    def max_over_replicas(self, value: Tensor) -> Tensor:
+        return value
+
+    def gather_round(self, table: Tensor) -> Tensor:
+        """[updates, local replicas, k] per process -> [updates, R, k] on the writer (columns: loss or
+        NaN when skipped, the replica's targets, this share's microbatches, maxed over a replica's
+        ranks, then the multistream channel losses: `trainer.local_table`)."""
+        return table
+
+    def gather_ranks(self, table: Tensor) -> Tensor:
+        """[updates, k] per process -> [P, updates, k] (per-process timings and token counts)."""
+        return table.unsqueeze(0)
+
+    def gather_replicas(self, records: list) -> list | None:
+        """One record per local replica (CPU tensors) -> every replica's, in replica order, on the
+        writer; None elsewhere: what a checkpoint saves of the replicas."""
+        return records
+
+    def max_over_processes(self, value: int) -> int:
+        """The largest of every process's `value` (every process asks at the same point): whether,
+        and by which signal, some process was asked to stop."""
+        return value
+
+    def check_replicas_identical(self, params: Params) -> None:
+        """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
+
+    def before_round(self, updates: range) -> None:
+        """Called as a round (or the part of one up to a checkpoint) starts: real processes wait for
+        each other here; the test-only fault point `round` (hypertrain.fault_points)."""
+        fault_points.act(self.rank, "round", updates)
+
+    def comm_stats(self) -> dict:
+        """Measured payload bytes handed to collectives and seconds spent in them, since the last call."""
+        return {}

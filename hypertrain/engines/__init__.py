@@ -1,0 +1,2 @@
+"""Engines: how one process computes the inner steps of its replicas (loop, stacked), and what they
+measured."""

@@ -1,0 +1,111 @@
+"""The reference engine: each replica's inner steps of one round, replica after replica.
+
+`train_replicas(cfg, theta, assigns, states, average, stop)` starts every replica from a fresh
+copy of the global weights `theta` (or of its `Assignment.start` mid-round), runs its inner steps
+on its own microbatches, and returns per replica its weights, its optimizer state and its loss at
+every step (None where it had no ids and skipped the step). The first replica asks `stop` after
+every update; the others then take as many updates as it did. Parameters and optimizer state
+carry a replica axis of size 1, so the math is exactly the shared model and optimizer code the
+stacked engine runs with R > 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hypertrain.config import TrainConfig
+from hypertrain.engines.compiled import inner_step_fn
+from hypertrain.engines.contract import (
+    Assignment,
+    GradientAverage,
+    ReplicaResult,
+    StopAfter,
+    channel_means,
+    check_finite,
+    gradients,
+    in_lockstep,
+    microbatch_terms,
+    timed_average,
+)
+from hypertrain.model.transformer import Params
+from hypertrain.optim.inner import OptState
+
+
+def train_replica(
+    cfg: TrainConfig,
+    theta: Params,
+    assign: Assignment,
+    state: OptState,
+    average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
+) -> ReplicaResult:
+    """One replica's inner steps (state is updated in place and returned); it ends after the update
+    at which `stop` says so."""
+    device = torch.device(cfg.engine.device)
+    begin = theta if assign.start is None else {n: t[0] for n, t in assign.start.items()}
+    params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in begin.items()}
+    losses: list[float | None] = []
+    seconds, allreduce, channels = [], [], []
+    multistream = cfg.model.arch == "multistream"
+    for t in range(len(assign.batches)):
+        loss, seconds_t, allreduce_t, channel_t = _update(
+            cfg, assign, t, params, state, average_in_replica, device
+        )
+        losses.append(loss)
+        seconds.append(seconds_t)
+        allreduce.append(allreduce_t)
+        channels.append(channel_t)
+        if stop is not None and stop(assign.global_step0 + t):
+            break
+    weights = {n: p.detach() for n, p in params.items()}
+    return ReplicaResult(weights, state, losses, seconds, allreduce, channels if multistream else [])
+
+
+def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, average, device):
+    """The replica's update `t`: (loss or None when it had no ids, seconds, gradient-average seconds,
+    multistream: the per-channel token means)."""
+    batch = assign.batches[t]
+    if batch.empty:
+        return None, 0.0, 0.0, None
+    start = time.perf_counter()
+    loss = torch.zeros((), device=device)
+    sums = counts = None
+    for mb in batch.microbatches:
+        part, channel_sums = microbatch_terms(cfg, params, mb)
+        part.backward()
+        loss += part.detach()
+        if channel_sums is not None:
+            sums = channel_sums.detach() + (0 if sums is None else sums)
+            counts = mb.channel_counts.to(device) + (0 if counts is None else counts)
+    grads = gradients(params)
+    if sums is None:
+        allreduce = timed_average(average, grads, loss.view(1))
+    else:  # the replica's ranks average the channel sums and counts with the loss (ratios unchanged)
+        stats = torch.cat([loss.view(1), sums.to(loss.dtype), counts.to(loss.dtype)]).view(1, -1)
+        allreduce = timed_average(average, grads, stats)
+        C = sums.numel()
+        loss, sums, counts = stats[0, 0], stats[0, 1 : 1 + C], stats[0, 1 + C :]
+    norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, assign.lr(cfg, t))
+    check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
+    for p in params.values():
+        p.grad = None
+    channels = None if sums is None else channel_means(sums, counts).tolist()
+    return loss.item(), time.perf_counter() - start, allreduce, channels
+
+
+def train_replicas(
+    cfg: TrainConfig,
+    theta: Params,
+    assigns: list[Assignment],
+    states: list[OptState],
+    average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
+) -> list[ReplicaResult]:
+    """Every replica's updates, one replica after another (the reference for the stacked engine)."""
+
+    def one(todo: list[Assignment], kept: list[OptState], asking: StopAfter | None) -> list[ReplicaResult]:
+        return [train_replica(cfg, theta, todo[0], kept[0], average_in_replica, asking)]
+
+    return in_lockstep(one, assigns, states, [slice(i, i + 1) for i in range(len(assigns))], stop)

@@ -1,0 +1,191 @@
+"""The fast engine: all replicas of a sub-round as one stacked model, params `[R, ...]`.
+
+Same contract (`hypertrain.engines`) and math as the loop engine (`hypertrain.loop`): the same
+`model.forward` and `optim.inner_step`, run once for the replicas of a sub-round instead of once
+per replica. One forward and one backward per microbatch serve every stacked replica; the loss is each
+replica's weighted mean, summed over replicas (never averaged: that would shrink gradients and
+change clipping). Replicas with fewer rows or microbatches get masked rows; variable-length
+microbatches are padded to their longest row across the replicas and cut to stay within
+`data.max_padded_tokens` per replica; a replica with no ids in an update is masked out of that
+optimizer step. Losses come back to the host once per sub-round. Reduction shapes differ from
+the loop, so results agree within float rounding, not always bitwise (docs/parity.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hypertrain.config import TrainConfig
+from hypertrain.data.batches import stack_microbatches, stacked_channel_counts, stacked_microbatches
+from hypertrain.engines.compiled import forward_fn, inner_step_fn
+from hypertrain.engines.contract import (
+    Assignment,
+    GradientAverage,
+    ReplicaResult,
+    StopAfter,
+    channel_means,
+    check_finite,
+    gradients,
+    in_lockstep,
+    timed_average,
+)
+from hypertrain.model.transformer import Params
+from hypertrain.optim.inner import OptState
+
+
+def _stack_states(states: list[OptState]) -> OptState:
+    return OptState(
+        {n: torch.cat([s.m[n] for s in states]) for n in states[0].m},
+        {n: torch.cat([s.v[n] for s in states]) for n in states[0].v},
+        torch.cat([s.step for s in states]),
+    )
+
+
+def _replica_state(state: OptState, r: int) -> OptState:
+    return OptState(
+        {n: t[r : r + 1].clone() for n, t in state.m.items()},
+        {n: t[r : r + 1].clone() for n, t in state.v.items()},
+        state.step[r : r + 1].clone(),
+    )
+
+
+def check_supported(cfg: TrainConfig) -> None:
+    """Raise ValueError naming any configuration the stacked engine does not implement."""
+    m = cfg.model
+    if m.is_moe:
+        raise ValueError(
+            f"engine=stacked supports dense models only, not model.is_moe={m.is_moe}; "
+            "valid: engine=loop for that model"
+        )
+    if m.compute_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"engine=stacked: model.compute_dtype={m.compute_dtype!r}; valid: 'fp32', 'bf16'")
+
+
+def train_many(
+    cfg: TrainConfig,
+    theta: Params,
+    assigns: list[Assignment],
+    states: list[OptState],
+    average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
+) -> list[ReplicaResult]:
+    """The inner steps of the replicas in `assigns`, stacked (one sub-round); they end together after
+    the update at which `stop` says so."""
+    check_supported(cfg)
+    device = torch.device(cfg.engine.device)
+    spans = {(a.global_step0, a.inner_step0, len(a.batches)) for a in assigns}
+    if len(spans) != 1:
+        raise ValueError(
+            "engine=stacked: the replicas of a sub-round must share the round's updates "
+            f"((first update, step in round, updates): {sorted(spans)})"
+        )
+    if len(states) != len(assigns):
+        raise ValueError(f"engine=stacked: {len(assigns)} assignments but {len(states)} optimizer states")
+    R, steps = len(assigns), len(assigns[0].batches)
+    if assigns[0].start is None:  # a round's start: every replica from the global weights
+        begin = {n: t.detach().unsqueeze(0).expand(R, *t.shape) for n, t in theta.items()}
+    else:  # mid-round: each from the weights it reached
+        begin = {n: torch.cat([a.start[n] for a in assigns]) for n in theta}
+    params = {n: t.clone().requires_grad_(True) for n, t in begin.items()}
+    state = _stack_states(states)
+    forward, inner_step = forward_fn(cfg.engine.compile), inner_step_fn(cfg.engine.compile)
+    losses = torch.zeros(steps, R, device=device)
+    # multistream: per update and replica, each channel's token mean (filled by _update)
+    C = len(cfg.model.channel_vocabs) if cfg.model.arch == "multistream" else 0
+    channels = torch.zeros(steps, R, C, dtype=torch.float64, device=device)
+    stepped = torch.zeros(steps, R, dtype=torch.bool)
+    seconds, allreduce = [0.0] * steps, [0.0] * steps
+    for t in range(steps):
+        batches = [a.batches[t] for a in assigns]
+        active = [not b.empty for b in batches]
+        if any(active):
+            seconds[t], allreduce[t] = _update(
+                cfg,
+                assigns,
+                t,
+                params,
+                state,
+                (forward, inner_step),
+                active,
+                (losses, channels),
+                average_in_replica,
+            )
+            stepped[t] = torch.tensor(active)
+        if stop is not None and stop(assigns[0].global_step0 + t):
+            steps = t + 1
+            break
+    host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy (two, multistream)
+    host_channels = channels.cpu().tolist() if C else None
+    # One timing list shared by the stacked replicas (throughput.process_table counts it once).
+    seconds, allreduce = seconds[:steps], allreduce[:steps]
+    return [
+        ReplicaResult(
+            {n: p[r : r + 1].detach().clone() for n, p in params.items()},
+            _replica_state(state, r),
+            [host_losses[t][r] if stepped[t, r] else None for t in range(steps)],
+            seconds,
+            allreduce,
+            [host_channels[t][r] if stepped[t, r] else None for t in range(steps)] if C else [],
+        )
+        for r in range(R)
+    ]
+
+
+def _update(cfg, assigns, t, params, state, fns, active, records, average_in_replica) -> tuple[float, float]:
+    """Update `t` of the stacked replicas, in place; (its seconds, its gradient average's seconds).
+    `records` are the losses [steps, R] and the multistream channel means [steps, R, C] to fill."""
+    forward, inner_step = fns
+    losses, channels = records
+    device = losses.device
+    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" or cfg.data.name == "speech" else 0
+    batches = [a.batches[t] for a in assigns]
+    start = time.perf_counter()
+    sums = counts = None
+    for parts in stacked_microbatches(batches, bound):
+        tokens, mask, weights, channel_weights = stack_microbatches(parts, device)
+        out = forward(cfg.model, params, tokens, mask, channel_weights)
+        if channel_weights is not None:  # multistream: [R, 1 + C], the loss then the channel sums
+            part_sums, out = out[:, 1:].detach(), out[:, 0]
+            sums = part_sums + (0 if sums is None else sums)
+            counts = stacked_channel_counts(parts, device) + (0 if counts is None else counts)
+        per_replica = out * weights
+        per_replica.sum().backward()
+        losses[t] += per_replica.detach()
+    grads = gradients(params)
+    if sums is None:
+        allreduce = timed_average(average_in_replica, grads, losses[t])
+    else:  # the replica's ranks average the channel sums and counts with the loss (ratios unchanged)
+        C = sums.shape[1]
+        stats = torch.cat([losses[t].unsqueeze(1), sums.to(losses.dtype), counts.to(losses.dtype)], dim=1)
+        allreduce = timed_average(average_in_replica, grads, stats)
+        losses[t] = stats[:, 0]
+        channels[t] = channel_means(stats[:, 1 : 1 + C].double(), stats[:, 1 + C :].double())
+    # The mask costs a copy of the state: pass it only when some replica sits this step out.
+    mask = None if all(active) else torch.tensor(active, device=device)
+    norms = inner_step(cfg.inner, params, grads, state, assigns[0].lr(cfg, t), active=mask)
+    # A skipped replica's gradient is zero and its loss 0, so only real steps can trip the check.
+    check_finite(losses[t], norms, grads, [a.replica for a in assigns], assigns[0].global_step0 + t)
+    for p in params.values():
+        p.grad = None
+    return time.perf_counter() - start, allreduce  # check_finite synced with the device
+
+
+def train_replicas(
+    cfg: TrainConfig,
+    theta: Params,
+    assigns: list[Assignment],
+    states: list[OptState],
+    average_in_replica: GradientAverage | None = None,
+    stop: StopAfter | None = None,
+) -> list[ReplicaResult]:
+    """Every replica's updates, `engine.stack` replicas at a time (0 = all at once); the first
+    sub-round asks `stop`, the others take as many updates as it did."""
+    size = cfg.engine.stack or len(assigns)
+
+    def group(todo: list[Assignment], kept: list[OptState], asking: StopAfter | None) -> list[ReplicaResult]:
+        return train_many(cfg, theta, todo, kept, average_in_replica, asking)
+
+    parts = [slice(start, start + size) for start in range(0, len(assigns), size)]
+    return in_lockstep(group, assigns, states, parts, stop)

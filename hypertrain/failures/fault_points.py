@@ -1,0 +1,73 @@
+"""Tests only: make a process fail at a named point of a run, so a test names the point instead of
+racing a clock.
+
+`HYPERTRAIN_FAULT=RANK:UPDATE:ACTION[:POINT]` acts in the process of rank RANK (0 without
+torch.distributed) at the 1-based update UPDATE, at POINT:
+- `round` (the default): as the round (or the part of one) that holds UPDATE starts;
+- `after`: right after UPDATE's inner step, before the processes agree whether to stop;
+- `checkpoint`: writing the checkpoint taken at UPDATE's end, its temporary file whole but not
+  yet renamed into place;
+- `metrics`: writing UPDATE's row of metrics.jsonl, half the row on disk;
+- `end`: engine=dist, as the process tears down after the run finished (UPDATE: any of the run's;
+  a rank other than 0 first waits until rank 0 has written the `end` row).
+ACTION is `kill` (SIGKILL: no handler runs, nothing is flushed), `sleep` (hang until a stop
+signal arrives), `term` / `usr2` (send this process SIGTERM / SIGUSR2, as a scheduler would), or
+`int` / `hup` (SIGINT / SIGHUP, as a terminal's Ctrl-C or hangup would), or `int2` (a second
+Ctrl-C: SIGINT to this process's group, as a terminal sends it, twice, `preemption.REPEAT_S` +
+0.5 s apart; the test starts the entry in a session of its own).
+Unset, every call is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+FAULT_ENV = "HYPERTRAIN_FAULT"
+POINTS = ("round", "after", "checkpoint", "metrics", "end")
+_SIGNALS = {
+    "kill": signal.SIGKILL,
+    "term": signal.SIGTERM,
+    "usr2": signal.SIGUSR2,
+    "int": signal.SIGINT,
+    "hup": signal.SIGHUP,
+}
+
+
+def due(rank: int, point: str, updates: range) -> bool:
+    """Whether the fault is set for this rank at `point` of one of `updates` (0-based)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return False
+    target, update, _action, *where = spec.split(":")
+    return int(target) == rank and (where[0] if where else "round") == point and int(update) - 1 in updates
+
+
+def act(rank: int, point: str, updates: range, ready: Callable[[], bool] | None = None) -> None:
+    """Do the fault's action when it is due here (see the module docstring); with `ready`, once it
+    says so (polled for at most a minute)."""
+    if not due(rank, point, updates):
+        return
+    deadline = time.monotonic() + 60
+    while ready is not None and not ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    action = os.environ[FAULT_ENV].split(":")[2]
+    if action == "sleep":  # a hung process: only a stop signal ends it (or SIGKILL)
+        from hypertrain.failures import Terminated
+        from hypertrain.failures.signals import requested
+
+        while requested() is None:
+            time.sleep(0.05)
+        raise Terminated("stopped by SIGTERM while hung (the test-only fault)")
+    if action == "int2":  # two Ctrl-Cs in a terminal: the second one stops at once
+        from hypertrain.failures.signals import REPEAT_S
+
+        os.killpg(os.getpgrp(), signal.SIGINT)
+        time.sleep(REPEAT_S + 0.5)
+        os.killpg(os.getpgrp(), signal.SIGINT)
+        time.sleep(5)  # the second one's StoppedAtOnce arrives here
+        return
+    os.kill(os.getpid(), _SIGNALS[action])
+    time.sleep(0.1)  # let a handled signal arrive before going on

@@ -1,0 +1,1 @@
+"""Launchers Hydra loads: the SLURM launcher's preflight."""

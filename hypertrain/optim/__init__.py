@@ -1,0 +1,1 @@
+"""The inner optimizers (AdamW, Muon) and their schedule, written once for a leading replica axis."""

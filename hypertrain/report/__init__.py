@@ -1,0 +1,1 @@
+"""The run report: reads runs' records and compares them (python -m hypertrain.report)."""

@@ -1,0 +1,198 @@
+"""`python -m hypertrain.report PATH [PATH ...] [--out DIR]`: compare runs at a glance.
+
+Reads every run at or under the PATHs (run directories, sweep directories, or a folder above them)
+and writes into `PATH/report/` (one PATH) or `--out DIR`: `report.md`, `report.html` (one
+self-contained page, the plots embedded), `report.json` (the table's values, the plots' files and
+pixel sizes) and the PNG plots; then prints the table. Bad input (a path that holds no run, a run
+file that cannot be read, several PATHs without --out) prints one line and exits 2; nothing is
+written. docs/report.md says what every column and plot shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from hypertrain.report import phases
+from hypertrain.report.plots import heldout_plot, phases_plot, spread_plot
+from hypertrain.report.render import Section, html, markdown
+from hypertrain.report.runs import ReportInputError, Run, find_runs, load_run
+from hypertrain.report.table import (
+    DIFFERENT_DATA,
+    OTHER_ORDER,
+    columns,
+    data_flags,
+    differing_keys,
+    flat,
+    phase_of,
+    table_rows,
+)
+
+PROG = "python -m hypertrain.report"
+TITLE = "hypertrain run report"
+FILES = ("report.md", "report.html", "report.json")
+
+NOTES = [
+    "held-out: the global weights' loss on the held-out slice (nats/token), after the last sync "
+    "(final) and the lowest of every evaluation (best); the number that compares runs across R and H.",
+    "train loss final: the mean over the replicas of their loss at the last update; their batches "
+    "shrink as R grows, so it does not compare runs across R.",
+    "updates: run / planned. replica-steps/s: the run's `train/replica_steps_per_s` (after the "
+    "phase's timing_warmup updates, syncs and evaluations included); tokens/s: its `bench/tokens_per_s` "
+    "(supervised tokens per second of update time, the slowest process); a resumed run's last session.",
+    "inner bytes/rank and outer bytes/replica: the ring all-reduce formula's totals at the last sync "
+    "(inner: within a replica's ranks, every update; outer: across the replicas, every sync).",
+    "wall s: seconds of training (from after the first evaluation to the end of the last round), "
+    "summed over a resumed run's sessions.",
+    "status: its `end` row's (finished, failed, preempted); without one, running (its process is "
+    "alive on this host), crashed (it is not), or unknown (it started on another host).",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage block
+        print(f"{self.prog}: error: {message}; usage: {PROG} PATH [PATH ...] [--out DIR]", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_names(runs: list[Run]) -> list[str]:
+    """Each run's path below the folder all of them share (a single run: its folder's name)."""
+    if len(runs) == 1:
+        return [runs[0].path.name]
+    base = Path(os.path.commonpath([run.path for run in runs]))
+    return [str(run.path.relative_to(base)) for run in runs]
+
+
+def data_note(runs: list[Run], flags: list[str]) -> str:
+    """What the data flags compare against: per phase, the data most of its runs saw."""
+    references: dict = {}  # phase -> its first run that saw the reference data
+    for run, flag in zip(runs, flags, strict=True):
+        if flag != DIFFERENT_DATA:
+            references.setdefault(phase_of(run), run)
+    saw = []
+    for phase, reference in references.items():
+        fingerprint = reference.plan.get("data/fingerprint") or "-"
+        union = reference.plan.get("plan/union_sha256") or "-"
+        where = f"of phase {phase} " if len(references) > 1 else ""
+        saw.append(
+            f"most runs {where}saw data fingerprint `{fingerprint[:16]}` with union hash `{union[:16]}`"
+        )
+    return (
+        f"data: {'; '.join(saw)}; "
+        f"'{DIFFERENT_DATA}': another fingerprint or union hash than most runs of its phase (runs of "
+        f"different phases are not compared: their ids differ by design); '{OTHER_ORDER}': the same "
+        "data, but another data-order digest than most runs of its phase with the same R (the digest "
+        "depends on R, so runs with another R are not compared; the rank digest, which depends on the "
+        "world, never is)."
+    )
+
+
+def phases_sections(runs: list[Run], out: Path) -> tuple[list[Section], dict]:
+    """One section per experiment=phases sweep among the runs: phases.py's table and a plot."""
+    sweeps: dict[Path, list[Run]] = {}
+    for run in runs:
+        if run.config.get("experiment") == "phases":
+            sweeps.setdefault(run.path.parent, []).append(run)
+    sections, tables = [], {}
+    for sweep, group in sweeps.items():
+        status = {run.path.name: run.status for run in group}
+        rows = phases.with_scaling([phases.job_row(run.path) for run in group])
+        rows = [row | {"status": status[row["job"]]} for row in rows]
+        plot = phases_plot(rows, sweep.name, out)
+        tables[sweep.name] = rows
+        sections.append(
+            Section(
+                f"Benchmark phases: {sweep.name}",
+                paragraphs=[phases.SCALING_NOTE],
+                table=phases.cells(rows, phases.columns_for(rows)),
+                bullets=phases.measured_on(rows),
+                plots=[plot],
+            )
+        )
+    return sections, tables
+
+
+def build(runs: list[Run], out: Path, command: str) -> tuple[list[Section], dict, str]:
+    """Draw the plots into `out`; return the report's sections, its JSON record, and the terminal table."""
+    names = run_names(runs)
+    keys = differing_keys(runs)
+    flags = data_flags(runs)
+    rows = table_rows(runs, names)
+    table = phases.cells([flat(row) for row in rows], columns(keys))
+    marked = [bool(row["data"]) or row["status"] != "finished" for row in rows]
+    ends = [run.rows[-1] if run.rows else {} for run in runs]  # an end row is a session's last
+    failures = [
+        f"{row['run']} {row['status']}: {end['error']}"
+        for row, end in zip(rows, ends, strict=True)
+        if end.get("kind") == "end" and "error" in end
+    ]
+    differ = ", ".join(f"`{key}`" for key in keys) or "nothing"
+    intro = f"{len(runs)} runs, made by `{command}`. Config values that differ between them: {differ}."
+    sections = [Section("Runs", [intro], table, marked, [*NOTES, data_note(runs, flags), *failures])]
+    plots = [heldout_plot(runs, names, keys, flags, out)]
+    sections.append(Section("Held-out loss", plots=plots))
+    spreads = [
+        spread_plot(run, name, i, out)
+        for i, (run, name) in enumerate(zip(runs, names, strict=True))
+        if run.replicas > 1
+    ]
+    if spreads:
+        sections.append(Section("Per-replica training loss (runs with R > 1)", plots=spreads))
+    phase_sections, phase_tables = phases_sections(runs, out)
+    sections += phase_sections
+    record = {
+        "command": command,
+        "keys": keys,
+        "runs": [row | {"path": str(run.path)} for row, run in zip(rows, runs, strict=True)],
+        "plots": [asdict(plot) for section in sections for plot in section.plots],
+        "phases": phase_tables,
+    }
+    terminal = "\n".join(phases.markdown_table(*table, pad=True))
+    return sections, record, terminal
+
+
+def _remove_stale(out: Path, kept: set[str]) -> None:
+    """Remove the plots an earlier report listed in `out` that this one did not draw again."""
+    try:
+        earlier = json.loads((out / "report.json").read_text())
+        for plot in earlier.get("plots", []):
+            if plot["file"] not in kept and "/" not in plot["file"]:
+                (out / plot["file"]).unlink(missing_ok=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog=PROG, description="Compare runs: a table, plots and a one-page HTML report.")
+    parser.add_argument(
+        "paths", nargs="+", type=Path, metavar="PATH", help="run, sweep, or a folder above them"
+    )
+    parser.add_argument("--out", type=Path, help="where to write the report (default: PATH/report)")
+    args = parser.parse_args(argv)
+    command = " ".join([PROG, *(argv if argv is not None else sys.argv[1:])])
+    try:
+        if args.out is None and len(args.paths) > 1:
+            raise ReportInputError(f"{len(args.paths)} PATHs and no --out; valid: one PATH, or --out DIR")
+        out = args.out if args.out is not None else args.paths[0] / "report"
+        if out.exists() and not out.is_dir():
+            raise ReportInputError(f"--out={out} is a file; valid: a directory (made if missing)")
+        runs = [load_run(path) for path in find_runs(args.paths)]
+    except ReportInputError as e:
+        print(f"hypertrain.report: error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    sections, record, terminal = build(runs, out, command)
+    _remove_stale(out, {plot["file"] for plot in record["plots"]})
+    (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "report.md").write_text(markdown(TITLE, sections))
+    (out / "report.html").write_text(html(TITLE, sections, out))
+    print(terminal)
+    for row in record["runs"]:
+        if row["data"]:
+            print(f"{row['run']}: {row['data']}")
+    print(f"report: {out / 'report.html'} ({len(record['plots'])} plots)")
+    return 0

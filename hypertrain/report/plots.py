@@ -1,0 +1,204 @@
+"""The report's plots: matplotlib figures drawn off-screen (Agg) into PNGs of a stated pixel size.
+
+`heldout_plot`: the held-out loss of the global weights against the update and against the outer
+(cross-replica) bytes, one line per run, colour by the first differing config key and line style by
+the second, a run that saw other data, or did not finish, says so in the legend. `spread_plot`: one
+run's per-replica training losses (min-max band and mean; never compared across R).
+`phases_plot`: an experiment=phases sweep's throughput and scaling efficiency per phase and world.
+Every figure is saved without a tight bounding box, so its PNG is exactly `width` x `height` pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, MaxNLocator
+
+from hypertrain.report.runs import Run
+
+DPI = 100
+HELDOUT_SIZE = (1200, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend below the panels
+LEGEND_ROW_PX = 22
+SPREAD_SIZE = (900, 420)
+PHASES_SIZE = (1100, 420)
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
+STYLES = ("-", "--", ":", "-.")
+LOSS_UNIT = "nats/token"
+
+
+@dataclass
+class Plot:
+    """A PNG the report wrote, and what it shows."""
+
+    file: str  # name inside the report folder
+    title: str
+    caption: str
+    width: int  # pixels
+    height: int
+    series: list[str] = field(default_factory=list)  # legend entries, in order
+
+
+def _figure(size: tuple[int, int], panels: int) -> tuple[Figure, list]:
+    fig = Figure(figsize=(size[0] / DPI, size[1] / DPI), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return fig, list(axes)
+
+
+def _save(fig: Figure, out_dir: Path, file: str, size: tuple[int, int], **what) -> Plot:
+    fig.savefig(out_dir / file, dpi=DPI, format="png")
+    return Plot(file, width=size[0], height=size[1], **what)
+
+
+def _value(run: Run, key: str | None) -> str:
+    """The run's value of `key` as JSON (its folder's name without a key): what colours and styles go by."""
+    return json.dumps(run.config.get(key) if key else run.path.name)
+
+
+def _value_index(runs: list[Run], key: str | None) -> dict[str, int]:
+    """Each distinct value of `key` -> its position in the order the runs first show it."""
+    index: dict[str, int] = {}
+    for run in runs:
+        index.setdefault(_value(run, key), len(index))
+    return index
+
+
+def labels(runs: list[Run], names: list[str], keys: list[str], flags: list[str]) -> list[str]:
+    """Legend entries: the run's differing values (its name when there are none), its status when it
+    did not finish, its data flag; runs that would share an entry get their name appended."""
+    out = []
+    for run, name, flag in zip(runs, names, flags, strict=True):
+        text = ", ".join(f"{key}={run.config.get(key)}" for key in keys) or name
+        if run.status != "finished":
+            text += f" [{run.status}]"
+        out.append(text + (f" ({flag})" if flag else ""))
+    repeated = {text for text in out if out.count(text) > 1}
+    return [f"{text} - {name}" if text in repeated else text for text, name in zip(out, names, strict=True)]
+
+
+def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list[str], out_dir: Path) -> Plot:
+    """The held-out loss of every run against the update and the outer bytes (one PNG, two panels)."""
+    legend_columns = 1 if len(runs) <= 3 else 2 if len(runs) <= 12 else 3
+    size = (HELDOUT_SIZE[0], HELDOUT_SIZE[1] + LEGEND_ROW_PX * math.ceil(len(runs) / legend_columns))
+    fig, (by_update, by_bytes) = _figure(size, 2)
+    by_bytes.sharey(by_update)
+    colour_key = keys[0] if keys else None
+    style_key = keys[1] if len(keys) > 1 else None
+    colours, styles = _value_index(runs, colour_key), _value_index(runs, style_key)
+    series = labels(runs, names, keys, flags)
+    for run, label in zip(runs, series, strict=True):
+        evals = [row for row in run.rows if row.get("kind") in ("eval", "sync")]
+        colour = COLOURS[colours[_value(run, colour_key)] % len(COLOURS)]
+        style = STYLES[styles[_value(run, style_key)] % len(STYLES)] if style_key else "-"
+        loss = [row["eval_loss"] for row in evals]
+        outer = [row.get("comm_outer_total", 0) for row in evals]  # the eval row before training: 0
+        line = dict(color=colour, linestyle=style, marker="o", markersize=3)
+        by_update.plot([row["update"] for row in evals], loss, label=label, **line)
+        by_bytes.plot(outer, loss, **line)
+    by_update.set_xlabel("update")
+    by_update.xaxis.set_major_locator(MaxNLocator(integer=True))
+    by_update.set_ylabel(f"held-out loss of the global weights ({LOSS_UNIT})")
+    by_bytes.set_xlabel("outer (cross-replica) bytes sent per replica, cumulative")
+    by_bytes.xaxis.set_major_formatter(EngFormatter(unit="B"))
+    most = max((row.get("comm_outer_total", 0) for run in runs for row in run.of_kind("sync")), default=0)
+    span = most or 1  # whole bytes only, none below 0; a margin keeps the R = 1 runs' line off the spine
+    by_bytes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    by_bytes.set_xlim(-0.03 * span, 1.05 * span)
+    if not most:
+        by_bytes.text(
+            0.5, 0.5, "no outer bytes sent (R = 1, or no sync yet)", transform=by_bytes.transAxes, ha="center"
+        )
+    style_note = f", line style: {style_key}" if style_key else ""
+    fig.suptitle(f"Held-out loss (colour: {colour_key or 'run'}{style_note})")
+    fig.legend(loc="outside lower center", ncols=legend_columns, fontsize="small")
+    return _save(
+        fig,
+        out_dir,
+        "heldout.png",
+        size,
+        title="Held-out loss against the update and the outer bytes",
+        caption="The global weights' held-out loss before training and after every sync. Outer bytes: "
+        "what one replica sends in the ring all-reduces of the syncs (0 with R = 1).",
+        series=series,
+    )
+
+
+def spread_plot(run: Run, name: str, number: int, out_dir: Path) -> Plot:
+    """One run's per-replica training loss: min-max band over the replicas that stepped, their mean,
+    and the held-out loss of the global weights at the syncs."""
+    fig, (ax,) = _figure(SPREAD_SIZE, 1)
+    updates = [row for row in run.of_kind("update") if any(loss is not None for loss in row["loss"])]
+    steps = [row["update"] for row in updates]
+    stepped = [[loss for loss in row["loss"] if loss is not None] for row in updates]
+    ax.fill_between(steps, [min(x) for x in stepped], [max(x) for x in stepped], alpha=0.3, label="min-max")
+    ax.plot(steps, [row["loss_mean"] for row in updates], label="mean over replicas")
+    evals = [row for row in run.rows if row.get("kind") in ("eval", "sync")]
+    ax.plot(
+        [row["update"] for row in evals],
+        [row["eval_loss"] for row in evals],
+        "o--",
+        markersize=3,
+        label="held-out loss of the global weights",
+    )
+    ax.set_xlabel("update")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(f"loss ({LOSS_UNIT})")
+    ax.set_title(f"{name}: training loss of its R = {run.replicas} replicas ({run.status})")
+    ax.legend(fontsize="small")
+    safe = file_safe(name)
+    return _save(
+        fig,
+        out_dir,
+        f"spread-{number:02d}-{safe}.png",
+        SPREAD_SIZE,
+        title=f"{name}: per-replica training loss",
+        caption=f"Each replica's loss on its own batch (R = {run.replicas}); within this run only: "
+        "per-replica batches shrink as R grows, so compare runs by the held-out loss.",
+        series=["min-max", "mean over replicas", "held-out loss of the global weights"],
+    )
+
+
+def file_safe(name: str) -> str:
+    """`name` with every run of characters a file name should not hold replaced by `_`."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def phases_plot(rows: list[dict], sweep: str, out_dir: Path) -> Plot:
+    """Throughput and scaling efficiency per phase against the world (rows: phases.with_scaling's)."""
+    fig, (speed, scaling) = _figure(PHASES_SIZE, 2)
+    phases = list(dict.fromkeys(row["phase"] for row in rows))
+    worlds = sorted({row["world"] for row in rows})
+    for i, phase in enumerate(phases):
+        mine = [row for row in rows if row["phase"] == phase]
+        nan = float("nan")
+        line = dict(color=COLOURS[i % len(COLOURS)], marker="o", label=phase)
+        speed.plot([r["world"] for r in mine], [r["samples_per_s"] or nan for r in mine], **line)
+        scaling.plot([r["world"] for r in mine], [r["scaling_efficiency"] or nan for r in mine], **line)
+    scaling.axhline(1.0, color="grey", linestyle=":", label="ideal")
+    for ax in (speed, scaling):
+        ax.set_xlabel("world (ranks)")
+        ax.set_xticks(worlds)
+    speed.set_ylabel("examples/s, all ranks")
+    speed.set_ylim(bottom=0)
+    scaling.set_ylabel("scaling efficiency (1 = ideal)")
+    scaling.set_ylim(bottom=0)
+    speed.legend(fontsize="small")
+    scaling.legend(fontsize="small")
+    fig.suptitle(f"experiment=phases: {sweep}")
+    safe = file_safe(sweep)
+    return _save(
+        fig,
+        out_dir,
+        f"phases-{safe}.png",
+        PHASES_SIZE,
+        title=f"Benchmark phases: {sweep}",
+        caption="Throughput after each phase's timing_warmup updates, and scaling efficiency against the "
+        "phase's smallest world (strong: throughput ratio / world ratio; weak: per-rank throughput ratio).",
+        series=[*phases, "ideal"],
+    )

@@ -1,0 +1,205 @@
+"""The runs a report reads: find them on disk, read each one's records, tell whether it is alive.
+
+`find_runs(paths)` gives every run directory (one holding metrics.jsonl) at or under the paths;
+`load_run(run_dir)` reads its metrics.jsonl, config.yaml and plan.json into a `Run`, or raises
+`ReportInputError` (one line naming the file and what is valid); a last line cut short is left
+out. A run's status is its last session's (the rows from its last `start` row on): its `end`
+row's (`finished`, `failed`, ...); with none, `running` when the start row's pid is alive on this
+host and started before the row, else `crashed`; `unknown` when the session started on another
+host or its start row has no pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hypertrain.run.records import METRICS_FILE, read_metrics
+
+VALID_PATH = "valid: a run directory (holding metrics.jsonl), a sweep directory, or a folder above them"
+SKIPPED = {"wandb", "checkpoints", "report", ".hydra"}  # folders that never hold a run's metrics.jsonl
+PROCESS_START_SLACK_S = 2.0  # /proc's boot time is whole seconds; clocks drift a little
+
+
+class ReportInputError(ValueError):
+    """A path or a run's file the report cannot use; its message is the one line the user sees."""
+
+
+@dataclass
+class Run:
+    """One run directory's records, read once."""
+
+    path: Path
+    rows: list[dict]  # metrics.jsonl, in order
+    config: dict  # config.yaml flattened to dotted keys ("inner.H": 5)
+    plan: dict  # plan.json: the plan check, the hashes, the data fingerprint, updates run
+    status: str  # one of STATUSES, or the `end` row's own word (e.g. `preempted`)
+    cut_short: bool = False  # its last line was cut short (a crash mid-write, or a row being written)
+
+    @property
+    def replicas(self) -> int:
+        return self.config["replicas"]
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [row for row in self.rows if row.get("kind") == kind]
+
+    @property
+    def resumed(self) -> int:
+        """How many times the run was resumed (one `resume` row per resumed session)."""
+        return len(self.of_kind("resume"))
+
+    def sessions(self) -> list[list[dict]]:
+        """The rows split at each `start` row (a resumed run has several sessions)."""
+        return sessions(self.rows)
+
+
+def sessions(rows: list[dict]) -> list[list[dict]]:
+    """`rows` split at each `start` row; rows before the first start row form a session of their own."""
+    out: list[list[dict]] = []
+    for row in rows:
+        if row.get("kind") == "start" or not out:
+            out.append([])
+        out[-1].append(row)
+    return out
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Every run directory at or under `paths`, sorted, each once; ReportInputError for a path that
+    does not exist or holds no run."""
+    found: set[Path] = set()
+    for path in paths:
+        if not path.exists():
+            raise ReportInputError(f"PATH={path} does not exist; {VALID_PATH}")
+        if not path.is_dir():
+            raise ReportInputError(f"PATH={path} is not a directory; {VALID_PATH}")
+        runs = [path] if (path / METRICS_FILE).is_file() else _runs_under(path)
+        if not runs:
+            raise ReportInputError(f"PATH={path} holds no {METRICS_FILE}; {VALID_PATH}")
+        found.update(run.resolve() for run in runs)
+    return sorted(found)
+
+
+def _runs_under(folder: Path) -> list[Path]:
+    runs = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED)
+        if METRICS_FILE in filenames:
+            runs.append(Path(dirpath))
+            dirnames[:] = []  # a run directory holds no other run
+    return runs
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested config sections as dotted keys, in the config's order."""
+    flat: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# The fields of each row kind the report reads (hypertrain.log writes them all).
+REQUIRED = {
+    "eval": ("update", "eval_loss"),
+    "sync": ("update", "eval_loss", "comm_inner_total", "comm_outer_total"),
+    "update": ("update", "loss", "loss_mean"),
+}
+VALID_FILES = f"valid: a run directory holds {METRICS_FILE}, config.yaml and plan.json as a run writes them"
+
+
+def _read(path: Path, parse):
+    """`parse(path)`, or ReportInputError naming the file: missing, unreadable, not JSON or YAML."""
+    try:
+        return parse(path)
+    except FileNotFoundError:
+        raise ReportInputError(f"{path} is missing; {VALID_FILES}") from None
+    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ReportInputError(f"{path} cannot be read ({why}); {VALID_FILES}") from None
+
+
+def _check_rows(path: Path, rows: list) -> None:
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or "kind" not in row:
+            raise ReportInputError(f"{path}: row {number} is not a metrics row (no kind); {VALID_FILES}")
+        missing = [key for key in REQUIRED.get(row["kind"], ()) if key not in row]
+        if missing:
+            raise ReportInputError(
+                f"{path}: row {number} ({row['kind']}) lacks {', '.join(missing)}; {VALID_FILES}"
+            )
+
+
+def read_rows(path: Path) -> tuple[list[dict], bool]:
+    """metrics.jsonl's rows, and whether its last line was cut short: a last line with no newline
+    that is not JSON (a crash mid-write, or a row being written now) is left out; any other line
+    that is not JSON is an error (read_metrics')."""
+    try:
+        return read_metrics(path), False
+    except ValueError as error:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.endswith("\n"):
+            raise
+        try:
+            return [
+                json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()
+            ], True
+        except ValueError:
+            raise error from None
+
+
+def load_run(run_dir: Path, host: str | None = None) -> Run:
+    """Read one run directory; ReportInputError naming the file that is missing or unreadable."""
+    metrics, config, plan = run_dir / METRICS_FILE, run_dir / "config.yaml", run_dir / "plan.json"
+    rows, cut_short = _read(metrics, read_rows)
+    _check_rows(metrics, rows)
+    tree = _read(config, lambda path: OmegaConf.to_container(OmegaConf.load(path)))
+    if not isinstance(tree, dict) or "replicas" not in tree:
+        raise ReportInputError(f"{config} is not a run's resolved config (no replicas); {VALID_FILES}")
+    facts = _read(plan, lambda path: json.loads(path.read_text(encoding="utf-8")))
+    if not isinstance(facts, dict):
+        raise ReportInputError(f"{plan} is not a run's plan facts (not a JSON object); {VALID_FILES}")
+    return Run(run_dir, rows, flatten(tree), facts, run_status(rows, host), cut_short)
+
+
+def run_status(rows: list[dict], host: str | None = None) -> str:
+    """The status of the run's last session (see the module docstring); `host` defaults to this one."""
+    last = sessions(rows)[-1] if rows else []
+    ends = [row for row in last if row.get("kind") == "end"]
+    if ends:
+        return ends[-1].get("status", "unknown")
+    start = last[0] if last and last[0].get("kind") == "start" else {}
+    if "pid" not in start or "host" not in start:
+        return "unknown"
+    if start["host"] != (host or socket.gethostname()):
+        return "unknown"
+    return "running" if process_alive(int(start["pid"]), float(start["time"])) else "crashed"
+
+
+def process_alive(pid: int, started_by: float) -> bool:
+    """Whether process `pid` lives (not a zombie) and started no later than `started_by` (epoch
+    seconds): a pid reused by a newer process is not the run's. Without /proc, liveness alone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return True
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime 22
+    if fields[0] in ("Z", "X"):
+        return False
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return started <= started_by + PROCESS_START_SLACK_S

@@ -1,0 +1,159 @@
+"""The comparison table: one row per run, with the config values that differ between the runs.
+
+`differing_keys(runs)` finds the dotted config keys whose values are not the same in every run
+(where and how a run logs and checkpoints, and whether it resumed, left out: they do not change its
+numbers), most varied first. `data_flags(runs)` marks the runs that saw other data than most runs
+of the same phase (another data fingerprint or union hash), and, between runs of the same phase
+with the same R only, another data order; runs of different phases are never compared (their ids
+differ by design), nor is the rank digest (it changes with the world size). `table_rows(runs, names)`
+gives each run's figures, read from its metrics.jsonl; `COLUMNS` formats them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from hypertrain.report.runs import Run
+
+# Config sections that may differ without changing a run's numbers (checkpoint.MAY_CHANGE names the
+# same ones; it is not imported, so that reading a report does not import torch).
+NOT_COMPARED = ("logger", "checkpoint", "guard", "resume")
+DIFFERENT_DATA = "saw different data"
+OTHER_ORDER = "saw another data order"
+
+# (key, title, format) per figure column, after the run's name and its differing config values.
+FIGURES = (
+    ("heldout_final", "held-out final", "{:.4f}"),
+    ("heldout_best", "held-out best", "{:.4f}"),
+    ("train_loss_final", "train loss final", "{:.4f}"),
+    ("updates", "updates", "{}"),
+    ("replica_steps_per_s", "replica-steps/s", "{:.1f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+    ("comm_inner_bytes", "inner bytes/rank", "{:,}"),
+    ("comm_outer_bytes", "outer bytes/replica", "{:,}"),
+    ("wall_s", "wall s", "{:.2f}"),
+    ("status_note", "status", "{}"),
+    ("data", "data", "{}"),
+)
+
+
+def _same(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def differing_keys(runs: list[Run]) -> list[str]:
+    """Config keys whose value is not the same in every run (a key some runs lack counts), ordered
+    by how many runs leave the key's most common value (swept keys before a single hand-made
+    difference), then by their order in the config."""
+    order: dict[str, int] = {}
+    for run in runs:
+        for key in run.config:
+            order.setdefault(key, len(order))
+    keys = [k for k in order if k.split(".")[0] not in NOT_COMPARED]
+    spread = {}
+    for key in keys:
+        values = Counter(_same(run.config.get(key)) for run in runs)
+        if len(values) > 1:
+            spread[key] = len(runs) - values.most_common(1)[0][1]
+    return sorted(spread, key=lambda k: (-spread[k], order[k]))
+
+
+def phase_of(run: Run):
+    """The phase a run trained (its `phase.name`): runs of different phases are meant to see
+    different data (a strong and a weak phase have different ids, so different union hashes)."""
+    return run.config.get("phase.name")
+
+
+def _data(run: Run) -> tuple:
+    return run.plan.get("data/fingerprint"), run.plan.get("plan/union_sha256")
+
+
+def data_flags(runs: list[Run]) -> list[str]:
+    """Per run: '' (saw what most runs of its phase saw; ties go to the earlier run), DIFFERENT_DATA
+    (another data fingerprint or union hash than most runs of its phase), or OTHER_ORDER (the same
+    data, and among the runs of its phase with its R, another data-order digest than most of them).
+    Runs of different phases are never compared."""
+    flags = [""] * len(runs)
+    for phase in dict.fromkeys(phase_of(run) for run in runs):
+        same_phase = [i for i, run in enumerate(runs) if phase_of(run) == phase]
+        data = {i: _data(runs[i]) for i in same_phase}
+        reference = Counter(data.values()).most_common(1)[0][0]
+        for i in same_phase:
+            if data[i] != reference:
+                flags[i] = DIFFERENT_DATA
+        for replicas in dict.fromkeys(runs[i].replicas for i in same_phase):
+            same_r = [i for i in same_phase if runs[i].replicas == replicas and not flags[i]]
+            if not same_r:
+                continue
+            orders = [runs[i].plan.get("plan/data_order_sha256") for i in same_r]
+            usual = Counter(orders).most_common(1)[0][0]
+            for i, order in zip(same_r, orders, strict=True):
+                if order != usual:
+                    flags[i] = OTHER_ORDER
+    return flags
+
+
+def _last(rows: list[dict], key: str):
+    values = [row[key] for row in rows if row.get(key) is not None]
+    return values[-1] if values else None
+
+
+def session_seconds(session: list[dict]) -> float:
+    """A session's training seconds: its final summary's `train/wall_s`, or, when it stopped before
+    writing one, the `wall` of its last update row (the end of the last round it logged)."""
+    wall = _last([row for row in session if row.get("kind") == "summary"], "train/wall_s")
+    if wall is None:
+        wall = _last([row for row in session if row.get("kind") == "update"], "wall")
+    return float(wall or 0.0)
+
+
+def figures(run: Run) -> dict:
+    """One run's figures from its metrics.jsonl (see docs/report.md for each one's definition)."""
+    evals = [row["eval_loss"] for row in run.rows if row.get("kind") in ("eval", "sync")]
+    syncs, updates = run.of_kind("sync"), run.of_kind("update")
+    summary: dict = {}
+    for row in (run.sessions() or [[]])[-1]:  # the last session's (a resumed run: what it ran last)
+        if row.get("kind") == "summary":
+            summary |= row
+    done = len({row["update"] for row in updates})
+    planned = run.plan.get("plan/updates_run")
+    return {
+        "heldout_final": evals[-1] if evals else None,
+        "heldout_best": min(evals) if evals else None,
+        "train_loss_final": _last(updates, "loss_mean"),
+        "updates_run": done,
+        "updates_planned": planned,
+        "updates": f"{done}/{planned if planned is not None else '?'}",
+        "replica_steps_per_s": summary.get("train/replica_steps_per_s"),
+        "tokens_per_s": summary.get("bench/tokens_per_s"),
+        "comm_inner_bytes": syncs[-1]["comm_inner_total"] if syncs else 0,
+        "comm_outer_bytes": syncs[-1]["comm_outer_total"] if syncs else 0,
+        "wall_s": sum(session_seconds(session) for session in run.sessions()),
+        "status": run.status,
+        "resumed": run.resumed,
+    }
+
+
+def table_rows(runs: list[Run], names: list[str]) -> list[dict]:
+    """One row per run: `run` (its name), `config` (the differing keys' values), the figures,
+    `status_note` (the status; how often it was resumed; a last row cut short) and `data` (its flag)."""
+    keys = differing_keys(runs)
+    flags = data_flags(runs)
+    rows = []
+    for run, name, flag in zip(runs, names, flags, strict=True):
+        row = {"run": name, "config": {key: run.config.get(key) for key in keys}} | figures(run)
+        notes = [f"resumed {row['resumed']}x"] * bool(row["resumed"]) + ["last row cut short"] * run.cut_short
+        note = f" ({', '.join(notes)})" if notes else ""
+        rows.append(row | {"status_note": row["status"] + note, "data": flag})
+    return rows
+
+
+def columns(keys: list[str]) -> tuple:
+    """The table's (key, title, format) columns: the run, each differing key, the figures."""
+    return (("run", "run", "{}"), *((key, key, "{}") for key in keys), *FIGURES)
+
+
+def flat(row: dict) -> dict:
+    """A table row with its config values beside its figures, as `columns` reads them."""
+    return {k: v for k, v in row.items() if k != "config"} | row["config"]

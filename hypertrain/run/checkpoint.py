@@ -1,0 +1,387 @@
+"""Checkpoints: the run's whole state at a sync or mid-round, written atomically, found and checked
+on resume.
+
+A checkpoint (`run_dir/checkpoints/ckpt-u<next update>.pt`, torch.save) holds the `RunState` of
+every replica (rank 0 gathers the replica states it does not hold: inner state, and mid-round the
+weights each replica has reached and whether it has stepped), the resolved config, both plan
+hashes, the byte length of metrics.jsonl when it was written, and the W&B run id. Written to a
+temporary file in the same folder, fsync'ed, renamed over, the folder fsync'ed: a crash or a full
+disk mid-write leaves the previous checkpoint whole. The last `checkpoint.keep` are kept.
+
+`find(path)` gives the newest checkpoint that loads (a corrupt one is skipped with a warning that
+names the one used instead); `compatible(saved, resolved, plan_facts)` raises a one-line
+`ConfigError` when the run to resume differs from the saved one beyond what may change (logger
+fields, checkpoint fields, `resume`, and `phase.updates` when `inner.decay_steps` is explicit, in
+which case the updates already run must be the same ones); `records_match(run_dir, path, saved)`
+raises one when the run directory's metrics.jsonl is not the records the checkpoint was written
+with (the run id of the session that wrote it, the length and the sha256 of the records up to that
+length, all saved in the checkpoint); `rewind_metrics` cuts metrics.jsonl back to the checkpoint's
+length (never extends it) and keeps what was cut in metrics.superseded.jsonl. Pruning removes only
+checkpoints this run wrote (named in its own `checkpoint` and `resume` rows, or written by this
+session).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hypertrain.config import ConfigError
+from hypertrain.failures import fault_points
+from hypertrain.run.records import METRICS_FILE
+
+FORMAT = 1
+FOLDER = "checkpoints"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+_NAME = re.compile(r"ckpt-u(\d+)\.pt$")
+
+# Config keys a resumed run may change: where and how it logs and checkpoints, and whether it resumes.
+MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")  # never change a number of the run
+PLAN_KEYS = ("data/fingerprint", "plan/union_sha256", "plan/data_order_sha256")
+
+
+def path_for(run_dir: Path, next_update: int) -> Path:
+    return Path(run_dir) / FOLDER / f"ckpt-u{next_update:07d}.pt"
+
+
+def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -> tuple[int, float]:
+    """Save `payload` atomically at `path`, keep the newest `keep` checkpoints; (bytes, seconds).
+    With `ours` (the names of the checkpoints this run wrote, `path`'s added) only those are pruned."""
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        fault_points.act(
+            0, "checkpoint", range(payload["state"]["next_update"] - 1, payload["state"]["next_update"])
+        )
+        os.replace(tmp, path)
+    except RuntimeError as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
+        if isinstance(e.__context__, OSError):
+            raise OSError(e.__context__.errno, e.__context__.strerror, str(path)) from e
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    if ours is not None and path.name not in ours:
+        ours.append(path.name)
+    for old in checkpoints(path.parent.parent)[:-keep]:
+        if ours is None or old.name in ours:
+            old.unlink(missing_ok=True)
+    return path.stat().st_size, time.perf_counter() - start
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    folder = Path(run_dir) / FOLDER
+    found = [p for p in folder.glob("ckpt-u*.pt") if _NAME.search(p.name)] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
+
+
+def load(path: Path) -> dict:
+    """A checkpoint's payload; ConfigError naming it when it is truncated or not a checkpoint."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
+        raise ConfigError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}); valid: a whole checkpoint"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ConfigError(
+            f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint"
+        )
+    return saved
+
+
+def find(path: Path) -> tuple[Path, dict] | None:
+    """The checkpoint `path` names (a file), or the newest usable one of the run directory `path`;
+    None when the directory has none. A corrupt newest one falls back to the one before, warning."""
+    path = Path(path)
+    if path.is_file():
+        return path, load(path)
+    found = checkpoints(path)
+    unreadable: ConfigError | None = None  # the newest one that did not load
+    for candidate in reversed(found):
+        try:
+            saved = load(candidate)
+        except ConfigError as e:
+            unreadable = unreadable or e
+            continue
+        if unreadable is not None:  # before Hydra's job logging exists: straight to stderr
+            print(f"hypertrain: warning: {unreadable}; resuming from {candidate} instead", file=sys.stderr)
+        return candidate, saved
+    if found:
+        raise ConfigError(
+            f"no checkpoint in {path / FOLDER} can be read; valid: a run with a whole checkpoint"
+        )
+    return None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
+    """Raise ConfigError (one line) unless the run `resolved` may continue the saved one."""
+    before, now = _flat(saved["config"]), _flat(resolved)
+    changed = sorted(
+        key
+        for key in before.keys() | now.keys()
+        if before.get(key) != now.get(key) and key.split(".")[0] not in MAY_CHANGE
+    )
+    # A longer phase changes the default decay (it ends at the phase's last update) along with it.
+    longer = now.get("phase.updates", 0) > before.get("phase.updates", 0)
+    extended = longer and set(changed) <= {"phase.updates", "inner.decay_steps"}
+    if extended and now["inner.decay_steps"] != before["inner.decay_steps"]:
+        raise ConfigError(
+            f"phase.updates={now['phase.updates']} extends the run ({before['phase.updates']} before) but "
+            "the learning-rate schedule of the updates already run would change; valid: the same "
+            f"inner.decay_steps as before, set explicitly (inner.decay_steps={before['inner.decay_steps']})"
+        )
+    if changed and not extended:
+        key = changed[0]
+        raise ConfigError(
+            f"{key}={now.get(key)!r} differs from the checkpoint's {before.get(key)!r}; a resumed run may "
+            f"change only {', '.join(f'{k}.*' for k in MAY_CHANGE[:3])} and phase.updates; valid: "
+            f"{key}={before.get(key)!r}"
+        )
+    # With only phase.updates longer, the ids of the updates already run are the same by the plan's
+    # definition, given the same data in the same order (the fingerprint covers both).
+    keys = PLAN_KEYS[:1] if extended else PLAN_KEYS
+    differ = [k for k in keys if saved["plan"][k] != plan_facts[k]]
+    if differ:
+        raise ConfigError(
+            f"{differ[0]}={plan_facts[differ[0]][:16]}... differs from the checkpoint's "
+            f"{saved['plan'][differ[0]][:16]}...: the data or its order changed; valid: the run's own data"
+        )
+
+
+def _cpu(tensors: dict) -> dict:
+    return {n: t.detach().cpu() for n, t in tensors.items()}
+
+
+class Checkpointer:
+    """Writes the run's checkpoints: every process calls `after_sync` at a sync, `after_update` after
+    the updates of a round's part and `save` for a stop (the replicas' states are gathered to rank 0);
+    rank 0 writes and logs a `checkpoint` row (size, seconds). `every` counts syncs, `every_updates`
+    the updates from the phase's start (mid-round only; a round's end is the sync's)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        resolved: dict,
+        plan_facts: dict,
+        every: int,
+        keep: int,
+        log,
+        groups,
+        every_updates: int = 0,
+        ours: list[str] | None = None,
+    ):
+        self.run_dir, self.resolved, self.every, self.keep = Path(run_dir), resolved, every, keep
+        self.ours = list(ours or [])  # names of the checkpoints this run wrote: the only ones pruned
+        self.every_updates = every_updates
+        self.plan = {k: plan_facts[k] for k in PLAN_KEYS}
+        self.log, self.groups = log, groups
+        self.saved_at: int | None = None  # the next update of the newest checkpoint this session wrote
+
+    def after_sync(self, state, last: bool) -> None:
+        if self.every and (last or state.rounds_done % self.every == 0):
+            self.save(state)
+
+    def after_update(self, state) -> None:
+        """Mid-round: a checkpoint when `next_update` is a multiple of `every_updates`."""
+        if self.every_updates and state.mid_round and state.next_update % self.every_updates == 0:
+            self.save(state)
+
+    def save(self, state) -> Path | None:
+        """Write a checkpoint of `state` now (every process calls it); its path on the writer."""
+        mid = state.mid_round
+        records = [
+            {
+                "m": _cpu(s.m),
+                "v": _cpu(s.v),
+                "step": s.step.cpu(),
+                "params": _cpu(state.round_params[i]) if mid else None,
+                "stepped": state.round_stepped[i] if mid else None,
+            }
+            for i, s in enumerate(state.inner)
+        ]
+        every = self.groups.gather_replicas(records)
+        self.saved_at = state.next_update
+        if not self.groups.is_writer:
+            return None
+        saved = state.state_dict()
+        saved["inner"] = [{k: r[k] for k in ("m", "v", "step")} for r in every]
+        saved["replicas"] = list(range(len(every)))
+        saved["round_params"] = [r["params"] for r in every] if mid else None
+        saved["round_stepped"] = [r["stepped"] for r in every] if mid else None
+        payload = {
+            "format": FORMAT,
+            "state": saved,
+            "config": self.resolved,
+            "plan": self.plan,
+            "metrics_bytes": self.log.position(),
+            "metrics_sha256": self.log.digest(),
+            "run_id": self.log.run_id,
+            "wandb_run_id": self.log.wandb_run_id,
+        }
+        path = path_for(self.run_dir, state.next_update)
+        size, seconds = write(path, payload, self.keep, self.ours)
+        self.log.log_checkpoint(
+            {
+                "update": state.next_update,
+                "round": state.rounds_done,
+                "mid_round": mid,
+                "path": str(path),
+                "bytes": size,
+                "seconds": seconds,
+            }
+        )
+        return path
+
+
+def drop_later(run_dir: Path, next_update: int) -> list[Path]:
+    """Remove the run's checkpoints past `next_update`: resuming from an earlier one abandons them
+    (their records are superseded), and they must never be found as the newest again; and the
+    temporary file of a write that a kill cut short (`write` renames a whole one into place)."""
+    later = [p for p in checkpoints(run_dir) if int(_NAME.search(p.name).group(1)) > next_update]
+    folder = Path(run_dir) / FOLDER
+    cut_short = sorted(folder.glob("ckpt-u*.pt.tmp")) if folder.is_dir() else []
+    for path in later + cut_short:
+        path.unlink()
+    return later
+
+
+def rewind_metrics(run_dir: Path, length: int) -> int:
+    """Cut metrics.jsonl back to `length` bytes, appending what was cut to metrics.superseded.jsonl
+    (never lost); returns the bytes moved. A file shorter than `length` is never extended (the
+    preflight's `records_match` refuses such a resume before anything is changed)."""
+    metrics = Path(run_dir) / METRICS_FILE
+    data = metrics.read_bytes() if metrics.exists() else b""
+    if len(data) < length:
+        raise ValueError(f"{metrics} holds {len(data)} bytes, fewer than {length}: nothing to rewind")
+    if not metrics.exists():
+        return 0
+    tail = data[length:]
+    if tail:
+        with open(Path(run_dir) / SUPERSEDED_FILE, "ab") as superseded:
+            superseded.write(tail)
+            superseded.flush()
+            os.fsync(superseded.fileno())
+    with open(metrics, "r+b") as file:
+        file.truncate(length)
+    return len(tail)
+
+
+def written_by_run(run_dir: Path, resumed: Path | None = None) -> list[str]:
+    """Names of the checkpoints the run in `run_dir` wrote, as its metrics.jsonl's `checkpoint` rows
+    name them (after a rewind: the sessions up to the checkpoint resumed from), and as its `resume`
+    rows and `resumed` name them: what pruning may remove, and nothing else. A checkpoint's own row
+    lies past the length it recorded, so resuming from it moves that row aside; the resume row (of a
+    checkpoint `records_match` found to be this run's) stands for it, or a checkpoint an earlier
+    session resumed from would never be pruned."""
+    names: list[str] = []
+    metrics = Path(run_dir) / METRICS_FILE
+    if metrics.exists():
+        with open(metrics, encoding="utf-8", errors="replace") as rows:
+            for line in rows:
+                if '"checkpoint"' not in line and '"resume"' not in line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                path = _written_path(row)
+                if path:
+                    names.append(Path(path).name)
+    if resumed is not None:
+        names.append(Path(resumed).name)
+    return sorted(set(names))
+
+
+def _written_path(row) -> str | None:
+    """The checkpoint a `checkpoint` row (its `path`) or a `resume` row (its `from`) names."""
+    if not isinstance(row, dict):
+        return None
+    key = {"checkpoint": "path", "resume": "from"}.get(row.get("kind"))
+    return str(row[key]) if key and row.get(key) else None
+
+
+def _start_rows(data: bytes) -> list[dict]:
+    """The `start` rows among `data`'s lines (unreadable lines skipped)."""
+    starts = []
+    for line in data.splitlines():
+        if b'"start"' not in line:
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(row, dict) and row.get("kind") == "start":
+            starts.append(row)
+    return starts
+
+
+def records_match(run_dir: Path, path: Path, saved: dict) -> None:
+    """Raise ConfigError (one line) unless `run_dir`'s metrics.jsonl holds the records checkpoint
+    `path` (payload `saved`) was written with: at least its recorded length, the session that wrote
+    it (the last `start` row before that length) of the same run id, and the same sha256 of the
+    bytes up to that length. A checkpoint written before run ids and digests were saved is checked
+    by the length alone (and that the length ends a row)."""
+    metrics = Path(run_dir) / METRICS_FILE
+    length = int(saved.get("metrics_bytes", 0))
+    if not metrics.is_file():
+        raise ConfigError(
+            f"{metrics} is missing but checkpoint {path} goes on from its first {length} bytes; valid: "
+            "the run's own metrics.jsonl beside its checkpoints (restore it), or a new run directory"
+        )
+    data = metrics.read_bytes()
+    if len(data) < length:
+        raise ConfigError(
+            f"{metrics} holds {len(data)} bytes, fewer than the {length} checkpoint {path} was written "
+            "after: rows were lost; valid: the run's own metrics.jsonl (restore it), or a new run directory"
+        )
+    kept = data[:length]
+    run_id, digest = saved.get("run_id"), saved.get("metrics_sha256")
+    if run_id is not None:
+        starts = _start_rows(kept)
+        theirs = starts[-1].get("run_id") if starts else None
+        if theirs != run_id:
+            raise ConfigError(
+                f"checkpoint {path} is of run {run_id} but {metrics} is of run {theirs}; valid: a "
+                "checkpoint of the run whose records are in this directory"
+            )
+    if digest is not None:
+        got = hashlib.sha256(kept).hexdigest()
+        if got != digest:
+            raise ConfigError(
+                f"{metrics} up to byte {length} has sha256 {got[:12]}..., not the {digest[:12]}... "
+                f"checkpoint {path} recorded: its rows were changed; valid: the run's own unedited "
+                "metrics.jsonl, or a new run directory"
+            )
+    elif length and not kept.endswith(b"\n"):
+        raise ConfigError(
+            f"{metrics} does not end a row at byte {length}, where checkpoint {path} (no digest: written "
+            "before records were checked) goes on; valid: the run's own metrics.jsonl"
+        )

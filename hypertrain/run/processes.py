@@ -1,0 +1,547 @@
+"""engine=dist: the one round loop on P real processes (torch.distributed), started by torch's launcher.
+
+`DistReplicaGroups` gives the round loop (`hypertrain.trainer`) its collectives for the layout
+`hypertrain.layouts` chose: under the benchmark layout (a) a replica's L ranks average their
+gradients and loss every update (one all-reduce in the replica group, as DDP does) and a sync is
+sharded as hybrid-sharded data parallel does (local rank j all-reduces its 1/L shard of the
+pseudo-gradient sum in cross-replica group j, then the replica all-gathers the shards); under the
+stacked layout (b) a sync is one all-reduce over the P processes. Every rank then steps the same
+global weights; the ranks of a replica check at every sync that their weights are bitwise equal.
+
+`run_worker(job)` is what each process runs: under `torchrun -m hypertrain.train engine=dist` every
+launched process calls it from the entry; `python -m hypertrain.train engine=dist` calls `launch(job)`,
+which starts the P workers with torch's elastic launcher (`elastic_launch`, what torchrun runs).
+Rank 0 alone writes the run. A rank that dies or hangs makes the others fail in their next
+collective (gloo: at once for a closed connection, after `engine.timeout_s` for silence), and the
+launcher stops the rest; each rank says what happened in one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.distributed import slurm_env
+from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.layouts import LaunchedRank, Layout, choose_layout, launched_rank
+from hypertrain.failures import RankFailed, RunFailure, fault_points
+from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
+from hypertrain.model.transformer import Params
+from hypertrain.run import checkpoint
+from hypertrain.run.records import METRICS_FILE, session_end, session_rows
+
+# torch >= 2.12 renames all_gather_into_tensor (and warns at every call of the old name).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+PEER_FAILURE_GRACE_S = 1.0  # > the launcher's 0.1 s poll: it records the rank that failed first
+
+
+_WHAT = {
+    "inner": "the replica's gradient all-reduce",
+    "outer": "the sync's all-reduce across replicas",
+}
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line without gloo's source location ("[.../pair.cc:534] ")."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+
+
+@contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A collective's failure (a peer died, hung past the timeout) as one line naming the collective."""
+    try:
+        yield
+    except RunFailure:  # SIGTERM's Terminated, raised while waiting in the collective: as it is
+        raise
+    except (RuntimeError, dist.DistBackendError) as e:
+        raise RankFailed(f"{what} failed: {_first_line(e)}") from None
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _checksum(params: Params) -> int:
+    """A sum of the weights' bit patterns: equal weights, equal sums (any difference almost surely shows)."""
+    return int(
+        sum(t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum() for t in params.values())
+    )
+
+
+class DistReplicaGroups(ReplicaGroups):
+    """The collectives of one process of an `engine=dist` run (see the module docstring)."""
+
+    def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
+        self.layout_plan, self.layout, self.backend = layout, layout.kind, dist.get_backend()
+        self.rank, self.size, self.device = rank, layout.processes, device
+        self.total_replicas, self.replicas = layout.replicas, layout.replicas_of(rank)
+        L = layout.ranks_per_replica
+        self.L, self.local_rank = L, rank % L
+        self.replica_group = self.cross_group = None
+        if layout.kind == "benchmark" and L > 1:
+            # Every process creates every group, in the same order (torch.distributed's rule); a new
+            # group does not inherit the default group's timeout, so each is given it.
+            timeout = timedelta(seconds=timeout_s)
+            for m in range(layout.replicas):
+                group = dist.new_group(layout.replica_group(m), timeout=timeout)
+                if m == self.replicas[0]:
+                    self.replica_group = group
+            for j in range(L):
+                group = dist.new_group(layout.cross_group(j), timeout=timeout)
+                if j == self.local_rank:
+                    self.cross_group = group
+        self._stats = dict.fromkeys(("inner_bytes", "inner_s", "outer_bytes", "outer_s"), 0.0)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _timed(self, kind: str, payload: Tensor, op) -> None:
+        start = time.perf_counter()
+        with _collective(_WHAT[kind]):
+            op()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self._stats[f"{kind}_s"] += time.perf_counter() - start
+        self._stats[f"{kind}_bytes"] += payload.numel() * payload.element_size()
+
+    def before_round(self, updates: range) -> None:
+        """Start the round together: rank 0's held-out eval and logging stay out of the next
+        update's timing (the other ranks would otherwise wait for it inside their first all-reduce)."""
+        fault_points.act(self.rank, "round", updates)
+        with _collective("the round's start barrier"):
+            dist.barrier()
+
+    def comm_stats(self) -> dict:
+        stats = {
+            "comm_measured_inner_bytes": int(self._stats["inner_bytes"]),
+            "comm_measured_inner_s": self._stats["inner_s"],
+            "comm_measured_outer_bytes": int(self._stats["outer_bytes"]),
+            "comm_measured_outer_s": self._stats["outer_s"],
+        }
+        self._stats = dict.fromkeys(self._stats, 0.0)
+        return stats
+
+    # -- the collectives the round loop asks for ----------------------------------------------
+
+    def rank_share(self) -> tuple[int, int, int] | None:
+        if self.layout != "benchmark":
+            return None
+        return self.rank, self.layout_plan.world, self.L
+
+    def average_in_replica(self, grads: Params, loss: Tensor) -> None:
+        if self.replica_group is None:
+            return
+        names = list(grads)
+        flat = _flat([grads[n] for n in names] + [loss.to(grads[names[0]].dtype)])
+        self._timed("inner", flat, lambda: dist.all_reduce(flat, group=self.replica_group))
+        flat /= self.L
+        start = 0
+        for n in names:
+            grads[n].copy_(flat[start : start + grads[n].numel()].view_as(grads[n]))
+            start += grads[n].numel()
+        loss.copy_(flat[start:].view_as(loss))
+
+    def sum_over_replicas(self, flat: Tensor) -> Tensor:
+        if self.replica_group is None:  # stacked layout, or one rank per replica: one all-reduce
+            out = flat.clone()
+            self._timed("outer", out, lambda: dist.all_reduce(out))
+            return out
+        n, L = flat.numel(), self.L
+        shard = -(-n // L)
+        padded = torch.zeros(shard * L, dtype=flat.dtype, device=flat.device)
+        padded[:n] = flat
+        mine = padded[self.local_rank * shard : (self.local_rank + 1) * shard].clone()
+        if self.total_replicas > 1:
+            self._timed("outer", mine, lambda: dist.all_reduce(mine, group=self.cross_group))
+        gathered = torch.empty_like(padded)
+        group = self.replica_group
+        self._timed("outer", mine, lambda: _all_gather(gathered, mine, group=group))
+        return gathered[:n]
+
+    def max_over_replicas(self, value: Tensor) -> Tensor:
+        out = value.clone()
+        self._timed("outer", out, lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX))
+        return out
+
+    def _gather_all(self, table: Tensor, what: str) -> list[Tensor]:
+        table = table.to(self.device)
+        parts = [torch.empty_like(table) for _ in range(self.size)]
+        with _collective(what):
+            dist.all_gather(parts, table)
+        return parts
+
+    def gather_round(self, table: Tensor) -> Tensor:
+        parts = self._gather_all(table, "the round's gather of losses")
+        if self.layout == "stacked":
+            return torch.cat(parts, dim=1).cpu()
+        # Benchmark: [P, H, 1, k] -> [R, L, H, k]; a replica's ranks share its loss and targets.
+        k = table.shape[-1]
+        per_rank = torch.stack(parts)[:, :, 0, :].reshape(self.total_replicas, self.L, -1, k)
+        merged = per_rank[:, 0].clone()
+        merged[..., 2] = per_rank[..., 2].amax(dim=1)
+        return merged.permute(1, 0, 2).cpu()
+
+    def gather_ranks(self, table: Tensor) -> Tensor:
+        return torch.stack(self._gather_all(table, "the round's gather of timings")).cpu()
+
+    def gather_replicas(self, records: list) -> list | None:
+        """Rank 0 gathers one copy of every replica's record (a replica's ranks hold the same one)."""
+        mine = records if self.local_rank == 0 else None  # one rank per replica sends
+        gathered = [None] * self.size if self.rank == 0 else None
+        with _collective("the checkpoint's gather"):
+            dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        return [record for part in gathered if part is not None for record in part]
+
+    def max_over_processes(self, value: int) -> int:
+        """One all-reduce (MAX) of one number over every process: 4 bytes per update for the stop
+        check, not counted as the run's communication (it carries no training data)."""
+        out = torch.tensor([value], dtype=torch.int32, device=self.device)
+        with _collective("the stop check's all-reduce"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out.item())
+
+    def check_replicas_identical(self, params: Params) -> None:
+        if self.replica_group is None:
+            return
+        local = _checksum(params)
+        bounds = torch.tensor([local, -local], dtype=torch.int64, device=self.device)
+        with _collective("the replica's weight check"):
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.replica_group)
+        if int(bounds[0]) != -int(bounds[1]):
+            raise RankFailed(
+                f"the {self.L} ranks of replica {self.replicas[0]} hold different weights at a sync "
+                "(they must be bitwise equal: every rank averages the same gradients)"
+            )
+
+
+@dataclass
+class WorkerJob:
+    """What the entry hands every worker (picklable: the self-launch sends it to spawned processes)."""
+
+    cfg: TrainConfig  # validated, with the chosen layout and process count filled in
+    run_dir: str | None  # the writer's run directory (rank 0); None on the other ranks
+    resolved: dict  # the resolved config, W&B's run config
+    identity: dict  # W&B name, group, job type, tags
+    resume_from: str | None = None  # the checkpoint every rank loads its replicas' state from
+    superseded: int | None = None  # rank 0: bytes of metrics.jsonl the entry moved aside for it
+    self_launched: bool = False  # set by `launch`: the entry says how the run ended, the workers not
+
+
+def same_run_everywhere(run, resolved: dict, rank: int, processes: int) -> None:
+    """Every rank must train the same config on the same data in the same order (agents started
+    with other overrides, or nodes whose Python has another standard library, would not)."""
+    mine = (json.dumps(resolved, sort_keys=True), run.plan_facts["data/fingerprint"])
+    everyone = [None] * processes
+    with _collective("the start's comparison of configs and data"):
+        dist.all_gather_object(everyone, mine)
+    for other, theirs in enumerate(everyone):
+        if theirs != mine:
+            what = "data (fingerprint)" if theirs[0] == mine[0] else "config"
+            raise RankFailed(
+                f"rank {other} has another {what} than rank {rank}; every rank must run the same"
+            )
+
+
+def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.engine.device.startswith("cuda"):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def check_backend(cfg: TrainConfig, local_processes: int) -> None:
+    """engine.backend and engine.device can run `local_processes` ranks on this machine, checked
+    before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
+    "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
+    engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. ConfigError
+    (one line) otherwise; engine.device=cuda without CUDA is `trainer.check_device`'s to refuse."""
+    e = cfg.engine
+    cuda = e.device.startswith("cuda")
+    if e.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"engine.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
+                f"({torch.__version__}); valid: engine.backend=gloo or auto (gloo on CPUs)"
+            )
+        if not dist.is_nccl_available():
+            raise ConfigError(
+                f"engine.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
+                "valid: engine.backend=gloo or auto"
+            )
+        if not cuda:
+            raise ConfigError(
+                f"engine.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
+                "valid: engine.device=cuda, or engine.backend=gloo or auto (gloo on CPUs)"
+            )
+    if cuda and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(
+            f"engine=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
+            f"one CUDA device each, but it has {count} (fewer GPUs than processes); valid: at most "
+            f"{count} processes per machine (engine.nproc, torchrun --nproc_per_node), or "
+            "engine.device=cpu with engine.backend=gloo or auto"
+        )
+
+
+def _backend(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.engine.backend != "auto":
+        return cfg.engine.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _cpu_threads(me: LaunchedRank) -> int:
+    """Intra-op threads of a CPU worker: the CPUs SLURM gave its task, else the node's cores shared
+    by the node's workers (at least 1)."""
+    given = os.environ.get("SLURM_CPUS_PER_TASK", "") if me.launcher == "srun" else ""
+    return int(given) if given.isdigit() else max(1, (os.cpu_count() or 1) // me.local_processes)
+
+
+def _rendezvous(me: LaunchedRank) -> dict:
+    """init_process_group's rendezvous: torch's agent exported it (env://); srun's tasks meet on the
+    step's first node at a port derived from the job id (hypertrain.slurm_env), no torchrun needed."""
+    if me.launcher != "srun":
+        return {}
+    host, port = slurm_env.rendezvous()
+    return {"init_method": f"tcp://{host}:{port}", "rank": me.rank, "world_size": me.processes}
+
+
+def run_worker(job: WorkerJob, run=None) -> dict | None:
+    """One process of a dist run: join the group, train this rank's replicas, rank 0 writes.
+
+    `run` is the prepared run when the entry already built it in this process (torchrun); a
+    spawned worker prepares its own (the same config gives the same data and plan everywhere).
+    Returns rank 0's summary. A failure prints one line naming this rank and exits non-zero.
+    """
+    from hypertrain.run.session import Resume, train_session
+    from hypertrain.run.trainer import prepare
+
+    signals = StopSignals().install()  # SIGTERM, SIGUSR2: stop after the update in flight, checkpointed
+    me = launched_rank()  # torch's agent (torchrun, the self-launch) or srun's tasks started this process
+    if me is None:
+        raise RuntimeError("run_worker runs in a process a launcher started as one rank of several")
+    rank, local_rank, processes = me.rank, me.local_rank, me.processes
+    cfg = job.cfg
+    device = _device(cfg, local_rank)
+    if device.type == "cpu":  # the node's cores shared by its workers, never oversubscribed
+        torch.set_num_threads(cfg.engine.threads or _cpu_threads(me))
+    cfg = replace(cfg, engine=replace(cfg.engine, device=str(device)))
+    timeout = timedelta(seconds=cfg.engine.timeout_s)
+    try:
+        backend = _backend(cfg, device)
+        try:  # its cause in this rank's one line, not lost behind the launcher's exit code
+            dist.init_process_group(backend, timeout=timeout, **_rendezvous(me))
+        except Exception as e:
+            raise RankFailed(f"torch.distributed could not start ({backend}): {_first_line(e)}") from None
+        layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.engine.layout)
+        # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
+        decided = [job.run_dir, job.resume_from]
+        dist.broadcast_object_list(decided, src=0)
+        run_dir, resume_from = decided
+        groups = DistReplicaGroups(layout, rank, device, cfg.engine.timeout_s)
+        run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
+        same_run_everywhere(run, job.resolved, rank, processes)
+        resume = None
+        if resume_from is not None:
+            saved = checkpoint.load(Path(resume_from))
+            resume = Resume(resume_from, saved, job.superseded or 0)
+        where = Path(run_dir)
+        summary = train_session(run, where, job.resolved, job.identity, groups, resume)
+        # Tests only: die in teardown, once rank 0's end row is written (a finished run stays finished).
+        fault_points.act(rank, "end", range(run.updates), ready=lambda: _has_end_row(where))
+        return summary if rank == 0 else None
+    except Preempted as e:  # every rank stopped after the same update, the checkpoint written
+        if rank == 0 and not job.self_launched:  # self-launched, the entry prints the end row's line
+            print(f"hypertrain: {e}", file=sys.stderr)
+            sys.stderr.flush()
+        signals.hand_over()  # a launcher's own handler (submitit requeues), when there was one
+        os._exit(e.exit_code)
+    except Exception as e:
+        if not isinstance(e, RunFailure):
+            traceback.print_exc()  # not a run failure we know: a bug, shown whole
+        code = getattr(e, "exit_code", 1)
+        print(f"hypertrain: error: run failed on rank {rank}: {_first_line(e)}", file=sys.stderr)
+        sys.stderr.flush()
+        if isinstance(e, RankFailed):
+            # A peer failed first: give the launcher (it polls every 0.1 s) time to see that rank's
+            # failure before this one's, so the run is reported as the root cause, not its echo.
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+            time.sleep(PEER_FAILURE_GRACE_S)
+        os._exit(code)  # no teardown that could wait on a dead peer
+    finally:
+        signals.restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _start_resource_tracker_deaf_to(*signums: int) -> None:
+    """multiprocessing's resource tracker (a helper process the spawned workers share) ignores
+    SIGINT and SIGTERM but dies of SIGUSR2 and SIGHUP, which a scheduler or a closed terminal sends
+    to every process of the job (a tracker started again by a worker then prints a traceback for
+    every name it never saw): start it now with those ignored (a process started with a signal
+    ignored keeps it so)."""
+    from multiprocessing import resource_tracker
+
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+class _QuietSignalNotice(logging.Filter):
+    """Drops torch's agent's "Received <signal> death signal, shutting down workers" warning: the
+    stop's one line is the entry's (the agent logs it on a logger whose level torch sets itself,
+    `torch.distributed.elastic.agent.server.api`, so the parent logger's level does not reach it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Received %s death signal")
+
+
+_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+def _quiet_agent() -> None:
+    """The launcher's own logging, silenced where it only repeats what the run says in one line."""
+    # The launcher logs every worker failure as a traceback of its own process-watching code; the
+    # workers and `launch` already say what failed in one line each.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    agent = logging.getLogger(_AGENT_LOGGER)
+    if not any(isinstance(f, _QuietSignalNotice) for f in agent.filters):
+        agent.addFilter(_QuietSignalNotice())
+
+
+def _has_end_row(run_dir: Path) -> bool:
+    return any(r.get("kind") == "end" for r in session_rows(run_dir))
+
+
+def _wait_for_workers(signum: int, timeout_s: float = 30.0) -> None:
+    """After a signal the agent did not pass on (a second Ctrl-C cuts its shutdown short), the
+    workers may still run: pass on that and any further stop signal, and wait for them (as torch's
+    agent does: SIGKILL after `timeout_s`), so that rank 0's records are closed before they are read."""
+    from multiprocessing import active_children
+
+    workers = active_children()
+
+    def forward(received: int, frame=None) -> None:
+        for worker in workers:
+            try:
+                os.kill(worker.pid, received)
+            except (ProcessLookupError, TypeError):  # gone already (TypeError: never started)
+                pass
+
+    before = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    try:
+        if workers:
+            forward(signum)
+        deadline = time.monotonic() + timeout_s
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | None, results) -> dict:
+    """How the run ended, decided once: as rank 0's `end` row says (its status and exit code), the
+    launcher's view of the workers only where that row says less (which rank failed first) or is
+    missing (rank 0 died before writing it). Returns the summary of a finished run; raises otherwise."""
+    rows = session_rows(Path(job.run_dir), since)
+    end = session_end(rows)
+    if end is None:  # rank 0 wrote no end row: the launcher's view is all there is
+        if failed is not None:
+            raise failed
+        name = signal.Signals(signum or signal.SIGTERM).name
+        stop = Preempted(f"stopped by {name} before rank 0 closed its records", signum or signal.SIGTERM)
+        raise stop
+    code = int(end.get("exit_code", 0))
+    if end.get("status") == "finished":
+        if failed is not None:  # a worker died after the run finished (its records and weights are whole)
+            print(f"hypertrain: warning: {failed.teardown}; the run had finished", file=sys.stderr)
+            sys.stderr.flush()
+        if results:
+            return results[0]
+        return {k: v for r in rows if r.get("kind") == "summary" for k, v in r.items() if k != "kind"}
+    error = end.get("error") or end.get("status", "failed")
+    if end.get("status") in ("preempted", "interrupted"):
+        kind = StoppedAtOnce if error.startswith("stopped at once") else Preempted
+        raise kind(error, signum or signal.SIGTERM, exit_code=code, status=end["status"])
+    if failed is None:
+        failed = RankFailed(f"rank 0 failed: {error}")
+    failed.exit_code = code
+    raise failed
+
+
+def launch(job: WorkerJob) -> dict:
+    """Start P = engine.nproc workers on this node with torch's elastic launcher and wait for them.
+
+    How the run ended is what rank 0's `end` row says (`_ended`), so the entry's exit code is the
+    records' own: a finished run returns rank 0's summary (a worker that died after the end row is a
+    warning line), a stop (a signal to this process, forwarded by torch's agent, or to the ranks)
+    raises `Preempted` with the end row's line and code, a failure `RankFailed` naming the first
+    rank that failed, with the end row's code (without an end row: that rank's, 3 for a signal).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_agent()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=job.cfg.engine.nproc,
+        run_id=f"hypertrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        # The agent stops its workers with the signal it got (they checkpoint after their update in
+        # flight); SIGUSR2, a scheduler's warning, is not among the ones it handles unless asked.
+        signals_to_handle=",".join(signal.Signals(s).name for s in (*STOP_SIGNALS, signal.SIGQUIT)),
+    )
+    _start_resource_tracker_deaf_to(signal.SIGUSR2, signal.SIGHUP)
+    metrics = Path(job.run_dir) / METRICS_FILE
+    since = metrics.stat().st_size if metrics.exists() else 0  # this session's rows start here
+    job = replace(job, self_launched=True)
+    results, failed, signum = None, None, None
+    try:
+        results = elastic_launch(config, run_worker)(job)
+    except SignalException as e:
+        signum = int(e.sigval)
+        _wait_for_workers(signum)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        what = f"died of {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+        failed = RankFailed(f"rank {rank} {what}; the launcher stopped the other ranks")
+        failed.exit_code = code if code > 0 else RankFailed.exit_code  # the rank's own failure's code
+        failed.teardown = f"rank {rank} {what} in its teardown"
+    return _ended(job, since, failed, signum, results)

@@ -1,1 +1,0 @@
-"""Simulation engines: many replicas on one device."""
