@@ -15,7 +15,8 @@ import torch
 
 from hypertrain.config import ConfigError, DataConfig
 from hypertrain.data import text as data_module
-from hypertrain.data.text import Dataset, build_dataset, load_batch, pad_batch
+from hypertrain.data.datasets import build_dataset
+from hypertrain.data.text import Dataset, load_batch, pad_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -292,7 +293,7 @@ def test_same_config_gives_the_same_rows_in_another_process(stdlib):
     code = (
         "import hashlib\n"
         "from hypertrain.config import DataConfig\n"
-        "from hypertrain.data.text import build_dataset\n"
+        "from hypertrain.data.datasets import build_dataset\n"
         "d = build_dataset(DataConfig(name='stdlib', seq_len=64, shuffle_seed=0))\n"
         "print(d.fingerprint, hashlib.sha256(d.get_many(range(0, d.n_total, 997)).tobytes()).hexdigest())\n"
     )

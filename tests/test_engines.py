@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hypertrain.config import ENGINES
-from hypertrain.engines import loop, stacked
-from hypertrain.engines.contract import engine_for
+from hypertrain.engines import engine_for, loop, stacked
 
 
 def test_each_engine_name_selects_its_own_engine():

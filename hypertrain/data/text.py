@@ -1,17 +1,10 @@
-"""Datasets behind one `SampleFn`: `get(id)` returns example `id` as an int64 array of token ids.
+"""Text datasets behind one `SampleFn`: `get(id)` returns example `id` as an int64 array of token ids.
 
-`build_dataset(cfg)` turns a `DataConfig` into a `Dataset` of `n_total` examples in a seeded shuffled
+`text_dataset(cfg)` turns a `DataConfig` into a `Dataset` of `n_total` examples in a seeded shuffled
 order; the last `cfg.heldout` ids are the held-out slice. The same config gives the same rows in every
 process. `load_batch` stacks fixed-length rows into a tensor; `pad_batch` pads variable-length ones.
 
-Sources (all read in sorted path order, files concatenated without separators):
-- `stdlib`: the running Python's own standard-library `.py` files, byte-level (vocab 256); no download.
-- `text_files`: the files matched by the glob `cfg.path` (`**` recursive), byte-level (vocab 256).
-- `token_bin`: a flat little-endian uint16/uint32 token file (nanoGPT's `train.bin`), memory-mapped;
-  `vocab` is its largest token id + 1 (the trainer checks `model.vocab >= dataset.vocab`).
-- `speech`: espeak-ng speech of the stdlib's (or `cfg.path`'s) sentences as multistream examples,
-  built once into a cache: `hypertrain.data.speech.dataset.SpeechDataset` (docs/audio.md).
-Examples:
+Sources: `sources.py`. Examples:
 - `windows`: window w is tokens `[w*seq_len, w*seq_len + seq_len + 1)`, so consecutive windows share
   one token and every token but the first is a target once; there are `(n_tokens - 1) // seq_len`.
 - `documents` (byte sources): each file split on `b"\\n\\n"` into paragraphs, each cut to its first
@@ -30,33 +23,22 @@ different fingerprints.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import operator
-import os
-import platform
-import sysconfig
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hypertrain.config import ConfigError, DataConfig
-
-if TYPE_CHECKING:
-    from hypertrain.data.speech.dataset import SpeechDataset
+from hypertrain.data import sources
+from hypertrain.data.streams import stream_index, stream_indices
 
 SampleFn = Callable[[int], np.ndarray]
 
 # Bumped whenever the way examples are derived from the source changes, so old fingerprints differ.
 _FINGERPRINT_VERSION = 2  # 2: examples de-duplicated by content; the order hashed in
-_EXCLUDED_DIRS = ("site-packages", "dist-packages")
-_TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-_HASH_CHUNK = 1 << 24  # tokens per chunk when hashing and scanning a token file
 _ROWS_CHUNK_BYTES = 1 << 22  # bytes of window rows handled at once when de-duplicating
 
 
@@ -104,34 +86,8 @@ class Dataset:
         return stream_indices(ids, self.n_total)
 
 
-@dataclass(frozen=True)
-class _Source:
-    tokens: np.ndarray  # the concatenated token stream
-    file_bounds: np.ndarray  # int64 [n_files + 1]: file f is tokens[bounds[f]:bounds[f + 1]]
-    digest: str  # sha256 hex of the file names and contents, in order
-    label: str  # the start of the description, e.g. "stdlib (Python 3.11.7): 1790 files, 31.5 MB"
-    vocab: int
-
-
-def stream_index(sample_id: int, n_total: int) -> int:
-    """`sample_id` as an index into a stream of `n_total` examples; IndexError naming the valid range."""
-    i = operator.index(sample_id)
-    if not 0 <= i < n_total:
-        raise IndexError(f"sample id {i} is outside the stream; valid: 0..{n_total - 1}")
-    return i
-
-
-def stream_indices(ids: Iterable[int], n_total: int) -> np.ndarray:
-    """`ids` as an int64 index array into a stream of `n_total`; IndexError naming the first outside."""
-    index = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
-    if index.size and (index.min() < 0 or index.max() >= n_total):
-        bad = index[(index < 0) | (index >= n_total)][0]
-        raise IndexError(f"sample id {bad} is outside the stream; valid: 0..{n_total - 1}")
-    return index
-
-
-def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:
-    """The dataset `cfg` describes; raises ConfigError (one line) for a missing or too short source."""
+def text_dataset(cfg: DataConfig) -> Dataset:
+    """The text dataset `cfg` describes; raises ConfigError (one line) for a missing or too short source."""
     if (
         cfg.name == "speech"
     ):  # multistream examples from a built cache (hypertrain/data/speech, docs/audio.md)
@@ -141,13 +97,13 @@ def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:
     if cfg.examples not in ("windows", "documents"):
         raise ConfigError(f"data.examples={cfg.examples!r} is not valid; valid: 'windows', 'documents'")
     if cfg.name == "stdlib":
-        source = _stdlib_source()
+        source = sources.stdlib_source()
     elif cfg.name == "text_files":
-        source = _text_files_source(cfg.path)
+        source = sources.text_files_source(cfg.path)
     elif cfg.name == "token_bin":
         if cfg.examples != "windows":
             raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
-        source = _token_bin_source(cfg.path, cfg.token_dtype)
+        source = sources.token_bin_source(cfg.path, cfg.token_dtype)
     else:
         raise ConfigError(
             f"data.name={cfg.name!r} is not valid; valid: 'stdlib', 'text_files', 'token_bin', 'speech'"
@@ -208,7 +164,7 @@ def build_dataset(cfg: DataConfig) -> Dataset | SpeechDataset:
     )
 
 
-def _too_short(cfg: DataConfig, source: _Source, n_total: int, duplicates: int) -> str:
+def _too_short(cfg: DataConfig, source: sources.Source, n_total: int, duplicates: int) -> str:
     """One line for a source with no more examples than the held-out slice, naming the source."""
     where = "data=stdlib" if cfg.name == "stdlib" else f"data.path={cfg.path!r}"
     unit = "tokens" if cfg.name == "token_bin" else "bytes"
@@ -266,78 +222,7 @@ def pad_batch(rows: list[np.ndarray], length: int | None = None) -> tuple[torch.
     return torch.from_numpy(tokens), torch.from_numpy(mask)
 
 
-def _stdlib_source() -> _Source:
-    # Listing with os.walk, pruning site-packages before descending, takes ~20 ms; rglob walks
-    # the installed packages too and takes ~300 ms. The whole build, de-duplication included, takes
-    # ~0.15 s (windows) to ~0.2 s (documents), so no cache.
-    root = sysconfig.get_paths()["stdlib"]
-    names = []
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = [d for d in subdirs if not any(x in d for x in _EXCLUDED_DIRS)]
-        prefix = os.path.relpath(directory, root).replace(os.sep, "/") + "/"
-        names += [prefix.removeprefix("./") + f for f in files if f.endswith(".py")]
-    names.sort()
-    source = _read_files([os.path.join(root, n) for n in names], names)
-    label = f"stdlib (Python {platform.python_version()}): {len(names)} files, {_megabytes(source)}"
-    return replace(source, label=label)
-
-
-def _text_files_source(pattern: str) -> _Source:
-    expanded = os.path.expanduser(pattern)
-    paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
-    if not paths:
-        raise ConfigError(
-            f"data.path={pattern!r} matches no files; valid: a glob of text files, e.g. 'docs/**/*.txt'"
-        )
-    # Names relative to the files' common folder, so the fingerprint does not depend on where they live.
-    base = os.path.commonpath(paths)
-    base = os.path.dirname(base) if len(paths) == 1 else base
-    entries = sorted((Path(os.path.relpath(p, base)).as_posix(), p) for p in paths)
-    source = _read_files([p for _, p in entries], [name for name, _ in entries])
-    return replace(source, label=f"text_files {pattern}: {len(paths)} files, {_megabytes(source)}")
-
-
-def _read_files(paths: list[str], names: list[str]) -> _Source:
-    digest = hashlib.sha256()
-    chunks, bounds = [], [0]
-    for path, name in zip(paths, names, strict=True):
-        with open(path, "rb") as file:
-            data = file.read()
-        digest.update(os.fsencode(name) + b"\0" + str(len(data)).encode() + b"\0")
-        digest.update(data)
-        chunks.append(data)
-        bounds.append(bounds[-1] + len(data))
-    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)  # read-only: rows are always copied out
-    return _Source(tokens, np.array(bounds, dtype=np.int64), digest.hexdigest(), "", vocab=256)
-
-
-def _token_bin_source(path_text: str, token_dtype: str) -> _Source:
-    if token_dtype not in _TOKEN_DTYPES:
-        raise ConfigError(f"data.token_dtype={token_dtype!r} is not valid; valid: 'uint16', 'uint32'")
-    dtype = _TOKEN_DTYPES[token_dtype]
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"data.path={path_text!r} is not a file; data=token_bin needs a flat {token_dtype} token file"
-        )
-    size = path.stat().st_size
-    if size % dtype.itemsize:
-        raise ConfigError(
-            f"data.path={path_text!r} has {size} bytes, not a whole number of {token_dtype} tokens; "
-            "valid: a flat token file written with that dtype (data.token_dtype)"
-        )
-    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
-    # One pass over the file gives both the content hash and the largest id (a few s per GB of tokens).
-    digest, largest = hashlib.sha256(), -1
-    for start in range(0, len(tokens), _HASH_CHUNK):
-        chunk = np.asarray(tokens[start : start + _HASH_CHUNK])
-        digest.update(chunk.tobytes())
-        largest = max(largest, int(chunk.max()))
-    label = f"token_bin {path.name} ({token_dtype}): {len(tokens):,} tokens, largest id {largest}"
-    return _Source(tokens, np.array([0, len(tokens)], dtype=np.int64), digest.hexdigest(), label, largest + 1)
-
-
-def _paragraphs(source: _Source, cut: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _paragraphs(source: sources.Source, cut: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Start, length (cut to `cut`) of the first of each distinct paragraph of >= 2 tokens, in file order.
 
     Also the number of paragraphs dropped as duplicates: equal to an earlier one once cut.
@@ -434,7 +319,3 @@ def _odd_constants(count: int) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return (z ^ (z >> np.uint64(31))) | np.uint64(1)
-
-
-def _megabytes(source: _Source) -> str:
-    return f"{len(source.tokens) / 1e6:.1f} MB"

@@ -5,10 +5,10 @@ list[ReplicaResult]`: every replica in `assigns` starts from the global weights 
 middle of a round, from its own `Assignment.start`), takes its inner steps on its own microbatches
 and returns its weights, optimizer state and loss at every update it took. `stop(update)` is asked
 after every update of the first replicas an engine runs (the same updates in every process); when
-it says yes, every replica stops after that update, so all leave at the same update. `engine_for(name)`
-gives the engine of `engine.name`; `microbatch_loss` is the loss every engine and the held-out
-eval weight the same way; `check_finite` stops a round at the first non-finite loss or gradient.
-No engine imports another; each imports this module.
+it says yes, every replica stops after that update, so all leave at the same update.
+`microbatch_loss` is the loss every engine and the held-out eval weight the same way; `check_finite`
+stops a round at the first non-finite loss or gradient. No engine imports another; each imports this
+module, and `hypertrain.engines.engine_for` chooses one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from hypertrain.config import ENGINES, TrainConfig
+from hypertrain.config import TrainConfig
 from hypertrain.data.batches import Microbatch, ReplicaBatch
 from hypertrain.engines.compiled import forward_fn
 from hypertrain.failures import NonFiniteError
@@ -128,17 +128,6 @@ def gradients(params: Params) -> Params:
     """The accumulated gradients; zeros for a rank that had no ids while its replica did (it still
     takes part in its replica's average, with nothing to add)."""
     return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-
-
-def engine_for(name: str) -> Engine:
-    """The inner-step engine called `name`; an unknown name is a ValueError naming the valid ones."""
-    if name == "loop":
-        from hypertrain.engines.loop import train_replicas
-    elif name in ("stacked", "dist"):  # a dist process trains its own replicas stacked
-        from hypertrain.engines.stacked import train_replicas
-    else:
-        raise ValueError(f"engine.name={name!r} is not an engine; valid: {', '.join(map(repr, ENGINES))}")
-    return train_replicas
 
 
 def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:

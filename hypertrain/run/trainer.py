@@ -30,16 +30,17 @@ from torch import Tensor
 from hypertrain import plan
 from hypertrain.config import ConfigError, ModelConfig, TrainConfig
 from hypertrain.data.batches import ReplicaBatch, is_multistream, replica_batch
-from hypertrain.data.text import Dataset, build_dataset
+from hypertrain.data.datasets import build_dataset
+from hypertrain.data.text import Dataset
 from hypertrain.diloco.state import RunState
 from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.engines import engine_for
 from hypertrain.engines.contract import (
     Assignment,
     Engine,
     ReplicaResult,
     StopAfter,
     channel_means,
-    engine_for,
     microbatch_terms,
 )
 from hypertrain.engines.throughput import Throughput, process_table

@@ -44,9 +44,9 @@ class Sentences:
 
 def read_source(path: str) -> TextSource:
     """The stdlib's `.py` files (`path` empty) or the glob's files; ConfigError when it matches none."""
-    from hypertrain.data.text import _stdlib_source, _text_files_source  # data.py's own file selection
+    from hypertrain.data.sources import stdlib_source, text_files_source
 
-    source = _stdlib_source() if not path else _text_files_source(path)
+    source = stdlib_source() if not path else text_files_source(path)
     bounds = source.file_bounds.tolist()
     data = source.tokens.tobytes()
     files = [data[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

@@ -32,7 +32,7 @@ import numpy as np
 from hypertrain.config import ConfigError, DataConfig
 from hypertrain.data.speech import cache, text
 from hypertrain.data.speech.codes import Quantizer
-from hypertrain.data.text import stream_index, stream_indices
+from hypertrain.data.streams import stream_index, stream_indices
 
 logger = logging.getLogger(__name__)
 NO_TOKEN = -1
