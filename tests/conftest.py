@@ -6,7 +6,7 @@ barrier: a tiny model's step measured 27x slower (2.0 s against 76 ms). So every
 every subprocess a test starts, uses one thread.
 
 The embedded stdlib corpus is built once per test process for each data config, not once per
-`trainer.prepare` (up to ~1 s each at short windows). The stdlib cannot change during a session
+`prepare.prepare` (up to ~1 s each at short windows). The stdlib cannot change during a session
 and a Dataset is read-only (frozen; its arrays are made unwritable here, so a test that wrote into
 one would fail, not leak into the next). Other sources are built every time: their files are the
 tests' own and may change. Tests of building itself call `hypertrain.data.text.build_dataset` unwrapped.
@@ -25,7 +25,7 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
 from hypertrain.data.datasets import build_dataset  # noqa: E402
-from hypertrain.run import trainer  # noqa: E402
+from hypertrain.run import prepare  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -45,4 +45,4 @@ def _build_dataset_once(cfg):
     return _STDLIB[key]
 
 
-trainer.build_dataset = _build_dataset_once
+prepare.build_dataset = _build_dataset_once

@@ -31,10 +31,14 @@ from hypertrain.config import (
     register_configs,
     validate,
 )
+from hypertrain.diloco.outer import pseudo_gradient_sum, unflatten
+from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
+from hypertrain.run.evaluation import heldout_eval
+from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import METRICS_FILE, RunLogger, read_metrics
-from hypertrain.run.trainer import initial_weights, prepare, rounds, train
+from hypertrain.run.trainer import train
 from hypertrain.train import quote_numeric_choices
 
 # -- the entry in a subprocess ---------------------------------------------------------------------
@@ -301,3 +305,42 @@ def assert_identical(run_dir: Path, reference: Path) -> None:
     assert got.heldout == want.heldout and len(got.heldout) == len(want.syncs) + 1
     assert got.final == want.final
     assert_same_weights(got.weights, want.weights)
+
+
+# -- the package's arithmetic in the shapes the tests check it in ------------------------------------
+
+
+def heldout_loss(run, theta) -> float:
+    """The held-out loss of global weights `theta` (what a sync row's `eval_loss` records)."""
+    return heldout_eval(run, theta)[0]
+
+
+def pseudo_gradient(global_params, replica_params, active=None) -> dict:
+    """mean over active replicas of (theta_global - theta_m), shaped like the global params (none
+    active gives zeros): the sync's first stage, `pseudo_gradient_sum` over its count, unflattened."""
+    total = pseudo_gradient_sum(global_params, replica_params, active)
+    return unflatten(total[:-1] / total[-1].clamp(min=1), global_params)
+
+
+# -- real processes against the simulation -----------------------------------------------------
+
+
+DIST = [*QUICK, "logger=none", "engine=dist"]
+
+
+def simulate(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list | None = None):
+    """`run_rounds` (the trainer's rounds by the per-replica loop, one process) plus what
+    the entry logs beside the losses: the held-out loss of the global weights before training and after
+    every sync. dtype float64: the float64 reference from the same fp32 initial weights.
+    Returns (losses [update][replica], held-out losses, final global weights, the prepared run)."""
+    run = prepare(replace(cfg, engine=EngineConfig(name="loop")))
+    state = RunState.start(run.cfg, {n: t.to(dtype) for n, t in initial_weights(run).items()})
+    losses: list[list[float | None]] = []
+    with float64_arithmetic() if dtype == torch.float64 else nullcontext():
+        evals = [heldout_loss(run, state.theta)]
+        for rnd in rounds(run, state, loop.train_replicas):
+            losses += [list(step) for step in zip(*(r.losses for r in rnd.results), strict=True)]
+            if batches is not None:
+                batches += [b for a in rnd.assigns for b in a.batches if not b.empty]
+            evals.append(heldout_loss(run, state.theta))
+    return losses, evals, state.theta, run

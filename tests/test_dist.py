@@ -41,12 +41,12 @@ import os
 import re
 import shlex
 import signal
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
 from helpers import (
+    DIST,
     FAULT_ENV,
     QUICK,
     compose_cfg,
@@ -54,42 +54,20 @@ from helpers import (
     error_lines,
     finish,
     rounding_floors,
+    simulate,
     start_entry,
     tree,
 )
 from omegaconf import OmegaConf
-from references import assert_losses_within_rounding, assert_within_rounding, float64_arithmetic
+from references import assert_losses_within_rounding, assert_within_rounding
 
-from hypertrain.config import EngineConfig, TrainConfig, validate
-from hypertrain.diloco.state import RunState
-from hypertrain.engines import loop
+from hypertrain.config import validate
 from hypertrain.failures import RankFailed
+from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import read_metrics
-from hypertrain.run.trainer import heldout_loss, initial_weights, prepare, rounds
 from hypertrain.run.wandb_offline import read_run
 
-DIST = [*QUICK, "logger=none", "engine=dist"]
-
-
 # -- the simulation ------------------------------------------------------------------------------
-
-
-def simulate(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list | None = None):
-    """test_stacked's `run_rounds` (the trainer's rounds by the per-replica loop, one process) plus what
-    the entry logs beside the losses: the held-out loss of the global weights before training and after
-    every sync. dtype float64: the float64 reference from the same fp32 initial weights.
-    Returns (losses [update][replica], held-out losses, final global weights, the prepared run)."""
-    run = prepare(replace(cfg, engine=EngineConfig(name="loop")))
-    state = RunState.start(run.cfg, {n: t.to(dtype) for n, t in initial_weights(run).items()})
-    losses: list[list[float | None]] = []
-    with float64_arithmetic() if dtype == torch.float64 else nullcontext():
-        evals = [heldout_loss(run, state.theta)]
-        for rnd in rounds(run, state, loop.train_replicas):
-            losses += [list(step) for step in zip(*(r.losses for r in rnd.results), strict=True)]
-            if batches is not None:
-                batches += [b for a in rnd.assigns for b in a.batches if not b.empty]
-            evals.append(heldout_loss(run, state.theta))
-    return losses, evals, state.theta, run
 
 
 # -- parity --------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ from dataclasses import replace
 from pathlib import Path
 from hypertrain.run import memory
 from hypertrain.config import TrainConfig, ModelConfig, PhaseConfig, WorldConfig, InnerConfig, DataConfig
-from hypertrain.run.trainer import prepare, train
+from hypertrain.run.prepare import prepare
+from hypertrain.run.trainer import train
 
 def status(key):
     return int(re.search(rf"{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024

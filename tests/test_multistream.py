@@ -219,13 +219,13 @@ def test_stacked_equals_loop_on_multistream_data(monkeypatch, optimizer, R, H, s
     microbatches cut by the padded-token bound."""
     from dataclasses import replace
 
-    from test_stacked import assert_engines_agree, cfg_for
+    from helpers import assert_engines_agree, cfg_for
 
-    from hypertrain.run import trainer
+    from hypertrain.run import prepare
 
     data = SyntheticStreams(n_total=120, empty_channel_below=30)
     data.fingerprint, data.description = "synthetic-multistream", "synthetic multistream examples"
-    monkeypatch.setattr(trainer, "build_dataset", lambda cfg: data)
+    monkeypatch.setattr(prepare, "build_dataset", lambda cfg: data)
     base = cfg_for(R, H, stack, name=optimizer)
     cfg = replace(
         base,
@@ -275,9 +275,8 @@ def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
     share's channels with the replica's totals (world L = 2) before the gradients are averaged. The
     entry's losses, held-out losses and final weights against the one-process loop, each within twice
     the loop's own error against the float64 loop (test_dist's check)."""
+    from helpers import DIST, compose_cfg, finish, rounding_floors, simulate, start_entry
     from references import assert_losses_within_rounding, assert_within_rounding
-    from test_dist import DIST, compose_cfg, finish, simulate, start_entry
-    from test_stacked import rounding_floors
 
     from hypertrain.run.records import read_metrics
 
@@ -319,7 +318,7 @@ def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
 @pytest.mark.slow  # the speech fixture's build (~25 s)
 def test_worlds_8_and_16_give_the_same_losses_in_simulation(speech):
     """In simulation W is a label: the replicas' batches, and so their losses, do not depend on it."""
-    from test_dist import compose_cfg, simulate
+    from helpers import compose_cfg, simulate
 
     base = [*speech, "model=multistream_tiny", "replicas=2", "inner.H=2", "phase.global_batch=16"]
     base += ["phase.timing_warmup=0"]
@@ -349,7 +348,7 @@ def test_the_multistream_model_learns_text_and_audio(tmp_path):
     320 updates of 16; the build takes ~50 s and the run ~40 s on 2 cores): the held-out text loss
     and the held-out mean audio loss each end below 0.9 x their unigram baselines (the audio one
     against the mean of the codebooks' entropies)."""
-    from test_dist import compose_cfg, finish, start_entry
+    from helpers import compose_cfg, finish, start_entry
 
     from hypertrain.data.datasets import build_dataset
     from hypertrain.run.records import read_metrics

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from helpers import pseudo_gradient
 from references import (
     U32,
     U_BF16,
@@ -32,17 +33,14 @@ from references import (
 from torch.optim._muon import Muon
 
 from hypertrain.config import InnerConfig, OuterConfig
+from hypertrain.diloco.outer import OuterState, init_outer_state, outer_step
 from hypertrain.optim.inner import (
     OptState,
-    OuterState,
     grad_norms,
-    init_outer_state,
     init_state,
     inner_step,
     lr_at,
     newton_schulz,
-    outer_step,
-    pseudo_gradient,
     sync_inner_states,
     uses_muon,
 )

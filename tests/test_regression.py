@@ -20,8 +20,9 @@ from references import assert_losses_within_rounding, schedule_lr, torch_adamw
 from smoke_fixture import FIXTURE, smoke_config, smoke_losses
 
 from hypertrain import plan
+from hypertrain.diloco.rounds import assignments
 from hypertrain.model.transformer import init_params
-from hypertrain.run.trainer import assignments, prepare
+from hypertrain.run.prepare import prepare
 
 
 def reference_loss(cfg, w: dict, rows: torch.Tensor) -> torch.Tensor:

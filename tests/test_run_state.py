@@ -9,8 +9,9 @@ import torch
 from helpers import small_cfg
 
 from hypertrain.config import InnerConfig
+from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
-from hypertrain.run.trainer import initial_weights, prepare, rounds
+from hypertrain.run.prepare import initial_weights, prepare
 
 
 def losses_of(rnds) -> list:

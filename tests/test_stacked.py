@@ -30,10 +30,11 @@ from references import assert_losses_within_rounding
 
 from hypertrain.config import DataConfig, EngineConfig
 from hypertrain.data.batches import Microbatch, ReplicaBatch, stacked_microbatches
+from hypertrain.diloco.rounds import assignments
 from hypertrain.engines import loop, stacked
 from hypertrain.model.transformer import init_params, param_roles
 from hypertrain.optim.inner import init_state
-from hypertrain.run.trainer import assignments, prepare
+from hypertrain.run.prepare import prepare
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

@@ -22,11 +22,15 @@ from hypertrain.config import (
     WorldConfig,
 )
 from hypertrain.data.batches import replica_batch
+from hypertrain.diloco.guard import uniform_loss
+from hypertrain.diloco.rounds import assignments
 from hypertrain.diloco.state import RunState
+from hypertrain.diloco.sync import sync
 from hypertrain.engines.loop import train_replicas
+from hypertrain.failures import Diverged
 from hypertrain.model.transformer import forward, init_params, param_roles
 from hypertrain.optim.inner import init_state
-from hypertrain.run.trainer import Diverged, assignments, prepare, sync, uniform_loss
+from hypertrain.run.prepare import prepare
 
 
 def test_strong_world_8_and_16_give_bitwise_equal_replica_losses(tmp_path):

@@ -33,9 +33,10 @@ from hypertrain.config import (
     WorldConfig,
     validate,
 )
+from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
-from hypertrain.run.trainer import initial_weights, prepare, rounds
+from hypertrain.run.prepare import initial_weights, prepare
 
 TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}
 

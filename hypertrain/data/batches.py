@@ -102,7 +102,7 @@ def replica_batch(
     Simulation: `ids` are the replica's `V_m`, `world` 1. Benchmark layout: `ids` are one rank's
     share, `replica_ids` its replica's `V_m` (whose lengths give the totals) and `world` the
     replica's distinct streams (L ranks; L/k in a weak phase at W = kB, where each id lies on k of
-    them: `trainer.rank_streams`), so the average of the L ranks' losses is the replica batch's
+    them: `diloco.rounds.rank_streams`), so the average of the L ranks' losses is the replica batch's
     token mean.
     """
     if is_multistream(dataset):

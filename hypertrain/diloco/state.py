@@ -1,4 +1,5 @@
-"""The run's whole state as one object: what a checkpoint saves and a resumed run restores.
+"""The run's state: what was decided before training (`PreparedRun`) and what training changes
+(`RunState`, one object: what a checkpoint saves and a resumed run restores).
 
 `RunState` holds the global weights and the outer optimizer's momentum, the inner optimizer
 state of every replica this process trains (moments and per-replica step counts), the position
@@ -17,9 +18,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hypertrain import plan
 from hypertrain.config import TrainConfig
+from hypertrain.data.batches import ReplicaBatch
+from hypertrain.data.text import Dataset
+from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.model.transformer import Params, param_roles
-from hypertrain.optim.inner import OptState, OuterState, init_outer_state, init_state
+from hypertrain.optim.inner import OptState, init_state
+
+
+@dataclass
+class PreparedRun:
+    """Everything decided before training: the config with derived fields filled, data, plan facts."""
+
+    cfg: TrainConfig
+    dataset: Dataset
+    phase: plan.StrongPhase | plan.WeakPhase
+    samples: int  # N: the plan's stream, the dataset without its held-out slice
+    updates: int  # updates that have ids (the rest of the phase is past the end of the stream)
+    plan_facts: dict  # union hash, data-order digest, rank digest, data fingerprint
+    heldout: ReplicaBatch  # the held-out ids (the last data.heldout), read and cut once
 
 
 @dataclass
@@ -28,7 +46,7 @@ class Totals:
 
     tokens: int = 0  # target tokens trained on, all replicas
     replica_steps: int = 0  # inner steps taken, summed over replicas
-    comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (trainer.round_bytes)
+    comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (communication.round_bytes)
     comm_outer_bytes: int = 0
 
 

@@ -55,7 +55,7 @@ class ReplicaGroups:
     def gather_round(self, table: Tensor) -> Tensor:
         """[updates, local replicas, k] per process -> [updates, R, k] on the writer (columns: loss or
         NaN when skipped, the replica's targets, this share's microbatches, maxed over a replica's
-        ranks, then the multistream channel losses: `trainer.local_table`)."""
+        ranks, then the multistream channel losses: `diloco.rounds.local_table`)."""
         return table
 
     def gather_ranks(self, table: Tensor) -> Tensor:

@@ -21,6 +21,14 @@ class NonFiniteError(RunFailure):
     exit_code = 1
 
 
+class Diverged(RunFailure):
+    """The divergence guard (`guard.*`): at a sync, the held-out loss lies more than guard.heldout_margin
+    above the uniform prediction's, or the pseudo-gradient's norm exceeds guard.pseudo_grad_ratio times
+    the global weights' norm. The run stops there (exit 1), never trains on."""
+
+    exit_code = 1
+
+
 class RankFailed(RunFailure):
     """engine=dist: a collective failed or timed out, as another rank died, hung or failed."""
 
@@ -48,7 +56,8 @@ class Terminated(RunFailure):
 
 EXIT_CODES = {
     0: "the run finished",
-    1: "a non-finite loss, gradient or held-out loss (NonFiniteError), W&B that could not start "
+    1: "a non-finite loss, gradient or held-out loss (NonFiniteError), a divergence the guard caught "
+    "(Diverged), W&B that could not start "
     "(WandbFailed: nothing of a new run is left), or an unexpected error",
     2: "a user mistake, found before the run started: nothing was created or changed",
     3: "engine=dist: a rank died, hung past engine.timeout_s, or failed (RankFailed)",

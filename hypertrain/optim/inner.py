@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # types only: the optimizer reads config fields, it never builds configs
-    from hypertrain.config import InnerConfig, OuterConfig
+    from hypertrain.config import InnerConfig
 
 Params = dict[str, Tensor]
 
@@ -116,7 +116,7 @@ def grad_norms(grads: Params) -> Tensor:
     return torch.stack(squares).sum(0).sqrt().float()
 
 
-def _per_replica(values: Tensor, like: Tensor) -> Tensor:
+def per_replica(values: Tensor, like: Tensor) -> Tensor:
     """[R] -> [R, 1, ..., 1] broadcastable against `like`."""
     return values.view(-1, *[1] * (like.ndim - 1))
 
@@ -144,7 +144,7 @@ def inner_step(
     g_list = [grads[n] for n in names]
     if inner.grad_clip > 0:
         clip = torch.clamp(inner.grad_clip / (norms + CLIP_EPS), max=1.0)
-        g_list = torch._foreach_mul(g_list, [_per_replica(clip, g) for g in g_list])
+        g_list = torch._foreach_mul(g_list, [per_replica(clip, g) for g in g_list])
     g_of = dict(zip(names, g_list, strict=True))
 
     adam = [n for n in names if n in state.v]  # init_state gave AdamW's parameters their `v`
@@ -169,7 +169,7 @@ def inner_step(
         state.step += 1
     else:
         for t, old in zip(touched, saved, strict=True):
-            torch.where(_per_replica(active, t), t, old, out=t)
+            torch.where(per_replica(active, t), t, old, out=t)
         state.step += active.to(state.step.dtype)
     return norms
 
@@ -196,10 +196,10 @@ def _adamw(
     neg_step_size = (-lr / (1.0 - inner.beta1**step)).float()
     bias2_sqrt = (1.0 - inner.beta2**step).sqrt().float()
     denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, [_per_replica(bias2_sqrt, d) for d in denom])
+    torch._foreach_div_(denom, [per_replica(bias2_sqrt, d) for d in denom])
     torch._foreach_add_(denom, inner.eps)
     update = torch._foreach_div(m, denom)
-    torch._foreach_mul_(update, [_per_replica(neg_step_size, u) for u in update])
+    torch._foreach_mul_(update, [per_replica(neg_step_size, u) for u in update])
     torch._foreach_add_(weights, update)
 
 
@@ -261,7 +261,7 @@ def sync_inner_states(
     parts = []
     for moments, name in names:
         rows = torch.cat([getattr(s, moments)[name] for s in states])
-        parts.append(torch.where(_per_replica(keep, rows), rows, 0.0).sum(0).reshape(-1))
+        parts.append(torch.where(per_replica(keep, rows), rows, 0.0).sum(0).reshape(-1))
     parts.append(keep.sum().to(parts[0]).reshape(1))
     total = torch.cat(parts)
     total = total if sum_over_replicas is None else sum_over_replicas(total)
@@ -280,76 +280,3 @@ def sync_inner_states(
     largest = largest if max_over_replicas is None else max_over_replicas(largest)
     for s in states:
         s.step.fill_(largest)
-
-
-@dataclass
-class OuterState:
-    """Outer momentum buffer per param, fp32, shaped like the global params (no replica axis)."""
-
-    momentum: Params
-
-
-def init_outer_state(global_params: Params) -> OuterState:
-    return OuterState({n: torch.zeros_like(p, dtype=torch.float32) for n, p in global_params.items()})
-
-
-def pseudo_gradient_sum(
-    global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
-) -> Tensor:
-    """sum over active replicas of (theta_global - theta_m), fp32, flat in `global_params` order, with
-    the number of active replicas appended: [n_params + 1]. What a sync sums over processes.
-
-    `replica_params` is one Params with a leading replica axis [R, ...] or a list of them (concatenated
-    in order); `active` bool [R] over all those rows (None = all). Always freshly allocated.
-    """
-    stacked = replica_params if isinstance(replica_params, dict) else _concat(replica_params)
-    parts = []
-    for name, theta in global_params.items():
-        replicas = stacked[name].float()
-        delta = theta.float().reshape(1, *replicas.shape[1:]) - replicas
-        if active is not None:
-            # where, not a 0/1 weight: a skipped replica's rows never leak in, even non-finite ones
-            delta = torch.where(_per_replica(active, delta), delta, 0.0)
-        parts.append(delta.sum(0).reshape(-1))
-    count = len(next(iter(stacked.values()))) if active is None else active.sum()
-    parts.append(torch.as_tensor(count, dtype=torch.float32, device=parts[0].device).reshape(1))
-    return torch.cat(parts)
-
-
-def unflatten(flat: Tensor, like: Params) -> Params:
-    """A flat vector in `like`'s order -> tensors shaped like `like`'s (views of `flat`)."""
-    out, start = {}, 0
-    for name, t in like.items():
-        out[name] = flat[start : start + t.numel()].view(t.shape)
-        start += t.numel()
-    return out
-
-
-def pseudo_gradient(
-    global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
-) -> Params:
-    """mean over active replicas of (theta_global - theta_m), fp32, shaped like the global params
-    (none active gives zeros); freshly allocated, never a view of the global or replica tensors."""
-    total = pseudo_gradient_sum(global_params, replica_params, active)
-    return unflatten(total[:-1] / total[-1].clamp(min=1), global_params)
-
-
-def _concat(replica_params: list[Params]) -> Params:
-    if len(replica_params) == 1:
-        return replica_params[0]
-    return {n: torch.cat([p[n] for p in replica_params]) for n in replica_params[0]}
-
-
-@torch.no_grad()
-def outer_step(outer: OuterConfig, global_params: Params, mean_delta: Params, state: OuterState) -> None:
-    """theta_global -= lr * update, in place, with torch.optim.SGD's momentum semantics.
-
-    buf = momentum * buf + delta (buf starts at zero, so the first step gives buf = delta as torch);
-    update = delta + momentum * buf with Nesterov, else buf. lr 1, momentum 0 is plain averaging.
-    """
-    for name, theta in global_params.items():
-        delta = mean_delta[name].float()
-        buf = state.momentum[name]
-        buf.mul_(outer.momentum).add_(delta)
-        update = delta.add(buf, alpha=outer.momentum) if outer.nesterov else buf
-        theta.add_(update.to(theta.dtype), alpha=-outer.lr)

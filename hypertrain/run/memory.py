@@ -220,7 +220,7 @@ def largest_tensor(model: ModelConfig, stacked: int, positions: int) -> tuple[st
 def estimate(cfg: TrainConfig, longest: int | None = None) -> Estimate:
     """The run's memory at its peak, from its validated config; `longest`: the data's longest
     example in ids, once the data is built (None: the longest the config allows, `row_ids`)."""
-    from hypertrain.run.trainer import HELDOUT_ROWS_PER_PASS  # the rows of one held-out pass
+    from hypertrain.run.prepare import HELDOUT_ROWS_PER_PASS  # the rows of one held-out pass
 
     model = model_with_vocabs(cfg)
     by_role = params_by_role(model)

@@ -592,7 +592,7 @@ def check_checkpoint_place(mode: str, path: Path) -> None:
 class Checked:
     """What the preflight decided: the prepared run, its directory, and where it resumes from."""
 
-    run: object  # trainer.PreparedRun
+    run: object  # diloco.state.PreparedRun
     run_dir: Path | None
     resume: tuple[Path, dict] | None
     restart: bool = False  # resume=auto on a run stopped before its first checkpoint: start over
@@ -614,7 +614,7 @@ def prepare_checked(
     Hydra's own files in a run directory; `hydra_written`: Hydra has written them for this very launch
     (a multirun job), so they are this run's. A directory is written only when it does not exist, is
     empty, holds only this run's own files, or is resumed (its checkpoint and records belonging together)."""
-    from hypertrain.run.trainer import check_device, prepare  # torch and data once the config is sane
+    from hypertrain.run.prepare import check_device, prepare  # torch and data once the config is sane
 
     check_experiment(choices)
     check_fields(task_cfg, TrainConfig)

@@ -334,8 +334,8 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     spawned worker prepares its own (the same config gives the same data and plan everywhere).
     Returns rank 0's summary. A failure prints one line naming this rank and exits non-zero.
     """
+    from hypertrain.run.prepare import prepare
     from hypertrain.run.session import Resume, train_session
-    from hypertrain.run.trainer import prepare
 
     signals = StopSignals().install()  # SIGTERM, SIGUSR2: stop after the update in flight, checkpointed
     me = launched_rank()  # torch's agent (torchrun, the self-launch) or srun's tasks started this process

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
+from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.failures import DiskFull, RankFailed
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
 from hypertrain.run.checkpoint import Checkpointer, checkpoints, written_by_run
 from hypertrain.run.records import NoLog, RunLogger, no_space
-from hypertrain.run.trainer import PreparedRun, train
+from hypertrain.run.trainer import train
 
 
 @contextmanager

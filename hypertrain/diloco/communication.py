@@ -1,0 +1,47 @@
+"""The sync's communication stage: how the replicas' pseudo-gradients become the one the outer step
+uses, and what that costs on the wire.
+
+`exact_mean` is today's stage: the sum of every process's replicas' pseudo-gradients over all
+processes (`ReplicaGroups.sum_over_replicas`), divided by the replicas that stepped. A stage takes this
+process's `[n_params + 1]` sum (the count last) and returns the mean, or None when no replica stepped.
+`round_bytes` is what an ideal ring all-reduce sends for a round (the `comm_*_bytes` records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from hypertrain.config import TrainConfig
+from hypertrain.distributed.groups import ReplicaGroups
+
+Communicate = Callable[[Tensor, ReplicaGroups], "tuple[Tensor, int] | None"]
+
+
+def exact_mean(local_sum: Tensor, groups: ReplicaGroups) -> tuple[Tensor, int] | None:
+    """The mean pseudo-gradient over every replica that stepped, flat, and their count; None when
+    none did. Every process gets the same numbers (one all-reduce of the sums and the count)."""
+    total = groups.sum_over_replicas(local_sum)
+    synced = int(total[-1])
+    if synced == 0:
+        return None
+    return total[:-1] / total[-1], synced
+
+
+def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int = 4) -> int:
+    """Bytes one participant sends in a ring all-reduce of `params` elements."""
+    if participants <= 1:
+        return 0
+    return int(2 * (participants - 1) / participants * params * bytes_per_element)
+
+
+def round_bytes(cfg: TrainConfig, params: int, updates: int, synced: int) -> tuple[int, int]:
+    """Bytes one participant sends in a round of `updates` updates, as an ideal ring all-reduce would.
+
+    Inner: every update, among the L = W/R ranks of a replica. Outer: once, among all R replicas
+    whenever some replica stepped (`synced` > 0; one that did not sends zeros), 0 when none did.
+    """
+    inner = ring_allreduce_bytes(cfg.world.size // cfg.replicas, params) * updates
+    outer = ring_allreduce_bytes(cfg.replicas, params) if synced else 0
+    return inner, outer

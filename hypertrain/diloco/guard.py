@@ -1,0 +1,72 @@
+"""The divergence guard (`guard.*`): at every sync, a verdict every process agrees on: train on, or
+stop (`Diverged`, or `NonFiniteError` for a non-finite held-out loss), naming the update and the figure.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypertrain.data.batches import is_multistream
+from hypertrain.diloco.rounds import Segment
+from hypertrain.diloco.state import PreparedRun
+from hypertrain.failures import Diverged, NonFiniteError
+
+
+def uniform_loss(run: PreparedRun) -> tuple[float, str]:
+    """The held-out loss of the uniform prediction and how it is made: ln vocab; for a multistream
+    model each channel's ln vocab weighted as the held-out loss weighs its channels' token means
+    (k_c over the channels with held-out targets, docs/design.md "Loss weights")."""
+    model = run.cfg.model
+    if not is_multistream(run.dataset):
+        return math.log(model.vocab), f"ln {model.vocab}"
+    counts = sum(mb.channel_counts for mb in run.heldout.microbatches).tolist()
+    scales = run.dataset.channel_scales
+    active = [(k, v) for k, v, n in zip(scales, model.channel_vocabs, counts, strict=True) if n > 0]
+    loss = sum(k * math.log(v) for k, v in active) / sum(k for k, _ in active)
+    return loss, "each channel's ln vocab, weighted as the loss weighs the channels"
+
+
+# The verdicts of a sync, agreed by every process (the largest wins): 0 = train on.
+PSEUDO_GRAD, HELDOUT_ABOVE_UNIFORM, HELDOUT_NON_FINITE = 1, 2, 3
+
+
+def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tuple[int, str]:
+    """This process's verdict on a sync and its reason: the held-out loss (the writer's, None
+    elsewhere) non-finite or above the uniform prediction's by more than guard.heldout_margin, or the
+    pseudo-gradient's norm (the same on every process) beyond guard.pseudo_grad_ratio x the weights'."""
+    guard, update = run.cfg.guard, rnd.updates[-1] + 1
+    if eval_loss is not None and not math.isfinite(eval_loss):
+        return HELDOUT_NON_FINITE, (
+            f"the held-out loss of the global weights after the sync at update {update} is {eval_loss}; "
+            "the run stops"
+        )
+    if not guard.enabled:
+        return 0, ""
+    if eval_loss is not None:
+        uniform, how = uniform_loss(run)
+        if eval_loss > uniform + guard.heldout_margin:
+            return HELDOUT_ABOVE_UNIFORM, (
+                f"diverged: the held-out loss of the global weights after the sync at update {update} is "
+                f"{eval_loss:.4f}, more than guard.heldout_margin={guard.heldout_margin:g} nats above the "
+                f"uniform prediction's {uniform:.4f} ({how}); the run stops"
+            )
+    if rnd.synced and not rnd.delta_norm <= guard.pseudo_grad_ratio * rnd.theta_norm:
+        return PSEUDO_GRAD, (
+            f"diverged: the pseudo-gradient norm at the sync at update {update} is {rnd.delta_norm:.4g}, "
+            f"more than guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times the global weights' "
+            f"norm {rnd.theta_norm:.4g}; the run stops"
+        )
+    return 0, ""
+
+
+def stop_on_verdict(agreed: int, mine: int, why: str, rnd: Segment) -> None:
+    """Every process raises on the verdict they agreed (a process other than the writer names the
+    writer's held-out verdict without its figure: the writer's line and end row hold it)."""
+    if not agreed:
+        return
+    if agreed != mine:
+        why = (
+            f"the held-out loss of the global weights after the sync at update {rnd.updates[-1] + 1} "
+            f"{'is non-finite' if agreed == HELDOUT_NON_FINITE else 'diverged'} on rank 0; the run stops"
+        )
+    raise (NonFiniteError if agreed == HELDOUT_NON_FINITE else Diverged)(why)

@@ -1,0 +1,186 @@
+"""The one round loop of every engine and process layout: `rounds(run, state)` yields a phase's rounds
+(cut where a mid-round checkpoint or a stop falls) as `Segment`s, advancing the run's state; a round is
+H updates by an engine on this process's replicas, then the sync (`diloco.sync`) that steps the global
+weights. The one-process simulation is the case of one process holding every replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hypertrain import plan
+from hypertrain.data.batches import ReplicaBatch, replica_batch
+from hypertrain.diloco.outer import weights_norm
+from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.diloco.sync import sync
+from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.engines import engine_for
+from hypertrain.engines.contract import (
+    Assignment,
+    Engine,
+    ReplicaResult,
+    StopAfter,
+)
+from hypertrain.engines.throughput import process_table
+from hypertrain.failures import fault_points, signals
+
+
+def rank_streams(phase: plan.Phase, world: int, ranks_per_replica: int) -> int:
+    """The `world` a rank's loss weights use under the benchmark layout: the replica's distinct
+    streams. A strong phase's L ranks split the replica's ids, so L. A weak phase at W = kB presents
+    each of the replica's ids on k of its L ranks (docs/design.md, "Rank ids"): their shares cover the
+    batch k times, so each rank weighs its share as one of L/k = B/R streams. The average of the L
+    ranks' losses (and gradients) is then the replica batch's token mean, as in the simulation, not k
+    times it."""
+    repeats = world // phase.base_world if isinstance(phase, plan.WeakPhase) else 1
+    return ranks_per_replica // repeats
+
+
+def assignments(
+    run: PreparedRun, updates: range, groups: ReplicaGroups | None = None, state: RunState | None = None
+) -> list[Assignment]:
+    """This process's replicas' batches for `updates` (a round, or the rest of one), as the plan
+    assigns them: each replica's whole share, or (benchmark layout) this rank's share weighted over its
+    replica's ranks. With `state` in the middle of a round, each starts from the weights it reached."""
+    cfg = run.cfg
+    groups = groups or ReplicaGroups(cfg.replicas)
+    share = groups.rank_share()
+    streams = rank_streams(run.phase, share[1], share[2]) if share is not None else 1
+
+    def batch(u: int, m: int) -> ReplicaBatch:
+        ids = plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples)
+        if share is None:
+            return replica_batch(run.dataset, ids, cfg.data, cfg.inner.micro_batch)
+        rank, world, _ = share
+        mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
+        return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, streams)
+
+    first = updates[0] if state is None else state.round_first
+    reached = state.round_params if state is not None and state.mid_round else [None] * len(groups.replicas)
+    return [
+        Assignment(m, updates[0], [batch(u, m) for u in updates], updates[0] - first, start)
+        for m, start in zip(groups.replicas, reached, strict=True)
+    ]
+
+
+@dataclass
+class Segment:
+    """A finished round, or the part of one that a mid-round checkpoint or a stop cut off: its
+    updates, what this process's replicas were given and did, every replica's per-update records
+    (`table`, gathered once per segment for the writer) and, when it ends the round, the sync."""
+
+    index: int  # the 1-based round it belongs to
+    updates: range  # the plan's update indices of the segment
+    round_updates: range  # those of its whole round
+    assigns: list[Assignment]  # this process's replicas
+    results: list[ReplicaResult]
+    table: Tensor  # float64 [updates, R, 5]: loss (NaN = skipped), targets, microbatches, text, audio
+    ranks: Tensor  # float64 [P, updates, 6]: each process's work and seconds (throughput.COLUMNS)
+    ends_round: bool = False  # the round's sync followed
+    delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
+    synced: int = 0  # replicas that stepped in the round and took part in the sync
+    theta_norm: float = 0.0  # norm of the global weights the outer step started from
+
+    def losses(self, t: int) -> list[float | None]:
+        return [None if math.isnan(x) else x for x in self.table[t, :, 0].tolist()]
+
+
+def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
+    """[updates, local replicas, 5] float64: loss or NaN when skipped, the replica's targets,
+    microbatches, and for multistream the text channel's token mean and the audio channels' mean
+    (NaN otherwise)."""
+
+    def channels(res: ReplicaResult, t: int) -> list[float]:
+        means = res.channel_losses[t] if res.channel_losses else None
+        if means is None:
+            return [math.nan, math.nan]
+        return [means[0], sum(means[1:]) / max(1, len(means) - 1)]
+
+    rows = [
+        [
+            [
+                math.nan if res.losses[t] is None else res.losses[t],
+                a.batches[t].replica_total,
+                len(a.batches[t].microbatches),
+                *channels(res, t),
+            ]
+            for a, res in zip(assigns, results, strict=True)
+        ]
+        for t in range(len(assigns[0].batches))
+    ]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def rounds(
+    run: PreparedRun,
+    state: RunState,
+    engine: Engine | None = None,
+    groups: ReplicaGroups | None = None,
+    stop: StopAfter | None = None,
+    every_updates: int = 0,
+) -> Iterator[Segment]:
+    """The phase's rounds from `state.next_update` on (the rest of a round first when `state` is in
+    the middle of one): this process's replicas' inner steps, then the sync that steps `state.theta`
+    in place; `state` is advanced past each segment before it is yielded. A round is cut into
+    segments where `next_update` reaches a multiple of `every_updates`, and after the update at which
+    `stop` says so. Cuts change no number: a replica goes on from the weights and state it reached.
+    With `groups` of several processes every process runs this same loop on its own replicas."""
+    cfg = run.cfg
+    engine = engine or engine_for(cfg.engine.name)
+    groups = groups or ReplicaGroups(cfg.replicas)
+    average = groups.average_in_replica if groups.rank_share() is not None else None
+    while state.next_update < run.updates:
+        whole = range(state.round_first, min(state.round_first + cfg.inner.H, run.updates))
+        end = whole.stop
+        if every_updates:
+            end = min(end, (state.next_update // every_updates + 1) * every_updates)
+        updates = range(state.next_update, end)
+        groups.before_round(updates)
+        assigns = assignments(run, updates, groups, state)
+        results = engine(cfg, state.theta, assigns, state.inner, average, stop)
+        updates = updates[: len(results[0].losses)]  # a stop ends every replica after the same update
+        assigns = [a.first(len(updates)) for a in assigns]
+        before = state.round_stepped or [False] * len(results)
+        stepped = [was or res.stepped for was, res in zip(before, results, strict=True)]
+        state.inner = [res.state for res in results]
+        part = Segment(
+            state.rounds_done + 1,
+            updates,
+            whole,
+            assigns,
+            results,
+            groups.gather_round(local_table(assigns, results)),
+            groups.gather_ranks(process_table(assigns, results)),
+        )
+        state.next_update = updates.stop
+        if updates.stop == whole.stop:
+            params = [res.params for res in results]
+            groups.check_replicas_identical({n: torch.cat([p[n] for p in params]) for n in state.theta})
+            part.theta_norm = weights_norm(state.theta)  # before the outer step changes theta in place
+            part.delta_norm, part.synced = sync(cfg, state, params, stepped, groups)
+            part.ends_round = True
+            state.round_first, state.rounds_done = whole.stop, state.rounds_done + 1
+            state.round_params = state.round_stepped = None
+        else:
+            state.round_params, state.round_stepped = [res.params for res in results], stepped
+        yield part
+
+
+class StopCheck:
+    """The engines' `stop`: after every update, whether some process of the run got a stop signal
+    (one agreement per update, so every process stops after the same one); `signum` is the signal
+    (the largest number when processes got different ones). The test-only fault point `after`
+    (hypertrain.fault_points) fires first."""
+
+    def __init__(self, groups: ReplicaGroups):
+        self.groups, self.signum = groups, 0
+
+    def __call__(self, update: int) -> bool:
+        fault_points.act(self.groups.rank, "after", range(update, update + 1))
+        self.signum = self.groups.max_over_processes(signals.requested() or 0)
+        return self.signum > 0

@@ -1,0 +1,119 @@
+"""Everything decided before training: `prepare(cfg)` builds the data and checks that the phase fits
+the stream and the model the data (a user mistake is one `ConfigError`/`PlanError` line before anything
+is written); `initial_weights(run)` gives the global weights every replica starts from.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from hypertrain import plan
+from hypertrain.config import ConfigError, ModelConfig, TrainConfig
+from hypertrain.data.batches import is_multistream, replica_batch
+from hypertrain.data.datasets import build_dataset
+from hypertrain.diloco.state import PreparedRun
+from hypertrain.model.transformer import Params, init_params
+from hypertrain.plan.check import verify_phase
+
+logger = logging.getLogger("hypertrain")
+
+
+HELDOUT_ROWS_PER_PASS = 64
+
+
+def check_device(device: str) -> None:
+    """engine.device names a device this process has; ConfigError (one line) otherwise."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"engine.device={device!r} but this torch ({torch.__version__}) sees no CUDA device; valid: 'cpu'"
+        )
+    count, index = torch.cuda.device_count(), torch.device(device).index
+    if index is not None and index >= count:
+        raise ConfigError(
+            f"engine.device={device!r} but this machine has {count} CUDA device(s); "
+            f"valid: cuda:0..cuda:{count - 1}"
+        )
+
+
+def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
+    """The model config with what the data decides filled in (a multistream model's channel
+    vocabularies); ConfigError when model and data do not go together."""
+    model = cfg.model
+    if not is_multistream(dataset):
+        if model.arch == "multistream":
+            raise ConfigError(
+                f"model.arch=multistream needs data with several token channels, not data.name="
+                f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
+            )
+        return model
+    vocabs = [int(v) for v in dataset.channel_vocabs]
+    if model.arch != "multistream":
+        raise ConfigError(
+            f"data.name={cfg.data.name!r} has {len(vocabs)} token channels per position but "
+            f"model.arch={model.arch!r} reads one; valid: model=multistream_tiny or multistream_small"
+        )
+    if model.channel_vocabs and list(model.channel_vocabs) != vocabs:
+        raise ConfigError(
+            f"model.channel_vocabs={list(model.channel_vocabs)} differs from the data's {vocabs}; "
+            "valid: [] (taken from the data)"
+        )
+    return replace(model, channel_vocabs=vocabs)
+
+
+def prepare(cfg: TrainConfig) -> PreparedRun:
+    """Build data and plan facts; raise ConfigError/PlanError on any user mistake."""
+    check_device(cfg.engine.device)
+    dataset = build_dataset(cfg.data)
+    cfg = replace(cfg, model=model_for_data(cfg, dataset))
+    if cfg.model.arch == "decoder" and cfg.model.vocab < dataset.vocab:
+        raise ConfigError(
+            f"model.vocab={cfg.model.vocab} is smaller than the data's vocabulary ({dataset.vocab}); "
+            f"valid: >= {dataset.vocab}"
+        )
+    samples = dataset.n_total - cfg.data.heldout
+    phase = cfg.phase.to_plan()
+    if phase.offset >= samples:
+        raise ConfigError(
+            f"phase.offset={phase.offset} lies past the training stream ({samples} ids once "
+            f"data.heldout={cfg.data.heldout} is reserved from {dataset.n_total}); "
+            f"valid: < {samples}, or a longer stream"
+        )
+    plan.validate_run(phase, cfg.world.size, cfg.replicas, samples)
+    updates = plan.updates_run(phase, samples)
+    if updates < phase.updates:
+        logger.warning(
+            "phase %r: updates %d..%d are past the end of the stream (%d ids) and are not run",
+            phase.name,
+            updates,
+            phase.updates - 1,
+            samples,
+        )
+    inner = replace(cfg.inner, decay_steps=cfg.inner.decay_steps or phase.updates)
+    cfg = replace(cfg, inner=inner)
+    check = verify_phase(phase, worlds=(cfg.world.size,), replicas=(cfg.replicas,), samples=samples)
+    facts = {
+        "plan/check": "PASS",
+        "plan/unique_ids": check["unique_ids"],
+        "plan/union_sha256": check["union_sha256"],
+        "plan/data_order_sha256": plan.data_order_digest(phase, cfg.replicas, samples),
+        "plan/rank_sha256": plan.rank_digest(phase, cfg.world.size, cfg.replicas, samples),
+        "data/fingerprint": dataset.fingerprint,
+        "data/samples": samples,
+        "data/heldout": cfg.data.heldout,
+        "plan/updates_run": updates,
+    }
+    heldout_ids = np.arange(samples, dataset.n_total, dtype=np.int64)
+    heldout = replica_batch(dataset, heldout_ids, cfg.data, HELDOUT_ROWS_PER_PASS)
+    return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout)
+
+
+def initial_weights(run: PreparedRun) -> Params:
+    """The global weights before training: the same for every replica, from `seed`."""
+    device = torch.device(run.cfg.engine.device)
+    return {n: t.to(device) for n, t in init_params(run.cfg.model, run.cfg.seed).items()}
