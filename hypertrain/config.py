@@ -2,8 +2,9 @@
 
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
 engine, logger, checkpoint, guard) plus `replicas` (R) and `seed`. Each field is documented here,
-once. `validate(cfg)` checks a composed config before anything is trained or written and raises
-`ConfigError` (a `ValueError`) with one line naming the field, the bad value and what is valid.
+once, and each section checks its own fields (`check()`), raising `ConfigError` (a `ValueError`) with
+one line naming the field, the bad value and what is valid. The checks across sections and against the
+plan are `hypertrain.run.checks.validate`. Nothing of hypertrain is imported here.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypertrain.distributed.layouts import LAYOUTS, LayoutError, choose_layout, process_count
-from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
-
 ENGINES = ("loop", "stacked", "dist")  # engine.name values; hypertrain.engines maps each to its engine
+LAYOUTS = ("auto", "benchmark", "stacked")  # engine.layout values (hypertrain.distributed.layouts)
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 
 
@@ -44,6 +43,26 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "fp32"  # fp32, or bf16 autocast (weights and optimizer stay fp32)
 
+    def check(self) -> None:
+        _choice("model.arch", self.arch, ("decoder", "multistream"))
+        if self.is_moe:
+            raise ConfigError("model.is_moe=True is not built yet; valid: False")
+        _choice("model.compute_dtype", self.compute_dtype, ("fp32", "bf16"))
+        for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            _at_least(f"model.{name}", getattr(self, name), 1)
+        _at_least("model.d_ff", self.d_ff, 0)
+        for name in ("rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not valid; valid: > 0")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(f"model.d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
+            )
+
 
 @dataclass
 class InnerConfig:
@@ -66,6 +85,25 @@ class InnerConfig:
     ns_steps: int = 5  # Newton-Schulz iterations
     ns_dtype: str = "fp32"  # fp32 or bf16 for the Newton-Schulz iteration
 
+    def check(self) -> None:
+        if not self.eps > 0:
+            raise ConfigError(f"inner.eps={self.eps!r} is not valid; valid: > 0")
+        _choice("inner.name", self.name, ("adamw", "muon"))
+        _at_least("inner.H", self.H, 1)
+        _at_least("inner.lr", self.lr, 0.0)
+        for name in ("warmup_steps", "decay_steps", "rewarmup_steps", "micro_batch", "ns_steps"):
+            _at_least(f"inner.{name}", getattr(self, name), 0)
+        _at_least("inner.grad_clip", self.grad_clip, 0.0)
+        _at_least("inner.wd", self.wd, 0.0)
+        for name in ("beta1", "beta2", "muon_momentum"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:  # 1 = no decay; 0 = the cosine ends at a rate of exactly 0
+            raise ConfigError(f"inner.min_lr_ratio={self.min_lr_ratio!r} is out of range; valid: [0, 1]")
+        _choice("inner.state_policy", self.state_policy, ("carry", "reset", "average"))
+        _choice("inner.ns_dtype", self.ns_dtype, ("fp32", "bf16"))
+
 
 @dataclass
 class OuterConfig:
@@ -73,6 +111,11 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+
+    def check(self) -> None:
+        _at_least("outer.lr", self.lr, 0.0)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
 
 
 @dataclass
@@ -88,34 +131,16 @@ class PhaseConfig:
     updates: int = 40
     timing_warmup: int = 10  # first updates left out of train/replica_steps_per_s (none left if >= updates)
 
-    def to_plan(self) -> StrongPhase | WeakPhase:
-        """The plan's phase for this config; raises ConfigError naming the bad field."""
-        try:
-            if self.kind == "strong":
-                return StrongPhase(
-                    name=self.name,
-                    offset=self.offset,
-                    global_batch=self.global_batch,
-                    updates=self.updates,
-                    timing_warmup=self.timing_warmup,
-                )
-            if self.kind == "weak":
-                return WeakPhase(
-                    name=self.name,
-                    offset=self.offset,
-                    base_world=self.base_world,
-                    per_rank_batch=self.per_rank_batch,
-                    updates=self.updates,
-                    timing_warmup=self.timing_warmup,
-                )
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
-        raise ConfigError(f"phase.kind={self.kind!r} is not a phase kind; valid: 'strong', 'weak'")
+    def check(self) -> None:
+        _choice("phase.kind", self.kind, ("strong", "weak"))
 
 
 @dataclass
 class WorldConfig:
     size: int = 8  # simulated (or, under torchrun, real) number of ranks W
+
+    def check(self) -> None:
+        _at_least("world.size", self.size, 1)
 
 
 @dataclass
@@ -164,6 +189,26 @@ class DataConfig:
         if not self.speech_voice.strip():
             raise ConfigError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
 
+    def check(self) -> None:
+        _choice("data.name", self.name, ("stdlib", "text_files", "token_bin", "speech"))
+        _choice("data.examples", self.examples, ("windows", "documents"))
+        _choice("data.token_dtype", self.token_dtype, ("uint16", "uint32"))
+        if self.name == "speech":
+            self.check_speech()
+        if self.name in ("text_files", "token_bin") and not self.path:
+            raise ConfigError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
+        if self.name == "token_bin" and self.examples != "windows":
+            raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
+        _at_least("data.seq_len", self.seq_len, 1)
+        _at_least("data.max_len", self.max_len, 2)
+        _at_least("data.heldout", self.heldout, 1)
+        _at_least("data.max_examples", self.max_examples, 1)
+        if self.examples == "documents" and self.max_padded_tokens < self.max_len + 1:
+            raise ConfigError(
+                f"data.max_padded_tokens={self.max_padded_tokens} is smaller than the longest example "
+                f"(data.max_len + 1 = {self.max_len + 1} ids); valid: >= {self.max_len + 1}"
+            )
+
 
 @dataclass
 class EngineConfig:
@@ -179,6 +224,23 @@ class EngineConfig:
     timeout_s: float = 30.0  # dist: a collective waiting longer (a dead or hung rank) stops the run
     backend: str = "auto"  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
 
+    def check(self) -> None:
+        _choice("engine.name", self.name, ENGINES)
+        _choice("engine.layout", self.layout, LAYOUTS)
+        _choice("engine.backend", self.backend, ("auto", "gloo", "nccl"))
+        _at_least("engine.nproc", self.nproc, 0)
+        if not self.timeout_s > 0:
+            raise ConfigError(f"engine.timeout_s={self.timeout_s!r} is not valid; valid: > 0 seconds")
+        if self.name != "dist" and (self.nproc or self.layout != "auto"):
+            what = f"engine.nproc={self.nproc}" if self.nproc else f"engine.layout={self.layout!r}"
+            raise ConfigError(
+                f"{what} applies to engine=dist only (now engine={self.name}); valid: engine=dist"
+            )
+        _at_least("engine.stack", self.stack, 0)
+        _at_least("engine.threads", self.threads, 0)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"engine.device={self.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
+
 
 @dataclass
 class LoggerConfig:
@@ -189,6 +251,11 @@ class LoggerConfig:
     entity: str = ""
     progress: str = "auto"  # auto (a live line only on a terminal), always, never
 
+    def check(self) -> None:
+        _choice("logger.name", self.name, ("wandb", "none"))
+        _choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+        _choice("logger.progress", self.progress, ("auto", "always", "never"))
+
 
 @dataclass
 class CheckpointConfig:
@@ -198,6 +265,11 @@ class CheckpointConfig:
     # start are a multiple of it (a round's end is a sync's checkpoint, `every`); 0 = syncs only.
     # A stop signal (SIGTERM, SIGUSR2) always checkpoints where it stops (docs/resume.md).
     every_updates: int = 0
+
+    def check(self) -> None:
+        _at_least("checkpoint.every", self.every, 0)
+        _at_least("checkpoint.keep", self.keep, 1)
+        _at_least("checkpoint.every_updates", self.every_updates, 0)
 
 
 @dataclass
@@ -218,6 +290,11 @@ class GuardConfig:
     # index is refused still). A guard: it changes no number, so a resumed run may change it.
     memory_check: bool = True
 
+    def check(self) -> None:
+        _at_least("guard.heldout_margin", self.heldout_margin, 0.0)
+        if not self.pseudo_grad_ratio > 0:
+            raise ConfigError(f"guard.pseudo_grad_ratio={self.pseudo_grad_ratio!r} is not valid; valid: > 0")
+
 
 @dataclass
 class TrainConfig:
@@ -237,6 +314,17 @@ class TrainConfig:
     # "" (start), true (the run directory's newest good checkpoint), auto (resume when the run
     # directory holds a checkpoint of this config, else start), or a checkpoint file or run directory
     resume: str = ""
+
+    def check(self) -> None:
+        """Every section's own fields (the checks that need several sections or the plan:
+        `hypertrain.run.checks.validate`)."""
+        check_finite_floats(self)
+        check_int64(self)
+        for section in (self.model, self.inner, self.outer, self.world):
+            section.check()
+        _at_least("replicas", self.replicas, 1)
+        for section in (self.phase, self.data, self.engine, self.guard, self.checkpoint, self.logger):
+            section.check()
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -274,128 +362,6 @@ def check_int64(node: Any, prefix: str = "") -> None:
                     f"{prefix}{f.name}={value!r} does not fit a 64-bit integer; valid: -{INT64_MAX + 1}.."
                     f"{INT64_MAX}"
                 )
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Check every field that can be checked without the data; the run checks the stream length."""
-    m, c, o, d, e = cfg.model, cfg.inner, cfg.outer, cfg.data, cfg.engine
-    check_finite_floats(cfg)
-    check_int64(cfg)
-    _choice("model.arch", m.arch, ("decoder", "multistream"))
-    if m.is_moe:
-        raise ConfigError("model.is_moe=True is not built yet; valid: False")
-    _choice("model.compute_dtype", m.compute_dtype, ("fp32", "bf16"))
-    for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
-        _at_least(f"model.{name}", getattr(m, name), 1)
-    _at_least("model.d_ff", m.d_ff, 0)
-    for name in ("rope_theta", "init_std"):
-        if not getattr(m, name) > 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)!r} is not valid; valid: > 0")
-    if not c.eps > 0:
-        raise ConfigError(f"inner.eps={c.eps!r} is not valid; valid: > 0")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
-    if (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
-
-    _choice("inner.name", c.name, ("adamw", "muon"))
-    _at_least("inner.H", c.H, 1)
-    _at_least("inner.lr", c.lr, 0.0)
-    for name in ("warmup_steps", "decay_steps", "rewarmup_steps", "micro_batch", "ns_steps"):
-        _at_least(f"inner.{name}", getattr(c, name), 0)
-    _at_least("inner.grad_clip", c.grad_clip, 0.0)
-    _at_least("inner.wd", c.wd, 0.0)
-    for name in ("beta1", "beta2", "muon_momentum"):
-        value = getattr(c, name)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
-    if not 0.0 <= c.min_lr_ratio <= 1.0:  # 1 = no decay; 0 = the cosine ends at a rate of exactly 0
-        raise ConfigError(f"inner.min_lr_ratio={c.min_lr_ratio!r} is out of range; valid: [0, 1]")
-    _choice("inner.state_policy", c.state_policy, ("carry", "reset", "average"))
-    _choice("inner.ns_dtype", c.ns_dtype, ("fp32", "bf16"))
-
-    _at_least("outer.lr", o.lr, 0.0)
-    if not 0.0 <= o.momentum < 1.0:
-        raise ConfigError(f"outer.momentum={o.momentum!r} is out of range; valid: [0, 1)")
-
-    _at_least("world.size", cfg.world.size, 1)
-    _at_least("replicas", cfg.replicas, 1)
-    # The plan's checks and digests go over every rank: a world beyond any machine is refused.
-    if cfg.world.size > MAX_WORLD:
-        raise ConfigError(f"world.size={cfg.world.size} is too large; valid: 1..{MAX_WORLD}")
-    phase = cfg.phase.to_plan()
-    base = phase.base_world if isinstance(phase, WeakPhase) else cfg.world.size
-    if cfg.world.size % cfg.replicas or base % cfg.replicas:
-        what = "the weak phase's base world" if isinstance(phase, WeakPhase) else "world.size"
-        raise ConfigError(
-            f"replicas={cfg.replicas} does not divide {what} ({base}); valid: a divisor of {base}"
-        )
-    # Every replica must get ids at a full update. Weak phases need no check: R divides B, so B*b >= R.
-    if isinstance(phase, StrongPhase) and phase.global_batch < cfg.replicas:
-        raise ConfigError(
-            f"phase.global_batch={phase.global_batch} is smaller than replicas={cfg.replicas}: a replica "
-            f"would never get an id; valid: global_batch >= {cfg.replicas}"
-        )
-    if isinstance(phase, WeakPhase) and cfg.world.size % phase.base_world:
-        raise ConfigError(
-            f"world.size={cfg.world.size} is not a multiple of phase.base_world={phase.base_world}"
-        )
-
-    _choice("data.name", d.name, ("stdlib", "text_files", "token_bin", "speech"))
-    _choice("data.examples", d.examples, ("windows", "documents"))
-    _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
-    if d.name == "speech":
-        d.check_speech()
-        if m.arch != "multistream":  # refused here, before a first use would build the speech cache
-            raise ConfigError(
-                f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
-                f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"
-            )
-    if d.name in ("text_files", "token_bin") and not d.path:
-        raise ConfigError(f"data.path is empty; data={d.name} needs a path (a glob or a file)")
-    if d.name == "token_bin" and d.examples != "windows":
-        raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
-    _at_least("data.seq_len", d.seq_len, 1)
-    _at_least("data.max_len", d.max_len, 2)
-    _at_least("data.heldout", d.heldout, 1)
-    _at_least("data.max_examples", d.max_examples, 1)
-    if d.examples == "documents" and d.max_padded_tokens < d.max_len + 1:
-        raise ConfigError(
-            f"data.max_padded_tokens={d.max_padded_tokens} is smaller than the longest example "
-            f"(data.max_len + 1 = {d.max_len + 1} ids); valid: >= {d.max_len + 1}"
-        )
-
-    _choice("engine.name", e.name, ENGINES)
-    _choice("engine.layout", e.layout, LAYOUTS)
-    _choice("engine.backend", e.backend, ("auto", "gloo", "nccl"))
-    _at_least("engine.nproc", e.nproc, 0)
-    if not e.timeout_s > 0:
-        raise ConfigError(f"engine.timeout_s={e.timeout_s!r} is not valid; valid: > 0 seconds")
-    if e.name != "dist" and (e.nproc or e.layout != "auto"):
-        what = f"engine.nproc={e.nproc}" if e.nproc else f"engine.layout={e.layout!r}"
-        raise ConfigError(f"{what} applies to engine=dist only (now engine={e.name}); valid: engine=dist")
-    if e.name == "dist":
-        try:
-            choose_layout(process_count(e.nproc, cfg.world.size), cfg.world.size, cfg.replicas, e.layout)
-        except LayoutError as error:
-            raise ConfigError(str(error)) from None
-    _at_least("engine.stack", e.stack, 0)
-    _at_least("engine.threads", e.threads, 0)
-    if not (e.device == "cpu" or e.device.startswith("cuda")):
-        raise ConfigError(f"engine.device={e.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
-
-    _at_least("guard.heldout_margin", cfg.guard.heldout_margin, 0.0)
-    if not cfg.guard.pseudo_grad_ratio > 0:
-        raise ConfigError(f"guard.pseudo_grad_ratio={cfg.guard.pseudo_grad_ratio!r} is not valid; valid: > 0")
-
-    _at_least("checkpoint.every", cfg.checkpoint.every, 0)
-    _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
-    _at_least("checkpoint.every_updates", cfg.checkpoint.every_updates, 0)
-    _choice("logger.name", cfg.logger.name, ("wandb", "none"))
-    _choice("logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
-    _choice("logger.progress", cfg.logger.progress, ("auto", "always", "never"))
 
 
 def register_configs() -> None:

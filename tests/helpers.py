@@ -29,12 +29,12 @@ from hypertrain.config import (
     TrainConfig,
     WorldConfig,
     register_configs,
-    validate,
 )
 from hypertrain.diloco.outer import pseudo_gradient_sum, unflatten
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
+from hypertrain.run.checks import validate
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import METRICS_FILE, RunLogger, read_metrics

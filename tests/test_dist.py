@@ -61,8 +61,8 @@ from helpers import (
 from omegaconf import OmegaConf
 from references import assert_losses_within_rounding, assert_within_rounding
 
-from hypertrain.config import validate
 from hypertrain.failures import RankFailed
+from hypertrain.run.checks import validate
 from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import read_metrics
 from hypertrain.run.wandb_offline import read_run

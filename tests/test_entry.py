@@ -12,7 +12,8 @@ from helpers import CONF, QUICK, compose_train, entry
 from omegaconf import OmegaConf
 
 from hypertrain import plan
-from hypertrain.config import ConfigError, TrainConfig, validate
+from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.run.checks import plan_phase, validate
 from hypertrain.run.records import read_metrics
 from hypertrain.run.wandb_offline import read_run
 
@@ -146,7 +147,7 @@ def test_every_config_option_composes_and_validates(override):
 @pytest.mark.parametrize("name", _options("phase"))
 def test_phase_options_are_the_plans_presets(name):
     typed: TrainConfig = OmegaConf.to_object(compose_train([f"phase={name}"]))
-    assert typed.phase.to_plan() == plan.PRESETS[name]
+    assert plan_phase(typed.phase) == plan.PRESETS[name]
 
 
 def test_the_slurm_launcher_presets_compose_for_a_plain_cpu_cluster():

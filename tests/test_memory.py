@@ -13,10 +13,11 @@ from dataclasses import replace
 import pytest
 from helpers import QUICK, compose_cfg, entry, error_lines
 
-from hypertrain.config import INT64_MAX, ConfigError, InnerConfig, ModelConfig, validate
+from hypertrain.config import INT64_MAX, ConfigError, InnerConfig, ModelConfig
 from hypertrain.model.transformer import count_params, init_params, param_roles
 from hypertrain.optim.inner import init_state
 from hypertrain.run import memory
+from hypertrain.run.checks import validate
 
 MODELS = {
     "tiny": ModelConfig(),

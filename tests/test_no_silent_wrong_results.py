@@ -16,12 +16,13 @@ import torch
 from helpers import run_losses, small_cfg
 from references import U32
 
-from hypertrain.config import ConfigError, InnerConfig, PhaseConfig, validate
+from hypertrain.config import ConfigError, InnerConfig, PhaseConfig
 from hypertrain.diloco.communication import ring_allreduce_bytes, round_bytes
 from hypertrain.engines.contract import check_finite
 from hypertrain.failures import NonFiniteError
 from hypertrain.model.transformer import count_params
 from hypertrain.optim.inner import init_state, inner_step, sync_inner_states
+from hypertrain.run.checks import validate
 
 ROLES = {"emb": "embedding", "layers.000.w1": "hidden"}  # embedding_like's parameters
 

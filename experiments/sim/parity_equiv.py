@@ -31,11 +31,11 @@ from hypertrain.config import (
     PhaseConfig,
     TrainConfig,
     WorldConfig,
-    validate,
 )
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
+from hypertrain.run.checks import validate
 from hypertrain.run.prepare import initial_weights, prepare
 
 TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}

@@ -19,9 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hypertrain.config import LAYOUTS  # the values engine.layout may take
 from hypertrain.distributed import slurm_env
-
-LAYOUTS = ("auto", "benchmark", "stacked")
 
 
 class LayoutError(ValueError):

@@ -29,11 +29,12 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain.config import ConfigError, TrainConfig, validate
+from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.failures import DiskFull
 from hypertrain.plan.sampling import PlanError
 from hypertrain.run import checkpoint, memory
+from hypertrain.run.checks import validate
 from hypertrain.run.records import METRICS_FILE, check_wandb
 
 # Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.

@@ -18,6 +18,7 @@ from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
+from hypertrain.run.checks import plan_phase
 
 logger = logging.getLogger("hypertrain")
 
@@ -77,7 +78,7 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
             f"valid: >= {dataset.vocab}"
         )
     samples = dataset.n_total - cfg.data.heldout
-    phase = cfg.phase.to_plan()
+    phase = plan_phase(cfg.phase)
     if phase.offset >= samples:
         raise ConfigError(
             f"phase.offset={phase.offset} lies past the training stream ({samples} ids once "

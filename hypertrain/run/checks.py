@@ -1,0 +1,91 @@
+"""The checks of a composed config that need more than one section, or the plan, in one place.
+
+`validate(cfg)` runs every section's own checks (`TrainConfig.check`), then these: the phase as the
+plan builds it (`plan_phase`), the world, replicas and phase together, the data and the model, and
+whether a process layout fits engine=dist. A user mistake is one `ConfigError` line, before anything is
+built or written; what needs the data (the stream's length, the vocabulary) is checked by `prepare`.
+"""
+
+from __future__ import annotations
+
+from hypertrain.config import ConfigError, PhaseConfig, TrainConfig
+from hypertrain.distributed.layouts import LayoutError, choose_layout, process_count
+from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
+
+
+def plan_phase(phase: PhaseConfig) -> StrongPhase | WeakPhase:
+    """The plan's phase for `phase`; ConfigError naming the bad field."""
+    try:
+        if phase.kind == "strong":
+            return StrongPhase(
+                name=phase.name,
+                offset=phase.offset,
+                global_batch=phase.global_batch,
+                updates=phase.updates,
+                timing_warmup=phase.timing_warmup,
+            )
+        if phase.kind == "weak":
+            return WeakPhase(
+                name=phase.name,
+                offset=phase.offset,
+                base_world=phase.base_world,
+                per_rank_batch=phase.per_rank_batch,
+                updates=phase.updates,
+                timing_warmup=phase.timing_warmup,
+            )
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+    raise ConfigError(f"phase.kind={phase.kind!r} is not a phase kind; valid: 'strong', 'weak'")
+
+
+def check_world(cfg: TrainConfig) -> None:
+    """World, replicas and phase together: every replica gets ids at every full update."""
+    # The plan's checks and digests go over every rank: a world beyond any machine is refused.
+    if cfg.world.size > MAX_WORLD:
+        raise ConfigError(f"world.size={cfg.world.size} is too large; valid: 1..{MAX_WORLD}")
+    phase = plan_phase(cfg.phase)
+    base = phase.base_world if isinstance(phase, WeakPhase) else cfg.world.size
+    if cfg.world.size % cfg.replicas or base % cfg.replicas:
+        what = "the weak phase's base world" if isinstance(phase, WeakPhase) else "world.size"
+        raise ConfigError(
+            f"replicas={cfg.replicas} does not divide {what} ({base}); valid: a divisor of {base}"
+        )
+    # Weak phases need no check here: R divides B, so B*b >= R.
+    if isinstance(phase, StrongPhase) and phase.global_batch < cfg.replicas:
+        raise ConfigError(
+            f"phase.global_batch={phase.global_batch} is smaller than replicas={cfg.replicas}: a replica "
+            f"would never get an id; valid: global_batch >= {cfg.replicas}"
+        )
+    if isinstance(phase, WeakPhase) and cfg.world.size % phase.base_world:
+        raise ConfigError(
+            f"world.size={cfg.world.size} is not a multiple of phase.base_world={phase.base_world}"
+        )
+
+
+def check_data_for_model(cfg: TrainConfig) -> None:
+    """Speech's channels need a multistream model: refused here, before a first use builds the cache."""
+    d, m = cfg.data, cfg.model
+    if d.name == "speech" and m.arch != "multistream":
+        raise ConfigError(
+            f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
+            f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"
+        )
+
+
+def check_layout(cfg: TrainConfig) -> None:
+    """engine=dist: a process layout fits the processes (the launcher's, or engine.nproc), W and R."""
+    e = cfg.engine
+    if e.name != "dist":
+        return
+    try:
+        choose_layout(process_count(e.nproc, cfg.world.size), cfg.world.size, cfg.replicas, e.layout)
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every check that can be made without the data; ConfigError (one line) at the first mistake."""
+    cfg.check()
+    check_world(cfg)
+    check_data_for_model(cfg)
+    check_layout(cfg)
