@@ -16,7 +16,7 @@ import torch
 from hypertrain.config import ConfigError, DataConfig
 from hypertrain.data import text as data_module
 from hypertrain.data.datasets import build_dataset
-from hypertrain.data.text import Dataset, load_batch, pad_batch
+from hypertrain.data.text import TextDataset, load_batch, pad_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def stdlib_reference_bytes() -> tuple[bytes, list[bytes]]:
 
 
 @pytest.fixture(scope="module")
-def stdlib() -> Dataset:
+def stdlib() -> TextDataset:
     return build_dataset(DataConfig(name="stdlib", seq_len=64, shuffle_seed=0))
 
 
@@ -67,11 +67,11 @@ def distinct_paragraphs(files: list[bytes], cut: int) -> list[bytes]:
     return list(dict.fromkeys(p for p in cut_paragraphs if len(p) >= 2))
 
 
-def contents(data: Dataset, ids) -> list[bytes]:
+def contents(data: TextDataset, ids) -> list[bytes]:
     return [bytes(data.get(int(i)).astype(np.uint8)) for i in ids]
 
 
-def assert_heldout_unseen_in_training(data: Dataset, heldout: int) -> None:
+def assert_heldout_unseen_in_training(data: TextDataset, heldout: int) -> None:
     """No held-out example's tokens equal any training example's, and no two ids hold equal tokens."""
     rows = [data.get(i).tobytes() for i in range(data.n_total)]  # int64 bytes: equal rows, equal bytes
     training, held = set(rows[: data.n_total - heldout]), rows[data.n_total - heldout :]

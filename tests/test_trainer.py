@@ -252,7 +252,11 @@ def test_the_uniform_prediction_loss_weighs_the_channels_as_the_held_out_loss_do
     counts = [torch.tensor(c, dtype=torch.float64) for c in ([5.0, 4.0, 0.0], [3.0, 4.0, 0.0])]
     multistream = NS(
         cfg=NS(model=NS(channel_vocabs=[4096, 1024, 2048])),
-        dataset=NS(channel_scales=(1.0, 16.0, 16.0)),
+        dataset=NS(
+            channel_vocabs=(4096, 1024, 2048),
+            channel_scales=(1.0, 16.0, 16.0),
+            channel_counts=lambda ids: None,
+        ),
         heldout=NS(microbatches=[NS(channel_counts=c) for c in counts]),
     )
     assert uniform_loss(multistream)[0] == pytest.approx((math.log(4096) + 16 * math.log(1024)) / 17)

@@ -8,18 +8,19 @@ tokens, `world` = 1 in simulation), so the weighted sum of microbatch mean losse
 token mean of the replica batch whatever the split. Both engines use it; the stacked engine
 stacks the j-th microbatch of several replicas with `stacked_microbatches`.
 
-A multistream dataset (one with `channel_scales`: examples `[C, L]`, a negative id = no token) gives
-microbatches `[B, C, L]` padded with -1, each with per-token channel weights `channel_weights[c] =
-coef_c / count_c` from `plan.channel_coefficients` (counts of the channel's targets in the
-microbatch; the replica's totals), so `sum_c channel_weights[c] * (sum of channel c's losses)`
-summed over microbatches (and averaged over a replica's L ranks) is exactly `sum_c k_c * mean_c /
-sum_{c with targets} k_c` over the replica batch. A channel without targets in a microbatch weighs
-0 there; without targets in the whole replica batch it leaves the objective and the normaliser.
+A multistream dataset (a `datasets.MultistreamDataset`: examples `[C, L]`, a negative id = no
+token) gives microbatches `[B, C, L]` padded with -1, each with per-token channel weights
+`channel_weights[c] = coef_c / count_c` from `plan.channel_coefficients` (counts of the channel's
+targets in the microbatch; the replica's totals), so `sum_c channel_weights[c] * (sum of channel
+c's losses)` summed over microbatches (and averaged over a replica's L ranks) is exactly `sum_c k_c
+* mean_c / sum_{c with targets} k_c` over the replica batch. A channel without targets in a
+microbatch weighs 0 there; without targets in the whole replica batch it leaves the objective and
+the normaliser.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,7 +28,8 @@ from torch import Tensor
 
 from hypertrain import plan
 from hypertrain.config import DataConfig
-from hypertrain.data.text import Dataset, load_batch, pad_batch
+from hypertrain.data.datasets import Dataset, MultistreamDataset
+from hypertrain.data.text import load_batch, pad_batch
 
 
 @dataclass
@@ -37,7 +39,8 @@ class Microbatch:
     weight: float  # this microbatch's share of the replica's target tokens (multistream: 1)
     targets: int  # real target tokens in this microbatch (multistream: summed over channels)
     channel_weights: Tensor | None = None  # multistream: float64 [C], each channel's per-token weight
-    channel_counts: Tensor | None = None  # multistream: float64 [C], each channel's targets here
+    # float64 [C], each channel's targets here (C = 0 for one stream: `model.forward`'s channel sums)
+    channel_counts: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
 
     @property
     def frames(self) -> int:
@@ -127,9 +130,9 @@ def replica_batch(
     return ReplicaBatch(micro, share, total)
 
 
-def is_multistream(dataset) -> bool:
+def is_multistream(dataset: Dataset) -> bool:
     """Whether the dataset's examples hold several token channels (`[C, L]` arrays)."""
-    return getattr(dataset, "channel_scales", None) is not None
+    return isinstance(dataset, MultistreamDataset)
 
 
 def pad_channels(rows: list[np.ndarray]) -> tuple[Tensor, Tensor]:
@@ -148,7 +151,9 @@ def channel_targets(tokens: Tensor) -> np.ndarray:
     return (tokens[:, :, 1:] >= 0).sum((0, 2)).numpy().astype(np.int64)
 
 
-def _multistream_batch(dataset, ids: np.ndarray, data: DataConfig, replica_ids, world: int) -> ReplicaBatch:
+def _multistream_batch(
+    dataset: MultistreamDataset, ids: np.ndarray, data: DataConfig, replica_ids, world: int
+) -> ReplicaBatch:
     scales = np.asarray(dataset.channel_scales, dtype=np.float64)
     totals = None if replica_ids is None else dataset.channel_counts(replica_ids).sum(0)
     if len(ids) == 0:
@@ -218,7 +223,8 @@ def stack_microbatches(
 
 
 def stacked_channel_counts(parts: list[Microbatch | None], device: torch.device) -> Tensor:
-    """multistream: each replica's targets per channel in microbatch j, float64 [R, C] (0 if missing)."""
+    """Each replica's targets per channel in microbatch j, float64 [R, C] (0 if missing; C = 0 for one
+    stream)."""
     C = next(p for p in parts if p is not None).channel_counts.numel()
     counts = torch.zeros(len(parts), C, dtype=torch.float64)
     for r, p in enumerate(parts):

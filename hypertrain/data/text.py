@@ -1,8 +1,9 @@
 """Text datasets behind one `SampleFn`: `get(id)` returns example `id` as an int64 array of token ids.
 
-`text_dataset(cfg)` turns a `DataConfig` into a `Dataset` of `n_total` examples in a seeded shuffled
-order; the last `cfg.heldout` ids are the held-out slice. The same config gives the same rows in every
-process. `load_batch` stacks fixed-length rows into a tensor; `pad_batch` pads variable-length ones.
+`text_dataset(cfg)` turns a `DataConfig` into a `TextDataset` (a `datasets.Dataset`) of `n_total`
+examples in a seeded shuffled order; the last `cfg.heldout` ids are the held-out slice. The same config
+gives the same rows in every process. `load_batch` stacks fixed-length rows into a tensor; `pad_batch`
+pads variable-length ones.
 
 Sources: `sources.py`. Examples:
 - `windows`: window w is tokens `[w*seq_len, w*seq_len + seq_len + 1)`, so consecutive windows share
@@ -43,7 +44,7 @@ _ROWS_CHUNK_BYTES = 1 << 22  # bytes of window rows handled at once when de-dupl
 
 
 @dataclass(frozen=True, eq=False)
-class Dataset:
+class TextDataset:
     """`n_total` examples in stream order; `get(id)` copies one out as int64 token ids."""
 
     n_total: int  # examples in the stream, the held-out slice included
@@ -86,14 +87,9 @@ class Dataset:
         return stream_indices(ids, self.n_total)
 
 
-def text_dataset(cfg: DataConfig) -> Dataset:
-    """The text dataset `cfg` describes; raises ConfigError (one line) for a missing or too short source."""
-    if (
-        cfg.name == "speech"
-    ):  # multistream examples from a built cache (hypertrain/data/speech, docs/audio.md)
-        from hypertrain.data.speech.dataset import speech_dataset
-
-        return speech_dataset(cfg)
+def text_dataset(cfg: DataConfig) -> TextDataset:
+    """The text dataset `cfg` describes (`datasets.build_dataset` gives speech's); raises ConfigError
+    (one line) for a missing or too short source."""
     if cfg.examples not in ("windows", "documents"):
         raise ConfigError(f"data.examples={cfg.examples!r} is not valid; valid: 'windows', 'documents'")
     if cfg.name == "stdlib":
@@ -150,7 +146,7 @@ def text_dataset(cfg: DataConfig) -> Dataset:
     order_digest = hashlib.sha256(np.ascontiguousarray(stream_starts, dtype="<i8")).hexdigest()
     header = json.dumps(settings, sort_keys=True).encode()
     fingerprint = hashlib.sha256(header + b"\0" + source.digest.encode() + b"\0" + order_digest.encode())
-    return Dataset(
+    return TextDataset(
         n_total=n_total,
         vocab=source.vocab,
         fingerprint=fingerprint.hexdigest(),
@@ -183,16 +179,17 @@ def _too_short(cfg: DataConfig, source: sources.Source, n_total: int, duplicates
     )
 
 
-def load_batch(get: SampleFn | Dataset, ids: Iterable[int]) -> torch.Tensor:
+def load_batch(get: SampleFn | TextDataset, ids: Iterable[int]) -> torch.Tensor:
     """Fixed-length examples `ids` as an int64 tensor [len(ids), T + 1], rows in `ids` order.
 
-    `get` is a SampleFn or a Dataset; a Dataset (or its bound `get`) takes the vectorised `get_many`.
+    `get` is a SampleFn or a TextDataset; a TextDataset (or its bound `get`) takes the vectorised
+    `get_many`.
     Rows of different lengths raise ValueError: variable-length examples go through `pad_batch`.
     """
-    dataset = get if isinstance(get, Dataset) else getattr(get, "__self__", None)
-    if isinstance(dataset, Dataset) and dataset.fixed_length:
+    dataset = get if isinstance(get, TextDataset) else getattr(get, "__self__", None)
+    if isinstance(dataset, TextDataset) and dataset.fixed_length:
         return torch.from_numpy(dataset.get_many(ids))
-    fetch = get.get if isinstance(get, Dataset) else get
+    fetch = get.get if isinstance(get, TextDataset) else get
     rows = [fetch(int(i)) for i in ids]
     if not rows:
         return torch.zeros((0, 0), dtype=torch.int64)

@@ -21,7 +21,7 @@ import torch
 from hypertrain import plan
 from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch
-from hypertrain.data.text import Dataset
+from hypertrain.data.datasets import Dataset
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.model.transformer import Params, param_roles
 from hypertrain.optim.inner import OptState, init_state

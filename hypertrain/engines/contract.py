@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -87,12 +88,28 @@ def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: li
     )
 
 
-# In place: a replica's gradients and loss [local replicas] averaged over its ranks (benchmark layout).
+# In place: a replica's gradients and update statistics [local replicas, 1 + 2C] (its loss, its
+# channel sums, its channel counts) averaged over its ranks (benchmark layout).
 GradientAverage = Callable[[Params, Tensor], None]
-# engine(cfg, theta, assigns, states, average_in_replica=None, stop=None) -> one result per assignment
-Engine = Callable[..., list[ReplicaResult]]
 # stop(update) -> True to end every replica's work after the plan's 0-based `update`.
 StopAfter = Callable[[int], bool]
+
+
+class Engine(Protocol):
+    """How one process computes its replicas' inner steps (`loop.train_replicas`,
+    `stacked.train_replicas`): the contract in this module's docstring."""
+
+    def __call__(
+        self,
+        cfg: TrainConfig,
+        theta: Params,
+        assigns: list[Assignment],
+        states: list[OptState],
+        average_in_replica: GradientAverage | None = None,
+        stop: StopAfter | None = None,
+    ) -> list[ReplicaResult]:
+        """One result per assignment, in order; `states` are updated in place."""
+        ...
 
 
 def in_lockstep(
@@ -135,14 +152,12 @@ def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
     return microbatch_terms(cfg, params, mb)[0]
 
 
-def microbatch_terms(cfg: TrainConfig, params: Params, mb: Microbatch) -> tuple[Tensor, Tensor | None]:
-    """`microbatch_loss`, and for a multistream microbatch its per-channel sums of cross-entropy [C]
-    (for the per-channel losses; None for one stream)."""
+def microbatch_terms(cfg: TrainConfig, params: Params, mb: Microbatch) -> tuple[Tensor, Tensor]:
+    """`microbatch_loss`, and the microbatch's per-channel sums of cross-entropy [C] (for the
+    per-channel losses; C = 0 for one stream)."""
     device = torch.device(cfg.engine.device)
     tokens = mb.tokens.unsqueeze(0).to(device)
-    if mb.channel_weights is not None:  # multistream: per-token channel weights, no mask needed
-        weights = mb.channel_weights.unsqueeze(0).to(device)
-        out = forward_fn(cfg.engine.compile)(cfg.model, params, tokens, None, weights)[0]
-        return out[0] * mb.weight, out[1:]
     mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
-    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask)[0] * mb.weight, None
+    weights = None if mb.channel_weights is None else mb.channel_weights.unsqueeze(0).to(device)
+    out = forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask, weights)[0]  # [1 + C]
+    return out[0] * mb.weight, out[1:]

@@ -29,7 +29,7 @@ from hypertrain.engines.contract import (
     microbatch_terms,
     timed_average,
 )
-from hypertrain.model.transformer import Params
+from hypertrain.model.transformer import Params, loss_channels
 from hypertrain.optim.inner import OptState
 
 
@@ -48,7 +48,7 @@ def train_replica(
     params = {n: t.detach().unsqueeze(0).clone().requires_grad_(True) for n, t in begin.items()}
     losses: list[float | None] = []
     seconds, allreduce, channels = [], [], []
-    multistream = cfg.model.arch == "multistream"
+    multistream = loss_channels(cfg.model) > 0
     for t in range(len(assign.batches)):
         loss, seconds_t, allreduce_t, channel_t = _update(
             cfg, assign, t, params, state, average_in_replica, device
@@ -65,7 +65,7 @@ def train_replica(
 
 def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, average, device):
     """The replica's update `t`: (loss or None when it had no ids, seconds, gradient-average seconds,
-    multistream: the per-channel token means)."""
+    the per-channel token means: C of them, none for one stream)."""
     batch = assign.batches[t]
     if batch.empty:
         return None, 0.0, 0.0, None
@@ -76,23 +76,21 @@ def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, av
         part, channel_sums = microbatch_terms(cfg, params, mb)
         part.backward()
         loss += part.detach()
-        if channel_sums is not None:
-            sums = channel_sums.detach() + (0 if sums is None else sums)
-            counts = mb.channel_counts.to(device) + (0 if counts is None else counts)
+        sums = channel_sums.detach() + (0 if sums is None else sums)
+        counts = mb.channel_counts.to(device) + (0 if counts is None else counts)
+    C = loss_channels(cfg.model)
+    if sums is None:  # a rank without ids in its replica's update adds nothing, in the same shape
+        sums = counts = torch.zeros(C, device=device)
     grads = gradients(params)
-    if sums is None:
-        allreduce = timed_average(average, grads, loss.view(1))
-    else:  # the replica's ranks average the channel sums and counts with the loss (ratios unchanged)
-        stats = torch.cat([loss.view(1), sums.to(loss.dtype), counts.to(loss.dtype)]).view(1, -1)
-        allreduce = timed_average(average, grads, stats)
-        C = sums.numel()
-        loss, sums, counts = stats[0, 0], stats[0, 1 : 1 + C], stats[0, 1 + C :]
+    # The replica's ranks average the channel sums and counts with the loss (ratios unchanged).
+    stats = torch.cat([loss.view(1), sums.to(loss.dtype), counts.to(loss.dtype)]).view(1, -1)
+    allreduce = timed_average(average, grads, stats)
+    loss, sums, counts = stats[0, 0], stats[0, 1 : 1 + C], stats[0, 1 + C :]
     norms = inner_step_fn(cfg.engine.compile)(cfg.inner, params, grads, state, assign.lr(cfg, t))
     check_finite(loss.view(1), norms, grads, [assign.replica], assign.global_step0 + t)
     for p in params.values():
         p.grad = None
-    channels = None if sums is None else channel_means(sums, counts).tolist()
-    return loss.item(), time.perf_counter() - start, allreduce, channels
+    return loss.item(), time.perf_counter() - start, allreduce, channel_means(sums, counts).tolist()
 
 
 def train_replicas(

@@ -31,7 +31,7 @@ from hypertrain.engines.contract import (
     in_lockstep,
     timed_average,
 )
-from hypertrain.model.transformer import Params
+from hypertrain.model.transformer import Params, loss_channels
 from hypertrain.optim.inner import OptState
 
 
@@ -92,8 +92,8 @@ def train_many(
     state = _stack_states(states)
     forward, inner_step = forward_fn(cfg.engine.compile), inner_step_fn(cfg.engine.compile)
     losses = torch.zeros(steps, R, device=device)
-    # multistream: per update and replica, each channel's token mean (filled by _update)
-    C = len(cfg.model.channel_vocabs) if cfg.model.arch == "multistream" else 0
+    # Per update and replica, each channel's token mean (filled by _update; C = 0 for one stream).
+    C = loss_channels(cfg.model)
     channels = torch.zeros(steps, R, C, dtype=torch.float64, device=device)
     stepped = torch.zeros(steps, R, dtype=torch.bool)
     seconds, allreduce = [0.0] * steps, [0.0] * steps
@@ -135,7 +135,7 @@ def train_many(
 
 def _update(cfg, assigns, t, params, state, fns, active, records, average_in_replica) -> tuple[float, float]:
     """Update `t` of the stacked replicas, in place; (its seconds, its gradient average's seconds).
-    `records` are the losses [steps, R] and the multistream channel means [steps, R, C] to fill."""
+    `records` are the losses [steps, R] and the channel means [steps, R, C] to fill."""
     forward, inner_step = fns
     losses, channels = records
     device = losses.device
@@ -145,23 +145,21 @@ def _update(cfg, assigns, t, params, state, fns, active, records, average_in_rep
     sums = counts = None
     for parts in stacked_microbatches(batches, bound):
         tokens, mask, weights, channel_weights = stack_microbatches(parts, device)
-        out = forward(cfg.model, params, tokens, mask, channel_weights)
-        if channel_weights is not None:  # multistream: [R, 1 + C], the loss then the channel sums
-            part_sums, out = out[:, 1:].detach(), out[:, 0]
-            sums = part_sums + (0 if sums is None else sums)
-            counts = stacked_channel_counts(parts, device) + (0 if counts is None else counts)
-        per_replica = out * weights
+        out = forward(cfg.model, params, tokens, mask, channel_weights)  # [R, 1 + C]: loss, channel sums
+        per_replica = out[:, 0] * weights
         per_replica.sum().backward()
         losses[t] += per_replica.detach()
+        sums = out[:, 1:].detach() + (0 if sums is None else sums)
+        counts = stacked_channel_counts(parts, device) + (0 if counts is None else counts)
+    C = channels.shape[-1]
+    if sums is None:  # a rank without ids in its replicas' update adds nothing, in the same shape
+        sums = counts = torch.zeros(len(batches), C, device=device)
     grads = gradients(params)
-    if sums is None:
-        allreduce = timed_average(average_in_replica, grads, losses[t])
-    else:  # the replica's ranks average the channel sums and counts with the loss (ratios unchanged)
-        C = sums.shape[1]
-        stats = torch.cat([losses[t].unsqueeze(1), sums.to(losses.dtype), counts.to(losses.dtype)], dim=1)
-        allreduce = timed_average(average_in_replica, grads, stats)
-        losses[t] = stats[:, 0]
-        channels[t] = channel_means(stats[:, 1 : 1 + C].double(), stats[:, 1 + C :].double())
+    # The replica's ranks average the channel sums and counts with the loss (ratios unchanged).
+    stats = torch.cat([losses[t].unsqueeze(1), sums.to(losses.dtype), counts.to(losses.dtype)], dim=1)
+    allreduce = timed_average(average_in_replica, grads, stats)
+    losses[t] = stats[:, 0]
+    channels[t] = channel_means(stats[:, 1 : 1 + C].double(), stats[:, 1 + C :].double())
     # The mask costs a copy of the state: pass it only when some replica sits this step out.
     mask = None if all(active) else torch.tensor(active, device=device)
     norms = inner_step(cfg.inner, params, grads, state, assigns[0].lr(cfg, t), active=mask)

@@ -6,14 +6,15 @@ once: every parameter is `[R, ...]`; the per-replica loop engine calls it with R
 engine with R = many. Architecture: pre-norm RMSNorm, RoPE, causal attention with grouped-query
 heads (torch's scaled-dot-product attention, replica axis folded into its batch), SwiGLU MLP.
 
-- `arch=decoder`: tokens `[R, B, T+1]`, one embedding and one untied head; returns each replica's
-  mean next-token cross-entropy over its real target positions.
+- `arch=decoder`: tokens `[R, B, T+1]`, one embedding and one untied head; the loss is each
+  replica's mean next-token cross-entropy over its real target positions.
 - `arch=multistream`: tokens `[R, B, C, T+1]`, C channels per position (text and audio codebooks
   per frame), a negative id meaning "no token". The input at a position is the sum of its
   channels' embeddings (`emb.<c>`, one table per channel); each channel has its own head
   (`head.<c>`) predicting its token at the next position. `channel_sums` gives the per-channel sums
-  of cross-entropy `[R, C]` over the targets that exist; `forward` returns `sum_c w_c * sum_c`
-  with the per-token channel weights `[R, C]` the plan's coefficients give (`hypertrain.batches`).
+  of cross-entropy `[R, C]` over the targets that exist; the loss is `sum_c w_c * sum_c` with the
+  per-token channel weights `[R, C]` the plan's coefficients give (`hypertrain.data.batches`).
+Either way `forward` returns `[R, 1 + C]`: the loss, then the channel sums (C = 0 for a decoder).
 No Hydra here: `cfg` is a plain `ModelConfig`.
 """
 
@@ -180,8 +181,8 @@ def forward(
     mask: Tensor | None = None,
     channel_weights: Tensor | None = None,
 ) -> Tensor:
-    """Per-replica loss [R] (in the weights' dtype); multistream [R, 1 + C]: the loss, then the
-    per-channel sums it weighed (`channel_sums`, for the per-channel losses the run logs).
+    """[R, 1 + C] per replica (in the weights' dtype): the loss, then the per-channel sums it weighed
+    (`channel_sums`, for the per-channel losses the run logs); C = `loss_channels(cfg)`, 0 for a decoder.
 
     decoder: the mean cross-entropy over real targets. tokens int64 [R, B, T+1]; mask bool
     [R, B, T+1] marks real positions (None = all real). A target counts when it and its input are
@@ -202,9 +203,16 @@ def forward(
         out.to(p["head"].dtype).reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
     ).view(R, -1)
     if mask is None:
-        return ce.mean(1)
-    real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
-    return (ce * real).sum(1) / real.sum(1).clamp(min=1.0)
+        loss = ce.mean(1)
+    else:
+        real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
+        loss = (ce * real).sum(1) / real.sum(1).clamp(min=1.0)
+    return loss.unsqueeze(1)  # [R, 1 + 0]: one stream, no channel sums
+
+
+def loss_channels(cfg: ModelConfig) -> int:
+    """C: the per-channel sums `forward` returns beside each replica's loss (0 for a decoder)."""
+    return len(cfg.channel_vocabs) if cfg.arch == "multistream" else 0
 
 
 def channel_sums(cfg: ModelConfig, p: Params, tokens: Tensor) -> Tensor:

@@ -7,11 +7,8 @@ from __future__ import annotations
 import torch
 
 from hypertrain.diloco.state import PreparedRun
-from hypertrain.engines.contract import (
-    channel_means,
-    microbatch_terms,
-)
-from hypertrain.model.transformer import Params
+from hypertrain.engines.contract import channel_means, microbatch_terms
+from hypertrain.model.transformer import Params, loss_channels
 
 
 @torch.no_grad()
@@ -20,14 +17,13 @@ def heldout_eval(run: PreparedRun, theta: Params) -> tuple[float, dict[str, floa
     the text channel's (channel 0) held-out token mean and the mean over the audio channels (1..C-1)
     of theirs, as `eval_loss_text` and `eval_loss_audio_mean` ({} otherwise)."""
     params = {n: t.unsqueeze(0) for n, t in theta.items()}
-    total, sums, counts = 0, None, None
+    total, sums, counts = 0, 0, 0
     for mb in run.heldout.microbatches:
         loss, channel = microbatch_terms(run.cfg, params, mb)
         total = total + loss.double()
-        if channel is not None:
-            sums = channel.double() + (0 if sums is None else sums)
-            counts = mb.channel_counts.to(channel.device) + (0 if counts is None else counts)
-    if sums is None:
+        sums = sums + channel.double()
+        counts = counts + mb.channel_counts.to(channel.device)
+    if not loss_channels(run.cfg.model):
         return float(total), {}
     means = channel_means(sums, counts).tolist()
     return float(total), {

@@ -22,7 +22,7 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
   code the entry exits with (`preempted`: SIGTERM or SIGUSR2, 143; `interrupted`: SIGINT 130, SIGHUP
   129; hypertrain.preemption); written by `close`. A file that ends without one is a run that was
   killed or is still running. `session_end` reads it back: the entry of a self-launched
-  `engine=dist` run exits as its rank 0's end row says.
+  `processes=dist` run exits as its rank 0's end row says.
 
 W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
@@ -47,7 +47,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hypertrain.config import ConfigError
 from hypertrain.failures import WandbFailed, fault_points
@@ -175,8 +175,23 @@ def loss_mean(losses: list[float | None]) -> float | None:
     return math.fsum(stepped) / len(stepped) if stepped else None
 
 
+class Records(Protocol):
+    """What training hands its records, row by row (`run.trainer`): `RunLogger` writes the rows,
+    `NoLog` drops them (tests/test_interfaces.py holds both to these methods)."""
+
+    def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None: ...
+
+    def log_update(self, row: dict) -> None: ...
+
+    def log_sync(self, row: dict) -> None: ...
+
+    def log_checkpoint(self, row: dict) -> None: ...
+
+    def summary(self, values: dict) -> None: ...
+
+
 class NoLog:
-    """The logger of a process that does not write the run (every rank but 0): rows go nowhere."""
+    """The records of a process that does not write the run (every rank but 0): rows go nowhere."""
 
     def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None:
         pass
@@ -187,10 +202,10 @@ class NoLog:
     def log_sync(self, row: dict) -> None:
         pass
 
-    def summary(self, values: dict) -> None:
+    def log_checkpoint(self, row: dict) -> None:
         pass
 
-    def log_checkpoint(self, row: dict) -> None:
+    def summary(self, values: dict) -> None:
         pass
 
 

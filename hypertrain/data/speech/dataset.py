@@ -1,17 +1,8 @@
 """The speech dataset behind `get(id)`: variable-length multistream examples read from the built cache.
 
-`speech_dataset(cfg)` finds the cache directory of `cfg` (building it first, with a one-line notice,
-when absent: `python -m hypertrain.data.speech build` in a subprocess) and returns a `SpeechDataset`. Example
-`id` is an int64 array [C, L], C = 1 + K channels (text, then codebook 1..K), L = T + 1 + max(1, d)
-positions for T frames and `audio_delay` d; -1 where a channel has no token:
-  position 0           no token in any channel: the start a model reads to predict position 1
-  text, 1..T           frame t's text token (a piece of the word spoken there, or PAD); T + 1: END
-  codebook 1, 1..T     frame t's stage-1 code (aligned with the text, as Moshi's semantic token)
-  codebook k>1         frame t's stage-k code at position t + d (the acoustic delay)
-So a model predicting position p from positions < p has T + 1 text targets (frames + one per example)
-and T targets per codebook, the counts the seed's `dynamic_weights` weigh (`channel_counts`), with
-`channel_scales` = 1 for text and 32 / K per codebook. Stream id i is utterance `perm[i]` of the cache,
-`perm = default_rng(shuffle_seed).permutation(n_total)`; the last `heldout` ids are held out.
+`speech_dataset(cfg)` returns a `SpeechDataset` on the cache of `cfg`, building it first when absent
+(one line, then `python -m hypertrain.data.speech build` in a subprocess). An example's layout, its
+channel counts and scales, and the stream order: docs/audio.md, "An example".
 """
 
 from __future__ import annotations
