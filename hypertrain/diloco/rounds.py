@@ -20,6 +20,7 @@ from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.diloco.sync import sync
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import engine_for
+from hypertrain.engines.columns import PROCESS_COLUMNS, REPLICA_COLUMNS
 from hypertrain.engines.contract import (
     Assignment,
     Engine,
@@ -71,46 +72,49 @@ def assignments(
 @dataclass
 class Segment:
     """A finished round, or the part of one that a mid-round checkpoint or a stop cut off: its
-    updates, what this process's replicas were given and did, every replica's per-update records
-    (`table`, gathered once per segment for the writer) and, when it ends the round, the sync."""
+    updates, what this process's replicas were given and did, every replica's and every process's
+    per-update records (gathered once per segment for the writer, read by column name) and, when it
+    ends the round, the sync."""
 
     index: int  # the 1-based round it belongs to
     updates: range  # the plan's update indices of the segment
     round_updates: range  # those of its whole round
     assigns: list[Assignment]  # this process's replicas
     results: list[ReplicaResult]
-    table: Tensor  # float64 [updates, R, 5]: loss (NaN = skipped), targets, microbatches, text, audio
-    ranks: Tensor  # float64 [P, updates, 6]: each process's work and seconds (throughput.COLUMNS)
+    table: Tensor  # float64 [updates, R, len(REPLICA_COLUMNS)]
+    ranks: Tensor  # float64 [P, updates, len(PROCESS_COLUMNS)]: each process's work and seconds
     ends_round: bool = False  # the round's sync followed
     delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
     synced: int = 0  # replicas that stepped in the round and took part in the sync
     theta_norm: float = 0.0  # norm of the global weights the outer step started from
 
+    def replica_column(self, name: str) -> Tensor:
+        """[updates, R]: every replica's `name` (REPLICA_COLUMNS) per update."""
+        return REPLICA_COLUMNS.of(self.table, name)
+
+    def process_column(self, name: str) -> Tensor:
+        """[P, updates]: every process's `name` (PROCESS_COLUMNS) per update."""
+        return PROCESS_COLUMNS.of(self.ranks, name)
+
     def losses(self, t: int) -> list[float | None]:
-        return [None if math.isnan(x) else x for x in self.table[t, :, 0].tolist()]
+        return [None if math.isnan(x) else x for x in self.replica_column("loss")[t].tolist()]
 
 
 def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
-    """[updates, local replicas, 5] float64: loss or NaN when skipped, the replica's targets,
-    microbatches, and for multistream the text channel's token mean and the audio channels' mean
-    (NaN otherwise)."""
+    """float64 [updates, local replicas, len(REPLICA_COLUMNS)]: this process's replicas' records."""
 
-    def channels(res: ReplicaResult, t: int) -> list[float]:
+    def row(a: Assignment, res: ReplicaResult, t: int) -> list[float]:
         means = res.channel_losses[t] if res.channel_losses else None
-        if means is None:
-            return [math.nan, math.nan]
-        return [means[0], sum(means[1:]) / max(1, len(means) - 1)]
+        return REPLICA_COLUMNS.row(
+            loss=math.nan if res.losses[t] is None else res.losses[t],
+            targets=a.batches[t].replica_total,
+            microbatches=len(a.batches[t].microbatches),
+            text_loss=math.nan if means is None else means[0],
+            audio_loss=math.nan if means is None else sum(means[1:]) / max(1, len(means) - 1),
+        )
 
     rows = [
-        [
-            [
-                math.nan if res.losses[t] is None else res.losses[t],
-                a.batches[t].replica_total,
-                len(a.batches[t].microbatches),
-                *channels(res, t),
-            ]
-            for a, res in zip(assigns, results, strict=True)
-        ]
+        [row(a, res, t) for a, res in zip(assigns, results, strict=True)]
         for t in range(len(assigns[0].batches))
     ]
     return torch.tensor(rows, dtype=torch.float64)

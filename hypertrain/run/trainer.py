@@ -13,7 +13,6 @@ import signal
 import time
 
 import torch
-from torch import Tensor
 
 from hypertrain.diloco.communication import round_bytes
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
@@ -69,10 +68,10 @@ def log_sync_row(log, rnd: Segment, eval_loss: float, totals, inner: int, outer:
     )
 
 
-def channel_losses(table: Tensor) -> dict[str, float]:
-    """multistream: an update's text and mean audio training losses, averaged over the replicas that
+def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
+    """multistream: update `t`'s text and mean audio training losses, averaged over the replicas that
     stepped (`loss/text`, `loss/audio_mean`; W&B `train/loss/text`, `train/loss/audio_mean`)."""
-    text, audio = table[:, 3], table[:, 4]
+    text, audio = rnd.replica_column("text_loss")[t], rnd.replica_column("audio_loss")[t]
     stepped = ~torch.isnan(text)
     if not bool(stepped.any()):
         return {}
@@ -162,7 +161,7 @@ def train(
     eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
     if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
         log.log_eval(update=0, eval_loss=eval_loss, **channels)
-    progress = Progress(run.updates, cfg.logger.progress if writer else "never")
+    progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
@@ -181,14 +180,14 @@ def train(
             # The timed window opens where the first timed update started: its segment's start plus
             # the updates before it (rank 0's own seconds; rows are only written at the segment's end).
             before = rnd.updates.index(warmup)
-            timed_from = round_started + float(rnd.ranks[0, :before, 3].sum())
+            timed_from = round_started + float(rnd.process_column("seconds")[0, :before].sum())
         # Rows are written once the segment (a round, unless a checkpoint or a stop cut it) is over:
         # `wall` is when it ended (an engine runs a segment as a whole), the same for its updates.
         round_end = time.perf_counter() - start
         for t, u in enumerate(rnd.updates):
             losses = rnd.losses(t)
             stepped = [x for x in losses if x is not None]
-            tokens = int(rnd.table[t, :, 1].sum())
+            tokens = int(rnd.replica_column("targets")[t].sum())
             totals.tokens += tokens
             totals.replica_steps += len(stepped)
             log.log_update(
@@ -198,10 +197,10 @@ def train(
                     "lr": rnd.assigns[0].lr(cfg, t),
                     "loss": losses,
                     "tokens": tokens,
-                    "grad_accum": int(rnd.table[t, :, 2].max()),
+                    "grad_accum": int(rnd.replica_column("microbatches")[t].max()),
                     "wall": round_end,
-                    "rank_seconds": rnd.ranks[:, t, 3].tolist(),  # each process's time for the update
-                    **channel_losses(rnd.table[t]),
+                    "rank_seconds": rnd.process_column("seconds")[:, t].tolist(),  # each process's time
+                    **channel_losses(rnd, t),
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))

@@ -1,0 +1,48 @@
+"""The named columns of a round's per-update records, each a float64 tensor whose last axis is
+`REPLICA_COLUMNS` (`diloco.rounds.local_table`) or `PROCESS_COLUMNS` (`throughput.process_table`):
+written by name (`row`), read by name (`of`), and still one tensor for one gather across processes.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+class Columns:
+    """The names of a record's last axis, in order."""
+
+    def __init__(self, *names: str):
+        assert len(set(names)) == len(names), f"a column is named twice: {names}"
+        self.names = names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def index(self, name: str) -> int:
+        """Where column `name` sits on the last axis (for an in-place write across several axes)."""
+        if name not in self.names:
+            raise KeyError(f"{name!r} is not a column; valid: {', '.join(self.names)}")
+        return self.names.index(name)
+
+    def of(self, table: Tensor, name: str) -> Tensor:
+        """`table`'s column `name`, over all its leading axes."""
+        return table[..., self.index(name)]
+
+    def row(self, **values: float) -> list[float]:
+        """One row in column order from every column's value, each named once."""
+        assert values.keys() == set(self.names), f"a row needs {self.names}, got {tuple(values)}"
+        return [values[name] for name in self.names]
+
+
+# A replica's update: its loss (NaN when it skipped the step), its targets, its microbatches (the most
+# of its ranks' shares) and, for multistream, the text channel's token mean and the audio channels'
+# mean (NaN otherwise).
+REPLICA_COLUMNS = Columns("loss", "targets", "microbatches", "text_loss", "audio_loss")
+
+# A process's update, its replicas' (or rank's) shares summed: examples, supervised target tokens,
+# padded target positions (rows x width: what the model computed; times the channels for multistream),
+# wall seconds of the update (forward, backward, gradient all-reduce, step) and of its gradient
+# all-reduce alone, positions read (frames for multistream, tokens otherwise). A weak phase presents
+# its base streams W/B times; each presentation counts as an example, as the seed says ("explicitly
+# counted as presentations").
+PROCESS_COLUMNS = Columns("samples", "tokens", "padded", "seconds", "allreduce_seconds", "frames")
