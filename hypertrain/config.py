@@ -1,7 +1,7 @@
 """Typed configuration for every Hydra group, registered with Hydra's ConfigStore, and validated.
 
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
-engine, logger, checkpoint, guard) plus `replicas` (R) and `seed`. Each field is documented here,
+engine, processes, logger, checkpoint, guard) plus `replicas` (R) and `seed`. Each field is documented here,
 once, and each section checks its own fields (`check()`), raising `ConfigError` (a `ValueError`) with
 one line naming the field, the bad value and what is valid. The checks across sections and against the
 plan are `hypertrain.run.checks.validate`. Nothing of hypertrain is imported here.
@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ENGINES = ("loop", "stacked", "dist")  # engine.name values; hypertrain.engines maps each to its engine
-LAYOUTS = ("auto", "benchmark", "stacked")  # engine.layout values (hypertrain.distributed.layouts)
+ENGINES = ("loop", "stacked")  # engine.name values; hypertrain.engines maps each to its engine
+PROCESSES = ("one", "dist")  # processes.name values
+LAYOUTS = ("auto", "benchmark", "replicas")  # processes.layout values (hypertrain.distributed.layouts)
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 
 
@@ -212,34 +213,44 @@ class DataConfig:
 
 @dataclass
 class EngineConfig:
-    # stacked (all replicas of a sub-round as one model), loop (the reference), or dist (real
-    # processes, torch.distributed; each process runs its replicas stacked; docs/distributed.md)
+    # How a process computes its replicas: stacked (all replicas of a sub-round as one model with a
+    # leading replica axis, the fast path) or loop (one after another, the reference); docs/parity.md
     name: str = "stacked"
-    stack: int = 0  # stacked: replicas per sub-round; 0 = all R
+    stack: int = 0  # stacked: replicas per sub-round; 0 = all of the process's replicas
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     compile: bool = False  # torch.compile the loss (forward and backward) and the inner optimizer step
-    nproc: int = 0  # dist: processes P; 0 = the launcher's count under torchrun, else world.size
-    layout: str = "auto"  # dist: benchmark (P = world.size), stacked (P divides replicas), or auto
-    timeout_s: float = 30.0  # dist: a collective waiting longer (a dead or hung rank) stops the run
-    backend: str = "auto"  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
 
     def check(self) -> None:
         _choice("engine.name", self.name, ENGINES)
-        _choice("engine.layout", self.layout, LAYOUTS)
-        _choice("engine.backend", self.backend, ("auto", "gloo", "nccl"))
-        _at_least("engine.nproc", self.nproc, 0)
-        if not self.timeout_s > 0:
-            raise ConfigError(f"engine.timeout_s={self.timeout_s!r} is not valid; valid: > 0 seconds")
-        if self.name != "dist" and (self.nproc or self.layout != "auto"):
-            what = f"engine.nproc={self.nproc}" if self.nproc else f"engine.layout={self.layout!r}"
-            raise ConfigError(
-                f"{what} applies to engine=dist only (now engine={self.name}); valid: engine=dist"
-            )
         _at_least("engine.stack", self.stack, 0)
         _at_least("engine.threads", self.threads, 0)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"engine.device={self.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
+
+
+@dataclass
+class ProcessesConfig:
+    # How many processes hold the replicas and how they talk: one (this process holds every replica:
+    # the simulation) or dist (P real processes, torch.distributed; docs/distributed.md)
+    name: str = "one"
+    nproc: int = 0  # dist: processes P; 0 = the launcher's count under torchrun or srun, else world.size
+    layout: str = "auto"  # dist: benchmark (P = world.size), replicas (P divides replicas), or auto
+    timeout_s: float = 30.0  # dist: a collective waiting longer (a dead or hung rank) stops the run
+    backend: str = "auto"  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
+
+    def check(self) -> None:
+        _choice("processes.name", self.name, PROCESSES)
+        _choice("processes.layout", self.layout, LAYOUTS)
+        _choice("processes.backend", self.backend, ("auto", "gloo", "nccl"))
+        _at_least("processes.nproc", self.nproc, 0)
+        if not self.timeout_s > 0:
+            raise ConfigError(f"processes.timeout_s={self.timeout_s!r} is not valid; valid: > 0 seconds")
+        if self.name != "dist" and (self.nproc or self.layout != "auto"):
+            what = f"processes.nproc={self.nproc}" if self.nproc else f"processes.layout={self.layout!r}"
+            raise ConfigError(
+                f"{what} applies to processes=dist only (now processes={self.name}); valid: processes=dist"
+            )
 
 
 @dataclass
@@ -305,6 +316,7 @@ class TrainConfig:
     world: WorldConfig = field(default_factory=WorldConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    processes: ProcessesConfig = field(default_factory=ProcessesConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -323,7 +335,15 @@ class TrainConfig:
         for section in (self.model, self.inner, self.outer, self.world):
             section.check()
         _at_least("replicas", self.replicas, 1)
-        for section in (self.phase, self.data, self.engine, self.guard, self.checkpoint, self.logger):
+        for section in (
+            self.phase,
+            self.data,
+            self.engine,
+            self.processes,
+            self.guard,
+            self.checkpoint,
+            self.logger,
+        ):
             section.check()
 
 
@@ -362,6 +382,30 @@ def check_int64(node: Any, prefix: str = "") -> None:
                     f"{prefix}{f.name}={value!r} does not fit a 64-bit integer; valid: -{INT64_MAX + 1}.."
                     f"{INT64_MAX}"
                 )
+
+
+OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* before processes had a group
+
+
+def upgrade_resolved(resolved: dict) -> dict:
+    """A resolved config (a run's config.yaml, a checkpoint's) written before the processes had their
+    own group, in today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc,
+    layout, timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as
+    it is."""
+    engine = resolved.get("engine")
+    if "processes" in resolved or not isinstance(engine, dict):
+        return resolved
+    engine = dict(engine)
+    processes = {"name": "dist" if engine.get("name") == "dist" else "one"}
+    for key in OLD_PROCESS_FIELDS:
+        if key in engine:
+            processes[key] = engine.pop(key)
+    if processes.get("layout") == "stacked":
+        processes["layout"] = "replicas"
+    if engine.get("name") == "dist":
+        engine["name"] = "stacked"
+    defaults = dataclasses.asdict(ProcessesConfig())
+    return {**resolved, "engine": engine, "processes": defaults | processes}
 
 
 def register_configs() -> None:

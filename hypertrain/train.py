@@ -67,6 +67,7 @@ def run_identity(cfg: TrainConfig, resolved: dict) -> dict:
             f"R={cfg.replicas}",
             f"H={cfg.inner.H}",
             f"engine={cfg.engine.name}",
+            f"processes={cfg.processes.name}",
             f"inner={cfg.inner.name}",
         ],
     }
@@ -81,6 +82,31 @@ def quote_numeric_choices(argv: list[str], groups: tuple[str, ...] = ("world",))
             arg = key + "=" + ",".join(f"'{v}'" for v in value.split(","))
         out.append(arg)
     return out
+
+
+OLD_SPELLINGS = {  # engine=dist and its fields, before the processes had their own group
+    "engine=dist": "processes=dist",
+    **{f"engine.{k}": f"processes.{k}" for k in ("nproc", "layout", "timeout_s", "backend")},
+}
+
+
+def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`engine=dist engine.nproc=2 engine.layout=stacked` -> `processes=dist processes.nproc=2
+    processes.layout=replicas`, with one notice per older spelling; a sweep over engine=dist and an
+    engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse."""
+    out, notices = [], []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        new = OLD_SPELLINGS.get(arg) or (OLD_SPELLINGS.get(key) and f"{OLD_SPELLINGS[key]}={value}")
+        if sep and new:
+            if key == "engine.layout":
+                new = "processes.layout=" + ",".join(
+                    "replicas" if v == "stacked" else v for v in value.split(",")
+                )
+            notices.append(f"hypertrain: note: {arg} is now spelled {new} (engine= chooses loop or stacked)")
+            arg = new
+        out.append(arg)
+    return out, notices
 
 
 def multirun_first(argv: list[str]) -> list[str]:
@@ -157,9 +183,14 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
     write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
     write_whole(run_dir / "plan.json", json.dumps(run.plan_facts, indent=2) + "\n")
     logger.info("run %s: %s", identity["name"], run.dataset.description)
-    if run.cfg.engine.name == "dist":
-        engine = run.cfg.engine
-        logger.info("engine=dist: %d processes, %s layout", engine.nproc, engine.layout)
+    if run.cfg.processes.name == "dist":
+        processes = run.cfg.processes
+        logger.info(
+            "processes=dist: %d processes, %s layout, engine=%s",
+            processes.nproc,
+            processes.layout,
+            run.cfg.engine.name,
+        )
     if run.cfg.engine.compile:
         logger.info("engine.compile=true: the first updates and held-out eval include compilation")
     return resume
@@ -177,7 +208,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
                 resume = write_start(checked, run_dir, run, identity)
         except DiskFull as e:
             preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
-    if run.cfg.engine.name == "dist":
+    if run.cfg.processes.name == "dist":
         from hypertrain.run import processes as dist
 
         job = dist.WorkerJob(
@@ -227,7 +258,9 @@ if __name__ == "__main__":
     # make this run a client of the parent's service: a run of a killed earlier session would still
     # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
     os.environ.pop("WANDB_SERVICE", None)
-    sys.argv = quote_numeric_choices(multirun_first(sys.argv))
+    sys.argv, notices = modern_spelling(quote_numeric_choices(multirun_first(sys.argv)))
+    if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
+        print("\n".join(notices), file=sys.stderr)
     guard_start(preflight.abandon_unstarted)  # a stop before training: what a new run made goes again
     preflight.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
     main()

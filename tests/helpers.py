@@ -251,7 +251,7 @@ KILLED = -9  # the entry's return code when the fault hook SIGKILLs it (one-proc
 DOCUMENTS = ["data.examples=documents", "data.max_len=48", "data.max_examples=4"]
 
 
-ENGINES = {"stacked": [], "loop": ["engine=loop"], "dist": ["engine=dist", "world=2", "replicas=2"]}
+ENGINES = {"stacked": [], "loop": ["engine=loop"], "dist": ["processes=dist", "world=2", "replicas=2"]}
 
 
 INNERS = {"adamw": [], "muon": ["inner=muon"]}
@@ -325,7 +325,7 @@ def pseudo_gradient(global_params, replica_params, active=None) -> dict:
 # -- real processes against the simulation -----------------------------------------------------
 
 
-DIST = [*QUICK, "logger=none", "engine=dist"]
+DIST = [*QUICK, "logger=none", "processes=dist"]
 
 
 def simulate(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list | None = None):

@@ -255,7 +255,7 @@ CASES = {
         "more replicas than this machine's memory holds",
         ["world.size=65536", "replicas=65536", "phase.global_batch=65536", "model.d_model=256"],
         "model.d_model=256, model.n_layers=2, model.vocab=256, replicas=65536 need about 5.54 TB",
-        "fewer replicas, or engine=dist over several machines",
+        "fewer replicas, or processes=dist over several machines",
     ),
     "sweep-value-too-large-for-memory": Case(
         "a sweep with a value that cannot fit (checked before the sweep directory is written)",
@@ -334,16 +334,23 @@ CASES = {
         "reads one stream; valid: model=multistream_tiny or multistream_small",
         "model=multistream_tiny (refused before the speech is built)",
     ),
-    "engine-option-without-dist": Case(
-        "an engine=dist option on another engine",
-        ["engine.layout=benchmark"],
-        "engine.layout='benchmark' applies to engine=dist only (now engine=stacked); valid: engine=dist",
-        "engine=dist, or drop the option",
+    "processes-option-without-dist": Case(
+        "a processes=dist option on one process",
+        ["processes.layout=benchmark"],
+        "processes.layout='benchmark' applies to processes=dist only (now processes=one); "
+        "valid: processes=dist",
+        "processes=dist, or drop the option",
+    ),
+    "dist-is-not-an-engine": Case(
+        "an engine that is the processes' choice (engine.name=dist)",
+        ["engine.name=dist"],
+        "engine.name='dist' is not valid; valid: 'loop', 'stacked'",
+        "processes=dist (the older engine=dist is read as that, with a notice)",
     ),
     "no-dist-layout": Case(
-        "engine=dist with processes that fit no layout",
-        ["engine=dist", "world.size=8", "replicas=4", "engine.nproc=3"],
-        "engine=dist with 3 processes, world.size=8 and replicas=4 fits no layout; valid: benchmark",
+        "processes=dist with processes that fit no layout",
+        ["processes=dist", "world.size=8", "replicas=4", "processes.nproc=3"],
+        "processes=dist with 3 processes, world.size=8 and replicas=4 fits no layout; valid: benchmark",
         "processes = world.size, or a divisor of replicas",
     ),
     "cuda-on-a-cpu-build": Case(
@@ -502,16 +509,16 @@ CASES = {
         env={"SLURM_CONF": "{cwd}/slurm.conf"},
     ),
     "nccl-without-cuda": Case(
-        "engine.backend=nccl on a machine without CUDA",
-        ["engine=dist", "world=2", "replicas=1", "engine.backend=nccl"],
-        "engine.backend=nccl needs CUDA devices, but CUDA is not available to this torch",
-        "engine.backend=gloo or auto (nccl also needs engine.device=cuda and a GPU per process)",
+        "processes.backend=nccl on a machine without CUDA",
+        ["processes=dist", "world=2", "replicas=1", "processes.backend=nccl"],
+        "processes.backend=nccl needs CUDA devices, but CUDA is not available to this torch",
+        "processes.backend=gloo or auto (nccl also needs engine.device=cuda and a GPU per process)",
     ),
     "nccl-on-cpu-tensors": Case(
-        "engine.backend=nccl with engine.device=cpu on a machine with CUDA",
-        ["engine=dist", "world=2", "replicas=1", "engine.backend=nccl"],
-        "engine.backend=nccl moves CUDA tensors only, but engine.device='cpu'",
-        "engine.device=cuda, or engine.backend=gloo or auto",
+        "processes.backend=nccl with engine.device=cpu on a machine with CUDA",
+        ["processes=dist", "world=2", "replicas=1", "processes.backend=nccl"],
+        "processes.backend=nccl moves CUDA tensors only, but engine.device='cpu'",
+        "engine.device=cuda, or processes.backend=gloo or auto",
     ),
     "multirun-flag-among-overrides": Case(
         "-m between overrides (Hydra's parser takes it only first or last; the entry takes it anywhere)",

@@ -1,8 +1,8 @@
-"""engine=dist on real processes (gloo, CPU), run through the entry as a user runs it.
+"""processes=dist on real processes (gloo, CPU), run through the entry as a user runs it.
 
 docs/design.md, "Real processes" and invariant 7.
 
-Parity. Each case runs `python -m hypertrain.train engine=dist ...` (self-launched workers,
+Parity. Each case runs `python -m hypertrain.train processes=dist ...` (self-launched workers,
 or `torchrun`) in a subprocess and compares what rank 0 wrote (per-replica losses at every update from
 metrics.jsonl, the held-out losses of the eval and sync rows, the final global weights in weights.pt)
 with the simulation of the same TrainConfig (composed with the same overrides, as the entry composes
@@ -23,15 +23,15 @@ the same number and size, only in another order:
 - the sync's all-reduce sums the R replicas' pseudo-gradients (HSDP-sharded, or once over the stacked
   layout's processes) like the simulation's torch.sum, in another order: R terms, the same count of
   roundings of a pseudo-gradient, far below U32 of the weights (references.py, `float64_arithmetic`).
-- stacked layout: each process trains its R/P replicas stacked, each on its whole share (`world` = 1),
-  as `engine=stacked` does (invariant 6); only the sync's sum differs, as above.
+- replicas layout: each process trains its R/P replicas with its engine, each on its whole share
+  (`world` = 1), as `engine=stacked` does (invariant 6); only the sync's sum differs, as above.
 - the held-out loss is the same code on the global weights (rank 0), a loss of the same form as a
   training loss: its floor is `rounding_floors`' loss floor for the held-out batch.
 
 Failures: the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:kill|sleep`) kills
 or hangs rank 1 at the start of a known round (H = 1, so round U holds update U); the run must stop with
 exit code 1, one line per rank that failed plus the parent's, rank 0's records flushed up to the last
-finished round and closed with a failed `end` row, within engine.timeout_s plus an allowance for rank 0's
+finished round and closed with a failed `end` row, within processes.timeout_s plus an allowance for rank 0's
 own work and the launcher's poll (derived in `test_a_dead_or_hung_rank_stops_the_run_within_the_timeout`).
 """
 
@@ -129,13 +129,24 @@ CASES = {
         "benchmark",
         4,
     ),
-    # stacked layout: 2 processes of 2 stacked replicas each (P = 2 != W = 4, P divides R = 4); the last
+    # replicas layout: 2 processes of 2 replicas each, stacked (P = 2 != W = 4, P divides R = 4); the last
     # round is a tail update of 1 id, so process 1 has no replica that steps in it.
     "stacked-p2-r4-muon-tail": Case(
-        ["world=4", "replicas=4", "engine.nproc=2", "inner=muon", "inner.H=3", "phase.updates=7"],
-        "stacked",
+        ["world=4", "replicas=4", "processes.nproc=2", "inner=muon", "inner.H=3", "phase.updates=7"],
+        "replicas",
         2,
         tail=1,
+    ),
+    # The engine is its own choice under real processes: each process runs the loop reference.
+    # benchmark, W = 2, R = 1, L = 2, engine=loop: the replica's two ranks average their gradients.
+    "loop-w2-r1": Case(
+        ["engine=loop", "world=2", "replicas=1", "inner.H=2", "phase.updates=4"], "benchmark", 2
+    ),
+    # replicas layout, engine=loop: 2 processes of 2 replicas each, one after another.
+    "loop-replicas-p2-r4": Case(
+        ["engine=loop", "world=4", "replicas=4", "processes.nproc=2", "inner.H=2", "phase.updates=4"],
+        "replicas",
+        2,
     ),
 }
 
@@ -153,6 +164,7 @@ SLOW_CASES = {
     "w4-r2-weak-k2",
     "stacked-p2-r4-muon-tail",
     "w2-r2-muon-microbatches",
+    "loop-replicas-p2-r4",
 }
 
 
@@ -192,11 +204,12 @@ def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
 
     # The chosen layout is written to the run's config and summary.
     written = OmegaConf.load(run_dir / "config.yaml")
-    assert (written.engine.name, written.engine.layout, written.engine.nproc) == (
+    assert (written.processes.name, written.processes.layout, written.processes.nproc) == (
         "dist",
         case.layout,
         case.nproc,
     )
+    assert written.engine.name == cfg.engine.name  # the engine each process ran: its own choice
     summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
     assert summary["engine/layout"] == case.layout
 
@@ -253,7 +266,15 @@ def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
 def test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group(tmp_path):
     sweep = tmp_path / "sweep"
     done = entry(
-        ["-m", *QUICK, "logger=wandb", "engine=dist", "world=2", "replicas=1,2", f"hydra.sweep.dir={sweep}"],
+        [
+            "-m",
+            *QUICK,
+            "logger=wandb",
+            "processes=dist",
+            "world=2",
+            "replicas=1,2",
+            f"hydra.sweep.dir={sweep}",
+        ],
         tmp_path,
     )
     assert done.returncode == 0, done.stderr
@@ -304,7 +325,7 @@ def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
         most reads and steps round 3's first update): at most one round, whose length the run logs
         (the difference of two rounds' `wall`, which holds all of that);
     (b) waits in that collective: at once for a dead peer (gloo sees the closed connection), at most
-        engine.timeout_s for a silent one; or the launcher, which polls every 0.1 s, stops it first;
+        processes.timeout_s for a silent one; or the launcher, which polls every 0.1 s, stops it first;
     (c) writes the end row (one line).
     The estimate's early start adds what rank 0 did before `wall`'s clock started (the first held-out
     eval): at most one more round. So end - fault <= timeout_s + 2 * longest round + 0.1 s + 1 s, the
@@ -315,7 +336,7 @@ def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
         "world=2",
         "replicas=1",
         "inner.H=1",
-        f"engine.timeout_s={FAULT_TIMEOUT_S}",
+        f"processes.timeout_s={FAULT_TIMEOUT_S}",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
     done = entry(args, tmp_path, env={FAULT_ENV: f"1:{FAULT_UPDATE}:{action}"})
@@ -367,12 +388,13 @@ def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
     ("overrides", "named"),
     [
         (
-            ["world.size=8", "replicas=4", "engine.nproc=3"],
-            "engine=dist with 3 processes, world.size=8 and replicas=4 fits no layout",
+            ["world.size=8", "replicas=4", "processes.nproc=3"],
+            "processes=dist with 3 processes, world.size=8 and replicas=4 fits no layout",
         ),
         (
-            ["world=4", "engine.layout=benchmark", "engine.nproc=2"],
-            "engine=dist with 2 processes, world.size=4 and replicas=2 does not fit engine.layout=benchmark",
+            ["world=4", "processes.layout=benchmark", "processes.nproc=2"],
+            "processes=dist with 2 processes, world.size=4 and replicas=2 does not fit "
+            "processes.layout=benchmark",
         ),
     ],
 )
@@ -382,7 +404,7 @@ def test_processes_that_fit_no_layout_fail_with_one_line_and_create_nothing(tmp_
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"hypertrain: error: {named}; valid: "), done.stderr
     assert (
-        "benchmark (processes = world.size" in lines[0] and "stacked (processes divide replicas" in lines[0]
+        "benchmark (processes = world.size" in lines[0] and "replicas (processes divide replicas" in lines[0]
     )
     assert tree(tmp_path) == {}, "a rejected run left files behind"
     # The command it offers is one that fits, with the rest of the user's config.
@@ -401,7 +423,7 @@ def test_processes_that_fit_no_layout_fail_with_one_line_and_create_nothing(tmp_
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        (["engine.nproc=4"], "engine.nproc=4 but torchrun started 2 processes; valid: "),
+        (["processes.nproc=4"], "processes.nproc=4 but torchrun started 2 processes; valid: "),
         (["-m", "replicas=1,2"], "a multirun (-m) under torchrun is not supported: "),
     ],
     ids=["nproc", "multirun"],
@@ -410,7 +432,7 @@ def test_a_mistake_under_torchrun_is_one_line_from_rank_0_and_creates_nothing(tm
     """Every rank finds the mistake; rank 0 alone prints it and exits 2, the other ranks wait for the
     launcher to stop them (docs/distributed.md). What follows is torchrun's own: its log lines, its
     ChildFailedError summary naming rank 0's exit code 2 as the root cause, and its exit code 1."""
-    args = ["engine=dist", "world=2", "replicas=1", *QUICK, "logger=none", *overrides]
+    args = ["processes=dist", "world=2", "replicas=1", *QUICK, "logger=none", *overrides]
     done = entry(args, tmp_path, torchrun=2)
     lines = error_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith(f"hypertrain: error: {says}"), done.stderr

@@ -161,3 +161,57 @@ def test_the_slurm_launcher_presets_compose_for_a_plain_cpu_cluster():
 def test_a_typo_in_a_field_is_rejected_by_the_schema():
     with pytest.raises(Exception, match="inner.hh"):
         compose_train(["inner.hh=3"])
+
+
+OLD_DIST = [
+    "engine=dist",
+    "world=2",
+    "replicas=2",
+    "engine.nproc=2",
+    "engine.layout=stacked",
+    "engine.timeout_s=20",
+]
+NEW_DIST = ["processes=dist", "world.size=2", "replicas=2", "processes.nproc=2", "processes.layout=replicas"]
+
+
+def test_the_older_engine_dist_spelling_runs_as_processes_dist_with_one_notice_each(tmp_path):
+    """engine=dist and engine.nproc/layout/timeout_s were the processes' choices before they had their
+    own group: they still run, as processes=dist with engine=stacked, each older spelling named in one
+    notice line, and the run's config is written in today's spelling."""
+    run_dir = tmp_path / "run"
+    done = entry([*QUICK, "logger=none", "phase.updates=2", *OLD_DIST, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    notices = [line for line in done.stderr.splitlines() if line.startswith("hypertrain: note:")]
+    assert notices == [
+        "hypertrain: note: engine=dist is now spelled processes=dist (engine= chooses loop or stacked)",
+        "hypertrain: note: engine.nproc=2 is now spelled processes.nproc=2 (engine= chooses loop or stacked)",
+        "hypertrain: note: engine.layout=stacked is now spelled processes.layout=replicas "
+        "(engine= chooses loop or stacked)",
+        "hypertrain: note: engine.timeout_s=20 is now spelled processes.timeout_s=20 "
+        "(engine= chooses loop or stacked)",
+    ]
+    written = OmegaConf.load(run_dir / "config.yaml")
+    assert written.engine.name == "stacked"
+    assert (written.processes.name, written.processes.nproc, written.processes.layout) == (
+        "dist",
+        2,
+        "replicas",
+    )
+    assert written.processes.timeout_s == 20
+
+
+def test_an_older_runs_config_reads_as_todays():
+    """A checkpoint's or config.yaml's config written before the processes group (engine.name=dist,
+    engine.nproc, engine.layout=stacked) reads as the same run in today's spelling: resuming compares
+    it with today's resolved config key by key."""
+    from hypertrain.config import upgrade_resolved
+    from hypertrain.run.preflight import resolved_config
+
+    today = resolved_config(OmegaConf.to_object(compose_train([*QUICK, *NEW_DIST])))
+    older = {k: v for k, v in today.items() if k != "processes"}
+    older["engine"] = {**today["engine"], "name": "dist", "nproc": 2, "layout": "stacked", "timeout_s": 30.0}
+    older["engine"]["backend"] = "auto"
+    assert upgrade_resolved(older) == today
+    assert upgrade_resolved(today) is today
+    one = {k: v for k, v in today.items() if k != "processes"} | {"engine": {**today["engine"], "nproc": 0}}
+    assert upgrade_resolved(one)["processes"]["name"] == "one"

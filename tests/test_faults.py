@@ -174,7 +174,7 @@ HELDOUT_LINE = (
 
 
 def assert_stopped_by_the_guard(done, run_dir: Path, line: str, engine: str) -> re.Match:
-    """Exit 1; the one line (engine=dist: each rank's, rank 0's naming the figure, and the parent's);
+    """Exit 1; the one line (processes=dist: each rank's, rank 0's naming the figure, and the parent's);
     metrics.jsonl: the updates up to the sync that tripped, its sync row, a failed end row; the
     checkpoints of earlier syncs only; no weights.pt. Returns the end row's match of `line`."""
     assert done.returncode == 1, done.stderr
@@ -218,7 +218,7 @@ LIMITS = {
     "engine", [pytest.param(e, marks=() if e == "stacked" else pytest.mark.slow) for e in ENGINES]
 )
 def test_a_run_whose_weights_diverge_without_nan_stops_at_the_sync(tmp_path, engine, limit):
-    """Every engine stops at the sync where a limit is passed, real processes all together (engine=dist:
+    """Every engine stops at the sync where a limit is passed, real processes all together (processes=dist:
     only rank 0 evaluates the held-out loss; every rank stops on its verdict)."""
     run_dir = tmp_path / "run"
     overrides, line = LIMITS[limit]

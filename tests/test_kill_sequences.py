@@ -19,7 +19,7 @@ After every operation:
   mtime) and folder (its mtime) of the test's folder, which holds the run's parent (with a
   neighbouring run and a file in it) and the cwd the entry runs in (with a file); the parent's
   own mtime may change only when the operation created the run directory;
-- a killed session exits with its documented code (SIGKILL, -9; engine=dist, a rank killed by the
+- a killed session exits with its documented code (SIGKILL, -9; processes=dist, a rank killed by the
   hook: RankFailed's 3), its records hold no `end` row (SIGKILL leaves no last words; under dist a
   surviving rank 0 writes a `failed` one), every checkpoint on disk loads and names its update, and
   the newest is where the hook's point puts it (`hook_bounds`);
@@ -92,7 +92,7 @@ POINTS = ("round", "after", "metrics", "checkpoint")  # the fault hook's points 
 # resumed run is its last session's"); they count what that session timed and presented.
 SESSION_FIGURES = ("train/replica_steps_per_s", "train/presentations", "train/timed_updates")
 
-DIST_FAILED = RankFailed.exit_code  # engine=dist: the entry's code when the hook kills a rank
+DIST_FAILED = RankFailed.exit_code  # processes=dist: the entry's code when the hook kills a rank
 
 # Seed 14 (stacked, every sync, three kills by the hook) resumes from three different checkpoints:
 # it found the checkpoint an earlier session resumed from left unpruned (checkpoint.written_by_run).

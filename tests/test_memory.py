@@ -156,7 +156,7 @@ def test_memory_check_false_lets_the_run_go_on_to_its_next_check(tmp_path):
         ["phase=weak", "world=16"],
         ["data.examples=documents", "data.max_len=128"],
         ["engine.compile=true"],
-        ["engine=dist", "world=2", "replicas=1"],
+        ["processes=dist", "world=2", "replicas=1"],
         ["experiment=phases", "world=16", "phase=cpu_strong"],
         ["experiment=phases", "world=16", "phase=cpu_weak"],
         ["experiment=sweep_rh"],

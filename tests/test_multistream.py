@@ -271,7 +271,7 @@ def build_speech(overrides: list[str]) -> None:
 
 @pytest.mark.slow
 def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
-    """engine=dist at world 2, R = 1: the benchmark layout, 2 ranks per replica, each weighing its
+    """processes=dist at world 2, R = 1: the benchmark layout, 2 ranks per replica, each weighing its
     share's channels with the replica's totals (world L = 2) before the gradients are averaged. The
     entry's losses, held-out losses and final weights against the one-process loop, each within twice
     the loop's own error against the float64 loop (test_dist's check)."""

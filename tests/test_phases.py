@@ -1,6 +1,6 @@
 """experiment=phases: the seed's benchmark phases on real ranks, one table per sweep (issue: phases).
 
-Runs the CPU phases at worlds 2 and 4 through the entry (4 engine=dist jobs, 2-4 processes each,
+Runs the CPU phases at worlds 2 and 4 through the entry (4 processes=dist jobs, 2-4 processes each,
 one torch thread per process on 2 cores: the figures are not a benchmark here, only checked for
 consistency with each run's own records).
 """

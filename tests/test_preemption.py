@@ -11,10 +11,10 @@ saved and restored. Every case resumes and must equal the uninterrupted run exac
   update in every process, writes a checkpoint there, closes its records with an end row whose
   status and exit code are the process's (`preempted` 143 for SIGTERM and SIGUSR2, `interrupted`
   130 for SIGINT, 129 for SIGHUP), says so in exactly one line (nothing else on stderr) and exits
-  with that code; `resume=auto` goes on from it. For engine=stacked, engine=loop and engine=dist
+  with that code; `resume=auto` goes on from it. For engine=stacked, engine=loop and processes=dist
   (the signal to rank 1 only: rank 0 must stop after the same update).
 - The same with the signal sent from outside at a moment the test does not choose (to the
-  process group, as SLURM and a terminal do), for engine=stacked and engine=dist.
+  process group, as SLURM and a terminal do), for engine=stacked and processes=dist.
 - `checkpoint.every_updates=3`: checkpoints after updates 3 and 6 inside the rounds besides the
   syncs'; SIGKILL after update 7 resumes from the one after update 6.
 - SIGKILL while a checkpoint is written (its temporary file whole, not yet renamed) and while an

@@ -2,7 +2,7 @@
 
 Every case runs the entry as a user does (`python -m hypertrain.train`, a subprocess) and stops a
 run with the test-only fault hook (`HYPERTRAIN_FAULT=RANK:UPDATE:kill`: SIGKILL at the start of
-the round that holds UPDATE; the entry itself for the one-process engines, rank 1 for engine=dist),
+the round that holds UPDATE; the entry itself for the one-process engines, rank 1 for processes=dist),
 then resumes it with `resume=true`. The resumed run must equal the uninterrupted run of the same
 config exactly (==, no tolerance: the same machine runs the same arithmetic in the same order):
 every update row but its timings (per-replica losses, lr, tokens, round), every sync row but its
@@ -11,7 +11,7 @@ training, the final summary, and every tensor of weights.pt (torch.equal). Its r
 the stop: the rows after the checkpoint moved to metrics.superseded.jsonl byte for byte, one
 `resume` row naming the checkpoint, every update once, a finished `end` row.
 
-The default cases: engine=stacked AdamW on windows, engine=loop Muon on documents, engine=dist
+The default cases: engine=stacked AdamW on windows, engine=loop Muon on documents, processes=dist
 with 2 processes (world 2, R = 2) whose rank 1 dies; the rest of engine x optimizer x data, and
 other fault points (right after a checkpointed sync with H = 3, two rounds past the checkpoint with
 H = 1), are marked slow. With logger=wandb the two sessions are one W&B run (one id, two offline

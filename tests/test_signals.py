@@ -1,15 +1,15 @@
 """The exit code and the records are one decision; Ctrl-C, a second Ctrl-C and a hangup (issue 21).
 
 test_preemption.py stops runs with SIGTERM, SIGUSR2, SIGINT and SIGHUP after an update and resumes
-them; here what is particular to the interrupts and to how the self-launched `engine=dist` ends:
+them; here what is particular to the interrupts and to how the self-launched `processes=dist` ends:
 
 - A second Ctrl-C stops at once (the fault hook's `int2`: SIGINT to the run's process group twice,
   as a terminal sends it, `REPEAT_S` + 0.5 s apart, during update 6, inside round 2): exit 130,
   one line, an `interrupted` end row with exit code 130 naming the checkpoint that is intact (the
   sync's after update 4), no checkpoint of its own; `resume=auto` finishes the run identically to
-  an uninterrupted one. For engine=stacked and engine=dist (every process gets both signals; torch's
+  an uninterrupted one. For engine=stacked and processes=dist (every process gets both signals; torch's
   agent forwards the first one too, which the workers take for the same Ctrl-C).
-- engine=dist: a worker killed after rank 0 wrote the `finished` end row (the fault point `end`)
+- processes=dist: a worker killed after rank 0 wrote the `finished` end row (the fault point `end`)
   leaves the run finished: exit 0, weights.pt, one warning line naming the worker.
 - Under torchrun, Ctrl-C to torchrun's process group (its workers are in sessions of their own, so
   torchrun forwards it): torchrun ends as torch makes it (non-zero, its own lines,

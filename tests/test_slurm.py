@@ -6,7 +6,7 @@ What each test proves, against an independent run of the same config on this mac
 - a `-m world=1,2 replicas=1` sweep through `hydra/launcher=slurm` runs as two SLURM jobs (an array;
   scontrol says COMPLETED) whose records equal the basic launcher's job for job, laid out as a local
   sweep's (`<sweep>/<num>_w<W>_r<R>_h<H>/`, one W&B run per job, one group for the sweep);
-- one `hydra/launcher=slurm_dist` job of 2 tasks is one engine=dist run of 2 processes, ranks and
+- one `hydra/launcher=slurm_dist` job of 2 tasks is one processes=dist run of 2 processes, ranks and
   rendezvous taken from SLURM's environment, equal to torchrun's run of 2 processes; task 1 creates
   nothing;
 - a job stopped by `scancel --signal=USR2` (submitit's warning; here a 2-task job, so both ranks must
@@ -243,7 +243,7 @@ def test_a_slurm_sweep_equals_the_basic_launchers_sweep_job_for_job(cluster, tmp
 
 
 def test_a_two_task_slurm_job_equals_torchrun_with_two_processes_exactly(cluster, tmp_path):
-    dist = [*RUN, "engine=dist", "world=2", "replicas=1"]
+    dist = [*RUN, "processes=dist", "world=2", "replicas=1"]
     slurm_dir = tmp_path / "slurm"
     submitted = start_sweep(
         [*dist, "hydra/launcher=slurm_dist", f"hydra.sweep.dir={slurm_dir}"], tmp_path, cluster
@@ -297,7 +297,7 @@ LONG = [*RUN, "phase.updates=100", "inner.H=4"]
 CASES = {
     # submitit's warning to both tasks of a 2-task job: the ranks agree on the update to stop after,
     # rank 0 hands over to submitit, which saves the job and requeues it.
-    "usr2-two-tasks": (["engine=dist", "world=2", "replicas=1", "hydra/launcher=slurm_dist"], "usr2"),
+    "usr2-two-tasks": (["processes=dist", "world=2", "replicas=1", "hydra/launcher=slurm_dist"], "usr2"),
     # SLURM itself requeues a single-process job: SIGTERM, then (KillWait later) SIGKILL.
     "requeue-one-task": (["hydra/launcher=slurm"], "requeue"),
 }

@@ -5,7 +5,7 @@ moments and step counts) for each config, with the state's real shapes, and writ
 `hypertrain.run.checkpoint.write` (temporary file, fsync, rename, folder fsync) into a temporary
 directory, several times; prints the file size and the median and spread of the write time.
 Measured on the machine it runs on (its disk and page cache); the gather of the replicas' states
-under engine=dist is not included.
+under processes=dist is not included.
 
     .venv/bin/python experiments/bench/checkpoint_size.py [--repeats 5]
 """

@@ -1,10 +1,10 @@
-"""What real processes cost: per-update time of engine=dist against engine=stacked of the same config.
+"""What real processes cost: per-update time of processes=dist against engine=stacked of the same config.
 
 Each case is one config (phase, model, world, replicas) run through the entry in subprocesses
 (`python -m hypertrain.train ... logger=none checkpoint.every=0`) three ways, in one run, the order
 rotated every repeat so the shared machine's load falls on all alike:
-- dist: `engine=dist` (self-launched workers; the benchmark layout at world 2 and 4, the stacked
-  layout with engine.nproc=2), each worker at engine.threads=0 = cores / processes (at least 1);
+- dist: `processes=dist` (self-launched workers; the benchmark layout at world 2 and 4, the replicas
+  layout with processes.nproc=2), each worker at engine.threads=0 = cores / processes (at least 1);
 - stacked: `engine=stacked` in one process at torch's default threads (every core);
 - stacked-1t: `engine=stacked engine.threads=1`, the same single process on one core.
 Per-update time is rank 0's `train/timed_s / train/timed_updates` (the summary row of metrics.jsonl:
@@ -41,14 +41,16 @@ VARIANTS = ("dist", "stacked", "stacked-1t")
 class Case:
     label: str
     config: tuple[str, ...]  # overrides every variant shares
-    dist: tuple[str, ...]  # overrides that make it engine=dist (process count, layout)
+    dist: tuple[str, ...]  # overrides that make it processes=dist (process count, layout)
     processes: int
 
 
 CASES = (
-    Case("benchmark W2 R1 (L 2)", ("world=2", "replicas=1"), ("engine.layout=benchmark",), 2),
-    Case("benchmark W4 R2 (L 2)", ("world=4", "replicas=2"), ("engine.layout=benchmark",), 4),
-    Case("stacked P2 W4 R4", ("world=4", "replicas=4"), ("engine.nproc=2", "engine.layout=stacked"), 2),
+    Case("benchmark W2 R1 (L 2)", ("world=2", "replicas=1"), ("processes.layout=benchmark",), 2),
+    Case("benchmark W4 R2 (L 2)", ("world=4", "replicas=2"), ("processes.layout=benchmark",), 4),
+    Case(
+        "replicas P2 W4 R4", ("world=4", "replicas=4"), ("processes.nproc=2", "processes.layout=replicas"), 2
+    ),
 )
 
 
@@ -63,7 +65,7 @@ def overrides(case: Case, variant: str, updates: int, warmup: int) -> list[str]:
         *case.config,
     ]
     if variant == "dist":
-        return [*common, "engine=dist", *case.dist]
+        return [*common, "processes=dist", *case.dist]
     return [*common, "engine=stacked", *(["engine.threads=1"] if variant == "stacked-1t" else [])]
 
 

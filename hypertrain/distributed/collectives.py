@@ -5,7 +5,7 @@ a collective one line naming it (`RankFailed`).
 Under the benchmark layout (a) a replica's L ranks average their gradients and loss every update (one
 all-reduce in the replica group, as DDP does) and a sync is sharded as hybrid-sharded data parallel does
 (local rank j all-reduces its 1/L shard of the pseudo-gradient sum in cross-replica group j, then the
-replica all-gathers the shards); under the stacked layout (b) a sync is one all-reduce over the P
+replica all-gathers the shards); under the replicas layout (b) a sync is one all-reduce over the P
 processes. The ranks of a replica check at every sync that their weights are bitwise equal.
 """
 
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.distributed.layouts import Layout
+from hypertrain.engines.columns import REPLICA_COLUMNS
 from hypertrain.failures import RankFailed, RunFailure, fault_points
 from hypertrain.model.transformer import Params
 
@@ -65,7 +66,7 @@ def _checksum(params: Params) -> int:
 
 
 class DistReplicaGroups(ReplicaGroups):
-    """The collectives of one process of an `engine=dist` run (see the module docstring)."""
+    """The collectives of one process of an `processes=dist` run (see the module docstring)."""
 
     def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
         self.layout_plan, self.layout, self.backend = layout, layout.kind, dist.get_backend()
@@ -137,7 +138,7 @@ class DistReplicaGroups(ReplicaGroups):
         loss.copy_(flat[start:].view_as(loss))
 
     def sum_over_replicas(self, flat: Tensor) -> Tensor:
-        if self.replica_group is None:  # stacked layout, or one rank per replica: one all-reduce
+        if self.replica_group is None:  # replicas layout, or one rank per replica: one all-reduce
             out = flat.clone()
             self._timed("outer", out, lambda: dist.all_reduce(out))
             return out
@@ -167,13 +168,14 @@ class DistReplicaGroups(ReplicaGroups):
 
     def gather_round(self, table: Tensor) -> Tensor:
         parts = self._gather_all(table, "the round's gather of losses")
-        if self.layout == "stacked":
+        if self.layout == "replicas":
             return torch.cat(parts, dim=1).cpu()
         # Benchmark: [P, H, 1, k] -> [R, L, H, k]; a replica's ranks share its loss and targets.
         k = table.shape[-1]
         per_rank = torch.stack(parts)[:, :, 0, :].reshape(self.total_replicas, self.L, -1, k)
         merged = per_rank[:, 0].clone()
-        merged[..., 2] = per_rank[..., 2].amax(dim=1)
+        most = REPLICA_COLUMNS.index("microbatches")  # a replica's ranks may cut different counts
+        merged[..., most] = per_rank[..., most].amax(dim=1)
         return merged.permute(1, 0, 2).cpu()
 
     def gather_ranks(self, table: Tensor) -> Tensor:

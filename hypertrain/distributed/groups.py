@@ -9,7 +9,7 @@ once per round (`gather_round`); whether some process was asked to stop (`max_ov
 every replica's state for a checkpoint (`gather_replicas`); and whether this process writes the
 run (`is_writer`).
 `ReplicaGroups` is the one-process case, where every collective is the identity; the real
-processes of `engine=dist` (`distributed.collectives`) subclass it with torch.distributed collectives.
+processes of `processes=dist` (`distributed.collectives`) subclass it with torch.distributed collectives.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Where the replicas of `engine=dist` live: which process trains what, and with whom it talks.
+"""Where the replicas of `processes=dist` live: which process trains what, and with whom it talks.
 
 Pure arithmetic on (P processes, W = world.size, R replicas), no torch (docs/design.md, "Real processes"):
 - benchmark (a), P = W: process r is plan rank r; replica m is the block of L = W/R processes
   `m*L .. m*L + L-1` (its replica group); local rank j = r - m*L; the R processes of local rank j
   form cross-replica group j.
-- stacked (b), P divides R: process p trains the R/P whole replicas `p*R/P .. (p+1)*R/P - 1`,
-  stacked, each on its whole share; W is then only the plan's label, as in the simulation.
+- replicas (b), P divides R: process p trains the R/P whole replicas `p*R/P .. (p+1)*R/P - 1`,
+  computed by its engine, each on its whole share; W is then only the plan's label, as in the simulation.
 `auto` picks (a) when P = W, else (b) when P divides R; a P, W, R that fit no layout is a
 `ConfigError` naming the values, the valid layouts and a command that fits.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hypertrain.config import LAYOUTS  # the values engine.layout may take
+from hypertrain.config import LAYOUTS  # the values processes.layout may take
 from hypertrain.distributed import slurm_env
 
 
@@ -29,14 +29,14 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    kind: str  # "benchmark" or "stacked"
+    kind: str  # "benchmark" or "replicas"
     processes: int  # P
     world: int  # W, the plan's world
     replicas: int  # R
 
     @property
     def ranks_per_replica(self) -> int:
-        """L: the processes that share one replica (1 under the stacked layout)."""
+        """L: the processes that share one replica (1 under the replicas layout)."""
         return self.world // self.replicas if self.kind == "benchmark" else 1
 
     def replicas_of(self, rank: int) -> list[int]:
@@ -57,25 +57,27 @@ class Layout:
 
 def choose_layout(processes: int, world: int, replicas: int, requested: str = "auto") -> Layout:
     """The layout for P processes, world W and R replicas; LayoutError (one line) when none fits."""
-    fits = {"benchmark": processes == world, "stacked": replicas % processes == 0}
+    fits = {"benchmark": processes == world, "replicas": replicas % processes == 0}
     if requested == "auto":
-        kind = "benchmark" if fits["benchmark"] else "stacked" if fits["stacked"] else None
+        kind = "benchmark" if fits["benchmark"] else "replicas" if fits["replicas"] else None
     elif requested in fits:
         kind = requested if fits[requested] else None
     else:
-        raise LayoutError(f"engine.layout={requested!r} is not valid; valid: {', '.join(map(repr, LAYOUTS))}")
+        raise LayoutError(
+            f"processes.layout={requested!r} is not valid; valid: {', '.join(map(repr, LAYOUTS))}"
+        )
     if kind is None:
         divisors = [p for p in range(1, replicas + 1) if replicas % p == 0]
-        # A command that fits: the requested layout's own process count (stacked: the largest
+        # A command that fits: the requested layout's own process count (replicas: the largest
         # divisor of R not above the processes asked for), else the benchmark layout's.
-        fitting = max(p for p in divisors if p <= max(processes, 1)) if requested == "stacked" else world
-        misfit = "fits no layout" if requested == "auto" else f"does not fit engine.layout={requested}"
+        fitting = max(p for p in divisors if p <= max(processes, 1)) if requested == "replicas" else world
+        misfit = "fits no layout" if requested == "auto" else f"does not fit processes.layout={requested}"
         raise LayoutError(
-            f"engine=dist with {processes} processes, world.size={world} and replicas={replicas} "
+            f"processes=dist with {processes} processes, world.size={world} and replicas={replicas} "
             f"{misfit}; valid: "
-            f"benchmark (processes = world.size = {world}) or stacked (processes divide replicas: "
-            f"{', '.join(map(str, divisors))}), e.g. python -m hypertrain.train engine=dist "
-            f"world.size={world} replicas={replicas} engine.nproc={fitting}"
+            f"benchmark (processes = world.size = {world}) or replicas (processes divide replicas: "
+            f"{', '.join(map(str, divisors))}), e.g. python -m hypertrain.train processes=dist "
+            f"world.size={world} replicas={replicas} processes.nproc={fitting}"
         )
     return Layout(kind, processes, world, replicas)
 
@@ -116,8 +118,8 @@ def launched_rank() -> LaunchedRank | None:
 
 
 def process_count(nproc: int, world: int) -> int:
-    """P: the launcher's process count when one started this process as a rank (engine.nproc 0 or
-    equal to it), else nproc or world; LayoutError when engine.nproc disagrees with the launcher."""
+    """P: the launcher's process count when one started this process as a rank (processes.nproc 0 or
+    equal to it), else nproc or world; LayoutError when processes.nproc disagrees with the launcher."""
     launched = launched_rank()
     if launched is not None:
         started = launched.processes
@@ -125,8 +127,8 @@ def process_count(nproc: int, world: int) -> int:
             what = "torchrun started" if launched.launcher == "torchrun" else "the SLURM job step has"
             unit = "processes" if launched.launcher == "torchrun" else "tasks"
             raise LayoutError(
-                f"engine.nproc={nproc} but {what} {started} {unit}; "
-                f"valid: engine.nproc=0 (the launcher's count) or {started}"
+                f"processes.nproc={nproc} but {what} {started} {unit}; "
+                f"valid: processes.nproc=0 (the launcher's count) or {started}"
             )
         return started
     return nproc or world

@@ -16,6 +16,6 @@ def engine_for(name: str) -> Engine:
     """The inner-step engine called `name`; an unknown name is a ValueError naming the valid ones."""
     if name == "loop":
         return loop.train_replicas
-    if name in ("stacked", "dist"):  # a dist process trains its own replicas stacked
+    if name == "stacked":
         return stacked.train_replicas
     raise ValueError(f"engine.name={name!r} is not an engine; valid: {', '.join(map(repr, ENGINES))}")

@@ -1,9 +1,8 @@
 """How a run that has started can fail, and the exit code each failure leaves with.
 
-A user mistake is found before anything runs and exits 2 (`config.ConfigError`, `plan.PlanError`);
-the failures here happen during a run. Each stops it with one line (`hypertrain: error: run
-failed: ...`), its metrics.jsonl closed with an `end` row that holds the line and the code, its W&B
-run finished with the code, and its checkpoints intact (docs/errors.md lists them all).
+Each failure stops the run with one line (`hypertrain: error: run failed: ...`), its metrics.jsonl and
+W&B run closed with the line and the code, its checkpoints intact (docs/errors.md). User mistakes are
+found before anything runs and exit 2 (`config.ConfigError`, `plan.PlanError`).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ class Diverged(RunFailure):
 
 
 class RankFailed(RunFailure):
-    """engine=dist: a collective failed or timed out, as another rank died, hung or failed."""
+    """processes=dist: a collective failed or timed out, as another rank died, hung or failed."""
 
     exit_code = 3
 
@@ -60,7 +59,7 @@ EXIT_CODES = {
     "(Diverged), W&B that could not start "
     "(WandbFailed: nothing of a new run is left), or an unexpected error",
     2: "a user mistake, found before the run started: nothing was created or changed",
-    3: "engine=dist: a rank died, hung past engine.timeout_s, or failed (RankFailed)",
+    3: "processes=dist: a rank died, hung past processes.timeout_s, or failed (RankFailed)",
     4: "no space left on the device while writing records or a checkpoint (DiskFull); before the first "
     "record (or under 128 KiB free at the start) nothing of a new run is left",
     129: "stopped by SIGHUP after an update, checkpointed: resume=auto goes on (Preempted, `interrupted`)",

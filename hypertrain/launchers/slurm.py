@@ -8,14 +8,14 @@ hydra_plugins namespace), the plugin's submitit launcher changed in three places
   preset cannot set the run's key itself: Hydra merges the run's schema after the launcher's config);
 - the sweep directory is pinned, resolved and absolute, in the overrides every job (and every
   requeued job, which composes its config again) is built from, so it never moves;
-- in a job of several tasks (srun's tasks are the ranks of one engine=dist run) only task 0 lets
+- in a job of several tasks (srun's tasks are the ranks of one processes=dist run) only task 0 lets
   Hydra create the job's directory, `.hydra/` and log file, as under torchrun.
 While the submitting process waits for the jobs, submitit's polls of `sacct` go through `SacctWatcher`:
 a failing `sacct` (a cluster without accounting fails every call) is reported once per sweep and
 error, not three times per poll.
 `SlurmPreflight` (a Hydra callback the presets register) checks every job of the sweep before
 anything is created or submitted: the run's config, for several tasks per job that the run is
-engine=dist and the tasks fit a layout, and that `sbatch` is installed and a SLURM controller answers
+processes=dist and the tasks fit a layout, and that `sbatch` is installed and a SLURM controller answers
 `scontrol ping`. A mistake prints one line and exits 2. An `sbatch` that refuses the submission all
 the same (`refused_submission`) is one line too, exit 2, with what the launcher made removed again.
 """
@@ -179,18 +179,18 @@ def job_tasks(launcher: DictConfig) -> int:
 
 
 def check_job(cfg: TrainConfig, tasks: int) -> None:
-    """The run's config is valid, and a job of `tasks` > 1 SLURM tasks is one engine=dist run whose
-    processes are the tasks (engine.nproc 0 or the tasks; the tasks fit a layout)."""
-    e = cfg.engine
+    """The run's config is valid, and a job of `tasks` > 1 SLURM tasks is one processes=dist run whose
+    processes are the tasks (processes.nproc 0 or the tasks; the tasks fit a layout)."""
+    e = cfg.processes
     if tasks > 1 and e.name != "dist":
         raise ConfigError(
-            f"each job of this launcher is {tasks} SLURM tasks, the ranks of one engine=dist run, but "
-            f"engine={e.name}; valid: engine=dist, or hydra/launcher=slurm (one process per job)"
+            f"each job of this launcher is {tasks} SLURM tasks, the ranks of one processes=dist run, but "
+            f"processes={e.name}; valid: processes=dist, or hydra/launcher=slurm (one process per job)"
         )
     if tasks > 1 and e.nproc not in (0, tasks):
         raise ConfigError(
-            f"engine.nproc={e.nproc} but each job is {tasks} SLURM tasks (hydra.launcher.nodes x "
-            f"tasks_per_node); valid: engine.nproc=0 (the tasks) or {tasks}"
+            f"processes.nproc={e.nproc} but each job is {tasks} SLURM tasks (hydra.launcher.nodes x "
+            f"tasks_per_node); valid: processes.nproc=0 (the tasks) or {tasks}"
         )
     validate(cfg)
     if tasks == 1:

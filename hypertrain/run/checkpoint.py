@@ -1,24 +1,9 @@
 """Checkpoints: the run's whole state at a sync or mid-round, written atomically, found and checked
 on resume.
 
-A checkpoint (`run_dir/checkpoints/ckpt-u<next update>.pt`, torch.save) holds the `RunState` of
-every replica (rank 0 gathers the replica states it does not hold: inner state, and mid-round the
-weights each replica has reached and whether it has stepped), the resolved config, both plan
-hashes, the byte length of metrics.jsonl when it was written, and the W&B run id. Written to a
-temporary file in the same folder, fsync'ed, renamed over, the folder fsync'ed: a crash or a full
-disk mid-write leaves the previous checkpoint whole. The last `checkpoint.keep` are kept.
-
-`find(path)` gives the newest checkpoint that loads (a corrupt one is skipped with a warning that
-names the one used instead); `compatible(saved, resolved, plan_facts)` raises a one-line
-`ConfigError` when the run to resume differs from the saved one beyond what may change (logger
-fields, checkpoint fields, `resume`, and `phase.updates` when `inner.decay_steps` is explicit, in
-which case the updates already run must be the same ones); `records_match(run_dir, path, saved)`
-raises one when the run directory's metrics.jsonl is not the records the checkpoint was written
-with (the run id of the session that wrote it, the length and the sha256 of the records up to that
-length, all saved in the checkpoint); `rewind_metrics` cuts metrics.jsonl back to the checkpoint's
-length (never extends it) and keeps what was cut in metrics.superseded.jsonl. Pruning removes only
-checkpoints this run wrote (named in its own `checkpoint` and `resume` rows, or written by this
-session).
+`Checkpointer` writes `run_dir/checkpoints/ckpt-u<next update>.pt`; `find` gives the newest that
+loads, `compatible` and `records_match` refuse (one line) a resume that does not belong to the run,
+and `rewind_metrics` cuts metrics.jsonl back to it. docs/resume.md has the contents and every rule.
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hypertrain.config import ConfigError
+from hypertrain.config import ConfigError, upgrade_resolved
 from hypertrain.failures import fault_points
 from hypertrain.run.records import METRICS_FILE
 
@@ -143,7 +128,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     """Raise ConfigError (one line) unless the run `resolved` may continue the saved one."""
-    before, now = _flat(saved["config"]), _flat(resolved)
+    before, now = _flat(upgrade_resolved(saved["config"])), _flat(resolved)
     changed = sorted(
         key
         for key in before.keys() | now.keys()

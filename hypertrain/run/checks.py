@@ -2,7 +2,7 @@
 
 `validate(cfg)` runs every section's own checks (`TrainConfig.check`), then these: the phase as the
 plan builds it (`plan_phase`), the world, replicas and phase together, the data and the model, and
-whether a process layout fits engine=dist. A user mistake is one `ConfigError` line, before anything is
+whether a process layout fits processes=dist. A user mistake is one `ConfigError` line, before anything is
 built or written; what needs the data (the stream's length, the vocabulary) is checked by `prepare`.
 """
 
@@ -73,8 +73,8 @@ def check_data_for_model(cfg: TrainConfig) -> None:
 
 
 def check_layout(cfg: TrainConfig) -> None:
-    """engine=dist: a process layout fits the processes (the launcher's, or engine.nproc), W and R."""
-    e = cfg.engine
+    """processes=dist: a process layout fits the processes (the launcher's, or processes.nproc), W and R."""
+    e = cfg.processes
     if e.name != "dist":
         return
     try:

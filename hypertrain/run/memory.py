@@ -102,16 +102,16 @@ def ids_per_update(cfg: TrainConfig) -> int:
 
 def processes(cfg: TrainConfig) -> tuple[int, int, int, int]:
     """(workers on this machine, self-launching entries, replicas per worker, the plan's streams a
-    worker's share is cut into): engine=dist runs P processes, R/P replicas each under the stacked
-    layout, one replica's share of L ranks under the benchmark layout (hypertrain.layouts); under a
+    worker's share is cut into): processes=dist runs P processes, R/P replicas each under the replicas
+    layout, one replica's share of L ranks under the benchmark layout (distributed.layouts); under a
     launcher only this node's processes are on this machine."""
-    if cfg.engine.name != "dist":
+    if cfg.processes.name != "dist":
         return 1, 0, cfg.replicas, 1
-    P = process_count(cfg.engine.nproc, cfg.world.size)
-    layout = choose_layout(P, cfg.world.size, cfg.replicas, cfg.engine.layout)
+    P = process_count(cfg.processes.nproc, cfg.world.size)
+    layout = choose_layout(P, cfg.world.size, cfg.replicas, cfg.processes.layout)
     launched = launched_rank()
     workers, entry = (P, 1) if launched is None else (launched.local_processes, 0)
-    if layout.kind == "stacked":
+    if layout.kind == "replicas":
         return workers, entry, cfg.replicas // P, 1
     # A weak phase at W = kB presents each id on k of a replica's L ranks (trainer.rank_streams).
     repeats = cfg.world.size // cfg.phase.base_world if cfg.phase.kind == "weak" else 1
@@ -199,7 +199,7 @@ def checkpoint_bytes(cfg: TrainConfig, by_role: dict[str, int], replicas: int, w
     replica's state, and mid-round its weights, to rank 0 (each sent and received: 2 x R (2 W + A));
     one process on a GPU copies its state to the host (2 W + its replicas' 2 W + A); on a CPU, none."""
     W, A, _ = weight_bytes(cfg, by_role)
-    if cfg.engine.name == "dist" and workers > 1:
+    if cfg.processes.name == "dist" and workers > 1:
         return 2 * cfg.replicas * (2 * W + A)
     return 2 * W + replicas * (2 * W + A) if cfg.engine.device.startswith("cuda") else 0
 
@@ -291,11 +291,11 @@ def host_available(
 
 def gpu_available(cfg: TrainConfig, workers: int) -> tuple[int, str]:
     """(bytes, where): the least free memory (torch.cuda.mem_get_info) of the GPUs the run's workers
-    use: engine.device, or under engine=dist cuda:0.. one per worker on this machine (dist._device).
+    use: engine.device, or under processes=dist cuda:0.. one per worker on this machine (dist._device).
     Only called for a CUDA run: it initialises CUDA in this process."""
     import torch
 
-    if cfg.engine.name == "dist":
+    if cfg.processes.name == "dist":
         devices = [f"cuda:{i}" for i in range(min(workers, torch.cuda.device_count()))]
     else:
         devices = [cfg.engine.device]
@@ -358,7 +358,9 @@ def parts(cfg: TrainConfig, est: Estimate, scope: str) -> list[tuple[int, str, l
     times = 1 if scope == "gpu" else est.workers
     per = f" in each of {est.workers} processes" if est.workers > 1 and scope != "gpu" else ""
     stacked = f", {est.stacked} computed at once" if est.stacked != est.replicas else ""
-    dist = ["engine.nproc" if cfg.engine.nproc else "world.size"] if cfg.engine.name == "dist" else []
+    dist = (
+        ["processes.nproc" if cfg.processes.nproc else "world.size"] if cfg.processes.name == "dist" else []
+    )
     device = [
         (
             times * est.state,

@@ -29,7 +29,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import ConfigError, TrainConfig, upgrade_resolved
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.failures import DiskFull
 from hypertrain.plan.sampling import PlanError
@@ -230,7 +230,7 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
         raise ConfigError(
             f"hydra.run.dir={run_dir} holds a config.yaml that is not a run's; valid: a new directory"
         )
-    was, now = checkpoint._flat(before), checkpoint._flat(resolved)
+    was, now = checkpoint._flat(upgrade_resolved(before)), checkpoint._flat(resolved)
     changed = sorted(
         k
         for k in was.keys() | now.keys()
@@ -497,7 +497,7 @@ def check_composition(args: list[str]) -> None:
     if sweeping and (launched := launched_rank()) is not None:
         fail(
             f"a multirun (-m) under {launched.launcher} is not supported: every rank would run the whole "
-            "sweep; valid: python -m hypertrain.train -m engine=dist ... (each job starts its own "
+            "sweep; valid: python -m hypertrain.train -m processes=dist ... (each job starts its own "
             "processes), or -m hydra/launcher=slurm_dist (each job's SLURM tasks are its ranks)"
         )
     if sweeps and not sweeping:
@@ -539,11 +539,11 @@ def note_sweep_root(composed: DictConfig) -> None:
 
 
 def with_layout(cfg: TrainConfig) -> TrainConfig:
-    """engine=dist's process count and layout decided (validate() has checked that one fits)."""
-    engine = cfg.engine
-    processes = process_count(engine.nproc, cfg.world.size)
-    layout = choose_layout(processes, cfg.world.size, cfg.replicas, engine.layout)
-    return replace(cfg, engine=replace(engine, nproc=layout.processes, layout=layout.kind))
+    """processes=dist's process count and layout decided (validate() has checked that one fits)."""
+    chosen = cfg.processes
+    count = process_count(chosen.nproc, cfg.world.size)
+    layout = choose_layout(count, cfg.world.size, cfg.replicas, chosen.layout)
+    return replace(cfg, processes=replace(chosen, nproc=layout.processes, layout=layout.kind))
 
 
 def resume_target(resume: str, run_dir: Path) -> tuple[Path, tuple[Path, dict] | None]:
@@ -624,16 +624,16 @@ def prepare_checked(
     validate(cfg)
     if run_dir is not None:  # the process that writes the run (rank 0) starts its W&B run
         check_wandb(cfg.logger)
-    if cfg.engine.name == "dist":
+    if cfg.processes.name == "dist":
         from hypertrain.run.processes import check_backend
 
         cfg = with_layout(cfg)
         launched = launched_rank()  # the ranks on this machine: the launcher's, else the self-launch's
-        check_backend(cfg, cfg.engine.nproc if launched is None else launched.local_processes)
+        check_backend(cfg, cfg.processes.nproc if launched is None else launched.local_processes)
     elif (launched := launched_rank()) is not None:
         raise ConfigError(
-            f"engine={cfg.engine.name} runs in one process, but {launched.launcher} started this one as "
-            f"one of {launched.processes} ranks; valid: engine=dist (the ranks are its processes), "
+            f"processes={cfg.processes.name} runs in one process, but {launched.launcher} started this "
+            f"one as one of {launched.processes} ranks; valid: processes=dist (the ranks are its processes), "
             "or a single process"
         )
     check_device(cfg.engine.device)  # a device this process lacks, before the memory check asks it

@@ -1,13 +1,13 @@
-"""engine=dist: the one round loop on P real processes (torch.distributed), started by torch's launcher.
+"""processes=dist: the one round loop on P real processes (torch.distributed), started by torch's launcher.
 
 Each process trains with `distributed.collectives.DistReplicaGroups`, the collectives of the layout
 `distributed.layouts` chose; every rank steps the same global weights.
 
-`run_worker(job)` is what each process runs: under `torchrun -m hypertrain.train engine=dist` every
-launched process calls it from the entry; `python -m hypertrain.train engine=dist` calls `launch(job)`,
+`run_worker(job)` is what each process runs: under `torchrun -m hypertrain.train processes=dist` every
+launched process calls it from the entry; `python -m hypertrain.train processes=dist` calls `launch(job)`,
 which starts the P workers with torch's elastic launcher (`elastic_launch`, what torchrun runs).
 Rank 0 alone writes the run. A rank that dies or hangs makes the others fail in their next
-collective (gloo: at once for a closed connection, after `engine.timeout_s` for silence), and the
+collective (gloo: at once for a closed connection, after `processes.timeout_s` for silence), and the
 launcher stops the rest; each rank says what happened in one line and exits non-zero.
 """
 
@@ -77,42 +77,42 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
 
 
 def check_backend(cfg: TrainConfig, local_processes: int) -> None:
-    """engine.backend and engine.device can run `local_processes` ranks on this machine, checked
+    """processes.backend and engine.device can run `local_processes` ranks on this machine, checked
     before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
     "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
     engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. ConfigError
-    (one line) otherwise; engine.device=cuda without CUDA is `trainer.check_device`'s to refuse."""
+    (one line) otherwise; engine.device=cuda without CUDA is `run.prepare.check_device`'s to refuse."""
     e = cfg.engine
     cuda = e.device.startswith("cuda")
-    if e.backend == "nccl":
+    if cfg.processes.backend == "nccl":
         if not torch.cuda.is_available():
             raise ConfigError(
-                f"engine.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
-                f"({torch.__version__}); valid: engine.backend=gloo or auto (gloo on CPUs)"
+                f"processes.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
+                f"({torch.__version__}); valid: processes.backend=gloo or auto (gloo on CPUs)"
             )
         if not dist.is_nccl_available():
             raise ConfigError(
-                f"engine.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
-                "valid: engine.backend=gloo or auto"
+                f"processes.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
+                "valid: processes.backend=gloo or auto"
             )
         if not cuda:
             raise ConfigError(
-                f"engine.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
-                "valid: engine.device=cuda, or engine.backend=gloo or auto (gloo on CPUs)"
+                f"processes.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
+                "valid: engine.device=cuda, or processes.backend=gloo or auto (gloo on CPUs)"
             )
     if cuda and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise ConfigError(
-            f"engine=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
+            f"processes=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
             f"one CUDA device each, but it has {count} (fewer GPUs than processes); valid: at most "
-            f"{count} processes per machine (engine.nproc, torchrun --nproc_per_node), or "
-            "engine.device=cpu with engine.backend=gloo or auto"
+            f"{count} processes per machine (processes.nproc, torchrun --nproc_per_node), or "
+            "engine.device=cpu with processes.backend=gloo or auto"
         )
 
 
 def _backend(cfg: TrainConfig, device: torch.device) -> str:
-    if cfg.engine.backend != "auto":
-        return cfg.engine.backend
+    if cfg.processes.backend != "auto":
+        return cfg.processes.backend
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -152,19 +152,19 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     if device.type == "cpu":  # the node's cores shared by its workers, never oversubscribed
         torch.set_num_threads(cfg.engine.threads or _cpu_threads(me))
     cfg = replace(cfg, engine=replace(cfg.engine, device=str(device)))
-    timeout = timedelta(seconds=cfg.engine.timeout_s)
+    timeout = timedelta(seconds=cfg.processes.timeout_s)
     try:
         backend = _backend(cfg, device)
         try:  # its cause in this rank's one line, not lost behind the launcher's exit code
             dist.init_process_group(backend, timeout=timeout, **_rendezvous(me))
         except Exception as e:
             raise RankFailed(f"torch.distributed could not start ({backend}): {first_line(e)}") from None
-        layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.engine.layout)
+        layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.processes.layout)
         # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
         decided = [job.run_dir, job.resume_from]
         dist.broadcast_object_list(decided, src=0)
         run_dir, resume_from = decided
-        groups = DistReplicaGroups(layout, rank, device, cfg.engine.timeout_s)
+        groups = DistReplicaGroups(layout, rank, device, cfg.processes.timeout_s)
         run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
         same_run_everywhere(run, job.resolved, rank, processes)
         resume = None
@@ -305,7 +305,7 @@ def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | 
 
 
 def launch(job: WorkerJob) -> dict:
-    """Start P = engine.nproc workers on this node with torch's elastic launcher and wait for them.
+    """Start P = processes.nproc workers on this node with torch's elastic launcher and wait for them.
 
     How the run ended is what rank 0's `end` row says (`_ended`), so the entry's exit code is the
     records' own: a finished run returns rank 0's summary (a worker that died after the end row is a
@@ -321,7 +321,7 @@ def launch(job: WorkerJob) -> dict:
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=job.cfg.engine.nproc,
+        nproc_per_node=job.cfg.processes.nproc,
         run_id=f"hypertrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",

@@ -2,7 +2,7 @@
 checkpoints, save the final weights.
 
 `train_session(run, run_dir, resolved, identity, groups, resume)` is what the entry (one process) and
-every `engine=dist` worker call: rank 0 opens `RunLogger` (metrics.jsonl, W&B) and writes; the other
+every `processes=dist` worker call: rank 0 opens `RunLogger` (metrics.jsonl, W&B) and writes; the other
 ranks take part in the checkpoints' gathers and write nothing. A full disk while writing becomes
 `DiskFull` (exit 4); the records are closed by `RunLogger` whatever ends the session (a stop signal's
 `Preempted` too: its end row holds the stop's status, line and exit code, hypertrain.preemption).
