@@ -1,11 +1,8 @@
 """SLURM's environment, read: which task of a job step this process is, and where its ranks meet.
 
-Inside `srun` (a job step) SLURM tells every task its place: `SLURM_PROCID` (0 .. n-1),
-`SLURM_STEP_NUM_TASKS` (n; a batch script, which is no step, has no such variable),
-`SLURM_LOCALID` and `SLURM_NODEID`, `SLURM_STEP_TASKS_PER_NODE` (`2(x3),1`: tasks on each node),
-`SLURM_STEP_NODELIST` (`node[01-04]`) and `SLURM_JOB_ID`. Rank 0 runs on the step's first node,
-so the ranks rendezvous there, on a port derived from the job id (every task derives the same one;
-`MASTER_ADDR` / `MASTER_PORT` in the environment win). Pure string arithmetic: no torch, no commands.
+Pure string arithmetic on what srun sets (docs/slurm.md lists the variables): no torch, no commands.
+The ranks meet on the step's first node, on a port derived from the job id; `MASTER_ADDR` /
+`MASTER_PORT` in the environment win.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Tests only: make a process fail at a named point of a run, so a test names the point instead of
 racing a clock.
 
-`HYPERTRAIN_FAULT=RANK:UPDATE:ACTION[:POINT]` acts in the process of rank RANK (0 without
-torch.distributed) at the 1-based update UPDATE, at POINT:
-- `round` (the default): as the round (or the part of one) that holds UPDATE starts;
-- `after`: right after UPDATE's inner step, before the processes agree whether to stop;
-- `checkpoint`: writing the checkpoint taken at UPDATE's end, its temporary file whole but not
-  yet renamed into place;
-- `metrics`: writing UPDATE's row of metrics.jsonl, half the row on disk;
-- `end`: engine=dist, as the process tears down after the run finished (UPDATE: any of the run's;
-  a rank other than 0 first waits until rank 0 has written the `end` row).
-ACTION is `kill` (SIGKILL: no handler runs, nothing is flushed), `sleep` (hang until a stop
-signal arrives), `term` / `usr2` (send this process SIGTERM / SIGUSR2, as a scheduler would), or
-`int` / `hup` (SIGINT / SIGHUP, as a terminal's Ctrl-C or hangup would), or `int2` (a second
-Ctrl-C: SIGINT to this process's group, as a terminal sends it, twice, `preemption.REPEAT_S` +
-0.5 s apart; the test starts the entry in a session of its own).
-Unset, every call is one dictionary lookup.
+`HYPERTRAIN_FAULT=RANK:UPDATE:ACTION[:POINT]` acts in the process of rank RANK at UPDATE, at POINT
+(docs/resume.md, "The fault hook"). Unset, every call is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -46,8 +33,8 @@ def due(rank: int, point: str, updates: range) -> bool:
 
 
 def act(rank: int, point: str, updates: range, ready: Callable[[], bool] | None = None) -> None:
-    """Do the fault's action when it is due here (see the module docstring); with `ready`, once it
-    says so (polled for at most a minute)."""
+    """Do the fault's action when it is due here (docs/resume.md, "The fault hook"); with `ready`, once
+    it says so (polled for at most a minute)."""
     if not due(rank, point, updates):
         return
     deadline = time.monotonic() + 60

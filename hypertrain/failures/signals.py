@@ -1,31 +1,9 @@
 """A stop signal ends a run at the next update boundary, checkpointed, then hands over.
 
-SIGTERM (what SLURM sends at a time limit or preemption, and torchrun forwards to its workers),
-SIGUSR2 (submitit's warning, `signal_delay_s` before the limit), SIGINT (Ctrl-C), SIGHUP (the
-terminal went away) and SIGQUIT (Ctrl-\\, which would otherwise dump core) only set a flag here.
-The round loop asks after every update whether some process of the run got one
-(`hypertrain.trainer`); if so every process stops after that same update, a checkpoint is written,
-the records are flushed with an `end` row (status `preempted` for SIGTERM and SIGUSR2, `interrupted`
-for SIGINT, SIGHUP and SIGQUIT, and the exit code: 143, 143, 130, 129, 131), and the entry calls
-`hand_over()`: the handler that was installed before this one (submitit's, which requeues the job)
-when it was a Python function, otherwise the process exits with that code.
-
-A repeated SIGTERM, SIGUSR2, SIGHUP or SIGQUIT changes nothing; the launcher's or the scheduler's
-SIGKILL after its grace time (torch's agent: 30 s; SLURM: KillWait) is the hard stop. A second SIGINT (a
-second Ctrl-C) stops at once (`StoppedAtOnce`, exit 130): the update in flight and the stop's own
-checkpoint are given up, the newest checkpoint already written stays intact and the end row names
-it. Under a launcher one Ctrl-C reaches a worker twice (the terminal signals the whole process
-group and torch's agent forwards the signal too), so there a SIGINT within `REPEAT_S` of the first
-counts as the same one. Once the stop's checkpoint is written (`settled()`), nothing stops at once.
-
-`StopSignals` is a context manager (only the main thread may install handlers; elsewhere it does
-nothing); one is active at a time, and `requested()` tells anyone whether it has been asked to stop.
-
-Before training starts (the imports, composing the config, building the data, Hydra's writes), there
-is no update to stop after: with `guard_start()`, the entry's first statement, a stop signal there
-ends the process at once with one line and the signal's exit code, a new run's directory emptied
-again (`preflight.abandon_unstarted`), rather than raising into whatever library code is running
-(an import half done, Hydra's writes). `StopSignals` takes over for the session and puts it back.
+TERM, USR2, INT, HUP and QUIT only set a flag (`StopSignals`, `requested()`); the round loop stops
+every process after the same update and the entry calls `hand_over()`. A second Ctrl-C stops at once
+(`StoppedAtOnce`); before training, `guard_start()` ends the process (docs/resume.md, "Stop signals
+and preemption").
 """
 
 from __future__ import annotations
@@ -118,7 +96,8 @@ def under_launcher() -> bool:
 
 
 class StopSignals:
-    """Installs the flag-setting handler for the stop signals; restores the previous ones on exit."""
+    """Installs the flag-setting handler for the stop signals; restores the previous ones on exit.
+    Only the main thread may install handlers (elsewhere it does nothing); one is active at a time."""
 
     def __init__(self) -> None:
         self.received: int | None = None

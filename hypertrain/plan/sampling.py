@@ -1,10 +1,8 @@
 """The sample plan: which stream ids every replica and rank sees at every update (numpy only).
 
-Contract: a pure, deterministic function of (phase, update, rank, world, replicas, samples) as defined
-in docs/design.md, "The sample plan"; with R = 1 it reproduces the reference plan's `step_indices`. Id
-functions never raise for updates or offsets past the end of the stream (they return no ids); user
-mistakes raise `PlanError`, one line. Also: microbatch cuts, per-channel loss weights and the three
-plan hashes. `python -m hypertrain.plan check|show` is the command line (see `plan_check.py`).
+A pure, deterministic function of (phase, update, rank, world, replicas, samples), as docs/design.md
+("The sample plan") defines it and docs/plan.md lists it. Id functions return no ids past the end of
+the stream; user mistakes raise `PlanError`, one line.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`python -m hypertrain.report PATH [PATH ...] [--out DIR]`: compare runs at a glance.
 
-Reads every run at or under the PATHs (run directories, sweep directories, or a folder above them)
-and writes into `PATH/report/` (one PATH) or `--out DIR`: `report.md`, `report.html` (one
-self-contained page, the plots embedded), `report.json` (the table's values, the plots' files and
-pixel sizes) and the PNG plots; then prints the table. Bad input (a path that holds no run, a run
-file that cannot be read, several PATHs without --out) prints one line and exits 2; nothing is
-written. docs/report.md says what every column and plot shows.
+Reads every run at or under the PATHs, writes `report.md`, `report.html`, `report.json` and the plots
+into `PATH/report/` or `--out DIR`, and prints the table; bad input is one line, exit 2, nothing
+written. docs/report.md says what every file, column and plot shows.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The benchmark phases' table: one row per phase and world from the runs of a sweep.
+"""The benchmark phases' table: one row per phase and world from the runs of an `experiment=phases` sweep.
 
-`experiment=phases` runs the strong and the weak phase at two worlds as one Hydra multirun of
-`engine=dist` jobs; `PhasesTable` (a Hydra callback) then reads every job's `metrics.jsonl`,
-`config.yaml` and `plan.json` and writes `phases.md` and `phases.json` into the sweep directory,
-and prints the markdown. Per phase and world: total and per-rank throughput (examples, supervised
-and padded tokens per second, after the phase's `timing_warmup` updates), compute and gradient
-all-reduce seconds per update and the all-reduce's share, padding efficiency, presentations
-against distinct ids, and scaling efficiency against the smallest world of the phase (strong:
-throughput ratio over world ratio; weak: per-rank throughput ratio); then what was measured on
-(device, processes, torch and backend versions) and the plan hashes, so two tables compare honestly.
-`python -m hypertrain.report.phases SWEEP_DIR` rebuilds the table of a finished sweep.
+`PhasesTable` (a Hydra callback) writes `phases.md` and `phases.json` into the sweep directory when
+the sweep ends, and prints the markdown; `python -m hypertrain.report.phases SWEEP_DIR` rebuilds it.
+docs/report.md, "The phases table", says what each column is.
 """
 
 from __future__ import annotations

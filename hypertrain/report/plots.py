@@ -1,11 +1,8 @@
-"""The report's plots: matplotlib figures drawn off-screen (Agg) into PNGs of a stated pixel size.
+"""The report's plots: matplotlib figures drawn off-screen (Agg) into PNGs of exactly the stated pixel size.
 
-`heldout_plot`: the held-out loss of the global weights against the update and against the outer
-(cross-replica) bytes, one line per run, colour by the first differing config key and line style by
-the second, a run that saw other data, or did not finish, says so in the legend. `spread_plot`: one
-run's per-replica training losses (min-max band and mean; never compared across R).
-`phases_plot`: an experiment=phases sweep's throughput and scaling efficiency per phase and world.
-Every figure is saved without a tight bounding box, so its PNG is exactly `width` x `height` pixels.
+`heldout_plot` (every run's held-out loss against the update and the outer bytes), `spread_plot` (one
+run's per-replica losses), `phases_plot` (a phases sweep's throughput and scaling): docs/report.md,
+"The plots".
 """
 
 from __future__ import annotations

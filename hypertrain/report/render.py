@@ -1,9 +1,7 @@
 """The report's text: its sections rendered as markdown and as one self-contained HTML page.
 
-A `Section` is a heading, paragraphs, an optional table (titles and formatted cells, some rows
-marked), bullets and plots. `markdown(title, sections)` links the PNGs beside it; `html(title,
-sections, folder)` embeds them as base64 data URLs: no script, no external resource, so the page
-opens from disk with no server and shows the same as the markdown.
+`markdown(title, sections)` links the PNGs beside it; `html(title, sections, folder)` embeds them as
+base64 data URLs (no script, no external resource), so the page opens from disk as the markdown reads.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The runs a report reads: find them on disk, read each one's records, tell whether it is alive.
 
 `find_runs(paths)` gives every run directory (one holding metrics.jsonl) at or under the paths;
-`load_run(run_dir)` reads its metrics.jsonl, config.yaml and plan.json into a `Run`, or raises
-`ReportInputError` (one line naming the file and what is valid); a last line cut short is left
-out. A run's status is its last session's (the rows from its last `start` row on): its `end`
-row's (`finished`, `failed`, ...); with none, `running` when the start row's pid is alive on this
-host and started before the row, else `crashed`; `unknown` when the session started on another
-host or its start row has no pid.
+`load_run(run_dir)` reads one into a `Run` or raises `ReportInputError`, one line. A run's status is
+its last session's (docs/report.md, "Status").
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The comparison table: one row per run, with the config values that differ between the runs.
 
-`differing_keys(runs)` finds the dotted config keys whose values are not the same in every run
-(where and how a run logs and checkpoints, and whether it resumed, left out: they do not change its
-numbers), most varied first. `data_flags(runs)` marks the runs that saw other data than most runs
-of the same phase (another data fingerprint or union hash), and, between runs of the same phase
-with the same R only, another data order; runs of different phases are never compared (their ids
-differ by design), nor is the rank digest (it changes with the world size). `table_rows(runs, names)`
-gives each run's figures, read from its metrics.jsonl; `COLUMNS` formats them.
+`differing_keys(runs)` finds the keys that differ (those that change no number left out),
+`data_flags(runs)` the runs that saw other data or another order than their peers, `table_rows` each
+run's figures (docs/report.md, "The table" and "Comparing honestly").
 """
 
 from __future__ import annotations

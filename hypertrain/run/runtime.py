@@ -1,14 +1,8 @@
 """Process-wide settings for fast CPU training: keep freed activation memory in the heap.
 
-glibc's malloc serves a large block (above its mmap threshold, which adapts up to 32 MiB) with a
-fresh `mmap` and returns it to the OS on free, so every large activation of every step is
-page-faulted and zeroed anew. The stacked engine's activations are R times the loop's: at d 128,
-R = 16 a step took 12,000-18,000 minor page faults, against 0 for the per-replica loop whose
-tensors stay small. `keep_freed_memory()` raises the mmap threshold to glibc's maximum and the trim
-threshold to 1 GiB, so freed blocks are reused: the quietest warm step faults in none (0 to 3,700
-per step on average, as the heap still grows now and then, against 7,300-14,400 without;
-tests/test_runtime.py, whose bounds come from the activations' sizes). A no-op where the C library
-has no `mallopt` (macOS, musl).
+`keep_freed_memory()` raises glibc's mmap and trim thresholds, so a step's large freed activations
+are reused instead of page-faulted in anew (docs/performance.md, "Freed activation memory"). A no-op
+where the C library has no `mallopt` (macOS, musl).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Read an offline W&B run back from its `.wandb` file, without W&B's servers or its sync tool.
 
 `read_run(path)` returns the logged history rows, the summary, the config and the exit code, decoded
-with wandb's own protobuf `Record`. The framing is the LevelDB log format as wandb-core writes it
-(`core/pkg/leveldb` with the IEEE CRC): a 7-byte file header `:W&B`, magic 0xBEE1 (little-endian),
-a version byte; then 32 KiB blocks of chunks, each a 7-byte header (CRC-32 of the type byte and
-payload, uint32 LE; payload length, uint16 LE; type FULL 1, FIRST 2, MIDDLE 3, LAST 4) and its
-payload; a block tail shorter than a header is zero padding.
+with wandb's own protobuf `Record` from the file's framing (described beside its constants below).
 """
 
 from __future__ import annotations
@@ -17,6 +13,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+# The framing is the LevelDB log format as wandb-core writes it (`core/pkg/leveldb`, the IEEE CRC): a
+# 7-byte file header (`:W&B`, magic 0xBEE1 little-endian, a version byte), then 32 KiB blocks of
+# chunks, each a 7-byte header (CRC-32 of the type byte and payload, uint32 LE; payload length, uint16
+# LE; the type, FULL 1, FIRST 2, MIDDLE 3, LAST 4) and its payload; a block tail shorter than a header
+# is zero padding.
 BLOCK_SIZE = 32 * 1024
 HEADER_SIZE = 7
 FILE_IDENT = b":W&B"

@@ -1,9 +1,8 @@
 """`python -m hypertrain.data.speech build [field=value ...]`: build the speech dataset data=speech reads.
 
-Fields are DataConfig's (hypertrain/config.py), written `codebooks=8` or `data.codebooks=8`; the rest
-keep their defaults (conf/data/speech.yaml holds no others). Prints what it built (or found already
-built): hours of speech, examples, frames, codebook usage and perplexity per stage, the quantiser's
-error. A user mistake or a missing tool prints one line `hypertrain: error: ...` and exits 2.
+Fields are DataConfig's (`codebooks=8` or `data.codebooks=8`; docs/audio.md, "The cache"); it prints
+what it built or found ("The default build, measured"). A user mistake or a missing tool is one line
+`hypertrain: error: ...`, exit 2.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Where each word was spoken, from espeak-ng's phoneme events, and its text tokens placed on those frames.
 
-`word_spans(text, events, duration_ms)` gives each whitespace-separated word of `text` the interval
-(ms) espeak-ng spent on its phonemes: a phoneme event carries the character position of the word it
-belongs to and lasts until the next phoneme event (the last one until the end of the audio); pause
-phonemes (`_`, `_:`, ...) belong to no word. A word with no phoneme of its own (punctuation espeak-ng
-does not speak) gets (-1, -1). `place_tokens(spans, token_counts, frames)` puts each word's tokens on
-consecutive frames inside the frames that overlap its interval, in word order, a word without speech
-together with the word before it (the first spoken word, when it leads); None when some word's tokens
-do not fit.
+`word_spans(text, events, duration_ms)` gives each word its spoken interval in ms ((-1, -1): none);
+`place_tokens(spans, token_counts, frames)` puts each word's tokens on consecutive frames inside it,
+or gives None when some word's do not fit (docs/audio.md, "alignment" and "text tokens").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Build a speech dataset once into its cache directory: text, speech, log-mel, aligned tokens, codes.
 
-`build(recipe, directory)` runs the whole pipeline and writes the directory `cache.py` describes; it
-must run in a process whose main module is light (`python -m hypertrain.data.speech build` is; the training
-entry starts that command rather than building in itself), since the synthesis forks fresh processes.
-Steps: the source's distinct prose sentences (`corpus`), a seeded sample of them, espeak-ng speech and
-log-mel frames per sentence (`synth`), a byte-level BPE for the text channel (`text`), each word's
-tokens placed on the frames espeak-ng spoke it (`align`; a sentence where a word's tokens do not fit its
-frames is dropped and counted), a residual VQ fitted on a sample of the frames and every frame's codes
-(`codes`). Everything is written into a temporary directory renamed into place at the end, so a cache
-directory is complete or absent.
+`build(recipe, directory)` runs the steps of docs/audio.md ("How it is made") in a temporary directory
+renamed into place at the end, so a cache directory is complete or absent. It forks the synthesis, so
+it runs where the main module is light (`python -m hypertrain.data.speech build`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The speech cache: which directory holds the dataset a config describes, and what is in it.
 
-`recipe(cfg)` gathers every input that determines the built data (a sha256 of the text source, the
-espeak-ng version, voice and rate, the sentence sample, the log-mel settings, the quantiser's and the
-tokenizer's sizes and seeds, the versions of the libraries that compute them) and keys the directory
-`<cache root>/<first 16 hex digits of their sha256>` by them: a changed input gives another directory,
-the same inputs find the one built before. It needs espeak-ng's library (its version is an input) and
-the build's Python packages, and says in one line how to install what is missing.
-
-A built directory holds (arrays as .npy, memory-mapped when read; F = frames of all examples):
-  text.npy      uint16 [F]: each frame's text token (PAD between words), examples one after another
-  codes.npy     uint16 [F, K]: each frame's code per quantiser stage
-  frames.npy    int64 [n]: frames per example, in source order
-  kept.npy      int64 [n]: which of the spoken sentences each example is (the others were dropped)
-  spoken.txt    the sentences spoken, one per line, in the order spoken
-  quantizer_mean.npy, quantizer_codebooks.npy   float32 [mel_bins], [K, size, mel_bins]
-  tokenizer.json     the text channel's byte-level BPE (Hugging Face tokenizers)
-  manifest.json      the inputs, the key, a sha256 of the content above, and the build's figures
+`recipe(cfg)` gathers every input that determines the built data and keys the directory by their
+sha256, so the same inputs find the one built before; a missing espeak-ng or build package is one
+line naming how to install it. docs/audio.md, "The cache", lists the inputs and the files.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """A residual vector quantiser of log-mel frames: k-means per stage, scikit-learn's KMeans.
 
-`fit_and_encode(frames, stages, size, fit_frames, seed)` centres the frames on their mean, then for
-each stage fits `size` centroids (KMeans, random initial centroids drawn with the stage's seed, Lloyd
-iterations to convergence) on the residuals of a seeded sample of `fit_frames` frames, and encodes
-every frame's residual by its nearest centroid. `Quantizer.decode(codes)` is the mean plus each
-stage's chosen centroid; `errors(frames, codes)` the mean squared error (dB^2 per bin) after 0..K
-stages, the 0th being the frames' variance. Codes are uint16 (so `size` <= 65535).
+`fit_and_encode(frames, stages, size, fit_frames, seed)` fits the stages on a seeded sample's
+residuals and codes every frame (uint16: `size` <= 65535); `Quantizer.decode(codes)` inverts it, and
+`errors(frames, codes)` is the squared error per bin after 0..K stages (docs/audio.md, "codes").
 """
 
 from __future__ import annotations
@@ -16,9 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 _CHUNK = 1 << 16  # frames decoded at a time when measuring errors
-# Lloyd iterations per stage. On the default build's frames stages 1-3 converge (tol 1e-4) after 27,
-# 44 and 47 iterations; stopped at 20 their error on all frames is within 0.05% of the converged one,
-# in half the time.
+# Lloyd iterations per stage, stopped short of convergence: almost the converged error in about half
+# the time (docs/performance.md, "The speech build's choices").
 MAX_ITER = 20
 
 

@@ -1,12 +1,8 @@
 """The sentences to be spoken: readable English from the stdlib's docstrings and comments, or the user's text.
 
-`read_source(path)` reads the text source as `data.py` does (the running Python's standard-library
-`.py` files when `path` is empty, else the files of the glob `path`) and gives its files and a sha256
-of their names and contents. `sentences(source, max_words)` extracts the distinct sentences in source
-order: from Python files (the stdlib, or a glob ending in `.py`) their docstrings and full-line
-comments, from any other file its paragraphs; each cut into sentences, kept when it reads as prose
-(ASCII letters, digits and ordinary punctuation only, mostly letters, at least `MIN_WORDS` words), a
-sentence of more than `max_words` words cut into near-equal pieces.
+`read_source(path)` reads the text source (the stdlib's `.py` files, or a glob's files) with a sha256
+of their names and contents; `sentences(source, max_words)` gives its distinct prose sentences in
+source order (docs/audio.md, "sentences" and "Your own text").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Log-mel frames at 12.5 per second: scipy's short-time Fourier transform, librosa's mel filterbank.
 
-`log_mel(samples, sample_rate, mel_bins)` turns 16-bit audio into float32 [T, mel_bins] frames, where
-T = 1 + len(samples) // hop and frame t is centred at t * hop samples (t * 80 ms): a Hann window of
-two frames (160 ms) around the centre (zeros beyond the audio), its power spectrum through a Slaney mel
-filterbank, in decibels with a floor. So frame t stands for the audio in [80t - 40, 80t + 40) ms.
-`frame_span(start_ms, end_ms)` is the frames whose share of time overlaps an interval.
+`log_mel(samples, sample_rate, mel_bins)` gives float32 [T, mel_bins], frame t standing for the audio
+in [80t - 40, 80t + 40) ms (docs/audio.md, "frames"); `frame_span(start_ms, end_ms)` is the frames
+whose share of time overlaps an interval.
 """
 
 from __future__ import annotations
@@ -30,7 +28,8 @@ def hop_length(sample_rate: int) -> int:
 @functools.lru_cache(maxsize=4)
 def _filterbank(sample_rate: int, mel_bins: int) -> np.ndarray:
     # Imported here: reading a built dataset needs no librosa. Only its filterbank: librosa's own STFT
-    # compiles numba kernels the first time a fresh environment runs it (~30 s).
+    # compiles numba kernels the first time a fresh environment runs it (docs/performance.md, "The
+    # speech build's choices").
     import librosa.filters
 
     return librosa.filters.mel(sr=sample_rate, n_fft=2 * hop_length(sample_rate), n_mels=mel_bins)
@@ -56,8 +55,9 @@ def log_mel(samples: np.ndarray, sample_rate: int, mel_bins: int) -> np.ndarray:
     window = 2 * hop  # Hann windows at half overlap sum to a constant: every sample weighs the same
     frames = 1 + len(samples) // hop
     # boundary="zeros" pads half a window of zeros at each end, so segment t is centred on sample
-    # t * hop. The transform is as long as the window (no zero padding): half the time of 4096.
-    # scipy's stft is twice as fast here as its ShortTimeFFT, which loops over the segments in Python.
+    # t * hop. The transform is as long as the window (no zero padding), and scipy's stft rather than
+    # its ShortTimeFFT, which loops over the segments in Python: both for speed (docs/performance.md,
+    # "The speech build's choices").
     _, _, spectrum = stft(
         samples.astype(np.float32) / 32768.0,
         window="hann",

@@ -1,11 +1,8 @@
 """espeak-ng through ctypes: text in, 16-bit mono audio and the library's timed events out.
 
-`Speaker(voice, rate)` loads `libespeak-ng.so.1` (or `$ESPEAK_NG_LIBRARY`), initialises it in
-synchronous retrieval mode with phoneme events, and `speak(text)` returns an `Utterance`: the samples
-at `sample_rate` Hz and every event of the synthesis callback (type, 0-based character position in
-`text`, length in characters, time in ms). Synthesis is deterministic: the same text, voice, rate and
-library version give the same samples and events. The library holds global state, so one `Speaker`
-per process. A missing library raises `EspeakMissing` (a `ConfigError`) naming how to install it.
+`Speaker(voice, rate).speak(text)` gives an `Utterance` (the samples, every event of the synthesis),
+the same for the same text, voice, rate and library. The library holds global state: one `Speaker`
+per process. A missing library raises `EspeakMissing`, one line naming how to install it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The synthesis, in fresh processes: sentences in, log-mel frames and each word's spoken interval out.
 
-espeak-ng carries state from one utterance to the next (its pitch flutter, among others: the same
-sentence comes out a few ms longer or shorter after a different one), so a sentence's audio depends on
-what the process spoke before. `speak_blocks` therefore speaks the sentences in fixed blocks of
-`BLOCK` consecutive sentences, each block in a process of its own forked from a server that has never
-loaded the library: every block starts from the library's initial state, so the result depends on the
-sentences and their order only, never on how many processes ran or which ran what.
+`speak_blocks` speaks fixed blocks of `BLOCK` sentences, each in a process forked from a server that
+never loaded espeak-ng (which carries state between utterances), so the result depends on the
+sentences and their order only (docs/audio.md, "How it is made").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The text channel's tokens: a byte-level BPE (Hugging Face `tokenizers`) fitted on the spoken sentences.
 
-Ids 0 and 1 are the special tokens PAD (a frame between words' tokens) and END (one per example,
-after its last frame); every other id is a byte-level BPE piece. Each word is encoded with its leading
-space, so the pieces of an example, in order, decode to " " + its sentence. Fitting is deterministic
-for the same sentences and vocabulary size.
+Ids 0 and 1 are PAD (a frame between words' tokens) and END (one per example, after its last frame);
+each word is encoded with its leading space, so an example's pieces decode to " " + its sentence.
 """
 
 from __future__ import annotations
