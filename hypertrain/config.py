@@ -384,6 +384,22 @@ def check_int64(node: Any, prefix: str = "") -> None:
                 )
 
 
+# The sections that never change a number of the run: a resumed run may change them, the run's hash
+# and the report's comparison leave them out.
+MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A resolved config's nested sections as dotted keys (`inner.lr`), in the config's order."""
+    flat: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* before processes had a group
 
 

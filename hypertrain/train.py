@@ -32,11 +32,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import TrainConfig, register_configs
+from hypertrain.config import MAY_CHANGE, TrainConfig, register_configs
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.failures import DiskFull, RankFailed, RunFailure
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
-from hypertrain.run import checkpoint, preflight
+from hypertrain.run import checkpoint, composition, directory, preflight, refusal
 from hypertrain.run.session import Resume, disk_full_as_failure, train_session
 
 register_configs()
@@ -47,7 +47,7 @@ def config_hash(resolved: dict) -> str:
     """A short stable hash of the resolved config: two runs of one config share it (where and how
     they log and checkpoint, whether they resume, and the divergence guard, which changes no number,
     are left out: a resumed run keeps its name)."""
-    kept = {k: v for k, v in resolved.items() if k not in checkpoint.MAY_CHANGE}
+    kept = {k: v for k, v in resolved.items() if k not in MAY_CHANGE}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -145,10 +145,10 @@ def main(dict_cfg: DictConfig) -> float:
     try:  # rank 0 holds the run directory's lock (preflight.claim) until the run ends
         return run_checked(checked, run_dir, launched, writer)
     except BaseException:  # before its first record, a new run leaves nothing (after: its records)
-        preflight.abandon_unstarted()
+        directory.abandon_unstarted()
         raise
     finally:
-        preflight.release_all()
+        directory.release_all()
 
 
 def finished_loss(run_dir: Path) -> float:
@@ -207,7 +207,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
             with disk_full_as_failure():
                 resume = write_start(checked, run_dir, run, identity)
         except DiskFull as e:
-            preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
+            refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     if run.cfg.processes.name == "dist":
         from hypertrain.run import processes as dist
 
@@ -228,7 +228,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
                 except Preempted as e:
                     stopped(e, signals, run_dir)
                 except RankFailed as e:
-                    preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
+                    refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
         if not writer:
             return math.nan
     else:
@@ -243,7 +243,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
                 stopped(e, signals, run_dir)
             except RunFailure as e:
                 # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
-                preflight.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
+                refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     logger.info(
         "done: held-out loss %.4f, %.1f replica-steps/s, %s",
         summary["eval/final_loss"],
@@ -261,6 +261,6 @@ if __name__ == "__main__":
     sys.argv, notices = modern_spelling(quote_numeric_choices(multirun_first(sys.argv)))
     if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
         print("\n".join(notices), file=sys.stderr)
-    guard_start(preflight.abandon_unstarted)  # a stop before training: what a new run made goes again
-    preflight.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
+    guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again
+    composition.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
     main()

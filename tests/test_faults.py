@@ -128,15 +128,15 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
 def test_a_filesystem_without_locks_is_refused_with_one_line_and_nothing_made(tmp_path, monkeypatch, code):
-    from hypertrain.run import preflight
+    from hypertrain.run import directory
 
     def no_locks(fd, op):
         raise OSError(code, "not supported")
 
-    monkeypatch.setattr(preflight.fcntl, "flock", no_locks)
+    monkeypatch.setattr(directory.fcntl, "flock", no_locks)
     run_dir = tmp_path / "new" / "run"
     with pytest.raises(ConfigError) as refused:
-        preflight.acquire(run_dir)
+        directory.acquire(run_dir)
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(

@@ -73,8 +73,8 @@ from helpers import (
     stderr_lines,
 )
 
+from hypertrain.config import MAY_CHANGE
 from hypertrain.failures import RankFailed
-from hypertrain.run.checkpoint import MAY_CHANGE
 from hypertrain.run.records import METRICS_FILE, read_metrics, session_rows
 
 H = 2  # BASE's inner.H: a round is 2 updates, 8 updates in all

@@ -32,8 +32,7 @@ from omegaconf import OmegaConf
 
 from hypertrain.report import cli as report
 from hypertrain.report.runs import load_run, read_rows, run_status
-from hypertrain.report.table import DIFFERENT_DATA, NOT_COMPARED, OTHER_ORDER
-from hypertrain.run import checkpoint
+from hypertrain.report.table import DIFFERENT_DATA, OTHER_ORDER
 from hypertrain.run.records import read_metrics
 
 SMALL = ["phase=smoke", "model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
@@ -453,10 +452,6 @@ def test_a_phases_sweep_gets_the_phases_table_and_its_plot(made):
 
 
 # -- bad input ---------------------------------------------------------------------------------------
-
-
-def test_the_comparison_leaves_out_what_a_resume_may_change():
-    assert NOT_COMPARED == checkpoint.MAY_CHANGE
 
 
 @pytest.mark.parametrize(

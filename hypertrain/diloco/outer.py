@@ -59,15 +59,6 @@ def unflatten(flat: Tensor, like: Params) -> Params:
     return out
 
 
-def pseudo_gradient(
-    global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
-) -> Params:
-    """mean over active replicas of (theta_global - theta_m), fp32, shaped like the global params
-    (none active gives zeros); freshly allocated, never a view of the global or replica tensors."""
-    total = pseudo_gradient_sum(global_params, replica_params, active)
-    return unflatten(total[:-1] / total[-1].clamp(min=1), global_params)
-
-
 def _concat(replica_params: list[Params]) -> Params:
     if len(replica_params) == 1:
         return replica_params[0]

@@ -68,7 +68,7 @@ def _stop_before_start(signum: int, frame: FrameType | None) -> None:
 def guard_start(leave: Callable[[], list[Path]] | None = None) -> None:
     """The entry's first statement (and again, with `leave`, once it can empty a run directory): until
     a `StopSignals` takes over, and again once it has put this back, a stop signal ends the process
-    with one line and its exit code, after `leave()` (`preflight.abandon_unstarted`)."""
+    with one line and its exit code, after `leave()` (`directory.abandon_unstarted`)."""
     global _leave
     if leave is not None:
         _leave = leave

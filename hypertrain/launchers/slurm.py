@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import LayoutError, choose_layout, launched_rank
 from hypertrain.plan.sampling import PlanError
-from hypertrain.run import preflight
+from hypertrain.run import composition, preflight, refusal
 from hypertrain.run.checks import validate
 
 RESUME = "auto"  # what a job's `resume` is unless the command line says: a requeued job goes on
@@ -321,9 +321,9 @@ def refused_submission(config: DictConfig) -> Iterator[None]:
         yield
     except SubmissionRefused as e:
         _remove_made(before)
-        preflight.remove_rejected_sweep_dir(sweep_dir)
+        composition.remove_rejected_sweep_dir(sweep_dir)
         launcher = config.hydra.runtime.choices.get("hydra/launcher", "slurm")
-        preflight.fail(
+        refusal.fail(
             f"hydra/launcher={launcher}: sbatch refused the sweep ({e}); nothing was submitted; "
             f"{_what_to_do(launcher)}, or change what sbatch names (hydra.launcher.*)"
         )
@@ -346,18 +346,18 @@ class SlurmPreflight(Callback):
                     config.hydra.job.config_name, [*hydra_overrides, *overrides], return_hydra_config=True
                 )
             except Exception as e:  # Hydra's composition errors share no base class; its wording, one line
-                preflight.fail(preflight.composition_error(e) + where)
+                refusal.fail(composition.composition_error(e) + where)
             choices = dict(task.hydra.runtime.choices)
             with read_write(task), open_dict(task):
                 del task["hydra"]  # the run's config, as the task function gets it
             try:
-                preflight.check_experiment(choices)
-                preflight.check_fields(task, TrainConfig)
+                composition.check_experiment(choices)
+                composition.check_fields(task, TrainConfig)
                 cfg: TrainConfig = OmegaConf.to_object(task)
-                preflight.check_labels(cfg, choices)
+                composition.check_labels(cfg, choices)
                 check_job(cfg, tasks)
             except (ConfigError, PlanError) as e:
-                preflight.fail(f"{e}{where}")
+                refusal.fail(f"{e}{where}")
         problem = controller_problem(config.hydra.runtime.choices.get("hydra/launcher", "slurm"))
         if problem is not None:
-            preflight.fail(problem)
+            refusal.fail(problem)

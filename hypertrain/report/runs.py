@@ -17,6 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hypertrain.config import flatten
 from hypertrain.run.records import METRICS_FILE, read_metrics
 
 VALID_PATH = "valid: a run directory (holding metrics.jsonl), a sweep directory, or a folder above them"
@@ -90,17 +91,6 @@ def _runs_under(folder: Path) -> list[Path]:
             runs.append(Path(dirpath))
             dirnames[:] = []  # a run directory holds no other run
     return runs
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """Nested config sections as dotted keys, in the config's order."""
-    flat: dict = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 # The fields of each row kind the report reads (hypertrain.log writes them all).

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from hypertrain.config import MAY_CHANGE
 from hypertrain.report.runs import Run
 
-# Config sections that may differ without changing a run's numbers (checkpoint.MAY_CHANGE names the
-# same ones; it is not imported, so that reading a report does not import torch).
-NOT_COMPARED = ("logger", "checkpoint", "guard", "resume")
+NOT_COMPARED = MAY_CHANGE  # config sections that may differ without changing a run's numbers
 DIFFERENT_DATA = "saw different data"
 OTHER_ORDER = "saw another data order"
 

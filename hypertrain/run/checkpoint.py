@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hypertrain.config import ConfigError, upgrade_resolved
+from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
 from hypertrain.failures import fault_points
 from hypertrain.run.records import METRICS_FILE
 
@@ -27,8 +27,6 @@ FOLDER = "checkpoints"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
 _NAME = re.compile(r"ckpt-u(\d+)\.pt$")
 
-# Config keys a resumed run may change: where and how it logs and checkpoints, and whether it resumes.
-MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")  # never change a number of the run
 PLAN_KEYS = ("data/fingerprint", "plan/union_sha256", "plan/data_order_sha256")
 
 
@@ -116,19 +114,9 @@ def find(path: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     """Raise ConfigError (one line) unless the run `resolved` may continue the saved one."""
-    before, now = _flat(upgrade_resolved(saved["config"])), _flat(resolved)
+    before, now = flatten(upgrade_resolved(saved["config"])), flatten(resolved)
     changed = sorted(
         key
         for key in before.keys() | now.keys()

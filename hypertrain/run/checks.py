@@ -15,24 +15,14 @@ from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhas
 
 def plan_phase(phase: PhaseConfig) -> StrongPhase | WeakPhase:
     """The plan's phase for `phase`; ConfigError naming the bad field."""
+    common = dict(
+        name=phase.name, offset=phase.offset, updates=phase.updates, timing_warmup=phase.timing_warmup
+    )
     try:
         if phase.kind == "strong":
-            return StrongPhase(
-                name=phase.name,
-                offset=phase.offset,
-                global_batch=phase.global_batch,
-                updates=phase.updates,
-                timing_warmup=phase.timing_warmup,
-            )
+            return StrongPhase(**common, global_batch=phase.global_batch)
         if phase.kind == "weak":
-            return WeakPhase(
-                name=phase.name,
-                offset=phase.offset,
-                base_world=phase.base_world,
-                per_rank_batch=phase.per_rank_batch,
-                updates=phase.updates,
-                timing_warmup=phase.timing_warmup,
-            )
+            return WeakPhase(**common, base_world=phase.base_world, per_rank_batch=phase.per_rank_batch)
     except PlanError as e:
         raise ConfigError(str(e)) from None
     raise ConfigError(f"phase.kind={phase.kind!r} is not a phase kind; valid: 'strong', 'weak'")

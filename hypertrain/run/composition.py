@@ -1,0 +1,241 @@
+"""The command line as Hydra composes it, checked before Hydra writes anything: Hydra's own mistakes as
+one line, every value of a sweep validated (and sized) before the sweep folder exists, the folders of a
+rejected sweep or job removed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.distributed.layouts import launched_rank
+from hypertrain.run import memory
+from hypertrain.run.checks import validate
+from hypertrain.run.records import METRICS_FILE
+from hypertrain.run.refusal import fail
+
+# Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
+
+
+# Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
+LABELLED_GROUPS = ("model", "outer", "phase")
+
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def check_experiment(choices: dict) -> None:
+    """`experiment` is an optional group: Hydra silently ignores an option that does not exist."""
+    chosen = choices.get("experiment")
+    options = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+    if chosen is not None and chosen not in options:
+        raise ConfigError(f"experiment={chosen!r} is not an experiment; valid: {', '.join(options)}")
+
+
+def check_fields(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """`+key=value` adds a key the run would never read: every key must be a field of the schema."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in fields:
+            raise ConfigError(f"{prefix}{key} is not a config field; valid: {', '.join(sorted(fields))}")
+        kind = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(kind) and isinstance(node[key], DictConfig):
+            check_fields(node[key], kind, f"{prefix}{key}.")
+
+
+def check_labels(cfg: TrainConfig, choices: dict) -> None:
+    """`outer.name=average` only relabels the Nesterov option: a label that disagrees with the
+    option Hydra composed is a mistake, not a silent choice of the composed option's values."""
+    for group in LABELLED_GROUPS:
+        chosen, label = choices.get(group), getattr(cfg, group).name
+        if chosen is not None and label != chosen:
+            raise ConfigError(
+                f"{group}.name={label!r} only labels the run; the {group} is chosen with {group}=... "
+                f"(now {group}={chosen}); valid: {group}={label} to use that option, or {group}.name={chosen}"
+            )
+
+
+def grammar_error(error: Exception) -> str | None:
+    """An override Hydra's grammar cannot read (`hydra.run.dir=~/x`: a leading ~) as one line naming
+    the value, where it stops and what would be valid; None for any other error."""
+    from hydra.errors import OverrideParseException
+
+    if not isinstance(error, OverrideParseException):
+        return None
+    text = error.override
+    key, sep, value = text.partition("=")
+    lines = str(error).splitlines()
+    prefix = "LexerNoViableAltException: "
+    where = ""
+    if len(lines) > 1 and lines[0].startswith(prefix) and "^" in lines[1]:
+        at = lines[1].index("^") - len(prefix)
+        if 0 <= at < len(text):
+            where = f" (at {text[at]!r}, character {at + 1})"
+    if not sep:
+        return f"{text!r} cannot be read by Hydra's override grammar{where}; valid: key=value"
+    quote = '"' if "'" in value else "'"
+    quoted = f"{key}={quote}{value}{quote}"
+    if value.startswith("~"):
+        hint = (
+            f"valid: an absolute path, {key}={os.path.expanduser(value)} (Hydra does not expand ~), or "
+            f"the value quoted, {quoted}, for a folder named ~"
+        )
+    else:
+        hint = f"valid: the value quoted for Hydra, {quoted} (on a shell, quote the whole argument)"
+    return f"{key}={value} cannot be read by Hydra's override grammar{where}; {hint}"
+
+
+def composition_error(error: Exception) -> str:
+    """Hydra's own composition error as one line: its first line, with the cause or the options."""
+    unreadable = grammar_error(error)
+    if unreadable is not None:
+        return unreadable
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else type(error).__name__
+    options = getattr(error, "options", None)
+    if options:  # an option of a group that does not exist
+        return f"{first}; valid: {', '.join(sorted(options))}"
+    cause = error.__cause__
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    return f"{first} {detail}".strip() if detail and detail not in first else first
+
+
+SWEEP_ROOT_ENV = "HYPERTRAIN_SWEEP_ROOT"  # the deepest folder above the sweep directory that existed
+
+
+def task_part(config: DictConfig) -> DictConfig:
+    """The run's config without Hydra's node, as Hydra hands it to the task function (still typed)."""
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return task
+
+
+def check_composition(args: list[str]) -> None:
+    """Compose the command line's overrides as Hydra will, before Hydra runs: an unknown option,
+    a misspelled key or a value of the wrong type exits 2 with one line (Hydra's own wording),
+    nothing created. In a multirun every value of every sweep is composed (with the other sweeps'
+    first values), before Hydra writes the sweep directory; every job is then checked in full when
+    it starts. Hydra's flags (--help, --cfg, ...) are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return
+    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    multirun = len(overrides) < len(args)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        first, sweeps, others = [], [], []  # others: (position in first, the sweep's other values)
+        for override, text in zip(parsed, overrides, strict=True):
+            if override.is_sweep_override():
+                sweeps.append(text)
+                key = override.get_key_element()
+                try:
+                    values = [f"{key}={v}" for v in override.sweep_string_iterator()]
+                except Exception:  # a sweep Hydra enumerates only later (glob, interval): the jobs check it
+                    continue
+                if not values:
+                    continue
+                text = values[0]
+                others.append((len(first), values[1:]))
+            first.append(text)
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            composed = compose("train", overrides=first, return_hydra_config=True)
+            sweeping = multirun or str(composed.hydra.mode) == "RunMode.MULTIRUN"
+            jobs = [composed]
+            if sweeping:  # each value once: time in proportion to the values given, not their product
+                for at, values in others:
+                    for value in values:
+                        jobs.append(
+                            compose(
+                                "train",
+                                overrides=[*first[:at], value, *first[at + 1 :]],
+                                return_hydra_config=True,
+                            )
+                        )
+    except Exception as e:  # Hydra's errors have no common base class beyond Exception
+        fail(composition_error(e))
+    if sweeping and (launched := launched_rank()) is not None:
+        fail(
+            f"a multirun (-m) under {launched.launcher} is not supported: every rank would run the whole "
+            "sweep; valid: python -m hypertrain.train -m processes=dist ... (each job starts its own "
+            "processes), or -m hydra/launcher=slurm_dist (each job's SLURM tasks are its ranks)"
+        )
+    if sweeps and not sweeping:
+        fail(
+            f"Ambiguous value for argument '{sweeps[0]}'; valid: -m to sweep over the values, "
+            "or key=[a,b] for a list"
+        )
+    if sweeping:
+        for job in jobs:
+            check_sweep_memory(job)
+        note_sweep_root(composed)
+
+
+def check_sweep_memory(composed: DictConfig) -> None:
+    """A sweep's value fits this machine's memory (hypertrain.memory), checked before Hydra writes the
+    sweep directory: one line, exit 2. A value that is not valid is left to its own job's checks."""
+    try:
+        cfg = OmegaConf.to_object(task_part(composed))
+        validate(cfg)
+    except Exception:  # not valid (or not typed): its job says what is wrong, in its turn
+        return
+    try:
+        memory.check(cfg)
+    except ConfigError as e:
+        fail(str(e))
+
+
+def note_sweep_root(composed: DictConfig) -> None:
+    """Remember (for the jobs, in the environment) the deepest folder above the sweep directory that
+    exists before Hydra makes it: a sweep whose first job is rejected removes what Hydra made below."""
+    try:
+        sweep_dir = Path(str(OmegaConf.select(composed, "hydra.sweep.dir"))).absolute()
+    except Exception:  # a sweep directory that only resolves inside Hydra's run: nothing is removed
+        return
+    existing = sweep_dir
+    while not existing.exists():
+        existing = existing.parent
+    os.environ[SWEEP_ROOT_ENV] = str(existing)
+
+
+SWEEP_FILE = "multirun.yaml"  # what Hydra writes into a sweep directory before its first job
+
+
+def remove_rejected_sweep_dir(sweep_dir: Path) -> None:
+    """A sweep whose jobs so far were all rejected: remove its directory when it holds only Hydra's
+    multirun.yaml, and the empty folders Hydra made above it (below the one noted before, if any)."""
+    sweep_dir = sweep_dir.absolute()
+    if not sweep_dir.is_dir() or {p.name for p in sweep_dir.iterdir()} != {SWEEP_FILE}:
+        return
+    (sweep_dir / SWEEP_FILE).unlink(missing_ok=True)
+    noted = os.environ.get(SWEEP_ROOT_ENV)
+    root = Path(noted) if noted else None
+    folder = sweep_dir
+    while root is None or root in folder.parents:  # below the folder that existed before, if noted
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: not only Hydra's
+            return
+        if root is None:
+            return
+        folder = folder.parent
+
+
+def remove_rejected_job_dir(job_dir: Path) -> None:
+    """Remove what Hydra wrote for a job that never started (`.hydra/`, its log), if that is all."""
+    if not job_dir.is_dir() or (job_dir / METRICS_FILE).exists():
+        return
+    hydra_files = {".hydra", "train.log"}
+    if {p.name for p in job_dir.iterdir()} <= hydra_files:
+        import logging
+
+        logging.shutdown()  # close the job's log file before removing it
+        shutil.rmtree(job_dir, ignore_errors=True)
