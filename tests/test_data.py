@@ -422,8 +422,8 @@ def test_missing_or_ragged_token_file_is_a_one_line_config_error(tmp_path):
     odd.write_bytes(b"\x01\x02\x03")
     with pytest.raises(ConfigError, match="3 bytes"):
         build_dataset(DataConfig(name="token_bin", path=str(odd)))
-    with pytest.raises(ConfigError, match="documents"):
-        build_dataset(DataConfig(name="token_bin", path=str(odd), examples="documents"))
+    with pytest.raises(ConfigError, match="documents"):  # the data section's own check, before any build
+        DataConfig(name="token_bin", path=str(odd), examples="documents").check()
 
 
 def test_stream_not_longer_than_heldout_is_a_config_error(tmp_path):

@@ -79,8 +79,7 @@ def read_files(paths: list[str], names: list[str]) -> Source:
 
 
 def token_bin_source(path_text: str, token_dtype: str) -> Source:
-    if token_dtype not in _TOKEN_DTYPES:
-        raise ConfigError(f"data.token_dtype={token_dtype!r} is not valid; valid: 'uint16', 'uint32'")
+    assert token_dtype in _TOKEN_DTYPES, token_dtype  # DataConfig.check refuses any other
     dtype = _TOKEN_DTYPES[token_dtype]
     path = Path(path_text).expanduser()
     if not path.is_file():

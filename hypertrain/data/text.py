@@ -89,21 +89,16 @@ class TextDataset:
 
 def text_dataset(cfg: DataConfig) -> TextDataset:
     """The text dataset `cfg` describes (`datasets.build_dataset` gives speech's); raises ConfigError
-    (one line) for a missing or too short source."""
-    if cfg.examples not in ("windows", "documents"):
-        raise ConfigError(f"data.examples={cfg.examples!r} is not valid; valid: 'windows', 'documents'")
+    (one line) for a missing or too short source. `cfg` has passed `DataConfig.check`."""
+    assert cfg.examples in ("windows", "documents") and cfg.seq_len >= 1 and cfg.max_len >= 2, cfg
+    assert cfg.name in ("stdlib", "text_files", "token_bin"), cfg.name
     if cfg.name == "stdlib":
         source = sources.stdlib_source()
     elif cfg.name == "text_files":
         source = sources.text_files_source(cfg.path)
-    elif cfg.name == "token_bin":
-        if cfg.examples != "windows":
-            raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
-        source = sources.token_bin_source(cfg.path, cfg.token_dtype)
     else:
-        raise ConfigError(
-            f"data.name={cfg.name!r} is not valid; valid: 'stdlib', 'text_files', 'token_bin', 'speech'"
-        )
+        assert cfg.examples == "windows", "token_bin gives windows only (DataConfig.check)"
+        source = sources.token_bin_source(cfg.path, cfg.token_dtype)
 
     settings = {
         "v": _FINGERPRINT_VERSION,
@@ -114,8 +109,6 @@ def text_dataset(cfg: DataConfig) -> TextDataset:
     if cfg.name == "token_bin":
         settings["token_dtype"] = cfg.token_dtype
     if cfg.examples == "windows":
-        if cfg.seq_len < 1:
-            raise ConfigError(f"data.seq_len={cfg.seq_len} is too small; valid: >= 1")
         settings["seq_len"] = cfg.seq_len
         windows = max(len(source.tokens) - 1, 0) // cfg.seq_len
         kept = _distinct_windows(source.tokens, cfg.seq_len, windows)
@@ -124,8 +117,6 @@ def text_dataset(cfg: DataConfig) -> TextDataset:
         max_length = cfg.seq_len + 1
         what = f"{n_total:,} windows of {max_length} ({duplicates:,} duplicates dropped)"
     else:
-        if cfg.max_len < 2:
-            raise ConfigError(f"data.max_len={cfg.max_len} is too small; valid: >= 2")
         settings["max_len"] = cfg.max_len
         example_starts, example_lengths, duplicates = _paragraphs(source, cfg.max_len + 1)
         n_total = len(example_starts)
