@@ -34,24 +34,49 @@ def process_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Te
 
 
 class Throughput:
-    """Sums of every process's updates from update `warmup` (0-based) on: the timed window. `summary`
-    gives the figures the seed's data-parallel benchmark reports: examples/s, supervised and padded
-    tokens/s per rank and in total, compute and all-reduce seconds per update, the all-reduce's share,
-    and the padding efficiency."""
+    """A session's updates from update `warmup` (0-based) on: the timed window. `summary` gives the
+    replica-steps per second of that window on the writer's clock (syncs and held-out evals included)
+    and the figures the seed's data-parallel benchmark reports from every process's own seconds:
+    examples/s, supervised and padded tokens/s per rank and in total, compute and all-reduce seconds
+    per update, the all-reduce's share, and the padding efficiency."""
 
-    def __init__(self, processes: int, warmup: int):
+    def __init__(self, processes: int, warmup: int, start: float):
+        """`start`: when the session's first segment started (time.perf_counter)."""
         self.warmup = warmup
         self.sums = torch.zeros(processes, len(PROCESS_COLUMNS), dtype=torch.float64)
-        self.updates = 0
+        self.updates = 0  # this session's timed updates
+        self.replica_steps = 0  # the replica-steps of those updates
         self.presentations = 0  # examples over every update and process, warm-up included
+        self.timed_from = self.segment_start = start
 
-    def add(self, updates: range, table: Tensor) -> None:
-        """`table` [P, len(updates), len(PROCESS_COLUMNS)] for the plan's `updates`."""
+    def add(self, updates: range, table: Tensor, steps: list[int]) -> None:
+        """A segment's `table` [P, len(updates), len(PROCESS_COLUMNS)] for the plan's `updates`, and
+        the replica-steps taken at each of them."""
         self.presentations += int(PROCESS_COLUMNS.of(table, "samples").sum())
         timed = [t for t, u in enumerate(updates) if u >= self.warmup]
         if timed:
             self.sums += table[:, timed].sum(1)
             self.updates += len(timed)
+            self.replica_steps += sum(steps[t] for t in timed)
+        if self.warmup in updates and self.warmup > 0:
+            # The window opens where the first timed update started: its segment's start plus the
+            # updates before it (the writer's own seconds; rows are only written at a segment's end).
+            before = updates.index(self.warmup)
+            self.timed_from = self.segment_start + float(
+                PROCESS_COLUMNS.of(table, "seconds")[0, :before].sum()
+            )
+
+    def next_segment(self, start: float) -> None:
+        self.segment_start = start
+
+    def window(self, end: float) -> dict:
+        """The writer's figures of the timed window ending at `end` (time.perf_counter)."""
+        timed = end - self.timed_from
+        return {
+            "train/replica_steps_per_s": self.replica_steps / timed if timed else 0.0,
+            "train/timed_updates": self.updates,  # the updates the throughput counts
+            "train/timed_s": timed,
+        }
 
     def summary(self) -> dict:
         """bench/* figures; per-rank ones as lists in rank order. Empty before any timed update."""

@@ -166,21 +166,17 @@ def train(
     start = time.perf_counter()
     # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
     # all are timed when that would leave none.
+    # A resumed session times only its own updates.
     warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
-    # A resumed session times only its own updates: the steps restored from the checkpoint are not its.
-    first = state.next_update
-    timed_from, timed_steps_before = start, totals.replica_steps
-    throughput = Throughput(groups.size, warmup)
-    round_started = start
+    throughput = Throughput(groups.size, warmup, start)
     stop = StopCheck(groups)
     every_updates = checkpointer.every_updates if checkpointer is not None else 0
     for rnd in rounds(run, state, groups=groups, stop=stop, every_updates=every_updates):
-        throughput.add(rnd.updates, rnd.ranks)
-        if warmup in rnd.updates and warmup > 0:
-            # The timed window opens where the first timed update started: its segment's start plus
-            # the updates before it (rank 0's own seconds; rows are only written at the segment's end).
-            before = rnd.updates.index(warmup)
-            timed_from = round_started + float(rnd.process_column("seconds")[0, :before].sum())
+        throughput.add(
+            rnd.updates,
+            rnd.ranks,
+            [sum(x is not None for x in rnd.losses(t)) for t in range(len(rnd.updates))],
+        )
         # Rows are written once the segment (a round, unless a checkpoint or a stop cut it) is over:
         # `wall` is when it ended (an engine runs a segment as a whole), the same for its updates.
         round_end = time.perf_counter() - start
@@ -204,25 +200,19 @@ def train(
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-            if u < warmup:
-                timed_steps_before = totals.replica_steps
         if rnd.ends_round:
             eval_loss = after_sync(run, state, rnd, groups, log, progress, checkpointer, n_params)
         elif checkpointer is not None:
             checkpointer.after_update(state)
         if stop.signum:
             stop_here(run, state, stop.signum, checkpointer, groups)
-        round_started = time.perf_counter()
+        throughput.next_segment(time.perf_counter())
     progress.close()
     end = time.perf_counter()
-    timed = end - timed_from
-    summary = {
-        "eval/final_loss": eval_loss,
-        "train/tokens_total": totals.tokens,
-        "train/wall_s": end - start,
-        "train/replica_steps_per_s": (totals.replica_steps - timed_steps_before) / timed if timed else 0.0,
-        "train/timed_updates": run.updates - max(warmup, first),  # the updates the throughput counts
-        "train/timed_s": timed,
-    } | throughput.summary()
+    summary = (
+        {"eval/final_loss": eval_loss, "train/tokens_total": totals.tokens, "train/wall_s": end - start}
+        | throughput.window(end)
+        | throughput.summary()
+    )
     log.summary(summary)
     return summary, state
