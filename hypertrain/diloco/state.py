@@ -78,18 +78,36 @@ class RunState:
         states = [init_state(cfg.inner, one, roles) for _ in local]
         return cls(theta, init_outer_state(theta), states, local)
 
-    def state_dict(self) -> dict:
+    def replica_records(self) -> list[dict]:
+        """Each local replica's part of the state, in `replicas` order: its inner optimizer state and,
+        mid-round, its weights and whether it has stepped (what a checkpoint gathers from every process)."""
+        mid = self.mid_round
+        return [
+            {
+                "inner": {"m": s.m, "v": s.v, "step": s.step},
+                "params": self.round_params[i] if mid else None,
+                "stepped": self.round_stepped[i] if mid else None,
+            }
+            for i, s in enumerate(self.inner)
+        ]
+
+    def state_dict(self, records: list[dict] | None = None) -> dict:
+        """The state as tensors and numbers. With `records` (every replica's `replica_records`, gathered
+        from all processes in replica order) it holds every replica of the run, else this process's."""
+        replicas = list(self.replicas) if records is None else list(range(len(records)))
+        records = self.replica_records() if records is None else records
+        mid = self.mid_round
         return {
             "theta": self.theta,
             "outer_momentum": self.outer.momentum,
-            "inner": [{"m": s.m, "v": s.v, "step": s.step} for s in self.inner],
-            "replicas": list(self.replicas),
+            "inner": [r["inner"] for r in records],
+            "replicas": replicas,
             "next_update": self.next_update,
             "rounds_done": self.rounds_done,
             "totals": vars(self.totals).copy(),
             "round_first": self.round_first,
-            "round_params": self.round_params,
-            "round_stepped": self.round_stepped,
+            "round_params": [r["params"] for r in records] if mid else None,
+            "round_stepped": [r["stepped"] for r in records] if mid else None,
         }
 
     @torch.no_grad()

@@ -149,8 +149,11 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
         )
 
 
-def _cpu(tensors: dict) -> dict:
-    return {n: t.detach().cpu() for n, t in tensors.items()}
+def _on_cpu(tree):
+    """`tree` (dicts of tensors, tensors, plain values) with every tensor copied to the CPU."""
+    if isinstance(tree, dict):
+        return {k: _on_cpu(v) for k, v in tree.items()}
+    return tree.detach().cpu() if isinstance(tree, torch.Tensor) else tree
 
 
 class Checkpointer:
@@ -190,25 +193,11 @@ class Checkpointer:
     def save(self, state) -> Path | None:
         """Write a checkpoint of `state` now (every process calls it); its path on the writer."""
         mid = state.mid_round
-        records = [
-            {
-                "m": _cpu(s.m),
-                "v": _cpu(s.v),
-                "step": s.step.cpu(),
-                "params": _cpu(state.round_params[i]) if mid else None,
-                "stepped": state.round_stepped[i] if mid else None,
-            }
-            for i, s in enumerate(state.inner)
-        ]
-        every = self.groups.gather_replicas(records)
+        every = self.groups.gather_replicas([_on_cpu(r) for r in state.replica_records()])
         self.saved_at = state.next_update
         if not self.groups.is_writer:
             return None
-        saved = state.state_dict()
-        saved["inner"] = [{k: r[k] for k in ("m", "v", "step")} for r in every]
-        saved["replicas"] = list(range(len(every)))
-        saved["round_params"] = [r["params"] for r in every] if mid else None
-        saved["round_stepped"] = [r["stepped"] for r in every] if mid else None
+        saved = state.state_dict(every)
         payload = {
             "format": FORMAT,
             "state": saved,
