@@ -422,13 +422,3 @@ def upgrade_resolved(resolved: dict) -> dict:
         engine["name"] = "stacked"
     defaults = dataclasses.asdict(ProcessesConfig())
     return {**resolved, "engine": engine, "processes": defaults | processes}
-
-
-def register_configs() -> None:
-    """Register the run's schema with Hydra's ConfigStore (`conf/train.yaml` composes over it)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    # One schema for the whole tree (it types every group's YAML); storing a schema per group would
-    # list `model_schema` and the like among the options a user can pick.
-    cs.store(name="train_schema", node=TrainConfig)

@@ -32,11 +32,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import MAY_CHANGE, TrainConfig, register_configs
+from hypertrain.config import MAY_CHANGE, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.failures import DiskFull, RankFailed, RunFailure
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
 from hypertrain.run import checkpoint, composition, directory, preflight, refusal
+from hypertrain.run.schema import register_configs
 from hypertrain.run.session import Resume, disk_full_as_failure, train_session
 
 register_configs()

@@ -28,7 +28,6 @@ from hypertrain.config import (
     PhaseConfig,
     TrainConfig,
     WorldConfig,
-    register_configs,
 )
 from hypertrain.diloco.outer import pseudo_gradient_sum, unflatten
 from hypertrain.diloco.rounds import rounds
@@ -38,6 +37,7 @@ from hypertrain.run.checks import validate
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import METRICS_FILE, RunLogger, read_metrics
+from hypertrain.run.schema import register_configs
 from hypertrain.run.trainer import train
 from hypertrain.train import quote_numeric_choices
 

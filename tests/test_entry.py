@@ -118,6 +118,8 @@ def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, laun
 
 
 def _options(group: str) -> list[str]:
+    if group == "phase":  # the plan's presets, registered with Hydra (hypertrain.run.schema)
+        return sorted(plan.PRESETS)
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 

@@ -1,0 +1,33 @@
+"""What Hydra composes over: the run's schema (`config.TrainConfig`, which types every group's YAML) and
+the `phase` group's options, which are the plan's presets (`plan.PRESETS`): one source for both.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from hypertrain.config import PhaseConfig, TrainConfig
+from hypertrain.plan.sampling import PRESETS, Phase, StrongPhase
+
+
+def phase_config(phase: Phase) -> PhaseConfig:
+    """The config of the plan's `phase` (the fields of the other kind keep their defaults)."""
+    common = dict(
+        name=phase.name, offset=phase.offset, updates=phase.updates, timing_warmup=phase.timing_warmup
+    )
+    if isinstance(phase, StrongPhase):
+        return PhaseConfig(kind="strong", global_batch=phase.global_batch, **common)
+    return PhaseConfig(
+        kind="weak", base_world=phase.base_world, per_rank_batch=phase.per_rank_batch, **common
+    )
+
+
+def register_configs() -> None:
+    """Register the schema and the phase presets with Hydra's ConfigStore (`conf/train.yaml` composes
+    over them)."""
+    cs = ConfigStore.instance()
+    # One schema for the whole tree (it types every group's YAML); storing a schema per group would
+    # list `model_schema` and the like among the options a user can pick.
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, phase in PRESETS.items():
+        cs.store(group="phase", name=name, node=phase_config(phase))
