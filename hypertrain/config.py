@@ -1,4 +1,4 @@
-"""Typed configuration for every Hydra group, registered with Hydra's ConfigStore, and validated.
+"""Typed configuration for every Hydra group (registered by `run/schema.py`); each section checks itself.
 
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
 engine, processes, logger, checkpoint, guard) plus `replicas` (R) and `seed`. Each field is documented here,
