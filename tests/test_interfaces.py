@@ -76,3 +76,19 @@ def test_forward_gives_the_loss_then_the_channel_sums_for_every_model(arch):
         out = forward(cfg, params, torch.randint(0, 11, (2, 3, 6), generator=gen))
     assert out.shape == (2, 1 + loss_channels(cfg))
     assert loss_channels(cfg) == (3 if arch == "multistream" else 0)
+
+
+@pytest.mark.parametrize("implementation", ["ReplicaGroups", "DistReplicaGroups"])
+def test_one_process_and_real_processes_offer_the_collectives_protocol(implementation):
+    from hypertrain.distributed import collectives, groups
+
+    cls = getattr(groups, implementation, None) or getattr(collectives, implementation)
+    hints = get_type_hints(cls.__init__) | get_type_hints(cls)
+    for name, wanted in protocol_members(groups.Collectives).items():
+        if isinstance(wanted, inspect.Signature):
+            assert inspect.signature(getattr(cls, name)) == wanted, name
+        elif name == "is_writer":
+            assert isinstance(getattr(cls, name), property), name
+        else:  # an attribute: set on the class or in __init__
+            source = inspect.getsource(cls) + inspect.getsource(groups.ReplicaGroups)
+            assert hasattr(cls, name) or name in hints or f"self.{name}" in source, name

@@ -2,7 +2,7 @@
 uses, and what that costs on the wire.
 
 `exact_mean` is today's stage: the sum of every process's replicas' pseudo-gradients over all
-processes (`ReplicaGroups.sum_over_replicas`), divided by the replicas that stepped. A stage takes this
+processes (`Collectives.sum_over_replicas`), divided by the replicas that stepped. A stage takes this
 process's `[n_params + 1]` sum (the count last) and returns the mean, or None when no replica stepped.
 `round_bytes` is what an ideal ring all-reduce sends for a round (the `comm_*_bytes` records).
 """
@@ -14,12 +14,12 @@ from collections.abc import Callable
 from torch import Tensor
 
 from hypertrain.config import TrainConfig
-from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.groups import Collectives
 
-Communicate = Callable[[Tensor, ReplicaGroups], "tuple[Tensor, int] | None"]
+Communicate = Callable[[Tensor, Collectives], "tuple[Tensor, int] | None"]
 
 
-def exact_mean(local_sum: Tensor, groups: ReplicaGroups) -> tuple[Tensor, int] | None:
+def exact_mean(local_sum: Tensor, groups: Collectives) -> tuple[Tensor, int] | None:
     """The mean pseudo-gradient over every replica that stepped, flat, and their count; None when
     none did. Every process gets the same numbers (one all-reduce of the sums and the count)."""
     total = groups.sum_over_replicas(local_sum)

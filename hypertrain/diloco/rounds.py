@@ -18,7 +18,7 @@ from hypertrain.data.batches import ReplicaBatch, replica_batch
 from hypertrain.diloco.outer import weights_norm
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.diloco.sync import sync
-from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.columns import PROCESS_COLUMNS, REPLICA_COLUMNS
 from hypertrain.engines.contract import (
@@ -43,7 +43,7 @@ def rank_streams(phase: plan.Phase, world: int, ranks_per_replica: int) -> int:
 
 
 def assignments(
-    run: PreparedRun, updates: range, groups: ReplicaGroups | None = None, state: RunState | None = None
+    run: PreparedRun, updates: range, groups: Collectives | None = None, state: RunState | None = None
 ) -> list[Assignment]:
     """This process's replicas' batches for `updates` (a round, or the rest of one), as the plan
     assigns them: each replica's whole share, or (benchmark layout) this rank's share weighted over its
@@ -124,7 +124,7 @@ def rounds(
     run: PreparedRun,
     state: RunState,
     engine: Engine | None = None,
-    groups: ReplicaGroups | None = None,
+    groups: Collectives | None = None,
     stop: StopAfter | None = None,
     every_updates: int = 0,
 ) -> Iterator[Segment]:
@@ -181,7 +181,7 @@ class StopCheck:
     (the largest number when processes got different ones). The test-only fault point `after`
     (hypertrain.fault_points) fires first."""
 
-    def __init__(self, groups: ReplicaGroups):
+    def __init__(self, groups: Collectives):
         self.groups, self.signum = groups, 0
 
     def __call__(self, update: int) -> bool:

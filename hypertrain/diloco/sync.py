@@ -1,7 +1,7 @@
 """The DiLoCo sync at a round's end, one pipeline a reader follows top to bottom: the pseudo-gradient
 (`outer.pseudo_gradient_sum`), the communication stage (`communication.exact_mean`, replaceable), the
 outer optimizer (`outer.outer_step`) and the inner state policy (`optim.inner.sync_inner_states`).
-The simulation and the real processes call the same `sync`; only their `ReplicaGroups` differ.
+The simulation and the real processes call the same `sync`; only their `Collectives` differ.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypertrain.config import TrainConfig
 from hypertrain.diloco.communication import Communicate, exact_mean
 from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, unflatten
 from hypertrain.diloco.state import RunState
-from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import sync_inner_states
 
@@ -24,7 +24,7 @@ def sync(
     state: RunState,
     params: list[Params],
     stepped: list[bool],
-    groups: ReplicaGroups | None = None,
+    groups: Collectives | None = None,
     communicate: Communicate = exact_mean,
 ) -> tuple[float, int]:
     """End a round: outer step on the replicas that stepped, then the inner state policy.

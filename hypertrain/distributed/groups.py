@@ -1,6 +1,7 @@
-"""Which replicas a process trains, and the collectives a round needs; one process is the simulation.
+"""Which replicas a process trains, and the collectives a round needs (`Collectives`); one process is
+the simulation (`ReplicaGroups`).
 
-The round loop (`hypertrain.trainer`) asks its processes for five things, whatever their number:
+The round loop (`diloco.rounds`) asks its processes for five things, whatever their number:
 which replicas this process trains (`replicas`) and, under the benchmark layout, which plan rank
 it is (`rank_share`); averaging a replica's gradients and loss over its ranks every update
 (`average_in_replica`); summing a per-replica quantity over all replicas at a sync
@@ -14,10 +15,48 @@ processes of `processes=dist` (`distributed.collectives`) subclass it with torch
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import Tensor
 
 from hypertrain.failures import fault_points
 from hypertrain.model.transformer import Params
+
+
+class Collectives(Protocol):
+    """What the round loop, the sync and the checkpoints ask of the run's processes (see above)."""
+
+    layout: str  # "simulation", or the process layout: "benchmark" or "replicas"
+    backend: str
+    rank: int
+    size: int  # P
+    total_replicas: int  # R
+    replicas: list[int]  # the replicas this process trains
+
+    @property
+    def is_writer(self) -> bool: ...
+
+    def rank_share(self) -> tuple[int, int, int] | None: ...
+
+    def average_in_replica(self, grads: Params, loss: Tensor) -> None: ...
+
+    def sum_over_replicas(self, flat: Tensor) -> Tensor: ...
+
+    def max_over_replicas(self, value: Tensor) -> Tensor: ...
+
+    def gather_round(self, table: Tensor) -> Tensor: ...
+
+    def gather_ranks(self, table: Tensor) -> Tensor: ...
+
+    def gather_replicas(self, records: list) -> list | None: ...
+
+    def max_over_processes(self, value: int) -> int: ...
+
+    def check_replicas_identical(self, params: Params) -> None: ...
+
+    def before_round(self, updates: range) -> None: ...
+
+    def comm_stats(self) -> dict: ...
 
 
 class ReplicaGroups:

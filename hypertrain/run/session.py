@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from hypertrain.diloco.state import PreparedRun
-from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import DiskFull, RankFailed
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
 from hypertrain.run.checkpoint import Checkpointer, checkpoints, written_by_run
@@ -83,7 +83,7 @@ def train_session(
     run_dir: Path,
     resolved: dict,
     identity: dict,
-    groups: ReplicaGroups | None = None,
+    groups: Collectives | None = None,
     resume: Resume | None = None,
 ) -> dict:
     """One session of the writer (or, with `groups`, of every process): open the records (rank 0),

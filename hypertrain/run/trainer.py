@@ -18,7 +18,7 @@ from hypertrain.diloco.communication import round_bytes
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
 from hypertrain.diloco.rounds import Segment, StopCheck, rounds
 from hypertrain.diloco.state import PreparedRun, RunState
-from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import signals
 from hypertrain.model.transformer import count_params
@@ -105,7 +105,7 @@ def after_sync(
 
 
 def stop_here(
-    run: PreparedRun, state: RunState, signum: int, checkpointer: Checkpointer | None, groups: ReplicaGroups
+    run: PreparedRun, state: RunState, signum: int, checkpointer: Checkpointer | None, groups: Collectives
 ) -> None:
     """Every process stops after the same update: a checkpoint of this point (unless one was just
     written), then `Preempted`, which closes the records with a `preempted` end row. A stop after the
@@ -125,7 +125,7 @@ def stop_here(
 def train(
     run: PreparedRun,
     log: RunLogger | None,
-    groups: ReplicaGroups | None = None,
+    groups: Collectives | None = None,
     checkpointer: Checkpointer | None = None,
     saved: dict | None = None,
 ) -> tuple[dict, RunState]:
