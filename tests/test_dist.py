@@ -289,8 +289,8 @@ def test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group(tmp_pa
         assert wandb_run["exit_code"] == 0
         assert wandb_run["config"]["replicas"] == replicas
         assert (
-            wandb_run["config"]["engine"]["layout"] == "benchmark"
-            and wandb_run["config"]["engine"]["nproc"] == 2
+            wandb_run["config"]["processes"]["layout"] == "benchmark"
+            and wandb_run["config"]["processes"]["nproc"] == 2
         )
         assert wandb_run["summary"]["engine/layout"] == "benchmark"
         start = next(r for r in rows if r["kind"] == "start")

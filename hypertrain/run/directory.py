@@ -9,6 +9,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
 from hypertrain.failures import DiskFull
+from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.run import checkpoint
 from hypertrain.run.records import METRICS_FILE
 
@@ -215,7 +217,16 @@ def release(lock: RunLock, undo: bool = False) -> None:
 def acquire(run_dir: Path, fresh: bool = False) -> RunLock:
     """Create `run_dir` if need be and take its lock; ConfigError (one line) when another process
     holds it or the filesystem cannot lock, with whatever this call made removed again. `fresh`: a
-    new run's directory (`abandon_unstarted` may empty it)."""
+    new run's directory (`abandon_unstarted` may empty it). A stop signal that arrives meanwhile is
+    held until the lock is taken and known, so the stop removes what this call made."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return _acquire(run_dir, fresh)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _acquire(run_dir: Path, fresh: bool) -> RunLock:
     missing = []
     parent = run_dir
     while not parent.exists():
