@@ -179,7 +179,7 @@ class StopCheck:
     """The engines' `stop`: after every update, whether some process of the run got a stop signal
     (one agreement per update, so every process stops after the same one); `signum` is the signal
     (the largest number when processes got different ones). The test-only fault point `after`
-    (hypertrain.fault_points) fires first."""
+    (failures.fault_points) fires first."""
 
     def __init__(self, groups: Collectives):
         self.groups, self.signum = groups, 0

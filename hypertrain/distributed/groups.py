@@ -116,7 +116,7 @@ class ReplicaGroups:
 
     def before_round(self, updates: range) -> None:
         """Called as a round (or the part of one up to a checkpoint) starts: real processes wait for
-        each other here; the test-only fault point `round` (hypertrain.fault_points)."""
+        each other here; the test-only fault point `round` (failures.fault_points)."""
         fault_points.act(self.rank, "round", updates)
 
     def comm_stats(self) -> dict:

@@ -37,7 +37,7 @@ class Preempted(RunFailure):
     """The run stopped on a stop signal after a checkpoint; `resume=auto` goes on from it."""
 
     exit_code = 143
-    status = "preempted"  # the end row's status (hypertrain.log)
+    status = "preempted"  # the end row's status (run.records)
 
     def __init__(self, message: str, signum: int, exit_code: int | None = None, status: str | None = None):
         super().__init__(message)

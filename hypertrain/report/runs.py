@@ -93,7 +93,7 @@ def _runs_under(folder: Path) -> list[Path]:
     return runs
 
 
-# The fields of each row kind the report reads (hypertrain.log writes them all).
+# The fields of each row kind the report reads (run.records writes them all).
 REQUIRED = {
     "eval": ("update", "eval_loss"),
     "sync": ("update", "eval_loss", "comm_inner_total", "comm_outer_total"),

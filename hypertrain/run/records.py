@@ -20,7 +20,7 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
 - `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed" | "preempted" |
   "interrupted"}`, and for a run that did not finish `"error"` (its one line) and `"exit_code"`, the
   code the entry exits with (`preempted`: SIGTERM or SIGUSR2, 143; `interrupted`: SIGINT 130, SIGHUP
-  129; hypertrain.preemption); written by `close`. A file that ends without one is a run that was
+  129; failures.signals); written by `close`. A file that ends without one is a run that was
   killed or is still running. `session_end` reads it back: the entry of a self-launched
   `processes=dist` run exits as its rank 0's end row says.
 

@@ -5,7 +5,7 @@ checkpoints, save the final weights.
 every `processes=dist` worker call: rank 0 opens `RunLogger` (metrics.jsonl, W&B) and writes; the other
 ranks take part in the checkpoints' gathers and write nothing. A full disk while writing becomes
 `DiskFull` (exit 4); the records are closed by `RunLogger` whatever ends the session (a stop signal's
-`Preempted` too: its end row holds the stop's status, line and exit code, hypertrain.preemption).
+`Preempted` too: its end row holds the stop's status, line and exit code, failures.signals).
 A session that fails while opening its records (no space, W&B that cannot start) has written no
 record: `RunLogger` leaves nothing of its own, and the entry removes the rest of a new run.
 """
