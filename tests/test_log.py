@@ -260,7 +260,7 @@ def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
     import wandb
 
     from hypertrain.config import ConfigError
-    from hypertrain.run.records import WANDB_LOCAL_MODES, check_wandb
+    from hypertrain.run.wandb_settings import WANDB_LOCAL_MODES, check_wandb
 
     try:
         wandb.Settings(mode=mode)
@@ -286,7 +286,7 @@ def test_the_project_names_check_wandb_refuses_are_the_ones_wandb_refuses(offlin
     import wandb
 
     from hypertrain.config import ConfigError
-    from hypertrain.run.records import check_wandb
+    from hypertrain.run.wandb_settings import check_wandb
 
     try:
         wandb.Settings(project=project)

@@ -42,8 +42,9 @@ from hypertrain.run.directory import (
     release,
     resume_target,
 )
-from hypertrain.run.records import METRICS_FILE, check_wandb
+from hypertrain.run.records import METRICS_FILE
 from hypertrain.run.refusal import fail
+from hypertrain.run.wandb_settings import check_wandb
 
 _prepared: dict[str, object] = {}  # resolved task config (as YAML) -> the PreparedRun built for it
 
