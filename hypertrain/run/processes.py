@@ -178,16 +178,14 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         return summary if rank == 0 else None
     except Preempted as e:  # every rank stopped after the same update, the checkpoint written
         if rank == 0 and not job.self_launched:  # self-launched, the entry prints the end row's line
-            print(f"hypertrain: {e}", file=sys.stderr)
-            sys.stderr.flush()
+            _say(f"hypertrain: {e}")
         signals.hand_over()  # a launcher's own handler (submitit requeues), when there was one
         os._exit(e.exit_code)
     except Exception as e:
         if not isinstance(e, RunFailure):
             traceback.print_exc()  # not a run failure we know: a bug, shown whole
         code = getattr(e, "exit_code", 1)
-        print(f"hypertrain: error: run failed on rank {rank}: {first_line(e)}", file=sys.stderr)
-        sys.stderr.flush()
+        _say(f"hypertrain: error: run failed on rank {rank}: {first_line(e)}")
         if isinstance(e, RankFailed):
             # A peer failed first: give the launcher (it polls every 0.1 s) time to see that rank's
             # failure before this one's, so the run is reported as the root cause, not its echo.
@@ -198,6 +196,17 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         signals.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write(2): the ranks share the launcher's stderr pipe, and a line
+    written in pieces (text, then its newline) can be cut by another rank's (a pipe keeps writes of
+    up to PIPE_BUF = 4096 bytes whole)."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line[:4000] + "\n").encode(errors="replace"))
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+        print(line, file=sys.stderr, flush=True)
 
 
 def _start_resource_tracker_deaf_to(*signums: int) -> None:
