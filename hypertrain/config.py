@@ -112,11 +112,28 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    # Streaming DiLoCo (docs/streaming.md): P fragments of the model, each synced once per round of H
+    # updates on a staggered schedule (fragment p after updates k*H + (p+1)*H/P); P must divide H.
+    # 1 = DiLoCo, every parameter synced at the round's end.
+    fragments: int = 1
+    # tau: a fragment's pseudo-gradient is taken tau updates before its sync point and its reduction
+    # overlaps those updates; 0 <= tau < H/P.
+    delay: int = 0
+    # At a fragment's sync each replica's weights become lerp(global_new, local_now, merge_alpha);
+    # 0 = the new global weights (with delay > 0 the last tau updates' local progress is dropped).
+    merge_alpha: float = 0.0
+    # Derived, written to the run's config: the parameters of each fragment, in fragment order
+    # (layer i in fragment i mod P, the embeddings in fragment 0, the final norm and head in P-1).
+    assignment: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
+        _at_least("outer.fragments", self.fragments, 1)
+        _at_least("outer.delay", self.delay, 0)
+        if not 0.0 <= self.merge_alpha <= 1.0:
+            raise ConfigError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
 
 
 @dataclass
@@ -404,10 +421,14 @@ OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* bef
 
 
 def upgrade_resolved(resolved: dict) -> dict:
-    """A resolved config (a run's config.yaml, a checkpoint's) written before the processes had their
-    own group, in today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc,
-    layout, timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as
-    it is."""
+    """A resolved config (a run's config.yaml, a checkpoint's) written before Streaming DiLoCo's
+    fields (given their neutral setting) or before the processes had their own group, in today's
+    shape: engine=dist is processes=dist with engine=stacked, engine.nproc, layout, timeout_s and
+    backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as it is."""
+    outer = resolved.get("outer")
+    if isinstance(outer, dict) and "fragments" not in outer:  # before Streaming DiLoCo: its neutral setting
+        streaming = {"fragments": 1, "delay": 0, "merge_alpha": 0.0, "assignment": []}
+        resolved = {**resolved, "outer": outer | streaming}
     engine = resolved.get("engine")
     if "processes" in resolved or not isinstance(engine, dict):
         return resolved

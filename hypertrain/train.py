@@ -59,6 +59,10 @@ def run_identity(cfg: TrainConfig, resolved: dict) -> dict:
     if not cfg.logger.group and hydra_cfg.mode == RunMode.MULTIRUN:
         group = f"{cfg.experiment}-{Path(hydra_cfg.sweep.dir).name}"
     tag = f"w{cfg.world.size}-r{cfg.replicas}-h{cfg.inner.H}"
+    streaming = []
+    if cfg.outer.fragments > 1 or cfg.outer.delay:  # Streaming DiLoCo: its fragments and delay
+        tag += f"-p{cfg.outer.fragments}-d{cfg.outer.delay}"
+        streaming = [f"P={cfg.outer.fragments}", f"delay={cfg.outer.delay}"]
     return {
         "name": f"{cfg.experiment}-{cfg.phase.name}-{tag}-{config_hash(resolved)}",
         "group": group,
@@ -70,6 +74,7 @@ def run_identity(cfg: TrainConfig, resolved: dict) -> dict:
             f"engine={cfg.engine.name}",
             f"processes={cfg.processes.name}",
             f"inner={cfg.inner.name}",
+            *streaming,
         ],
     }
 

@@ -4,7 +4,8 @@ The module's runs are made through the entry, as a user makes them (world 2, eng
 32-wide model, logger=none): a Hydra sweep of the smoke phase over R in 1, 2 and H in 1, 3; one run
 with another `data.shuffle_seed` (the same ids, other examples under them: another data
 fingerprint); one run hung by the test-only fault hook at update 4, read while it hangs and then
-SIGKILLed; and a small `experiment=phases` sweep (the smoke phase at worlds 1 and 2). Every figure
+SIGKILLed; a small `experiment=phases` sweep (the smoke phase at worlds 1 and 2); and a sweep of
+Streaming DiLoCo's outer.fragments and outer.delay (issue 23; `experiment=quick`). Every figure
 of the table is recomputed here from metrics.jsonl and config.yaml by its definition (docs/report.md),
 not read back from the report's own code; the page is loaded in headless Chromium.
 """
@@ -26,10 +27,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_ENV, finish, start_entry, tree
+from helpers import FAULT_ENV, QUICK, entry, finish, start_entry, tree
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
+from hypertrain.config import ModelConfig
+from hypertrain.model.transformer import param_specs
 from hypertrain.report import cli as report
 from hypertrain.report.runs import load_run, read_rows, run_status
 from hypertrain.report.table import DIFFERENT_DATA, OTHER_ORDER
@@ -512,3 +515,140 @@ def test_the_command_line_reports_bad_input_without_a_traceback(tmp_path):
         [sys.executable, "-m", "hypertrain.report"], capture_output=True, text=True, timeout=60
     )
     assert no_path.returncode == 2 and no_path.stderr.strip().count("\n") == 0 and "PATH" in no_path.stderr
+
+
+# -- Streaming DiLoCo (issue 23): fragment syncs, eval rows, peak outer bytes ------------------------
+
+STREAMING = [*QUICK, "logger=none", "inner.H=4"]  # R = 2 at world 8; 6 updates: one round and a short one
+STREAMING_SWEEP = {(p, tau) for p in (1, 2) for tau in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def streaming(tmp_path_factory):
+    """A sweep over outer.fragments = 1, 2 and outer.delay = 0, 1 (one entry, four jobs): plain DiLoCo,
+    DiLoCo with a delayed reduction, and two streaming runs."""
+    tmp = tmp_path_factory.mktemp("streaming")
+    sweep = tmp / "sweep"
+    done = entry(
+        ["-m", *STREAMING, "outer.fragments=1,2", "outer.delay=0,1", f"hydra.sweep.dir={sweep}"], tmp
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sweep
+
+
+def _fragment_params(model: dict, P: int) -> list[int]:
+    """Each fragment's parameter count by the design's rule (layer i in fragment i mod P, the
+    embeddings in fragment 0, the final norm and the head in fragment P - 1)."""
+    counts = [0] * P
+    for name, (shape, _) in param_specs(ModelConfig(**model)).items():
+        where = int(name.split(".")[1]) % P if name.startswith("layers.") else 0 if name == "emb" else P - 1
+        counts[where] += math.prod(shape)
+    return counts
+
+
+def _table_cells(out: Path) -> dict[str, dict[str, str]]:
+    """report.md's runs table: run name -> column title -> cell."""
+    lines = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
+    titles = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])
+    return {row[0]: dict(zip(titles, row, strict=True)) for row in rows}
+
+
+@pytest.mark.slow
+def test_a_streaming_run_reports_its_eval_rows_and_its_peak_outer_bytes(streaming):
+    code, _, stderr = _report([str(streaming)])
+    assert code == 0, stderr
+    out = streaming / "report"
+    record = json.loads((out / "report.json").read_text())
+    # The swept keys are the run's config columns; the fragments' assignment follows from them.
+    assert record["keys"] == ["outer.fragments", "outer.delay"]
+    cells = _table_cells(out)
+    seen = set()
+    for row in record["runs"]:
+        rows = read_metrics(Path(row["path"]) / "metrics.jsonl")
+        cfg = OmegaConf.to_container(OmegaConf.load(Path(row["path"]) / "config.yaml"))
+        P, tau, R = cfg["outer"]["fragments"], cfg["outer"]["delay"], cfg["replicas"]
+        seen.add((P, tau))
+        assert row["config"] == {"outer.fragments": P, "outer.delay": tau}
+        syncs = [r for r in rows if r["kind"] == "sync"]
+        evals = [r for r in rows if r["kind"] == "eval"]
+        if P > 1:  # every sync is a fragment's, without a held-out loss; the curve is the eval rows
+            assert all("fragment" in r and "eval_loss" not in r for r in syncs)
+            curve = [r["eval_loss"] for r in evals]
+            assert len(evals) > 1 and rows.index(evals[-1]) > rows.index(syncs[-1])  # after the flush
+        else:  # one eval row before training, the held-out loss in each sync row
+            assert len(evals) == 1 and all("eval_loss" in r for r in syncs)
+            curve = [evals[0]["eval_loss"]] + [r["eval_loss"] for r in syncs]
+        assert row["heldout_final"] == curve[-1] and row["heldout_best"] == min(curve)
+        summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+        sent = [r["comm_outer_bytes"] for r in syncs]
+        assert row["comm_outer_peak_bytes"] == max(sent) == summary["comm/outer_peak_bytes"]
+        assert row["comm_outer_bytes"] == sum(sent) == summary["comm/outer_total_bytes"]
+        # The ring formula per sync: 2 (R-1)/R x 4 bytes x the synced fragment's parameters.
+        params = _fragment_params(cfg["model"], P)
+        assert sum(params) == summary["model/params"]
+        formula = [2 * (R - 1) * 4 * n // R for n in params]
+        assert sent == [formula[r.get("fragment", 0)] for r in syncs]
+        assert row["comm_outer_peak_bytes"] == max(formula)
+        shown = cells[row["run"]]
+        assert int(shown["outer peak bytes/sync"].replace(",", "")) == row["comm_outer_peak_bytes"]
+        assert int(shown["outer bytes/replica"].replace(",", "")) == row["comm_outer_bytes"]
+        assert (shown["outer.fragments"], shown["outer.delay"]) == (str(P), str(tau))
+        assert abs(float(shown["held-out final"]) - curve[-1]) <= 0.5e-4 * (1 + 1e-9)
+    assert seen == STREAMING_SWEEP
+    peaks = {tuple(r["config"].values()): r["comm_outer_peak_bytes"] for r in record["runs"]}
+    assert peaks[(2, 1)] < peaks[(1, 0)]  # what streaming is for: a fragment's sync sends less
+    (heldout,) = [p for p in record["plots"] if p["file"] == "heldout.png"]
+    assert imread(out / "heldout.png").shape[:2] == (heldout["height"], heldout["width"])
+    assert "peak outer bytes per sync" in heldout["title"]
+
+
+@pytest.mark.slow
+def test_a_run_from_before_streaming_still_reads(streaming, tmp_path):
+    # The plain run as the code before Streaming DiLoCo wrote it: no outer.fragments, delay, merge_alpha
+    # or assignment in its config, no peak or total outer bytes in its summary.
+    (plain,) = [p for p in streaming.iterdir() if (p / "config.yaml").is_file() and _is(p, 1, 0)]
+    old = tmp_path / "runs" / "old"
+    shutil.copytree(plain, old, ignore=shutil.ignore_patterns("checkpoints", "report"))
+    shutil.copytree(plain, tmp_path / "runs" / "new", ignore=shutil.ignore_patterns("checkpoints", "report"))
+    config = OmegaConf.to_container(OmegaConf.load(old / "config.yaml"))
+    for key in ("fragments", "delay", "merge_alpha", "assignment"):
+        del config["outer"][key]
+    (old / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    gone = ("comm/outer_total_bytes", "comm/outer_peak_bytes")
+    rows = [{k: v for k, v in r.items() if k not in gone} for r in read_metrics(old / "metrics.jsonl")]
+    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, stderr = _report([str(tmp_path / "runs")])
+    assert code == 0, stderr
+    record = json.loads((tmp_path / "runs" / "report" / "report.json").read_text())
+    assert record["keys"] == []  # the old run trained with one fragment and no delay: nothing differs
+    by_name = {row["run"]: row for row in record["runs"]}
+    before, now = by_name["old"], by_name["new"]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert before["comm_outer_peak_bytes"] == max(r["comm_outer_bytes"] for r in syncs)  # derived
+    assert before["comm_outer_bytes"] == syncs[-1]["comm_outer_total"]
+    for key in ("heldout_final", "heldout_best", "comm_outer_bytes", "comm_outer_peak_bytes"):
+        assert before[key] == now[key], key
+
+
+def _is(run_dir: Path, fragments: int, delay: int) -> bool:
+    outer = OmegaConf.load(run_dir / "config.yaml").outer
+    return (outer.fragments, outer.delay) == (fragments, delay)
+
+
+@pytest.mark.slow
+def test_a_fragment_sync_row_needs_no_heldout_loss_but_its_bytes(streaming, tmp_path):
+    (run,) = [p for p in streaming.iterdir() if (p / "config.yaml").is_file() and _is(p, 2, 1)]
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad, ignore=shutil.ignore_patterns("checkpoints", "report"))
+    rows = read_metrics(bad / "metrics.jsonl")
+    number = next(i for i, r in enumerate(rows, 1) if r["kind"] == "sync")
+    del rows[number - 1]["comm_outer_bytes"]
+    (bad / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = tree(tmp_path)
+    code, stdout, stderr = _report([str(bad)])
+    assert code == 2 and not stdout and tree(tmp_path) == before
+    assert stderr.strip() == (
+        f"hypertrain.report: error: {bad}/metrics.jsonl: row {number} (sync) lacks comm_outer_bytes; "
+        f"valid: a run directory holds metrics.jsonl, config.yaml and plan.json as a run writes them"
+    )

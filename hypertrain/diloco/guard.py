@@ -1,5 +1,6 @@
-"""The divergence guard (`guard.*`): at every sync, a verdict every process agrees on: train on, or
-stop (`Diverged`, or `NonFiniteError` for a non-finite held-out loss), naming the update and the figure.
+"""The divergence guard (`guard.*`): after the syncs that land together, a verdict every process
+agrees on: train on, or stop (`Diverged`, or `NonFiniteError` for a non-finite held-out loss),
+naming the update and the figure.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ PSEUDO_GRAD, HELDOUT_ABOVE_UNIFORM, HELDOUT_NON_FINITE = 1, 2, 3
 
 
 def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tuple[int, str]:
-    """This process's verdict on a sync and its reason: the held-out loss (the writer's, None
-    elsewhere) non-finite or above the uniform prediction's by more than guard.heldout_margin, or the
-    pseudo-gradient's norm (the same on every process) beyond guard.pseudo_grad_ratio x the weights'."""
+    """This process's verdict on the syncs of `rnd` and its reason: the held-out loss (the writer's at a
+    round's end, None elsewhere) non-finite or above the uniform prediction's by more than
+    guard.heldout_margin, or a sync's pseudo-gradient norm (the same on every process) beyond
+    guard.pseudo_grad_ratio x its global weights' (a fragment's, with fragments)."""
     guard, update = run.cfg.guard, rnd.updates[-1] + 1
     if eval_loss is not None and not math.isfinite(eval_loss):
         return HELDOUT_NON_FINITE, (
@@ -50,12 +52,15 @@ def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tup
                 f"{eval_loss:.4f}, more than guard.heldout_margin={guard.heldout_margin:g} nats above the "
                 f"uniform prediction's {uniform:.4f} ({how}); the run stops"
             )
-    if rnd.synced and not rnd.delta_norm <= guard.pseudo_grad_ratio * rnd.theta_norm:
-        return PSEUDO_GRAD, (
-            f"diverged: the pseudo-gradient norm at the sync at update {update} is {rnd.delta_norm:.4g}, "
-            f"more than guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times the global weights' "
-            f"norm {rnd.theta_norm:.4g}; the run stops"
-        )
+    for sync in rnd.syncs:
+        if sync.synced and not sync.delta_norm <= guard.pseudo_grad_ratio * sync.theta_norm:
+            what = "" if run.cfg.outer.fragments == 1 else f" of fragment {sync.fragment}"
+            weights = "global weights'" if run.cfg.outer.fragments == 1 else "fragment's global weights'"
+            return PSEUDO_GRAD, (
+                f"diverged: the pseudo-gradient norm at the sync{what} at update {update} is "
+                f"{sync.delta_norm:.4g}, more than guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times "
+                f"the {weights} norm {sync.theta_norm:.4g}; the run stops"
+            )
     return 0, ""
 
 

@@ -1,23 +1,25 @@
 """The one round loop of every engine and process layout: `rounds(run, state)` yields a phase's rounds
-(cut where a mid-round checkpoint or a stop falls) as `Segment`s, advancing the run's state; a round is
-H updates by an engine on this process's replicas, then the sync (`diloco.sync`) that steps the global
-weights. The one-process simulation is the case of one process holding every replica.
+as `Segment`s, advancing the run's state; a round is H updates by an engine on this process's replicas,
+then the sync (`diloco.sync`) that steps the global weights. With Streaming DiLoCo's fragments a round
+holds P syncs, one per fragment, each taken tau updates before it lands (`diloco.fragments.Schedule`).
+A segment ends wherever the schedule, a checkpoint or a stop cuts; cuts change no number. The
+one-process simulation is the case of one process holding every replica.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from hypertrain import plan
 from hypertrain.data.batches import ReplicaBatch, replica_batch
-from hypertrain.diloco.outer import weights_norm
+from hypertrain.diloco.fragments import LAND, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
-from hypertrain.diloco.sync import sync
+from hypertrain.diloco.sync import SyncFigures, land, take
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.columns import PROCESS_COLUMNS, REPLICA_COLUMNS
@@ -61,20 +63,24 @@ def assignments(
         mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
         return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, streams)
 
-    first = updates[0] if state is None else state.round_first
-    reached = state.round_params if state is not None and state.mid_round else [None] * len(groups.replicas)
+    if cfg.outer.fragments > 1:  # each fragment's step counted from its own last sync
+        since: int | tuple[int, ...] = Schedule.of(cfg, run.updates).since_land(updates[0])
+    else:
+        since = updates[0] - (updates[0] if state is None else state.round_first)
+    reached = state.round_params if state is not None and state.round_params is not None else None
+    reached = reached or [None] * len(groups.replicas)
     return [
-        Assignment(m, updates[0], [batch(u, m) for u in updates], updates[0] - first, start)
+        Assignment(m, updates[0], [batch(u, m) for u in updates], since, start)
         for m, start in zip(groups.replicas, reached, strict=True)
     ]
 
 
 @dataclass
 class Segment:
-    """A finished round, or the part of one that a mid-round checkpoint or a stop cut off: its
+    """A finished round, or the part of one that the schedule, a checkpoint or a stop cut off: its
     updates, what this process's replicas were given and did, every replica's and every process's
-    per-update records (gathered once per segment for the writer, read by column name) and, when it
-    ends the round, the sync."""
+    per-update records (gathered once per segment for the writer, read by column name), the syncs
+    that landed after its last update and whether it ends a round."""
 
     index: int  # the 1-based round it belongs to
     updates: range  # the plan's update indices of the segment
@@ -83,10 +89,8 @@ class Segment:
     results: list[ReplicaResult]
     table: Tensor  # float64 [updates, R, len(REPLICA_COLUMNS)]
     ranks: Tensor  # float64 [P, updates, len(PROCESS_COLUMNS)]: each process's work and seconds
-    ends_round: bool = False  # the round's sync followed
-    delta_norm: float = 0.0  # norm of the mean pseudo-gradient the outer step used
-    synced: int = 0  # replicas that stepped in the round and took part in the sync
-    theta_norm: float = 0.0  # norm of the global weights the outer step started from
+    ends_round: bool = False  # a round (H updates, or the phase's last) ended here
+    syncs: list[SyncFigures] = field(default_factory=list)  # the syncs that landed, in order
 
     def replica_column(self, name: str) -> Tensor:
         """[updates, R]: every replica's `name` (REPLICA_COLUMNS) per update."""
@@ -138,9 +142,13 @@ def rounds(
     engine = engine or engine_for(cfg.engine.name)
     groups = groups or ReplicaGroups(cfg.replicas)
     average = groups.average_in_replica if groups.rank_share() is not None else None
+    schedule = Schedule.of(cfg, run.updates)
+    fragments = members(cfg)
+    # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
+    restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
     while state.next_update < run.updates:
         whole = range(state.round_first, min(state.round_first + cfg.inner.H, run.updates))
-        end = whole.stop
+        end = schedule.next_cut(state.next_update)
         if every_updates:
             end = min(end, (state.next_update // every_updates + 1) * every_updates)
         updates = range(state.next_update, end)
@@ -149,8 +157,11 @@ def rounds(
         results = engine(cfg, state.theta, assigns, state.inner, average, stop)
         updates = updates[: len(results[0].losses)]  # a stop ends every replica after the same update
         assigns = [a.first(len(updates)) for a in assigns]
-        before = state.round_stepped or [False] * len(results)
-        stepped = [was or res.stepped for was, res in zip(before, results, strict=True)]
+        before = state.round_stepped or [[False] * len(fragments) for _ in results]
+        state.round_stepped = [
+            [was or res.stepped for was in flags] for flags, res in zip(before, results, strict=True)
+        ]
+        state.round_params = [res.params for res in results]
         state.inner = [res.state for res in results]
         part = Segment(
             state.rounds_done + 1,
@@ -161,17 +172,26 @@ def rounds(
             groups.gather_round(local_table(assigns, results)),
             groups.gather_ranks(process_table(assigns, results)),
         )
-        state.next_update = updates.stop
-        if updates.stop == whole.stop:
-            params = [res.params for res in results]
-            groups.check_replicas_identical({n: torch.cat([p[n] for p in params]) for n in state.theta})
-            part.theta_norm = weights_norm(state.theta)  # before the outer step changes theta in place
-            part.delta_norm, part.synced = sync(cfg, state, params, stepped, groups)
+        state.next_update = count = updates.stop
+        for kind, p in schedule.events(count):
+            if kind == TAKE:
+                params = state.round_params
+                groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
+                state.pending = take(state, params, state.stepped_in(p), fragments[p], p, count, groups)
+            elif kind == LAND:
+                pending, state.pending = state.pending, None
+                assert pending is not None and pending.fragment == p, (pending, p)
+                merged = None if restart else state.round_params
+                figures = land(cfg, state, pending, fragments[p], merged, groups)
+                figures.measured = groups.comm_stats()  # this landing's (and the updates' before it)
+                part.syncs.append(figures)
+                for flags in state.round_stepped:
+                    flags[p] = False
+        if schedule.is_period_end(count):
             part.ends_round = True
-            state.round_first, state.rounds_done = whole.stop, state.rounds_done + 1
+            state.round_first, state.rounds_done = count, state.rounds_done + 1
+        if restart and part.syncs:
             state.round_params = state.round_stepped = None
-        else:
-            state.round_params, state.round_stepped = [res.params for res in results], stepped
         yield part
 
 

@@ -2,14 +2,14 @@
 (`RunState`, one object: what a checkpoint saves and a resumed run restores).
 
 `RunState` holds the global weights and the outer optimizer's momentum, the inner optimizer
-state of every replica this process trains (moments and per-replica step counts), the position
-in the phase (next update, the current round's first update, rounds done) and the running totals.
-At a round boundary every replica restarts from the global weights, so replica weights are kept
-only in the middle of a round (`round_params`, with which replicas have stepped in it so far),
-where a mid-round checkpoint or a stop leaves them. Nothing
-in training draws random numbers after the initial weights (the plan and the data order are
-pure functions of the config), so there is no RNG state to carry. `state_dict()` gives plain
-tensors and numbers; `load_state_dict` puts them back in place.
+state of every replica this process trains (moments and per-replica step counts, per fragment with
+Streaming DiLoCo), the position in the phase (next update, the current round's first update, rounds
+done), the running totals, and what lies between syncs: the replicas' own weights when they differ
+from the global ones (`round_params`: in the middle of a round, or always with fragments or a merge
+alpha), whether each has stepped since each fragment's last sync (`round_stepped`), and a fragment's
+sync in flight (`pending`, its result stored). Nothing in training draws random numbers after the
+initial weights (the plan and the data order are pure functions of the config), so there is no RNG
+state to carry. `state_dict()` gives plain tensors and numbers; `load_state_dict` puts them back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from hypertrain import plan
 from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch
 from hypertrain.data.datasets import Dataset
+from hypertrain.diloco.communication import ring_allreduce_bytes
+from hypertrain.diloco.fragments import fragment_of
 from hypertrain.diloco.outer import OuterState, init_outer_state
+from hypertrain.diloco.pending import Pending
 from hypertrain.model.transformer import Params, param_roles
 from hypertrain.optim.inner import OptState, init_state
 
@@ -48,6 +51,7 @@ class Totals:
     replica_steps: int = 0  # inner steps taken, summed over replicas
     comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (communication.round_bytes)
     comm_outer_bytes: int = 0
+    comm_outer_peak: int = 0  # the most one sync sent (the ideal ring's bytes per participant)
 
 
 @dataclass
@@ -60,14 +64,17 @@ class RunState:
     rounds_done: int = 0
     totals: Totals = field(default_factory=Totals)
     round_first: int = 0  # the first update of the round `next_update` is in (== it at a boundary)
-    # Mid-round only (None at a boundary): each local replica's weights [1, ...] so far in the
-    # round, and whether it has stepped in the round (a replica that has not sits the sync out).
+    # None when every replica sits at the global weights (a round's start in DiLoCo): each local
+    # replica's weights [1, ...], and per fragment whether it has stepped since that fragment's last
+    # sync (a replica that has not sits the fragment's next sync out).
     round_params: list[Params] | None = None
-    round_stepped: list[bool] | None = None
+    round_stepped: list[list[bool]] | None = None
+    pending: Pending | None = None  # a fragment's sync taken, not landed yet (outer.delay > 0)
 
     @property
     def mid_round(self) -> bool:
-        return self.round_params is not None
+        """Between two round boundaries (a checkpoint here holds the replicas' weights)."""
+        return self.next_update != self.round_first
 
     @classmethod
     def start(cls, cfg: TrainConfig, theta: Params, replicas: list[int] | None = None) -> RunState:
@@ -75,18 +82,29 @@ class RunState:
         local = list(range(cfg.replicas)) if replicas is None else list(replicas)
         one = {n: t.unsqueeze(0) for n, t in theta.items()}
         roles = param_roles(cfg.model)
-        states = [init_state(cfg.inner, one, roles) for _ in local]
+        where = fragment_of(cfg) if cfg.outer.fragments > 1 else None
+        states = [init_state(cfg.inner, one, roles, where, cfg.outer.fragments) for _ in local]
         return cls(theta, init_outer_state(theta), states, local)
 
+    def stepped_in(self, fragment: int) -> list[bool]:
+        """Whether each local replica has stepped since `fragment`'s last sync."""
+        if self.round_stepped is None:
+            return [False] * len(self.replicas)
+        return [flags[fragment] for flags in self.round_stepped]
+
     def replica_records(self) -> list[dict]:
-        """Each local replica's part of the state, in `replicas` order: its inner optimizer state and,
-        mid-round, its weights and whether it has stepped (what a checkpoint gathers from every process)."""
-        mid = self.mid_round
+        """Each local replica's part of the state, in `replicas` order: its inner optimizer state,
+        its weights and stepped flags when kept, and its flag in a pending sync (what a checkpoint
+        gathers from every process). A pending sync's reduction is waited for here, on every process."""
+        if self.pending is not None:
+            self.pending.settle()
+        kept = self.round_params is not None
         return [
             {
                 "inner": {"m": s.m, "v": s.v, "step": s.step},
-                "params": self.round_params[i] if mid else None,
-                "stepped": self.round_stepped[i] if mid else None,
+                "params": self.round_params[i] if kept else None,
+                "stepped": _flags_out(self.round_stepped[i]) if kept and self.round_stepped else None,
+                "pending_stepped": self.pending.stepped[i] if self.pending is not None else None,
             }
             for i, s in enumerate(self.inner)
         ]
@@ -96,7 +114,10 @@ class RunState:
         from all processes in replica order) it holds every replica of the run, else this process's."""
         replicas = list(self.replicas) if records is None else list(range(len(records)))
         records = self.replica_records() if records is None else records
-        mid = self.mid_round
+        mid = records[0]["params"] is not None
+        pending = None
+        if self.pending is not None:
+            pending = self.pending.state_dict([r["pending_stepped"] for r in records])
         return {
             "theta": self.theta,
             "outer_momentum": self.outer.momentum,
@@ -108,6 +129,7 @@ class RunState:
             "round_first": self.round_first,
             "round_params": [r["params"] for r in records] if mid else None,
             "round_stepped": [r["stepped"] for r in records] if mid else None,
+            "pending": pending,
         }
 
     @torch.no_grad()
@@ -128,11 +150,27 @@ class RunState:
             state.step.copy_(kept["step"])
         self.next_update, self.rounds_done = int(saved["next_update"]), int(saved["rounds_done"])
         self.totals = Totals(**saved["totals"])
+        if "comm_outer_peak" not in saved["totals"] and self.totals.comm_outer_bytes:
+            # saved before the peak was kept: every sync of such a run sent the whole model
+            size = sum(t.numel() for t in self.theta.values())
+            self.totals.comm_outer_peak = ring_allreduce_bytes(len(saved["replicas"]), size)
         self.round_first = int(saved.get("round_first", self.next_update))  # older: boundaries only
-        self.round_params = self.round_stepped = None
+        self.round_params = self.round_stepped = self.pending = None
+        device = next(iter(self.theta.values())).device
         if saved.get("round_params") is not None:
-            device = next(iter(self.theta.values())).device
             self.round_params = [
                 {n: t.to(device) for n, t in saved["round_params"][where[m]].items()} for m in self.replicas
             ]
-            self.round_stepped = [bool(saved["round_stepped"][where[m]]) for m in self.replicas]
+            self.round_stepped = [_flags_in(saved["round_stepped"][where[m]]) for m in self.replicas]
+        if saved.get("pending") is not None:
+            mine = [where[m] for m in self.replicas]
+            self.pending = Pending.from_state_dict(saved["pending"], mine, device)
+
+
+def _flags_out(flags: list[bool]) -> bool | list[bool]:
+    """A replica's stepped flags as saved: one bool for one fragment (as before fragments existed)."""
+    return flags[0] if len(flags) == 1 else list(flags)
+
+
+def _flags_in(saved: bool | list[bool]) -> list[bool]:
+    return [bool(saved)] if isinstance(saved, bool) else [bool(x) for x in saved]

@@ -1,22 +1,113 @@
-"""The DiLoCo sync at a round's end, one pipeline a reader follows top to bottom: the pseudo-gradient
-(`outer.pseudo_gradient_sum`), the communication stage (`communication.exact_mean`, replaceable), the
-outer optimizer (`outer.outer_step`) and the inner state policy (`optim.inner.sync_inner_states`).
-The simulation and the real processes call the same `sync`; only their `Collectives` differ.
+"""The DiLoCo sync, one pipeline a reader follows top to bottom (docs/design.md, "The sync pipeline"):
+`take` forms this process's replicas' pseudo-gradients over the parameters being synced (all of them,
+or one Streaming DiLoCo fragment) and starts the communication stage (`communication.exact_mean`,
+replaceable); `land` waits for its mean, steps those parameters' global weights with their outer
+optimizer state (`outer.outer_step`), merges them into every replica and applies the inner state
+policy (`optim.inner.sync_inner_states`). Between the two the replicas may train on (outer.delay).
+The simulation and the real processes call the same functions; only their `Collectives` differ.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from hypertrain.config import TrainConfig
 from hypertrain.diloco.communication import Communicate, exact_mean
-from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, unflatten
+from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, unflatten, weights_norm
+from hypertrain.diloco.pending import Pending
 from hypertrain.diloco.state import RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import sync_inner_states
+
+
+@dataclass
+class SyncFigures:
+    """What a landed sync reports: its fragment, the mean pseudo-gradient's norm, the replicas that
+    took part, the norm of the fragment's global weights before the outer step, its parameters and,
+    under real processes, the payload bytes and seconds measured since the previous landing."""
+
+    fragment: int
+    delta_norm: float
+    synced: int
+    theta_norm: float
+    params: int
+    measured: dict = field(default_factory=dict)
+
+
+def take(
+    state: RunState,
+    params: list[Params],
+    stepped: list[bool],
+    names: list[str],
+    fragment: int,
+    count: int,
+    groups: Collectives,
+    communicate: Communicate = exact_mean,
+) -> Pending:
+    """Start a sync of the parameters `names`: this process's replicas' pseudo-gradients
+    (theta - theta_m over the replicas that `stepped`), summed with their count, handed to
+    `communicate`, which starts their mean over every process's replicas."""
+    theta = {n: state.theta[n] for n in names}
+    device = next(iter(theta.values())).device
+    active = torch.tensor(stepped, device=device)
+    replica_params = {n: torch.cat([p[n] for p in params]) for n in names}
+    local_sum = pseudo_gradient_sum(theta, replica_params, active)
+    return Pending(fragment, count, list(stepped), communicate(local_sum, groups))
+
+
+@torch.no_grad()
+def land(
+    cfg: TrainConfig,
+    state: RunState,
+    pending: Pending,
+    names: list[str],
+    params: list[Params] | None,
+    groups: Collectives,
+) -> SyncFigures:
+    """Finish a sync: wait for the mean pseudo-gradient, step the global weights of `names` with their
+    outer state, merge them into every local replica's weights `params` (None: the replicas restart from
+    the global weights), and apply the inner state policy to those parameters."""
+    theta = {n: state.theta[n] for n in names}
+    size = sum(t.numel() for t in theta.values())
+    communicated = pending.reduction.wait()
+    if communicated is None:  # nobody stepped: no pseudo-gradient, and momentum must not move theta
+        figures = SyncFigures(pending.fragment, 0.0, 0, 0.0, size)
+    else:
+        mean, synced = communicated
+        theta_norm = weights_norm(theta)  # before the outer step changes theta in place
+        delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
+        outer_step(cfg.outer, theta, unflatten(mean, theta), state.outer)
+        figures = SyncFigures(pending.fragment, delta_norm, synced, theta_norm, size)
+    if params is not None:
+        merge(theta, params, cfg.outer.merge_alpha)
+    if communicated is not None:
+        active = torch.tensor(pending.stepped, device=state.inner[0].step.device)
+        sync_inner_states(
+            cfg.inner,
+            state.inner,
+            active,
+            groups.sum_over_replicas,
+            groups.max_over_replicas,
+            names=names if len(names) < len(state.theta) else None,
+            fragment=pending.fragment,
+        )
+    return figures
+
+
+def merge(theta: Params, params: list[Params], alpha: float) -> None:
+    """Each replica's weights of `theta`'s parameters become lerp(theta_new, theta_m_now, alpha)
+    (torchft's fragment_update_alpha): the new global weights at alpha = 0, exactly."""
+    for p in params:
+        for n, global_new in theta.items():
+            local = p[n][0]
+            if alpha == 0.0:
+                local.copy_(global_new)
+            else:
+                local.copy_(torch.lerp(global_new.to(local.dtype), local, alpha))
 
 
 def sync(
@@ -27,35 +118,10 @@ def sync(
     groups: Collectives | None = None,
     communicate: Communicate = exact_mean,
 ) -> tuple[float, int]:
-    """End a round: outer step on the replicas that stepped, then the inner state policy.
-
-    `params` are this process's replicas' weights at the round's end ([1, ...] each), `stepped`
-    whether each stepped in the round; their inner states are `state.inner`. Every process sums its
-    replicas' pseudo-gradients and `communicate` makes the mean over all processes' replicas, so
-    each steps the same `state.theta` in place (it never shares storage with a replica's weights).
-    Returns the pseudo-gradient norm and the replicas that took part.
-    """
+    """DiLoCo's sync of every parameter at once (take and land together; the replicas then restart
+    from the global weights): the mean pseudo-gradient's norm and the replicas that took part."""
     groups = groups or ReplicaGroups(cfg.replicas)
-    theta = state.theta
-    device = next(iter(theta.values())).device
-    active = torch.tensor(stepped, device=device)
-    # 1. pseudo-gradient: this process's replicas' (theta - theta_m), summed, with their count
-    replica_params = {n: torch.cat([p[n] for p in params]) for n in theta}
-    local_sum = pseudo_gradient_sum(theta, replica_params, active)
-    # 2. communication: the mean over every replica that stepped, on every process
-    communicated = communicate(local_sum, groups)
-    if communicated is None:  # nobody stepped: no pseudo-gradient, and momentum must not move theta
-        return 0.0, 0
-    mean, synced = communicated
-    delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
-    # 3. outer optimizer: theta steps on the mean pseudo-gradient
-    outer_step(cfg.outer, theta, unflatten(mean, theta), state.outer)
-    # 4. state policy: the replicas' inner optimizer states for the next round
-    sync_inner_states(
-        cfg.inner,
-        state.inner,
-        active.to(state.inner[0].step.device),
-        groups.sum_over_replicas,
-        groups.max_over_replicas,
-    )
-    return delta_norm, synced
+    names = list(state.theta)
+    pending = take(state, params, stepped, names, 0, state.next_update, groups, communicate)
+    figures = land(cfg, state, pending, names, None, groups)
+    return figures.delta_norm, figures.synced

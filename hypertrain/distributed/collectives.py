@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.distributed.groups import InFlight, ReplicaGroups
 from hypertrain.distributed.layouts import Layout
 from hypertrain.engines.columns import REPLICA_COLUMNS
 from hypertrain.failures import RankFailed, RunFailure, fault_points
@@ -65,6 +65,24 @@ def _checksum(params: Params) -> int:
     )
 
 
+class _OuterSum:
+    """The sync's sum in flight: `wait()` (the seconds it blocks counted as the outer seconds) gives
+    the sum, then the benchmark layout's all-gather inside the replica (`then`)."""
+
+    def __init__(self, groups: DistReplicaGroups, out: Tensor, work, then=None):
+        self.groups, self.out, self.work, self.then, self.value = groups, out, work, then, None
+
+    def is_completed(self) -> bool:
+        return self.value is not None or self.work is None or self.work.is_completed()
+
+    def wait(self) -> Tensor:
+        if self.value is None:
+            if self.work is not None:
+                self.groups._timed("outer", self.out[:0], self.work.wait)
+            self.value = self.out if self.then is None else self.then()
+        return self.value
+
+
 class DistReplicaGroups(ReplicaGroups):
     """The collectives of one process of an `processes=dist` run (see the module docstring)."""
 
@@ -75,10 +93,16 @@ class DistReplicaGroups(ReplicaGroups):
         L = layout.ranks_per_replica
         self.L, self.local_rank = L, rank % L
         self.replica_group = self.cross_group = None
+        timeout = timedelta(seconds=timeout_s)
+        # The sync's reduction has its own group, so that it can be in flight while the replicas
+        # train on (outer.delay): the stop check and the gathers on the default group never queue
+        # behind it (under the benchmark layout with L > 1, the cross-replica groups are that group).
+        self.outer_group = None
+        if layout.kind != "benchmark" or L == 1:
+            self.outer_group = dist.new_group(list(range(layout.processes)), timeout=timeout)
         if layout.kind == "benchmark" and L > 1:
             # Every process creates every group, in the same order (torch.distributed's rule); a new
             # group does not inherit the default group's timeout, so each is given it.
-            timeout = timedelta(seconds=timeout_s)
             for m in range(layout.replicas):
                 group = dist.new_group(layout.replica_group(m), timeout=timeout)
                 if m == self.replicas[0]:
@@ -138,21 +162,44 @@ class DistReplicaGroups(ReplicaGroups):
         loss.copy_(flat[start:].view_as(loss))
 
     def sum_over_replicas(self, flat: Tensor) -> Tensor:
+        return self.start_sum_over_replicas(flat).wait()
+
+    def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
+        """The sync's sum, started asynchronously on the outer process group(s) (async_op=True); the
+        replicas train on while it is in flight. Benchmark layout: the shard's all-reduce across
+        replicas is the part in flight; the all-gather inside the replica follows it in `wait()`."""
         if self.replica_group is None:  # replicas layout, or one rank per replica: one all-reduce
             out = flat.clone()
-            self._timed("outer", out, lambda: dist.all_reduce(out))
-            return out
+            return _OuterSum(
+                self,
+                out,
+                self._start(out, lambda: dist.all_reduce(out, group=self.outer_group, async_op=True)),
+            )
         n, L = flat.numel(), self.L
         shard = -(-n // L)
         padded = torch.zeros(shard * L, dtype=flat.dtype, device=flat.device)
         padded[:n] = flat
         mine = padded[self.local_rank * shard : (self.local_rank + 1) * shard].clone()
+        work = None
         if self.total_replicas > 1:
-            self._timed("outer", mine, lambda: dist.all_reduce(mine, group=self.cross_group))
-        gathered = torch.empty_like(padded)
-        group = self.replica_group
-        self._timed("outer", mine, lambda: _all_gather(gathered, mine, group=group))
-        return gathered[:n]
+            work = self._start(mine, lambda: dist.all_reduce(mine, group=self.cross_group, async_op=True))
+
+        def gather() -> Tensor:
+            gathered = torch.empty_like(padded)
+            group = self.replica_group
+            self._timed("outer", mine, lambda: _all_gather(gathered, mine, group=group))
+            return gathered[:n]
+
+        return _OuterSum(self, mine, work, gather)
+
+    def _start(self, payload: Tensor, op):
+        """Launch an asynchronous collective (its launch counted in the outer seconds and bytes)."""
+        start = time.perf_counter()
+        with collective(_WHAT["outer"]):
+            work = op()
+        self._stats["outer_s"] += time.perf_counter() - start
+        self._stats["outer_bytes"] += payload.numel() * payload.element_size()
+        return work
 
     def max_over_replicas(self, value: Tensor) -> Tensor:
         out = value.clone()

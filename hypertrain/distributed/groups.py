@@ -5,7 +5,8 @@ The round loop (`diloco.rounds`) asks its processes for five things, whatever th
 which replicas this process trains (`replicas`) and, under the benchmark layout, which plan rank
 it is (`rank_share`); averaging a replica's gradients and loss over its ranks every update
 (`average_in_replica`); summing a per-replica quantity over all replicas at a sync
-(`sum_over_replicas`, `max_over_replicas`); every replica's per-update records on the writer
+(`sum_over_replicas`, `max_over_replicas`; `start_sum_over_replicas` starts the sync's sum and
+returns an `InFlight` to wait for); every replica's per-update records on the writer
 once per round (`gather_round`); whether some process was asked to stop (`max_over_processes`), and
 every replica's state for a checkpoint (`gather_replicas`); and whether this process writes the
 run (`is_writer`).
@@ -21,6 +22,27 @@ from torch import Tensor
 
 from hypertrain.failures import fault_points
 from hypertrain.model.transformer import Params
+
+
+class InFlight(Protocol):
+    """A collective started and not yet waited for: `wait()` gives its result (once done, again)."""
+
+    def wait(self) -> Tensor: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Done:
+    """A collective's result known at once (one process)."""
+
+    def __init__(self, value: Tensor):
+        self.value = value
+
+    def wait(self) -> Tensor:
+        return self.value
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Collectives(Protocol):
@@ -41,6 +63,8 @@ class Collectives(Protocol):
     def average_in_replica(self, grads: Params, loss: Tensor) -> None: ...
 
     def sum_over_replicas(self, flat: Tensor) -> Tensor: ...
+
+    def start_sum_over_replicas(self, flat: Tensor) -> InFlight: ...
 
     def max_over_replicas(self, value: Tensor) -> Tensor: ...
 
@@ -87,6 +111,11 @@ class ReplicaGroups:
         """The sum over all R replicas of a flat per-replica quantity; this process passes the sum over
         its own replicas (under the benchmark layout every rank of a replica passes the same value)."""
         return flat
+
+    def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
+        """`sum_over_replicas` started now and waited for later (the sync's reduction, which the
+        replicas' next updates overlap with outer.delay > 0)."""
+        return Done(self.sum_over_replicas(flat))
 
     def max_over_replicas(self, value: Tensor) -> Tensor:
         return value

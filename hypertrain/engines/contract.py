@@ -37,12 +37,18 @@ class Assignment:
     replica: int
     global_step0: int  # the plan's 0-based update of batches[0]
     batches: list[ReplicaBatch]
-    inner_step0: int = 0  # batches[0]'s step within its round (the lr's re-warmup counts from it)
+    # batches[0]'s step within its round (the lr's re-warmup counts from it); with Streaming DiLoCo's
+    # fragments one per fragment, each counted from that fragment's last sync
+    inner_step0: int | tuple[int, ...] = 0
     start: Params | None = None  # [1, ...] weights the replica has reached; None = the global weights
 
-    def lr(self, cfg: TrainConfig, t: int) -> float:
-        """The inner learning rate of this assignment's update `t`."""
-        return lr_at(cfg.inner, self.global_step0 + t, self.inner_step0 + t)
+    def lr(self, cfg: TrainConfig, t: int) -> float | tuple[float, ...]:
+        """The inner learning rate of this assignment's update `t`; one per fragment where the
+        fragments' re-warmups make them differ."""
+        if isinstance(self.inner_step0, int):
+            return lr_at(cfg.inner, self.global_step0 + t, self.inner_step0 + t)
+        rates = tuple(lr_at(cfg.inner, self.global_step0 + t, k + t) for k in self.inner_step0)
+        return rates[0] if len(set(rates)) == 1 else rates
 
     def first(self, updates: int) -> Assignment:
         """The same work cut to its first `updates` updates."""

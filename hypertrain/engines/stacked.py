@@ -40,6 +40,7 @@ def _stack_states(states: list[OptState]) -> OptState:
         {n: torch.cat([s.m[n] for s in states]) for n in states[0].m},
         {n: torch.cat([s.v[n] for s in states]) for n in states[0].v},
         torch.cat([s.step for s in states]),
+        states[0].fragment_of,
     )
 
 
@@ -48,6 +49,7 @@ def _replica_state(state: OptState, r: int) -> OptState:
         {n: t[r : r + 1].clone() for n, t in state.m.items()},
         {n: t[r : r + 1].clone() for n, t in state.v.items()},
         state.step[r : r + 1].clone(),
+        state.fragment_of,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,12 +33,20 @@ class OptState:
 
     m: AdamW first moment, or Muon momentum buffer (sum form `m = mu*m + g`), for every param.
     v: AdamW second moment, only for AdamW-handled params.
-    step: int64 [R], steps taken per replica (a replica that skips an update keeps its count).
+    step: int64 [R], steps taken per replica (a replica that skips an update keeps its count); with
+    Streaming DiLoCo's fragments [R, P], one count per fragment (a fragment's sync may reset its own).
+    fragment_of: param name -> its fragment (the column of `step` its bias correction reads); empty
+    for one fragment. Derived from the config, never saved.
     """
 
     m: Params
     v: Params
     step: Tensor
+    fragment_of: dict[str, int] = field(default_factory=dict)
+
+    def steps_of(self, fragment: int) -> Tensor:
+        """[R]: each replica's step count for `fragment`'s parameters."""
+        return self.step if self.step.ndim == 1 else self.step[:, fragment]
 
 
 def uses_muon(inner: InnerConfig, role: str) -> bool:
@@ -47,16 +55,35 @@ def uses_muon(inner: InnerConfig, role: str) -> bool:
     return inner.name == "muon" and role == "hidden"
 
 
-def init_state(inner: InnerConfig, params: Params, roles: dict[str, str]) -> OptState:
-    """Zero state on the params' device and dtype; step counts [R] start at 0. `roles` (the model's
-    `param_roles`) decides each parameter's rule: an AdamW parameter has a second moment `v`, a Muon
-    one has not, and `inner_step` reads the rule from that."""
+def init_state(
+    inner: InnerConfig,
+    params: Params,
+    roles: dict[str, str],
+    fragment_of: dict[str, int] | None = None,
+    fragments: int = 1,
+) -> OptState:
+    """Zero state on the params' device and dtype; step counts [R] (or [R, fragments]) start at 0.
+    `roles` (the model's `param_roles`) decides each parameter's rule: an AdamW parameter has a second
+    moment `v`, a Muon one has not, and `inner_step` reads the rule from that. `fragment_of`: each
+    parameter's fragment, with several."""
     first = next(iter(params.values()))
+    shape = (first.shape[0],) if fragments == 1 else (first.shape[0], fragments)
     return OptState(
         m={n: torch.zeros_like(p) for n, p in params.items()},
         v={n: torch.zeros_like(p) for n, p in params.items() if not uses_muon(inner, roles[n])},
-        step=torch.zeros(first.shape[0], dtype=torch.int64, device=first.device),
+        step=torch.zeros(shape, dtype=torch.int64, device=first.device),
+        fragment_of=dict(fragment_of or {}) if fragments > 1 else {},
     )
+
+
+def by_fragment(names: list[str], fragment_of: dict[str, int]) -> list[tuple[int, list[str]]]:
+    """`names` grouped by fragment, in fragment order (one group, in `names`' order, for one)."""
+    if not fragment_of:
+        return [(0, names)]
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(fragment_of[n], []).append(n)
+    return sorted(groups.items())
 
 
 def lr_at(inner: InnerConfig, global_step: int, inner_step: int) -> float:
@@ -137,7 +164,8 @@ def inner_step(
     matrices only) or Muon (`m = mu*m + g`, update NS(g + mu*m), decay, step lr * 0.2*sqrt(max(rows,
     cols))). `active` bool [R] (None = all): inactive rows keep weights, m, v and step bitwise; the
     mask costs one copy of the state, so pass None when every replica steps. `grads` are not modified.
-    `lr` is a float or a 0-d CPU float64 tensor (a tensor is what a compiled step takes).
+    `lr` is a float or a 0-d CPU float64 tensor (a tensor is what a compiled step takes), or with
+    fragments (`state.fragment_of`) one float per fragment.
     """
     names = list(params)
     norms = grad_norms(grads)
@@ -147,30 +175,35 @@ def inner_step(
         g_list = torch._foreach_mul(g_list, [per_replica(clip, g) for g in g_list])
     g_of = dict(zip(names, g_list, strict=True))
 
-    adam = [n for n in names if n in state.v]  # init_state gave AdamW's parameters their `v`
-    muon = [n for n in names if n not in state.v]
-    touched = [params[n] for n in names] + [state.m[n] for n in names] + [state.v[n] for n in adam]
+    touched = (
+        [params[n] for n in names] + [state.m[n] for n in names] + [state.v[n] for n in names if n in state.v]
+    )
     saved = torch._foreach_clone(touched) if active is not None else None
 
-    # Scalar math in float64 tensors, the same eager or under torch.compile (where a Python float lr
-    # would be a constant to recompile for, and a float64 multiplier would round differently).
-    lr = torch.as_tensor(lr, dtype=torch.float64)
-    decayed = [params[n] for n in names if params[n].ndim - 1 >= 2]
-    if inner.wd > 0 and decayed:
-        # 1 - lr*wd rounded once to the weights' dtype, as eager torch rounds a float scalar.
-        like = decayed[0]
-        torch._foreach_mul_(decayed, (1.0 - lr * inner.wd).to(device=like.device, dtype=like.dtype))
-    if adam:
-        _adamw(inner, [params[n] for n in adam], [g_of[n] for n in adam], state, adam, lr)
-    if muon:
-        _muon(inner, [params[n] for n in muon], [g_of[n] for n in muon], [state.m[n] for n in muon], lr)
+    # Each fragment's parameters with its own rate and step count (one group without fragments).
+    per_fragment = isinstance(lr, (tuple, list)) or (isinstance(lr, Tensor) and lr.ndim == 1)
+    for f, members in by_fragment(names, state.fragment_of):
+        # Scalar math in float64 tensors, the same eager or under torch.compile (where a Python float
+        # lr would be a constant to recompile for, and a float64 multiplier would round differently).
+        rate = torch.as_tensor(lr[f] if per_fragment else lr, dtype=torch.float64)
+        decayed = [params[n] for n in members if params[n].ndim - 1 >= 2]
+        if inner.wd > 0 and decayed:
+            # 1 - lr*wd rounded once to the weights' dtype, as eager torch rounds a float scalar.
+            like = decayed[0]
+            torch._foreach_mul_(decayed, (1.0 - rate * inner.wd).to(device=like.device, dtype=like.dtype))
+        adam = [n for n in members if n in state.v]  # init_state gave AdamW's parameters their `v`
+        muon = [n for n in members if n not in state.v]
+        if adam:
+            _adamw(inner, [params[n] for n in adam], [g_of[n] for n in adam], state, adam, rate, f)
+        if muon:
+            _muon(inner, [params[n] for n in muon], [g_of[n] for n in muon], [state.m[n] for n in muon], rate)
 
     if active is None:
         state.step += 1
     else:
         for t, old in zip(touched, saved, strict=True):
             torch.where(per_replica(active, t), t, old, out=t)
-        state.step += active.to(state.step.dtype)
+        state.step += per_replica(active, state.step).to(state.step.dtype)
     return norms
 
 
@@ -181,8 +214,10 @@ def _adamw(
     state: OptState,
     names: list[str],
     lr: Tensor,
+    fragment: int = 0,
 ) -> None:
-    """torch.optim.AdamW's update after weight decay, in its tensor-step (capturable) form, per replica."""
+    """torch.optim.AdamW's update after weight decay, in its tensor-step (capturable) form, per replica
+    (the bias corrections from `fragment`'s step counts)."""
     m = [state.m[n] for n in names]
     v = [state.v[n] for n in names]
     torch._foreach_lerp_(m, grads, 1.0 - inner.beta1)
@@ -192,7 +227,7 @@ def _adamw(
     # torch.optim.AdamW's default form, w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps): the rate
     # multiplies the update and is never a divisor, so lr = 0 (or a cosine that ends at 0) moves
     # nothing, also where m = v = 0 (embedding rows that were not looked up).
-    step = (state.step + 1).double()
+    step = (state.steps_of(fragment) + 1).double()
     neg_step_size = (-lr / (1.0 - inner.beta1**step)).float()
     bias2_sqrt = (1.0 - inner.beta2**step).sqrt().float()
     denom = torch._foreach_sqrt(v)
@@ -232,13 +267,16 @@ def sync_inner_states(
     active: Tensor | None = None,
     sum_over_replicas: Callable[[Tensor], Tensor] | None = None,
     max_over_replicas: Callable[[Tensor], Tensor] | None = None,
+    names: list[str] | None = None,
+    fragment: int = 0,
 ) -> None:
     """Apply inner.state_policy at a sync, in place, to every replica's state.
 
     `states` hold 1 or several replica rows each; `active` bool over all those rows (None = all) marks
     the replicas that stepped in the round and so took part in the sync. With several processes,
     `sum_over_replicas` / `max_over_replicas` extend the sums and maxima to the other processes'
-    replicas (None: this process holds them all).
+    replicas (None: this process holds them all). `names` (None = all) restricts the policy to the
+    parameters a fragment's sync synced, and the step counts to that `fragment`'s.
     carry: nothing changes. reset: m, v and step counts zeroed (the next step is bias-corrected as a
     first step). average: every row's m and v become the mean over the active rows only (a replica
     that never stepped holds zero or stale moments and would dilute them), and every row's step count
@@ -248,18 +286,19 @@ def sync_inner_states(
     policy = inner.state_policy
     if policy == "carry":
         return
+    chosen = list(states[0].m) if names is None else list(names)
     if policy == "reset":
         for s in states:
-            torch._foreach_zero_(list(s.m.values()) + list(s.v.values()))
-            s.step.zero_()
+            torch._foreach_zero_([s.m[n] for n in chosen] + [s.v[n] for n in chosen if n in s.v])
+            s.steps_of(fragment).zero_()
         return
     if policy != "average":
         raise ValueError(f"inner.state_policy={policy!r} is not valid; valid: 'carry', 'reset', 'average'")
-    steps = torch.cat([s.step for s in states])
+    steps = torch.cat([s.steps_of(fragment) for s in states])
     keep = torch.ones_like(steps, dtype=torch.bool) if active is None else active.to(steps.device)
-    names = [("m", n) for n in states[0].m] + [("v", n) for n in states[0].v]
+    pairs = [("m", n) for n in chosen] + [("v", n) for n in chosen if n in states[0].v]
     parts = []
-    for moments, name in names:
+    for moments, name in pairs:
         rows = torch.cat([getattr(s, moments)[name] for s in states])
         parts.append(torch.where(per_replica(keep, rows), rows, 0.0).sum(0).reshape(-1))
     parts.append(keep.sum().to(parts[0]).reshape(1))
@@ -269,7 +308,7 @@ def sync_inner_states(
         return
     mean = total[:-1] / total[-1]
     start = 0
-    for moments, name in names:
+    for moments, name in pairs:
         shape = getattr(states[0], moments)[name].shape[1:]
         row = mean[start : start + shape.numel()].view(shape)
         for s in states:
@@ -279,4 +318,4 @@ def sync_inner_states(
     largest = torch.where(keep, steps, torch.zeros_like(steps)).max()
     largest = largest if max_over_replicas is None else max_over_replicas(largest)
     for s in states:
-        s.step.fill_(largest)
+        s.steps_of(fragment).fill_(largest)

@@ -34,15 +34,18 @@ TITLE = "hypertrain run report"
 FILES = ("report.md", "report.html", "report.json")
 
 NOTES = [
-    "held-out: the global weights' loss on the held-out slice (nats/token), after the last sync "
-    "(final) and the lowest of every evaluation (best); the number that compares runs across R and H.",
+    "held-out: the global weights' loss on the held-out slice (nats/token), at the last evaluation "
+    "(final: after the last sync; with fragments, after the end's flush of every fragment) and the lowest "
+    "of every evaluation (best); the number that compares runs across R and H.",
     "train loss final: the mean over the replicas of their loss at the last update; their batches "
     "shrink as R grows, so it does not compare runs across R.",
     "updates: run / planned. replica-steps/s: the run's `train/replica_steps_per_s` (after the "
     "phase's timing_warmup updates, syncs and evaluations included); tokens/s: its `bench/tokens_per_s` "
     "(supervised tokens per second of update time, the slowest process); a resumed run's last session.",
     "inner bytes/rank and outer bytes/replica: the ring all-reduce formula's totals at the last sync "
-    "(inner: within a replica's ranks, every update; outer: across the replicas, every sync).",
+    "(inner: within a replica's ranks, every update; outer: across the replicas, every sync). "
+    "outer peak bytes/sync: the most one replica sent in one sync (with fragments, one fragment's sync: "
+    "about 1/outer.fragments of a whole sync).",
     "wall s: seconds of training (from after the first evaluation to the end of the last round), "
     "summed over a resumed run's sessions.",
     "status: its `end` row's (finished, failed, preempted); without one, running (its process is "

@@ -1,6 +1,7 @@
 """The report's plots: matplotlib figures drawn off-screen (Agg) into PNGs of exactly the stated pixel size.
 
-`heldout_plot` (every run's held-out loss against the update and the outer bytes), `spread_plot` (one
+`heldout_plot` (every run's held-out loss against the update, the outer bytes and the peak outer bytes
+per sync), `spread_plot` (one
 run's per-replica losses), `phases_plot` (a phases sweep's throughput and scaling): docs/report.md,
 "The plots".
 """
@@ -19,12 +20,13 @@ from matplotlib.ticker import EngFormatter, MaxNLocator
 from hypertrain.report.runs import Run
 
 DPI = 100
-HELDOUT_SIZE = (1200, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend below the panels
+HELDOUT_SIZE = (1500, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend below the panels
 LEGEND_ROW_PX = 22
 SPREAD_SIZE = (900, 420)
 PHASES_SIZE = (1100, 420)
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
 STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D")  # with the line style: a one-point series shows no line (the peak panel)
 LOSS_UNIT = "nats/token"
 
 
@@ -79,39 +81,49 @@ def labels(runs: list[Run], names: list[str], keys: list[str], flags: list[str])
     return [f"{text} - {name}" if text in repeated else text for text, name in zip(out, names, strict=True)]
 
 
+def _bytes_axis(ax, most: int, label: str) -> None:
+    """An x axis of whole bytes from 0 to `most` (a margin keeps the R = 1 runs' points off the spine)."""
+    ax.set_xlabel(label)
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # labels that fit a third of the width
+    span = most or 1
+    ax.set_xlim(-0.03 * span, 1.05 * span)
+    if not most:
+        ax.text(0.5, 0.5, "no outer bytes sent (R = 1, or no sync yet)", transform=ax.transAxes, ha="center")
+
+
 def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list[str], out_dir: Path) -> Plot:
-    """The held-out loss of every run against the update and the outer bytes (one PNG, two panels)."""
+    """The held-out loss of every run against the update and the outer bytes, and its last held-out
+    loss against its peak outer bytes per sync (one PNG, three panels)."""
     legend_columns = 1 if len(runs) <= 3 else 2 if len(runs) <= 12 else 3
     size = (HELDOUT_SIZE[0], HELDOUT_SIZE[1] + LEGEND_ROW_PX * math.ceil(len(runs) / legend_columns))
-    fig, (by_update, by_bytes) = _figure(size, 2)
+    fig, (by_update, by_bytes, by_peak) = _figure(size, 3)
     by_bytes.sharey(by_update)
+    by_peak.sharey(by_update)
     colour_key = keys[0] if keys else None
     style_key = keys[1] if len(keys) > 1 else None
     colours, styles = _value_index(runs, colour_key), _value_index(runs, style_key)
     series = labels(runs, names, keys, flags)
     for run, label in zip(runs, series, strict=True):
-        evals = [row for row in run.rows if row.get("kind") in ("eval", "sync")]
+        evals = run.heldout()
         colour = COLOURS[colours[_value(run, colour_key)] % len(COLOURS)]
-        style = STYLES[styles[_value(run, style_key)] % len(STYLES)] if style_key else "-"
+        style = styles[_value(run, style_key)] if style_key else 0
         loss = [row["eval_loss"] for row in evals]
         outer = [row.get("comm_outer_total", 0) for row in evals]  # the eval row before training: 0
-        line = dict(color=colour, linestyle=style, marker="o", markersize=3)
+        marker = MARKERS[style % len(MARKERS)]
+        line = dict(color=colour, linestyle=STYLES[style % len(STYLES)], marker=marker, markersize=3)
         by_update.plot([row["update"] for row in evals], loss, label=label, **line)
         by_bytes.plot(outer, loss, **line)
+        if evals:  # one point: the last held-out loss at the run's peak bytes per sync
+            by_peak.plot([run.outer_peak_bytes()], [loss[-1]], color=colour, marker=marker, markersize=7)
     by_update.set_xlabel("update")
     by_update.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_update.set_ylabel(f"held-out loss of the global weights ({LOSS_UNIT})")
-    by_bytes.set_xlabel("outer (cross-replica) bytes sent per replica, cumulative")
-    by_bytes.xaxis.set_major_formatter(EngFormatter(unit="B"))
     most = max((row.get("comm_outer_total", 0) for run in runs for row in run.of_kind("sync")), default=0)
-    span = most or 1  # whole bytes only, none below 0; a margin keeps the R = 1 runs' line off the spine
-    by_bytes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    by_bytes.set_xlim(-0.03 * span, 1.05 * span)
-    if not most:
-        by_bytes.text(
-            0.5, 0.5, "no outer bytes sent (R = 1, or no sync yet)", transform=by_bytes.transAxes, ha="center"
-        )
-    style_note = f", line style: {style_key}" if style_key else ""
+    _bytes_axis(by_bytes, most, "outer (cross-replica) bytes sent per replica, cumulative")
+    peak = max((run.outer_peak_bytes() for run in runs), default=0)
+    _bytes_axis(by_peak, peak, "peak outer bytes per sync and replica (last held-out loss)")
+    style_note = f", line style and marker: {style_key}" if style_key else ""
     fig.suptitle(f"Held-out loss (colour: {colour_key or 'run'}{style_note})")
     fig.legend(loc="outside lower center", ncols=legend_columns, fontsize="small")
     return _save(
@@ -119,23 +131,25 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
         out_dir,
         "heldout.png",
         size,
-        title="Held-out loss against the update and the outer bytes",
-        caption="The global weights' held-out loss before training and after every sync. Outer bytes: "
-        "what one replica sends in the ring all-reduces of the syncs (0 with R = 1).",
+        title="Held-out loss against the update, the outer bytes and the peak outer bytes per sync",
+        caption="The global weights' held-out loss before training and after every sync (with fragments: "
+        "after every round of H updates and at the end). Outer bytes: what one replica sends in the ring "
+        "all-reduces of the syncs (0 with R = 1), cumulative (middle), and the most it sent in one sync "
+        "(right: one point per run, at its last held-out loss; a fragment's sync sends that fragment).",
         series=series,
     )
 
 
 def spread_plot(run: Run, name: str, number: int, out_dir: Path) -> Plot:
     """One run's per-replica training loss: min-max band over the replicas that stepped, their mean,
-    and the held-out loss of the global weights at the syncs."""
+    and the held-out loss of the global weights at its evaluations (Run.heldout)."""
     fig, (ax,) = _figure(SPREAD_SIZE, 1)
     updates = [row for row in run.of_kind("update") if any(loss is not None for loss in row["loss"])]
     steps = [row["update"] for row in updates]
     stepped = [[loss for loss in row["loss"] if loss is not None] for row in updates]
     ax.fill_between(steps, [min(x) for x in stepped], [max(x) for x in stepped], alpha=0.3, label="min-max")
     ax.plot(steps, [row["loss_mean"] for row in updates], label="mean over replicas")
-    evals = [row for row in run.rows if row.get("kind") in ("eval", "sync")]
+    evals = run.heldout()
     ax.plot(
         [row["update"] for row in evals],
         [row["eval_loss"] for row in evals],

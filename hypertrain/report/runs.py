@@ -2,7 +2,9 @@
 
 `find_runs(paths)` gives every run directory (one holding metrics.jsonl) at or under the paths;
 `load_run(run_dir)` reads one into a `Run` or raises `ReportInputError`, one line. A run's status is
-its last session's (docs/report.md, "Status").
+its last session's (docs/report.md, "Status"). Its held-out curve and outer bytes (`Run.heldout`,
+`Run.outer_total_bytes`, `Run.outer_peak_bytes`) read alike for plain and Streaming DiLoCo runs and for
+runs written before streaming (no `eval` rows after training, no outer bytes in the summary).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hypertrain.config import flatten
+from hypertrain.config import flatten, upgrade_resolved
 from hypertrain.run.records import METRICS_FILE, read_metrics
 
 VALID_PATH = "valid: a run directory (holding metrics.jsonl), a sweep directory, or a folder above them"
@@ -56,6 +58,43 @@ class Run:
         """The rows split at each `start` row (a resumed run has several sessions)."""
         return sessions(self.rows)
 
+    def summary(self) -> dict:
+        """The last session's summary rows merged (a resumed run: what it ran last; {} without any)."""
+        merged: dict = {}
+        for row in (self.sessions() or [[]])[-1]:
+            if row.get("kind") == "summary":
+                merged |= row
+        return merged
+
+    def heldout(self) -> list[dict]:
+        """The held-out curve of the global weights, in order: every `eval` row (the one before
+        training; with fragments, one after every round of H updates and at the end) and every `sync`
+        row that holds an `eval_loss` (DiLoCo's one sync per round; a fragment's sync holds none)."""
+        return [
+            row
+            for row in self.rows
+            if row.get("kind") == "eval" or (row.get("kind") == "sync" and "eval_loss" in row)
+        ]
+
+    def outer_total_bytes(self) -> int:
+        """Outer bytes one replica sent in all its syncs (the ideal ring all-reduce's): the summary's
+        `comm/outer_total_bytes`, or, in a run without it (written before it, or with no final summary),
+        the last sync row's running total `comm_outer_total` (0 before the first sync)."""
+        total = self.summary().get("comm/outer_total_bytes")
+        if total is not None:
+            return total
+        syncs = self.of_kind("sync")
+        return syncs[-1]["comm_outer_total"] if syncs else 0
+
+    def outer_peak_bytes(self) -> int:
+        """The most outer bytes one replica sent in one sync (a fragment's sync with fragments): the
+        summary's `comm/outer_peak_bytes`, or, in a run without it, the largest `comm_outer_bytes` of
+        its sync rows (0 before the first sync)."""
+        peak = self.summary().get("comm/outer_peak_bytes")
+        if peak is not None:
+            return peak
+        return max((row["comm_outer_bytes"] for row in self.of_kind("sync")), default=0)
+
 
 def sessions(rows: list[dict]) -> list[list[dict]]:
     """`rows` split at each `start` row; rows before the first start row form a session of their own."""
@@ -93,10 +132,12 @@ def _runs_under(folder: Path) -> list[Path]:
     return runs
 
 
-# The fields of each row kind the report reads (run.records writes them all).
+# The fields of each row kind the report reads (run.records writes them all). A fragment's sync row
+# (Streaming DiLoCo: it holds `fragment`) has no held-out loss: that has its own `eval` row.
 REQUIRED = {
     "eval": ("update", "eval_loss"),
-    "sync": ("update", "eval_loss", "comm_inner_total", "comm_outer_total"),
+    "sync": ("update", "eval_loss", "comm_inner_total", "comm_outer_total", "comm_outer_bytes"),
+    "fragment sync": ("update", "comm_inner_total", "comm_outer_total", "comm_outer_bytes"),
     "update": ("update", "loss", "loss_mean"),
 }
 VALID_FILES = f"valid: a run directory holds {METRICS_FILE}, config.yaml and plan.json as a run writes them"
@@ -117,7 +158,8 @@ def _check_rows(path: Path, rows: list) -> None:
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict) or "kind" not in row:
             raise ReportInputError(f"{path}: row {number} is not a metrics row (no kind); {VALID_FILES}")
-        missing = [key for key in REQUIRED.get(row["kind"], ()) if key not in row]
+        kind = "fragment sync" if row["kind"] == "sync" and "fragment" in row else row["kind"]
+        missing = [key for key in REQUIRED.get(kind, ()) if key not in row]
         if missing:
             raise ReportInputError(
                 f"{path}: row {number} ({row['kind']}) lacks {', '.join(missing)}; {VALID_FILES}"
@@ -153,7 +195,10 @@ def load_run(run_dir: Path, host: str | None = None) -> Run:
     facts = _read(plan, lambda path: json.loads(path.read_text(encoding="utf-8")))
     if not isinstance(facts, dict):
         raise ReportInputError(f"{plan} is not a run's plan facts (not a JSON object); {VALID_FILES}")
-    return Run(run_dir, rows, flatten(tree), facts, run_status(rows, host), cut_short)
+    # A config written before today's fields reads in today's shape (a run from before Streaming DiLoCo
+    # as the plain DiLoCo it ran), so it differs from today's runs only where it truly does.
+    config = flatten(upgrade_resolved(tree))
+    return Run(run_dir, rows, config, facts, run_status(rows, host), cut_short)
 
 
 def run_status(rows: list[dict], host: str | None = None) -> str:

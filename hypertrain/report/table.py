@@ -14,6 +14,8 @@ from hypertrain.config import MAY_CHANGE
 from hypertrain.report.runs import Run
 
 NOT_COMPARED = MAY_CHANGE  # config sections that may differ without changing a run's numbers
+# Keys a run derives from others and writes to its config: they differ only where those do.
+DERIVED = {"outer.assignment"}  # the fragments' parameters: from outer.fragments and the model
 DIFFERENT_DATA = "saw different data"
 OTHER_ORDER = "saw another data order"
 
@@ -27,6 +29,7 @@ FIGURES = (
     ("tokens_per_s", "tokens/s", "{:.0f}"),
     ("comm_inner_bytes", "inner bytes/rank", "{:,}"),
     ("comm_outer_bytes", "outer bytes/replica", "{:,}"),
+    ("comm_outer_peak_bytes", "outer peak bytes/sync", "{:,}"),
     ("wall_s", "wall s", "{:.2f}"),
     ("status_note", "status", "{}"),
     ("data", "data", "{}"),
@@ -38,14 +41,14 @@ def _same(value) -> str:
 
 
 def differing_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose value is not the same in every run (a key some runs lack counts), ordered
-    by how many runs leave the key's most common value (swept keys before a single hand-made
-    difference), then by their order in the config."""
+    """Config keys whose value is not the same in every run (a key some runs lack counts; DERIVED
+    keys left out), ordered by how many runs leave the key's most common value (swept keys before a
+    single hand-made difference), then by their order in the config."""
     order: dict[str, int] = {}
     for run in runs:
         for key in run.config:
             order.setdefault(key, len(order))
-    keys = [k for k in order if k.split(".")[0] not in NOT_COMPARED]
+    keys = [k for k in order if k.split(".")[0] not in NOT_COMPARED and k not in DERIVED]
     spread = {}
     for key in keys:
         values = Counter(_same(run.config.get(key)) for run in runs)
@@ -105,12 +108,9 @@ def session_seconds(session: list[dict]) -> float:
 
 def figures(run: Run) -> dict:
     """One run's figures from its metrics.jsonl (see docs/report.md for each one's definition)."""
-    evals = [row["eval_loss"] for row in run.rows if row.get("kind") in ("eval", "sync")]
+    evals = [row["eval_loss"] for row in run.heldout()]
     syncs, updates = run.of_kind("sync"), run.of_kind("update")
-    summary: dict = {}
-    for row in (run.sessions() or [[]])[-1]:  # the last session's (a resumed run: what it ran last)
-        if row.get("kind") == "summary":
-            summary |= row
+    summary = run.summary()  # the last session's (a resumed run: what it ran last)
     done = len({row["update"] for row in updates})
     planned = run.plan.get("plan/updates_run")
     return {
@@ -123,7 +123,8 @@ def figures(run: Run) -> dict:
         "replica_steps_per_s": summary.get("train/replica_steps_per_s"),
         "tokens_per_s": summary.get("bench/tokens_per_s"),
         "comm_inner_bytes": syncs[-1]["comm_inner_total"] if syncs else 0,
-        "comm_outer_bytes": syncs[-1]["comm_outer_total"] if syncs else 0,
+        "comm_outer_bytes": run.outer_total_bytes(),
+        "comm_outer_peak_bytes": run.outer_peak_bytes(),
         "wall_s": sum(session_seconds(session) for session in run.sessions()),
         "status": run.status,
         "resumed": run.resumed,

@@ -9,6 +9,7 @@ built or written; what needs the data (the stream's length, the vocabulary) is c
 from __future__ import annotations
 
 from hypertrain.config import ConfigError, PhaseConfig, TrainConfig
+from hypertrain.diloco import fragments
 from hypertrain.distributed.layouts import LayoutError, choose_layout, process_count
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
@@ -62,6 +63,17 @@ def check_data_for_model(cfg: TrainConfig) -> None:
         )
 
 
+def check_fragments(cfg: TrainConfig) -> None:
+    """Streaming DiLoCo: outer.fragments divides inner.H and the model's layers fill every fragment,
+    outer.delay is below H/P; outer.assignment is derived (a run's own, or empty)."""
+    fragments.check(cfg)
+    if cfg.outer.assignment and cfg.outer.assignment != fragments.assignment(cfg):
+        raise ConfigError(
+            f"outer.assignment={cfg.outer.assignment!r} is derived from outer.fragments and the model; "
+            "valid: leave it unset"
+        )
+
+
 def check_layout(cfg: TrainConfig) -> None:
     """processes=dist: a process layout fits the processes (the launcher's, or processes.nproc), W and R."""
     e = cfg.processes
@@ -79,3 +91,4 @@ def validate(cfg: TrainConfig) -> None:
     check_world(cfg)
     check_data_for_model(cfg)
     check_layout(cfg)
+    check_fragments(cfg)

@@ -15,6 +15,7 @@ from hypertrain import plan
 from hypertrain.config import ConfigError, ModelConfig, TrainConfig
 from hypertrain.data.batches import is_multistream, replica_batch
 from hypertrain.data.datasets import build_dataset
+from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
@@ -97,6 +98,8 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
         )
     inner = replace(cfg.inner, decay_steps=cfg.inner.decay_steps or phase.updates)
     cfg = replace(cfg, inner=inner)
+    if cfg.outer.fragments > 1:  # the fragments' parameters, written to the run's config
+        cfg = replace(cfg, outer=replace(cfg.outer, assignment=fragments.assignment(cfg)))
     check = verify_phase(phase, worlds=(cfg.world.size,), replicas=(cfg.replicas,), samples=samples)
     facts = {
         "plan/check": "PASS",

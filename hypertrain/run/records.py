@@ -104,7 +104,7 @@ class Records(Protocol):
     """What training hands its records, row by row (`run.trainer`): `RunLogger` writes the rows,
     `NoLog` drops them (tests/test_interfaces.py holds both to these methods)."""
 
-    def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None: ...
+    def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None: ...
 
     def log_update(self, row: dict) -> None: ...
 
@@ -118,7 +118,7 @@ class Records(Protocol):
 class NoLog:
     """The records of a process that does not write the run (every rank but 0): rows go nowhere."""
 
-    def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None:
+    def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None:
         pass
 
     def log_update(self, row: dict) -> None:
@@ -339,11 +339,13 @@ class RunLogger:
             return None
         return Path(self._run.settings.sync_dir)
 
-    def log_eval(self, update: int, eval_loss: float, **extra: Any) -> None:
-        """The held-out loss of the starting weights (before any update): an `eval` row, `eval/loss`."""
-        row = {"kind": "eval", "update": update, "round": 0, "eval_loss": float(eval_loss), **extra}
+    def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None:
+        """A held-out loss in its own `eval` row, `eval/loss`: the starting weights' (before any update),
+        and with Streaming DiLoCo's fragments the global weights' after every round (`extra`: the
+        running byte totals, a multistream model's per-channel losses)."""
+        row = {"kind": "eval", "update": update, "round": round, "eval_loss": float(eval_loss), **extra}
         self._write(row)
-        self._wandb_log({"update": update, "round": 0, "eval/loss": row["eval_loss"]}, extra, "eval/")
+        self._wandb_log({"update": update, "round": round, "eval/loss": row["eval_loss"]}, extra, "eval/")
 
     def log_update(self, row: dict) -> None:
         """One update: `update`, `round`, `lr`, `loss` (R entries, None = skipped), `tokens`, `wall`, ..."""

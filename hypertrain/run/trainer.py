@@ -15,6 +15,7 @@ import time
 import torch
 
 from hypertrain.diloco.communication import round_bytes
+from hypertrain.diloco.fragments import Schedule
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
 from hypertrain.diloco.rounds import Segment, StopCheck, rounds
 from hypertrain.diloco.state import PreparedRun, RunState
@@ -49,23 +50,37 @@ def device_name(device: str) -> str:
     return f"cpu: {model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def log_sync_row(log, rnd: Segment, eval_loss: float, totals, inner: int, outer: int, measured: dict) -> None:
-    """The sync row: held-out loss, pseudo-gradient norm, the formula's and the measured bytes (and
-    `measured`'s other figures: a multistream model's per-channel held-out losses)."""
-    log.log_sync(
-        {
-            "update": rnd.updates[-1] + 1,
-            "round": rnd.index,
-            "eval_loss": eval_loss,
-            "pseudo_grad_norm": rnd.delta_norm,
-            "replicas_synced": rnd.synced,
+def sync_rows(cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int, extra: dict) -> list[dict]:
+    """The rows of the syncs that landed after `rnd`, advancing `totals`: the pseudo-gradient norm, the
+    replicas that took part, the formula's bytes (inner: the updates since the previous sync, on the
+    first row; outer: the synced parameters' ring all-reduce across replicas) and what real processes
+    measured since the previous landing (the first row's includes the updates' gradient all-reduces).
+    DiLoCo's one sync row also holds the held-out loss (`eval_loss`) and `extra` (a multistream
+    model's per-channel held-out losses); with fragments each row names its fragment and the held-out
+    loss has its own row."""
+    count = rnd.updates[-1] + 1
+    since = count - Schedule.of(cfg, count).previous_land(count)
+    rows = []
+    for i, sync in enumerate(rnd.syncs):
+        inner, outer = round_bytes(cfg, n_params, since if i == 0 else 0, sync.synced, sync.params)
+        totals.comm_inner_bytes += inner
+        totals.comm_outer_bytes += outer
+        totals.comm_outer_peak = max(totals.comm_outer_peak, outer)
+        row = {"update": count, "round": rnd.index}
+        if cfg.outer.fragments > 1:
+            row["fragment"] = sync.fragment
+        elif eval_loss is not None:
+            row["eval_loss"] = eval_loss
+        row |= {
+            "pseudo_grad_norm": sync.delta_norm,
+            "replicas_synced": sync.synced,
             "comm_inner_bytes": inner,
             "comm_outer_bytes": outer,
             "comm_inner_total": totals.comm_inner_bytes,
             "comm_outer_total": totals.comm_outer_bytes,
-            **measured,
         }
-    )
+        rows.append(row | sync.measured | extra)
+    return rows
 
 
 def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
@@ -78,30 +93,38 @@ def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
     return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
 
 
-def after_sync(
+def after_syncs(
     run: PreparedRun, state: RunState, rnd: Segment, groups, log, progress, checkpointer, n_params: int
-) -> float:
-    """A round's end: the bytes it sent, the held-out loss of the new global weights (the writer),
-    the sync row and the checkpoint it asks for. Returns the held-out loss (NaN off the writer).
-    Before the checkpoint every process agrees the sync's verdict (`sync_verdict`): a non-finite
-    held-out loss or a divergence stops them all here, the writer's sync row holding a finite figure."""
-    totals = state.totals
-    inner_bytes, outer_bytes = round_bytes(run.cfg, n_params, len(rnd.round_updates), rnd.synced)
-    totals.comm_inner_bytes += inner_bytes
-    totals.comm_outer_bytes += outer_bytes
-    measured = groups.comm_stats()
-    eval_loss = math.nan
-    if groups.is_writer:
+) -> float | None:
+    """After the syncs that landed at the end of `rnd`: their rows, and at a round's end the held-out
+    loss of the new global weights (the writer) and the checkpoint it asks for. Returns the held-out
+    loss (NaN off the writer; None when no round ended). Before the checkpoint every process agrees the
+    verdict (`sync_verdict`): a non-finite held-out loss or a divergence stops them all here, the
+    writer's rows holding finite figures."""
+    cfg = run.cfg
+    eval_loss, channels = math.nan, {}
+    if groups.is_writer and rnd.ends_round:
         eval_loss, channels = heldout_eval(run, state.theta)
-    verdict, why = sync_verdict(run, rnd, eval_loss if groups.is_writer else None)
-    if groups.is_writer and verdict != HELDOUT_NON_FINITE:
-        progress.eval_loss = eval_loss
-        measured |= channels
-        log_sync_row(log, rnd, eval_loss, totals, inner_bytes, outer_bytes, measured)
+    verdict, why = sync_verdict(run, rnd, eval_loss if groups.is_writer and rnd.ends_round else None)
+    streaming = cfg.outer.fragments > 1
+    extra = {} if streaming else channels
+    rows = sync_rows(cfg, rnd, eval_loss if rnd.ends_round else None, state.totals, n_params, extra)
+    if groups.is_writer:
+        if verdict != HELDOUT_NON_FINITE or streaming:
+            for row in rows:
+                log.log_sync(row)
+        if rnd.ends_round and verdict != HELDOUT_NON_FINITE:
+            progress.eval_loss = eval_loss
+            if streaming:
+                totals = {k: rows[-1][k] for k in ("comm_inner_total", "comm_outer_total")}
+                log.log_eval(rnd.updates[-1] + 1, eval_loss, rnd.index, **totals, **channels)
     stop_on_verdict(groups.max_over_processes(verdict), verdict, why, rnd)
     if checkpointer is not None:
-        checkpointer.after_sync(state, last=state.next_update >= run.updates)
-    return eval_loss
+        if rnd.ends_round:
+            checkpointer.after_sync(state, last=state.next_update >= run.updates)
+        else:
+            checkpointer.after_update(state)
+    return eval_loss if rnd.ends_round else None
 
 
 def stop_here(
@@ -200,8 +223,9 @@ def train(
                 }
             )
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-        if rnd.ends_round:
-            eval_loss = after_sync(run, state, rnd, groups, log, progress, checkpointer, n_params)
+        if rnd.syncs or rnd.ends_round:
+            evaluated = after_syncs(run, state, rnd, groups, log, progress, checkpointer, n_params)
+            eval_loss = eval_loss if evaluated is None else evaluated
         elif checkpointer is not None:
             checkpointer.after_update(state)
         if stop.signum:
@@ -210,7 +234,13 @@ def train(
     progress.close()
     end = time.perf_counter()
     summary = (
-        {"eval/final_loss": eval_loss, "train/tokens_total": totals.tokens, "train/wall_s": end - start}
+        {
+            "eval/final_loss": eval_loss,
+            "train/tokens_total": totals.tokens,
+            "train/wall_s": end - start,
+            "comm/outer_total_bytes": totals.comm_outer_bytes,
+            "comm/outer_peak_bytes": totals.comm_outer_peak,
+        }
         | throughput.window(end)
         | throughput.summary()
     )

@@ -1,0 +1,146 @@
+"""Streaming DiLoCo's fragments and schedule (Douillard et al. 2025, arXiv:2501.18512, Section 2;
+torchft's `DiLoCo(model_fragments=...)` orders them the same way): which parameters each of the P
+fragments holds, and at which update counts a fragment's pseudo-gradient is taken and its sync lands.
+
+Counts are updates done since the phase's start (update u, 0-based, ends at count u + 1). Fragment p
+lands after counts k*H + (p+1)*H/P and is taken tau counts before; the phase's end flushes every
+fragment in order 0..P-1 (`Schedule.events`). P = 1, tau = 0 is DiLoCo's one sync per round of H.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.model.transformer import param_specs
+
+TAKE, LAND = "take", "land"
+
+
+def fragment_of(cfg: TrainConfig) -> dict[str, int]:
+    """Parameter name -> fragment: layer i in fragment i mod P, the embeddings (and anything before
+    the layers) in fragment 0, the final norm and the head in fragment P - 1."""
+    P = cfg.outer.fragments
+    out = {}
+    for name in param_specs(cfg.model):
+        if name.startswith("layers."):
+            out[name] = int(name.split(".")[1]) % P
+        elif name.startswith("emb"):
+            out[name] = 0
+        else:  # the final norm and the head(s)
+            out[name] = P - 1
+    return out
+
+
+def members(cfg: TrainConfig) -> list[list[str]]:
+    """Each fragment's parameter names, in the model's parameter order."""
+    where = fragment_of(cfg)
+    return [[n for n, f in where.items() if f == p] for p in range(cfg.outer.fragments)]
+
+
+def assignment(cfg: TrainConfig) -> list[str]:
+    """What the run's config records (`outer.assignment`): per fragment, its layers and the rest."""
+    out = []
+    for names in members(cfg):
+        layers = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+        rest = [n for n in names if not n.startswith("layers.")]
+        out.append(" ".join([*(f"layer{i}" for i in layers), *rest]))
+    return out
+
+
+def check(cfg: TrainConfig) -> None:
+    """outer.fragments divides inner.H, leaves no fragment empty, and outer.delay < H/P."""
+    P, tau, H = cfg.outer.fragments, cfg.outer.delay, cfg.inner.H
+    if H % P:
+        raise ConfigError(f"outer.fragments={P} does not divide inner.H={H}; valid: a divisor of {H}")
+    if P > 1 and P > cfg.model.n_layers + 1:
+        raise ConfigError(
+            f"outer.fragments={P} leaves a fragment without parameters (model.n_layers="
+            f"{cfg.model.n_layers}); valid: 1..{cfg.model.n_layers + 1}"
+        )
+    if tau >= H // P:
+        raise ConfigError(
+            f"outer.delay={tau} is out of range; valid: 0..{H // P - 1} (below inner.H/outer.fragments "
+            f"= {H // P})"
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The streaming schedule of a phase of `updates` updates."""
+
+    H: int
+    P: int
+    tau: int
+    updates: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, updates: int) -> Schedule:
+        return cls(cfg.inner.H, cfg.outer.fragments, cfg.outer.delay, updates)
+
+    @property
+    def stride(self) -> int:
+        return self.H // self.P
+
+    def land_point(self, p: int, k: int) -> int:
+        """The count after which fragment p's sync of period k lands."""
+        return k * self.H + (p + 1) * self.stride
+
+    def events(self, count: int) -> list[tuple[str, int]]:
+        """What happens after `count` updates, in order: (TAKE or LAND, fragment). A landing at a count
+        comes before a take (with tau = 0 a fragment is taken and lands at once); at most one fragment
+        is in flight at a time. At the phase's end every fragment that did not just land is flushed,
+        in fragment order: one taken earlier lands with what it took; the others are taken and land."""
+        out: list[tuple[str, int]] = []
+        if count <= 0 or count > self.updates:
+            return out
+        offset = count % self.H or self.H  # the count within its period, 1..H
+        if offset % self.stride == 0:
+            p = offset // self.stride - 1
+            if self.tau == 0:
+                out.append((TAKE, p))
+            out.append((LAND, p))
+        if count == self.updates:  # the flush: a take due now is made just before its landing
+            landed = {p for kind, p in out if kind == LAND}
+            for p in range(self.P):
+                if p not in landed:
+                    out += [(LAND, p)] if self._in_flight(p, count) else [(TAKE, p), (LAND, p)]
+        elif self.tau and (offset + self.tau) % self.stride == 0:
+            out.append((TAKE, (offset + self.tau) // self.stride - 1))
+        return out
+
+    def _in_flight(self, p: int, count: int) -> bool:
+        """Whether fragment p was taken at a count < `count` and has not landed by it."""
+        if not self.tau:
+            return False
+        k = (count - 1) // self.H  # the period `count` lies in (counts kH+1 .. kH+H)
+        for period in (k, k + 1):
+            land = self.land_point(p, period)
+            if land - self.tau < count < land:
+                return True
+        return False
+
+    def next_cut(self, count: int) -> int:
+        """The first count after `count` at which something happens (a take, a land, the end)."""
+        c = count + 1
+        while c < self.updates and not self.events(c):
+            c += 1
+        return min(c, self.updates)
+
+    def previous_land(self, count: int) -> int:
+        """The count of the last regular landing before `count` (0 at the phase's start)."""
+        return (count - 1) // self.stride * self.stride
+
+    def is_period_end(self, count: int) -> bool:
+        """A round of H updates ends here (or the phase does): the held-out eval and checkpoints."""
+        return count == self.updates or count % self.H == 0
+
+    def since_land(self, u: int) -> tuple[int, ...]:
+        """Update u's (0-based) step within each fragment's own round: updates since the fragment's
+        last landing (the phase's start if none); what the lr's re-warmup counts."""
+        out = []
+        for p in range(self.P):
+            first = (p + 1) * self.stride  # the count of p's first landing
+            last = 0 if u < first else first + ((u - first) // self.H) * self.H
+            out.append(u - last)
+        return tuple(out)
