@@ -344,3 +344,116 @@ def simulate(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list
                 batches += [b for a in rnd.assigns for b in a.batches if not b.empty]
             evals.append(heldout_loss(run, state.theta))
     return losses, evals, state.theta, run
+
+
+# -- Streaming DiLoCo (outer.fragments, outer.delay, outer.merge_alpha) ---------------------------------
+
+
+def streaming_cfg(P: int, tau: int, alpha: float, updates: int = 19, engine: str = "stacked", **inner):
+    """A config with Streaming DiLoCo's fragments: three layers (so four fragments all hold parameters),
+    H = 8 (P = 1, 2, 4 divide it), R = 2, a strong phase of `updates` updates (19: two full periods and
+    a short one that ends in the flush)."""
+    from hypertrain.config import OuterConfig
+
+    return small_cfg(
+        model=ModelConfig(d_model=32, n_layers=3, n_heads=2, n_kv_heads=2),
+        inner=InnerConfig(**({"H": 8, "lr": 3e-3, "warmup_steps": 2} | inner)),
+        outer=OuterConfig(fragments=P, delay=tau, merge_alpha=alpha),
+        phase=PhaseConfig(
+            name="t", kind="strong", offset=0, global_batch=12, updates=updates, timing_warmup=0
+        ),
+        engine=EngineConfig(name=engine),
+    )
+
+
+def fragment_landings(H: int, P: int, updates: int) -> list[int]:
+    """How many syncs land on each fragment's parameters in a phase of `updates` updates, counted from
+    the paper's schedule (fragment p lands after counts c with c = (p+1)*H/P mod H) and our flush (at
+    the phase's end every fragment that did not land at that count lands once more). Every parameter
+    is synced once per full period of H updates, at its fragment's offset; the last, short period and
+    the flush add at most one: fragment P-1 lands ceil(updates/H) times, the others up to one more
+    (updates = 16, P = 2: fragment 0 after 4, 12 and in the flush at 16; fragment 1 after 8, 16)."""
+    out = []
+    for p in range(P):
+        point = (p + 1) * H // P % H
+        lands = [c for c in range(1, updates + 1) if c % H == point]
+        out.append(len(lands) + (0 if lands and lands[-1] == updates else 1))
+    return out
+
+
+def streaming_rounding_floors(cfg: TrainConfig, batches: list, updates: int) -> tuple[float, float]:
+    """`rounding_floors` for a run with fragments: the same loss floor; a weight's floor counts, beside
+    its 2 roundings per inner update, its fragment's syncs as they land (`fragment_landings`, the most
+    of any fragment, instead of ceil(updates/H): the flush can add one) and, with merge_alpha > 0, the
+    merge's lerp(global, local, alpha) rounding the replica's weights up to 3 more times at each of
+    them (a subtraction, a product, a sum; at alpha = 0 the merge copies, exactly):
+    (2 updates + S (1 + 3 [alpha > 0])) U32, S = the most syncs of any parameter."""
+    loss, _ = rounding_floors(cfg, batches, updates)
+    syncs = max(fragment_landings(cfg.inner.H, cfg.outer.fragments, updates))
+    per_sync = 1 + (3 if cfg.outer.merge_alpha else 0)
+    return loss, (2 * updates + syncs * per_sync) * U32
+
+
+def assert_streaming_engines_agree(cfg: TrainConfig) -> dict[str, float]:
+    """`assert_engines_agree` with the floors of `streaming_rounding_floors`: the stacked engine against
+    the eager loop, each against the float64 loop, per-replica losses elementwise and final global
+    weights per tensor. Returns the largest fraction of its bound each comparison used."""
+    batches: list = []
+    ref_losses, ref_theta = run_rounds(cfg, loop.train_replicas, torch.float64, batches)
+    loop_losses, loop_theta = run_rounds(cfg, loop.train_replicas)
+    losses, theta = run_rounds(cfg, stacked.train_replicas)
+    loss_floor, weight_floor = streaming_rounding_floors(cfg, batches, len(ref_losses))
+    used = {"losses": assert_losses_within_rounding(losses, loop_losses, ref_losses, loss_floor)}
+    used["weights"] = max(
+        assert_within_rounding(theta[n], loop_theta[n], t, weight_floor * float(t.norm()), n)
+        for n, t in ref_theta.items()
+    )
+    return used
+
+
+def simulate_streaming(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list | None = None):
+    """`simulate` for a run with fragments: the rounds are cut at every take and landing, and the entry
+    logs the held-out loss (its `eval` rows) before training and after every period of H updates and the
+    phase's end (the segments that end a round), not after every sync. Returns what `simulate` does."""
+    run = prepare(replace(cfg, engine=EngineConfig(name="loop")))
+    state = RunState.start(run.cfg, {n: t.to(dtype) for n, t in initial_weights(run).items()})
+    losses: list[list[float | None]] = []
+    with float64_arithmetic() if dtype == torch.float64 else nullcontext():
+        evals = [heldout_loss(run, state.theta)]
+        for part in rounds(run, state, loop.train_replicas):
+            losses += [list(step) for step in zip(*(r.losses for r in part.results), strict=True)]
+            if batches is not None:
+                batches += [b for a in part.assigns for b in a.batches if not b.empty]
+            if part.ends_round:
+                evals.append(heldout_loss(run, state.theta))
+    return losses, evals, state.theta, run
+
+
+def streaming_outcome(run_dir: Path) -> Outcome:
+    """`outcome` of a run with fragments: its held-out losses are its `eval` rows (before training, after
+    every period of H updates and at the end); its sync rows (one per fragment sync) hold none."""
+    rows = read_metrics(run_dir / METRICS_FILE)
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    return Outcome(
+        [_untimed(r) for r in rows if r["kind"] == "update"],
+        [_untimed(r) for r in rows if r["kind"] == "sync"],
+        [r["eval_loss"] for r in rows if r["kind"] == "eval"],
+        {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
+        torch.load(run_dir / "weights.pt"),
+    )
+
+
+def assert_identical_streaming(run_dir: Path, reference: Path, skip: tuple[str, ...] = ()) -> None:
+    """`assert_identical` for a run with fragments: every update row, every sync row (its fragment
+    included; but the keys in `skip`), every `eval` row's held-out loss (one before training and one per
+    period, the periods being the sync rows' rounds), the final summary and weights.pt, exactly."""
+    got, want = streaming_outcome(run_dir), streaming_outcome(reference)
+    assert [r["update"] for r in got.updates] == [r["update"] for r in want.updates]
+    for a, b in zip(got.updates, want.updates, strict=True):
+        assert a == b, f"update {b['update']}: {a} != {b}"
+    kept = lambda rows: [{k: v for k, v in r.items() if k not in skip} for r in rows]  # noqa: E731
+    assert kept(got.syncs) == kept(want.syncs)
+    periods = len({r["round"] for r in want.syncs})
+    assert got.heldout == want.heldout and len(got.heldout) == periods + 1
+    assert got.final == want.final
+    assert_same_weights(got.weights, want.weights)

@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import small_cfg
+from helpers import streaming_cfg
 
-from hypertrain.config import ConfigError, EngineConfig, InnerConfig, ModelConfig, OuterConfig, PhaseConfig
+from hypertrain.config import ConfigError
 from hypertrain.diloco.fragments import Schedule, fragment_of
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
@@ -29,17 +29,9 @@ from hypertrain.run.prepare import initial_weights, prepare
 U32 = 2.0**-24  # fp32 unit roundoff
 
 
-def stream_cfg(P: int, tau: int, alpha: float, updates: int = 19, **inner):
-    """Three layers (so four fragments hold parameters), H = 8, R = 2, one sync per fragment per round."""
-    return small_cfg(
-        model=ModelConfig(d_model=32, n_layers=3, n_heads=2, n_kv_heads=2),
-        inner=InnerConfig(H=8, lr=3e-3, warmup_steps=2, **inner),
-        outer=OuterConfig(fragments=P, delay=tau, merge_alpha=alpha),
-        phase=PhaseConfig(
-            name="t", kind="strong", offset=0, global_batch=12, updates=updates, timing_warmup=0
-        ),
-        engine=EngineConfig(name="loop"),
-    )
+def stream_cfg(P: int, tau: int, alpha: float, updates: int = 19):
+    """Three layers (so four fragments hold parameters), H = 8, R = 2, the loop engine."""
+    return streaming_cfg(P, tau, alpha, updates, engine="loop")
 
 
 # -- the schedule and the split, from the paper's rule written out ----------------------------------------

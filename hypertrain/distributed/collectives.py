@@ -131,6 +131,13 @@ class DistReplicaGroups(ReplicaGroups):
         with collective("the round's start barrier"):
             dist.barrier()
 
+    def measured_since_sync(self) -> dict:
+        return dict(self._stats)
+
+    def restore_measured(self, saved: dict) -> None:
+        for key in self._stats:
+            self._stats[key] += float(saved.get(key, 0.0))
+
     def comm_stats(self) -> dict:
         stats = {
             "comm_measured_inner_bytes": int(self._stats["inner_bytes"]),

@@ -82,6 +82,10 @@ class Collectives(Protocol):
 
     def comm_stats(self) -> dict: ...
 
+    def measured_since_sync(self) -> dict: ...
+
+    def restore_measured(self, saved: dict) -> None: ...
+
 
 class ReplicaGroups:
     """P = 1: this process trains all R replicas, each on its whole share (`world` = 1)."""
@@ -151,3 +155,12 @@ class ReplicaGroups:
     def comm_stats(self) -> dict:
         """Measured payload bytes handed to collectives and seconds spent in them, since the last call."""
         return {}
+
+    def measured_since_sync(self) -> dict:
+        """What `comm_stats` would report now, without resetting it: a checkpoint keeps it, so a
+        resumed run's next sync row counts what the stopped session measured before the checkpoint
+        (a reduction launched before it, the updates' all-reduces)."""
+        return {}
+
+    def restore_measured(self, saved: dict) -> None:
+        """Add a checkpoint's `measured_since_sync` to the counters (a resumed session's start)."""

@@ -198,6 +198,7 @@ class Checkpointer:
         if not self.groups.is_writer:
             return None
         saved = state.state_dict(every)
+        saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
         payload = {
             "format": FORMAT,
             "state": saved,
