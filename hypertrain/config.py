@@ -17,6 +17,9 @@ from typing import Any
 ENGINES = ("loop", "stacked")  # engine.name values; hypertrain.engines maps each to its engine
 PROCESSES = ("one", "dist")  # processes.name values
 LAYOUTS = ("auto", "benchmark", "replicas")  # processes.layout values (hypertrain.distributed.layouts)
+# outer.compress values (hypertrain.diloco.codecs implements all but none) and outer.reduce values
+COMPRESSORS = ("none", "int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk")
+REDUCTIONS = ("gather", "two_phase")
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 
 
@@ -125,6 +128,19 @@ class OuterConfig:
     # Derived, written to the run's config: the parameters of each fragment, in fragment order
     # (layer i in fragment i mod P, the embeddings in fragment 0, the final norm and head in P-1).
     assignment: list[str] = field(default_factory=list)
+    # Compressed pseudo-gradients (docs/compression.md): what each replica sends at a sync. none (fp32,
+    # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1 (one fp32 scale per
+    # block), or topk (the largest-magnitude outer.topk_fraction of each block, fp32 values and int32
+    # indices). Each replica's contribution is its own decoded payload.
+    compress: str = "none"
+    block: int = 128  # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk
+    # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
+    # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
+    # all-gathered: fewer bytes, a second quantization); topk always gathers.
+    reduce: str = "gather"
+    topk_fraction: float = 0.01  # compress=topk: the fraction of each block sent, in (0, 1]
+    # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
+    error_feedback: bool = False
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
@@ -134,6 +150,21 @@ class OuterConfig:
         _at_least("outer.delay", self.delay, 0)
         if not 0.0 <= self.merge_alpha <= 1.0:
             raise ConfigError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
+        _choice("outer.compress", self.compress, COMPRESSORS)
+        _choice("outer.reduce", self.reduce, REDUCTIONS)
+        _at_least("outer.block", self.block, 1)
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ConfigError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
+        if self.error_feedback and self.compress == "none":
+            raise ConfigError(
+                "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
+                "compressor, or outer.error_feedback=false"
+            )
+        if self.compress == "topk" and self.reduce == "two_phase":
+            raise ConfigError(
+                "outer.compress=topk with outer.reduce=two_phase: top-k payloads cannot be summed shard by "
+                "shard; valid: outer.reduce=gather"
+            )
 
 
 @dataclass
@@ -421,14 +452,15 @@ OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* bef
 
 
 def upgrade_resolved(resolved: dict) -> dict:
-    """A resolved config (a run's config.yaml, a checkpoint's) written before Streaming DiLoCo's
-    fields (given their neutral setting) or before the processes had their own group, in today's
-    shape: engine=dist is processes=dist with engine=stacked, engine.nproc, layout, timeout_s and
-    backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as it is."""
+    """A resolved config (a run's config.yaml, a checkpoint's) written before the outer section's newer
+    fields (streaming, compression: given their neutral settings) or before the processes had their
+    own group, in today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc,
+    layout, timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned
+    as it is."""
     outer = resolved.get("outer")
-    if isinstance(outer, dict) and "fragments" not in outer:  # before Streaming DiLoCo: its neutral setting
-        streaming = {"fragments": 1, "delay": 0, "merge_alpha": 0.0, "assignment": []}
-        resolved = {**resolved, "outer": outer | streaming}
+    if isinstance(outer, dict):  # fields added since (streaming, compression): their neutral settings
+        neutral = dataclasses.asdict(OuterConfig())
+        resolved = {**resolved, "outer": outer | {k: v for k, v in neutral.items() if k not in outer}}
     engine = resolved.get("engine")
     if "processes" in resolved or not isinstance(engine, dict):
         return resolved

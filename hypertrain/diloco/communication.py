@@ -10,15 +10,15 @@ a `Reduction` whose `wait()` gives the mean, or None when no replica stepped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import torch
 from torch import Tensor
 
 from hypertrain.config import TrainConfig
-from hypertrain.diloco.pending import Reduction
+from hypertrain.diloco import codecs
+from hypertrain.diloco.codecs import Blocks
+from hypertrain.diloco.pending import Reduced, Reduction
 from hypertrain.distributed.groups import Collectives, InFlight
-
-Communicate = Callable[[Tensor, Collectives], Reduction]
+from hypertrain.failures import NonFiniteError
 
 
 class ExactMean:
@@ -29,11 +29,11 @@ class ExactMean:
         self.total, self.result = total, None
         self.done = False
 
-    def wait(self) -> tuple[Tensor, int] | None:
+    def wait(self) -> Reduced | None:
         if not self.done:
             total = self.total.wait()
             synced = int(total[-1])
-            self.result = None if synced == 0 else (total[:-1] / total[-1], synced)
+            self.result = None if synced == 0 else Reduced(total[:-1] / total[-1], synced)
             self.done = True
         return self.result
 
@@ -70,3 +70,133 @@ def round_bytes(
         else 0
     )
     return inner, outer
+
+
+# -- compressed pseudo-gradients (outer.compress) ----------------------------------------------------
+
+HEADER_BYTES = 8  # per replica message: whether it took part and its compression error, two fp32
+
+
+def _message(payload: Tensor, active: Tensor, errors: Tensor) -> Tensor:
+    """uint8 [R_local, HEADER_BYTES + b]: each replica's header, then its payload."""
+    header = torch.stack([active.float(), errors.float()], dim=1).contiguous().view(torch.uint8)
+    return torch.cat([header, payload], dim=1)
+
+
+def _header(rows: Tensor) -> tuple[list[bool], list[float]]:
+    """The headers of messages [R, ...] in replica order: who took part, and each one's error."""
+    header = rows[:, :HEADER_BYTES].contiguous().view(torch.float32).cpu()
+    return [bool(x) for x in header[:, 0].tolist()], header[:, 1].tolist()
+
+
+def _mean_in_replica_order(decoded: Tensor, active: list[bool]) -> Tensor:
+    """The sum of the rows that took part, added in replica order (the same additions on every
+    process and in the simulation), over their count."""
+    total = torch.zeros_like(decoded[0])
+    for row, took_part in zip(decoded, active, strict=True):
+        if took_part:
+            total = total + row
+    return total / sum(active)
+
+
+def _padded(parts: list[Tensor], width: int) -> Tensor:
+    """Byte rows [k, b_i] of different widths, zero-padded to `width`: [k, len(parts), width]."""
+    out = parts[0].new_zeros(parts[0].shape[0], len(parts), width)
+    for i, part in enumerate(parts):
+        out[:, i, : part.shape[1]] = part
+    return out
+
+
+class CompressedMean:
+    """Compressed pseudo-gradients, reduced by `gather` or `two_phase` (docs/compression.md): every
+    process encodes its replicas' contributions x_m; `wait()` gives the mean of the decoded ones of the
+    replicas that took part (gather), or that mean per block decoded, re-encoded and decoded again
+    (two_phase), the same numbers on every process and in the simulation."""
+
+    def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups):
+        self.outer, self.blocks, self.groups = outer, blocks, groups
+        self.replicas, self.result, self.done = groups.total_replicas, None, False
+        codec, fraction = outer.compress, outer.topk_fraction
+        if outer.reduce == "gather":
+            payload = codecs.encode(codec, x, blocks, fraction)
+            self.b = payload.shape[1]
+            self.flight = groups.start_all_gather_replicas(_message(payload, active, errors))
+            return
+        # two_phase: shard j (blocks dealt in order) goes to the replica of index j
+        self.shards = blocks.shards(self.replicas)
+        parts = [codecs.encode(codec, x[:, a:z], own, fraction) for a, z, own in self.shards]
+        self.b = sum(part.shape[1] for part in parts)
+        self.width = max(part.shape[1] for part in parts) + HEADER_BYTES
+        messages = _padded([_message(part, active, errors) for part in parts], self.width)
+        self.flight = groups.start_exchange_shards(messages)
+
+    def is_completed(self) -> bool:
+        return self.done or self.flight.is_completed()
+
+    def wait(self) -> Reduced | None:
+        if self.done:
+            return self.result
+        self.done = True
+        codec, fraction, R = self.outer.compress, self.outer.topk_fraction, self.replicas
+        if self.outer.reduce == "gather":
+            rows = self.flight.wait()  # [R, header + b] in replica order
+            active, errors = _header(rows)
+            if not any(active):
+                return None
+            payloads = rows[:, HEADER_BYTES:].contiguous()
+            mean = _mean_in_replica_order(codecs.decode(codec, payloads, self.blocks, fraction), active)
+            sent = (R - 1) * self.b  # received per participant, (n - 1) * b
+        else:
+            rows = self.flight.wait()  # [R senders, this process's shards, width]
+            active, errors = _header(rows[:, 0])
+            if not any(active):
+                return None
+            means = []
+            for i, j in enumerate(self.groups.replicas):  # the shards this process owns
+                _, _, own = self.shards[j]
+                size = codecs.payload_size(codec, own, fraction)
+                decoded = codecs.decode(
+                    codec, rows[:, i, HEADER_BYTES : HEADER_BYTES + size].contiguous(), own, fraction
+                )
+                means.append(
+                    codecs.encode(codec, _mean_in_replica_order(decoded, active)[None], own, fraction)
+                )
+            widths = [codecs.payload_size(codec, own, fraction) for _, _, own in self.shards]
+            gathered = self.groups.start_all_gather_replicas(_padded(means, max(widths))[0]).wait()
+            mean = torch.cat(
+                [
+                    codecs.decode(codec, gathered[j : j + 1, : widths[j]].contiguous(), own, fraction)[0]
+                    for j, (_, _, own) in enumerate(self.shards)
+                ]
+            )
+            sent = int(2 * (R - 1) / R * self.b)  # each payload shard out, each mean shard back
+        taken = [e if a else None for a, e in zip(active, errors, strict=True)]
+        figures = {"comm_outer_bytes": sent, "payload_bytes": self.b, "compress_error": taken}
+        self.result = Reduced(mean, sum(active), figures)
+        return self.result
+
+
+def compressed_mean(outer, deltas: Tensor, errors: Tensor | None, active: Tensor, blocks: Blocks, groups):
+    """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
+    (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
+    contribution is its own decoded payload (PCCL's self-quantize rule): d_m = decode(encode(x_m)),
+    x_m = delta_m + e_m; then e_m <- x_m - d_m for the replicas that took part (error feedback), the
+    others keep theirs. Returns the started `CompressedMean`; raises NonFiniteError (every process,
+    agreed) when a pseudo-gradient that would be sent is not finite, before anything is sent."""
+    x = deltas if errors is None else deltas + errors
+    bad = groups.max_over_processes(int(not bool(torch.isfinite(x[active]).all())))
+    if bad:
+        raise NonFiniteError(
+            "a replica's pseudo-gradient is not finite at a sync; the run stops before sending it"
+        )
+    decoded = codecs.decode(
+        outer.compress,
+        codecs.encode(outer.compress, x, blocks, outer.topk_fraction),
+        blocks,
+        outer.topk_fraction,
+    )
+    norms = deltas.double().norm(dim=1)
+    error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
+    if errors is not None:
+        errors.copy_(torch.where(active[:, None], x - decoded, errors))
+    return CompressedMean(outer, x, blocks, active, error.float(), groups)

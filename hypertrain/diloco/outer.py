@@ -50,6 +50,16 @@ def pseudo_gradient_sum(
     return torch.cat(parts)
 
 
+def pseudo_gradients(global_params: Params, replica_params: Params) -> Tensor:
+    """Each replica's (theta_global - theta_m), fp32, flat in `global_params` order: [R, n_params]
+    (`replica_params` [R, ...]). What a compressed sync encodes, replica by replica."""
+    parts = []
+    for name, theta in global_params.items():
+        replicas = replica_params[name].float()
+        parts.append((theta.float().reshape(1, *replicas.shape[1:]) - replicas).reshape(len(replicas), -1))
+    return torch.cat(parts, dim=1)
+
+
 def unflatten(flat: Tensor, like: Params) -> Params:
     """A flat vector in `like`'s order -> tensors shaped like `like`'s (views of `flat`)."""
     out, start = {}, 0

@@ -5,18 +5,28 @@ collective) or known (`Landed`). A checkpoint stores the result, so a resumed ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 
-class Reduction(Protocol):
-    """A communication stage's result in the making: `wait()` gives the mean pseudo-gradient (flat)
-    and the replicas that took part, or None when none did; every process gets the same numbers."""
+@dataclass
+class Reduced:
+    """A communication stage's result: the mean pseudo-gradient (flat), the replicas that took part,
+    and what the stage reports for the sync row (a compressor's bytes and errors; none for fp32)."""
 
-    def wait(self) -> tuple[Tensor, int] | None: ...
+    mean: Tensor
+    synced: int
+    figures: dict = field(default_factory=dict)
+
+
+class Reduction(Protocol):
+    """A communication stage's result in the making: `wait()` gives the `Reduced`, or None when no
+    replica took part; every process gets the same numbers."""
+
+    def wait(self) -> Reduced | None: ...
 
     def is_completed(self) -> bool: ...
 
@@ -24,10 +34,10 @@ class Reduction(Protocol):
 class Landed:
     """A reduction whose result is known."""
 
-    def __init__(self, result: tuple[Tensor, int] | None):
+    def __init__(self, result: Reduced | None):
         self.result = result
 
-    def wait(self) -> tuple[Tensor, int] | None:
+    def wait(self) -> Reduced | None:
         return self.result
 
     def is_completed(self) -> bool:
@@ -51,19 +61,20 @@ class Pending:
         else this process's."""
         self.settle()
         result = self.reduction.wait()
-        mean, synced = (None, 0) if result is None else result
         return {
             "fragment": self.fragment,
             "taken_at": self.taken_at,
             "stepped": list(self.stepped if stepped is None else stepped),
-            "mean": None if mean is None else mean.cpu(),
-            "synced": synced,
+            "mean": None if result is None else result.mean.cpu(),
+            "synced": 0 if result is None else result.synced,
+            "figures": {} if result is None else dict(result.figures),
         }
 
     @classmethod
     def from_state_dict(cls, saved: dict, rows: list[int], device: torch.device) -> Pending:
         """This process's part of a saved pending sync (`rows`: its replicas' rows in `saved`)."""
         mean = saved["mean"]
-        result = None if mean is None else (mean.to(device), int(saved["synced"]))
+        figures = saved.get("figures", {})
+        result = None if mean is None else Reduced(mean.to(device), int(saved["synced"]), figures)
         stepped = [bool(saved["stepped"][i]) for i in rows]
         return cls(int(saved["fragment"]), int(saved["taken_at"]), stepped, Landed(result))

@@ -177,7 +177,7 @@ def rounds(
             if kind == TAKE:
                 params = state.round_params
                 groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
-                state.pending = take(state, params, state.stepped_in(p), fragments[p], p, count, groups)
+                state.pending = take(cfg, state, params, state.stepped_in(p), fragments[p], p, count, groups)
             elif kind == LAND:
                 pending, state.pending = state.pending, None
                 assert pending is not None and pending.fragment == p, (pending, p)

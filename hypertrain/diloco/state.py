@@ -70,6 +70,9 @@ class RunState:
     round_params: list[Params] | None = None
     round_stepped: list[list[bool]] | None = None
     pending: Pending | None = None  # a fragment's sync taken, not landed yet (outer.delay > 0)
+    # outer.error_feedback: each local replica's error buffer [1, ...] per parameter (fp32): what
+    # compression left out of its pseudo-gradients so far, added to its next one
+    errors: list[Params] | None = None
 
     @property
     def mid_round(self) -> bool:
@@ -84,7 +87,10 @@ class RunState:
         roles = param_roles(cfg.model)
         where = fragment_of(cfg) if cfg.outer.fragments > 1 else None
         states = [init_state(cfg.inner, one, roles, where, cfg.outer.fragments) for _ in local]
-        return cls(theta, init_outer_state(theta), states, local)
+        errors = None
+        if cfg.outer.error_feedback:
+            errors = [{n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()} for _ in local]
+        return cls(theta, init_outer_state(theta), states, local, errors=errors)
 
     def stepped_in(self, fragment: int) -> list[bool]:
         """Whether each local replica has stepped since `fragment`'s last sync."""
@@ -105,6 +111,7 @@ class RunState:
                 "params": self.round_params[i] if kept else None,
                 "stepped": _flags_out(self.round_stepped[i]) if kept and self.round_stepped else None,
                 "pending_stepped": self.pending.stepped[i] if self.pending is not None else None,
+                "errors": self.errors[i] if self.errors is not None else None,
             }
             for i, s in enumerate(self.inner)
         ]
@@ -130,6 +137,7 @@ class RunState:
             "round_params": [r["params"] for r in records] if mid else None,
             "round_stepped": [r["stepped"] for r in records] if mid else None,
             "pending": pending,
+            "errors": [r["errors"] for r in records] if self.errors is not None else None,
         }
 
     @torch.no_grad()
@@ -162,6 +170,12 @@ class RunState:
                 {n: t.to(device) for n, t in saved["round_params"][where[m]].items()} for m in self.replicas
             ]
             self.round_stepped = [_flags_in(saved["round_stepped"][where[m]]) for m in self.replicas]
+        if self.errors is not None:  # a run with error feedback resumes only from one (same config)
+            for buffers, kept in zip(
+                self.errors, (saved["errors"][where[m]] for m in self.replicas), strict=True
+            ):
+                for name, t in buffers.items():
+                    t.copy_(kept[name])
         if saved.get("pending") is not None:
             mine = [where[m] for m in self.replicas]
             self.pending = Pending.from_state_dict(saved["pending"], mine, device)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hypertrain.config import TrainConfig
-from hypertrain.diloco.communication import Communicate, exact_mean
-from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, unflatten, weights_norm
+from hypertrain.diloco.codecs import Blocks
+from hypertrain.diloco.communication import compressed_mean, exact_mean
+from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, pseudo_gradients, unflatten, weights_norm
 from hypertrain.diloco.pending import Pending
 from hypertrain.diloco.state import RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
@@ -36,9 +37,11 @@ class SyncFigures:
     theta_norm: float
     params: int
     measured: dict = field(default_factory=dict)
+    stage: dict = field(default_factory=dict)  # the communication stage's figures (a compressor's)
 
 
 def take(
+    cfg: TrainConfig,
     state: RunState,
     params: list[Params],
     stepped: list[bool],
@@ -46,17 +49,29 @@ def take(
     fragment: int,
     count: int,
     groups: Collectives,
-    communicate: Communicate = exact_mean,
 ) -> Pending:
-    """Start a sync of the parameters `names`: this process's replicas' pseudo-gradients
-    (theta - theta_m over the replicas that `stepped`), summed with their count, handed to
-    `communicate`, which starts their mean over every process's replicas."""
+    """Start a sync of the parameters `names`: this process's replicas' pseudo-gradients (theta -
+    theta_m over the replicas that `stepped`) handed to the communication stage, which starts their
+    mean over every process's replicas: fp32 sums and their count (`exact_mean`), or each replica's
+    compressed payload, with its error-feedback buffer (`compressed_mean`)."""
     theta = {n: state.theta[n] for n in names}
     device = next(iter(theta.values())).device
     active = torch.tensor(stepped, device=device)
     replica_params = {n: torch.cat([p[n] for p in params]) for n in names}
-    local_sum = pseudo_gradient_sum(theta, replica_params, active)
-    return Pending(fragment, count, list(stepped), communicate(local_sum, groups))
+    if cfg.outer.compress == "none":
+        reduction = exact_mean(pseudo_gradient_sum(theta, replica_params, active), groups)
+        return Pending(fragment, count, list(stepped), reduction)
+    blocks = Blocks(tuple(t.numel() for t in theta.values()), cfg.outer.block)
+    errors = None
+    if state.errors is not None:  # this fragment's part of each local replica's buffer, flat
+        errors = torch.cat([torch.cat([e[n].reshape(1, -1) for n in names], dim=1) for e in state.errors])
+    deltas = pseudo_gradients(theta, replica_params)
+    reduction = compressed_mean(cfg.outer, deltas, errors, active, blocks, groups)
+    if errors is not None:  # the updated buffers back into the state
+        for row, e in zip(errors, state.errors, strict=True):
+            for n, part in zip(names, row.split([e[n].numel() for n in names]), strict=True):
+                e[n].copy_(part.view_as(e[n]))
+    return Pending(fragment, count, list(stepped), reduction)
 
 
 @torch.no_grad()
@@ -77,11 +92,13 @@ def land(
     if communicated is None:  # nobody stepped: no pseudo-gradient, and momentum must not move theta
         figures = SyncFigures(pending.fragment, 0.0, 0, 0.0, size)
     else:
-        mean, synced = communicated
+        mean, synced = communicated.mean, communicated.synced
         theta_norm = weights_norm(theta)  # before the outer step changes theta in place
         delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
         outer_step(cfg.outer, theta, unflatten(mean, theta), state.outer)
-        figures = SyncFigures(pending.fragment, delta_norm, synced, theta_norm, size)
+        figures = SyncFigures(
+            pending.fragment, delta_norm, synced, theta_norm, size, stage=communicated.figures
+        )
     if params is not None:
         merge(theta, params, cfg.outer.merge_alpha)
     if communicated is not None:
@@ -116,12 +133,11 @@ def sync(
     params: list[Params],
     stepped: list[bool],
     groups: Collectives | None = None,
-    communicate: Communicate = exact_mean,
 ) -> tuple[float, int]:
     """DiLoCo's sync of every parameter at once (take and land together; the replicas then restart
     from the global weights): the mean pseudo-gradient's norm and the replicas that took part."""
     groups = groups or ReplicaGroups(cfg.replicas)
     names = list(state.theta)
-    pending = take(state, params, stepped, names, 0, state.next_update, groups, communicate)
+    pending = take(cfg, state, params, stepped, names, 0, state.next_update, groups)
     figures = land(cfg, state, pending, names, None, groups)
     return figures.delta_norm, figures.synced

@@ -65,9 +65,10 @@ def _checksum(params: Params) -> int:
     )
 
 
-class _OuterSum:
-    """The sync's sum in flight: `wait()` (the seconds it blocks counted as the outer seconds) gives
-    the sum, then the benchmark layout's all-gather inside the replica (`then`)."""
+class _Flight:
+    """A sync's collective in flight: `wait()` (the seconds it blocks counted as the outer seconds)
+    gives its result `out`, passed through `then` (the benchmark layout's all-gather inside the
+    replica after the shard's all-reduce; a reshape)."""
 
     def __init__(self, groups: DistReplicaGroups, out: Tensor, work, then=None):
         self.groups, self.out, self.work, self.then, self.value = groups, out, work, then, None
@@ -79,7 +80,7 @@ class _OuterSum:
         if self.value is None:
             if self.work is not None:
                 self.groups._timed("outer", self.out[:0], self.work.wait)
-            self.value = self.out if self.then is None else self.then()
+            self.value = self.out if self.then is None else self.then(self.out)
         return self.value
 
 
@@ -177,7 +178,7 @@ class DistReplicaGroups(ReplicaGroups):
         replicas is the part in flight; the all-gather inside the replica follows it in `wait()`."""
         if self.replica_group is None:  # replicas layout, or one rank per replica: one all-reduce
             out = flat.clone()
-            return _OuterSum(
+            return _Flight(
                 self,
                 out,
                 self._start(out, lambda: dist.all_reduce(out, group=self.outer_group, async_op=True)),
@@ -191,13 +192,38 @@ class DistReplicaGroups(ReplicaGroups):
         if self.total_replicas > 1:
             work = self._start(mine, lambda: dist.all_reduce(mine, group=self.cross_group, async_op=True))
 
-        def gather() -> Tensor:
+        def gather(_: Tensor) -> Tensor:
             gathered = torch.empty_like(padded)
             group = self.replica_group
             self._timed("outer", mine, lambda: _all_gather(gathered, mine, group=group))
             return gathered[:n]
 
-        return _OuterSum(self, mine, work, gather)
+        return _Flight(self, mine, work, gather)
+
+    def _exchange_group(self):
+        """The processes a compressed sync's messages go between, one per replica or per R/P replicas:
+        every process (replicas layout, or one rank per replica), or this rank's cross-replica group
+        (benchmark layout: each of a replica's L ranks exchanges the whole message in its own group)."""
+        return self.cross_group if self.replica_group is not None else self.outer_group
+
+    def start_all_gather_replicas(self, local: Tensor) -> InFlight:
+        local = local.contiguous()
+        group = self._exchange_group()
+        size = (dist.get_world_size(group) * local.shape[0], *local.shape[1:])
+        out = torch.empty(size, dtype=local.dtype, device=local.device)  # [R, ...], replica order
+        work = self._start(local, lambda: _all_gather(out, local, group=group, async_op=True))
+        return _Flight(self, out, work)
+
+    def start_exchange_shards(self, local: Tensor) -> InFlight:
+        group = self._exchange_group()
+        n = dist.get_world_size(group)
+        mine, R, k = local.shape
+        # to process q: each local replica's messages for the shards q's replicas own
+        send = local.reshape(mine, n, R // n, k).permute(1, 0, 2, 3).contiguous()
+        out = torch.empty((n, mine, R // n, k), dtype=local.dtype, device=local.device)
+        work = self._start(send, lambda: dist.all_to_all_single(out, send, group=group, async_op=True))
+        # from process p: its replicas' messages for this process's shards -> [R senders, my shards, k]
+        return _Flight(self, out, work, lambda value: value.reshape(R, R // n, k))
 
     def _start(self, payload: Tensor, op):
         """Launch an asynchronous collective (its launch counted in the outer seconds and bytes)."""

@@ -66,6 +66,10 @@ class Collectives(Protocol):
 
     def start_sum_over_replicas(self, flat: Tensor) -> InFlight: ...
 
+    def start_all_gather_replicas(self, local: Tensor) -> InFlight: ...
+
+    def start_exchange_shards(self, local: Tensor) -> InFlight: ...
+
     def max_over_replicas(self, value: Tensor) -> Tensor: ...
 
     def gather_round(self, table: Tensor) -> Tensor: ...
@@ -120,6 +124,17 @@ class ReplicaGroups:
         """`sum_over_replicas` started now and waited for later (the sync's reduction, which the
         replicas' next updates overlap with outer.delay > 0)."""
         return Done(self.sum_over_replicas(flat))
+
+    def start_all_gather_replicas(self, local: Tensor) -> InFlight:
+        """[local replicas, ...] rows (a compressed sync's messages) -> [R, ...], every replica's in
+        replica order, on every process."""
+        return Done(local)
+
+    def start_exchange_shards(self, local: Tensor) -> InFlight:
+        """A two-phase sync's all-to-all: `local` [local replicas, R, k] holds each local replica's
+        message for every shard j (shard j belongs to replica j); the result [R, local replicas, k]
+        holds, for each shard this process's replicas own, every replica's message, in replica order."""
+        return Done(local)
 
     def max_over_replicas(self, value: Tensor) -> Tensor:
         return value

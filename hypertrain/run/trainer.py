@@ -63,6 +63,8 @@ def sync_rows(cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int,
     rows = []
     for i, sync in enumerate(rnd.syncs):
         inner, outer = round_bytes(cfg, n_params, since if i == 0 else 0, sync.synced, sync.params)
+        stage = dict(sync.stage)  # a compressor's: its payload's bytes on the wire, its errors
+        outer = stage.pop("comm_outer_bytes", outer)
         totals.comm_inner_bytes += inner
         totals.comm_outer_bytes += outer
         totals.comm_outer_peak = max(totals.comm_outer_peak, outer)
@@ -78,6 +80,7 @@ def sync_rows(cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int,
             "comm_outer_bytes": outer,
             "comm_inner_total": totals.comm_inner_bytes,
             "comm_outer_total": totals.comm_outer_bytes,
+            **stage,
         }
         rows.append(row | sync.measured | extra)
     return rows

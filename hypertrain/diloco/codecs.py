@@ -1,0 +1,417 @@
+"""Codecs for pseudo-gradients: each row of a float32 [R, n] matrix is encoded on its own into a uint8 [R, b]
+payload whose size depends only on the blocks (runs of `block` values that never cross a tensor's boundary),
+and decoded back. Pure tensor functions: deterministic, vectorised over rows and blocks, on any device.
+
+Every payload is block-major: block after block, each block's bytes are its header (fp32 scale, or fp32
+minimum then fp32 scale; none for top-k) then its body, with fp32/int32 fields as native-endian raw bytes.
+So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+CODECS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk")
+_FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+# fp4 e2m1: code = sign << 3 | index, index = exponent << 1 | mantissa = the magnitude's place here.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# The midpoints between neighbouring magnitudes, each with whether a tie there goes up: round to nearest,
+# ties to the even index (down where the lower neighbour's index is even: 0.25, 1.25, 2.5, 5).
+_E2M1_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A flat vector made of tensors of `sizes` elements, concatenated, cut into blocks of `block`
+    values that never cross a tensor's boundary (a tensor's last block may be shorter)."""
+
+    sizes: tuple[int, ...]
+    block: int
+
+    def __post_init__(self) -> None:
+        # Kept as a tuple of Python ints (a list or numpy ints given), so that Blocks hashes and compares.
+        object.__setattr__(self, "block", _whole("block", self.block, 1))
+        object.__setattr__(self, "sizes", tuple(_whole("sizes", s, 0) for s in self.sizes))
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole vector."""
+        return sum(self.sizes)
+
+    @property
+    def count(self) -> int:
+        """Number of blocks."""
+        return sum(-(-s // self.block) for s in self.sizes)
+
+    def shards(self, n: int) -> list[tuple[int, int, Blocks]]:
+        """The vector cut into n contiguous shards along block boundaries (blocks dealt as evenly as
+        possible, the first shards taking one more when they do not divide; a shard may be empty when
+        there are fewer blocks than n): (start, stop, the shard's own Blocks) each.
+
+        A shard's sizes are the pieces of tensors it covers; each piece starts on one of its tensor's
+        block boundaries, so the shard's own blocks are exactly the whole's blocks it holds.
+        """
+        n = _whole("n", n, 1)
+        each, extra = divmod(self.count, n)
+        bounds = [i * each + min(i, extra) for i in range(n + 1)]
+        return [self._cut(bounds[i], bounds[i + 1]) for i in range(n)]
+
+    def _cut(self, first: int, stop: int) -> tuple[int, int, Blocks]:
+        """Blocks [first, stop) as (element start, element stop, their own Blocks)."""
+        sizes, start, end = [], None, None
+        block_offset = element_offset = 0
+        for size in self.sizes:
+            blocks_here = -(-size // self.block)
+            lo, hi = max(first, block_offset), min(stop, block_offset + blocks_here)
+            if lo < hi:
+                piece_start = element_offset + (lo - block_offset) * self.block
+                piece_stop = element_offset + min((hi - block_offset) * self.block, size)
+                start = piece_start if start is None else start
+                end = piece_stop
+                sizes.append(piece_stop - piece_start)
+            elif start is None and block_offset + blocks_here > first:
+                start = end = element_offset + (first - block_offset) * self.block  # empty, inside
+            block_offset += blocks_here
+            element_offset += size
+        if start is None:  # an empty shard after the last block
+            start = end = element_offset
+        return start, end, Blocks(tuple(sizes), self.block)
+
+
+def topk_kept(fraction: float, length: int) -> int:
+    """Entries top-k keeps of a block of `length` values: ceil(fraction * length), at least 1.
+
+    The product is rounded to 9 decimals before the ceiling, so a fraction written in decimal keeps
+    what it says (0.07 of 100 keeps 7, not the 8 that 0.07's binary excess would give).
+    """
+    return max(1, math.ceil(round(fraction * length, 9)))
+
+
+def payload_size(codec: str, blocks: Blocks, fraction: float = 1.0) -> int:
+    """Bytes of one replica's payload (codes, scales, minimums, indices: everything sent).
+
+    With L_b the length of block b and C = blocks.count: int8, fp8_*: n + 4C; uint8: n + 8C;
+    fp4_e2m1: sum_b ceil(L_b / 2) + 4C (codes packed per block); topk: 8 * sum_b topk_kept(fraction, L_b).
+    """
+    fraction = _check(codec, blocks, fraction)
+    return sum(int(length.sum()) for _, length in _fields(codec, blocks, fraction))
+
+
+def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tensor:
+    """x float32 [R, n] (n = blocks.numel) -> uint8 [R, payload_size]: each row encoded on its own.
+
+    Per block (scale = amax / M, amax the block's largest magnitude; a zero scale divides as 1, so an
+    all-zero block encodes to zero bytes):
+    - int8: M = 127, codes round-half-even(x / scale) clamped to [-127, 127], as int8 bytes;
+    - uint8: fp32 minimum and scale = (max - min) / 255, codes round-half-even((x - min) / scale);
+    - fp8_e4m3 / fp8_e5m2: M = 448 / 57344, codes (x / scale) clamped to [-M, M] and cast (nearest even);
+    - fp4_e2m1: M = 6, codes sign << 3 | index of the magnitude in (0, .5, 1, 1.5, 2, 3, 4, 6), nearest,
+      ties to the even index; two per byte, element 2i of the block in the low nibble, 2i + 1 in the high
+      one (an odd block's last high nibble is 0);
+    - topk: the topk_kept(fraction, L_b) largest magnitudes of each block, in order of magnitude
+      (descending, ties by ascending index): their fp32 values, then their int32 indices in the vector.
+    """
+    fraction = _check(codec, blocks, fraction)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocks.numel:
+        raise ValueError(
+            f"x {x.dtype} {tuple(x.shape)} is not valid; valid: float32 [R, {blocks.numel}] (R rows, numel)"
+        )
+    if blocks.count == 0:
+        return torch.zeros(x.shape[0], 0, dtype=torch.uint8, device=x.device)
+    values = _spread(x, blocks)
+    if codec == "topk":
+        fields = _encode_topk(values, blocks, fraction)
+    elif codec == "int8":
+        fields = _encode_int8(values)
+    elif codec == "uint8":
+        fields = _encode_uint8(values)
+    elif codec == "fp4_e2m1":
+        fields = _encode_fp4(values, blocks)
+    else:
+        fields = _encode_fp8(values, *_FP8[codec])
+    return _pack(fields, codec, blocks, fraction)
+
+
+def decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tensor:
+    """uint8 [R, payload_size] -> float32 [R, n]: the dequantized values (top-k: zeros but the kept).
+
+    int8, fp8_*, fp4_e2m1: code value * scale; uint8: minimum + code * scale (two fp32 roundings, so a
+    block's minimum and a constant block come back exactly).
+    """
+    fraction = _check(codec, blocks, fraction)
+    size = payload_size(codec, blocks, fraction)
+    if payload.dtype != torch.uint8 or payload.dim() != 2 or payload.shape[1] != size:
+        raise ValueError(
+            f"payload {payload.dtype} {tuple(payload.shape)} is not valid; valid: uint8 [R, {size}]"
+        )
+    if blocks.count == 0:
+        return torch.zeros(payload.shape[0], blocks.numel, dtype=torch.float32, device=payload.device)
+    if codec == "topk":
+        return _decode_topk(payload, blocks, fraction)
+    header, codes = _unpack(payload, codec, blocks, fraction)
+    if codec == "uint8":
+        minimum, scale = _floats(header).split(1, dim=-1)
+        return _unspread(codes.float().mul_(scale).add_(minimum), blocks)
+    if codec == "int8":
+        values = codes.view(torch.int8).float()
+    elif codec == "fp4_e2m1":
+        values = _decode_fp4_codes(codes, blocks.block)
+    else:
+        values = codes.view(_FP8[codec][0]).float()
+    return _unspread(values.mul_(_floats(header)), blocks)
+
+
+# --- the quantizers and top-k, on the padded block layout [R, C, block] -------------------------------
+
+
+def _amax(values: Tensor) -> Tensor:
+    """[R, C, B] -> [R, C, 1] the largest magnitude per block, +0.0 for an all-zero block."""
+    amax = torch.maximum(values.amax(-1, keepdim=True), values.amin(-1, keepdim=True).neg())
+    return torch.where(amax > 0, amax, 0.0)  # +0.0, never -0.0, so a zero block's header is zero bytes
+
+
+def _divisor(scale: Tensor) -> Tensor:
+    """A zero scale divides as 1: an all-zero block's values stay zeros, never NaN."""
+    return torch.where(scale > 0, scale, 1.0)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """[R, C, k] fp32 or int32 -> [R, C, 4k] uint8, the raw bytes."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _floats(t: Tensor) -> Tensor:
+    """[R, C, 4k] uint8 -> [R, C, k] fp32, the raw bytes read back (a fresh copy: a slice's strides, even
+    of a size-1 dim, may not divide by 4)."""
+    return t.clone(memory_format=torch.contiguous_format).view(torch.float32)
+
+
+def _encode_int8(values: Tensor) -> list[Tensor]:
+    scale = _amax(values) / 127
+    codes = (values / _divisor(scale)).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return [_bytes(scale), codes]
+
+
+def _encode_uint8(values: Tensor) -> list[Tensor]:
+    minimum, maximum = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
+    scale = (maximum - minimum) / 255
+    codes = (values - minimum).div_(_divisor(scale)).round_().clamp_(0, 255).to(torch.uint8)
+    return [_bytes(torch.cat([minimum, scale], dim=-1)), codes]
+
+
+def _encode_fp8(values: Tensor, dtype: torch.dtype, largest: float) -> list[Tensor]:
+    scale = _amax(values) / largest
+    # The clamp only matters when a subnormal amax makes the scale inexact enough to overshoot largest.
+    codes = (values / _divisor(scale)).clamp_(-largest, largest).to(dtype).view(torch.uint8)
+    return [_bytes(scale), codes]
+
+
+def _encode_fp4(values: Tensor, blocks: Blocks) -> list[Tensor]:
+    scale = _amax(values) / _E2M1[-1]
+    magnitude = (values / _divisor(scale)).abs_()
+    # The index is the number of midpoints below the magnitude, a tie counted when it goes up (so above 6,
+    # reachable only through an inexact subnormal scale, saturates to 6). Comparisons, not torch.bucketize:
+    # a few vectorised passes into one reused bool buffer are several times faster on CPU.
+    hit = torch.empty_like(magnitude, dtype=torch.bool)
+    codes = torch.zeros_like(magnitude, dtype=torch.uint8)
+    for midpoint, tie_up in _E2M1_MIDPOINTS:
+        (torch.ge if tie_up else torch.gt)(magnitude, midpoint, out=hit)
+        codes += hit.view(torch.uint8)
+    torch.signbit(values, out=hit)  # x / scale has x's sign bit
+    codes.add_(hit.view(torch.uint8), alpha=8)
+    layout = _layout(blocks, values.device)
+    if layout.pad_slots is not None:
+        codes.flatten(1).index_fill_(1, layout.pad_slots, 0)
+    if blocks.block % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return [_bytes(scale), packed]
+
+
+@functools.lru_cache(maxsize=8)
+def _fp4_pairs(device: torch.device) -> Tensor:
+    """[256, 2] fp32: a packed byte's two values at scale 1, the low nibble's first."""
+    signed = _E2M1 + tuple(-m for m in _E2M1)
+    return torch.tensor([[signed[byte & 15], signed[byte >> 4]] for byte in range(256)], device=device)
+
+
+def _decode_fp4_codes(packed: Tensor, block: int) -> Tensor:
+    """[R, C, ceil(B / 2)] packed codes -> [R, C, B] their values at scale 1 (one table row per byte)."""
+    pairs = torch.nn.functional.embedding(packed.int(), _fp4_pairs(packed.device))  # [R, C, B / 2, 2]
+    return pairs.flatten(-2)[..., :block]
+
+
+def _encode_topk(values: Tensor, blocks: Blocks, fraction: float) -> list[Tensor]:
+    rows, count, block = values.shape
+    layout = _layout(blocks, values.device)
+    # One int64 key per entry, unique within its block: magnitude's bits (monotonic for magnitudes >= 0),
+    # then block - 1 - position, so the largest keys are the largest magnitudes, ties to the lower index.
+    # torch.topk leaves the order of equal keys undefined; unique keys leave it nothing to decide.
+    keys = values.abs().view(torch.int32).to(torch.int64).bitwise_left_shift_(32)
+    keys += torch.arange(block - 1, -1, -1, device=values.device)
+    if layout.pad_slots is not None:
+        keys.flatten(1).index_fill_(1, layout.pad_slots, -1)  # below every real key: never kept
+    position = keys.topk(topk_kept(fraction, block), dim=-1, sorted=True).indices
+    kept = values.gather(-1, position)
+    index = (position + layout.starts.view(1, count, 1)).to(torch.int32)
+    return [_bytes(kept), _bytes(index)]
+
+
+def _decode_topk(payload: Tensor, blocks: Blocks, fraction: float) -> Tensor:
+    packing = _packing("topk", blocks, fraction, payload.device)
+    kept = payload.index_select(1, packing.field_bytes[0]).view(torch.float32)
+    index = payload.index_select(1, packing.field_bytes[1]).view(torch.int32).long()
+    out = torch.zeros(payload.shape[0], blocks.numel, dtype=torch.float32, device=payload.device)
+    return out.scatter_(1, index, kept)  # indices are distinct within a row: no order to decide
+
+
+# --- layouts: the vector <-> padded blocks, and per-block fields <-> the payload ------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A Blocks on a device: block starts [C], and for ragged blocks the maps between the vector [n] and the
+    padded layout [C * block] (None when every block is full: the vector is then a view of the layout)."""
+
+    starts: Tensor  # [C] each block's first element
+    spread: Tensor | None  # [C * block] the element in each slot; padding repeats the block's last element
+    unspread: Tensor | None  # [n] the slot of each element
+    pad_slots: Tensor | None  # the slots that hold padding
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(blocks: Blocks) -> Tensor:
+    """[C] int64 on CPU: each block's length."""
+    parts = []
+    for size in blocks.sizes:
+        full, rest = divmod(size, blocks.block)
+        parts.append(torch.full((full,), blocks.block, dtype=torch.int64))
+        if rest:
+            parts.append(torch.tensor([rest], dtype=torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(blocks: Blocks, device: torch.device) -> _Layout:
+    lengths = _lengths(blocks)
+    starts = torch.cumsum(lengths, 0) - lengths
+    if bool((lengths == blocks.block).all()):
+        return _Layout(starts.to(device), None, None, None)
+    slot = torch.arange(blocks.block)
+    spread = starts[:, None] + torch.minimum(slot[None, :], lengths[:, None] - 1)
+    real = (slot[None, :] < lengths[:, None]).flatten()
+    return _Layout(
+        starts.to(device),
+        spread.flatten().to(device),
+        real.nonzero().squeeze(1).to(device),
+        (~real).nonzero().squeeze(1).to(device),
+    )
+
+
+def _spread(x: Tensor, blocks: Blocks) -> Tensor:
+    """[R, n] -> [R, C, block] (a view when every block is full)."""
+    layout = _layout(blocks, x.device)
+    if layout.spread is None:
+        return x.reshape(x.shape[0], blocks.count, blocks.block)
+    return x.index_select(1, layout.spread).view(x.shape[0], blocks.count, blocks.block)
+
+
+def _unspread(values: Tensor, blocks: Blocks) -> Tensor:
+    """[R, C, block] -> [R, n], padding dropped."""
+    layout = _layout(blocks, values.device)
+    flat = values.flatten(1)
+    return flat if layout.unspread is None else flat.index_select(1, layout.unspread)
+
+
+@functools.lru_cache(maxsize=64)
+def _fields(codec: str, blocks: Blocks, fraction: float) -> list[tuple[int, Tensor]]:
+    """Each block's fields in payload order: (padded width in bytes, [C] bytes each block sends)."""
+    lengths = _lengths(blocks)
+    headers = {"uint8": 8}.get(codec, 4)
+    if codec == "topk":
+        distinct, which = torch.unique(lengths, return_inverse=True)
+        kept = torch.tensor([topk_kept(fraction, int(length)) for length in distinct], dtype=torch.int64)
+        width = 4 * topk_kept(fraction, blocks.block)
+        return [(width, 4 * kept[which]), (width, 4 * kept[which])]
+    if codec == "fp4_e2m1":
+        return [(4, torch.full_like(lengths, 4)), ((blocks.block + 1) // 2, (lengths + 1) // 2)]
+    return [(headers, torch.full_like(lengths, headers)), (blocks.block, lengths)]
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where a codec's padded fields [R, C, total width] sit in the payload. None maps: no padding."""
+
+    keep: Tensor | None  # [payload bytes] the padded slot each payload byte comes from
+    place: Tensor | None  # [C * total width] the payload byte each slot reads (padding: an earlier byte)
+    field_bytes: list[Tensor]  # per field, the payload bytes that hold it, block after block
+
+
+@functools.lru_cache(maxsize=64)
+def _packing(codec: str, blocks: Blocks, fraction: float, device: torch.device) -> _Packing:
+    fields = _fields(codec, blocks, fraction)
+    total = sum(width for width, _ in fields)
+    slot = torch.arange(total)
+    real, members, offset = torch.zeros(blocks.count, total, dtype=torch.bool), [], 0
+    for width, length in fields:
+        member = (slot[None, :] >= offset) & (slot[None, :] < offset + length[:, None])
+        real |= member
+        members.append(member)
+        offset += width
+    byte = real.flatten().cumsum(0) - 1  # every block's first slot is real, so padding reads its block
+    field_bytes = [byte[member.flatten()].to(device) for member in members]
+    if bool(real.all()):
+        return _Packing(None, None, field_bytes)
+    return _Packing(real.flatten().nonzero().squeeze(1).to(device), byte.to(device), field_bytes)
+
+
+def _pack(fields: list[Tensor], codec: str, blocks: Blocks, fraction: float) -> Tensor:
+    """Per-block fields [R, C, width] each -> the payload [R, payload_size]."""
+    padded = torch.cat(fields, dim=-1)
+    flat = padded.flatten(1)
+    packing = _packing(codec, blocks, fraction, padded.device)
+    return flat if packing.keep is None else flat.index_select(1, packing.keep)
+
+
+def _unpack(payload: Tensor, codec: str, blocks: Blocks, fraction: float) -> list[Tensor]:
+    """The payload [R, payload_size] -> per-block fields [R, C, width] each (padding holds junk)."""
+    packing = _packing(codec, blocks, fraction, payload.device)
+    padded = payload if packing.place is None else payload.index_select(1, packing.place)
+    widths = [width for width, _ in _fields(codec, blocks, fraction)]
+    return list(padded.reshape(payload.shape[0], blocks.count, sum(widths)).split(widths, dim=-1))
+
+
+def _whole(name: str, value, least: int) -> int:
+    """An integer >= least, or a one-line ValueError."""
+    try:
+        whole = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        whole = None
+    if whole is None or whole < least:
+        raise ValueError(f"{name}={value!r} is not valid; valid: an integer >= {least}")
+    return whole
+
+
+def _check(codec: str, blocks: Blocks, fraction: float) -> float:
+    """Refuse a bad argument in one line; the fraction that matters (1.0 for every codec but top-k)."""
+    if codec not in CODECS:
+        raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}")
+    if not isinstance(blocks, Blocks):
+        raise ValueError(f"blocks={blocks!r} is not valid; valid: a Blocks")
+    if codec == "topk" and not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} is not valid; valid: 0 < fraction <= 1")
+    return float(fraction) if codec == "topk" else 1.0
