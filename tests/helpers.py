@@ -457,3 +457,21 @@ def assert_identical_streaming(run_dir: Path, reference: Path, skip: tuple[str, 
     assert got.heldout == want.heldout and len(got.heldout) == periods + 1
     assert got.final == want.final
     assert_same_weights(got.weights, want.weights)
+
+
+# -- compressed pseudo-gradients (outer.compress) ------------------------------------------------------
+
+
+def assert_identical_but(run_dir: Path, reference: Path, skip: tuple[str, ...] = ()) -> None:
+    """`assert_identical` but for the sync rows' keys in `skip` (figures only some runs record, such as the
+    bytes real processes measured): every update row, every other sync field, the held-out losses, the
+    final summary and weights.pt, exactly."""
+    got, want = outcome(run_dir), outcome(reference)
+    assert [r["update"] for r in got.updates] == [r["update"] for r in want.updates]
+    for a, b in zip(got.updates, want.updates, strict=True):
+        assert a == b, f"update {b['update']}: {a} != {b}"
+    kept = lambda rows: [{k: v for k, v in r.items() if k not in skip} for r in rows]  # noqa: E731
+    assert kept(got.syncs) == kept(want.syncs)
+    assert got.heldout == want.heldout and len(got.heldout) == len(want.syncs) + 1
+    assert got.final == want.final
+    assert_same_weights(got.weights, want.weights)

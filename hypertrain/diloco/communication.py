@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hypertrain.config import TrainConfig
+from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.pending import Reduced, Reduction
@@ -176,18 +176,30 @@ class CompressedMean:
         return self.result
 
 
-def compressed_mean(outer, deltas: Tensor, errors: Tensor | None, active: Tensor, blocks: Blocks, groups):
+def compressed_mean(
+    outer: OuterConfig,
+    deltas: Tensor,
+    errors: Tensor | None,
+    active: Tensor,
+    blocks: Blocks,
+    groups: Collectives,
+    update: int | None = None,
+) -> CompressedMean:
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
     contribution is its own decoded payload (PCCL's self-quantize rule): d_m = decode(encode(x_m)),
     x_m = delta_m + e_m; then e_m <- x_m - d_m for the replicas that took part (error feedback), the
     others keep theirs. Returns the started `CompressedMean`; raises NonFiniteError (every process,
-    agreed) when a pseudo-gradient that would be sent is not finite, before anything is sent."""
+    agreed) when a pseudo-gradient that would be sent is not finite, before anything is sent, naming
+    the replica (the highest-numbered, when several are) and the sync's `update`."""
     x = deltas if errors is None else deltas + errors
-    bad = groups.max_over_processes(int(not bool(torch.isfinite(x[active]).all())))
+    finite = torch.isfinite(x).all(dim=1) | ~active
+    local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
+    bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
     if bad:
+        at = "" if update is None else f" at the sync at update {update}"
         raise NonFiniteError(
-            "a replica's pseudo-gradient is not finite at a sync; the run stops before sending it"
+            f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
         )
     decoded = codecs.decode(
         outer.compress,

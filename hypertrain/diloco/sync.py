@@ -66,7 +66,7 @@ def take(
     if state.errors is not None:  # this fragment's part of each local replica's buffer, flat
         errors = torch.cat([torch.cat([e[n].reshape(1, -1) for n in names], dim=1) for e in state.errors])
     deltas = pseudo_gradients(theta, replica_params)
-    reduction = compressed_mean(cfg.outer, deltas, errors, active, blocks, groups)
+    reduction = compressed_mean(cfg.outer, deltas, errors, active, blocks, groups, count)
     if errors is not None:  # the updated buffers back into the state
         for row, e in zip(errors, state.errors, strict=True):
             for n, part in zip(names, row.split([e[n].numel() for n in names]), strict=True):
