@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -475,3 +476,41 @@ def assert_identical_but(run_dir: Path, reference: Path, skip: tuple[str, ...] =
     assert got.heldout == want.heldout and len(got.heldout) == len(want.syncs) + 1
     assert got.final == want.final
     assert_same_weights(got.weights, want.weights)
+
+
+# -- processes a test starts itself -----------------------------------------------------------------
+
+
+def fork_ranks(world: int, worker) -> None:
+    """Run `worker(rank)` for ranks 0..world-1: rank 0 in this process, the others forked from it
+    (call it before any thread or process group exists, with torch and hypertrain imported once);
+    exits this process with 1 when a rank failed (its traceback printed), else 0."""
+    children = []
+    for rank in range(1, world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                worker(rank)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)  # never back into the parent's code
+        children.append(pid)
+    worker(0)
+    failed = [pid for pid in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    sys.exit(1 if failed else 0)
+
+
+def side_by_side(runs: dict[str, list[str]], tmp_path: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Run the entry once per name with its overrides, at the same time, each in tmp_path/NAME;
+    assert every one exited 0. Returns the finished processes by name."""
+    procs = {
+        name: start_entry([*overrides, f"hydra.run.dir={tmp_path / name}"], tmp_path)
+        for name, overrides in runs.items()
+    }
+    done = {name: finish(proc) for name, proc in procs.items()}
+    for name, result in done.items():
+        assert result.returncode == 0, (name, result.stderr)
+    return done

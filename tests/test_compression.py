@@ -36,7 +36,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,9 +51,11 @@ from helpers import (
     ckpt,
     entry,
     finish,
+    fork_ranks,
     outcome,
     run_losses,
     run_rounds,
+    side_by_side,
     small_cfg,
     start_entry,
     stderr_lines,
@@ -463,22 +464,7 @@ def stage_ranks(world: int, out: Path) -> None:
     """The ranks, forked from one process that imported torch and hypertrain (before any thread or
     process group exists), as tests/test_streaming_overlap.py starts its ranks."""
     torch.set_num_threads(1)
-    children = []
-    for rank in range(1, world):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                stage_worker(rank, world, out)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)
-        children.append(pid)
-    stage_worker(0, world, out)
-    failed = [pid for pid in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
-    sys.exit(1 if failed else 0)
+    fork_ranks(world, lambda rank: stage_worker(rank, world, out))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -887,13 +873,7 @@ def test_compress_none_spelled_out_is_the_default_run_bitwise(tmp_path):
         "outer.topk_fraction=0.01",
         "outer.error_feedback=false",
     ]
-    procs = {
-        name: start_entry([*overrides, f"hydra.run.dir={tmp_path / name}"], tmp_path)
-        for name, overrides in (("plain", plain), ("spelled", spelled))
-    }
-    done = {name: finish(proc) for name, proc in procs.items()}
-    for name, result in done.items():
-        assert result.returncode == 0, (name, result.stderr)
+    done = side_by_side({"plain": plain, "spelled": spelled}, tmp_path)
     configs = {name: OmegaConf.load(tmp_path / name / "config.yaml") for name in done}
     assert configs["spelled"] == configs["plain"] and configs["plain"].outer.compress == "none"
     starts = {

@@ -32,6 +32,7 @@ from helpers import (
     entry,
     finish,
     fragment_landings,
+    side_by_side,
     simulate_streaming,
     start_entry,
     streaming_cfg,
@@ -326,13 +327,7 @@ def test_fragments_1_delay_0_alpha_0_spelled_out_is_the_default_run_bitwise(tmp_
     them, the summary's final figures, weights.pt): two runs of 2 rounds of 2 updates, side by side."""
     plain = [*RUN, "inner.H=2", "phase.updates=4"]
     spelled = [*plain, "outer.fragments=1", "outer.delay=0", "outer.merge_alpha=0"]
-    procs = {
-        name: start_entry([*overrides, f"hydra.run.dir={tmp_path / name}"], tmp_path)
-        for name, overrides in (("plain", plain), ("spelled", spelled))
-    }
-    done = {name: finish(proc) for name, proc in procs.items()}
-    for name, result in done.items():
-        assert result.returncode == 0, (name, result.stderr)
+    done = side_by_side({"plain": plain, "spelled": spelled}, tmp_path)
     configs = {name: OmegaConf.load(tmp_path / name / "config.yaml") for name in done}
     assert configs["spelled"] == configs["plain"]
     assert (configs["plain"].outer.fragments, configs["plain"].outer.delay) == (1, 0)

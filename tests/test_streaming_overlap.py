@@ -54,7 +54,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -166,8 +165,8 @@ def worker(rank: int, world: int) -> None:
     total = serial["total"]
     want = total[:-1] / total[-1]
     bitwise = all(
-        synced == int(total[-1]) and torch.equal(mean.view(torch.int32), want.view(torch.int32))
-        for mean, synced in means
+        r.synced == int(total[-1]) and torch.equal(r.mean.view(torch.int32), want.view(torch.int32))
+        for r in means
     )
     everyone = [None] * world
     digest = int(want.view(torch.int32).to(torch.int64).sum())
@@ -202,27 +201,13 @@ def ranks(world: int) -> None:
     """The ranks of the run, inside the namespace: torch and hypertrain imported once, then each
     rank but 0 forked (before any thread or process group exists), saving the other start-ups' CPU."""
     import torch  # noqa: F401
+    from helpers import fork_ranks  # the script's folder, tests/, is on sys.path
 
     import hypertrain.diloco.communication  # noqa: F401
     import hypertrain.distributed.collectives  # noqa: F401
     import hypertrain.model.transformer  # noqa: F401
 
-    children = []
-    for rank in range(1, world):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                worker(rank, world)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)  # never back into the parent's code
-        children.append(pid)
-    worker(0, world)
-    failed = [pid for pid in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
-    sys.exit(1 if failed else 0)
+    fork_ranks(world, lambda rank: worker(rank, world))
 
 
 # -- the test: the namespace, its link, the two ranks ----------------------------------------------
