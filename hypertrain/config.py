@@ -1,10 +1,11 @@
 """Typed configuration for every Hydra group (registered by `run/schema.py`); each section checks itself.
 
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
-engine, processes, logger, checkpoint, guard) plus `replicas` (R) and `seed`. Each field is documented here,
-once, and each section checks its own fields (`check()`), raising `ConfigError` (a `ValueError`) with
-one line naming the field, the bad value and what is valid. The checks across sections and against the
-plan are `hypertrain.run.checks.validate`. Nothing of hypertrain is imported here.
+engine, processes, logger, checkpoint, guard, cluster: the network clock's target) plus `replicas` (R)
+and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
+raising `ConfigError` (a `ValueError`) with one line naming the field, the bad value and what is
+valid. The checks across sections and against the plan are `hypertrain.run.checks.validate`.
+Nothing of hypertrain is imported here.
 """
 
 from __future__ import annotations
@@ -356,6 +357,89 @@ class GuardConfig:
 
 
 @dataclass
+class LinkConfig:
+    """One tier of the network clock's links (docs/clock.md): alpha-beta, one message per ring step."""
+
+    name: str = "infiniband"  # the preset chosen (`LINKS`), a label only; every number overridable
+    bandwidth_gbit: float = 400.0  # beta, Gbit/s (1e9 bits per second) one way, per participant
+    latency_us: float = 5.0  # alpha, microseconds per message (one way)
+
+    @property
+    def bandwidth(self) -> float:
+        """beta in bytes per second."""
+        return self.bandwidth_gbit * 1e9 / 8
+
+    @property
+    def latency(self) -> float:
+        """alpha in seconds."""
+        return self.latency_us * 1e-6
+
+    def check(self, prefix: str) -> None:
+        if not self.bandwidth_gbit > 0:
+            raise ConfigError(
+                f"{prefix}.bandwidth_gbit={self.bandwidth_gbit!r} is not valid; valid: > 0 (Gbit/s)"
+            )
+        if not self.latency_us >= 0:
+            raise ConfigError(
+                f"{prefix}.latency_us={self.latency_us!r} is not valid; valid: >= 0 (microseconds)"
+            )
+
+
+# The link presets (cluster/intra=NAME, cluster/inter=NAME), registered with Hydra by run/schema.py;
+# bandwidth one way per participant, latency one way per message. Sources in docs/clock.md.
+LINKS = {
+    "nvlink": LinkConfig("nvlink", 3600.0, 2.0),  # H100 NVLink 4: 450 GB/s each way
+    "infiniband": LinkConfig("infiniband", 400.0, 5.0),  # NDR, one 400 Gbit/s port per GPU
+    "datacenter_100g": LinkConfig("datacenter_100g", 100.0, 10.0),  # 100 GbE inside one data centre
+    "cross_region_10g": LinkConfig("cross_region_10g", 10.0, 30_000.0),  # 10 Gbit/s, 30 ms one way
+    "internet_1g": LinkConfig("internet_1g", 1.0, 50_000.0),  # 1 Gbit/s, 50 ms one way
+}
+
+
+@dataclass
+class StragglerConfig:
+    """Seeded slowdowns: in round k replica m computes `exp(sigma * z)` times as long, z a standard normal
+    drawn from numpy's `default_rng([seed, k])` (R draws, replica order): lognormal with median 1. A sync
+    waits for the slowest replica, so every update of round k takes the round's largest factor."""
+
+    sigma: float = 0.0  # 0 = no stragglers (every factor exactly 1)
+    seed: int = 0
+
+    def check(self) -> None:
+        _at_least("cluster.straggler.sigma", self.sigma, 0.0)
+
+
+@dataclass
+class ClusterConfig:
+    """The cluster the network clock simulates (docs/clock.md): per-replica compute and two link tiers.
+    It changes no number of training (it is in `MAY_CHANGE`); `python -m hypertrain.clock` replays it."""
+
+    name: str = "cpu_here"  # the preset chosen (conf/cluster/), a label only
+    # measured (the run's own seconds per update: its slowest process's) or modelled
+    # (6 * params * tokens of a replica / (peak_tflops * 1e12 * mfu))
+    compute: str = "measured"
+    peak_tflops: float = 0.1  # modelled: one replica's peak, TFLOP/s (1e12 FLOP/s) in the dtype trained
+    mfu: float = 0.3  # modelled: the fraction of the peak reached, in (0, 1]
+    intra: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["infiniband"]))
+    inter: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["datacenter_100g"]))
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def check(self) -> None:
+        _choice("cluster.compute", self.compute, ("measured", "modelled"))
+        if not self.peak_tflops > 0:
+            raise ConfigError(f"cluster.peak_tflops={self.peak_tflops!r} is not valid; valid: > 0 (TFLOP/s)")
+        if not 0.0 < self.mfu <= 1.0:
+            raise ConfigError(f"cluster.mfu={self.mfu!r} is out of range; valid: (0, 1]")
+        self.intra.check("cluster.intra")
+        self.inter.check("cluster.inter")
+        self.straggler.check()
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -368,6 +452,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the network clock's target
     replicas: int = 4  # R, model replicas; must divide the world (weak phases: the base world)
     seed: int = 0  # initial weights (the same for every replica)
     experiment: str = "default"  # names the W&B group of a run unless logger.group is set
@@ -391,6 +476,7 @@ class TrainConfig:
             self.guard,
             self.checkpoint,
             self.logger,
+            self.cluster,
         ):
             section.check()
 
@@ -434,7 +520,7 @@ def check_int64(node: Any, prefix: str = "") -> None:
 
 # The sections that never change a number of the run: a resumed run may change them, the run's hash
 # and the report's comparison leave them out.
-MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")
+MAY_CHANGE = ("logger", "checkpoint", "guard", "resume", "cluster")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -459,8 +545,9 @@ def upgrade_resolved(resolved: dict) -> dict:
     as it is."""
     outer = resolved.get("outer")
     if isinstance(outer, dict):  # fields added since (streaming, compression): their neutral settings
-        neutral = dataclasses.asdict(OuterConfig())
-        resolved = {**resolved, "outer": outer | {k: v for k, v in neutral.items() if k not in outer}}
+        missing = {k: v for k, v in dataclasses.asdict(OuterConfig()).items() if k not in outer}
+        if missing:
+            resolved = {**resolved, "outer": outer | missing}
     engine = resolved.get("engine")
     if "processes" in resolved or not isinstance(engine, dict):
         return resolved

@@ -26,6 +26,7 @@ LAYERS = (
     "diloco",  # rounds, the sync pipeline, the outer step, the run's state
     "run",  # preparation, training with records and checkpoints, sessions, real processes
     "report",  # reading and comparing runs
+    "clock",  # the network clock: a finished run's simulated seconds on a named cluster
     "launchers",  # what Hydra loads to launch sweeps
     "train",  # the entry
 )

@@ -1,12 +1,13 @@
 """What Hydra composes over: the run's schema (`config.TrainConfig`, which types every group's YAML) and
-the `phase` group's options, which are the plan's presets (`plan.PRESETS`): one source for both.
+the `phase` group's options, which are the plan's presets (`plan.PRESETS`), and the network clock's link
+presets (`config.LINKS`, the groups `cluster/intra` and `cluster/inter`): one source for each.
 """
 
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from hypertrain.config import PhaseConfig, TrainConfig
+from hypertrain.config import LINKS, PhaseConfig, TrainConfig
 from hypertrain.plan.sampling import PRESETS, Phase, StrongPhase
 
 
@@ -31,3 +32,6 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for name, phase in PRESETS.items():
         cs.store(group="phase", name=name, node=phase_config(phase))
+    for tier in ("intra", "inter"):  # the same presets for both tiers: cluster/inter=internet_1g
+        for name, link in LINKS.items():
+            cs.store(group=f"cluster/{tier}", name=name, node=link)

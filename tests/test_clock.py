@@ -1,0 +1,263 @@
+"""The network clock (docs/clock.md): every formula against hand-computed seconds; a finished run's
+clock replayed from its records equals the hand-added formulas; one run's clock is the same whatever
+engine or processes computed it (DESIGN.md invariant 11); a delayed fragment hides what the compute of
+its updates covers; a compressed run is timed by its payload; bad input is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import QUICK, REPO, finish, start_entry
+from omegaconf import OmegaConf
+
+from hypertrain.clock.formulas import (
+    Link,
+    all_gather_s,
+    all_to_all_s,
+    exposed_s,
+    modelled_compute_s,
+    ring_allreduce_s,
+    two_phase_s,
+)
+from hypertrain.clock.replay import clock_of, straggler_factor, taken_at
+from hypertrain.config import LINKS, ClusterConfig, ConfigError, LinkConfig, StragglerConfig
+from hypertrain.run.records import read_metrics
+
+GIGABIT = 1e9 / 8  # bytes per second
+
+
+def test_ring_allreduce_is_two_n_minus_one_steps_of_one_nth():
+    link = Link(bandwidth=1000.0, latency=0.5)
+    # n = 4, 4000 bytes: 6 steps of (0.5 s + 1000 bytes / 1000 B/s) = 9 s
+    assert ring_allreduce_s(4000, 4, link) == pytest.approx(9.0)
+    assert ring_allreduce_s(4000, 2, link) == pytest.approx(2 * (0.5 + 2.0))
+    assert ring_allreduce_s(4000, 1, link) == 0.0
+
+
+def test_all_gather_all_to_all_and_two_phase():
+    link = Link(bandwidth=100.0, latency=0.25)
+    assert all_gather_s(200, 3, link) == pytest.approx(2 * (0.25 + 2.0))  # 4.5 s
+    assert all_to_all_s(300, 3, link) == pytest.approx(2 * (0.25 + 1.0))  # 2.5 s
+    assert two_phase_s(300, 3, link) == pytest.approx(4 * (0.25 + 1.0))  # 5 s
+    assert all_gather_s(200, 1, link) == two_phase_s(300, 1, link) == 0.0
+
+
+def test_exposed_is_what_compute_does_not_hide():
+    assert exposed_s(3.0, 1.0) == 2.0
+    assert exposed_s(1.0, 3.0) == 0.0
+
+
+def test_modelled_compute_is_six_n_d_over_the_achieved_peak():
+    # 1e9 params, 1e3 tokens: 6e12 FLOPs at 1e15 * 0.5 FLOP/s = 12 ms; attention adds its FLOPs
+    assert modelled_compute_s(10**9, 1000, 1e15, 0.5) == pytest.approx(0.012)
+    assert modelled_compute_s(10**9, 1000, 1e15, 0.5, attention_flops=5e11) == pytest.approx(0.013)
+
+
+def test_config_units_convert_to_bytes_and_seconds():
+    link = Link.of(LinkConfig("x", bandwidth_gbit=8.0, latency_us=250.0))
+    assert (link.bandwidth, link.latency) == (1e9, 250e-6)
+    assert LINKS["internet_1g"].bandwidth == GIGABIT
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"intra": LinkConfig("x", 0.0, 1.0)}, "cluster.intra.bandwidth_gbit=0.0 is not valid; valid: > 0"),
+        ({"inter": LinkConfig("x", 1.0, -1.0)}, "cluster.inter.latency_us=-1.0 is not valid; valid: >= 0"),
+        ({"mfu": 1.5}, r"cluster.mfu=1.5 is out of range; valid: \(0, 1\]"),
+        ({"mfu": 0.0}, r"cluster.mfu=0.0 is out of range; valid: \(0, 1\]"),
+        ({"peak_tflops": -1.0}, "cluster.peak_tflops=-1.0 is not valid; valid: > 0"),
+        ({"compute": "guessed"}, "cluster.compute='guessed' is not valid"),
+        ({"straggler": StragglerConfig(sigma=-0.1)}, "cluster.straggler.sigma=-0.1 is too small"),
+    ],
+)
+def test_a_bad_cluster_is_one_line_naming_field_value_and_what_is_valid(change, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(ClusterConfig(), **change).check()
+
+
+def test_stragglers_are_seeded_lognormal_and_none_at_sigma_zero():
+    assert straggler_factor(StragglerConfig(0.0, 1), 3, 4) == 1.0
+    a = straggler_factor(StragglerConfig(0.5, 1), 3, 4)
+    assert (
+        a
+        == straggler_factor(StragglerConfig(0.5, 1), 3, 4)
+        != straggler_factor(StragglerConfig(0.5, 1), 4, 4)
+    )
+
+
+def test_taken_at_follows_the_streaming_schedule():
+    # H 8, P 2, tau 1: fragment 0 lands after 4 (taken after 3), fragment 1 after 8 (taken after 7); at
+    # the end of an 8-update phase fragment 0 is flushed: taken and landed at 8.
+    assert [taken_at(4, 0, 8, 2, 1), taken_at(8, 1, 8, 2, 1), taken_at(8, 0, 8, 2, 1)] == [3, 7, 8]
+    assert taken_at(12, 0, 8, 2, 1) == 11
+    # tau 2, a phase ending at 7: fragment 1 (due to land after 8) was taken after 6 and is flushed at 7
+    # with what it took; fragment 0, landed after 4, is taken and lands at 7
+    assert taken_at(7, 1, 8, 2, 2) == 6 and taken_at(7, 0, 8, 2, 2) == 7
+
+
+def _train(tmp_path, name: str, extra: list[str]):
+    run = tmp_path / name
+    args = [*QUICK, "logger=none", "logger.progress=never", f"hydra.run.dir={run}", *extra]
+    return run, start_entry(args, tmp_path)
+
+
+STREAMING = ["world=2", "replicas=2", "inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"]
+COMPRESSED = ["outer.compress=int8", "outer.reduce=two_phase"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Four short runs trained at once: the quick DiLoCo run, and one streaming compressed run on the
+    stacked engine, the loop engine and two real processes."""
+    tmp = tmp_path_factory.mktemp("clock")
+    started = {
+        "quick": _train(tmp, "quick", []),
+        "stacked": _train(tmp, "stacked", [*STREAMING, *COMPRESSED, "engine=stacked"]),
+        "loop": _train(tmp, "loop", [*STREAMING, *COMPRESSED, "engine=loop"]),
+        "dist": _train(tmp, "dist", [*STREAMING, *COMPRESSED, "processes=dist"]),
+    }
+    out = {}
+    for name, (run, proc) in started.items():
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-2000:]
+        resolved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
+        out[name] = (run, read_metrics(run), resolved)
+    return out
+
+
+def _modelled(**links) -> ClusterConfig:
+    cluster = ClusterConfig(name="test", compute="modelled", peak_tflops=1e-3, mfu=0.5, **links)
+    cluster.check()
+    return cluster
+
+
+def _params(rows) -> int:
+    return next(r["model/params"] for r in rows if r.get("kind") == "summary" and "model/params" in r)
+
+
+def test_a_runs_clock_is_its_formulas_added_by_hand(runs):
+    """The quick run: world 8, R 2 (L 4 ranks a replica), H 3, 6 updates of 1024 tokens a replica, 2
+    fp32 syncs. Every update: compute and the inner ring all-reduce; every sync: the outer one."""
+    _, rows, resolved = runs["quick"]
+    cluster = _modelled()
+    n = _params(rows)
+    tokens = next(r["tokens"] for r in rows if r.get("kind") == "update") / 2
+    compute = 6 * n * tokens / (1e9 * 0.5)
+    intra, inter = cluster.intra, cluster.inter
+    inner = 2 * 3 * (intra.latency + 4 * n / (4 * intra.bandwidth))
+    outer = 2 * 1 * (inter.latency + 4 * n / (2 * inter.bandwidth))
+    clock = clock_of(rows, resolved, cluster)
+    assert clock["total_s"] == pytest.approx(6 * (compute + inner) + 2 * outer, rel=1e-12)
+    assert clock["compute_s"] == pytest.approx(6 * compute, rel=1e-12)
+    assert [u["clock_s"] for u in clock["updates"]][:3] == pytest.approx(
+        [compute + inner, 2 * (compute + inner), 3 * (compute + inner) + outer], rel=1e-12
+    )
+    assert [(s["update"], s["outer_hidden_s"]) for s in clock["syncs"]] == [(3, 0.0), (6, 0.0)]
+    assert clock["syncs"][1]["compute_s"] == pytest.approx(3 * compute, rel=1e-12)
+    assert clock["compute_utilization"] == pytest.approx(6 * compute / clock["total_s"])
+    # the best held-out loss is the last sync's here, reached when the run ends
+    assert clock["time_to_best_s"] == pytest.approx(clock["total_s"])
+    # scaled to 1000x the parameters: compute and every byte scale, latencies do not
+    big = clock_of(rows, resolved, cluster, model_params=1000 * n)
+    inner_big = 2 * 3 * (intra.latency + 1000 * 4 * n / (4 * intra.bandwidth))
+    outer_big = 2 * (inter.latency + 1000 * 4 * n / (2 * inter.bandwidth))
+    assert big["total_s"] == pytest.approx(6 * (1000 * compute + inner_big) + 2 * outer_big, rel=1e-12)
+
+
+def test_the_clock_depends_on_schedule_and_bytes_never_on_the_engine(runs):
+    cluster = _modelled(straggler=StragglerConfig(sigma=0.3, seed=7))
+    clocks = {name: clock_of(runs[name][1], runs[name][2], cluster) for name in ("stacked", "loop", "dist")}
+    assert clocks["stacked"] == clocks["loop"] == clocks["dist"]
+
+
+def test_a_delayed_fragment_exposes_only_what_compute_did_not_hide_and_is_timed_by_its_payload(runs):
+    """The streaming run (H 4, P 2, tau 1, 8 updates, int8 two_phase, R 2): each scheduled landing was
+    taken one update earlier, so its all-to-all hides behind one update's compute and its all-gather of
+    shard means runs at the landing; the final flush of fragment 0 hides nothing."""
+    _, rows, resolved = runs["stacked"]
+    slow = LinkConfig("slow", bandwidth_gbit=1e-4, latency_us=1000.0)  # 12,500 bytes/s
+    cluster = _modelled(inter=slow)
+    n = _params(rows)
+    tokens = next(r["tokens"] for r in rows if r.get("kind") == "update") / 2  # over 2 replicas
+    compute = 6 * n * tokens / (1e9 * 0.5)
+    link = Link.of(slow)
+    syncs = [r for r in rows if r.get("kind") == "sync"]
+    clock = clock_of(rows, resolved, cluster)
+    assert [(s["update"], s["fragment"]) for s in clock["syncs"]] == [(2, 0), (4, 1), (6, 0), (8, 1), (8, 0)]
+    for row, sync in zip(syncs, clock["syncs"], strict=True):
+        a2a = all_to_all_s(row["payload_bytes"], 2, link)  # the payload's bytes, not fp32's
+        assert a2a > compute  # the link is slow enough that something shows
+        hidden = 0.0 if (sync["update"], sync["fragment"]) == (8, 0) else compute
+        assert sync["outer_hidden_s"] == pytest.approx(hidden, rel=1e-12)
+        assert sync["outer_exposed_s"] == pytest.approx(2 * a2a - hidden, rel=1e-12)
+        assert sync["outer_hidden_s"] + sync["outer_exposed_s"] == pytest.approx(
+            two_phase_s(row["payload_bytes"], 2, link)
+        )
+
+
+def _clock_cli(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "hypertrain.clock", *map(str, args)], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_the_command_prints_a_line_per_run_and_takes_cluster_overrides(runs):
+    run = runs["quick"][0]
+    done = _clock_cli(
+        run,
+        runs["stacked"][0],
+        "cluster=h100",
+        "cluster/inter=internet_1g",
+        "--model-params",
+        "1000000000",
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert (
+        len(lines) == 3 and lines[0].startswith("run") and "h100" in lines[1] and "1,000,000,000" in lines[1]
+    )
+    resolved = runs["quick"][2]
+    assert resolved["cluster"]["name"] == "cpu_here"  # a new run records its cluster, the default one
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{missing}"], "is not a run directory"),
+        (["{run}", "cluster=h200"], "Could not find 'cluster/h200'; valid: a100, cpu_here, h100"),
+        (["{run}", "cluster/inter=modem"], "Could not find 'cluster/inter/modem'; valid: cross_region_10g"),
+        (["{run}", "cluster.inter.bandwidth_gbit=0"], "cluster.inter.bandwidth_gbit=0.0 is not valid"),
+        (["{run}", "cluster.intra.latency_us=-5"], "cluster.intra.latency_us=-5.0 is not valid"),
+        (["{run}", "cluster.mfu=2"], r"cluster.mfu=2.0 is out of range; valid: (0, 1]"),
+        (["{run}", "cluster.mfu=abc"], "could not be converted to Float"),
+        (["{run}", "inner.H=3"], "'inner.H=3' is not a cluster override"),
+        (["{run}", "--model-params", "-3"], "--model-params='-3' is not valid"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, args, message):
+    run = runs["quick"][0]
+    done = _clock_cli(*[a.format(run=run, missing=tmp_path / "none") for a in args])
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("hypertrain.clock: error: ") and message in line, line
+
+
+def test_a_run_written_before_the_clock_replays_on_the_default_cluster(runs, tmp_path):
+    run, rows, resolved = runs["quick"]
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    OmegaConf.save(
+        OmegaConf.create({k: v for k, v in resolved.items() if k != "cluster"}), older / "config.yaml"
+    )
+    done, now = _clock_cli(older), _clock_cli(run)
+    assert (
+        done.returncode == 0
+        and done.stdout.splitlines()[1].split()[1:] == now.stdout.splitlines()[1].split()[1:]
+    )
