@@ -594,6 +594,7 @@ def test_a_streaming_run_reports_its_eval_rows_and_its_peak_outer_bytes(streamin
         assert int(shown["outer peak bytes/sync"].replace(",", "")) == row["comm_outer_peak_bytes"]
         assert int(shown["outer bytes/replica"].replace(",", "")) == row["comm_outer_bytes"]
         assert (shown["outer.fragments"], shown["outer.delay"]) == (str(P), str(tau))
+        # the table prints 4 decimals: rounding errs by at most half a unit in the 4th place
         assert abs(float(shown["held-out final"]) - curve[-1]) <= 0.5e-4 * (1 + 1e-9)
     assert seen == STREAMING_SWEEP
     peaks = {tuple(r["config"].values()): r["comm_outer_peak_bytes"] for r in record["runs"]}
