@@ -84,7 +84,6 @@ class Segment:
 
     index: int  # the 1-based round it belongs to
     updates: range  # the plan's update indices of the segment
-    round_updates: range  # those of its whole round
     assigns: list[Assignment]  # this process's replicas
     results: list[ReplicaResult]
     table: Tensor  # float64 [updates, R, len(REPLICA_COLUMNS)]
@@ -147,7 +146,6 @@ def rounds(
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
     while state.next_update < run.updates:
-        whole = range(state.round_first, min(state.round_first + cfg.inner.H, run.updates))
         end = schedule.next_cut(state.next_update)
         if every_updates:
             end = min(end, (state.next_update // every_updates + 1) * every_updates)
@@ -166,7 +164,6 @@ def rounds(
         part = Segment(
             state.rounds_done + 1,
             updates,
-            whole,
             assigns,
             results,
             groups.gather_round(local_table(assigns, results)),
