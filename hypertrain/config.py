@@ -412,7 +412,8 @@ class StragglerConfig:
 @dataclass
 class ClusterConfig:
     """The cluster the network clock simulates (docs/clock.md): per-replica compute and two link tiers.
-    It changes no number of training (it is in `MAY_CHANGE`); `python -m hypertrain.clock` replays it."""
+    It changes no weight, only the simulated seconds a run records (so a resumed run keeps it);
+    `python -m hypertrain.clock` re-times a finished run on another."""
 
     name: str = "cpu_here"  # the preset chosen (conf/cluster/), a label only
     # measured (the run's own seconds per update: its slowest process's) or modelled
@@ -520,7 +521,7 @@ def check_int64(node: Any, prefix: str = "") -> None:
 
 # The sections that never change a number of the run: a resumed run may change them, the run's hash
 # and the report's comparison leave them out.
-MAY_CHANGE = ("logger", "checkpoint", "guard", "resume", "cluster")
+MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -539,10 +540,13 @@ OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* bef
 
 def upgrade_resolved(resolved: dict) -> dict:
     """A resolved config (a run's config.yaml, a checkpoint's) written before the outer section's newer
-    fields (streaming, compression: given their neutral settings) or before the processes had their
-    own group, in today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc,
-    layout, timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned
-    as it is."""
+    fields (streaming, compression: given their neutral settings), before the cluster (the default
+    one, cpu_here, which the clock of such a run replays on) or before the processes had their own
+    group, in today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc, layout,
+    timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as it
+    is."""
+    if "outer" in resolved and "cluster" not in resolved:
+        resolved = {**resolved, "cluster": dataclasses.asdict(ClusterConfig())}
     outer = resolved.get("outer")
     if isinstance(outer, dict):  # fields added since (streaming, compression): their neutral settings
         missing = {k: v for k, v in dataclasses.asdict(OuterConfig()).items() if k not in outer}

@@ -275,7 +275,27 @@ class Outcome:
 
 
 def _untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k not in ("wall", "rank_seconds") and not k.endswith("_s")}
+    """A row without its timings: seconds, and the network clock (measured compute, the default, makes
+    it a timing; tests/test_clock.py compares clocks of modelled compute)."""
+    return {
+        k: v
+        for k, v in row.items()
+        if k not in ("wall", "rank_seconds") and not k.endswith("_s") and not k.startswith("clock")
+    }
+
+
+def recorded_clock(run_dir: Path) -> dict:
+    """What a run's records say of its network clock (docs/clock.md): every update, sync and eval row's
+    clock fields in the order written, and the last summary's `clock/` totals."""
+    rows = read_metrics(run_dir / METRICS_FILE)
+    fields = [
+        (r["kind"], r["update"], {k: v for k, v in r.items() if k.startswith("clock_")})
+        for r in rows
+        if r["kind"] in ("update", "sync", "eval") and r["update"] > 0
+    ]
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items() if k.startswith("clock/")}
+    assert fields and summary, "the run recorded no clock"
+    return {"rows": fields, "summary": summary}
 
 
 def outcome(run_dir: Path) -> Outcome:

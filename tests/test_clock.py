@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUICK, REPO, finish, start_entry
+from helpers import QUICK, REPO, finish, recorded_clock, start_entry
 from omegaconf import OmegaConf
 
 from hypertrain.clock.formulas import (
@@ -24,7 +24,8 @@ from hypertrain.clock.formulas import (
     ring_allreduce_s,
     two_phase_s,
 )
-from hypertrain.clock.replay import clock_of, straggler_factor, taken_at
+from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
+from hypertrain.clock.timeline import straggler_factor, taken_at
 from hypertrain.config import LINKS, ClusterConfig, ConfigError, LinkConfig, StragglerConfig
 from hypertrain.run.records import read_metrics
 
@@ -109,18 +110,20 @@ def _train(tmp_path, name: str, extra: list[str]):
 
 STREAMING = ["world=2", "replicas=2", "inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"]
 COMPRESSED = ["outer.compress=int8", "outer.reduce=two_phase"]
+MODELLED = ["cluster=h100", "cluster.straggler.sigma=0.3"]  # a clock that reads no timing
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Four short runs trained at once: the quick DiLoCo run, and one streaming compressed run on the
-    stacked engine, the loop engine and two real processes."""
+    """Four short runs trained at once: the quick DiLoCo run (on the default cluster, cpu_here: measured
+    compute), and one streaming compressed run on h100 (modelled compute, stragglers) on the stacked
+    engine, the loop engine and two real processes."""
     tmp = tmp_path_factory.mktemp("clock")
     started = {
         "quick": _train(tmp, "quick", []),
-        "stacked": _train(tmp, "stacked", [*STREAMING, *COMPRESSED, "engine=stacked"]),
-        "loop": _train(tmp, "loop", [*STREAMING, *COMPRESSED, "engine=loop"]),
-        "dist": _train(tmp, "dist", [*STREAMING, *COMPRESSED, "processes=dist"]),
+        "stacked": _train(tmp, "stacked", [*STREAMING, *COMPRESSED, *MODELLED, "engine=stacked"]),
+        "loop": _train(tmp, "loop", [*STREAMING, *COMPRESSED, *MODELLED, "engine=loop"]),
+        "dist": _train(tmp, "dist", [*STREAMING, *COMPRESSED, *MODELLED, "processes=dist"]),
     }
     out = {}
     for name, (run, proc) in started.items():
@@ -155,11 +158,15 @@ def test_a_runs_clock_is_its_formulas_added_by_hand(runs):
     clock = clock_of(rows, resolved, cluster)
     assert clock["total_s"] == pytest.approx(6 * (compute + inner) + 2 * outer, rel=1e-12)
     assert clock["compute_s"] == pytest.approx(6 * compute, rel=1e-12)
-    assert [u["clock_s"] for u in clock["updates"]][:3] == pytest.approx(
-        [compute + inner, 2 * (compute + inner), 3 * (compute + inner) + outer], rel=1e-12
+    # an update's clock is at its end, before the sync landing after it; the sync's after it
+    assert [u["clock_s"] for u in clock["updates"]][:4] == pytest.approx(
+        [compute + inner, 2 * (compute + inner), 3 * (compute + inner), 4 * (compute + inner) + outer],
+        rel=1e-12,
     )
-    assert [(s["update"], s["outer_hidden_s"]) for s in clock["syncs"]] == [(3, 0.0), (6, 0.0)]
-    assert clock["syncs"][1]["compute_s"] == pytest.approx(3 * compute, rel=1e-12)
+    assert [(s["update"], s["clock_outer_hidden_s"]) for s in clock["syncs"]] == [(3, 0.0), (6, 0.0)]
+    assert clock["syncs"][0]["clock_s"] == pytest.approx(3 * (compute + inner) + outer, rel=1e-12)
+    assert clock["syncs"][1]["clock_compute_s"] == pytest.approx(3 * compute, rel=1e-12)
+    assert clock["syncs"][1]["clock_inner_s"] == pytest.approx(3 * inner, rel=1e-12)
     assert clock["compute_utilization"] == pytest.approx(6 * compute / clock["total_s"])
     # the best held-out loss is the last sync's here, reached when the run ends
     assert clock["time_to_best_s"] == pytest.approx(clock["total_s"])
@@ -194,11 +201,53 @@ def test_a_delayed_fragment_exposes_only_what_compute_did_not_hide_and_is_timed_
         a2a = all_to_all_s(row["payload_bytes"], 2, link)  # the payload's bytes, not fp32's
         assert a2a > compute  # the link is slow enough that something shows
         hidden = 0.0 if (sync["update"], sync["fragment"]) == (8, 0) else compute
-        assert sync["outer_hidden_s"] == pytest.approx(hidden, rel=1e-12)
-        assert sync["outer_exposed_s"] == pytest.approx(2 * a2a - hidden, rel=1e-12)
-        assert sync["outer_hidden_s"] + sync["outer_exposed_s"] == pytest.approx(
+        assert sync["clock_outer_hidden_s"] == pytest.approx(hidden, rel=1e-12)
+        assert sync["clock_outer_exposed_s"] == pytest.approx(2 * a2a - hidden, rel=1e-12)
+        assert sync["clock_outer_hidden_s"] + sync["clock_outer_exposed_s"] == pytest.approx(
             two_phase_s(row["payload_bytes"], 2, link)
         )
+
+
+def test_training_records_its_clock_the_same_on_every_engine_and_as_the_replay(runs):
+    """With modelled compute the records of one run hold one clock whatever computed it (==): every
+    update's `clock_s`, every sync's split, every eval's `clock_s` and the summary's totals; each equals
+    the replay of the same records on the run's own cluster exactly (one arithmetic, `timeline.Clock`)."""
+    recorded = {name: recorded_clock(runs[name][0]) for name in ("stacked", "loop", "dist")}
+    assert recorded["stacked"] == recorded["loop"] == recorded["dist"]
+    _, rows, resolved = runs["stacked"]
+    cluster = run_cluster(resolved)
+    assert cluster.name == "h100" and cluster.compute == "modelled" and cluster.straggler.sigma == 0.3
+    replay = clock_of(rows, resolved, cluster)
+    got = recorded["stacked"]
+    assert [f["clock_s"] for kind, _, f in got["rows"] if kind == "update"] == [
+        u["clock_s"] for u in replay["updates"]
+    ]
+    syncs = [f for kind, _, f in got["rows"] if kind == "sync"]
+    assert syncs == [{k: v for k, v in s.items() if k.startswith("clock_")} for s in replay["syncs"]]
+    evals = [(u, f["clock_s"]) for kind, u, f in got["rows"] if kind == "eval"]
+    assert evals == [(h["update"], h["clock_s"]) for h in replay["heldout"] if h["update"] > 0]
+    assert got["summary"] == {
+        f"clock/{k}": replay[k] for k in (s.removeprefix("clock/") for s in got["summary"])
+    }
+    assert got["summary"]["clock/total_s"] == syncs[-1]["clock_s"] > 0
+    assert 0 < got["summary"]["clock/compute_utilization"] < 1
+    # the time to the best held-out loss is the clock of the eval row that holds it
+    best = min((h for h in replay["heldout"]), key=lambda h: h["eval_loss"])
+    assert got["summary"]["clock/time_to_best_s"] == best["clock_s"] > 0
+    assert time_to_loss(replay["heldout"], best["eval_loss"]) == best["clock_s"]
+    assert time_to_loss(replay["heldout"], best["eval_loss"] - 1e-9) is None
+
+
+def test_a_measured_clock_is_the_runs_own_rank_seconds(runs):
+    """On the default cluster (cpu_here, measured) each update's compute is its row's slowest
+    `rank_seconds`: the recorded clock equals the replay of the records, and the first update's clock is
+    that update's seconds plus the inner all-reduce."""
+    _, rows, resolved = runs["quick"]
+    replay = clock_of(rows, resolved, run_cluster(resolved))
+    updates = [r for r in rows if r.get("kind") == "update"]
+    assert [r["clock_s"] for r in updates] == [u["clock_s"] for u in replay["updates"]]
+    inner = clock_of(rows, resolved, run_cluster(resolved))["inner_s"] / len(updates)
+    assert updates[0]["clock_s"] == pytest.approx(max(updates[0]["rank_seconds"]) + inner, rel=1e-12)
 
 
 def _clock_cli(*args, cwd=REPO):

@@ -1,7 +1,8 @@
 """The house's one rule: imports point one way, down the layers below, and no modules import each other
 in a circle. `LAYERS` is the order, written once (docs/design.md, "The house"); a module's layer is its
-package (or, for a top-level module, the module) under `hypertrain/`. Imports are read with `ast` from
-every file, those inside functions too, so a lazy import cannot hide an upward one.
+package (or, for a top-level module, the module) under `hypertrain/`, and a package's `__main__` is an
+entry. Imports are read with `ast` from every file, those inside functions too, so a lazy import cannot
+hide an upward one.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ LAYERS = (
     "optim",  # the inner optimizers
     "engines",  # how one process computes its replicas' inner steps
     "distributed",  # process layouts, groups and collectives, launchers' environments
+    "clock",  # the network clock: a run's simulated seconds on a named cluster, row by row
     "diloco",  # rounds, the sync pipeline, the outer step, the run's state
     "run",  # preparation, training with records and checkpoints, sessions, real processes
-    "report",  # reading and comparing runs
-    "clock",  # the network clock: a finished run's simulated seconds on a named cluster
+    "report",  # reading and comparing runs, on the measured and the simulated clock
     "launchers",  # what Hydra loads to launch sweeps
-    "train",  # the entry
+    "train",  # the entries: hypertrain.train and every package's __main__ (python -m ...)
 )
 # Third-party packages a layer must not load (the plan is numpy only; the model needs no Hydra).
 FORBIDDEN = {"plan": ("torch", "hydra", "omegaconf", "wandb"), "model": ("hydra", "omegaconf", "wandb")}
@@ -74,7 +75,11 @@ def graph(root: Path) -> dict[str, set[str]]:
 
 
 def layer(module: str) -> str:
+    """A module's layer: its package under `hypertrain/`, or the entries' (`train`) for a package's
+    `__main__`, which is a command (`python -m hypertrain.clock`) and may import any layer."""
     parts = module.split(".")
+    if parts[-1] == "__main__":
+        return "train"
     return parts[1] if len(parts) > 1 else ""
 
 

@@ -32,6 +32,7 @@ from helpers import (
     entry,
     finish,
     fragment_landings,
+    recorded_clock,
     side_by_side,
     simulate_streaming,
     start_entry,
@@ -228,7 +229,8 @@ def test_real_processes_equal_the_simulation_with_fragments_and_delay(tmp_path, 
 # P = 2, H = 8, tau = 1: fragment 0 is taken after update 3 and lands after update 4. A checkpoint every
 # 3 updates falls right after the take (and at 6 and 9; the periods' ends, 8 and 12, checkpoint too).
 MEASURED = "comm_measured_outer_bytes"
-KILL_RUN = [*RUN, *STREAM, "checkpoint.every_updates=3", "checkpoint.keep=10"]
+# cluster=h100: modelled compute, so the network clock is a number of the run, compared exactly on resume
+KILL_RUN = [*RUN, *STREAM, "checkpoint.every_updates=3", "checkpoint.keep=10", "cluster=h100"]
 KILL_ENGINES = {
     "stacked": ([], "0:4:kill:after", KILLED),  # the entry itself
     "dist": (["processes=dist", "world=2", "replicas=2"], "1:4:kill:after", RankFailed.exit_code),  # rank 1
@@ -259,8 +261,9 @@ def test_killed_while_a_reduction_is_in_flight_resumes_bit_identically(tmp_path,
     taken right after the take; `resume=true` goes on from it and the run equals an uninterrupted run of
     the same config exactly (==, torch.equal: the same machine runs the same arithmetic in the same
     order): every update row, every sync row (fragment, norm, bytes), every eval row's held-out loss,
-    the summary's final figures and weights.pt (`assert_identical_streaming`). The checkpoint stores the
-    waited-for mean (`check_pending_checkpoint`).
+    the summary's final figures and weights.pt (`assert_identical_streaming`), and the network clock
+    (modelled compute: every row's clock fields and the summary's totals, `recorded_clock`). The
+    checkpoint stores the waited-for mean (`check_pending_checkpoint`).
 
     Under processes=dist the sync rows also hold the measured payload bytes handed to the outer
     collectives (`comm_measured_outer_bytes`); the landing after update 4, whose reduction the killed
@@ -288,6 +291,7 @@ def test_killed_while_a_reduction_is_in_flight_resumes_bit_identically(tmp_path,
     resumed = entry([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert_identical_streaming(run_dir, reference, skip=(MEASURED,))
+    assert recorded_clock(run_dir) == recorded_clock(reference)  # the clock goes on from the checkpoint
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["from"] for r in rows if r["kind"] == "resume"] == [str(ckpt(run_dir, 3))]
     if engine != "stacked":

@@ -1,3 +1,4 @@
-"""The network clock (docs/clock.md): how long a finished run would take on a named cluster, from its
-records and its config alone (`replay.clock_of`), with the collectives' alpha-beta formulas
-(`formulas`); `python -m hypertrain.clock RUN_DIR ... cluster=...` prints it."""
+"""The network clock (docs/clock.md): how long a run would take on a named cluster, from its schedule
+and bytes alone. `formulas`: the collectives' alpha-beta seconds; `timeline.Clock`: the running clock
+training writes into its rows; `replay.clock_of`: the same clock of a finished run on any cluster
+(`python -m hypertrain.clock RUN_DIR ... cluster=...`, hypertrain.report.retime)."""

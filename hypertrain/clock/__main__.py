@@ -1,7 +1,7 @@
-"""python -m hypertrain.clock: the network clock of finished runs (hypertrain.clock.cli)."""
+"""python -m hypertrain.clock: the network clock of finished runs on a cluster (hypertrain.report.retime)."""
 
 import sys
 
-from hypertrain.clock.cli import main
+from hypertrain.report.retime import main
 
 sys.exit(main())

@@ -9,16 +9,19 @@ from the global ones (`round_params`: in the middle of a round, or always with f
 alpha), whether each has stepped since each fragment's last sync (`round_stepped`), and a fragment's
 sync in flight (`pending`, its result stored). Nothing in training draws random numbers after the
 initial weights (the plan and the data order are pure functions of the config), so there is no RNG
-state to carry. `state_dict()` gives plain tensors and numbers; `load_state_dict` puts them back.
+state to carry. The network clock (`clock`) is the writer's running sum of simulated seconds.
+`state_dict()` gives plain tensors and numbers; `load_state_dict` puts them back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from hypertrain import plan
+from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch
 from hypertrain.data.datasets import Dataset
@@ -26,7 +29,7 @@ from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.diloco.fragments import fragment_of
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
-from hypertrain.model.transformer import Params, param_roles
+from hypertrain.model.transformer import Params, count_params, param_roles
 from hypertrain.optim.inner import OptState, init_state
 
 
@@ -73,6 +76,9 @@ class RunState:
     # outer.error_feedback: each local replica's error buffer [1, ...] per parameter (fp32): what
     # compression left out of its pseudo-gradients so far, added to its next one
     errors: list[Params] | None = None
+    # the network clock (docs/clock.md), fed by the writer with the rows it writes; None for the rest of
+    # a run resumed from a checkpoint written before the clock
+    clock: Clock | None = None
 
     @property
     def mid_round(self) -> bool:
@@ -90,7 +96,8 @@ class RunState:
         errors = None
         if cfg.outer.error_feedback:
             errors = [{n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()} for _ in local]
-        return cls(theta, init_outer_state(theta), states, local, errors=errors)
+        clock = Clock(Shape.of(dataclasses.asdict(cfg)), cfg.cluster, count_params(cfg.model))
+        return cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
 
     def stepped_in(self, fragment: int) -> list[bool]:
         """Whether each local replica has stepped since `fragment`'s last sync."""
@@ -138,6 +145,7 @@ class RunState:
             "round_stepped": [r["stepped"] for r in records] if mid else None,
             "pending": pending,
             "errors": [r["errors"] for r in records] if self.errors is not None else None,
+            "clock": self.clock.state_dict() if self.clock is not None else None,
         }
 
     @torch.no_grad()
@@ -176,6 +184,10 @@ class RunState:
             ):
                 for name, t in buffers.items():
                     t.copy_(kept[name])
+        if saved.get("clock") is None:
+            self.clock = None
+        elif self.clock is not None:
+            self.clock.load_state_dict(saved["clock"])
         if saved.get("pending") is not None:
             mine = [where[m] for m in self.replicas]
             self.pending = Pending.from_state_dict(saved["pending"], mine, device)

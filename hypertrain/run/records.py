@@ -13,7 +13,8 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
   every session of a file is visible.
 - `eval`: the held-out loss before training, `{"kind", "update", "round", "eval_loss"}` (`log_eval`).
 - `update`: `{"kind", "update", "round", "lr", "loss": [per replica, null = skipped], "tokens", "wall",
-  ..., "loss_mean"}` (`log_update`).
+  "rank_seconds", "clock_s", ..., "loss_mean"}` (`log_update`; `clock_s`: the network clock at the
+  update's end, docs/clock.md).
 - `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
   "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
 - `summary`: `{"kind", ...values}` (`summary`).
@@ -27,7 +28,9 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
 W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
 `train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
 `sync/pseudo_grad_norm`, `sync/<extra>`, `comm/inner_bytes`, `comm/outer_bytes`, `comm/inner_total`,
-`comm/outer_total`; summary keys as given.
+`comm/outer_total`, `clock/seconds` (every update's and sync's `clock_s`), `clock/compute_s`,
+`clock/inner_s`, `clock/outer_exposed_s`, `clock/outer_hidden_s` (a sync's split); summary keys as given
+(the clock's totals under `clock/`, docs/clock.md).
 
 W&B that cannot start is refused before anything is written where that can be known (`check_wandb`:
 the mode, the project's name, credentials for an online mode); where `wandb.init` still fails,
@@ -426,8 +429,16 @@ class RunLogger:
         for key, value in extra.items():
             value = _plain(value) if hasattr(value, "item") else value
             if _scalar(value):  # lists and strings stay in metrics.jsonl only
-                data[f"{prefix}{key}"] = value
+                data[_clock_key(key) or f"{prefix}{key}"] = value
         self._run.log(data, commit=True)
+
+
+def _clock_key(key: str) -> str | None:
+    """The network clock's W&B keys: `clock_s` (an update's or a sync's, the clock at its end) is
+    `clock/seconds`, a sync's `clock_<part>` is `clock/<part>`; None for any other field."""
+    if key == "clock_s":
+        return "clock/seconds"
+    return f"clock/{key.removeprefix('clock_')}" if key.startswith("clock_") else None
 
 
 def read_metrics(path: Path | str) -> list[dict]:

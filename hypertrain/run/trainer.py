@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from hypertrain.clock.timeline import Clock
 from hypertrain.diloco.communication import round_bytes
 from hypertrain.diloco.fragments import Schedule
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
@@ -50,14 +51,16 @@ def device_name(device: str) -> str:
     return f"cpu: {model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def sync_rows(cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int, extra: dict) -> list[dict]:
+def sync_rows(
+    cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int, extra: dict, clock: Clock | None
+) -> list[dict]:
     """The rows of the syncs that landed after `rnd`, advancing `totals`: the pseudo-gradient norm, the
     replicas that took part, the formula's bytes (inner: the updates since the previous sync, on the
     first row; outer: the synced parameters' ring all-reduce across replicas) and what real processes
     measured since the previous landing (the first row's includes the updates' gradient all-reduces).
     DiLoCo's one sync row also holds the held-out loss (`eval_loss`) and `extra` (a multistream
     model's per-channel held-out losses); with fragments each row names its fragment and the held-out
-    loss has its own row."""
+    loss has its own row. With `clock` each row gets its simulated seconds (`Clock.sync`)."""
     count = rnd.updates[-1] + 1
     since = count - Schedule.of(cfg, count).previous_land(count)
     rows = []
@@ -82,7 +85,12 @@ def sync_rows(cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int,
             "comm_outer_total": totals.comm_outer_bytes,
             **stage,
         }
-        rows.append(row | sync.measured | extra)
+        row |= sync.measured | extra
+        if clock is not None:
+            row |= clock.sync(row)
+            if "eval_loss" in row:
+                clock.heldout(row["eval_loss"])
+        rows.append(row)
     return rows
 
 
@@ -111,7 +119,8 @@ def after_syncs(
     verdict, why = sync_verdict(run, rnd, eval_loss if groups.is_writer and rnd.ends_round else None)
     streaming = cfg.outer.fragments > 1
     extra = {} if streaming else channels
-    rows = sync_rows(cfg, rnd, eval_loss if rnd.ends_round else None, state.totals, n_params, extra)
+    clock = state.clock if groups.is_writer else None
+    rows = sync_rows(cfg, rnd, eval_loss if rnd.ends_round else None, state.totals, n_params, extra, clock)
     if groups.is_writer:
         if verdict != HELDOUT_NON_FINITE or streaming:
             for row in rows:
@@ -120,6 +129,8 @@ def after_syncs(
             progress.eval_loss = eval_loss
             if streaming:
                 totals = {k: rows[-1][k] for k in ("comm_inner_total", "comm_outer_total")}
+                if clock is not None:
+                    totals["clock_s"] = clock.heldout(eval_loss)
                 log.log_eval(rnd.updates[-1] + 1, eval_loss, rnd.index, **totals, **channels)
     stop_on_verdict(groups.max_over_processes(verdict), verdict, why, rnd)
     if checkpointer is not None:
@@ -186,7 +197,10 @@ def train(
         }
     )
     eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
+    clock = state.clock if writer else None  # the writer's: fed the rows it writes
     if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
+        if clock is not None:
+            clock.heldout(eval_loss)
         log.log_eval(update=0, eval_loss=eval_loss, **channels)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
@@ -213,19 +227,20 @@ def train(
             tokens = int(rnd.replica_column("targets")[t].sum())
             totals.tokens += tokens
             totals.replica_steps += len(stepped)
-            log.log_update(
-                {
-                    "update": u + 1,
-                    "round": rnd.index,
-                    "lr": rnd.assigns[0].lr(cfg, t),
-                    "loss": losses,
-                    "tokens": tokens,
-                    "grad_accum": int(rnd.replica_column("microbatches")[t].max()),
-                    "wall": round_end,
-                    "rank_seconds": rnd.process_column("seconds")[:, t].tolist(),  # each process's time
-                    **channel_losses(rnd, t),
-                }
-            )
+            row = {
+                "update": u + 1,
+                "round": rnd.index,
+                "lr": rnd.assigns[0].lr(cfg, t),
+                "loss": losses,
+                "tokens": tokens,
+                "grad_accum": int(rnd.replica_column("microbatches")[t].max()),
+                "wall": round_end,
+                "rank_seconds": rnd.process_column("seconds")[:, t].tolist(),  # each process's time
+                **channel_losses(rnd, t),
+            }
+            if clock is not None:
+                row["clock_s"] = clock.update(row)
+            log.log_update(row)
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
         if rnd.syncs or rnd.ends_round:
             evaluated = after_syncs(run, state, rnd, groups, log, progress, checkpointer, n_params)
@@ -247,6 +262,7 @@ def train(
         }
         | throughput.window(end)
         | throughput.summary()
+        | (clock.summary() if clock is not None else {})
     )
     log.summary(summary)
     return summary, state

@@ -2,6 +2,7 @@
 clock of finished runs on a cluster, one line per run. Overrides compose as the training entry's do
 (`cluster=h100 cluster/inter=internet_1g cluster.inter.bandwidth_gbit=1`); with none, each run's own
 `cluster` (its config.yaml; cpu_here for a run written before the clock). Bad input: one line, exit 2.
+The implementation of `python -m hypertrain.clock` (hypertrain/clock/__main__.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hypertrain.clock.replay import clock_of
+from hypertrain.clock.replay import clock_of, run_cluster
 from hypertrain.config import ClusterConfig, ConfigError
 from hypertrain.run.records import METRICS_FILE, read_metrics
 
@@ -63,15 +64,6 @@ def compose_cluster(overrides: list[str]) -> ClusterConfig:
         raise
     except Exception as e:  # Hydra's and OmegaConf's own errors (an unknown preset, a bad number)
         raise ConfigError(composition_error(e)) from None
-    cluster.check()
-    return cluster
-
-
-def run_cluster(resolved: dict) -> ClusterConfig:
-    """The cluster a run recorded in its config.yaml (the default one for a run written before it)."""
-    if "cluster" not in resolved:
-        return compose_cluster([])
-    cluster = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig), resolved["cluster"]))
     cluster.check()
     return cluster
 

@@ -1,0 +1,205 @@
+"""The running network clock of a run (`Clock`): fed a run's rows in the order they are written (an
+update's row, the sync rows landing after it, a held-out evaluation), it gives every update its
+cumulative simulated seconds, every sync the split of the seconds since the previous landing, and the
+run's totals on a cluster. Training feeds it as it writes (its state travels in the checkpoint); the
+replay (`replay.clock_of`) feeds it a finished run's rows: one arithmetic, so one answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hypertrain.clock.formulas import (
+    Link,
+    all_gather_s,
+    all_to_all_s,
+    exposed_s,
+    modelled_compute_s,
+    ring_allreduce_s,
+)
+from hypertrain.config import ClusterConfig, StragglerConfig
+
+FP32_BYTES = 4
+
+
+def straggler_factor(straggler: StragglerConfig, round_index: int, replicas: int) -> float:
+    """The slowest replica's slowdown in round `round_index`: max over the R replicas of
+    `exp(sigma * z)`, z standard normals from `default_rng([seed, round])`; exactly 1 when sigma = 0."""
+    if straggler.sigma == 0:
+        return 1.0
+    z = np.random.default_rng([straggler.seed, round_index]).standard_normal(replicas)
+    return float(np.exp(straggler.sigma * z).max())
+
+
+def taken_at(count: int, fragment: int, H: int, P: int, tau: int) -> int:
+    """The update count after which the pseudo-gradient landing after `count` was taken (the streaming
+    schedule, docs/streaming.md): tau earlier at its scheduled landing `k*H + (p+1)*H/P`; at the phase's
+    final flush, when it was in flight, at its scheduled take; otherwise at the landing itself."""
+    if tau == 0:
+        return count
+    stride = H // P
+    if (count % H or H) == (fragment + 1) * stride:
+        return count - tau
+    k = (count - 1) // H
+    for period in (k, k + 1):
+        land = period * H + (fragment + 1) * stride
+        if land - tau < count < land:
+            return land - tau
+    return count
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What of a run's config the clock reads: R, the L ranks of a replica, H, the fragments, their
+    delay and the outer exchange's scheme."""
+
+    replicas: int
+    ranks_per_replica: int
+    H: int
+    fragments: int
+    delay: int
+    compress: str
+    reduce: str
+
+    @classmethod
+    def of(cls, resolved: dict) -> Shape:
+        """From a resolved config as plain containers (config.yaml, or `dataclasses.asdict(cfg)`)."""
+        R, outer = int(resolved["replicas"]), resolved["outer"]
+        return cls(
+            R,
+            int(resolved["world"]["size"]) // R,
+            int(resolved["inner"]["H"]),
+            int(outer["fragments"]),
+            int(outer["delay"]),
+            str(outer["compress"]),
+            str(outer["reduce"]),
+        )
+
+
+class Clock:
+    """The simulated seconds of one run on `cluster` (docs/clock.md, "The clock of a run").
+
+    `run_params` is the run's parameter count; `model_params` N (optional) rescales every byte by
+    N / run_params, modelled compute to `6 * N * tokens`, measured compute by N / run_params."""
+
+    def __init__(
+        self, shape: Shape, cluster: ClusterConfig, run_params: int, model_params: int | None = None
+    ):
+        self.shape, self.cluster, self.run_params = shape, cluster, int(run_params)
+        self.params = self.run_params if model_params is None else int(model_params)
+        self.scale = self.params / self.run_params
+        self.intra, self.inter = Link.of(cluster.intra), Link.of(cluster.inter)
+        self.total_s = self.compute_s = self.inner_s = self.outer_exposed_s = self.outer_hidden_s = 0.0
+        self.since_compute_s = self.since_inner_s = 0.0  # since the previous landing
+        self.recent: dict[int, float] = {}  # the compute seconds of the last H updates, by update count
+        self.best: tuple[float, float] | None = None  # the lowest held-out loss and the clock at it
+
+    def update(self, row: dict) -> float:
+        """An `update` row (`update`, `round`, `loss`, `tokens`, `rank_seconds`): its compute, the
+        slowest replica's (modelled, or the slowest process's measured seconds) times the round's
+        straggler factor, then the inner ring all-reduce of the fp32 gradient among a replica's L
+        ranks. Returns the clock at its end (`clock_s`), before any sync landing after it."""
+        shape, cluster = self.shape, self.cluster
+        losses = row.get("loss")
+        stepped = sum(x is not None for x in losses) if isinstance(losses, list) else shape.replicas
+        if cluster.compute == "modelled":
+            one_replica_tokens = row["tokens"] / max(stepped, 1)
+            seconds = modelled_compute_s(self.params, one_replica_tokens, cluster.peak_flops, cluster.mfu)
+        else:
+            seconds = max(row["rank_seconds"]) * self.scale
+        compute = seconds * straggler_factor(cluster.straggler, row["round"], shape.replicas)
+        inner = ring_allreduce_s(FP32_BYTES * self.params, shape.ranks_per_replica, self.intra)
+        u = int(row["update"])
+        self.recent[u] = compute
+        for old in [v for v in self.recent if v <= u - shape.H]:
+            del self.recent[old]
+        self.compute_s += compute
+        self.inner_s += inner
+        self.since_compute_s += compute
+        self.since_inner_s += inner
+        self.total_s += compute + inner
+        return self.total_s
+
+    def sync(self, row: dict) -> dict:
+        """A `sync` row (`update`, `fragment`, `comm_outer_bytes`, `payload_bytes`): the outer exchange
+        among the R replicas over the inter link by scheme (fp32 ring all-reduce of the synced
+        parameters; a compressed payload's all-gather, or two_phase's all-to-all then the all-gather of
+        shard means at the landing), the part started tau updates earlier hidden by those updates'
+        compute. Returns the row's clock fields: the compute and inner seconds since the previous
+        landing (on the first row of an update), outer exposed and hidden seconds, and `clock_s`."""
+        shape = self.shape
+        u, p, R = int(row["update"]), int(row.get("fragment", 0)), shape.replicas
+        hideable = at_landing = 0.0
+        if not row.get("comm_outer_bytes"):  # R = 1, or no replica stepped: nothing was exchanged
+            pass
+        elif shape.compress == "none":
+            synced = (
+                FP32_BYTES * self.run_params
+                if shape.fragments == 1
+                else row["comm_outer_bytes"] * R / (2 * (R - 1))  # the fragment's: the ring formula inverted
+            )
+            hideable = ring_allreduce_s(synced * self.scale, R, self.inter)
+        elif shape.reduce == "two_phase" and shape.compress != "topk":
+            b = row["payload_bytes"] * self.scale
+            hideable = at_landing = all_to_all_s(b, R, self.inter)
+        else:
+            hideable = all_gather_s(row["payload_bytes"] * self.scale, R, self.inter)
+        since = range(taken_at(u, p, shape.H, shape.fragments, shape.delay) + 1, u + 1)
+        exposed = exposed_s(hideable, sum(self.recent.get(v, 0.0) for v in since))
+        split = {
+            "clock_compute_s": self.since_compute_s,
+            "clock_inner_s": self.since_inner_s,
+            "clock_outer_exposed_s": exposed + at_landing,
+            "clock_outer_hidden_s": hideable - exposed,
+        }
+        self.since_compute_s = self.since_inner_s = 0.0
+        self.outer_exposed_s += split["clock_outer_exposed_s"]
+        self.outer_hidden_s += split["clock_outer_hidden_s"]
+        self.total_s += split["clock_outer_exposed_s"]
+        return split | {"clock_s": self.total_s}
+
+    def heldout(self, loss: float | None) -> float:
+        """A held-out loss of the global weights as they are now (an `eval` row, or DiLoCo's sync row
+        after its sync): kept when it is the lowest finite one so far. Returns the clock now."""
+        if loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best[0]):
+            self.best = (float(loss), self.total_s)
+        return self.total_s
+
+    def summary(self) -> dict:
+        """The run's totals under `clock/`: cluster, parameters timed, seconds, compute utilization
+        (compute / total), the lowest held-out loss and the clock when it was reached."""
+        return {
+            "clock/cluster": self.cluster.name,
+            "clock/params": self.params,
+            "clock/total_s": self.total_s,
+            "clock/compute_s": self.compute_s,
+            "clock/inner_s": self.inner_s,
+            "clock/outer_exposed_s": self.outer_exposed_s,
+            "clock/outer_hidden_s": self.outer_hidden_s,
+            "clock/compute_utilization": self.compute_s / self.total_s if self.total_s > 0 else 1.0,
+            "clock/best_heldout_loss": None if self.best is None else self.best[0],
+            "clock/time_to_best_s": None if self.best is None else self.best[1],
+        }
+
+    _FLOATS = ("total_s", "compute_s", "inner_s", "outer_exposed_s", "outer_hidden_s")
+    _FLOATS += ("since_compute_s", "since_inner_s")
+
+    def state_dict(self) -> dict:
+        """Plain numbers: what a checkpoint keeps so that a resumed run's clock goes on exactly."""
+        return {
+            "cluster": dataclasses.asdict(self.cluster),
+            "params": self.params,
+            **{name: getattr(self, name) for name in self._FLOATS},
+            "recent": sorted(self.recent.items()),
+            "best": None if self.best is None else list(self.best),
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        for name in self._FLOATS:
+            setattr(self, name, float(saved[name]))
+        self.recent = {int(u): float(s) for u, s in saved["recent"]}
+        self.best = None if saved["best"] is None else (float(saved["best"][0]), float(saved["best"][1]))
