@@ -45,8 +45,10 @@ formulas hold. At world 2 both directions share one connection, so a notice wait
 written before it: the all-reduce, which posts its receives before its sends, loses little to it, but
 the all-gather posts each send before its receive, so when one rank starts more than a message's
 latency (0.1 ms) after the other, it writes both its halves before its two notices and the other
-rank's halves leave only after them: about 1.5 b/beta, not b/beta. That case cannot match the
-all-gather formula on gloo: it is printed, and checked only from below (not faster than the link).
+rank's halves leave only after them: about 1.5 b/beta, not b/beta. Starting the two ranks together
+does not remove it (tried: after the barrier both spun to a deadline agreed by an all-reduce MAX, start
+skew of microseconds: +61.5% at 50 Mbit/s, +35% at 1 Gbit/s). That case cannot match the all-gather
+formula on gloo: it is printed, and checked only from below (not faster than the link).
 
 Measured (8 runs on 2 cores, idle or beside one or two busy loops; 50 Mbit/s: median over formula):
 world 4 all-reduce 1.56 s against 1.441 s (+7.7 to +9.2%, repetitions 1.545-1.722 s); world 4

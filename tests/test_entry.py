@@ -43,6 +43,14 @@ def test_default_entry_writes_metrics_plan_and_a_matching_wandb_run(tmp_path):
     for key in ("plan/union_sha256", "plan/data_order_sha256", "data/fingerprint"):
         assert wandb_run["summary"][key] == facts[key]
     assert wandb_run["config"]["replicas"] == 2
+    # the network clock (docs/clock.md) under clock/: every update's and sync's clock_s, a sync's split
+    clocks = [h["clock/seconds"] for h in history if "clock/seconds" in h]
+    assert clocks == [r["clock_s"] for r in rows if r["kind"] in ("update", "sync")]
+    assert clocks == sorted(clocks) and clocks[0] > 0
+    split = [h["clock/outer_exposed_s"] for h in history if "clock/outer_exposed_s" in h]
+    assert split == [r["clock_outer_exposed_s"] for r in syncs] and all(s > 0 for s in split)
+    summary = [r for r in rows if r["kind"] == "summary"][-1]
+    assert wandb_run["summary"]["clock/total_s"] == summary["clock/total_s"] == clocks[-1]
 
 
 def test_user_text_files_and_token_files_train_end_to_end(tmp_path):
