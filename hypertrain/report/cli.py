@@ -1,8 +1,10 @@
-"""`python -m hypertrain.report PATH [PATH ...] [--out DIR]`: compare runs at a glance.
+"""`python -m hypertrain.report PATH [PATH ...] [--out DIR] [--target-loss X]`: compare runs at a glance.
 
 Reads every run at or under the PATHs, writes `report.md`, `report.html`, `report.json` and the plots
 into `PATH/report/` or `--out DIR`, and prints the table; bad input is one line, exit 2, nothing
-written. docs/report.md says what every file, column and plot shows.
+written. Each run is also timed by the network clock on the cluster it recorded (docs/clock.md), to
+`--target-loss` or, without it, to the largest of the runs' best held-out losses. docs/report.md says
+what every file, column and plot shows.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hypertrain.report import phases
-from hypertrain.report.plots import heldout_plot, phases_plot, spread_plot
+from hypertrain.report.clocks import parse_target, run_clock, target_loss
+from hypertrain.report.plots import clock_plot, heldout_plot, phases_plot, spread_plot
 from hypertrain.report.render import Section, html, markdown
 from hypertrain.report.runs import ReportInputError, Run, find_runs, load_run
 from hypertrain.report.table import (
@@ -30,6 +33,7 @@ from hypertrain.report.table import (
 )
 
 PROG = "python -m hypertrain.report"
+USAGE = f"{PROG} PATH [PATH ...] [--out DIR] [--target-loss X]"
 TITLE = "hypertrain run report"
 FILES = ("report.md", "report.html", "report.json")
 
@@ -50,12 +54,26 @@ NOTES = [
     "summed over a resumed run's sessions.",
     "status: its `end` row's (finished, failed, preempted); without one, running (its process is "
     "alive on this host), crashed (it is not), or unknown (it started on another host).",
+    "simulated s, compute util: the network clock (docs/clock.md) of the run replayed from its records on "
+    "the cluster its config.yaml records (cpu_here, measured compute, for a run written before the clock): "
+    "its total simulated seconds, and compute / total.",
 ]
+
+
+def clock_notes(target: float | None, rule: str, clusters: list[str]) -> list[str]:
+    """The notes on the clock's columns: the target `time to target s` was timed to, and why."""
+    if target is None:
+        return ["time to target s: no run has a held-out loss, so there is no target."]
+    return [
+        f"time to target s: the simulated seconds at the run's first held-out loss at or below the target, "
+        f"{target:.4f} nats/token ({rule}); - when the run never reached it. Clusters: "
+        f"{', '.join(clusters) or 'none'}."
+    ]
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message}; usage: {PROG} PATH [PATH ...] [--out DIR]", file=sys.stderr)
+        print(f"{self.prog}: error: {message}; usage: {USAGE}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -116,12 +134,18 @@ def phases_sections(runs: list[Run], out: Path) -> tuple[list[Section], dict]:
     return sections, tables
 
 
-def build(runs: list[Run], out: Path, command: str) -> tuple[list[Section], dict, str]:
-    """Draw the plots into `out`; return the report's sections, its JSON record, and the terminal table."""
+def build(
+    runs: list[Run], out: Path, command: str, given_target: float | None = None
+) -> tuple[list[Section], dict, str]:
+    """Draw the plots into `out`; return the report's sections, its JSON record, and the terminal table.
+    `given_target`: `--target-loss` (None: the largest of the runs' best held-out losses)."""
     names = run_names(runs)
     keys = differing_keys(runs)
     flags = data_flags(runs)
-    rows = table_rows(runs, names)
+    clocks, untimed = zip(*(run_clock(run) for run in runs), strict=True) if runs else ((), ())
+    target, rule = target_loss(given_target, list(clocks))
+    clusters = list(dict.fromkeys(clock["cluster"] for clock in clocks if clock is not None))
+    rows = table_rows(runs, names, list(clocks), target)
     table = phases.cells([flat(row) for row in rows], columns(keys))
     marked = [bool(row["data"]) or row["status"] != "finished" for row in rows]
     ends = [run.rows[-1] if run.rows else {} for run in runs]  # an end row is a session's last
@@ -130,11 +154,19 @@ def build(runs: list[Run], out: Path, command: str) -> tuple[list[Section], dict
         for row, end in zip(rows, ends, strict=True)
         if end.get("kind") == "end" and "error" in end
     ]
+    cannot = [
+        f"{row['run']}: no simulated clock ({why})" for row, why in zip(rows, untimed, strict=True) if why
+    ]
     differ = ", ".join(f"`{key}`" for key in keys) or "nothing"
     intro = f"{len(runs)} runs, made by `{command}`. Config values that differ between them: {differ}."
-    sections = [Section("Runs", [intro], table, marked, [*NOTES, data_note(runs, flags), *failures])]
+    notes = [*NOTES, *clock_notes(target, rule, clusters), data_note(runs, flags), *failures, *cannot]
+    sections = [Section("Runs", [intro], table, marked, notes)]
     plots = [heldout_plot(runs, names, keys, flags, out)]
     sections.append(Section("Held-out loss", plots=plots))
+    if clusters:
+        where = f"each run's own cluster ({', '.join(clusters)})"
+        timed = clock_plot(runs, names, keys, flags, list(clocks), target, where, out)
+        sections.append(Section("Held-out loss against simulated seconds", plots=[timed]))
     spreads = [
         spread_plot(run, name, i, out)
         for i, (run, name) in enumerate(zip(runs, names, strict=True))
@@ -147,11 +179,18 @@ def build(runs: list[Run], out: Path, command: str) -> tuple[list[Section], dict
     record = {
         "command": command,
         "keys": keys,
-        "runs": [row | {"path": str(run.path)} for row, run in zip(rows, runs, strict=True)],
+        "target_loss": target,
+        "target_rule": rule,
+        "runs": [
+            row | {"path": str(run.path), "clock_error": why}
+            for row, run, why in zip(rows, runs, untimed, strict=True)
+        ],
         "plots": [asdict(plot) for section in sections for plot in section.plots],
         "phases": phase_tables,
     }
     terminal = "\n".join(phases.markdown_table(*table, pad=True))
+    if target is not None:
+        terminal += f"\ntime to target s: to held-out loss {target:.4f} ({rule})"
     return sections, record, terminal
 
 
@@ -172,9 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         "paths", nargs="+", type=Path, metavar="PATH", help="run, sweep, or a folder above them"
     )
     parser.add_argument("--out", type=Path, help="where to write the report (default: PATH/report)")
+    parser.add_argument(
+        "--target-loss",
+        metavar="X",
+        help="held-out loss the runs are timed to (default: the largest of the runs' best held-out losses)",
+    )
     args = parser.parse_args(argv)
     command = " ".join([PROG, *(argv if argv is not None else sys.argv[1:])])
     try:
+        given_target = parse_target(args.target_loss)
         if args.out is None and len(args.paths) > 1:
             raise ReportInputError(f"{len(args.paths)} PATHs and no --out; valid: one PATH, or --out DIR")
         out = args.out if args.out is not None else args.paths[0] / "report"
@@ -185,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hypertrain.report: error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    sections, record, terminal = build(runs, out, command)
+    sections, record, terminal = build(runs, out, command, given_target)
     _remove_stale(out, {plot["file"] for plot in record["plots"]})
     (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "report.md").write_text(markdown(TITLE, sections))

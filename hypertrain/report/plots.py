@@ -1,9 +1,9 @@
 """The report's plots: matplotlib figures drawn off-screen (Agg) into PNGs of exactly the stated pixel size.
 
 `heldout_plot` (every run's held-out loss against the update, the outer bytes and the peak outer bytes
-per sync), `spread_plot` (one
-run's per-replica losses), `phases_plot` (a phases sweep's throughput and scaling): docs/report.md,
-"The plots".
+per sync), `clock_plot` (every run's held-out loss against its simulated seconds; also drawn by
+`python -m hypertrain.clock`), `spread_plot` (one run's per-replica losses), `phases_plot` (a phases
+sweep's throughput and scaling): docs/report.md, "The plots".
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hypertrain.report.runs import Run
 DPI = 100
 HELDOUT_SIZE = (1500, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend below the panels
 LEGEND_ROW_PX = 22
+CLOCK_SIZE = (1000, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend
 SPREAD_SIZE = (900, 420)
 PHASES_SIZE = (1100, 420)
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
@@ -92,30 +93,58 @@ def _bytes_axis(ax, most: int, label: str) -> None:
         ax.text(0.5, 0.5, "no outer bytes sent (R = 1, or no sync yet)", transform=ax.transAxes, ha="center")
 
 
-def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list[str], out_dir: Path) -> Plot:
-    """The held-out loss of every run against the update and the outer bytes, and its last held-out
-    loss against its peak outer bytes per sync (one PNG, three panels)."""
-    legend_columns = 1 if len(runs) <= 3 else 2 if len(runs) <= 12 else 3
-    size = (HELDOUT_SIZE[0], HELDOUT_SIZE[1] + LEGEND_ROW_PX * math.ceil(len(runs) / legend_columns))
-    fig, (by_update, by_bytes, by_peak) = _figure(size, 3)
-    by_bytes.sharey(by_update)
-    by_peak.sharey(by_update)
+def _legend(n: int, base: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+    """The legend's columns for `n` entries and the figure's size with its rows below the panels."""
+    legend_columns = 1 if n <= 3 else 2 if n <= 12 else 3
+    return legend_columns, (base[0], base[1] + LEGEND_ROW_PX * math.ceil(n / legend_columns))
+
+
+def _run_lines(runs: list[Run], keys: list[str]) -> tuple[str | None, str | None, list[dict]]:
+    """Each run's line (colour by the first differing key, line style and marker by the second): the
+    colour key, the style key, and per run matplotlib's `color`, `linestyle`, `marker`. The held-out
+    plots against the update and against simulated seconds draw every run alike."""
     colour_key = keys[0] if keys else None
     style_key = keys[1] if len(keys) > 1 else None
     colours, styles = _value_index(runs, colour_key), _value_index(runs, style_key)
-    series = labels(runs, names, keys, flags)
-    for run, label in zip(runs, series, strict=True):
-        evals = run.heldout()
-        colour = COLOURS[colours[_value(run, colour_key)] % len(COLOURS)]
+    lines = []
+    for run in runs:
         style = styles[_value(run, style_key)] if style_key else 0
+        colour = COLOURS[colours[_value(run, colour_key)] % len(COLOURS)]
+        lines.append(
+            dict(color=colour, linestyle=STYLES[style % len(STYLES)], marker=MARKERS[style % len(MARKERS)])
+        )
+    return colour_key, style_key, lines
+
+
+def _keys_note(colour_key: str | None, style_key: str | None) -> str:
+    style_note = f", line style and marker: {style_key}" if style_key else ""
+    return f"colour: {colour_key or 'run'}{style_note}"
+
+
+def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list[str], out_dir: Path) -> Plot:
+    """The held-out loss of every run against the update and the outer bytes, and its last held-out
+    loss against its peak outer bytes per sync (one PNG, three panels)."""
+    legend_columns, size = _legend(len(runs), HELDOUT_SIZE)
+    fig, (by_update, by_bytes, by_peak) = _figure(size, 3)
+    by_bytes.sharey(by_update)
+    by_peak.sharey(by_update)
+    colour_key, style_key, lines = _run_lines(runs, keys)
+    series = labels(runs, names, keys, flags)
+    for run, label, style in zip(runs, series, lines, strict=True):
+        evals = run.heldout()
         loss = [row["eval_loss"] for row in evals]
         outer = [row.get("comm_outer_total", 0) for row in evals]  # the eval row before training: 0
-        marker = MARKERS[style % len(MARKERS)]
-        line = dict(color=colour, linestyle=STYLES[style % len(STYLES)], marker=marker, markersize=3)
+        line = style | dict(markersize=3)
         by_update.plot([row["update"] for row in evals], loss, label=label, **line)
         by_bytes.plot(outer, loss, **line)
         if evals:  # one point: the last held-out loss at the run's peak bytes per sync
-            by_peak.plot([run.outer_peak_bytes()], [loss[-1]], color=colour, marker=marker, markersize=7)
+            by_peak.plot(
+                [run.outer_peak_bytes()],
+                [loss[-1]],
+                color=style["color"],
+                marker=style["marker"],
+                markersize=7,
+            )
     by_update.set_xlabel("update")
     by_update.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_update.set_ylabel(f"held-out loss of the global weights ({LOSS_UNIT})")
@@ -123,8 +152,7 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
     _bytes_axis(by_bytes, most, "outer (cross-replica) bytes sent per replica, cumulative")
     peak = max((run.outer_peak_bytes() for run in runs), default=0)
     _bytes_axis(by_peak, peak, "peak outer bytes per sync and replica (last held-out loss)")
-    style_note = f", line style and marker: {style_key}" if style_key else ""
-    fig.suptitle(f"Held-out loss (colour: {colour_key or 'run'}{style_note})")
+    fig.suptitle(f"Held-out loss ({_keys_note(colour_key, style_key)})")
     fig.legend(loc="outside lower center", ncols=legend_columns, fontsize="small")
     return _save(
         fig,
@@ -136,6 +164,82 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
         "after every round of H updates and at the end). Outer bytes: what one replica sends in the ring "
         "all-reduces of the syncs (0 with R = 1), cumulative (middle), and the most it sent in one sync "
         "(right: one point per run, at its last held-out loss; a fragment's sync sends that fragment).",
+        series=series,
+    )
+
+
+CLOCK_FILE = "heldout-clock.png"
+LOG_SPAN = 100  # runs whose simulated totals differ by more than this factor get a log time axis
+
+
+def clock_plot(
+    runs: list[Run],
+    names: list[str],
+    keys: list[str],
+    flags: list[str],
+    clocks: list[dict | None],
+    target: float | None,
+    where: str,
+    out_dir: Path,
+    params: int | None = None,
+) -> Plot:
+    """The held-out loss of every run against its simulated seconds (`clocks`: each run's
+    `replay.clock_of`, None for a run that could not be timed: left out), drawn as `heldout_plot`
+    draws the run, and a dotted line at the `target` loss. `where`: the cluster(s), for the axis;
+    `params`: the parameter count the runs were timed at (`--model-params`), for the title. The report
+    and `python -m hypertrain.clock` both draw it."""
+    timed = [i for i, clock in enumerate(clocks) if clock is not None]
+    legend_columns, size = _legend(len(timed) + (target is not None), CLOCK_SIZE)
+    fig, (ax,) = _figure(size, 1)
+    colour_key, style_key, lines = _run_lines(runs, keys)
+    every = labels(runs, names, keys, flags)
+    ends = [max((p["clock_s"] for p in clocks[i]["heldout"]), default=0.0) for i in timed]
+    spread = [end for end in ends if end > 0]
+    log = bool(spread) and max(spread) > LOG_SPAN * min(spread)
+    series = []
+    for i in timed:
+        points = [
+            p for p in clocks[i]["heldout"] if p["eval_loss"] is not None and (p["clock_s"] > 0 or not log)
+        ]
+        ax.plot(
+            [p["clock_s"] for p in points],
+            [p["eval_loss"] for p in points],
+            label=every[i],
+            markersize=3,
+            **lines[i],
+        )
+        series.append(every[i])
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1.5, label=f"target {target:.4f}")
+        series.append(f"target {target:.4f}")
+    if log:
+        ax.set_xscale("log")
+    else:
+        ax.xaxis.set_major_formatter(EngFormatter(unit="s"))
+    ax.set_xlabel(f"simulated seconds{' (log)' if log else ''} on {where}")
+    ax.set_ylabel(f"held-out loss of the global weights ({LOSS_UNIT})")
+    if not timed:
+        ax.text(0.5, 0.5, "no run could be timed", transform=ax.transAxes, ha="center")
+    at = f", timed at {params:,} parameters" if params else ""
+    heading, note = f"Held-out loss against simulated seconds{at}", f"({_keys_note(colour_key, style_key)})"
+    fig.suptitle(heading + ("\n" if len(heading) + len(note) > 90 else " ") + note)
+    if series:
+        fig.legend(loc="outside lower center", ncols=legend_columns, fontsize="small")
+    return _save(
+        fig,
+        out_dir,
+        CLOCK_FILE,
+        size,
+        title=f"Held-out loss against simulated seconds{at}",
+        caption="The global weights' held-out loss (the curve of the held-out plot) at the network "
+        f"clock's simulated seconds on {where} (docs/clock.md): before training at 0 s, after every sync "
+        "or evaluation at the clock after the syncs of its update. Dotted: the target loss of `time to "
+        "target s`."
+        + (
+            " Time on a log axis (the runs' totals differ by more than 100x): the points at 0 s left out."
+            if log
+            else ""
+        ),
         series=series,
     )
 

@@ -1,49 +1,107 @@
-"""`python -m hypertrain.clock RUN_DIR [RUN_DIR ...] [cluster overrides] [--model-params N]`: the network
-clock of finished runs on a cluster, one line per run. Overrides compose as the training entry's do
-(`cluster=h100 cluster/inter=internet_1g cluster.inter.bandwidth_gbit=1`); with none, each run's own
-`cluster` (its config.yaml; cpu_here for a run written before the clock). Bad input: one line, exit 2.
+"""`python -m hypertrain.clock RUN_DIR [RUN_DIR ...] [cluster overrides] [--model-params N] [--out DIR]
+[--target-loss X]`: the network clock of finished runs on a cluster, one line per run. Overrides compose
+as the training entry's do (`cluster=h100 cluster/inter=internet_1g cluster.inter.bandwidth_gbit=1`);
+with none, each run's own `cluster` (its config.yaml; cpu_here for a run written before the clock).
+
+It also writes, into `--out DIR` (default: `report/clock-<cluster name>/` under the deepest directory
+holding every RUN_DIR), the report's plot of the held-out loss against simulated seconds
+(`plots.clock_plot`) and `clock.md`: the printed table, the target and the plot. The table goes to
+stdout, the path written to stderr. The target of `time to target s` is `--target-loss`, else the
+largest of the runs' best held-out losses. Bad input: one line, exit 2, nothing written.
 The implementation of `python -m hypertrain.clock` (hypertrain/clock/__main__.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hypertrain.clock.replay import clock_of, run_cluster
+from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
 from hypertrain.config import ClusterConfig, ConfigError
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.report.clocks import cluster_text, parse_target, target_loss
+from hypertrain.report.plots import clock_plot, file_safe
+from hypertrain.report.render import Section, markdown
+from hypertrain.report.runs import Run, load_run
+from hypertrain.report.table import data_flags, differing_keys
+from hypertrain.run.records import METRICS_FILE
 
 PROG = "hypertrain.clock"
-USAGE = "valid: RUN_DIR ... [cluster=NAME cluster/inter=LINK cluster.FIELD=VALUE ...] [--model-params N]"
+USAGE = (
+    "valid: RUN_DIR ... [cluster=NAME cluster/inter=LINK cluster.FIELD=VALUE ...] [--model-params N] "
+    "[--out DIR] [--target-loss X]"
+)
+CLOCK_MD = "clock.md"
 
 
-def parse(argv: list[str]) -> tuple[list[Path], list[str], int | None]:
-    """Run directories, cluster overrides and --model-params from the command line."""
-    runs, overrides, model_params = [], [], None
+@dataclass
+class Args:
+    runs: list[Path]
+    overrides: list[str]
+    model_params: int | None = None
+    out: Path | None = None
+    target: float | None = None
+
+
+def _value(arg: str, args) -> str:
+    """An option's value: after its `=`, or the next argument ("" when there is none)."""
+    return arg.partition("=")[2] if "=" in arg else next(args, "")
+
+
+def _is(arg: str, option: str) -> bool:
+    return arg == option or arg.startswith(f"{option}=")
+
+
+def parse(argv: list[str]) -> Args:
+    """Run directories, cluster overrides, --model-params, --out and --target-loss from the command line."""
+    parsed = Args([], [])
     args = iter(argv)
     for arg in args:
-        if arg == "--model-params" or arg.startswith("--model-params="):
-            value = arg.partition("=")[2] if "=" in arg else next(args, "")
+        if _is(arg, "--model-params"):
+            value = _value(arg, args)
             if not value.isdigit() or int(value) < 1:
                 raise ConfigError(f"--model-params={value!r} is not valid; valid: a positive whole number")
-            model_params = int(value)
+            parsed.model_params = int(value)
+        elif _is(arg, "--out"):
+            value = _value(arg, args)
+            if not value:
+                raise ConfigError(f"--out={value!r} is not valid; valid: a directory (made if missing)")
+            parsed.out = Path(value)
+        elif _is(arg, "--target-loss"):
+            parsed.target = parse_target(_value(arg, args))
         elif arg.startswith("-"):
             raise ConfigError(f"{arg} is not an option; {USAGE}")
         elif "=" in arg:
             if not arg.startswith(("cluster=", "cluster.", "cluster/")):
                 raise ConfigError(f"{arg!r} is not a cluster override; {USAGE}")
-            overrides.append(arg)
+            parsed.overrides.append(arg)
         else:
-            runs.append(Path(arg))
-    if not runs:
+            parsed.runs.append(Path(arg))
+    if not parsed.runs:
         raise ConfigError(f"no RUN_DIR given; {USAGE}")
-    for run in runs:
+    for run in parsed.runs:
         if not (run / METRICS_FILE).is_file() or not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} is not a run directory (no {METRICS_FILE} and config.yaml); {USAGE}")
-    return runs, overrides, model_params
+    return parsed
+
+
+def check_out(out: Path) -> None:
+    """ConfigError unless `out` is a directory or can be made one (its nearest existing folder above)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out={out} is a file; valid: a directory (made if missing)")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if not out.exists() and (above is None or not above.is_dir() or not os.access(above, os.W_OK | os.X_OK)):
+        raise ConfigError(f"--out={out} cannot be made (under {above}); valid: a directory (made if missing)")
+
+
+def default_out(runs: list[Path], clusters: list[str]) -> Path:
+    """`report/clock-<cluster name>/` under the deepest directory holding every run (a single run: its
+    own folder); several clusters (each run on its own) named together, joined by `-`."""
+    base = Path(os.path.commonpath([run.resolve() for run in runs]))
+    return base / "report" / f"clock-{'-'.join(file_safe(name) for name in clusters)}"
 
 
 def compose_cluster(overrides: list[str]) -> ClusterConfig:
@@ -68,9 +126,10 @@ def compose_cluster(overrides: list[str]) -> ClusterConfig:
     return cluster
 
 
-def table(results: list[tuple[Path, dict]]) -> str:
-    """One line per run: the totals a reader compares."""
-    head = (
+def cells(results: list[tuple[Path, dict]], target: float | None) -> tuple[list[str], list[list[str]]]:
+    """The table's titles and one row of cells per run: the totals a reader compares, and the clock at
+    the run's first held-out loss at or below `target` (`-`: never reached, or no target)."""
+    head = [
         "run",
         "cluster",
         "params",
@@ -79,13 +138,15 @@ def table(results: list[tuple[Path, dict]]) -> str:
         "outer exposed s",
         "best held-out",
         "time to best s",
-    )
-    lines = [head]
+        "time to target s",
+    ]
+    body = []
     for run, c in results:
         best = "-" if c["best_heldout_loss"] is None else f"{c['best_heldout_loss']:.4f}"
         to_best = "-" if c["time_to_best_s"] is None else f"{c['time_to_best_s']:.4g}"
-        lines.append(
-            (
+        reached = None if target is None else time_to_loss(c["heldout"], target)
+        body.append(
+            [
                 str(run),
                 c["cluster"],
                 f"{c['params']:,}",
@@ -94,27 +155,84 @@ def table(results: list[tuple[Path, dict]]) -> str:
                 f"{c['outer_exposed_s']:.4g}",
                 best,
                 to_best,
-            )
+                "-" if reached is None else f"{reached:.4g}",
+            ]
         )
+    return head, body
+
+
+def table(results: list[tuple[Path, dict]], target: float | None = None) -> str:
+    """One line per run, the columns padded (the printed table)."""
+    head, body = cells(results, target)
+    lines = [head, *body]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines
     )
 
 
+def _names(runs: list[Path]) -> list[str]:
+    """Each run's path below the folder all of them share (a single run: its folder's name)."""
+    if len(runs) == 1:
+        return [runs[0].resolve().name]
+    base = Path(os.path.commonpath([run.resolve() for run in runs]))
+    return [str(run.resolve().relative_to(base)) for run in runs]
+
+
+def write(
+    out: Path,
+    loaded: list[Run],
+    paths: list[Path],
+    results: list[tuple[Path, dict]],
+    target: float | None,
+    rule: str,
+    where: str,
+    model_params: int | None,
+    command: str,
+) -> Path:
+    """The held-out-loss-against-simulated-seconds plot and clock.md into `out` (made if missing);
+    returns the plot's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    names, keys, flags = _names(paths), differing_keys(loaded), data_flags(loaded)
+    clocks = [clock for _, clock in results]
+    plot = clock_plot(loaded, names, keys, flags, clocks, target, where, out, model_params)
+    aim = "no run has a held-out loss" if target is None else f"{target:.4f} nats/token ({rule})"
+    intro = [
+        f"{len(loaded)} runs timed by the network clock (docs/clock.md) on {where}, made by `{command}`.",
+        f"time to target s: the simulated seconds at the run's first held-out loss at or below the target, "
+        f"{aim}; - when the run never reached it.",
+    ]
+    if model_params:
+        intro.append(
+            f"Timed at {model_params:,} parameters (`--model-params`): every byte and compute rescaled."
+        )
+    section = Section("Runs", intro, cells(results, target), plots=[plot])
+    (out / CLOCK_MD).write_text(markdown(f"Network clock: {where}", [section]))
+    return out / plot.file
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        runs, overrides, model_params = parse(sys.argv[1:] if argv is None else argv)
-        chosen = compose_cluster(overrides) if overrides else None
-        results = []
-        for run in runs:
-            resolved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
-            rows = read_metrics(run)
-            cluster = chosen or run_cluster(resolved)
-            results.append((run, clock_of(rows, resolved, cluster, model_params)))
-    except (ConfigError, ValueError, KeyError) as e:
+        args = parse(argv)
+        chosen = compose_cluster(args.overrides) if args.overrides else None
+        loaded = [load_run(run, need_plan=False) for run in args.runs]
+        results, clusters = [], []
+        for path, run in zip(args.runs, loaded, strict=True):
+            cluster = chosen or run_cluster(run.resolved)
+            clusters.append(cluster)
+            results.append((path, clock_of(run.rows, run.resolved, cluster, args.model_params)))
+        target, rule = target_loss(args.target, [clock for _, clock in results])
+        names = list(dict.fromkeys(cluster.name for cluster in clusters))
+        out = args.out if args.out is not None else default_out(args.runs, names)
+        check_out(out)
+        where = cluster_text(chosen) if chosen else f"each run's own cluster ({', '.join(names)})"
+        command = " ".join(["python -m hypertrain.clock", *argv])
+        png = write(out, loaded, args.runs, results, target, rule, where, args.model_params, command)
+    except (ConfigError, ValueError, KeyError, OSError) as e:
         message = str(e) if not isinstance(e, KeyError) else f"a record lacks {e}; valid: a run's records"
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
-    print(table(results))
+    print(table(results, target))
+    print(f"{PROG}: wrote {out / CLOCK_MD} and {png}", file=sys.stderr)
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -41,6 +41,7 @@ class Run:
     plan: dict  # plan.json: the plan check, the hashes, the data fingerprint, updates run
     status: str  # one of STATUSES, or the `end` row's own word (e.g. `preempted`)
     cut_short: bool = False  # its last line was cut short (a crash mid-write, or a row being written)
+    resolved: dict = field(default_factory=dict)  # config.yaml as nested containers (the clock reads it)
 
     @property
     def replicas(self) -> int:
@@ -184,21 +185,25 @@ def read_rows(path: Path) -> tuple[list[dict], bool]:
             raise error from None
 
 
-def load_run(run_dir: Path, host: str | None = None) -> Run:
-    """Read one run directory; ReportInputError naming the file that is missing or unreadable."""
+def load_run(run_dir: Path, host: str | None = None, need_plan: bool = True) -> Run:
+    """Read one run directory; ReportInputError naming the file that is missing or unreadable. Without
+    `need_plan` a missing plan.json reads as no plan facts (`python -m hypertrain.clock` needs none)."""
     metrics, config, plan = run_dir / METRICS_FILE, run_dir / "config.yaml", run_dir / "plan.json"
     rows, cut_short = _read(metrics, read_rows)
     _check_rows(metrics, rows)
-    tree = _read(config, lambda path: OmegaConf.to_container(OmegaConf.load(path)))
+    tree = _read(config, lambda path: OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     if not isinstance(tree, dict) or "replicas" not in tree:
         raise ReportInputError(f"{config} is not a run's resolved config (no replicas); {VALID_FILES}")
-    facts = _read(plan, lambda path: json.loads(path.read_text(encoding="utf-8")))
+    if need_plan or plan.exists():
+        facts = _read(plan, lambda path: json.loads(path.read_text(encoding="utf-8")))
+    else:
+        facts = {}
     if not isinstance(facts, dict):
         raise ReportInputError(f"{plan} is not a run's plan facts (not a JSON object); {VALID_FILES}")
     # A config written before today's fields reads in today's shape (a run from before Streaming DiLoCo
     # as the plain DiLoCo it ran), so it differs from today's runs only where it truly does.
     config = flatten(upgrade_resolved(tree))
-    return Run(run_dir, rows, config, facts, run_status(rows, host), cut_short)
+    return Run(run_dir, rows, config, facts, run_status(rows, host), cut_short, tree)
 
 
 def run_status(rows: list[dict], host: str | None = None) -> str:

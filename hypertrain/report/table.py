@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from hypertrain.clock.replay import time_to_loss
 from hypertrain.config import MAY_CHANGE
 from hypertrain.report.runs import Run
 
@@ -31,6 +32,9 @@ FIGURES = (
     ("comm_outer_bytes", "outer bytes/replica", "{:,}"),
     ("comm_outer_peak_bytes", "outer peak bytes/sync", "{:,}"),
     ("wall_s", "wall s", "{:.2f}"),
+    ("simulated_s", "simulated s", "{:.4g}"),
+    ("compute_util", "compute util", "{:.3f}"),
+    ("time_to_target_s", "time to target s", "{:.4g}"),
     ("status_note", "status", "{}"),
     ("data", "data", "{}"),
 )
@@ -131,14 +135,33 @@ def figures(run: Run) -> dict:
     }
 
 
-def table_rows(runs: list[Run], names: list[str]) -> list[dict]:
-    """One row per run: `run` (its name), `config` (the differing keys' values), the figures,
-    `status_note` (the status; how often it was resumed; a last row cut short) and `data` (its flag)."""
+def clock_figures(clock: dict | None, target: float | None) -> dict:
+    """A run's network-clock figures (`replay.clock_of`'s dict, None for a run that cannot be timed):
+    its cluster, simulated seconds, compute utilization and the clock at its first held-out loss at or
+    below `target` (None: never reached, or no target)."""
+    if clock is None:
+        return dict.fromkeys(("cluster", "simulated_s", "compute_util", "time_to_target_s"))
+    return {
+        "cluster": clock["cluster"],
+        "simulated_s": clock["total_s"],
+        "compute_util": clock["compute_utilization"],
+        "time_to_target_s": None if target is None else time_to_loss(clock["heldout"], target),
+    }
+
+
+def table_rows(
+    runs: list[Run], names: list[str], clocks: list[dict | None] | None = None, target: float | None = None
+) -> list[dict]:
+    """One row per run: `run` (its name), `config` (the differing keys' values), the figures, the
+    clock's (`clocks`: each run's `clock_of`, None where it has none), `status_note` (the status; how
+    often it was resumed; a last row cut short) and `data` (its flag)."""
     keys = differing_keys(runs)
     flags = data_flags(runs)
+    clocks = clocks if clocks is not None else [None] * len(runs)
     rows = []
-    for run, name, flag in zip(runs, names, flags, strict=True):
+    for run, name, flag, clock in zip(runs, names, flags, clocks, strict=True):
         row = {"run": name, "config": {key: run.config.get(key) for key in keys}} | figures(run)
+        row |= clock_figures(clock, target)
         notes = [f"resumed {row['resumed']}x"] * bool(row["resumed"]) + ["last row cut short"] * run.cut_short
         note = f" ({', '.join(notes)})" if notes else ""
         rows.append(row | {"status_note": row["status"] + note, "data": flag})
