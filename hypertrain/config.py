@@ -440,6 +440,62 @@ class ClusterConfig:
         self.straggler.check()
 
 
+CHURN_EVENTS = ("miss", "leave", "rejoin")
+REJOIN_STATES = ("reset", "carry")
+
+
+@dataclass
+class ChurnConfig:
+    """Seeded churn (docs/churn.md): per round (H updates) and replica, drawn from `seed` by one
+    documented rule (`diloco.churn`), a replica *misses* its sync (trains; its pseudo-gradient is
+    discarded, count 0) or *leaves* for a geometric number of rounds (absent: trains nothing, count 0)
+    and rejoins from the global weights. `events` adds hand-written ones; a sync with fewer contributors
+    than `min_quorum` is skipped. The defaults are no churn: today's runs, bitwise."""
+
+    p_miss: float = 0.0  # per round and present replica
+    p_leave: float = 0.0  # per round and present replica
+    mean_absence: float = 2.0  # rounds, the mean of the geometric absence (>= 1)
+    rejoin_state: str = "reset"  # a rejoining replica's inner optimizer state: reset (zeros) or carry
+    events: list[str] = field(default_factory=list)  # "ROUND:REPLICA:EVENT", EVENT one of CHURN_EVENTS
+    min_quorum: int = 1  # a sync with fewer contributing replicas is skipped (1: only an empty one)
+    seed: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.p_miss or self.p_leave or self.events or self.min_quorum > 1)
+
+    def parsed_events(self) -> list[tuple[int, int, str]]:
+        """`events` as (round, replica, event), checked: one line naming a bad one."""
+        out = []
+        for text in self.events:
+            parts = str(text).split(":")
+            ok = len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) >= 1
+            if not ok or parts[2] not in CHURN_EVENTS:
+                raise ConfigError(
+                    f"churn.events entry {text!r} is not valid; valid: 'ROUND:REPLICA:EVENT' with "
+                    f"ROUND >= 1, REPLICA >= 0 and EVENT one of {', '.join(CHURN_EVENTS)}"
+                )
+            out.append((int(parts[0]), int(parts[1]), parts[2]))
+        return out
+
+    def check(self, replicas: int) -> None:
+        for name in ("p_miss", "p_leave"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"churn.{name}={value!r} is out of range; valid: [0, 1]")
+        _at_least("churn.mean_absence", self.mean_absence, 1.0)
+        _choice("churn.rejoin_state", self.rejoin_state, REJOIN_STATES)
+        if not 1 <= self.min_quorum <= replicas:
+            raise ConfigError(
+                f"churn.min_quorum={self.min_quorum!r} is out of range; valid: 1 to replicas ({replicas})"
+            )
+        for _, replica, _ in self.parsed_events():
+            if replica >= replicas:
+                raise ConfigError(
+                    f"churn.events names replica {replica}; valid: 0 to {replicas - 1} (replicas={replicas})"
+                )
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -454,6 +510,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the network clock's target
+    churn: ChurnConfig = field(default_factory=ChurnConfig)  # replicas that miss syncs, leave, rejoin
     replicas: int = 4  # R, model replicas; must divide the world (weak phases: the base world)
     seed: int = 0  # initial weights (the same for every replica)
     experiment: str = "default"  # names the W&B group of a run unless logger.group is set
@@ -480,6 +537,7 @@ class TrainConfig:
             self.cluster,
         ):
             section.check()
+        self.churn.check(self.replicas)
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -541,12 +599,14 @@ OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* bef
 def upgrade_resolved(resolved: dict) -> dict:
     """A resolved config (a run's config.yaml, a checkpoint's) written before the outer section's newer
     fields (streaming, compression: given their neutral settings), before the cluster (the default
-    one, cpu_here, which the clock of such a run replays on) or before the processes had their own
-    group, in today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc, layout,
-    timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as it
-    is."""
-    if "outer" in resolved and "cluster" not in resolved:
-        resolved = {**resolved, "cluster": dataclasses.asdict(ClusterConfig())}
+    one, cpu_here, which the clock of such a run replays on) or churn (none), or before the processes
+    had their own group, in today's shape: engine=dist is processes=dist with engine=stacked,
+    engine.nproc, layout, timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's
+    is returned as it is."""
+    if "outer" in resolved:  # sections added since, at their defaults (which change nothing)
+        for name, section in (("cluster", ClusterConfig), ("churn", ChurnConfig)):
+            if name not in resolved:
+                resolved = {**resolved, name: dataclasses.asdict(section())}
     outer = resolved.get("outer")
     if isinstance(outer, dict):  # fields added since (streaming, compression): their neutral settings
         missing = {k: v for k, v in dataclasses.asdict(OuterConfig()).items() if k not in outer}

@@ -4,6 +4,7 @@ references.py, the float64 references), never from each other."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -30,6 +31,7 @@ from hypertrain.config import (
     TrainConfig,
     WorldConfig,
 )
+from hypertrain.diloco.fragments import fragment_of
 from hypertrain.diloco.outer import pseudo_gradient_sum, unflatten
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
@@ -478,6 +480,40 @@ def assert_identical_streaming(run_dir: Path, reference: Path, skip: tuple[str, 
     assert got.heldout == want.heldout and len(got.heldout) == periods + 1
     assert got.final == want.final
     assert_same_weights(got.weights, want.weights)
+
+
+def observe(cfg):
+    """Run the rounds by the loop engine, cut after every update. Returns the fragment split, the initial
+    global weights and, per update count: the replicas' weights before the count's events, and after
+    them the global weights, the outer momentum and the replicas' weights (all cloned); and per update
+    (0-based) the inner optimizer states the engine was handed (cloned)."""
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    theta0 = {n: t.clone() for n, t in state.theta.items()}
+    before: dict[int, list[dict]] = {}
+    handed: dict[int, list] = {}
+
+    def recording(cfg, theta, assigns, states, average=None, stop=None):
+        handed[assigns[0].global_step0] = [copy.deepcopy(s) for s in states]
+        results = loop.train_replicas(cfg, theta, assigns, states, average, stop)
+        count = assigns[0].global_step0 + len(results[0].losses)
+        before[count] = [{n: t[0].clone() for n, t in r.params.items()} for r in results]
+        return results
+
+    after = {}
+    for part in rounds(run, state, recording, every_updates=1):
+        count = part.updates.stop
+        replicas = (
+            None
+            if state.round_params is None
+            else [{n: t[0].clone() for n, t in p.items()} for p in state.round_params]
+        )
+        after[count] = (
+            {n: t.clone() for n, t in state.theta.items()},
+            {n: t.clone() for n, t in state.outer.momentum.items()},
+            replicas,
+        )
+    return fragment_of(run.cfg), theta0, before, after, handed
 
 
 # -- compressed pseudo-gradients (outer.compress) ------------------------------------------------------

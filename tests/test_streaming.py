@@ -16,15 +16,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import streaming_cfg
+from helpers import observe, streaming_cfg
 
 from hypertrain.config import ConfigError
 from hypertrain.diloco.fragments import Schedule, fragment_of
-from hypertrain.diloco.rounds import rounds
-from hypertrain.diloco.state import RunState
-from hypertrain.engines import loop
 from hypertrain.run.checks import validate
-from hypertrain.run.prepare import initial_weights, prepare
 
 U32 = 2.0**-24  # fp32 unit roundoff
 
@@ -117,37 +113,6 @@ def test_bad_fragment_settings_are_one_line(change, message):
 # -- every fragment sync of a run against the float64 reference -------------------------------------------
 
 
-def observe(cfg, order=None):
-    """Run the rounds cut after every update. Returns the fragment split, the initial global weights and,
-    per update count: the replicas' weights before the count's events, and after them the global
-    weights, the outer momentum and the replicas' weights (all cloned)."""
-    run = prepare(cfg)
-    state = RunState.start(run.cfg, initial_weights(run))
-    theta0 = {n: t.clone() for n, t in state.theta.items()}
-    before: dict[int, list[dict]] = {}
-
-    def recording(cfg, theta, assigns, states, average=None, stop=None):
-        results = loop.train_replicas(cfg, theta, assigns, states, average, stop)
-        count = assigns[0].global_step0 + len(results[0].losses)
-        before[count] = [{n: t[0].clone() for n, t in r.params.items()} for r in results]
-        return results
-
-    after = {}
-    for part in rounds(run, state, recording, every_updates=1):
-        count = part.updates.stop
-        replicas = (
-            None
-            if state.round_params is None
-            else [{n: t[0].clone() for n, t in p.items()} for p in state.round_params]
-        )
-        after[count] = (
-            {n: t.clone() for n, t in state.theta.items()},
-            {n: t.clone() for n, t in state.outer.momentum.items()},
-            replicas,
-        )
-    return fragment_of(run.cfg), theta0, before, after
-
-
 def check_against_reference(cfg, relabel=lambda p: p) -> int:
     """Replay the paper's algorithm in float64 on the run's observed weights; assert the run's global
     weights, outer momentum and replica weights after every update count. `relabel` maps the paper's
@@ -161,7 +126,7 @@ def check_against_reference(cfg, relabel=lambda p: p) -> int:
     <= 2 U32 |theta_new| + lr (1 + mu) (n + 5) U32 (spread + mu |buf_old|). The merge lerp(g, w, alpha) in
     fp32 errs by <= 3 U32 (|g| + |w|); at alpha = 0 it is the global weights exactly."""
     o = cfg.outer
-    where, theta0, before, after = observe(cfg)
+    where, theta0, before, after, _ = observe(cfg)
     n = cfg.replicas
     names = list(theta0)
     frag = [[x for x in names if where[x] == p] for p in range(o.fragments)]

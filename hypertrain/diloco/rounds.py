@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hypertrain import plan
 from hypertrain.data.batches import ReplicaBatch, replica_batch
+from hypertrain.diloco import churn
 from hypertrain.diloco.fragments import LAND, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.diloco.sync import SyncFigures, land, take
@@ -45,11 +46,16 @@ def rank_streams(phase: plan.Phase, world: int, ranks_per_replica: int) -> int:
 
 
 def assignments(
-    run: PreparedRun, updates: range, groups: Collectives | None = None, state: RunState | None = None
+    run: PreparedRun,
+    updates: range,
+    groups: Collectives | None = None,
+    state: RunState | None = None,
+    absent: frozenset[int] = frozenset(),
 ) -> list[Assignment]:
     """This process's replicas' batches for `updates` (a round, or the rest of one), as the plan
     assigns them: each replica's whole share, or (benchmark layout) this rank's share weighted over its
-    replica's ranks. With `state` in the middle of a round, each starts from the weights it reached."""
+    replica's ranks; none for the replicas churn made `absent` (they train nothing, as a replica without
+    ids). With `state` in the middle of a round, each starts from the weights it reached."""
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     share = groups.rank_share()
@@ -57,10 +63,14 @@ def assignments(
 
     def batch(u: int, m: int) -> ReplicaBatch:
         ids = plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples)
+        if m in absent:
+            ids = ids[:0]
         if share is None:
             return replica_batch(run.dataset, ids, cfg.data, cfg.inner.micro_batch)
         rank, world, _ = share
         mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
+        if m in absent:
+            mine = mine[:0]
         return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, streams)
 
     if cfg.outer.fragments > 1:  # each fragment's step counted from its own last sync
@@ -145,13 +155,23 @@ def rounds(
     fragments = members(cfg)
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
+    churned = churn.schedule_for(cfg, run.updates)  # None without churn (DiLoCo rounds only)
+    facts = None
     while state.next_update < run.updates:
         end = schedule.next_cut(state.next_update)
         if every_updates:
             end = min(end, (state.next_update // every_updates + 1) * every_updates)
         updates = range(state.next_update, end)
         groups.before_round(updates)
-        assigns = assignments(run, updates, groups, state)
+        absent: frozenset[int] = frozenset()
+        if churned is not None:
+            k = state.rounds_done + 1
+            absent = frozenset(m for m in range(cfg.replicas) if churned.absent(k, m))
+            if state.next_update == state.round_first and cfg.churn.rejoin_state == "reset":
+                for i, m in enumerate(groups.replicas):
+                    if churned.rejoining(k, m):
+                        churn.reset_inner_state(state.inner[i])
+        assigns = assignments(run, updates, groups, state, absent)
         results = engine(cfg, state.theta, assigns, state.inner, average, stop)
         updates = updates[: len(results[0].losses)]  # a stop ends every replica after the same update
         assigns = [a.first(len(updates)) for a in assigns]
@@ -174,13 +194,28 @@ def rounds(
             if kind == TAKE:
                 params = state.round_params
                 groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
-                state.pending = take(cfg, state, params, state.stepped_in(p), fragments[p], p, count, groups)
+                stepped = state.stepped_in(p)
+                if churned is not None:  # only the contributors' pseudo-gradients reach the sync
+                    facts = churn.round_facts(
+                        run, churned, state.rounds_done + 1, range(state.round_first, count)
+                    )
+                    stepped = [
+                        s and m in facts.contributors for s, m in zip(stepped, groups.replicas, strict=True)
+                    ]
+                state.pending = take(cfg, state, params, stepped, fragments[p], p, count, groups)
             elif kind == LAND:
                 pending, state.pending = state.pending, None
                 assert pending is not None and pending.fragment == p, (pending, p)
                 merged = None if restart else state.round_params
                 figures = land(cfg, state, pending, fragments[p], merged, groups)
                 figures.measured = groups.comm_stats()  # this landing's (and the updates' before it)
+                if facts is not None:
+                    figures.churn, facts = facts, None
+                    if merged is not None:  # who did not contribute restarts from the global weights
+                        for i, m in enumerate(groups.replicas):
+                            if m not in figures.churn.contributors:
+                                for n in fragments[p]:
+                                    merged[i][n][0].copy_(state.theta[n])
                 part.syncs.append(figures)
                 for flags in state.round_stepped:
                     flags[p] = False

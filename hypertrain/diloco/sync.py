@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hypertrain.config import TrainConfig
+from hypertrain.diloco.churn import RoundFacts
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.communication import compressed_mean, exact_mean
 from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, pseudo_gradients, unflatten, weights_norm
@@ -38,6 +39,7 @@ class SyncFigures:
     params: int
     measured: dict = field(default_factory=dict)
     stage: dict = field(default_factory=dict)  # the communication stage's figures (a compressor's)
+    churn: RoundFacts | None = None  # with churn: who contributed, was absent, missed; whether skipped
 
 
 def take(

@@ -15,6 +15,7 @@ import time
 import torch
 
 from hypertrain.clock.timeline import Clock
+from hypertrain.diloco.churn import chain_digest
 from hypertrain.diloco.communication import round_bytes
 from hypertrain.diloco.fragments import Schedule
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
@@ -86,12 +87,33 @@ def sync_rows(
             **stage,
         }
         row |= sync.measured | extra
+        if sync.churn is not None:  # who contributed, was absent, missed; whether the quorum failed
+            facts = sync.churn
+            row |= facts.row()
+            totals.churn_missed += len(facts.missed)
+            totals.churn_absent += len(facts.absent)
+            totals.churn_skipped += int(facts.skipped)
+            totals.replica_steps_reached += sum(facts.steps.values())
+            totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts.k, facts.ids)
         if clock is not None:
             row |= clock.sync(row)
             if "eval_loss" in row:
                 clock.heldout(row["eval_loss"])
         rows.append(row)
     return rows
+
+
+def churn_summary(totals) -> dict:
+    """The run's churn under `churn/`: replica-rounds missed and absent, syncs skipped below the quorum,
+    goodput (replica-steps that reached the global weights / replica-steps computed) and the sha256 of
+    the ids whose pseudo-gradients reached a sync (beside the plan's data-order digest)."""
+    return {
+        "churn/missed_replica_rounds": totals.churn_missed,
+        "churn/absent_replica_rounds": totals.churn_absent,
+        "churn/skipped_syncs": totals.churn_skipped,
+        "churn/goodput": totals.replica_steps_reached / totals.replica_steps if totals.replica_steps else 1.0,
+        "churn/contributed_ids_sha256": totals.contributed_sha256,
+    }
 
 
 def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
@@ -263,6 +285,7 @@ def train(
         | throughput.window(end)
         | throughput.summary()
         | (clock.summary() if clock is not None else {})
+        | (churn_summary(totals) if cfg.churn.enabled else {})
     )
     log.summary(summary)
     return summary, state
