@@ -146,7 +146,7 @@ def build(
     target, rule = target_loss(given_target, list(clocks))
     clusters = list(dict.fromkeys(clock["cluster"] for clock in clocks if clock is not None))
     rows = table_rows(runs, names, list(clocks), target)
-    table = phases.cells([flat(row) for row in rows], columns(keys))
+    table = phases.cells([flat(row) for row in rows], columns(keys, rows))
     marked = [bool(row["data"]) or row["status"] != "finished" for row in rows]
     ends = [run.rows[-1] if run.rows else {} for run in runs]  # an end row is a session's last
     failures = [

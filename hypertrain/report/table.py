@@ -35,6 +35,7 @@ FIGURES = (
     ("simulated_s", "simulated s", "{:.4g}"),
     ("compute_util", "compute util", "{:.3f}"),
     ("time_to_target_s", "time to target s", "{:.4g}"),
+    ("goodput", "goodput", "{:.3f}"),
     ("status_note", "status", "{}"),
     ("data", "data", "{}"),
 )
@@ -130,6 +131,7 @@ def figures(run: Run) -> dict:
         "comm_outer_bytes": run.outer_total_bytes(),
         "comm_outer_peak_bytes": run.outer_peak_bytes(),
         "wall_s": sum(session_seconds(session) for session in run.sessions()),
+        "goodput": summary.get("churn/goodput"),  # with churn: replica-steps that reached a sync, a fraction
         "status": run.status,
         "resumed": run.resumed,
     }
@@ -168,9 +170,14 @@ def table_rows(
     return rows
 
 
-def columns(keys: list[str]) -> tuple:
-    """The table's (key, title, format) columns: the run, each differing key, the figures."""
-    return (("run", "run", "{}"), *((key, key, "{}") for key in keys), *FIGURES)
+OPTIONAL = {"goodput"}  # figures shown only when some run has them (churn's)
+
+
+def columns(keys: list[str], rows: list[dict] | None = None) -> tuple:
+    """The table's (key, title, format) columns: the run, each differing key, the figures (an OPTIONAL
+    one only when some of `rows` has it)."""
+    shown = [f for f in FIGURES if f[0] not in OPTIONAL or any(r.get(f[0]) is not None for r in rows or [])]
+    return (("run", "run", "{}"), *((key, key, "{}") for key in keys), *shown)
 
 
 def flat(row: dict) -> dict:
