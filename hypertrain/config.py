@@ -287,16 +287,26 @@ class ProcessesConfig:
     layout: str = "auto"  # dist: benchmark (P = world.size), replicas (P divides replicas), or auto
     timeout_s: float = 30.0  # dist: a collective waiting longer (a dead or hung rank) stops the run
     backend: str = "auto"  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
+    # dist, self-launched: how often torch's agent may restart every worker after one failed, each
+    # restart resuming from the newest checkpoint (docs/resume.md, "Restarts"); under torchrun its
+    # --max-restarts decides (0 here, or the same number)
+    max_restarts: int = 0
 
     def check(self) -> None:
         _choice("processes.name", self.name, PROCESSES)
         _choice("processes.layout", self.layout, LAYOUTS)
         _choice("processes.backend", self.backend, ("auto", "gloo", "nccl"))
         _at_least("processes.nproc", self.nproc, 0)
+        if self.max_restarts < 0:
+            raise ConfigError(
+                f"processes.max_restarts={self.max_restarts!r} is not valid; valid: >= 0 (0: a failed "
+                "worker ends the run)"
+            )
         if not self.timeout_s > 0:
             raise ConfigError(f"processes.timeout_s={self.timeout_s!r} is not valid; valid: > 0 seconds")
-        if self.name != "dist" and (self.nproc or self.layout != "auto"):
+        if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts):
             what = f"processes.nproc={self.nproc}" if self.nproc else f"processes.layout={self.layout!r}"
+            what = f"processes.max_restarts={self.max_restarts}" if self.max_restarts else what
             raise ConfigError(
                 f"{what} applies to processes=dist only (now processes={self.name}); valid: processes=dist"
             )
@@ -597,8 +607,8 @@ OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* bef
 
 
 def upgrade_resolved(resolved: dict) -> dict:
-    """A resolved config (a run's config.yaml, a checkpoint's) written before the outer section's newer
-    fields (streaming, compression: given their neutral settings), before the cluster (the default
+    """A resolved config (a run's config.yaml, a checkpoint's) written before a section's newer fields
+    (streaming, compression, restarts, experts: given their neutral defaults), before the cluster (the default
     one, cpu_here, which the clock of such a run replays on) or churn (none), or before the processes
     had their own group, in today's shape: engine=dist is processes=dist with engine=stacked,
     engine.nproc, layout, timeout_s and backend are processes.*, layout 'stacked' is 'replicas'. Today's
@@ -607,11 +617,13 @@ def upgrade_resolved(resolved: dict) -> dict:
         for name, section in (("cluster", ClusterConfig), ("churn", ChurnConfig)):
             if name not in resolved:
                 resolved = {**resolved, name: dataclasses.asdict(section())}
-    outer = resolved.get("outer")
-    if isinstance(outer, dict):  # fields added since (streaming, compression): their neutral settings
-        missing = {k: v for k, v in dataclasses.asdict(OuterConfig()).items() if k not in outer}
-        if missing:
-            resolved = {**resolved, "outer": outer | missing}
+    neutral = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):  # fields added to a section since: their neutral settings
+        section, default = resolved.get(f.name), getattr(neutral, f.name)
+        if isinstance(section, dict) and dataclasses.is_dataclass(default):
+            missing = {k: v for k, v in dataclasses.asdict(default).items() if k not in section}
+            if missing:
+                resolved = {**resolved, f.name: section | missing}
     engine = resolved.get("engine")
     if "processes" in resolved or not isinstance(engine, dict):
         return resolved

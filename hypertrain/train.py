@@ -8,7 +8,9 @@ config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json` and `
 in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by default).
 Multirun (`-m`) sweeps run each job as its own W&B run in one group. A run that ends before its
 first record (a stop signal, a full disk, W&B that cannot start) prints one line, exits with its
-code (hypertrain/failures/__init__.py) and leaves nothing of a new run behind.
+code (hypertrain/failures/__init__.py) and leaves nothing of a new run behind. Under
+`torchrun --max-restarts N` a restarted worker resumes the run in its `hydra.run.dir`, which must
+be given (`torchrun_restarts`; docs/resume.md, "Restarts").
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from hypertrain.config import MAY_CHANGE, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
-from hypertrain.failures import DiskFull, RankFailed, RunFailure
+from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
 from hypertrain.run import checkpoint, composition, directory, preflight, refusal
 from hypertrain.run.schema import register_configs
-from hypertrain.run.session import Resume, disk_full_as_failure, train_session
+from hypertrain.run.session import Restart, Resume, disk_full_as_failure, restart_here, train_session
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -122,6 +124,60 @@ def multirun_first(argv: list[str]) -> list[str]:
     return [argv[0], *flags, *(a for a in argv[1:] if a not in flags)]
 
 
+_restart_dir: Path | None = None  # under torchrun with restarts: the run directory every restart resumes in
+
+
+def torchrun_restarts(argv: list[str]) -> list[str]:
+    """Under `torchrun --max-restarts N` (N > 0) every restart of the workers resumes the run where
+    the first start wrote it: that directory must be named, `hydra.run.dir=DIR` (Hydra's default is
+    named by the time of each start, so a restart would start another run), and `resume` may not name
+    a checkpoint of its own; on a restart (`TORCHELASTIC_RESTART_COUNT` > 0) `resume=auto` replaces
+    the command's resume. `processes.max_restarts` is the self-launch's: under torchrun 0 or torchrun's
+    own number. A mistake is one line from rank 0 on the first start, exit 2 (the same mistake on a
+    restart the agent still makes exits 2 without repeating it). Other argv is returned as it is."""
+    global _restart_dir
+    launched = launched_rank()
+    allowed = restarts.allowed()
+    if launched is None or launched.launcher != "torchrun" or not allowed:
+        return argv
+    if any(a in ("-m", "--multirun") for a in argv[1:]):  # refused as a multirun under torchrun
+        return argv
+    given = {}
+    for arg in argv[1:]:
+        key, sep, value = arg.partition("=")
+        if sep:
+            given[key.lstrip("+")] = value.strip()
+    mistake = None
+    run_dir, resume = given.get("hydra.run.dir", ""), given.get("resume", "")
+    mine = given.get("processes.max_restarts")
+    if mine is not None and mine not in ("0", str(allowed)):
+        mistake = (
+            f"processes.max_restarts={mine} but torchrun's --max-restarts is {allowed}; valid: "
+            f"processes.max_restarts=0 (torchrun's --max-restarts decides) or {allowed}"
+        )
+    elif not run_dir or "${now:" in run_dir:
+        mistake = (
+            f"torchrun --max-restarts {allowed} needs hydra.run.dir=<a directory>: every restart resumes the "
+            "run where the first start wrote it, and Hydra's default directory is named by the time of "
+            "each start; valid: hydra.run.dir=DIR"
+        )
+    elif resume.lower() not in ("", "false", "true", "auto"):
+        mistake = (
+            f"resume={resume!r} names a checkpoint, but under torchrun --max-restarts {allowed} every "
+            "restart resumes from the newest checkpoint of hydra.run.dir; valid: hydra.run.dir=<its run "
+            "directory> resume=true"
+        )
+    if mistake is not None:
+        if restarts.count():
+            sys.exit(2)
+        refusal.fail(mistake)
+    _restart_dir = Path(run_dir).absolute()
+    if not restarts.count():
+        return argv
+    kept = [a for a in argv[1:] if a.partition("=")[0].lstrip("+~") != "resume"]
+    return [argv[0], *kept, "resume=auto"]
+
+
 def stopped(stop: Preempted, signals: StopSignals, run_dir: Path) -> None:
     """A stop signal ended the run at an update boundary, checkpointed and flushed: say so in one
     line, hand over to the launcher's handler (submitit requeues the job), else exit 143."""
@@ -157,6 +213,13 @@ def main(dict_cfg: DictConfig) -> float:
         directory.release_all()
 
 
+def _finished_here(run) -> bool:
+    """A rank other than 0 of a restart under torchrun: whether the run in the restart's directory
+    has finished (rank 0 then says so and exits 0, as resume=auto does; a node that does not see the
+    directory cannot tell, and waits for rank 0 until processes.timeout_s)."""
+    return _restart_dir is not None and directory.finished_of(_restart_dir, run.updates) is not None
+
+
 def finished_loss(run_dir: Path) -> float:
     """The final held-out loss a finished run's records hold (NaN when they hold none)."""
     from hypertrain.run.records import read_metrics
@@ -173,14 +236,23 @@ def write_whole(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) -> Resume | None:
+def write_start(
+    checked: preflight.Checked, run_dir: Path, run, identity: dict
+) -> tuple[Resume | None, Restart | None]:
     """Rank 0, before the session: rewind a resumed run's records, write config.yaml and plan.json,
-    say what runs. Where the session goes on from (None: a new run)."""
-    resume = None
-    if checked.restart:  # resume=auto, stopped before its first checkpoint: start over here
+    say what runs. Where the session goes on from (None: a new run), and, when torchrun's agent
+    restarted this session, the restart (it goes on from the newest checkpoint, or from the start
+    under the same run id: `session.restart_here`)."""
+    resume = restart = None
+    if restarts.count():  # torchrun restarted every rank after one failed (resume=auto, torchrun_restarts)
+        resume, restart = restart_here(run_dir, checked.resume)
+        logger.info(
+            "restart %d of %d: going on from %s", restart.count, restart.allowed, restart.path or "the start"
+        )
+    elif checked.restart:  # resume=auto, stopped before its first checkpoint: start over here
         moved = checkpoint.rewind_metrics(run_dir, 0)
         logger.info("resume=auto: no checkpoint yet, starting over (%d bytes superseded)", moved)
-    if checked.resume is not None:  # only now, every check passed: rewind the records
+    if checked.resume is not None and restart is None:  # only now, every check passed: rewind the records
         path, saved = checked.resume
         checkpoint.drop_later(run_dir, saved["state"]["next_update"])
         moved = checkpoint.rewind_metrics(run_dir, saved["metrics_bytes"])
@@ -199,7 +271,7 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
         )
     if run.cfg.engine.compile:
         logger.info("engine.compile=true: the first updates and held-out eval include compilation")
-    return resume
+    return resume, restart
 
 
 def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: bool) -> float:
@@ -207,11 +279,11 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
     run = checked.run
     resolved = preflight.resolved_config(run.cfg)
     identity = run_identity(run.cfg, resolved)
-    resume = None
+    resume = restart = None
     if writer:
         try:
             with disk_full_as_failure():
-                resume = write_start(checked, run_dir, run, identity)
+                resume, restart = write_start(checked, run_dir, run, identity)
         except DiskFull as e:
             refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     if run.cfg.processes.name == "dist":
@@ -222,9 +294,12 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
             str(run_dir) if writer else None,
             resolved,
             identity,
-            None if checked.resume is None else str(checked.resume[0]),
+            None if resume is None else resume.path,
             None if resume is None else resume.superseded,
+            restart=restart,
         )
+        if not writer and restarts.count() and _finished_here(run):
+            return math.nan  # rank 0 found the run finished (a worker died in its teardown) and left
         if launched is not None:  # this process is one rank; a failure ends it inside run_worker
             summary = dist.run_worker(job, run)
         else:
@@ -267,6 +342,7 @@ if __name__ == "__main__":
     sys.argv, notices = modern_spelling(quote_numeric_choices(multirun_first(sys.argv)))
     if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
         print("\n".join(notices), file=sys.stderr)
+    sys.argv = torchrun_restarts(sys.argv)  # a restart by torchrun's agent resumes (resume=auto)
     guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again
     composition.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
     main()

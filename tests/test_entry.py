@@ -225,3 +225,8 @@ def test_an_older_runs_config_reads_as_todays():
     assert upgrade_resolved(today) is today
     one = {k: v for k, v in today.items() if k != "processes"} | {"engine": {**today["engine"], "nproc": 0}}
     assert upgrade_resolved(one)["processes"]["name"] == "one"
+    # fields added to a section since (restarts, experts, the cluster, churn): their neutral defaults
+    before = {k: v for k, v in today.items() if k not in ("cluster", "churn")}
+    before["processes"] = {k: v for k, v in today["processes"].items() if k != "max_restarts"}
+    assert "max_restarts" in today["processes"]
+    assert upgrade_resolved(before) == today

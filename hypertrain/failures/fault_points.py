@@ -1,8 +1,10 @@
 """Tests only: make a process fail at a named point of a run, so a test names the point instead of
 racing a clock.
 
-`HYPERTRAIN_FAULT=RANK:UPDATE:ACTION[:POINT]` acts in the process of rank RANK at UPDATE, at POINT
-(docs/resume.md, "The fault hook"). Unset, every call is one dictionary lookup.
+`HYPERTRAIN_FAULT=RANK:UPDATE:ACTION[:POINT[:RESTART]]` acts in the process of rank RANK at UPDATE, at
+POINT, in the session of torch's agent's restart count RESTART (default 0: the first start, and every
+process no agent started), so a fault that makes the agent restart the workers does not fire again in
+the restarted ones (docs/resume.md, "The fault hook"). Unset, every call is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import signal
 import time
 from collections.abc import Callable
+
+from hypertrain.failures import restarts
 
 FAULT_ENV = "HYPERTRAIN_FAULT"
 POINTS = ("round", "after", "checkpoint", "metrics", "end")
@@ -29,7 +33,9 @@ def due(rank: int, point: str, updates: range) -> bool:
     if not spec:
         return False
     target, update, _action, *where = spec.split(":")
-    return int(target) == rank and (where[0] if where else "round") == point and int(update) - 1 in updates
+    if int(target) != rank or (where[0] if where else "round") != point or int(update) - 1 not in updates:
+        return False
+    return int(where[1] if len(where) > 1 else 0) == restarts.count()
 
 
 def act(rank: int, point: str, updates: range, ready: Callable[[], bool] | None = None) -> None:

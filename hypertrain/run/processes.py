@@ -8,7 +8,10 @@ launched process calls it from the entry; `python -m hypertrain.train processes=
 which starts the P workers with torch's elastic launcher (`elastic_launch`, what torchrun runs).
 Rank 0 alone writes the run. A rank that dies or hangs makes the others fail in their next
 collective (gloo: at once for a closed connection, after `processes.timeout_s` for silence), and the
-launcher stops the rest; each rank says what happened in one line and exits non-zero.
+launcher stops the rest; each rank says what happened in one line and exits non-zero. With restarts
+(`torchrun --max-restarts N`, `processes.max_restarts=N` self-launched) the agent then starts every
+worker again, and the restarted session goes on from the newest checkpoint (`failures.restarts`,
+docs/resume.md "Restarts").
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,10 +36,13 @@ from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed import slurm_env
 from hypertrain.distributed.collectives import DistReplicaGroups, collective, first_line
 from hypertrain.distributed.layouts import LaunchedRank, choose_layout, launched_rank
-from hypertrain.failures import RankFailed, RunFailure, fault_points
+from hypertrain.failures import RankFailed, RunFailure, fault_points, restarts
 from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
 from hypertrain.run import checkpoint
-from hypertrain.run.records import METRICS_FILE, session_end, session_rows
+from hypertrain.run.records import METRICS_FILE, read_metrics, session_end, session_rows
+
+if TYPE_CHECKING:
+    from hypertrain.run.session import Restart
 
 PEER_FAILURE_GRACE_S = 1.0  # > the launcher's 0.1 s poll: it records the rank that failed first
 
@@ -51,6 +58,7 @@ class WorkerJob:
     resume_from: str | None = None  # the checkpoint every rank loads its replicas' state from
     superseded: int | None = None  # rank 0: bytes of metrics.jsonl the entry moved aside for it
     self_launched: bool = False  # set by `launch`: the entry says how the run ended, the workers not
+    restart: Restart | None = None  # rank 0 under torchrun, restarted by its agent: what the entry rewound
 
 
 def same_run_everywhere(run, resolved: dict, rank: int, processes: int) -> None:
@@ -123,13 +131,28 @@ def _cpu_threads(me: LaunchedRank) -> int:
     return int(given) if given.isdigit() else max(1, (os.cpu_count() or 1) // me.local_processes)
 
 
-def _rendezvous(me: LaunchedRank) -> dict:
+def _rendezvous(me: LaunchedRank, timeout: timedelta) -> dict:
     """init_process_group's rendezvous: torch's agent exported it (env://); srun's tasks meet on the
-    step's first node at a port derived from the job id (hypertrain.slurm_env), no torchrun needed."""
-    if me.launcher != "srun":
+    step's first node at a port derived from the job id (hypertrain.slurm_env), no torchrun needed.
+
+    A session the agent restarted meets under keys of its own: the agent keeps serving the same
+    store (the workers' MASTER_PORT) across restarts, and the process group's keys are the same at
+    every start, so a restarted worker would read the failed session's addresses and wait for a
+    dead peer (measured here, torch 2.13: gloo's "connectFullMesh failed ... Connect timeout")."""
+    if me.launcher == "srun":
+        host, port = slurm_env.rendezvous()
+        return {"init_method": f"tcp://{host}:{port}", "rank": me.rank, "world_size": me.processes}
+    if not restarts.count():
         return {}
-    host, port = slurm_env.rendezvous()
-    return {"init_method": f"tcp://{host}:{port}", "rank": me.rank, "world_size": me.processes}
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return {
+        "store": dist.PrefixStore(f"hypertrain/restart_{restarts.count()}", store),
+        "rank": rank,
+        "world_size": world_size,
+    }
 
 
 def run_worker(job: WorkerJob, run=None) -> dict | None:
@@ -156,23 +179,27 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     try:
         backend = _backend(cfg, device)
         try:  # its cause in this rank's one line, not lost behind the launcher's exit code
-            dist.init_process_group(backend, timeout=timeout, **_rendezvous(me))
+            dist.init_process_group(backend, timeout=timeout, **_rendezvous(me, timeout))
         except Exception as e:
             raise RankFailed(f"torch.distributed could not start ({backend}): {first_line(e)}") from None
         layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.processes.layout)
+        resume, restart, finished = None, job.restart if rank == 0 else None, False
+        if rank == 0 and job.self_launched and restarts.count() > 0:  # the entry's agent restarted us
+            resume, restart, finished = _restarted(Path(job.run_dir))
         # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
-        decided = [job.run_dir, job.resume_from]
+        decided = [job.run_dir, job.resume_from if restart is None else restart.path, finished]
         dist.broadcast_object_list(decided, src=0)
-        run_dir, resume_from = decided
+        run_dir, resume_from, finished = decided
+        if finished:  # restarted after a worker died in its teardown: the run had finished
+            return _finished_summary(Path(run_dir)) if rank == 0 else None
         groups = DistReplicaGroups(layout, rank, device, cfg.processes.timeout_s)
         run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
         same_run_everywhere(run, job.resolved, rank, processes)
-        resume = None
-        if resume_from is not None:
+        if resume is None and resume_from is not None:
             saved = checkpoint.load(Path(resume_from))
             resume = Resume(resume_from, saved, job.superseded or 0)
         where = Path(run_dir)
-        summary = train_session(run, where, job.resolved, job.identity, groups, resume)
+        summary = train_session(run, where, job.resolved, job.identity, groups, resume, restart)
         # Tests only: die in teardown, once rank 0's end row is written (a finished run stays finished).
         fault_points.act(rank, "end", range(run.updates), ready=lambda: _has_end_row(where))
         return summary if rank == 0 else None
@@ -184,8 +211,11 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     except Exception as e:
         if not isinstance(e, RunFailure):
             traceback.print_exc()  # not a run failure we know: a bug, shown whole
+        if restarts.left():  # the agent restarts every rank: a warning, and never a stop's exit code
+            _say(f"hypertrain: warning: rank {rank}: {restarts.restarting(e)}")
+        else:
+            _say(f"hypertrain: error: run failed on rank {rank}: {first_line(e)}")
         code = getattr(e, "exit_code", 1)
-        _say(f"hypertrain: error: run failed on rank {rank}: {first_line(e)}")
         if isinstance(e, RankFailed):
             # A peer failed first: give the launcher (it polls every 0.1 s) time to see that rank's
             # failure before this one's, so the run is reported as the root cause, not its echo.
@@ -196,6 +226,33 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         signals.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _restarted(run_dir: Path):
+    """Rank 0 of a self-launched session that the entry's agent restarted: (the Resume, the Restart,
+    whether the run had finished already). It goes on from the newest checkpoint whose records match,
+    or from the start (`session.restart_here`); a run whose records end `finished` (a worker died in
+    its teardown) is left as it is."""
+    from hypertrain.run.directory import finished_updates
+    from hypertrain.run.session import restart_here
+
+    if finished_updates(run_dir) is not None:
+        _say(
+            f"hypertrain: restart {restarts.count()} of {restarts.allowed()} after a worker failed: the run "
+            "had finished; nothing was run"
+        )
+        return None, None, True
+    found = checkpoint.find(run_dir)
+    if found is not None:
+        checkpoint.records_match(run_dir, *found)
+    resume, restart = restart_here(run_dir, found)
+    return resume, restart, False
+
+
+def _finished_summary(run_dir: Path) -> dict:
+    """The summary a finished run's records hold (its summary rows, merged)."""
+    rows = read_metrics(run_dir)
+    return {k: v for r in rows if r.get("kind") == "summary" for k, v in r.items() if k != "kind"}
 
 
 def _say(line: str) -> None:
@@ -300,7 +357,7 @@ def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | 
         if failed is not None:  # a worker died after the run finished (its records and weights are whole)
             print(f"hypertrain: warning: {failed.teardown}; the run had finished", file=sys.stderr)
             sys.stderr.flush()
-        if results:
+        if results and results.get(0) is not None:
             return results[0]
         return {k: v for r in rows if r.get("kind") == "summary" for k, v in r.items() if k != "kind"}
     error = end.get("error") or end.get("status", "failed")
@@ -314,7 +371,9 @@ def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | 
 
 
 def launch(job: WorkerJob) -> dict:
-    """Start P = processes.nproc workers on this node with torch's elastic launcher and wait for them.
+    """Start P = processes.nproc workers on this node with torch's elastic launcher and wait for them;
+    with `processes.max_restarts`, the agent starts every worker again after one failed, and the
+    restarted session goes on from the newest checkpoint (the entry keeps the directory's lock).
 
     How the run ended is what rank 0's `end` row says (`_ended`), so the entry's exit code is the
     records' own: a finished run returns rank 0's summary (a worker that died after the end row is a
@@ -334,7 +393,7 @@ def launch(job: WorkerJob) -> dict:
         run_id=f"hypertrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=job.cfg.processes.max_restarts,  # each restart resumes from the newest checkpoint
         monitor_interval=0.1,
         start_method="spawn",
         # The agent stops its workers with the signal it got (they checkpoint after their update in

@@ -18,6 +18,13 @@ Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity
 - `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
   "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
 - `summary`: `{"kind", ...values}` (`summary`).
+- `restart`: a session torch's agent started again after a worker failed (`torchrun --max-restarts`,
+  `processes.max_restarts`), written by its rank 0 after its `start` row (and its `resume` row when it
+  goes on from a checkpoint): `{"kind", "count", "max_restarts", "update", "recomputed", "from",
+  "superseded_bytes"}` (`log_restart`; `count`: the agent's restart count, 1 for the first restart;
+  `update`: the update the run goes on from, 0 from the start; `recomputed`: the updates after it that
+  the failed session had recorded, which this session runs again; `from`: the checkpoint, null from
+  the start; docs/resume.md, "Restarts").
 - `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed" | "preempted" |
   "interrupted"}`, and for a run that did not finish `"error"` (its one line) and `"exit_code"`, the
   code the entry exits with (`preempted`: SIGTERM or SIGUSR2, 143; `interrupted`: SIGINT 130, SIGHUP
@@ -400,6 +407,10 @@ class RunLogger:
     def log_resume(self, row: dict) -> None:
         """This session resumes: from which checkpoint, at which update, what was superseded."""
         self._write({"kind": "resume", **row})
+
+    def log_restart(self, row: dict) -> None:
+        """This session was restarted by torch's agent: its count, where it goes on, what runs again."""
+        self._write({"kind": "restart", **row})
 
     def summary(self, values: dict) -> None:
         """Run-level facts (`plan/union_sha256`, `plan/data_order_sha256`, `data/fingerprint`, ...)."""

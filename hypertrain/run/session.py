@@ -8,11 +8,18 @@ ranks take part in the checkpoints' gathers and write nothing. A full disk while
 `Preempted` too: its end row holds the stop's status, line and exit code, failures.signals).
 A session that fails while opening its records (no space, W&B that cannot start) has written no
 record: `RunLogger` leaves nothing of its own, and the entry removes the rest of a new run.
+
+A session that torch's agent started again after a worker failed (`failures.restarts`) goes on from
+the newest checkpoint, or from the start when there is none, in the same run directory under the same
+run id: `restart_here` (rank 0) rewinds the records to that point, and the session writes a `restart`
+row (docs/resume.md, "Restarts").
 """
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -22,10 +29,11 @@ import torch
 
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
-from hypertrain.failures import DiskFull, RankFailed
+from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
+from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer, checkpoints, written_by_run
-from hypertrain.run.records import NoLog, RunLogger, no_space
+from hypertrain.run.records import METRICS_FILE, NoLog, RunLogger, no_space
 from hypertrain.run.trainer import train
 
 
@@ -34,7 +42,9 @@ def stopping(run_dir: Path | str) -> Iterator[None]:
     """Around a session's training, inside its records: a stop's checkpoint is settled before the
     records close; a stop at once says which checkpoint is intact (the end row holds the line). A
     collective that fails while this process is stopping on a Ctrl-C is another rank that stopped at
-    once on the second one (every process of the run gets it), not a failure of the run."""
+    once on the second one (every process of the run gets it), not a failure of the run. A failure
+    while torch's agent has restarts left is a session the agent restarts: its line (the end row's)
+    says so, and its exit code is never a stop's (`restarts.restarting`)."""
 
     def at_once(what: str) -> StoppedAtOnce:
         settled()
@@ -49,10 +59,11 @@ def stopping(run_dir: Path | str) -> Iterator[None]:
     except Preempted:
         settled()
         raise
-    except RankFailed:
-        if requested() != signal.SIGINT:
-            raise
-        raise at_once("stopped at once by a second SIGINT (to another rank)") from None
+    except RunFailure as e:
+        if isinstance(e, RankFailed) and requested() == signal.SIGINT:
+            raise at_once("stopped at once by a second SIGINT (to another rank)") from None
+        restarts.restarting(e)
+        raise
 
 
 @contextmanager
@@ -78,6 +89,80 @@ class Resume:
     superseded: int  # bytes of metrics.jsonl moved to metrics.superseded.jsonl
 
 
+@dataclass
+class Restart:
+    """A session torch's agent started again after a worker failed: where it goes on from and what
+    the failed session had recorded after that point (the `restart` row, docs/resume.md "Restarts")."""
+
+    count: int  # the agent's restart count (1 for the first restart)
+    allowed: int  # the restarts the agent allows in all
+    update: int  # the update the run goes on from (the checkpoint's next update; 0: from the start)
+    recomputed: int  # the updates the failed session had recorded after `update`: run again now
+    superseded: int  # bytes of metrics.jsonl moved to metrics.superseded.jsonl
+    path: str | None = None  # the checkpoint gone on from; None: from the start
+    run_id: str | None = None  # from the start: the run's id, kept (None: the records held none yet)
+    wandb_id: str | None = None  # from the start: the W&B run's id, kept
+
+    def row(self) -> dict:
+        return {
+            "count": self.count,
+            "max_restarts": self.allowed,
+            "update": self.update,
+            "recomputed": self.recomputed,
+            "from": self.path,
+            "superseded_bytes": self.superseded,
+        }
+
+    def line(self) -> str:
+        where = f"checkpoint {self.path}" if self.path else "the start (no checkpoint yet)"
+        updates = "update" if self.recomputed == 1 else "updates"
+        return (
+            f"hypertrain: restart {self.count} of {self.allowed} after a worker failed: going on from "
+            f"{where} at update {self.update}; {self.recomputed} {updates} the failed session had recorded "
+            "run again"
+        )
+
+
+def _rows(data: bytes) -> list[dict]:
+    """The readable rows among `data`'s lines (a row cut short by a kill is skipped)."""
+    rows = []
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def restart_here(run_dir: Path, found: tuple[Path, dict] | None) -> tuple[Resume | None, Restart]:
+    """Rank 0 of a restarted session (`failures.restarts.count()` > 0): go on from `found` (the
+    newest checkpoint, whose records `checkpoint.records_match` has checked) or, with None, from the
+    start under the run's own id. Drops the checkpoints after it, moves what the failed session
+    recorded after that point to metrics.superseded.jsonl (never lost) and says what it was."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS_FILE
+    data = metrics.read_bytes() if metrics.exists() else b""
+    saved = None if found is None else found[1]
+    length = 0 if saved is None else int(saved["metrics_bytes"])
+    update = 0 if saved is None else int(saved["state"]["next_update"])
+    after = [int(r["update"]) for r in _rows(data[length:]) if r.get("kind") == "update"]
+    recorded = {u for u in after if u > update}
+    run_id = wandb_id = None
+    if saved is None:  # from the start: the same run, its own id kept
+        starts = [r for r in _rows(data) if r.get("kind") == "start"]
+        if starts:
+            run_id, wandb_id = starts[-1].get("run_id"), starts[-1].get("wandb_run_id")
+    checkpoint.drop_later(run_dir, update)  # and a checkpoint's temporary file a kill cut short
+    moved = checkpoint.rewind_metrics(run_dir, length)
+    path = None if found is None else str(found[0])
+    restart = Restart(
+        restarts.count(), restarts.allowed(), update, len(recorded), moved, path, run_id, wandb_id
+    )
+    return (None if saved is None else Resume(path, saved, moved)), restart
+
+
 def train_session(
     run: PreparedRun,
     run_dir: Path,
@@ -85,9 +170,11 @@ def train_session(
     identity: dict,
     groups: Collectives | None = None,
     resume: Resume | None = None,
+    restart: Restart | None = None,
 ) -> dict:
     """One session of the writer (or, with `groups`, of every process): open the records (rank 0),
-    say where a resumed run goes on from, train with checkpoints, save weights.pt; the summary."""
+    say where a resumed run goes on from (and, restarted by torch's agent, that it was: `restart`),
+    train with checkpoints, save weights.pt; the summary."""
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     saved = None if resume is None else resume.saved["state"]
@@ -108,6 +195,8 @@ def train_session(
             return train(run, None, groups, checkpointer(NoLog()), saved)[0]
     wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
     run_id = None if resume is None else resume.saved.get("run_id")  # None: a new id (RunLogger)
+    if resume is None and restart is not None:  # restarted from the start: still the same run
+        run_id, wandb_id = restart.run_id, restart.wandb_id
     records = RunLogger(
         run_dir, resolved, cfg.logger, replicas=cfg.replicas, wandb_id=wandb_id, run_id=run_id, **identity
     )
@@ -128,6 +217,10 @@ def train_session(
                     "superseded_bytes": resume.superseded,
                 }
             )
+        if restart is not None:
+            log.log_restart(restart.row())
+            sys.stderr.write(restart.line() + "\n")
+            sys.stderr.flush()
         summary, state = train(run, log, groups, checkpointer(log), saved)
         torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
     return summary
