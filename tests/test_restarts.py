@@ -79,6 +79,8 @@ def test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one(tmp_pa
         procs[name] = start_entry(args, tmp_path, env, torchrun=torchrun)
     done = {name: finish(proc) for name, proc in procs.items()}
     assert done["reference"].returncode == 0, done["reference"].stderr
+    want = [r for r in rows(reference / METRICS_FILE) if r["kind"] == "summary" and "run/restarts" in r]
+    assert [r["run/restarts"] for r in want] == [0]
 
     for name, (*_, expected) in RUNS.items():
         run_dir, result = tmp_path / name, done[name]
@@ -112,6 +114,8 @@ def test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one(tmp_pa
         assert not list((run_dir / "checkpoints").glob("*.tmp")), name
         assert [p.name for p in checkpoints(run_dir)][-1] == "ckpt-u0000006.pt", name
         assert_identical(run_dir, reference)
+        summary = [r for r in kept if r["kind"] == "summary" and "run/restarts" in r][-1]
+        assert summary["run/restarts"] == 1, name  # the summary counts the agent's restarts
 
     # The survivor of the worker killed after update 4 says the agent restarts it, as does its end row.
     survivor = "torchrun-rank1-after-4"

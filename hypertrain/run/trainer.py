@@ -23,7 +23,7 @@ from hypertrain.diloco.rounds import Segment, StopCheck, rounds
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
-from hypertrain.failures import signals
+from hypertrain.failures import restarts, signals
 from hypertrain.model.transformer import count_params
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer
@@ -281,6 +281,7 @@ def train(
             "train/wall_s": end - start,
             "comm/outer_total_bytes": totals.comm_outer_bytes,
             "comm/outer_peak_bytes": totals.comm_outer_peak,
+            "run/restarts": restarts.count(),  # by torch's agent, in the launch that finished the run
         }
         | throughput.window(end)
         | throughput.summary()
