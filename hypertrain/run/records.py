@@ -481,6 +481,12 @@ def session_rows(path: Path | str, since: int = 0) -> list[dict]:
             data = f.read()
     except FileNotFoundError:
         return []
+    return readable_rows(data)
+
+
+def readable_rows(data: bytes) -> list[dict]:
+    """The rows among `data`'s lines (metrics.jsonl bytes), leaving out a line that is not JSON (a row
+    cut short by a kill)."""
     rows = []
     for line in data.splitlines():
         try:

@@ -17,7 +17,6 @@ row (docs/resume.md, "Restarts").
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer, checkpoints, written_by_run
-from hypertrain.run.records import METRICS_FILE, NoLog, RunLogger, no_space
+from hypertrain.run.records import METRICS_FILE, NoLog, RunLogger, no_space, readable_rows
 from hypertrain.run.trainer import train
 
 
@@ -123,19 +122,6 @@ class Restart:
         )
 
 
-def _rows(data: bytes) -> list[dict]:
-    """The readable rows among `data`'s lines (a row cut short by a kill is skipped)."""
-    rows = []
-    for line in data.splitlines():
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def restart_here(run_dir: Path, found: tuple[Path, dict] | None) -> tuple[Resume | None, Restart]:
     """Rank 0 of a restarted session (`failures.restarts.count()` > 0): go on from `found` (the
     newest checkpoint, whose records `checkpoint.records_match` has checked) or, with None, from the
@@ -147,11 +133,11 @@ def restart_here(run_dir: Path, found: tuple[Path, dict] | None) -> tuple[Resume
     saved = None if found is None else found[1]
     length = 0 if saved is None else int(saved["metrics_bytes"])
     update = 0 if saved is None else int(saved["state"]["next_update"])
-    after = [int(r["update"]) for r in _rows(data[length:]) if r.get("kind") == "update"]
+    after = [int(r["update"]) for r in readable_rows(data[length:]) if r.get("kind") == "update"]
     recorded = {u for u in after if u > update}
     run_id = wandb_id = None
     if saved is None:  # from the start: the same run, its own id kept
-        starts = [r for r in _rows(data) if r.get("kind") == "start"]
+        starts = [r for r in readable_rows(data) if r.get("kind") == "start"]
         if starts:
             run_id, wandb_id = starts[-1].get("run_id"), starts[-1].get("wandb_run_id")
     checkpoint.drop_later(run_dir, update)  # and a checkpoint's temporary file a kill cut short
