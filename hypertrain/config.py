@@ -34,7 +34,15 @@ class ModelConfig:
     # decoder (one token stream), or multistream (several token channels per position, e.g. text and
     # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each)
     arch: str = "decoder"
-    is_moe: bool = False  # mixture-of-experts MLPs (not built yet)
+    # mixture of experts (docs/moe.md): every layer's SwiGLU MLP becomes n_experts SwiGLU experts of
+    # width expert_ffn and a linear router; each token goes to its top_k experts (softmax over all,
+    # the chosen k renormalised, as Mixtral), dropless; Mixtral's load-balancing loss, weighted by
+    # router_aux_weight, joins the objective
+    is_moe: bool = False
+    n_experts: int = 8  # E, at least 2
+    top_k: int = 2  # experts per token, 1..n_experts
+    expert_ffn: int = 0  # each expert's SwiGLU hidden width; at least 1 with is_moe (0: no experts)
+    router_aux_weight: float = 0.001  # the load-balancing loss's weight in the objective (Mixtral's)
     vocab: int = 256  # decoder: byte-level tokens for the embedded corpus
     # multistream: each channel's vocabulary, in the data's channel order; [] = the data's, filled
     # in at start-up (a list that differs from the data's is refused)
@@ -46,19 +54,23 @@ class ModelConfig:
     d_ff: int = 0  # SwiGLU hidden width; 0 = 8/3 * d_model rounded up to a multiple of 16
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    norm_eps: float = 1e-6  # RMSNorm's epsilon (Hugging Face's rms_norm_eps)
     compute_dtype: str = "fp32"  # fp32, or bf16 autocast (weights and optimizer stay fp32)
 
     def check(self) -> None:
         _choice("model.arch", self.arch, ("decoder", "multistream"))
-        if self.is_moe:
-            raise ConfigError("model.is_moe=True is not built yet; valid: False")
         _choice("model.compute_dtype", self.compute_dtype, ("fp32", "bf16"))
+        if self.is_moe:
+            self.check_experts()
+        _at_least("model.expert_ffn", self.expert_ffn, 0)
         for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
             _at_least(f"model.{name}", getattr(self, name), 1)
         _at_least("model.d_ff", self.d_ff, 0)
         for name in ("rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} is not valid; valid: > 0")
+        if not 0 < self.norm_eps < math.inf:
+            raise ConfigError(f"model.norm_eps={self.norm_eps!r} is not valid; valid: finite, > 0")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
@@ -66,6 +78,26 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
+            )
+
+    def check_experts(self) -> None:
+        """The mixture-of-experts fields (with is_moe); ConfigError naming the first bad one."""
+        if self.arch != "decoder":
+            raise ConfigError(
+                f"model.is_moe=true with model.arch={self.arch!r} is not built; valid: model.arch=decoder"
+            )
+        _at_least("model.n_experts", self.n_experts, 2)
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(
+                f"model.top_k={self.top_k!r} is out of range; valid: 1..model.n_experts={self.n_experts}"
+            )
+        if self.expert_ffn < 1:
+            raise ConfigError(
+                f"model.expert_ffn={self.expert_ffn!r} is not valid with model.is_moe=true; valid: >= 1"
+            )
+        if not 0 <= self.router_aux_weight < math.inf:
+            raise ConfigError(
+                f"model.router_aux_weight={self.router_aux_weight!r} is not valid; valid: finite, >= 0"
             )
 
 

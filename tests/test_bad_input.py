@@ -98,8 +98,8 @@ CASES = {
     "unknown-group-option": Case(
         "an option a group does not have",
         ["model=huge"],
-        "In 'train': Could not find 'model/huge'; valid: base, multistream_small, multistream_tiny, small, "
-        "tiny",
+        "In 'train': Could not find 'model/huge'; valid: base, moe_small, moe_tiny, multistream_small, "
+        "multistream_tiny, small, tiny",
         "pick one of the options listed",
         hydra=True,
     ),
@@ -120,8 +120,8 @@ CASES = {
     "schema-as-option": Case(
         "a schema's name used as an option",
         ["model=model_schema"],
-        "In 'train': Could not find 'model/model_schema'; valid: base, multistream_small, multistream_tiny, "
-        "small, tiny",
+        "In 'train': Could not find 'model/model_schema'; valid: base, moe_small, moe_tiny, multistream_small, "
+        "multistream_tiny, small, tiny",
         "schemas are not options; pick one of the options listed",
         hydra=True,
     ),
@@ -201,6 +201,48 @@ CASES = {
     ),
     "negative-lr": Case(
         "a negative learning rate", ["inner.lr=-0.1"], "inner.lr=-0.1 is too small; valid: >= 0.0", ">= 0"
+    ),
+    "churn-probability": Case(
+        "a churn probability outside [0, 1] (docs/churn.md)",
+        ["churn.p_miss=1.5"],
+        "churn.p_miss=1.5 is out of range; valid: [0, 1]",
+        "a probability",
+    ),
+    "churn-quorum": Case(
+        "a churn quorum above the replicas",
+        ["churn.min_quorum=3"],
+        "churn.min_quorum=3 is out of range; valid: 1 to replicas (2)",
+        "1 to R",
+    ),
+    "churn-event": Case(
+        "a churn event naming a replica that does not exist",
+        ["churn.events=[2:5:leave]"],
+        "churn.events names replica 5; valid: 0 to 1 (replicas=2)",
+        "ROUND:REPLICA:miss, leave or rejoin, REPLICA below R",
+    ),
+    "churn-streaming": Case(
+        "churn with Streaming DiLoCo's fragments",
+        ["churn.p_miss=0.1", "inner.H=2", "outer.fragments=2"],
+        "churn with outer.fragments=2 and outer.delay=0 is not built yet",
+        "DiLoCo rounds (outer.fragments=1, outer.delay=0), or churn=none",
+    ),
+    "negative-restarts": Case(
+        "a negative number of restarts",
+        ["processes=dist", "processes.max_restarts=-1"],
+        "processes.max_restarts=-1 is not valid; valid: >= 0",
+        '0 or more (docs/resume.md, "Restarts")',
+    ),
+    "moe-top-k": Case(
+        "a mixture of experts choosing more experts than it has (docs/moe.md)",
+        ["model=moe_tiny", "model.top_k=5"],
+        "model.top_k=5 is out of range; valid: 1..model.n_experts=4",
+        "1 to n_experts",
+    ),
+    "moe-multistream": Case(
+        "a mixture of experts in the multistream model",
+        ["model=multistream_tiny", "model.is_moe=true", "model.expert_ffn=8"],
+        "model.is_moe=true with model.arch='multistream' is not built; valid: model.arch=decoder",
+        "a decoder model: moe_tiny or moe_small",
     ),
     "non-finite-lr": Case(
         "a learning rate that is not a finite number (any float field: nan, inf)",
@@ -401,8 +443,8 @@ CASES = {
     "sweep-later-option-missing": Case(
         "a sweep over a group's options, one of which does not exist (Hydra)",
         ["-m", "model=tiny,huge"],
-        "In 'train': Could not find 'model/huge'; valid: base, multistream_small, multistream_tiny, small, "
-        "tiny",
+        "In 'train': Could not find 'model/huge'; valid: base, moe_small, moe_tiny, multistream_small, "
+        "multistream_tiny, small, tiny",
         "pick options the group has",
         hydra=True,
     ),

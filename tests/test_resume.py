@@ -180,6 +180,13 @@ KILLS = [
         marks=pytest.mark.slow,
         id="mid-interval-h1",
     ),
+    # A mixture of experts (docs/moe.md), Muon on the experts, the router's aux loss on: killed as round
+    # 4 starts, resumed from round 2's checkpoint; the routed run's rows (router figures included) and
+    # weights equal the uninterrupted run's.
+    pytest.param(
+        Kill([*BASE, "model=moe_tiny", "inner=muon", "checkpoint.every=2"], "0:7:kill", 4, [5, 6]),
+        id="moe-tiny-muon",
+    ),
 ]
 
 

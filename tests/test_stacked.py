@@ -171,6 +171,6 @@ def test_the_run_entry_gives_the_loop_losses(tmp_path):
 
 def test_unsupported_model_is_a_clear_error():
     cfg = cfg_for(3, 1, 0)
-    cfg = replace(cfg, model=replace(cfg.model, is_moe=True))
-    with pytest.raises(ValueError, match="engine=stacked supports dense models only"):
+    cfg = replace(cfg, model=replace(cfg.model, compute_dtype="fp16"))
+    with pytest.raises(ValueError, match="engine=stacked: model.compute_dtype='fp16'"):
         stacked.check_supported(cfg)

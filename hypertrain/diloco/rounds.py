@@ -118,12 +118,16 @@ def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tens
 
     def row(a: Assignment, res: ReplicaResult, t: int) -> list[float]:
         means = res.channel_losses[t] if res.channel_losses else None
+        aux, low, high = (res.routing[t] if res.routing and res.routing[t] else None) or (math.nan,) * 3
         return REPLICA_COLUMNS.row(
             loss=math.nan if res.losses[t] is None else res.losses[t],
             targets=a.batches[t].replica_total,
             microbatches=len(a.batches[t].microbatches),
             text_loss=math.nan if means is None else means[0],
             audio_loss=math.nan if means is None else sum(means[1:]) / max(1, len(means) - 1),
+            router_aux=aux,
+            expert_min=low,
+            expert_max=high,
         )
 
     rows = [

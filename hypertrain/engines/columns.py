@@ -35,9 +35,12 @@ class Columns:
 
 
 # A replica's update: its loss (NaN when it skipped the step), its targets, its microbatches (the most
-# of its ranks' shares) and, for multistream, the text channel's token mean and the audio channels'
-# mean (NaN otherwise).
-REPLICA_COLUMNS = Columns("loss", "targets", "microbatches", "text_loss", "audio_loss")
+# of its ranks' shares), for multistream the text channel's token mean and the audio channels' mean,
+# and for a mixture of experts its load-balancing loss (unweighted) and the smallest and largest
+# fraction of routing slots an expert got (NaN otherwise).
+REPLICA_COLUMNS = Columns(
+    "loss", "targets", "microbatches", "text_loss", "audio_loss", "router_aux", "expert_min", "expert_max"
+)
 
 # A process's update, its replicas' (or rank's) shares summed: examples, supervised target tokens,
 # padded target positions (rows x width: what the model computed; times the channels for multistream),

@@ -9,7 +9,8 @@ compilation (about a minute on a 2-core CPU with an empty inductor cache); a cha
 (another sub-round size, a tail update, variable-length documents) compiles once more, after
 which torch treats that dimension as dynamic instead of compiling per size; the learning rate
 enters as a tensor, so it never recompiles. torch falls back to eager, with a warning, past its
-recompile limit.
+recompile limit. A mixture of experts' forward breaks its graph at each layer's group size, which
+is data (`model.moe`); the rest of it compiles.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from hypertrain.config import TrainConfig
 from hypertrain.data.batches import Microbatch, ReplicaBatch
 from hypertrain.engines.compiled import forward_fn
 from hypertrain.failures import NonFiniteError
-from hypertrain.model.transformer import Params
+from hypertrain.model.transformer import Params, loss_channels
 from hypertrain.optim.inner import OptState, lr_at
 
 
@@ -66,6 +66,10 @@ class ReplicaResult:
     allreduce_seconds: list[float] = field(default_factory=list)
     # multistream: each update's per-channel token means (a list of C; None = skipped); [] otherwise
     channel_losses: list = field(default_factory=list)
+    # mixture of experts: each update's router figures (model.moe.ROUTER_FIGURES: the token-weighted
+    # load-balancing loss, the min and max fraction of tokens a layer sends to an expert; None =
+    # skipped); [] otherwise
+    routing: list = field(default_factory=list)
 
     @property
     def stepped(self) -> bool:
@@ -161,9 +165,15 @@ def microbatch_loss(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
 def microbatch_terms(cfg: TrainConfig, params: Params, mb: Microbatch) -> tuple[Tensor, Tensor]:
     """`microbatch_loss`, and the microbatch's per-channel sums of cross-entropy [C] (for the
     per-channel losses; C = 0 for one stream)."""
+    out = microbatch_forward(cfg, params, mb)[0]
+    return out[0] * mb.weight, out[1 : 1 + loss_channels(cfg.model)]
+
+
+def microbatch_forward(cfg: TrainConfig, params: Params, mb: Microbatch) -> Tensor:
+    """`model.forward` of one replica (params `[1, ...]`) on one microbatch: [1, 1 + C + M], the loss
+    before the microbatch's weight, the channel sums and a mixture of experts' router columns."""
     device = torch.device(cfg.engine.device)
     tokens = mb.tokens.unsqueeze(0).to(device)
     mask = None if mb.mask is None else mb.mask.unsqueeze(0).to(device)
     weights = None if mb.channel_weights is None else mb.channel_weights.unsqueeze(0).to(device)
-    out = forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask, weights)[0]  # [1 + C]
-    return out[0] * mb.weight, out[1:]
+    return forward_fn(cfg.engine.compile)(cfg.model, params, tokens, mask, weights)

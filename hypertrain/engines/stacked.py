@@ -7,8 +7,9 @@ replica's weighted mean, summed over replicas (never averaged: that would shrink
 change clipping). Replicas with fewer rows or microbatches get masked rows; variable-length
 microbatches are padded to their longest row across the replicas and cut to stay within
 `data.max_padded_tokens` per replica; a replica with no ids in an update is masked out of that
-optimizer step. Losses come back to the host once per sub-round. Reduction shapes differ from
-the loop, so results agree within float rounding, not always bitwise (docs/parity.md).
+optimizer step. Losses come back to the host once per sub-round. A mixture of experts' replicas
+are stacked alike (expert weights `[R, E, d, f]`, routed together: `model.moe`). Reduction shapes
+differ from the loop, so results agree within float rounding, not always bitwise (docs/parity.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from hypertrain.engines.contract import (
     in_lockstep,
     timed_average,
 )
-from hypertrain.model.transformer import Params, loss_channels
+from hypertrain.model.moe import ROUTER_FIGURES, router_figures, weigh
+from hypertrain.model.transformer import Params, loss_channels, objective, router_columns
 from hypertrain.optim.inner import OptState
 
 
@@ -56,11 +58,6 @@ def _replica_state(state: OptState, r: int) -> OptState:
 def check_supported(cfg: TrainConfig) -> None:
     """Raise ValueError naming any configuration the stacked engine does not implement."""
     m = cfg.model
-    if m.is_moe:
-        raise ValueError(
-            f"engine=stacked supports dense models only, not model.is_moe={m.is_moe}; "
-            "valid: engine=loop for that model"
-        )
     if m.compute_dtype not in ("fp32", "bf16"):
         raise ValueError(f"engine=stacked: model.compute_dtype={m.compute_dtype!r}; valid: 'fp32', 'bf16'")
 
@@ -97,6 +94,9 @@ def train_many(
     # Per update and replica, each channel's token mean (filled by _update; C = 0 for one stream).
     C = loss_channels(cfg.model)
     channels = torch.zeros(steps, R, C, dtype=torch.float64, device=device)
+    # Per update and replica, a mixture of experts' router figures (none for a dense model).
+    routing = torch.zeros(steps, R, len(ROUTER_FIGURES) if cfg.model.is_moe else 0, dtype=torch.float64)
+    routing = routing.to(device)
     stepped = torch.zeros(steps, R, dtype=torch.bool)
     seconds, allreduce = [0.0] * steps, [0.0] * steps
     for t in range(steps):
@@ -111,15 +111,16 @@ def train_many(
                 state,
                 (forward, inner_step),
                 active,
-                (losses, channels),
+                (losses, channels, routing),
                 average_in_replica,
             )
             stepped[t] = torch.tensor(active)
         if stop is not None and stop(assigns[0].global_step0 + t):
             steps = t + 1
             break
-    host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy (two, multistream)
+    host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy (two: multistream, MoE)
     host_channels = channels.cpu().tolist() if C else None
+    host_routing = routing.cpu().tolist() if cfg.model.is_moe else None
     # One timing list shared by the stacked replicas (throughput.process_table counts it once).
     seconds, allreduce = seconds[:steps], allreduce[:steps]
     return [
@@ -130,6 +131,7 @@ def train_many(
             seconds,
             allreduce,
             [host_channels[t][r] if stepped[t, r] else None for t in range(steps)] if C else [],
+            [host_routing[t][r] if stepped[t, r] else None for t in range(steps)] if host_routing else [],
         )
         for r in range(R)
     ]
@@ -137,31 +139,39 @@ def train_many(
 
 def _update(cfg, assigns, t, params, state, fns, active, records, average_in_replica) -> tuple[float, float]:
     """Update `t` of the stacked replicas, in place; (its seconds, its gradient average's seconds).
-    `records` are the losses [steps, R] and the channel means [steps, R, C] to fill."""
+    `records` are the losses [steps, R], the channel means [steps, R, C] and a mixture's router
+    figures [steps, R, 3] to fill."""
     forward, inner_step = fns
-    losses, channels = records
+    losses, channels, routing = records
     device = losses.device
+    M = router_columns(cfg.model)
     bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" or cfg.data.name == "speech" else 0
     batches = [a.batches[t] for a in assigns]
     start = time.perf_counter()
+    C = channels.shape[-1]
     sums = counts = None
+    router = torch.zeros(len(batches), M, device=device)
     for parts in stacked_microbatches(batches, bound):
         tokens, mask, weights, channel_weights = stack_microbatches(parts, device)
-        out = forward(cfg.model, params, tokens, mask, channel_weights)  # [R, 1 + C]: loss, channel sums
-        per_replica = out[:, 0] * weights
-        per_replica.sum().backward()
-        losses[t] += per_replica.detach()
-        sums = out[:, 1:].detach() + (0 if sums is None else sums)
+        out = forward(cfg.model, params, tokens, mask, channel_weights)  # [R, 1 + C + M]
+        (objective(cfg.model, out) * weights).sum().backward()
+        losses[t] += out[:, 0].detach() * weights
+        sums = out[:, 1 : 1 + C].detach() + (0 if sums is None else sums)
         counts = stacked_channel_counts(parts, device) + (0 if counts is None else counts)
-    C = channels.shape[-1]
+        if M:
+            router += weigh(out[:, 1 + C :].detach(), weights)
     if sums is None:  # a rank without ids in its replicas' update adds nothing, in the same shape
         sums = counts = torch.zeros(len(batches), C, device=device)
     grads = gradients(params)
-    # The replica's ranks average the channel sums and counts with the loss (ratios unchanged).
-    stats = torch.cat([losses[t].unsqueeze(1), sums.to(losses.dtype), counts.to(losses.dtype)], dim=1)
+    # The replica's ranks average the channel sums and counts with the loss (ratios unchanged), and a
+    # mixture's router columns (its weighted loss becomes the replica's, its counts keep their ratios).
+    parts = [losses[t].unsqueeze(1), sums, counts, router]
+    stats = torch.cat([x.to(losses.dtype) for x in parts], dim=1)
     allreduce = timed_average(average_in_replica, grads, stats)
     losses[t] = stats[:, 0]
-    channels[t] = channel_means(stats[:, 1 : 1 + C].double(), stats[:, 1 + C :].double())
+    channels[t] = channel_means(stats[:, 1 : 1 + C].double(), stats[:, 1 + C : 1 + 2 * C].double())
+    if M:
+        routing[t] = router_figures(stats[:, 1 + 2 * C :].double(), cfg.model.n_layers, cfg.model.n_experts)
     # The mask costs a copy of the state: pass it only when some replica sits this step out.
     mask = None if all(active) else torch.tensor(active, device=device)
     norms = inner_step(cfg.inner, params, grads, state, assigns[0].lr(cfg, t), active=mask)

@@ -4,7 +4,8 @@
 docs/interfaces.md). `forward(cfg, params, tokens, mask, channel_weights)` runs R replicas at
 once: every parameter is `[R, ...]`; the per-replica loop engine calls it with R = 1, the stacked
 engine with R = many. Architecture: pre-norm RMSNorm, RoPE, causal attention with grouped-query
-heads (torch's scaled-dot-product attention, replica axis folded into its batch), SwiGLU MLP.
+heads (torch's scaled-dot-product attention, replica axis folded into its batch), SwiGLU MLP, or with
+`is_moe` a mixture of SwiGLU experts and a router per layer (`hypertrain.model.moe`, docs/moe.md).
 
 - `arch=decoder`: tokens `[R, B, T+1]`, one embedding and one untied head; the loss is each
   replica's mean next-token cross-entropy over its real target positions.
@@ -14,8 +15,10 @@ heads (torch's scaled-dot-product attention, replica axis folded into its batch)
   (`head.<c>`) predicting its token at the next position. `channel_sums` gives the per-channel sums
   of cross-entropy `[R, C]` over the targets that exist; the loss is `sum_c w_c * sum_c` with the
   per-token channel weights `[R, C]` the plan's coefficients give (`hypertrain.data.batches`).
-Either way `forward` returns `[R, 1 + C]`: the loss, then the channel sums (C = 0 for a decoder).
-No Hydra here: `cfg` is a plain `ModelConfig`.
+Either way `forward` returns `[R, 1 + C + M]`: the loss, then the channel sums (C = 0 for a decoder),
+then a mixture of experts' router columns (M = `router_columns(cfg)`: its load-balancing loss, the
+tokens each layer sent to each expert, its real tokens; M = 0 for a dense model); `objective` is what
+the engines differentiate. No Hydra here: `cfg` is a plain `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hypertrain.config import ModelConfig
+from hypertrain.model import moe
 
 Params = dict[str, Tensor]
 
@@ -37,8 +41,9 @@ def ffn_width(cfg: ModelConfig) -> int:
     return cfg.d_ff or 16 * math.ceil(8 * cfg.d_model / 3 / 16)
 
 
-# What a parameter is for; the inner optimizer picks its rule by role (Muon takes `hidden`).
-ROLES = ("embedding", "head", "norm", "hidden")
+# What a parameter is for; the inner optimizer picks its rule by role (Muon takes `hidden`; a mixture
+# of experts' router is AdamW's, as the embeddings and heads are).
+ROLES = ("embedding", "head", "norm", "hidden", "router")
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -60,10 +65,15 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
             pre + "wv": ((d, cfg.n_kv_heads * hd), "hidden"),
             pre + "wo": ((cfg.n_heads * hd, d), "hidden"),
             pre + "mlp_norm": ((d,), "norm"),
-            pre + "w1": ((d, f), "hidden"),
-            pre + "w3": ((d, f), "hidden"),
-            pre + "w2": ((f, d), "hidden"),
         }
+        if cfg.is_moe:
+            specs |= {pre + n: spec for n, spec in moe.expert_specs(d, cfg.n_experts, cfg.expert_ffn).items()}
+        else:
+            specs |= {
+                pre + "w1": ((d, f), "hidden"),
+                pre + "w3": ((d, f), "hidden"),
+                pre + "w2": ((f, d), "hidden"),
+            }
     return dict(sorted(specs.items()))
 
 
@@ -97,8 +107,14 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters used in matmuls per token (everything but the embedding lookups and norms)."""
-    return sum(math.prod(shape) for shape, role in param_specs(cfg).values() if role in ("hidden", "head"))
+    """Parameters used in matmuls per token (everything but the embedding lookups and norms); of a
+    mixture of experts the router and a token's top_k experts (its active parameters)."""
+    total = 0
+    for name, (shape, role) in param_specs(cfg).items():
+        if role in ("hidden", "head", "router"):
+            share = cfg.top_k / cfg.n_experts if ".experts." in name else 1
+            total += round(math.prod(shape) * share)
+    return total
 
 
 def embed(weight: Tensor, tokens: Tensor) -> Tensor:
@@ -128,9 +144,9 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + torch.cat((x2, x1), dim=-1) * sin).type_as(x)
 
 
-def _rms_norm(x: Tensor, weight: Tensor) -> Tensor:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [R, N, d], weight [R, d]."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[:, None, :]
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight[:, None, :]
 
 
 def _attention(cfg: ModelConfig, p: Params, pre: str, x: Tensor, B: int, T: int) -> Tensor:
@@ -152,20 +168,25 @@ def _mlp(p: Params, pre: str, x: Tensor) -> Tensor:
     return torch.bmm(F.silu(torch.bmm(x, p[pre + "w1"])) * torch.bmm(x, p[pre + "w3"]), p[pre + "w2"])
 
 
-def hidden(cfg: ModelConfig, p: Params, x: Tensor, B: int, T: int) -> Tensor:
-    """The layers and the final norm: x [R, B*T, d] -> [R, B*T, d]."""
+def hidden(
+    cfg: ModelConfig, p: Params, x: Tensor, B: int, T: int, tally: moe.RouterTally | None = None
+) -> Tensor:
+    """The layers and the final norm: x [R, B*T, d] -> [R, B*T, d]; a mixture of experts records its
+    routing in `tally` when given."""
+    eps = cfg.norm_eps
     for i in range(cfg.n_layers):
         pre = f"layers.{i:03d}."
-        x = x + _attention(cfg, p, pre, _rms_norm(x, p[pre + "attn_norm"]), B, T)
-        x = x + _mlp(p, pre, _rms_norm(x, p[pre + "mlp_norm"]))
-    return _rms_norm(x, p["norm"])
+        x = x + _attention(cfg, p, pre, _rms_norm(x, p[pre + "attn_norm"], eps), B, T)
+        h = _rms_norm(x, p[pre + "mlp_norm"], eps)
+        x = x + (moe.mixture(p, pre, h, cfg.top_k, tally) if cfg.is_moe else _mlp(p, pre, h))
+    return _rms_norm(x, p["norm"], eps)
 
 
-def logits(cfg: ModelConfig, p: Params, inputs: Tensor) -> Tensor:
-    """inputs int64 [R, B, T] -> logits [R, B*T, vocab]."""
+def logits(cfg: ModelConfig, p: Params, inputs: Tensor, tally: moe.RouterTally | None = None) -> Tensor:
+    """inputs int64 [R, B, T] -> logits [R, B*T, vocab] (`tally`: as in `hidden`)."""
     R, B, T = inputs.shape
     x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)
-    return torch.bmm(hidden(cfg, p, x, B, T), p["head"])
+    return torch.bmm(hidden(cfg, p, x, B, T, tally), p["head"])
 
 
 def _autocast(cfg: ModelConfig, device: torch.device):
@@ -181,8 +202,11 @@ def forward(
     mask: Tensor | None = None,
     channel_weights: Tensor | None = None,
 ) -> Tensor:
-    """[R, 1 + C] per replica (in the weights' dtype): the loss, then the per-channel sums it weighed
-    (`channel_sums`, for the per-channel losses the run logs); C = `loss_channels(cfg)`, 0 for a decoder.
+    """[R, 1 + C + M] per replica (in the weights' dtype): the loss, then the per-channel sums it weighed
+    (`channel_sums`, for the per-channel losses the run logs; C = `loss_channels(cfg)`, 0 for a
+    decoder), then a mixture of experts' router columns (`moe.RouterTally.columns` over the real input
+    positions; M = `router_columns(cfg)`, 0 for a dense model). The loss is the cross-entropy alone:
+    `objective` adds the load-balancing loss.
 
     decoder: the mean cross-entropy over real targets. tokens int64 [R, B, T+1]; mask bool
     [R, B, T+1] marks real positions (None = all real). A target counts when it and its input are
@@ -196,8 +220,11 @@ def forward(
         return torch.cat([loss, sums], dim=-1)
     R = tokens.shape[0]
     inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
+    tally = None
+    if cfg.is_moe:
+        tally = moe.RouterTally(None if mask is None else mask[:, :, :-1].reshape(R, -1))
     with _autocast(cfg, tokens.device):
-        out = logits(cfg, p, inputs)
+        out = logits(cfg, p, inputs, tally)
     # Under bf16 autocast the logits are bf16; the loss is taken in the weights' dtype.
     ce = F.cross_entropy(
         out.to(p["head"].dtype).reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
@@ -207,7 +234,23 @@ def forward(
     else:
         real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
         loss = (ce * real).sum(1) / real.sum(1).clamp(min=1.0)
-    return loss.unsqueeze(1)  # [R, 1 + 0]: one stream, no channel sums
+    if tally is None:
+        return loss.unsqueeze(1)  # [R, 1 + 0]: one stream, no channel sums
+    return torch.cat([loss.unsqueeze(1), tally.columns(cfg.n_experts).to(loss.dtype)], dim=1)
+
+
+def objective(cfg: ModelConfig, out: Tensor) -> Tensor:
+    """[R]: what the engines differentiate per replica from `forward`'s `out` [R, 1 + C + M] (before
+    the microbatch's weight): the loss, plus `router_aux_weight` times a mixture of experts'
+    load-balancing loss."""
+    if not cfg.is_moe or cfg.router_aux_weight == 0:
+        return out[:, 0]
+    return out[:, 0] + cfg.router_aux_weight * out[:, 1 + loss_channels(cfg)]
+
+
+def router_columns(cfg: ModelConfig) -> int:
+    """M: the router columns `forward` returns after the channel sums (0 for a dense model)."""
+    return 2 + cfg.n_layers * cfg.n_experts if cfg.is_moe else 0
 
 
 def loss_channels(cfg: ModelConfig) -> int:

@@ -50,8 +50,8 @@ class OptState:
 
 
 def uses_muon(inner: InnerConfig, role: str) -> bool:
-    """Muon handles the hidden matrices (role `hidden`, `model.ROLES`); embeddings, heads and norms
-    use AdamW."""
+    """Muon handles the hidden matrices (role `hidden`, `model.ROLES`), a mixture of experts' expert
+    matrices among them; embeddings, heads, norms and a mixture's routers use AdamW."""
     return inner.name == "muon" and role == "hidden"
 
 
@@ -241,7 +241,10 @@ def _adamw(
 def _muon(
     inner: InnerConfig, weights: list[Tensor], grads: list[Tensor], m: list[Tensor], lr: Tensor
 ) -> None:
-    """Muon after weight decay: momentum, Nesterov look-ahead, NS batched over same-shape matrices."""
+    """Muon after weight decay: momentum, Nesterov look-ahead, NS batched over same-shape matrices.
+    Every axis before the last two is a batch axis: the replicas' and, for a mixture's experts
+    `[R, E, rows, cols]`, the experts', so each expert's matrix is orthogonalised (and scaled by its
+    own rows and cols) on its own."""
     mu = inner.muon_momentum
     torch._foreach_mul_(m, mu)
     torch._foreach_add_(m, grads)

@@ -116,6 +116,22 @@ def churn_summary(totals) -> dict:
     }
 
 
+def router_figures(rnd: Segment, t: int) -> dict[str, float]:
+    """A mixture of experts' update `t`: its load-balancing loss (unweighted) averaged over the replicas
+    that stepped (`loss/router_aux`; W&B `train/loss/router_aux`), and the smallest and largest fraction
+    of routing slots an expert got in any of them (`experts/min_fraction`, `experts/max_fraction`;
+    balanced is top_k / n_experts, 0 a dead expert)."""
+    aux = rnd.replica_column("router_aux")[t]
+    stepped = ~torch.isnan(aux)
+    if not bool(stepped.any()):
+        return {}
+    return {
+        "loss/router_aux": float(aux[stepped].mean()),
+        "experts/min_fraction": float(rnd.replica_column("expert_min")[t][stepped].min()),
+        "experts/max_fraction": float(rnd.replica_column("expert_max")[t][stepped].max()),
+    }
+
+
 def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
     """multistream: update `t`'s text and mean audio training losses, averaged over the replicas that
     stepped (`loss/text`, `loss/audio_mean`; W&B `train/loss/text`, `train/loss/audio_mean`)."""
@@ -259,6 +275,7 @@ def train(
                 "wall": round_end,
                 "rank_seconds": rnd.process_column("seconds")[:, t].tolist(),  # each process's time
                 **channel_losses(rnd, t),
+                **router_figures(rnd, t),
             }
             if clock is not None:
                 row["clock_s"] = clock.update(row)
