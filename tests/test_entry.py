@@ -228,5 +228,6 @@ def test_an_older_runs_config_reads_as_todays():
     # fields added to a section since (restarts, experts, the cluster, churn): their neutral defaults
     before = {k: v for k, v in today.items() if k not in ("cluster", "churn")}
     before["processes"] = {k: v for k, v in today["processes"].items() if k != "max_restarts"}
-    assert "max_restarts" in today["processes"]
+    before["model"] = {k: v for k, v in today["model"].items() if k not in ("n_experts", "norm_eps")}
+    assert "max_restarts" in today["processes"] and "norm_eps" in today["model"]
     assert upgrade_resolved(before) == today
