@@ -153,25 +153,14 @@ def _mixtral(cfg: ModelConfig, theta: dict):
     model = MixtralForCausalLM._from_config(
         config, experts_implementation="eager", attn_implementation="sdpa", dtype=torch.float64
     )
-    # Ours are input-major ([in, out]); theirs out-major, the experts' gate and up fused, gate first.
-    weights = {"model.embed_tokens.weight": theta["emb"], "lm_head.weight": theta["head"].T}
-    weights["model.norm.weight"] = theta["norm"]
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i:03d}.", f"model.layers.{i}."
-        for name, hf in [("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")]:
-            weights[f"{theirs}self_attn.{hf}.weight"] = theta[ours + name].T
-        weights[theirs + "input_layernorm.weight"] = theta[ours + "attn_norm"]
-        weights[theirs + "post_attention_layernorm.weight"] = theta[ours + "mlp_norm"]
-        weights[theirs + "mlp.gate.weight"] = theta[ours + "router"].T
-        gate_up = torch.cat([theta[ours + "experts.w1"], theta[ours + "experts.w3"]], dim=-1)
-        weights[theirs + "mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2)  # [E, 2f, d]
-        weights[theirs + "mlp.experts.down_proj"] = theta[ours + "experts.w2"].transpose(1, 2)  # [E, d, f]
+    weights = _in_their_names(cfg, theta)
     model.load_state_dict({n: t.contiguous() for n, t in weights.items()}, strict=True)
     return model
 
 
-def _our_gradient_in_their_names(cfg: ModelConfig, grads: dict) -> dict:
-    """Every parameter's gradient under Hugging Face's name and layout."""
+def _in_their_names(cfg: ModelConfig, grads: dict) -> dict:
+    """Every parameter (or its gradient) under Hugging Face's name and layout: ours are input-major
+    ([in, out]), theirs out-major, the experts' gate and up fused ([E, 2f, d], gate first), down [E, d, f]."""
     out = {"model.embed_tokens.weight": grads["emb"], "lm_head.weight": grads["head"].T}
     out["model.norm.weight"] = grads["norm"]
     for i in range(cfg.n_layers):
@@ -226,7 +215,7 @@ def test_logits_gradient_and_load_balancing_loss_equal_hugging_face_mixtral():
     ce = F.cross_entropy(out.logits.reshape(rows, cfg.vocab), tokens[:, 1:].reshape(-1))
     (ce + cfg.router_aux_weight * out.aux_loss).backward()
     theirs_grads = dict(theirs.named_parameters())
-    mapped = _our_gradient_in_their_names(cfg, {n: p.grad[0] for n, p in params.items()})
+    mapped = _in_their_names(cfg, {n: p.grad[0] for n, p in params.items()})
     assert set(mapped) == set(theirs_grads)  # every parameter's gradient
     for name, grad in mapped.items():
         want_grad = theirs_grads[name].grad
