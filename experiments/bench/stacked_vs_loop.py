@@ -35,7 +35,7 @@ from torch.optim._muon import Muon
 
 from hypertrain.config import InnerConfig, ModelConfig
 from hypertrain.model.transformer import forward as model_forward
-from hypertrain.model.transformer import init_params, matmul_params, param_roles
+from hypertrain.model.transformer import init_params, matmul_params, objective, param_roles
 from hypertrain.optim.inner import init_state, inner_step, uses_muon
 from hypertrain.run.runtime import keep_freed_memory
 
@@ -66,8 +66,8 @@ def make_step(
         device
     )
 
-    def loss_of(p, batch):
-        return model_forward(m, p, batch).sum()  # per-replica mean, summed over replicas
+    def loss_of(p, batch):  # per-replica objective (a mixture's: with its load-balancing loss), summed
+        return objective(m, model_forward(m, p, batch)).sum()
 
     loss_fn = torch.compile(loss_of, dynamic=False) if compiled else loss_of
     opt_fn = torch.compile(inner_step, dynamic=False) if compiled else inner_step
