@@ -148,6 +148,28 @@ def round_facts(run, schedule: Schedule, k: int, updates: range) -> RoundFacts:
     )
 
 
+def round_start(cfg, schedule: Schedule, state, replicas: list[int]) -> frozenset[int]:
+    """Before a segment of round `state.rounds_done + 1`: the replicas absent in it (they get no
+    batches); at the round's first update, the local `replicas` rejoining in it get a fresh inner
+    state with `churn.rejoin_state=reset`."""
+    k = state.rounds_done + 1
+    if state.next_update == state.round_first and cfg.churn.rejoin_state == "reset":
+        for i, m in enumerate(replicas):
+            if schedule.rejoining(k, m):
+                reset_inner_state(state.inner[i])
+    return frozenset(m for m in range(cfg.replicas) if schedule.absent(k, m))
+
+
+@torch.no_grad()
+def restart_others(facts: RoundFacts, theta: dict, params: list[dict], replicas: list[int]) -> None:
+    """With a merge alpha (the replicas keep their weights across a sync): every local replica that did
+    not contribute to the sync takes the new global weights `theta`."""
+    for i, m in enumerate(replicas):
+        if m not in facts.contributors:
+            for n, t in theta.items():
+                params[i][n][0].copy_(t)
+
+
 @torch.no_grad()
 def reset_inner_state(state: OptState) -> None:
     """A rejoining replica's fresh inner optimizer state (churn.rejoin_state=reset): zero moments and

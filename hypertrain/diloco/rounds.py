@@ -167,14 +167,7 @@ def rounds(
             end = min(end, (state.next_update // every_updates + 1) * every_updates)
         updates = range(state.next_update, end)
         groups.before_round(updates)
-        absent: frozenset[int] = frozenset()
-        if churned is not None:
-            k = state.rounds_done + 1
-            absent = frozenset(m for m in range(cfg.replicas) if churned.absent(k, m))
-            if state.next_update == state.round_first and cfg.churn.rejoin_state == "reset":
-                for i, m in enumerate(groups.replicas):
-                    if churned.rejoining(k, m):
-                        churn.reset_inner_state(state.inner[i])
+        absent = churn.round_start(cfg, churned, state, groups.replicas) if churned else frozenset()
         assigns = assignments(run, updates, groups, state, absent)
         results = engine(cfg, state.theta, assigns, state.inner, average, stop)
         updates = updates[: len(results[0].losses)]  # a stop ends every replica after the same update
@@ -216,10 +209,7 @@ def rounds(
                 if facts is not None:
                     figures.churn, facts = facts, None
                     if merged is not None:  # who did not contribute restarts from the global weights
-                        for i, m in enumerate(groups.replicas):
-                            if m not in figures.churn.contributors:
-                                for n in fragments[p]:
-                                    merged[i][n][0].copy_(state.theta[n])
+                        churn.restart_others(figures.churn, state.theta, merged, groups.replicas)
                 part.syncs.append(figures)
                 for flags in state.round_stepped:
                     flags[p] = False
