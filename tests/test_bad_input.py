@@ -120,8 +120,8 @@ CASES = {
     "schema-as-option": Case(
         "a schema's name used as an option",
         ["model=model_schema"],
-        "In 'train': Could not find 'model/model_schema'; valid: base, moe_small, moe_tiny, multistream_small, "
-        "multistream_tiny, small, tiny",
+        "In 'train': Could not find 'model/model_schema'; valid: base, moe_small, moe_tiny, "
+        "multistream_small, multistream_tiny, small, tiny",
         "schemas are not options; pick one of the options listed",
         hydra=True,
     ),
