@@ -220,12 +220,6 @@ CASES = {
         "churn.events names replica 5; valid: 0 to 1 (replicas=2)",
         "ROUND:REPLICA:miss, leave or rejoin, REPLICA below R",
     ),
-    "churn-streaming": Case(
-        "churn with Streaming DiLoCo's fragments",
-        ["churn.p_miss=0.1", "inner.H=2", "outer.fragments=2"],
-        "churn with outer.fragments=2 and outer.delay=0 is not built yet",
-        "DiLoCo rounds (outer.fragments=1, outer.delay=0), or churn=none",
-    ),
     "negative-restarts": Case(
         "a negative number of restarts",
         ["processes=dist", "processes.max_restarts=-1"],

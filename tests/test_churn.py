@@ -28,7 +28,7 @@ from helpers import (
 )
 from references import U32
 
-from hypertrain.config import ChurnConfig, ConfigError
+from hypertrain.config import ChurnConfig
 from hypertrain.diloco.churn import ABSENT, MISS, PRESENT, Schedule
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
@@ -312,9 +312,3 @@ def test_bad_churn_is_one_line_and_exit_2(tmp_path, override, message):
     assert done.returncode == 2 and not run_dir.exists()
     (line,) = error_lines(done.stderr)
     assert message in line, line
-
-
-def test_churn_with_fragments_is_refused_until_built():
-    cfg = churn_cfg()
-    with pytest.raises(ConfigError, match="churn with outer.fragments=2 and outer.delay=0 is not built yet"):
-        validate(replace(cfg, outer=replace(cfg.outer, fragments=2)))

@@ -11,6 +11,11 @@ process computes the same one and a resumed run recomputes it. Round k (1-based:
    else it leaves when `u[0, m] < p_leave`, ABSENT for rounds k .. k + g[m] - 1; else it MISSES when
    `u[1, m] < p_miss` or a hand `miss` names it; else it is PRESENT.
 A replica is *rejoining* in round k when it is not absent in k and was absent in k - 1.
+
+Every sync landing in round k uses round k's statuses (with Streaming DiLoCo's fragments, each of the P
+fragment syncs of the round, its take and its landing both lie in the round): its contributors are the
+present replicas with ids since the fragment's last landing (`RoundFacts`); below the quorum that
+fragment's sync is skipped and waits for its next period. Schedules advance by update count.
 """
 
 from __future__ import annotations
@@ -91,23 +96,27 @@ def schedule_for(cfg, updates: int) -> Schedule | None:
     return Schedule.of(cfg.churn, cfg.replicas, -(-updates // H))
 
 
-def chain_digest(previous: str, k: int, contributed: dict[int, list[np.ndarray]]) -> str:
+def chain_digest(previous: str, facts: RoundFacts, fragments: int = 1) -> str:
     """The running sha256 of the ids whose pseudo-gradients reached a sync: the previous digest, the
-    round and, per contributing replica in order, its index and its ids (int64) at each update."""
+    round (and with several fragments the fragment) and, per contributing replica in order, its index
+    and its ids (int64) at each update of the sync's window."""
     h = hashlib.sha256(previous.encode())
-    h.update(f"round {k}".encode())
-    for m in sorted(contributed):
+    h.update(f"round {facts.k}".encode())
+    if fragments > 1:
+        h.update(f"fragment {facts.fragment}".encode())
+    for m in sorted(facts.ids):
         h.update(f"replica {m}".encode())
-        for ids in contributed[m]:
+        for ids in facts.ids[m]:
             h.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
     return h.hexdigest()
 
 
 @dataclass
 class RoundFacts:
-    """What churn decided for one round's sync: the replicas whose pseudo-gradients reach it (present,
-    with ids in the round; none when `skipped`, fewer than the quorum), the absent and the missing
-    ones, each contributor's steps and ids (for goodput and the ids digest)."""
+    """What churn decided for one sync of round k (of `fragment`): the replicas whose pseudo-gradients
+    reach it (present, with ids in its window: the updates since the fragment's last landing; none when
+    `skipped`, fewer than the quorum), the round's absent and missing ones, each contributor's steps and
+    ids in the window (for goodput and the ids digest)."""
 
     k: int
     contributors: list[int]
@@ -116,6 +125,7 @@ class RoundFacts:
     skipped: bool
     steps: dict[int, int] = field(default_factory=dict)
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    fragment: int = 0
 
     def row(self) -> dict:
         """The sync row's churn fields."""
@@ -127,13 +137,20 @@ class RoundFacts:
         }
 
 
-def round_facts(run, schedule: Schedule, k: int, updates: range) -> RoundFacts:
-    """Round k's facts (its `updates`, 0-based plan indices): every process computes the same, from the
-    schedule and the plan alone. A present replica with no ids in the round (past the stream's end)
-    contributes nothing, as without churn."""
+def round_facts(run, schedule: Schedule, k: int, updates: range, fragment: int = 0) -> RoundFacts:
+    """The facts of a sync of round k whose pseudo-gradients hold `updates` (0-based plan indices, the
+    fragment's window): every process computes the same, from the schedule and the plan alone. A replica
+    trained its ids of the window's updates in rounds it was not absent in; a present replica with none
+    (past the stream's end) contributes nothing, as without churn."""
     cfg = run.cfg
     R, status = cfg.replicas, schedule.of_round(k)
-    ids = {m: [plan.replica_ids(run.phase, u, m, R, run.samples) for u in updates] for m in range(R)}
+    H = cfg.inner.H
+
+    def trained(u: int, m: int) -> np.ndarray:  # a window may reach back into a round m was absent in
+        ids = plan.replica_ids(run.phase, u, m, R, run.samples)
+        return ids[:0] if schedule.absent(u // H + 1, m) else ids
+
+    ids = {m: [trained(u, m) for u in updates] for m in range(R)}
     stepping = [m for m in range(R) if status[m] == PRESENT and any(len(x) for x in ids[m])]
     skipped = len(stepping) < cfg.churn.min_quorum
     contributors = [] if skipped else stepping
@@ -145,6 +162,7 @@ def round_facts(run, schedule: Schedule, k: int, updates: range) -> RoundFacts:
         skipped,
         {m: sum(1 for x in ids[m] if len(x)) for m in contributors},
         {m: ids[m] for m in contributors},
+        fragment,
     )
 
 
@@ -161,13 +179,15 @@ def round_start(cfg, schedule: Schedule, state, replicas: list[int]) -> frozense
 
 
 @torch.no_grad()
-def restart_others(facts: RoundFacts, theta: dict, params: list[dict], replicas: list[int]) -> None:
+def restart_others(
+    facts: RoundFacts, theta: dict, names: list[str], params: list[dict], replicas: list[int]
+) -> None:
     """With a merge alpha (the replicas keep their weights across a sync): every local replica that did
-    not contribute to the sync takes the new global weights `theta`."""
+    not contribute to the sync takes the new global weights `theta` of the synced parameters `names`."""
     for i, m in enumerate(replicas):
         if m not in facts.contributors:
-            for n, t in theta.items():
-                params[i][n][0].copy_(t)
+            for n in names:
+                params[i][n][0].copy_(theta[n])
 
 
 @torch.no_grad()

@@ -144,3 +144,8 @@ class Schedule:
             last = 0 if u < first else first + ((u - first) // self.H) * self.H
             out.append(u - last)
         return tuple(out)
+
+    def window(self, p: int, count: int) -> range:
+        """The updates (0-based) since fragment p's last landing before `count`, up to `count`: the
+        steps a pseudo-gradient of p taken at `count` holds (what churn's goodput and ids digest count)."""
+        return range(count - 1 - self.since_land(count - 1)[p], count)

@@ -159,8 +159,7 @@ def rounds(
     fragments = members(cfg)
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
-    churned = churn.schedule_for(cfg, run.updates)  # None without churn (DiLoCo rounds only)
-    facts = None
+    churned = churn.schedule_for(cfg, run.updates)  # None without churn
     while state.next_update < run.updates:
         end = schedule.next_cut(state.next_update)
         if every_updates:
@@ -193,12 +192,9 @@ def rounds(
                 groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
                 stepped = state.stepped_in(p)
                 if churned is not None:  # only the contributors' pseudo-gradients reach the sync
-                    facts = churn.round_facts(
-                        run, churned, state.rounds_done + 1, range(state.round_first, count)
-                    )
-                    stepped = [
-                        s and m in facts.contributors for s, m in zip(stepped, groups.replicas, strict=True)
-                    ]
+                    window = schedule.window(p, count)  # the updates its pseudo-gradient holds
+                    contributors = churn.round_facts(run, churned, part.index, window, p).contributors
+                    stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
                 state.pending = take(cfg, state, params, stepped, fragments[p], p, count, groups)
             elif kind == LAND:
                 pending, state.pending = state.pending, None
@@ -206,10 +202,12 @@ def rounds(
                 merged = None if restart else state.round_params
                 figures = land(cfg, state, pending, fragments[p], merged, groups)
                 figures.measured = groups.comm_stats()  # this landing's (and the updates' before it)
-                if facts is not None:
-                    figures.churn, facts = facts, None
+                if churned is not None:  # recomputed: a checkpoint may lie between the take and here
+                    window = schedule.window(p, pending.taken_at)
+                    figures.churn = churn.round_facts(run, churned, part.index, window, p)
                     if merged is not None:  # who did not contribute restarts from the global weights
-                        churn.restart_others(figures.churn, state.theta, merged, groups.replicas)
+                        names = fragments[p]
+                        churn.restart_others(figures.churn, state.theta, names, merged, groups.replicas)
                 part.syncs.append(figures)
                 for flags in state.round_stepped:
                     flags[p] = False

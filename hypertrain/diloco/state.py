@@ -56,7 +56,8 @@ class Totals:
     comm_outer_bytes: int = 0
     comm_outer_peak: int = 0  # the most one sync sent (the ideal ring's bytes per participant)
     # churn (docs/churn.md): replica-rounds that missed their sync, that were absent; syncs skipped below
-    # the quorum; replica-steps whose pseudo-gradients reached the global weights; the running sha256 of
+    # the quorum; replica-steps whose pseudo-gradients reached the global weights (counted once per
+    # fragment sync they reached: P times with P fragments); the running sha256 of
     # the ids they trained on (`churn.chain_digest`)
     churn_missed: int = 0
     churn_absent: int = 0

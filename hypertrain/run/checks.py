@@ -74,17 +74,6 @@ def check_fragments(cfg: TrainConfig) -> None:
         )
 
 
-def check_churn(cfg: TrainConfig) -> None:
-    """Churn is built for DiLoCo's rounds (one fragment, no delay); its events name rounds of the phase."""
-    if not cfg.churn.enabled:
-        return
-    if cfg.outer.fragments > 1 or cfg.outer.delay > 0:
-        raise ConfigError(
-            f"churn with outer.fragments={cfg.outer.fragments} and outer.delay={cfg.outer.delay} is not "
-            "built yet; valid: churn with outer.fragments=1 outer.delay=0 (DiLoCo rounds), or churn=none"
-        )
-
-
 def check_layout(cfg: TrainConfig) -> None:
     """processes=dist: a process layout fits the processes (the launcher's, or processes.nproc), W and R."""
     e = cfg.processes
@@ -103,4 +92,3 @@ def validate(cfg: TrainConfig) -> None:
     check_data_for_model(cfg)
     check_layout(cfg)
     check_fragments(cfg)
-    check_churn(cfg)

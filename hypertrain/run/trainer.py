@@ -90,11 +90,12 @@ def sync_rows(
         if sync.churn is not None:  # who contributed, was absent, missed; whether the quorum failed
             facts = sync.churn
             row |= facts.row()
-            totals.churn_missed += len(facts.missed)
-            totals.churn_absent += len(facts.absent)
+            if facts.fragment == cfg.outer.fragments - 1:  # the round's last sync counts its replicas
+                totals.churn_missed += len(facts.missed)
+                totals.churn_absent += len(facts.absent)
             totals.churn_skipped += int(facts.skipped)
             totals.replica_steps_reached += sum(facts.steps.values())
-            totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts.k, facts.ids)
+            totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts, cfg.outer.fragments)
         if clock is not None:
             row |= clock.sync(row)
             if "eval_loss" in row:
@@ -103,15 +104,17 @@ def sync_rows(
     return rows
 
 
-def churn_summary(totals) -> dict:
+def churn_summary(totals, fragments: int) -> dict:
     """The run's churn under `churn/`: replica-rounds missed and absent, syncs skipped below the quorum,
-    goodput (replica-steps that reached the global weights / replica-steps computed) and the sha256 of
-    the ids whose pseudo-gradients reached a sync (beside the plan's data-order digest)."""
+    goodput (replica-steps that reached the global weights / replica-steps computed; with P fragments a
+    step reaches each fragment's sync, so it counts 1/P a time) and the sha256 of the ids whose
+    pseudo-gradients reached a sync (beside the plan's data-order digest)."""
+    computed = totals.replica_steps * fragments
     return {
         "churn/missed_replica_rounds": totals.churn_missed,
         "churn/absent_replica_rounds": totals.churn_absent,
         "churn/skipped_syncs": totals.churn_skipped,
-        "churn/goodput": totals.replica_steps_reached / totals.replica_steps if totals.replica_steps else 1.0,
+        "churn/goodput": totals.replica_steps_reached / computed if computed else 1.0,
         "churn/contributed_ids_sha256": totals.contributed_sha256,
     }
 
@@ -303,7 +306,7 @@ def train(
         | throughput.window(end)
         | throughput.summary()
         | (clock.summary() if clock is not None else {})
-        | (churn_summary(totals) if cfg.churn.enabled else {})
+        | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled else {})
     )
     log.summary(summary)
     return summary, state
