@@ -492,7 +492,8 @@ class ChurnConfig:
     documented rule (`diloco.churn`), a replica *misses* its sync (trains; its pseudo-gradient is
     discarded, count 0) or *leaves* for a geometric number of rounds (absent: trains nothing, count 0)
     and rejoins from the global weights. `events` adds hand-written ones; a sync with fewer contributors
-    than `min_quorum` is skipped. The defaults are no churn: today's runs, bitwise."""
+    than `min_quorum` is skipped; `deadline` stops slow replicas (the clock's modelled step times and
+    stragglers). The defaults are no churn: today's runs, bitwise."""
 
     p_miss: float = 0.0  # per round and present replica
     p_leave: float = 0.0  # per round and present replica
@@ -501,10 +502,13 @@ class ChurnConfig:
     events: list[str] = field(default_factory=list)  # "ROUND:REPLICA:EVENT", EVENT one of CHURN_EVENTS
     min_quorum: int = 1  # a sync with fewer contributing replicas is skipped (1: only an empty one)
     seed: int = 0
+    # seconds of modelled compute from a round's start (0: none, a sync waits for every replica): a
+    # replica, slowed by the cluster's stragglers, contributes the inner steps it finished by then
+    deadline: float = 0.0
 
     @property
     def enabled(self) -> bool:
-        return bool(self.p_miss or self.p_leave or self.events or self.min_quorum > 1)
+        return bool(self.p_miss or self.p_leave or self.events or self.min_quorum > 1 or self.deadline)
 
     def parsed_events(self) -> list[tuple[int, int, str]]:
         """`events` as (round, replica, event), checked: one line naming a bad one."""
@@ -526,6 +530,7 @@ class ChurnConfig:
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"churn.{name}={value!r} is out of range; valid: [0, 1]")
         _at_least("churn.mean_absence", self.mean_absence, 1.0)
+        _at_least("churn.deadline", self.deadline, 0.0)
         _choice("churn.rejoin_state", self.rejoin_state, REJOIN_STATES)
         if not 1 <= self.min_quorum <= replicas:
             raise ConfigError(

@@ -26,13 +26,18 @@ from hypertrain.config import ClusterConfig, StragglerConfig
 FP32_BYTES = 4
 
 
-def straggler_factor(straggler: StragglerConfig, round_index: int, replicas: int) -> float:
-    """The slowest replica's slowdown in round `round_index`: max over the R replicas of
-    `exp(sigma * z)`, z standard normals from `default_rng([seed, round])`; exactly 1 when sigma = 0."""
+def straggler_factors(straggler: StragglerConfig, round_index: int, replicas: int) -> np.ndarray:
+    """Each replica's slowdown in round `round_index`: `exp(sigma * z)`, z standard normals from
+    `default_rng([seed, round])` in replica order; exactly 1 when sigma = 0."""
     if straggler.sigma == 0:
-        return 1.0
+        return np.ones(replicas)
     z = np.random.default_rng([straggler.seed, round_index]).standard_normal(replicas)
-    return float(np.exp(straggler.sigma * z).max())
+    return np.exp(straggler.sigma * z)
+
+
+def straggler_factor(straggler: StragglerConfig, round_index: int, replicas: int) -> float:
+    """The slowest replica's slowdown in round `round_index` (the max of `straggler_factors`)."""
+    return float(straggler_factors(straggler, round_index, replicas).max())
 
 
 def taken_at(count: int, fragment: int, H: int, P: int, tau: int) -> int:
@@ -97,21 +102,32 @@ class Clock:
         self.since_compute_s = self.since_inner_s = 0.0  # since the previous landing
         self.recent: dict[int, float] = {}  # the compute seconds of the last H updates, by update count
         self.best: tuple[float, float] | None = None  # the lowest held-out loss and the clock at it
+        self.round, self.ahead = 0, [0.0] * shape.replicas  # each replica's compute seconds in the round
 
     def update(self, row: dict) -> float:
-        """An `update` row (`update`, `round`, `loss`, `tokens`, `rank_seconds`): its compute, the
-        slowest replica's (modelled, or the slowest process's measured seconds) times the round's
-        straggler factor, then the inner ring all-reduce of the fp32 gradient among a replica's L
-        ranks. Returns the clock at its end (`clock_s`), before any sync landing after it."""
+        """An `update` row (`update`, `round`, `loss`, `tokens`, `rank_seconds`): its compute, then the
+        inner ring all-reduce of the fp32 gradient among a replica's L ranks. Replicas run on their own
+        between syncs: each stepping replica's step (modelled from its tokens, or the slowest process's
+        measured seconds) times its straggler factor adds to its seconds since the round's start, and the
+        update's compute is how far the slowest of them moved on (with every replica stepping, the round's
+        largest factor times the step). Returns the clock at its end (`clock_s`), before any sync
+        landing after it."""
         shape, cluster = self.shape, self.cluster
         losses = row.get("loss")
-        stepped = sum(x is not None for x in losses) if isinstance(losses, list) else shape.replicas
+        stepped = [x is not None for x in losses] if isinstance(losses, list) else [True] * shape.replicas
         if cluster.compute == "modelled":
-            one_replica_tokens = row["tokens"] / max(stepped, 1)
+            one_replica_tokens = row["tokens"] / max(sum(stepped), 1)
             seconds = modelled_compute_s(self.params, one_replica_tokens, cluster.peak_flops, cluster.mfu)
         else:
             seconds = max(row["rank_seconds"]) * self.scale
-        compute = seconds * straggler_factor(cluster.straggler, row["round"], shape.replicas)
+        if row["round"] != self.round:  # the replicas start the round together
+            self.round, self.ahead = int(row["round"]), [0.0] * shape.replicas
+        before = max(self.ahead)
+        factors = straggler_factors(cluster.straggler, self.round, shape.replicas)
+        for m, did in enumerate(stepped):
+            if did:
+                self.ahead[m] += seconds * float(factors[m])
+        compute = max(self.ahead) - before
         inner = ring_allreduce_s(FP32_BYTES * self.params, shape.ranks_per_replica, self.intra)
         u = int(row["update"])
         self.recent[u] = compute
@@ -196,6 +212,8 @@ class Clock:
             **{name: getattr(self, name) for name in self._FLOATS},
             "recent": sorted(self.recent.items()),
             "best": None if self.best is None else list(self.best),
+            "round": self.round,
+            "ahead": list(self.ahead),
         }
 
     def load_state_dict(self, saved: dict) -> None:
@@ -203,3 +221,6 @@ class Clock:
             setattr(self, name, float(saved[name]))
         self.recent = {int(u): float(s) for u, s in saved["recent"]}
         self.best = None if saved["best"] is None else (float(saved["best"][0]), float(saved["best"][1]))
+        # a checkpoint written before each replica's seconds were kept: the next update starts a round
+        self.round = int(saved.get("round", 0))
+        self.ahead = [float(x) for x in saved.get("ahead", [0.0] * self.shape.replicas)]

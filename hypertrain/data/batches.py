@@ -177,6 +177,16 @@ def _targets(dataset: Dataset, ids: np.ndarray) -> int:
     return int(dataset.lengths(ids).sum()) - len(ids)
 
 
+def targets_of(dataset: Dataset, ids: np.ndarray) -> int:
+    """The target tokens a replica's update on `ids` trains on (its `replica_total`; every channel's
+    for multistream), without reading the tokens."""
+    if len(ids) == 0:
+        return 0
+    if is_multistream(dataset):
+        return int(dataset.channel_counts(ids).sum())
+    return _targets(dataset, ids)
+
+
 def stack_microbatches(
     parts: list[Microbatch | None], device: torch.device
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:

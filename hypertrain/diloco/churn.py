@@ -27,7 +27,11 @@ import numpy as np
 import torch
 
 from hypertrain import plan
+from hypertrain.clock.formulas import modelled_compute_s
+from hypertrain.clock.timeline import straggler_factors
 from hypertrain.config import ChurnConfig
+from hypertrain.data.batches import targets_of
+from hypertrain.model.transformer import count_params
 from hypertrain.optim.inner import OptState
 
 PRESENT, MISS, ABSENT = "present", "miss", "absent"
@@ -88,14 +92,6 @@ class Schedule:
         return k > 1 and not self.absent(k, m) and self.absent(k - 1, m)
 
 
-def schedule_for(cfg, updates: int) -> Schedule | None:
-    """The run's churn schedule over its phase (ceil(updates / H) rounds); None without churn."""
-    if not cfg.churn.enabled:
-        return None
-    H = cfg.inner.H
-    return Schedule.of(cfg.churn, cfg.replicas, -(-updates // H))
-
-
 def chain_digest(previous: str, facts: RoundFacts, fragments: int = 1) -> str:
     """The running sha256 of the ids whose pseudo-gradients reached a sync: the previous digest, the
     round (and with several fragments the fragment) and, per contributing replica in order, its index
@@ -116,7 +112,8 @@ class RoundFacts:
     """What churn decided for one sync of round k (of `fragment`): the replicas whose pseudo-gradients
     reach it (present, with ids in its window: the updates since the fragment's last landing; none when
     `skipped`, fewer than the quorum), the round's absent and missing ones, each contributor's steps and
-    ids in the window (for goodput and the ids digest)."""
+    ids in the window (for goodput and the ids digest), and the round's replicas the deadline stopped
+    before the round's last update (`late`)."""
 
     k: int
     contributors: list[int]
@@ -126,6 +123,7 @@ class RoundFacts:
     steps: dict[int, int] = field(default_factory=dict)
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)
     fragment: int = 0
+    late: list[int] = field(default_factory=list)  # present, but stopped by the deadline in the round
 
     def row(self) -> dict:
         """The sync row's churn fields."""
@@ -133,49 +131,103 @@ class RoundFacts:
             "contributors": self.contributors,
             "absent": self.absent,
             "missed": self.missed,
+            "late": self.late,
             "skipped": self.skipped,
         }
 
 
-def round_facts(run, schedule: Schedule, k: int, updates: range, fragment: int = 0) -> RoundFacts:
-    """The facts of a sync of round k whose pseudo-gradients hold `updates` (0-based plan indices, the
-    fragment's window): every process computes the same, from the schedule and the plan alone. A replica
-    trained its ids of the window's updates in rounds it was not absent in; a present replica with none
-    (past the stream's end) contributes nothing, as without churn."""
-    cfg = run.cfg
-    R, status = cfg.replicas, schedule.of_round(k)
-    H = cfg.inner.H
+class Churn:
+    """A run's churn: the schedule's statuses and, with `churn.deadline` (seconds of the network clock's
+    modelled compute from a round's start), the inner steps each replica finishes in a round: replica m's
+    step at update u takes `modelled_compute_s(params, its targets at u) * f[k, m]`, f the round's
+    straggler factors (`clock.timeline.straggler_factors`), and it stops after the last step that ends
+    by the deadline. Every process computes the same, from the config, the plan and the data's lengths."""
 
-    def trained(u: int, m: int) -> np.ndarray:  # a window may reach back into a round m was absent in
-        ids = plan.replica_ids(run.phase, u, m, R, run.samples)
-        return ids[:0] if schedule.absent(u // H + 1, m) else ids
+    def __init__(self, run, schedule: Schedule):
+        self.run, self.schedule = run, schedule
+        self._finished: dict[int, tuple[int, ...]] = {}
 
-    ids = {m: [trained(u, m) for u in updates] for m in range(R)}
-    stepping = [m for m in range(R) if status[m] == PRESENT and any(len(x) for x in ids[m])]
-    skipped = len(stepping) < cfg.churn.min_quorum
-    contributors = [] if skipped else stepping
-    return RoundFacts(
-        k,
-        contributors,
-        [m for m in range(R) if status[m] == ABSENT],
-        [m for m in range(R) if status[m] == MISS],
-        skipped,
-        {m: sum(1 for x in ids[m] if len(x)) for m in contributors},
-        {m: ids[m] for m in contributors},
-        fragment,
-    )
+    @classmethod
+    def of(cls, run) -> Churn | None:
+        """The run's churn over its phase (ceil(updates / H) rounds); None without churn."""
+        cfg = run.cfg
+        if not cfg.churn.enabled:
+            return None
+        return cls(run, Schedule.of(cfg.churn, cfg.replicas, -(-run.updates // cfg.inner.H)))
 
+    def round_updates(self, k: int) -> range:
+        """Round k's updates (0-based plan indices)."""
+        H = self.run.cfg.inner.H
+        return range((k - 1) * H, min(k * H, self.run.updates))
 
-def round_start(cfg, schedule: Schedule, state, replicas: list[int]) -> frozenset[int]:
-    """Before a segment of round `state.rounds_done + 1`: the replicas absent in it (they get no
-    batches); at the round's first update, the local `replicas` rejoining in it get a fresh inner
-    state with `churn.rejoin_state=reset`."""
-    k = state.rounds_done + 1
-    if state.next_update == state.round_first and cfg.churn.rejoin_state == "reset":
-        for i, m in enumerate(replicas):
-            if schedule.rejoining(k, m):
-                reset_inner_state(state.inner[i])
-    return frozenset(m for m in range(cfg.replicas) if schedule.absent(k, m))
+    def finished(self, k: int) -> tuple[int, ...]:
+        """The inner steps each replica finishes in round k by the deadline (all of them without one)."""
+        if k not in self._finished:
+            self._finished[k] = self._by_deadline(k)
+        return self._finished[k]
+
+    def _by_deadline(self, k: int) -> tuple[int, ...]:
+        run, cfg = self.run, self.run.cfg
+        updates, R, deadline = self.round_updates(k), cfg.replicas, cfg.churn.deadline
+        if not deadline:
+            return (len(updates),) * R
+        cluster, params = cfg.cluster, count_params(cfg.model)
+        factors = straggler_factors(cluster.straggler, k, R)
+        out = []
+        for m in range(R):
+            seconds, n = 0.0, 0
+            for u in updates:
+                targets = targets_of(run.dataset, plan.replica_ids(run.phase, u, m, R, run.samples))
+                seconds += modelled_compute_s(params, targets, cluster.peak_flops, cluster.mfu) * factors[m]
+                if seconds > deadline:
+                    break
+                n += 1
+            out.append(n)
+        return tuple(out)
+
+    def trains(self, u: int, m: int) -> bool:
+        """Whether replica m trains update u (0-based): not absent in its round, within the deadline."""
+        k = u // self.run.cfg.inner.H + 1
+        return not self.schedule.absent(k, m) and u - self.round_updates(k)[0] < self.finished(k)[m]
+
+    def round_start(self, state, replicas: list[int], updates: range) -> frozenset[tuple[int, int]]:
+        """Before a segment `updates` of round `state.rounds_done + 1`: the (update, replica) pairs that
+        train nothing (absent, or past the deadline: they get no batches); at the round's first update,
+        the local `replicas` rejoining in it get a fresh inner state with `churn.rejoin_state=reset`."""
+        k = state.rounds_done + 1
+        if state.next_update == state.round_first and self.run.cfg.churn.rejoin_state == "reset":
+            for i, m in enumerate(replicas):
+                if self.schedule.rejoining(k, m):
+                    reset_inner_state(state.inner[i])
+        R = self.run.cfg.replicas
+        return frozenset((u, m) for u in updates for m in range(R) if not self.trains(u, m))
+
+    def facts(self, k: int, updates: range, fragment: int = 0) -> RoundFacts:
+        """The facts of a sync of round k whose pseudo-gradients hold `updates` (0-based plan indices,
+        the fragment's window). A replica trained its ids of the window's updates it `trains`; a present
+        replica with none (past the stream's end, or none by the deadline) contributes nothing."""
+        run, cfg = self.run, self.run.cfg
+        R, status, full = cfg.replicas, self.schedule.of_round(k), len(self.round_updates(k))
+
+        def trained(u: int, m: int) -> np.ndarray:  # a window may reach back into the previous round
+            ids = plan.replica_ids(run.phase, u, m, R, run.samples)
+            return ids if self.trains(u, m) else ids[:0]
+
+        ids = {m: [trained(u, m) for u in updates] for m in range(R)}
+        stepping = [m for m in range(R) if status[m] == PRESENT and any(len(x) for x in ids[m])]
+        skipped = len(stepping) < cfg.churn.min_quorum
+        contributors = [] if skipped else stepping
+        return RoundFacts(
+            k,
+            contributors,
+            [m for m in range(R) if status[m] == ABSENT],
+            [m for m in range(R) if status[m] == MISS],
+            skipped,
+            {m: sum(1 for x in ids[m] if len(x)) for m in contributors},
+            {m: ids[m] for m in contributors},
+            fragment,
+            [m for m in range(R) if status[m] != ABSENT and self.finished(k)[m] < full],
+        )
 
 
 @torch.no_grad()

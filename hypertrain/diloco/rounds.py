@@ -50,12 +50,12 @@ def assignments(
     updates: range,
     groups: Collectives | None = None,
     state: RunState | None = None,
-    absent: frozenset[int] = frozenset(),
+    idle: frozenset[tuple[int, int]] = frozenset(),
 ) -> list[Assignment]:
     """This process's replicas' batches for `updates` (a round, or the rest of one), as the plan
     assigns them: each replica's whole share, or (benchmark layout) this rank's share weighted over its
-    replica's ranks; none for the replicas churn made `absent` (they train nothing, as a replica without
-    ids). With `state` in the middle of a round, each starts from the weights it reached."""
+    replica's ranks; none for the (update, replica) pairs churn made `idle` (they train nothing, as a
+    replica without ids). With `state` in the middle of a round, each starts from the weights it reached."""
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     share = groups.rank_share()
@@ -63,13 +63,13 @@ def assignments(
 
     def batch(u: int, m: int) -> ReplicaBatch:
         ids = plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples)
-        if m in absent:
+        if (u, m) in idle:
             ids = ids[:0]
         if share is None:
             return replica_batch(run.dataset, ids, cfg.data, cfg.inner.micro_batch)
         rank, world, _ = share
         mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
-        if m in absent:
+        if (u, m) in idle:
             mine = mine[:0]
         return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, streams)
 
@@ -159,15 +159,15 @@ def rounds(
     fragments = members(cfg)
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
-    churned = churn.schedule_for(cfg, run.updates)  # None without churn
+    churned = churn.Churn.of(run)  # None without churn
     while state.next_update < run.updates:
         end = schedule.next_cut(state.next_update)
         if every_updates:
             end = min(end, (state.next_update // every_updates + 1) * every_updates)
         updates = range(state.next_update, end)
         groups.before_round(updates)
-        absent = churn.round_start(cfg, churned, state, groups.replicas) if churned else frozenset()
-        assigns = assignments(run, updates, groups, state, absent)
+        idle = churned.round_start(state, groups.replicas, updates) if churned else frozenset()
+        assigns = assignments(run, updates, groups, state, idle)
         results = engine(cfg, state.theta, assigns, state.inner, average, stop)
         updates = updates[: len(results[0].losses)]  # a stop ends every replica after the same update
         assigns = [a.first(len(updates)) for a in assigns]
@@ -193,7 +193,7 @@ def rounds(
                 stepped = state.stepped_in(p)
                 if churned is not None:  # only the contributors' pseudo-gradients reach the sync
                     window = schedule.window(p, count)  # the updates its pseudo-gradient holds
-                    contributors = churn.round_facts(run, churned, part.index, window, p).contributors
+                    contributors = churned.facts(part.index, window, p).contributors
                     stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
                 state.pending = take(cfg, state, params, stepped, fragments[p], p, count, groups)
             elif kind == LAND:
@@ -204,7 +204,7 @@ def rounds(
                 figures.measured = groups.comm_stats()  # this landing's (and the updates' before it)
                 if churned is not None:  # recomputed: a checkpoint may lie between the take and here
                     window = schedule.window(p, pending.taken_at)
-                    figures.churn = churn.round_facts(run, churned, part.index, window, p)
+                    figures.churn = churned.facts(part.index, window, p)
                     if merged is not None:  # who did not contribute restarts from the global weights
                         names = fragments[p]
                         churn.restart_others(figures.churn, state.theta, names, merged, groups.replicas)

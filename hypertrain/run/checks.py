@@ -74,6 +74,17 @@ def check_fragments(cfg: TrainConfig) -> None:
         )
 
 
+def check_deadline(cfg: TrainConfig) -> None:
+    """churn.deadline cuts rounds by the network clock's modelled step times: measured ones would make
+    engines, processes and a resumed run disagree."""
+    if cfg.churn.deadline and cfg.cluster.compute != "modelled":
+        raise ConfigError(
+            f"churn.deadline={cfg.churn.deadline!r} needs modelled compute, not "
+            f"cluster.compute={cfg.cluster.compute!r}; valid: cluster.compute=modelled (e.g. cluster=h100), "
+            "or churn.deadline=0"
+        )
+
+
 def check_layout(cfg: TrainConfig) -> None:
     """processes=dist: a process layout fits the processes (the launcher's, or processes.nproc), W and R."""
     e = cfg.processes
@@ -92,3 +103,4 @@ def validate(cfg: TrainConfig) -> None:
     check_data_for_model(cfg)
     check_layout(cfg)
     check_fragments(cfg)
+    check_deadline(cfg)
