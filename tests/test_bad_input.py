@@ -220,6 +220,12 @@ CASES = {
         "churn.events names replica 5; valid: 0 to 1 (replicas=2)",
         "ROUND:REPLICA:miss, leave or rejoin, REPLICA below R",
     ),
+    "deadline-measured": Case(
+        "a churn deadline on measured compute",
+        ["churn.deadline=0.5"],
+        "churn.deadline=0.5 needs modelled compute, not cluster.compute='measured'",
+        "cluster.compute=modelled (a cluster preset such as h100), or churn.deadline=0",
+    ),
     "negative-restarts": Case(
         "a negative number of restarts",
         ["processes=dist", "processes.max_restarts=-1"],

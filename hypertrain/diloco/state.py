@@ -62,6 +62,7 @@ class Totals:
     churn_missed: int = 0
     churn_absent: int = 0
     churn_skipped: int = 0
+    churn_late: int = 0  # replica-rounds the deadline stopped before the round's last update
     replica_steps_reached: int = 0
     contributed_sha256: str = ""
 

@@ -93,6 +93,7 @@ def sync_rows(
             if facts.fragment == cfg.outer.fragments - 1:  # the round's last sync counts its replicas
                 totals.churn_missed += len(facts.missed)
                 totals.churn_absent += len(facts.absent)
+                totals.churn_late += len(facts.late)
             totals.churn_skipped += int(facts.skipped)
             totals.replica_steps_reached += sum(facts.steps.values())
             totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts, cfg.outer.fragments)
@@ -105,15 +106,16 @@ def sync_rows(
 
 
 def churn_summary(totals, fragments: int) -> dict:
-    """The run's churn under `churn/`: replica-rounds missed and absent, syncs skipped below the quorum,
-    goodput (replica-steps that reached the global weights / replica-steps computed; with P fragments a
-    step reaches each fragment's sync, so it counts 1/P a time) and the sha256 of the ids whose
-    pseudo-gradients reached a sync (beside the plan's data-order digest)."""
+    """The run's churn under `churn/`: replica-rounds missed, absent and stopped by the deadline (late),
+    syncs skipped below the quorum, goodput (replica-steps that reached the global weights / replica-steps
+    computed; with P fragments a step reaches each fragment's sync, so it counts 1/P a time) and the
+    sha256 of the ids whose pseudo-gradients reached a sync (beside the plan's data-order digest)."""
     computed = totals.replica_steps * fragments
     return {
         "churn/missed_replica_rounds": totals.churn_missed,
         "churn/absent_replica_rounds": totals.churn_absent,
         "churn/skipped_syncs": totals.churn_skipped,
+        "churn/late_replica_rounds": totals.churn_late,
         "churn/goodput": totals.replica_steps_reached / computed if computed else 1.0,
         "churn/contributed_ids_sha256": totals.contributed_sha256,
     }
