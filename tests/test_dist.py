@@ -55,7 +55,9 @@ from helpers import (
     finish,
     rounding_floors,
     simulate,
+    simulate_streaming,
     start_entry,
+    streaming_rounding_floors,
     tree,
 )
 from omegaconf import OmegaConf
@@ -288,6 +290,84 @@ def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
         )
     )
     print(f"{name}: fraction of the bound used", {k: round(v, 3) for k, v in used})
+
+
+# Churn with Streaming DiLoCo (docs/churn.md; tests/test_churn.py, section 4): replicas layout, 2 processes
+# of 2 replicas each, two fragments, the pseudo-gradient taken one update before each landing, H 4, 12
+# updates (3 rounds). Round 2: replica 1 absent (process 0 runs replica 0 alone) and replicas 2 and 3
+# missing (process 1 trains, contributes nothing): below the quorum of 2, both of its fragment syncs are
+# skipped; replica 1 rejoins in round 3, whose fragment 0 window (updates 6-8) reaches back into round 2.
+CHURN_STREAM = [
+    "world=4",
+    "replicas=4",
+    "processes.nproc=2",
+    "inner.H=4",
+    "phase.updates=12",
+    "outer.fragments=2",
+    "outer.delay=1",
+    "churn.events=[2:1:leave,3:1:rejoin,2:2:miss,2:3:miss]",
+    "churn.min_quorum=2",
+]
+
+
+def test_real_processes_equal_the_simulation_with_fragments_delay_and_churn(tmp_path):
+    """Invariant 7 with churn, fragments and a delay: `python -m hypertrain.train processes=dist ...`
+    against the simulation of the same config (`simulate_streaming`, fp32 and float64), as
+    tests/test_streaming_engines.py's fragment cases: per-replica losses (null where a replica is absent),
+    the held-out losses of the eval rows and the final global weights within twice the fp32 simulation's
+    error against the float64 one, or twice the floor (`streaming_rounding_floors`). The factor-2 argument
+    above holds unchanged: churn decides from the config alone which replicas train and contribute, the
+    same on every process and in the simulation (an absent replica gets no batches, a non-contributor a
+    count of 0 in the sum). The sync rows: a landing per fragment in the paper's order and the flush
+    (fragment 0 after 2, 6, 10 and in the flush at 12, fragment 1 after 4, 8, 12), round 2's two skipped
+    with no replica synced, every other one synced by all four."""
+    overrides = [*DIST, *CHURN_STREAM]
+    proc = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    try:
+        cfg = compose_cfg(overrides)
+        batches: list = []
+        ref_losses, ref_evals, ref_theta, run = simulate_streaming(cfg, torch.float64, batches)
+        sim_losses, sim_evals, sim_theta, _ = simulate_streaming(cfg)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the entry and its workers; the test fails with the error
+        raise
+    done = finish(proc)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished"
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    assert summary["engine/layout"] == "replicas"
+
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    everyone, skipped = [0, 1, 2, 3], {6, 8}
+    landings = [(2, 0), (4, 1), (6, 0), (8, 1), (10, 0), (12, 1), (12, 0)]
+    assert [(r["update"], r["fragment"]) for r in syncs] == landings
+    assert [r["contributors"] for r in syncs] == [[] if r["update"] in skipped else everyone for r in syncs]
+    assert [r["skipped"] for r in syncs] == [r["update"] in skipped for r in syncs]
+    assert [r["replicas_synced"] for r in syncs] == [0 if r["update"] in skipped else 4 for r in syncs]
+    updates = [r for r in rows if r["kind"] == "update"]
+    losses = [r["loss"] for r in updates]
+    assert [r["update"] for r in updates] == list(range(1, len(ref_losses) + 1))
+    assert [x is None for r in losses[4:8] for x in r] == [False, True, False, False] * 4  # replica 1 absent
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["update"] for r in evals] == [0, 4, 8, 12]
+
+    weights = torch.load(tmp_path / "run" / "weights.pt")
+    assert set(weights) == set(ref_theta)
+    loss_floor, weight_floor = streaming_rounding_floors(cfg, batches, len(ref_losses))
+    heldout_floor = streaming_rounding_floors(cfg, [run.heldout], 1)[0]
+    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    used = {
+        "losses": assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor),
+        "held-out": assert_losses_within_rounding(
+            as_rows([r["eval_loss"] for r in evals]), as_rows(sim_evals), as_rows(ref_evals), heldout_floor
+        ),
+        "weights": max(
+            assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
+            for n, t in ref_theta.items()
+        ),
+    }
+    print("fragments, delay and churn: fraction of the bound used", {k: round(v, 3) for k, v in used.items()})
 
 
 # -- sweeps --------------------------------------------------------------------------------------
