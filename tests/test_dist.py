@@ -146,7 +146,8 @@ CASES = {
     ),
     # churn (docs/churn.md), replicas layout: 2 processes of 2 replicas each; replica 1 absent in rounds
     # 2-3 (its process idles through them, contributing nothing), replica 2 missing round 3, replica 1
-    # rejoining in round 4 with a fresh inner state.
+    # rejoining in round 4 with a fresh inner state; a deadline (modelled compute, stragglers) stops
+    # replicas after 1 of the round's 2 steps in every round (replica 0 in rounds 1 and 4, ...).
     "churn-replicas-p2-r4": Case(
         [
             "world=4",
@@ -155,6 +156,9 @@ CASES = {
             "inner.H=2",
             "phase.updates=8",
             "churn.events=[2:1:leave,4:1:rejoin,3:2:miss]",
+            "cluster=h100",
+            "cluster.straggler.sigma=0.5",
+            "churn.deadline=3e-7",
         ],  # fmt: skip
         "replicas",
         2,
@@ -263,6 +267,8 @@ def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
         idle = 0 in r.get("absent", []) and case.layout == "benchmark"
         assert (r["comm_measured_inner_bytes"] > 0) == (r["comm_inner_bytes"] > 0 and not idle), r
         assert r["comm_measured_outer_bytes"] > 0 and r["comm_measured_outer_s"] >= 0, r
+    if "churn.deadline=3e-7" in case.overrides:  # the deadline stopped someone in every round
+        assert [r["late"] for r in syncs] == [[0], [3], [2, 3], [0, 2, 3]]  # 1 absent in 3
     if case.tail:  # the tail was exercised: the last update leaves replicas out, and so does its sync
         stepped = sum(x is not None for x in losses[-1])
         assert stepped == case.tail < cfg.replicas and syncs[-1]["replicas_synced"] == stepped
