@@ -251,6 +251,30 @@ BASE = [*RUN, "inner.H=2", "phase.updates=8"]
 KILLED = -9  # the entry's return code when the fault hook SIGKILLs it (one-process engines)
 
 
+def killed_beside_uninterrupted(
+    args: list[str], tmp_path: Path, fault: str, killed_rc: int = KILLED
+) -> tuple[Path, Path]:
+    """The run `args` started uninterrupted in tmp_path/reference and, meanwhile, the same run killed by
+    the test-only `fault` (failures.fault_points) in tmp_path/run; asserts the first finished and the
+    second ended with `killed_rc`, leaving no final weights. Returns (run, reference)."""
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    proc = start_entry([*args, f"hydra.run.dir={reference}"], tmp_path)
+    try:
+        killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, fault)
+    finally:
+        done = finish(proc)
+    assert done.returncode == 0, done.stderr
+    assert killed.returncode == killed_rc, killed.stderr
+    assert not (run_dir / "weights.pt").exists()
+    return run_dir, reference
+
+
+def resumed(args: list[str], run_dir: Path, tmp_path: Path) -> None:
+    """`args` resumed in `run_dir` (resume=true) to the end."""
+    done = entry([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+
+
 DOCUMENTS = ["data.examples=documents", "data.max_len=48", "data.max_examples=4"]
 
 
@@ -432,6 +456,28 @@ def assert_streaming_engines_agree(cfg: TrainConfig) -> dict[str, float]:
         for n, t in ref_theta.items()
     )
     return used
+
+
+def streaming_bounds_used(cfg, run, batches, got, sim, ref) -> dict[str, float]:
+    """Real processes' (losses, held-out losses of the eval rows, final weights) `got` against the
+    simulation's fp32 `sim` and float64 `ref` (`simulate_streaming`'s first three): each within twice the
+    fp32 simulation's error against the float64 one, or twice the floor (`streaming_rounding_floors`);
+    returns the fraction of each bound used."""
+    loss_floor, weight_floor = streaming_rounding_floors(cfg, batches, len(ref[0]))
+    heldout_floor = streaming_rounding_floors(cfg, [run.heldout], 1)[0]
+    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    weights = got[2]
+    assert set(weights) == set(ref[2])
+    return {
+        "losses": assert_losses_within_rounding(got[0], sim[0], ref[0], loss_floor),
+        "held-out": assert_losses_within_rounding(
+            as_rows(got[1]), as_rows(sim[1]), as_rows(ref[1]), heldout_floor
+        ),
+        "weights": max(
+            assert_within_rounding(weights[n], sim[2][n], t, weight_floor * float(t.norm()), n)
+            for n, t in ref[2].items()
+        ),
+    }
 
 
 def simulate_streaming(cfg: TrainConfig, dtype: torch.dtype = torch.float32, batches: list | None = None):

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
-    KILLED,
     QUICK,
     assert_engines_agree,
     assert_identical,
@@ -31,9 +30,9 @@ from helpers import (
     compose_cfg,
     entry,
     error_lines,
-    finish,
+    killed_beside_uninterrupted,
     observe,
-    start_entry,
+    resumed,
 )
 from references import U32
 from test_streaming import paper_events
@@ -273,6 +272,12 @@ def test_a_missed_or_absent_replicas_error_buffer_is_untouched():
     assert [changed(m) for m in range(4)] == [True, False, False, True]
 
 
+def churn_summary(rows: list[dict]) -> dict:
+    """The last summary's `churn/` figures."""
+    summary = [r for r in rows if r["kind"] == "summary"][-1]
+    return {k: v for k, v in summary.items() if k.startswith("churn/")}
+
+
 def test_killed_mid_absence_resumes_bit_identically(tmp_path):
     """Invariant 9 with churn: SIGKILL after update 5 (replica 1 absent in rounds 2-3, updates 3-6), the
     newest checkpoint at 4; resume=true equals an uninterrupted run exactly: every row (the sync rows'
@@ -280,23 +285,12 @@ def test_killed_mid_absence_resumes_bit_identically(tmp_path):
     args = [*QUICK, "logger=none", "replicas=4", "inner.H=2", "phase.updates=10",
             "checkpoint.every_updates=2", f"churn.events=[{','.join(EVENTS)}]",
             "churn.min_quorum=2"]  # fmt: skip
-    reference = tmp_path / "reference"
-    proc = start_entry([*args, f"hydra.run.dir={reference}"], tmp_path)
-    run_dir = tmp_path / "run"
-    try:
-        killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, "0:5:kill:after")
-    finally:
-        done = finish(proc)
-    assert done.returncode == 0, done.stderr
-    assert killed.returncode == KILLED and ckpt(run_dir, 4).exists()
-    resumed = entry([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:5:kill:after")
+    assert ckpt(run_dir, 4).exists()
+    resumed(args, run_dir, tmp_path)
     assert_identical(run_dir, reference)
     rows, want = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
-    churned = lambda rs: [
-        {k: v for k, v in r.items() if k.startswith("churn/")} for r in rs if r["kind"] == "summary"
-    ][-1]  # noqa: E731
-    assert churned(rows) == churned(want) and churned(want)["churn/skipped_syncs"] == 1
+    assert churn_summary(rows) == churn_summary(want) and churn_summary(want)["churn/skipped_syncs"] == 1
     syncs = [r for r in want if r["kind"] == "sync"]
     assert [r["contributors"] for r in syncs] == [[0, 1, 2, 3], [0, 2, 3], [0, 3], [0, 1, 2, 3], []]
     assert [r["skipped"] for r in syncs] == [False, False, False, False, True]
@@ -550,33 +544,21 @@ def test_killed_with_a_fragment_in_flight_mid_absence_resumes_bit_identically(tm
     args = [*QUICK, "logger=none", "replicas=4", "inner.H=4", "phase.updates=16", "outer.fragments=2",
             "outer.delay=1", "checkpoint.every_updates=5", f"churn.events=[{','.join(KILL_EVENTS)}]",
             "churn.min_quorum=2"]  # fmt: skip
-    reference = tmp_path / "reference"
-    proc = start_entry([*args, f"hydra.run.dir={reference}"], tmp_path)
-    run_dir = tmp_path / "run"
-    try:
-        killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, "0:6:kill:after")
-    finally:
-        done = finish(proc)
-    assert done.returncode == 0, done.stderr
-    assert killed.returncode == KILLED
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:6:kill:after")
     assert sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))[-1] == ckpt(run_dir, 5)
     pending = torch.load(ckpt(run_dir, 5), weights_only=False)["state"]["pending"]  # 0 and 3 contribute
     assert (pending["fragment"], pending["taken_at"]) == (0, 5)
     assert pending["stepped"] == [True, False, False, True]
-    resumed = entry([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed(args, run_dir, tmp_path)
     assert_identical_streaming(run_dir, reference)
     rows, want = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
     assert [r["from"] for r in rows if r["kind"] == "resume"] == [str(ckpt(run_dir, 5))]
-    churned = lambda rs: [
-        {k: v for k, v in r.items() if k.startswith("churn/")} for r in rs if r["kind"] == "summary"
-    ][-1]  # noqa: E731
-    assert churned(rows) == churned(want)
+    assert churn_summary(rows) == churn_summary(want)
 
     cfg = compose_cfg(args)
     status, syncs, computed = fragment_syncs(cfg)
     figures = churn_figures(cfg, status, syncs, computed)
-    assert {k: churned(want)[k] for k in figures} == figures
+    assert {k: churn_summary(want)[k] for k in figures} == figures
     assert figures == {
         "churn/missed_replica_rounds": 4,
         "churn/absent_replica_rounds": 3,

@@ -17,17 +17,15 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
-    KILLED,
     QUICK,
     assert_engines_agree,
     assert_identical,
     cfg_for,
     ckpt,
-    entry,
-    finish,
+    killed_beside_uninterrupted,
     observe,
+    resumed,
     run_losses,
-    start_entry,
 )
 from test_churn import check_syncs
 
@@ -139,17 +137,9 @@ def test_killed_mid_round_with_a_deadline_resumes_bit_identically(tmp_path):
     args = [*QUICK, "logger=none", "replicas=4", "inner.H=4", "phase.updates=12",
             "checkpoint.every_updates=2", "cluster=h100", "cluster.straggler.sigma=0.5",
             "cluster.straggler.seed=3", "churn.deadline=6e-7"]  # fmt: skip
-    reference = tmp_path / "reference"
-    proc = start_entry([*args, f"hydra.run.dir={reference}"], tmp_path)
-    run_dir = tmp_path / "run"
-    try:
-        killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, "0:7:kill:after")
-    finally:
-        done = finish(proc)
-    assert done.returncode == 0, done.stderr
-    assert killed.returncode == KILLED and ckpt(run_dir, 6).exists()
-    resumed = entry([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:7:kill:after")
+    assert ckpt(run_dir, 6).exists()
+    resumed(args, run_dir, tmp_path)
     assert_identical(run_dir, reference)
     syncs = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "sync"]
     assert [r["late"] for r in syncs] == [[0, 3], [0, 3], [1]]  # the deadline cut every round

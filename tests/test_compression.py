@@ -52,7 +52,9 @@ from helpers import (
     entry,
     finish,
     fork_ranks,
+    killed_beside_uninterrupted,
     outcome,
+    resumed,
     run_losses,
     run_rounds,
     side_by_side,
@@ -695,20 +697,11 @@ def test_killed_with_error_buffers_resumes_bit_identically(tmp_path, engine):
     pseudo-gradient norm differs) and ends on other weights: the buffers are restored, not recomputed."""
     extra, fault, killed_rc = KILL_ENGINES[engine]
     overrides = [*KILL_RUN, *extra]
-    reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    proc = start_entry([*overrides, f"hydra.run.dir={reference}"], tmp_path)  # beside the killed run
-    try:
-        killed = entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
-    finally:
-        done = finish(proc)
-    assert done.returncode == 0, done.stderr
-    assert killed.returncode == killed_rc, killed.stderr
-    assert not (run_dir / "weights.pt").exists()
+    run_dir, reference = killed_beside_uninterrupted(overrides, tmp_path, fault, killed_rc)
     assert sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))[-1] == ckpt(run_dir, 3)
     saved = buffers(ckpt(run_dir, 3))
     assert len(saved) == 2 and all(any(bool(t.any()) for t in e.values()) for e in saved)
-    resumed = entry([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed(overrides, run_dir, tmp_path)
     assert [r["from"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "resume"] == [
         str(ckpt(run_dir, 3))
     ]

@@ -57,7 +57,7 @@ from helpers import (
     simulate,
     simulate_streaming,
     start_entry,
-    streaming_rounding_floors,
+    streaming_bounds_used,
     tree,
 )
 from omegaconf import OmegaConf
@@ -359,20 +359,10 @@ def test_real_processes_equal_the_simulation_with_fragments_delay_and_churn(tmp_
     assert [r["update"] for r in evals] == [0, 4, 8, 12]
 
     weights = torch.load(tmp_path / "run" / "weights.pt")
-    assert set(weights) == set(ref_theta)
-    loss_floor, weight_floor = streaming_rounding_floors(cfg, batches, len(ref_losses))
-    heldout_floor = streaming_rounding_floors(cfg, [run.heldout], 1)[0]
-    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
-    used = {
-        "losses": assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor),
-        "held-out": assert_losses_within_rounding(
-            as_rows([r["eval_loss"] for r in evals]), as_rows(sim_evals), as_rows(ref_evals), heldout_floor
-        ),
-        "weights": max(
-            assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
-            for n, t in ref_theta.items()
-        ),
-    }
+    got = (losses, [r["eval_loss"] for r in evals], weights)
+    used = streaming_bounds_used(
+        cfg, run, batches, got, (sim_losses, sim_evals, sim_theta), (ref_losses, ref_evals, ref_theta)
+    )
     print("fragments, delay and churn: fraction of the bound used", {k: round(v, 3) for k, v in used.items()})
 
 

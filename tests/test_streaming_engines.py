@@ -32,16 +32,18 @@ from helpers import (
     entry,
     finish,
     fragment_landings,
+    killed_beside_uninterrupted,
     recorded_clock,
+    resumed,
     side_by_side,
     simulate_streaming,
     start_entry,
+    streaming_bounds_used,
     streaming_cfg,
     streaming_outcome,
-    streaming_rounding_floors,
 )
 from omegaconf import OmegaConf
-from references import U32, assert_losses_within_rounding, assert_within_rounding
+from references import U32
 
 from hypertrain.diloco.fragments import LAND, Schedule, fragment_of, members
 from hypertrain.diloco.rounds import rounds
@@ -207,20 +209,10 @@ def test_real_processes_equal_the_simulation_with_fragments_and_delay(tmp_path, 
 
     losses = [r["loss"] for r in updates]
     weights = torch.load(run_dir / "weights.pt")
-    assert set(weights) == set(ref_theta)
-    loss_floor, weight_floor = streaming_rounding_floors(cfg, batches, len(ref_losses))
-    heldout_floor = streaming_rounding_floors(cfg, [run.heldout], 1)[0]
-    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
-    used = {
-        "losses": assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor),
-        "held-out": assert_losses_within_rounding(
-            as_rows([r["eval_loss"] for r in evals]), as_rows(sim_evals), as_rows(ref_evals), heldout_floor
-        ),
-        "weights": max(
-            assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
-            for n, t in ref_theta.items()
-        ),
-    }
+    got = (losses, [r["eval_loss"] for r in evals], weights)
+    used = streaming_bounds_used(
+        cfg, run, batches, got, (sim_losses, sim_evals, sim_theta), (ref_losses, ref_evals, ref_theta)
+    )
     print(f"{name}: fraction of the bound used", {k: round(v, 3) for k, v in used.items()})
 
 
@@ -275,21 +267,11 @@ def test_killed_while_a_reduction_is_in_flight_resumes_bit_identically(tmp_path,
     losses from update 5: the resumed run lands what the checkpoint stored; it does not take again."""
     extra, fault, killed_rc = KILL_ENGINES[engine]
     overrides = [*KILL_RUN, *extra]
-    reference = tmp_path / "reference"
-    proc = start_entry([*overrides, f"hydra.run.dir={reference}"], tmp_path)  # beside the killed run
-    run_dir = tmp_path / "run"
-    try:
-        killed = entry([*overrides, f"hydra.run.dir={run_dir}"], tmp_path, fault)
-    finally:
-        done = finish(proc)
-    assert done.returncode == 0, done.stderr
-    assert killed.returncode == killed_rc, killed.stderr
-    assert not (run_dir / "weights.pt").exists()
+    run_dir, reference = killed_beside_uninterrupted(overrides, tmp_path, fault, killed_rc)
     assert sorted((run_dir / "checkpoints").glob("ckpt-u*.pt")) == [ckpt(run_dir, 3)]
     cfg = compose_cfg(overrides)
     check_pending_checkpoint(ckpt(run_dir, 3), cfg)
-    resumed = entry([*overrides, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed(overrides, run_dir, tmp_path)
     assert_identical_streaming(run_dir, reference, skip=(MEASURED,))
     assert recorded_clock(run_dir) == recorded_clock(reference)  # the clock goes on from the checkpoint
     rows = read_metrics(run_dir / "metrics.jsonl")
