@@ -458,6 +458,20 @@ def assert_streaming_engines_agree(cfg: TrainConfig) -> dict[str, float]:
     return used
 
 
+def simulated_beside(proc: subprocess.Popen, cfg: TrainConfig, simulate_fn=None):
+    """`simulate_fn` (`simulate` by default) of `cfg` in float64 (collecting the batches) and in fp32, run
+    here while `proc`, the real run, runs; on an error here `proc` and its workers are killed first.
+    Returns (batches, the float64 (losses, evals, weights), the fp32 ones, the prepared run)."""
+    try:
+        batches: list = []
+        *ref, run = (simulate_fn or simulate)(cfg, torch.float64, batches)
+        *sim, _ = (simulate_fn or simulate)(cfg)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the entry and its workers; the test fails with the error
+        raise
+    return batches, tuple(ref), tuple(sim), run
+
+
 def streaming_bounds_used(cfg, run, batches, got, sim, ref) -> dict[str, float]:
     """Real processes' (losses, held-out losses of the eval rows, final weights) `got` against the
     simulation's fp32 `sim` and float64 `ref` (`simulate_streaming`'s first three): each within twice the

@@ -143,3 +143,20 @@ def to_float64(tensors: dict) -> dict:
 
 def float64_state(state: optim.OptState) -> optim.OptState:
     return optim.OptState(to_float64(state.m), to_float64(state.v), state.step.clone())
+
+
+def assert_outer_step(outer, theta, buf, delta, spread, n: int, run_theta, run_buf, where) -> None:
+    """The run's global weights and momentum after an outer step (DiLoCo, Algorithm 1: SGD with
+    Nesterov momentum on the mean pseudo-gradient `delta` of n replicas) against the float64 step from the
+    run's own `theta` and `buf` before it (all float64). Bounds, per entry: the run forms the mean of n
+    fp32 differences ((n + 1) roundings, each within U32 of the mean |theta - w_m|, `spread`), then
+    buf = mu buf + d (2 roundings) and theta - lr (d + mu buf) (4): |err(buf)| <= (n + 3) U32 (spread +
+    mu |buf_old|), |err(theta)| <= 2 U32 |theta_new| + lr (1 + mu) (n + 5) U32 (spread + mu |buf_old|).
+    `where` names the sync in the assertion's message."""
+    mu = outer.momentum
+    new_buf = mu * buf + delta
+    new_theta = theta - outer.lr * (delta + mu * new_buf if outer.nesterov else new_buf)
+    scale = spread + mu * buf.abs()
+    assert ((run_buf.double() - new_buf).abs() <= (n + 3) * U32 * scale).all(), where
+    bound = 2 * U32 * new_theta.abs() + outer.lr * (1 + mu) * (n + 5) * U32 * scale
+    assert ((run_theta.double() - new_theta).abs() <= bound).all(), where

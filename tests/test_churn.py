@@ -34,7 +34,7 @@ from helpers import (
     observe,
     resumed,
 )
-from references import U32
+from references import U32, assert_outer_step
 from test_streaming import paper_events
 
 from hypertrain import plan
@@ -205,13 +205,9 @@ def check_syncs(cfg, reference=None) -> dict[str, int]:
             for x in prev_theta:
                 delta = sum(prev_theta[x] - replicas[m][x] for m in contributors) / n
                 spread = sum((prev_theta[x] - replicas[m][x]).abs() for m in contributors) / n
-                old = prev_buf[x]
-                new_buf = o.momentum * old + delta
-                new_theta = prev_theta[x] - o.lr * (delta + o.momentum * new_buf if o.nesterov else new_buf)
-                scale = spread + o.momentum * old.abs()
-                assert ((run_buf[x].double() - new_buf).abs() <= (n + 3) * U32 * scale).all(), (k, x)
-                bound = 2 * U32 * new_theta.abs() + o.lr * (1 + o.momentum) * (n + 5) * U32 * scale
-                assert ((run_theta[x].double() - new_theta).abs() <= bound).all(), (k, x)
+                assert_outer_step(
+                    o, prev_theta[x], prev_buf[x], delta, spread, n, run_theta[x], run_buf[x], (k, x)
+                )
             seen["synced"] += 1
         if run_replicas is not None:  # merge alpha > 0: a non-contributor restarts from the global weights
             for m in range(R):
@@ -438,15 +434,8 @@ def check_fragment_syncs(cfg, reference=None, statuses="take") -> dict[str, int]
                 seen["skipped"] += 1
             else:
                 for x in frag[p]:
-                    old = prev_buf[x]
-                    new_buf = o.momentum * old + deltas[x]
-                    update = deltas[x] + o.momentum * new_buf if o.nesterov else new_buf
-                    new_theta = prev_theta[x] - o.lr * update
-                    scale = spread[x] + o.momentum * old.abs()
-                    buf_bound = (n + 3) * U32 * scale
-                    theta_bound = 2 * U32 * new_theta.abs() + o.lr * (1 + o.momentum) * (n + 5) * U32 * scale
-                    assert ((run_buf[x].double() - new_buf).abs() <= buf_bound).all(), (count, p, x)
-                    assert ((run_theta[x].double() - new_theta).abs() <= theta_bound).all(), (count, p, x)
+                    args = (prev_theta[x], prev_buf[x], deltas[x], spread[x], n, run_theta[x], run_buf[x])
+                    assert_outer_step(o, *args, (count, p, x))
                 seen["synced"] += 1
                 seen["partial_windows"] += sum(sync["steps"][m] < len(sync["window"]) for m in cs)
             for m in range(R):  # the merge

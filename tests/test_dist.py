@@ -37,10 +37,8 @@ own work and the launcher's poll (derived in `test_a_dead_or_hung_rank_stops_the
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 from dataclasses import dataclass
 
 import pytest
@@ -54,8 +52,8 @@ from helpers import (
     error_lines,
     finish,
     rounding_floors,
-    simulate,
     simulate_streaming,
+    simulated_beside,
     start_entry,
     streaming_bounds_used,
     tree,
@@ -214,14 +212,10 @@ def test_real_processes_equal_the_simulation_within_rounding(tmp_path, name):
     args = overrides if case.torchrun else [*overrides, f"hydra.run.dir={tmp_path / 'run'}"]
     proc = start_entry(args, tmp_path, torchrun=case.torchrun)  # runs while the simulation runs here
 
-    try:
-        cfg = compose_cfg(overrides)
-        batches: list = []
-        ref_losses, ref_evals, ref_theta, run = simulate(cfg, torch.float64, batches)
-        sim_losses, sim_evals, sim_theta, _ = simulate(cfg)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # the entry and its workers; the test fails with the error
-        raise
+    cfg = compose_cfg(overrides)
+    batches, (ref_losses, ref_evals, ref_theta), (sim_losses, sim_evals, sim_theta), run = simulated_beside(
+        proc, cfg
+    )
     done = finish(proc)
     assert done.returncode == 0, done.stderr
 
@@ -329,14 +323,9 @@ def test_real_processes_equal_the_simulation_with_fragments_delay_and_churn(tmp_
     with no replica synced, every other one synced by all four."""
     overrides = [*DIST, *CHURN_STREAM]
     proc = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
-    try:
-        cfg = compose_cfg(overrides)
-        batches: list = []
-        ref_losses, ref_evals, ref_theta, run = simulate_streaming(cfg, torch.float64, batches)
-        sim_losses, sim_evals, sim_theta, _ = simulate_streaming(cfg)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # the entry and its workers; the test fails with the error
-        raise
+    cfg = compose_cfg(overrides)
+    batches, ref, sim, run = simulated_beside(proc, cfg, simulate_streaming)
+    ref_losses = ref[0]
     done = finish(proc)
     assert done.returncode == 0, done.stderr
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -360,9 +349,7 @@ def test_real_processes_equal_the_simulation_with_fragments_delay_and_churn(tmp_
 
     weights = torch.load(tmp_path / "run" / "weights.pt")
     got = (losses, [r["eval_loss"] for r in evals], weights)
-    used = streaming_bounds_used(
-        cfg, run, batches, got, (sim_losses, sim_evals, sim_theta), (ref_losses, ref_evals, ref_theta)
-    )
+    used = streaming_bounds_used(cfg, run, batches, got, sim, ref)
     print("fragments, delay and churn: fraction of the bound used", {k: round(v, 3) for k, v in used.items()})
 
 

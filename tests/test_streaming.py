@@ -17,12 +17,11 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import observe, streaming_cfg
+from references import U32, assert_outer_step
 
 from hypertrain.config import ConfigError
 from hypertrain.diloco.fragments import Schedule, fragment_of
 from hypertrain.run.checks import validate
-
-U32 = 2.0**-24  # fp32 unit roundoff
 
 
 def stream_cfg(P: int, tau: int, alpha: float, updates: int = 19):
@@ -148,15 +147,8 @@ def check_against_reference(cfg, relabel=lambda p: p) -> int:
                 continue
             deltas, spread = taken.pop(p)
             for x in frag[p]:
-                old = prev_buf[x]
-                new_buf = o.momentum * old + deltas[x]
-                update = deltas[x] + o.momentum * new_buf if o.nesterov else new_buf
-                new_theta = prev_theta[x] - o.lr * update
-                scale = spread[x] + o.momentum * old.abs()
-                buf_bound = (n + 3) * U32 * scale
-                theta_bound = 2 * U32 * new_theta.abs() + o.lr * (1 + o.momentum) * (n + 5) * U32 * scale
-                assert ((run_buf[x].double() - new_buf).abs() <= buf_bound).all(), (count, p, x)
-                assert ((run_theta[x].double() - new_theta).abs() <= theta_bound).all(), (count, p, x)
+                args = (prev_theta[x], prev_buf[x], deltas[x], spread[x], n, run_theta[x], run_buf[x])
+                assert_outer_step(o, *args, (count, p, x))
                 g = run_theta[x].double()
                 for m, w in enumerate(replicas):  # the merge, on the run's replicas
                     want = g + o.merge_alpha * (w[x] - g)

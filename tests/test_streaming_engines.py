@@ -12,9 +12,7 @@ values (`streaming_rounding_floors`, helpers.py); resumed runs are compared with
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from helpers import (
     resumed,
     side_by_side,
     simulate_streaming,
+    simulated_beside,
     start_entry,
     streaming_bounds_used,
     streaming_cfg,
@@ -168,14 +167,9 @@ def test_real_processes_equal_the_simulation_with_fragments_and_delay(tmp_path, 
     case = DIST_CASES[name]
     overrides = [*DIST, *STREAM, *case.overrides]
     proc = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
-    try:
-        cfg = compose_cfg(overrides)
-        batches: list = []
-        ref_losses, ref_evals, ref_theta, run = simulate_streaming(cfg, torch.float64, batches)
-        sim_losses, sim_evals, sim_theta, _ = simulate_streaming(cfg)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # the entry and its workers; the test fails with the error
-        raise
+    cfg = compose_cfg(overrides)
+    batches, ref, sim, run = simulated_beside(proc, cfg, simulate_streaming)
+    ref_losses = ref[0]
     done = finish(proc)
     assert done.returncode == 0, done.stderr
     run_dir = tmp_path / "run"
@@ -210,9 +204,7 @@ def test_real_processes_equal_the_simulation_with_fragments_and_delay(tmp_path, 
     losses = [r["loss"] for r in updates]
     weights = torch.load(run_dir / "weights.pt")
     got = (losses, [r["eval_loss"] for r in evals], weights)
-    used = streaming_bounds_used(
-        cfg, run, batches, got, (sim_losses, sim_evals, sim_theta), (ref_losses, ref_evals, ref_theta)
-    )
+    used = streaming_bounds_used(cfg, run, batches, got, sim, ref)
     print(f"{name}: fraction of the bound used", {k: round(v, 3) for k, v in used.items()})
 
 
