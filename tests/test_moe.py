@@ -23,6 +23,7 @@ expert, and the configuration's mistakes refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -41,6 +42,7 @@ from helpers import (
     error_lines,
     finish,
     rounding_floors,
+    run_losses,
     start_entry,
     stderr_lines,
 )
@@ -51,7 +53,8 @@ from references import (
     float64_arithmetic,
 )
 
-from hypertrain.config import ConfigError, ModelConfig
+from hypertrain.clock.replay import clock_of
+from hypertrain.config import ClusterConfig, ConfigError, ModelConfig
 from hypertrain.diloco.rounds import assignments, rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
@@ -520,3 +523,32 @@ def test_the_update_rows_carry_the_router_figures(tmp_path):
         assert math.isfinite(row["loss/router_aux"]) and row["loss/router_aux"] > 0
         low, high = row["experts/min_fraction"], row["experts/max_fraction"]
         assert 0 <= low <= 2 / 4 <= high <= 1, row  # k / E between the least and the most used expert
+
+
+# -- the network clock counts a token's active parameters -------------------------------------------------
+
+
+def test_the_modelled_clock_counts_the_experts_a_token_uses(tmp_path):
+    """DESIGN.md's modelled compute is `6 * active params * tokens / (peak * mfu)`: of a mixture of experts
+    a token uses every parameter but the experts', and top_k / n_experts of those (here 2 of 4). The
+    count is written out from the weights' shapes; the run's `clock/compute_s` is the sum over its
+    updates of that formula on one replica's tokens (the update's over the replicas that stepped), rel
+    1e-12 (fp64 sums of positive terms), far from the all-parameters figure; the replay of the records
+    (`clock_of`) gives the same."""
+    cluster = ClusterConfig(name="test", compute="modelled", peak_tflops=1e-3, mfu=0.5)
+    cfg = replace(moe_cfg(2, 2), cluster=cluster)
+    validate(cfg)
+    weights = initial_weights(prepare(cfg))
+    every = sum(t.numel() for t in weights.values())
+    experts = sum(t.numel() for n, t in weights.items() if "experts" in n)
+    active = every - experts + experts * 2 // 4
+    rows = run_losses(cfg, tmp_path)
+    updates = [r for r in rows if r["kind"] == "update"]
+    tokens = [r["tokens"] / sum(x is not None for x in r["loss"]) for r in updates]
+    want = sum(6 * active * t / (1e9 * 0.5) for t in tokens)
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    assert summary["model/active_params"] == active < every
+    assert summary["clock/compute_s"] == pytest.approx(want, rel=1e-12)
+    assert want < 0.8 * sum(6 * every * t / (1e9 * 0.5) for t in tokens)
+    replay = clock_of(rows, dataclasses.asdict(cfg), cluster)
+    assert replay["compute_s"] == pytest.approx(want, rel=1e-12)

@@ -35,6 +35,15 @@ def run_params(rows: list[dict]) -> int:
     raise ConfigError("the run's metrics.jsonl has no summary with model/params; valid: a run's records")
 
 
+def run_active_params(rows: list[dict]) -> int | None:
+    """The parameters a token of the run used (`model/active_params`); None for a run recorded before
+    (the models then were dense: all of them)."""
+    for row in rows:
+        if row.get("kind") == "summary" and "model/active_params" in row:
+            return int(row["model/active_params"])
+    return None
+
+
 def run_cluster(resolved: dict) -> ClusterConfig:
     """The cluster a run recorded in its config.yaml (the default, cpu_here, for one written before)."""
     if "cluster" not in resolved:
@@ -54,7 +63,8 @@ def clock_of(
     landing after it), `syncs` (per sync row: update, fragment and `Clock.sync`'s split), `heldout`
     ({update, clock_s, eval_loss}: the held-out curve, from eval rows and DiLoCo's sync rows, each at
     the clock after the syncs of its update) and `Clock.summary`'s totals without their `clock/`."""
-    clock = Clock(Shape.of(upgrade_resolved(resolved)), cluster, run_params(rows), model_params)
+    shape = Shape.of(upgrade_resolved(resolved))
+    clock = Clock(shape, cluster, run_params(rows), model_params, run_active_params(rows))
     updates, syncs, heldout = [], [], []
     for row in in_order(rows):
         u = row["update"]

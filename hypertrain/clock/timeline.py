@@ -88,15 +88,24 @@ class Shape:
 class Clock:
     """The simulated seconds of one run on `cluster` (docs/clock.md, "The clock of a run").
 
-    `run_params` is the run's parameter count; `model_params` N (optional) rescales every byte by
-    N / run_params, modelled compute to `6 * N * tokens`, measured compute by N / run_params."""
+    `run_params` is the run's parameter count and `active_params` the ones a token uses (a mixture of
+    experts' top_k experts; all of a dense model's, the default); `model_params` N (optional) rescales
+    every byte by N / run_params, modelled compute to `6 * N * active / run_params * tokens`, measured
+    compute by N / run_params."""
 
     def __init__(
-        self, shape: Shape, cluster: ClusterConfig, run_params: int, model_params: int | None = None
+        self,
+        shape: Shape,
+        cluster: ClusterConfig,
+        run_params: int,
+        model_params: int | None = None,
+        active_params: int | None = None,
     ):
         self.shape, self.cluster, self.run_params = shape, cluster, int(run_params)
         self.params = self.run_params if model_params is None else int(model_params)
         self.scale = self.params / self.run_params
+        share = 1.0 if active_params is None else int(active_params) / self.run_params  # 1 when dense
+        self.active = self.params * share
         self.intra, self.inter = Link.of(cluster.intra), Link.of(cluster.inter)
         self.total_s = self.compute_s = self.inner_s = self.outer_exposed_s = self.outer_hidden_s = 0.0
         self.since_compute_s = self.since_inner_s = 0.0  # since the previous landing
@@ -117,7 +126,7 @@ class Clock:
         stepped = [x is not None for x in losses] if isinstance(losses, list) else [True] * shape.replicas
         if cluster.compute == "modelled":
             one_replica_tokens = row["tokens"] / max(sum(stepped), 1)
-            seconds = modelled_compute_s(self.params, one_replica_tokens, cluster.peak_flops, cluster.mfu)
+            seconds = modelled_compute_s(self.active, one_replica_tokens, cluster.peak_flops, cluster.mfu)
         else:
             seconds = max(row["rank_seconds"]) * self.scale
         if row["round"] != self.round:  # the replicas start the round together

@@ -31,7 +31,7 @@ from hypertrain.clock.formulas import modelled_compute_s
 from hypertrain.clock.timeline import straggler_factors
 from hypertrain.config import ChurnConfig
 from hypertrain.data.batches import targets_of
-from hypertrain.model.transformer import count_params
+from hypertrain.model.transformer import active_params
 from hypertrain.optim.inner import OptState
 
 PRESENT, MISS, ABSENT = "present", "miss", "absent"
@@ -171,7 +171,7 @@ class Churn:
         updates, R, deadline = self.round_updates(k), cfg.replicas, cfg.churn.deadline
         if not deadline:
             return (len(updates),) * R
-        cluster, params = cfg.cluster, count_params(cfg.model)
+        cluster, params = cfg.cluster, active_params(cfg.model)
         factors = straggler_factors(cluster.straggler, k, R)
         out = []
         for m in range(R):

@@ -29,7 +29,7 @@ from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.diloco.fragments import fragment_of
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
-from hypertrain.model.transformer import Params, count_params, param_roles
+from hypertrain.model.transformer import Params, active_params, count_params, param_roles
 from hypertrain.optim.inner import OptState, init_state
 
 
@@ -106,7 +106,8 @@ class RunState:
         errors = None
         if cfg.outer.error_feedback:
             errors = [{n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()} for _ in local]
-        clock = Clock(Shape.of(dataclasses.asdict(cfg)), cfg.cluster, count_params(cfg.model))
+        shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
+        clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
         return cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
 
     def stepped_in(self, fragment: int) -> list[bool]:

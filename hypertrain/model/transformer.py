@@ -106,6 +106,16 @@ def count_params(cfg: ModelConfig) -> int:
     return sum(math.prod(shape) for shape in param_shapes(cfg).values())
 
 
+def active_params(cfg: ModelConfig) -> int:
+    """The parameters a token uses (what `6 N` counts in a step's FLOPs): all of a dense model's; of a
+    mixture of experts, every parameter but the experts', and top_k / n_experts of those."""
+    total = 0
+    for name, shape in param_shapes(cfg).items():
+        share = cfg.top_k / cfg.n_experts if ".experts." in name else 1
+        total += round(math.prod(shape) * share)
+    return total
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters used in matmuls per token (everything but the embedding lookups and norms); of a
     mixture of experts the router and a token's top_k experts (its active parameters)."""

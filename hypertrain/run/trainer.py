@@ -24,7 +24,7 @@ from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
-from hypertrain.model.transformer import count_params
+from hypertrain.model.transformer import active_params, count_params
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer
 from hypertrain.run.evaluation import heldout_eval
@@ -232,6 +232,7 @@ def train(
         run.plan_facts
         | {
             "model/params": n_params,
+            "model/active_params": active_params(cfg.model),  # a token's: a mixture's top_k experts
             "engine/layout": groups.layout,
             "env/processes": groups.size,
             "env/backend": groups.backend,
