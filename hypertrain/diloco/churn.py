@@ -15,7 +15,8 @@ A replica is *rejoining* in round k when it is not absent in k and was absent in
 Every sync landing in round k uses round k's statuses (with Streaming DiLoCo's fragments, each of the P
 fragment syncs of the round, its take and its landing both lie in the round): its contributors are the
 present replicas with ids since the fragment's last landing (`RoundFacts`); below the quorum that
-fragment's sync is skipped and waits for its next period. Schedules advance by update count.
+fragment's sync is skipped and waits for its next period. Schedules advance by update count. With
+`churn.deadline`, `Churn` also stops each replica after the inner steps it finishes by the deadline.
 """
 
 from __future__ import annotations
