@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from hypertrain.config import ModelConfig
 from hypertrain.model.transformer import param_specs
 from hypertrain.report import cli as report
+from hypertrain.report import retime
 from hypertrain.report.runs import load_run, read_rows, run_status
 from hypertrain.report.table import DIFFERENT_DATA, OTHER_ORDER
 from hypertrain.run.records import read_metrics
@@ -515,6 +516,146 @@ def test_the_command_line_reports_bad_input_without_a_traceback(tmp_path):
         [sys.executable, "-m", "hypertrain.report"], capture_output=True, text=True, timeout=60
     )
     assert no_path.returncode == 2 and no_path.stderr.strip().count("\n") == 0 and "PATH" in no_path.stderr
+
+
+# -- the command lines (report and clock): a reader that leaves early, bad arguments ---------------
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory) -> Path:
+    """One finished run (the quick phase: seconds), read by the command-line tests; none writes into it."""
+    tmp = tmp_path_factory.mktemp("one_run")
+    done = entry([*QUICK, "logger=none", "logger.progress=never", f"hydra.run.dir={tmp / 'run'}"], tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.parametrize(("module", "wrote"), [("report", "report.html"), ("clock", "clock.md")])
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(one_run, tmp_path, module, wrote):
+    # `python -m ... | head -1` once head has read its line and gone. The reading end is closed before
+    # the command prints, so its first write to stdout fails (EPIPE: Python ignores SIGPIPE) every
+    # time; a reader closing after one line would race the command's single write of its short table.
+    before = tree(one_run)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", f"hypertrain.{module}", str(one_run), "--out", str(tmp_path / "out")],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    # Python's recipe (docs.python.org/3/library/signal.html#note-on-sigpipe): exit 1, not a word.
+    assert done.returncode == 1 and done.stderr == "", done.stderr[-3000:]
+    assert (tmp_path / "out" / wrote).is_file() and tree(one_run) == before  # written before printing
+
+
+def _command_line(main, argv: list[str]) -> tuple[int, str, str]:
+    """`main(argv)`'s exit code, stdout and stderr; argparse's exit (SystemExit) read as the code."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+NOT_WRITABLE = "not writable by this user"
+BELOW_RO = f"--out={{tmp}}/ro/x cannot be made (under {{tmp}}/ro), which is {NOT_WRITABLE}"
+# name: the command, its arguments ({run}: one_run, {tmp}: the test's folder), what its one line says
+BAD_ARGUMENTS = {
+    "report-out-below-a-file": (
+        "report",
+        ["{run}", "--out", "{tmp}/file/report"],
+        "--out={tmp}/file/report cannot be made (under {tmp}/file), which is a file",
+    ),
+    "report-out-through-a-file": (
+        "report",
+        ["{run}", "--out={tmp}/file/../x"],
+        "--out={tmp}/file/../x cannot be made (under {tmp}/file)",
+    ),
+    "report-out-is-a-file": ("report", ["{run}", "--out", "{tmp}/file"], "--out={tmp}/file is a file"),
+    "report-out-is-a-link-to-nothing": (
+        "report",
+        ["{run}", "--out", "{tmp}/link"],
+        "--out={tmp}/link is a link to nothing",
+    ),
+    "report-out-below-a-link-to-nothing": (
+        "report",
+        ["{run}", "--out", "{tmp}/link/x"],
+        "--out={tmp}/link/x cannot be made (under {tmp}/link)",
+    ),
+    "report-out-not-writable": (
+        "report",
+        ["{run}", "--out", "{tmp}/ro"],
+        f"--out={{tmp}}/ro is {NOT_WRITABLE}",
+    ),
+    "report-out-below-a-folder-not-writable": ("report", ["{run}", "--out", "{tmp}/ro/x"], BELOW_RO),
+    "report-out-empty": ("report", ["{run}", "--out="], "--out='' is not valid"),
+    "report-out-without-value": ("report", ["{run}", "--out"], "argument --out: expected one argument"),
+    "report-default-out-is-a-file": (
+        "report",
+        ["{tmp}/copy"],
+        "{tmp}/copy/report (the default --out) is a file",
+    ),
+    "report-path-empty": ("report", [""], "PATH='' is not valid"),
+    "report-path-is-a-file": ("report", ["{tmp}/file"], "PATH={tmp}/file is not a directory"),
+    "report-path-missing": (
+        "report",
+        ["{tmp}/nowhere", "--out", "{tmp}/out"],
+        "PATH={tmp}/nowhere does not exist",
+    ),
+    "report-no-path": ("report", [], "the following arguments are required: PATH"),
+    "report-target-not-a-number": (
+        "report",
+        ["{run}", "--out", "{tmp}/out", "--target-loss", "abc"],
+        "--target-loss='abc' is not valid",
+    ),
+    "report-target-without-value": (
+        "report",
+        ["{run}", "--out", "{tmp}/out", "--target-loss"],
+        "argument --target-loss: expected one argument",
+    ),
+    "report-unknown-option": (
+        "report",
+        ["{run}", "--outdir", "{tmp}/out"],
+        "unrecognized arguments: --outdir",
+    ),
+    "clock-run-dir-empty": ("clock", [""], "RUN_DIR='' is not valid"),
+    "clock-out-is-a-link-to-nothing": (
+        "clock",
+        ["{run}", "--out", "{tmp}/link"],
+        "--out={tmp}/link is a link to nothing",
+    ),
+    "clock-out-below-a-folder-not-writable": ("clock", ["{run}", "--out", "{tmp}/ro/x"], BELOW_RO),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_a_bad_argument_is_one_line_exit_2_and_writes_nothing(one_run, tmp_path, case):
+    command, argv, named = BAD_ARGUMENTS[case]
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    if "{tmp}/copy" in argv:  # a run whose default --out, its report/, is a file
+        shutil.copytree(
+            one_run, tmp_path / "copy", ignore=shutil.ignore_patterns("checkpoints", "weights.pt")
+        )
+        (tmp_path / "copy" / "report").write_text("x")
+    if NOT_WRITABLE in named:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder: the permission check needs another user")
+        (tmp_path / "ro").mkdir(mode=0o555)
+    main = {"report": report.main, "clock": retime.main}[command]
+    before, run_before = tree(tmp_path), tree(one_run)
+    code, stdout, stderr = _command_line(main, [arg.format(run=one_run, tmp=tmp_path) for arg in argv])
+    assert code == 2 and stdout == "", stderr
+    assert stderr.splitlines() == [stderr.strip()] and stderr.startswith(f"hypertrain.{command}: error: ")
+    assert named.format(tmp=tmp_path) in stderr and "valid: " in stderr
+    assert tree(tmp_path) == before and tree(one_run) == run_before
 
 
 # -- Streaming DiLoCo (issue 23): fragment syncs, eval rows, peak outer bytes ------------------------

@@ -2,9 +2,10 @@
 
 Reads every run at or under the PATHs, writes `report.md`, `report.html`, `report.json` and the plots
 into `PATH/report/` or `--out DIR`, and prints the table; bad input is one line, exit 2, nothing
-written. Each run is also timed by the network clock on the cluster it recorded (docs/clock.md), to
-`--target-loss` or, without it, to the largest of the runs' best held-out losses. docs/report.md says
-what every file, column and plot shows.
+written; a reader that closes stdout early (`| head -1`) ends it quietly, exit 1. Each run is also
+timed by the network clock on the cluster it recorded (docs/clock.md), to `--target-loss` or, without
+it, to the largest of the runs' best held-out losses. docs/report.md says what every file, column and
+plot shows.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from hypertrain.report import phases
 from hypertrain.report.clocks import parse_target, run_clock, target_loss
+from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, heldout_plot, phases_plot, spread_plot
 from hypertrain.report.render import Section, html, markdown
-from hypertrain.report.runs import ReportInputError, Run, find_runs, load_run
+from hypertrain.report.runs import VALID_PATH, ReportInputError, Run, find_runs, load_run
 from hypertrain.report.table import (
     DIFFERENT_DATA,
     OTHER_ORDER,
@@ -33,7 +35,8 @@ from hypertrain.report.table import (
 )
 
 PROG = "python -m hypertrain.report"
-USAGE = f"{PROG} PATH [PATH ...] [--out DIR] [--target-loss X]"
+ERROR = "hypertrain.report: error:"  # every bad input's one line starts so
+USAGE = "valid: PATH [PATH ...] [--out DIR] [--target-loss X]"
 TITLE = "hypertrain run report"
 FILES = ("report.md", "report.html", "report.json")
 
@@ -73,8 +76,29 @@ def clock_notes(target: float | None, rule: str, clusters: list[str]) -> list[st
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message}; usage: {USAGE}", file=sys.stderr)
+        print(f"{ERROR} {message}; {USAGE}", file=sys.stderr)
         sys.exit(2)
+
+
+def _paths(given: list[str]) -> list[Path]:
+    """The PATHs; ReportInputError for an empty one (an unset shell variable), which would be `.`."""
+    if "" in given:
+        raise ReportInputError(f"PATH='' is not valid; {VALID_PATH}")
+    return [Path(path) for path in given]
+
+
+def _out(given: str | None, paths: list[Path]) -> Path:
+    """Where the report goes, checked before anything is written: `--out`, else the one PATH's
+    `report/`; ReportInputError when it cannot be a directory this user writes into."""
+    if given is None:
+        if len(paths) > 1:
+            raise ReportInputError(f"{len(paths)} PATHs and no --out; valid: one PATH, or --out DIR")
+        check_out(paths[0] / "report", f"{paths[0] / 'report'} (the default --out)")
+        return paths[0] / "report"
+    if not given:
+        raise ReportInputError(f"--out={given!r} is not valid; {VALID_OUT}")
+    check_out(Path(given))
+    return Path(given)
 
 
 def run_names(runs: list[Run]) -> list[str]:
@@ -207,10 +231,8 @@ def _remove_stale(out: Path, kept: set[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog=PROG, description="Compare runs: a table, plots and a one-page HTML report.")
-    parser.add_argument(
-        "paths", nargs="+", type=Path, metavar="PATH", help="run, sweep, or a folder above them"
-    )
-    parser.add_argument("--out", type=Path, help="where to write the report (default: PATH/report)")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="run, sweep, or a folder above them")
+    parser.add_argument("--out", help="where to write the report (default: PATH/report)")
     parser.add_argument(
         "--target-loss",
         metavar="X",
@@ -219,15 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = " ".join([PROG, *(argv if argv is not None else sys.argv[1:])])
     try:
+        paths = _paths(args.paths)
         given_target = parse_target(args.target_loss)
-        if args.out is None and len(args.paths) > 1:
-            raise ReportInputError(f"{len(args.paths)} PATHs and no --out; valid: one PATH, or --out DIR")
-        out = args.out if args.out is not None else args.paths[0] / "report"
-        if out.exists() and not out.is_dir():
-            raise ReportInputError(f"--out={out} is a file; valid: a directory (made if missing)")
-        runs = [load_run(path) for path in find_runs(args.paths)]
+        found = find_runs(paths)
+        out = _out(args.out, paths)
+        runs = [load_run(path) for path in found]
     except ReportInputError as e:
-        print(f"hypertrain.report: error: {e}", file=sys.stderr)
+        print(f"{ERROR} {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     sections, record, terminal = build(runs, out, command, given_target)
@@ -235,9 +255,5 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "report.md").write_text(markdown(TITLE, sections))
     (out / "report.html").write_text(html(TITLE, sections, out))
-    print(terminal)
-    for row in record["runs"]:
-        if row["data"]:
-            print(f"{row['run']}: {row['data']}")
-    print(f"report: {out / 'report.html'} ({len(record['plots'])} plots)")
-    return 0
+    flagged = [f"{row['run']}: {row['data']}" for row in record["runs"] if row["data"]]
+    return print_out([terminal, *flagged, f"report: {out / 'report.html'} ({len(record['plots'])} plots)"])

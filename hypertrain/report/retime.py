@@ -7,7 +7,8 @@ It also writes, into `--out DIR` (default: `report/clock-<cluster name>/` under 
 holding every RUN_DIR), the report's plot of the held-out loss against simulated seconds
 (`plots.clock_plot`) and `clock.md`: the printed table, the target and the plot. The table goes to
 stdout, the path written to stderr. The target of `time to target s` is `--target-loss`, else the
-largest of the runs' best held-out losses. Bad input: one line, exit 2, nothing written.
+largest of the runs' best held-out losses. Bad input: one line, exit 2, nothing written. A reader that
+closes stdout early (`| head -1`) ends it quietly, exit 1 (`command.print_out`).
 The implementation of `python -m hypertrain.clock` (hypertrain/clock/__main__.py).
 """
 
@@ -23,6 +24,7 @@ from omegaconf import OmegaConf
 from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
 from hypertrain.config import ClusterConfig, ConfigError
 from hypertrain.report.clocks import cluster_text, parse_target, target_loss
+from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, file_safe
 from hypertrain.report.render import Section, markdown
 from hypertrain.report.runs import Run, load_run
@@ -68,10 +70,12 @@ def parse(argv: list[str]) -> Args:
         elif _is(arg, "--out"):
             value = _value(arg, args)
             if not value:
-                raise ConfigError(f"--out={value!r} is not valid; valid: a directory (made if missing)")
+                raise ConfigError(f"--out={value!r} is not valid; {VALID_OUT}")
             parsed.out = Path(value)
         elif _is(arg, "--target-loss"):
             parsed.target = parse_target(_value(arg, args))
+        elif not arg:  # an unset shell variable: Path("") would be the working directory
+            raise ConfigError(f"RUN_DIR='' is not valid; {USAGE}")
         elif arg.startswith("-"):
             raise ConfigError(f"{arg} is not an option; {USAGE}")
         elif "=" in arg:
@@ -86,15 +90,6 @@ def parse(argv: list[str]) -> Args:
         if not (run / METRICS_FILE).is_file() or not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} is not a run directory (no {METRICS_FILE} and config.yaml); {USAGE}")
     return parsed
-
-
-def check_out(out: Path) -> None:
-    """ConfigError unless `out` is a directory or can be made one (its nearest existing folder above)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out={out} is a file; valid: a directory (made if missing)")
-    above = next((p for p in out.absolute().parents if p.exists()), None)
-    if not out.exists() and (above is None or not above.is_dir() or not os.access(above, os.W_OK | os.X_OK)):
-        raise ConfigError(f"--out={out} cannot be made (under {above}); valid: a directory (made if missing)")
 
 
 def default_out(runs: list[Path], clusters: list[str]) -> Path:
@@ -233,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e) if not isinstance(e, KeyError) else f"a record lacks {e}; valid: a run's records"
         print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
-    print(table(results, target))
+    if print_out([table(results, target)]):
+        return 1  # the reader is gone: quietly, as Python's note on SIGPIPE does
     print(f"{PROG}: wrote {out / CLOCK_MD} and {png}", file=sys.stderr)
     return 0
