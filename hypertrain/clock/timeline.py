@@ -35,11 +35,6 @@ def straggler_factors(straggler: StragglerConfig, round_index: int, replicas: in
     return np.exp(straggler.sigma * z)
 
 
-def straggler_factor(straggler: StragglerConfig, round_index: int, replicas: int) -> float:
-    """The slowest replica's slowdown in round `round_index` (the max of `straggler_factors`)."""
-    return float(straggler_factors(straggler, round_index, replicas).max())
-
-
 def taken_at(count: int, fragment: int, H: int, P: int, tau: int) -> int:
     """The update count after which the pseudo-gradient landing after `count` was taken (the streaming
     schedule, docs/streaming.md): tau earlier at its scheduled landing `k*H + (p+1)*H/P`; at the phase's

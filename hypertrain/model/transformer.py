@@ -109,19 +109,20 @@ def count_params(cfg: ModelConfig) -> int:
 def active_params(cfg: ModelConfig) -> int:
     """The parameters a token uses (what `6 N` counts in a step's FLOPs): all of a dense model's; of a
     mixture of experts, every parameter but the experts', and top_k / n_experts of those."""
-    total = 0
-    for name, shape in param_shapes(cfg).items():
-        share = cfg.top_k / cfg.n_experts if ".experts." in name else 1
-        total += round(math.prod(shape) * share)
-    return total
+    return _used_per_token(cfg)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters used in matmuls per token (everything but the embedding lookups and norms); of a
     mixture of experts the router and a token's top_k experts (its active parameters)."""
+    return _used_per_token(cfg, ("hidden", "head", "router"))
+
+
+def _used_per_token(cfg: ModelConfig, roles: tuple[str, ...] | None = None) -> int:
+    """The parameters of `roles` (all without) a token uses: of a mixture's experts top_k / n_experts."""
     total = 0
     for name, (shape, role) in param_specs(cfg).items():
-        if role in ("hidden", "head", "router"):
+        if roles is None or role in roles:
             share = cfg.top_k / cfg.n_experts if ".experts." in name else 1
             total += round(math.prod(shape) * share)
     return total
