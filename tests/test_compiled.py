@@ -21,7 +21,8 @@ from torch._dynamo.utils import counters
 from hypertrain.config import InnerConfig, ModelConfig
 from hypertrain.engines import stacked
 from hypertrain.engines.compiled import inner_step_fn
-from hypertrain.model.transformer import init_params, param_roles
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state, inner_step
 
 pytestmark = pytest.mark.slow

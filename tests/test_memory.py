@@ -14,7 +14,8 @@ import pytest
 from helpers import QUICK, compose_cfg, entry, error_lines
 
 from hypertrain.config import INT64_MAX, ConfigError, InnerConfig, ModelConfig
-from hypertrain.model.transformer import count_params, init_params, param_roles
+from hypertrain.model.shapes import count_params, param_roles
+from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
 from hypertrain.run import memory
 from hypertrain.run.checks import validate

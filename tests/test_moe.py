@@ -59,7 +59,8 @@ from hypertrain.diloco.rounds import assignments, rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
 from hypertrain.model import moe
-from hypertrain.model.transformer import forward, init_params, logits, objective, param_roles
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import forward, init_params, logits, objective
 from hypertrain.optim.inner import init_state, inner_step, newton_schulz, uses_muon
 from hypertrain.run.checks import validate
 from hypertrain.run.prepare import initial_weights, prepare

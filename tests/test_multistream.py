@@ -33,7 +33,8 @@ import torch
 from hypertrain.config import DataConfig, InnerConfig, ModelConfig
 from hypertrain.data.batches import channel_targets, pad_channels, replica_batch
 from hypertrain.engines.contract import microbatch_loss
-from hypertrain.model.transformer import channel_sums, init_params, param_roles
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import channel_sums, init_params
 from hypertrain.optim.inner import init_state, uses_muon
 
 VOCABS = [23, 9, 9, 9]  # text, then three codebooks

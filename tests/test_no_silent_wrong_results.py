@@ -20,7 +20,7 @@ from hypertrain.config import ConfigError, InnerConfig, PhaseConfig
 from hypertrain.diloco.communication import ring_allreduce_bytes, round_bytes
 from hypertrain.engines.contract import check_finite
 from hypertrain.failures import NonFiniteError
-from hypertrain.model.transformer import count_params
+from hypertrain.model.shapes import count_params
 from hypertrain.optim.inner import init_state, inner_step, sync_inner_states
 from hypertrain.run.checks import validate
 

@@ -32,7 +32,7 @@ from matplotlib.image import imread
 from omegaconf import OmegaConf
 
 from hypertrain.config import ModelConfig
-from hypertrain.model.transformer import param_specs
+from hypertrain.model.shapes import param_specs
 from hypertrain.report import cli as report
 from hypertrain.report import retime
 from hypertrain.report.runs import load_run, read_rows, run_status

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hypertrain.config import ModelConfig
-from hypertrain.model.transformer import ffn_width
+from hypertrain.model.shapes import ffn_width
 
 # A stacked step: R replicas of a d-wide, 2-layer model on B rows of T tokens each.
 R, B, T = 16, 8, 64
@@ -32,7 +32,8 @@ LARGEST = activation_pages(ffn_width(MODEL))
 CHILD = f"""
 import resource, sys, torch
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model.transformer import forward, init_params, param_roles
+from hypertrain.model.transformer import forward, init_params
+from hypertrain.model.shapes import param_roles
 from hypertrain.optim.inner import init_state, inner_step
 from hypertrain.run.runtime import keep_freed_memory
 if sys.argv[1] == "keep":

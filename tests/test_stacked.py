@@ -32,7 +32,8 @@ from hypertrain.config import DataConfig, EngineConfig
 from hypertrain.data.batches import Microbatch, ReplicaBatch, stacked_microbatches
 from hypertrain.diloco.rounds import assignments
 from hypertrain.engines import loop, stacked
-from hypertrain.model.transformer import init_params, param_roles
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
 from hypertrain.run.prepare import prepare
 

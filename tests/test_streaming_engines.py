@@ -49,7 +49,8 @@ from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop
 from hypertrain.failures import RankFailed
-from hypertrain.model.transformer import init_params, param_roles
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import OptState, init_state, inner_step, sync_inner_states
 from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import read_metrics

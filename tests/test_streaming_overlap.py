@@ -75,7 +75,7 @@ def _model():
 
 
 def payload_bytes() -> int:
-    from hypertrain.model.transformer import count_params
+    from hypertrain.model.shapes import count_params
 
     return 4 * (count_params(_model()) + 1)  # fp32 pseudo-gradient and the count
 

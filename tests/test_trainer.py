@@ -28,7 +28,8 @@ from hypertrain.diloco.state import RunState
 from hypertrain.diloco.sync import sync
 from hypertrain.engines.loop import train_replicas
 from hypertrain.failures import Diverged
-from hypertrain.model.transformer import forward, init_params, param_roles
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import forward, init_params
 from hypertrain.optim.inner import init_state
 from hypertrain.run.prepare import prepare
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from hypertrain.config import ModelConfig, TrainConfig
 from hypertrain.diloco.state import RunState
-from hypertrain.model.transformer import count_params, init_params
+from hypertrain.model.shapes import count_params
+from hypertrain.model.transformer import init_params
 from hypertrain.run import checkpoint
 
 CASES = {

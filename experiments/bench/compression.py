@@ -24,8 +24,9 @@ import torch
 
 from hypertrain.config import InnerConfig, ModelConfig, OuterConfig, PhaseConfig
 from hypertrain.diloco.codecs import CODECS, Blocks, decode, encode, payload_size
-from hypertrain.model.transformer import count_params, init_params, param_roles, param_shapes
+from hypertrain.model.shapes import count_params, param_roles, param_shapes
 from hypertrain.model.transformer import forward as model_forward
+from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state, inner_step
 from hypertrain.run.runtime import keep_freed_memory
 

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from stacked_vs_loop import interleaved
 
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model import moe
-from hypertrain.model.transformer import forward, init_params, objective, param_roles
+from hypertrain.model import moe, shapes
+from hypertrain.model.shapes import param_roles
+from hypertrain.model.transformer import forward, init_params, objective
 from hypertrain.optim.inner import init_state, inner_step
 
 SEQ, ROWS, R = 64, 16, 16
@@ -68,7 +69,7 @@ def dense_masked(p: dict, pre: str, x: torch.Tensor, top_k: int, tally) -> torch
 def experts_step(m: ModelConfig, form, device: str, replicas: int = R):
     """Forward and backward of one layer's experts for `replicas` stacked replicas."""
     gen = torch.Generator().manual_seed(0)
-    specs = moe.expert_specs(m.d_model, m.n_experts, m.expert_ffn)
+    specs = shapes.expert_specs(m.d_model, m.n_experts, m.expert_ffn)
     p = {
         n: (torch.randn(replicas, *shape, generator=gen) * 0.02).to(device).requires_grad_(True)
         for n, (shape, _) in specs.items()

@@ -34,7 +34,7 @@ from stacked_vs_loop import ROWS, SEQ, interleaved, make_loop, make_step, model_
 from torch.profiler import ProfilerActivity, profile
 
 from hypertrain.config import InnerConfig
-from hypertrain.model.transformer import ffn_width
+from hypertrain.model.shapes import ffn_width
 from hypertrain.run.runtime import keep_freed_memory
 
 MATMULS = {"aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm"}

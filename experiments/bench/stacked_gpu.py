@@ -26,7 +26,7 @@ import torch
 from stacked_vs_loop import flops_per_replica_step, interleaved, make_loop, make_step
 
 from hypertrain.config import InnerConfig, ModelConfig
-from hypertrain.model.transformer import ffn_width
+from hypertrain.model.shapes import ffn_width
 
 
 def matmul_peak(device: str, dtype: torch.dtype, sync, n: int = 8192) -> float:

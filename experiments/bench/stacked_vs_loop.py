@@ -34,8 +34,9 @@ import torch
 from torch.optim._muon import Muon
 
 from hypertrain.config import InnerConfig, ModelConfig
+from hypertrain.model.shapes import matmul_params, param_roles
 from hypertrain.model.transformer import forward as model_forward
-from hypertrain.model.transformer import init_params, matmul_params, objective, param_roles
+from hypertrain.model.transformer import init_params, objective
 from hypertrain.optim.inner import init_state, inner_step, uses_muon
 from hypertrain.run.runtime import keep_freed_memory
 

@@ -32,7 +32,7 @@ from hypertrain.clock.formulas import modelled_compute_s
 from hypertrain.clock.timeline import straggler_factors
 from hypertrain.config import ChurnConfig
 from hypertrain.data.batches import targets_of
-from hypertrain.model.transformer import active_params
+from hypertrain.model.shapes import active_params
 from hypertrain.optim.inner import OptState
 
 PRESENT, MISS, ABSENT = "present", "miss", "absent"

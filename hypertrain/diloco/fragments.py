@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hypertrain.config import ConfigError, TrainConfig
-from hypertrain.model.transformer import param_specs
+from hypertrain.model.shapes import param_specs
 
 TAKE, LAND = "take", "land"
 

@@ -29,7 +29,8 @@ from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.diloco.fragments import fragment_of
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
-from hypertrain.model.transformer import Params, active_params, count_params, param_roles
+from hypertrain.model.shapes import active_params, count_params, param_roles
+from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, init_state
 
 

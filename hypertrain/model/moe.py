@@ -22,17 +22,6 @@ from torch import Tensor
 ROUTER_FIGURES = ("aux", "min_fraction", "max_fraction")
 
 
-def expert_specs(d: int, n_experts: int, width: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """One layer's mixture parameters (names after the layer's prefix) -> (shape, role). The router is
-    `router` (AdamW's, also under Muon); each expert's matrices are `hidden` (Muon's)."""
-    return {
-        "router": ((d, n_experts), "router"),
-        "experts.w1": ((n_experts, d, width), "hidden"),
-        "experts.w3": ((n_experts, d, width), "hidden"),
-        "experts.w2": ((n_experts, width, d), "hidden"),
-    }
-
-
 class RouterTally:
     """The router's statistics of one forward pass, layer by layer, per replica, over its real tokens
     (`real` float [R, N], 1 for a real input position; None: all are real). `keep` also keeps every
@@ -112,8 +101,7 @@ def mixture(p: dict[str, Tensor], pre: str, x: Tensor, top_k: int, tally: Router
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(2)
 
 
-@torch.compiler.disable  # the group size is data: torch.compile breaks its graph here, quietly
-@torch.no_grad()
+@torch.no_grad()  # the group size is data: torch.compile breaks its graph at its int(), quietly
 def _places(chosen: Tensor, n_experts: int) -> tuple[Tensor, int]:
     """Where each routing slot goes among R*E groups padded to the largest, and that size: chosen
     experts [R, N, k] -> (rows [R*N*k] of the padded [R*E*capacity, d] groups, capacity). A slot's

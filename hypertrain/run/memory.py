@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hypertrain.config import INT64_MAX, ConfigError, ModelConfig, TrainConfig
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
-from hypertrain.model.transformer import ROLES, ffn_width, param_specs
+from hypertrain.model.shapes import ROLES, ffn_width, param_specs
 
 FLOAT_BYTES = 4  # weights, gradients, optimizer state and activations are fp32 (model.compute_dtype)
 ID_BYTES = 8  # token ids are int64 tensors (batches.Microbatch)

@@ -24,7 +24,7 @@ from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
-from hypertrain.model.transformer import active_params, count_params
+from hypertrain.model.shapes import active_params, count_params
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer
 from hypertrain.run.evaluation import heldout_eval
