@@ -1,16 +1,19 @@
-"""The single entry: `python -m hypertrain.train [group=option ...] [field=value ...]` (Hydra 1.3).
+"""The single entry: `python -m hypertrain.train [group=option ...] [field=value ...]` (Hydra 1.3),
+which is `cli(argv) -> exit code`, a function that can be called many times in one process (tests,
+a notebook: `run_entry` also returns the run directory and the error line).
 
 Composes `conf/train.yaml` over the typed `TrainConfig`; `hypertrain.preflight` validates it and
 prepares the run before Hydra creates anything (a user mistake prints one line
-`hypertrain: error: ...` and exits with code 2, nothing written). A run that fails (a non-finite
-loss) prints one line and exits 1, its metrics.jsonl and W&B run closed. Then
-config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json` and `metrics.jsonl`
-in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by default).
-Multirun (`-m`) sweeps run each job as its own W&B run in one group. A run that ends before its
-first record (a stop signal, a full disk, W&B that cannot start) prints one line, exits with its
-code (hypertrain/failures/__init__.py) and leaves nothing of a new run behind. Under
-`torchrun --max-restarts N` a restarted worker resumes the run in its `hydra.run.dir`, which must
-be given (`torchrun_restarts`; docs/resume.md, "Restarts").
+`hypertrain: error: ...` and exits with code 2, nothing written, torch not imported when the config
+alone shows it). A run that fails (a non-finite loss) prints one line and exits 1, its metrics.jsonl
+and W&B run closed. Then config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json`
+and `metrics.jsonl` in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by
+default). Multirun (`-m`) sweeps run each job as its own W&B run in one group; the task function
+`main` returns the job's held-out loss to sweepers. A run that ends before its first record (a stop
+signal, a full disk, W&B that cannot start) prints one line, exits with its code
+(hypertrain/failures/__init__.py) and leaves nothing of a new run behind. Under
+`torchrun --max-restarts N` a restarted worker resumes the run in its `hydra.run.dir`, which must be
+given (`torchrun_restarts`; docs/resume.md, "Restarts").
 """
 
 from __future__ import annotations
@@ -20,13 +23,18 @@ if __name__ == "__main__":  # first of all: a Ctrl-C during the seconds of impor
 
     guard_start()
 
+import contextvars
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import re
 import sys
+from contextlib import redirect_stderr
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -38,9 +46,8 @@ from hypertrain.config import MAY_CHANGE, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
-from hypertrain.run import checkpoint, composition, directory, preflight, refusal
+from hypertrain.run import composition, directory, invocation, preflight, refusal
 from hypertrain.run.schema import register_configs
-from hypertrain.run.session import Restart, Resume, disk_full_as_failure, restart_here, train_session
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -124,7 +131,8 @@ def multirun_first(argv: list[str]) -> list[str]:
     return [argv[0], *flags, *(a for a in argv[1:] if a not in flags)]
 
 
-_restart_dir: Path | None = None  # under torchrun with restarts: the run directory every restart resumes in
+# Under torchrun with restarts: the run directory every restart resumes in (one call's own: `cli`).
+_restart_dir: ContextVar[Path | None] = ContextVar("hypertrain_restart_dir", default=None)
 
 
 def torchrun_restarts(argv: list[str]) -> list[str]:
@@ -135,7 +143,6 @@ def torchrun_restarts(argv: list[str]) -> list[str]:
     the command's resume. `processes.max_restarts` is the self-launch's: under torchrun 0 or torchrun's
     own number. A mistake is one line from rank 0 on the first start, exit 2 (the same mistake on a
     restart the agent still makes exits 2 without repeating it). Other argv is returned as it is."""
-    global _restart_dir
     launched = launched_rank()
     allowed = restarts.allowed()
     if launched is None or launched.launcher != "torchrun" or not allowed:
@@ -171,7 +178,7 @@ def torchrun_restarts(argv: list[str]) -> list[str]:
         if restarts.count():
             sys.exit(2)
         refusal.fail(mistake)
-    _restart_dir = Path(run_dir).absolute()
+    _restart_dir.set(Path(run_dir).absolute())
     if not restarts.count():
         return argv
     kept = [a for a in argv[1:] if a.partition("=")[0].lstrip("+~") != "resume"]
@@ -187,7 +194,7 @@ def stopped(stop: Preempted, signals: StopSignals, run_dir: Path) -> None:
     sys.exit(stop.exit_code)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(composition.CONF), config_name="train")
 def main(dict_cfg: DictConfig) -> float:
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     hydra_cfg = HydraConfig.get()
@@ -217,7 +224,8 @@ def _finished_here(run) -> bool:
     """A rank other than 0 of a restart under torchrun: whether the run in the restart's directory
     has finished (rank 0 then says so and exits 0, as resume=auto does; a node that does not see the
     directory cannot tell, and waits for rank 0 until processes.timeout_s)."""
-    return _restart_dir is not None and directory.finished_of(_restart_dir, run.updates) is not None
+    restart_dir = _restart_dir.get()
+    return restart_dir is not None and directory.finished_of(restart_dir, run.updates) is not None
 
 
 def finished_loss(run_dir: Path) -> float:
@@ -236,13 +244,14 @@ def write_whole(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_start(
-    checked: preflight.Checked, run_dir: Path, run, identity: dict
-) -> tuple[Resume | None, Restart | None]:
+def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) -> tuple:
     """Rank 0, before the session: rewind a resumed run's records, write config.yaml and plan.json,
     say what runs. Where the session goes on from (None: a new run), and, when torchrun's agent
     restarted this session, the restart (it goes on from the newest checkpoint, or from the start
-    under the same run id: `session.restart_here`)."""
+    under the same run id: `session.restart_here`): (Resume | None, Restart | None)."""
+    from hypertrain.run import checkpoint
+    from hypertrain.run.session import Resume, restart_here
+
     resume = restart = None
     if restarts.count():  # torchrun restarted every rank after one failed (resume=auto, torchrun_restarts)
         resume, restart = restart_here(run_dir, checked.resume)
@@ -276,6 +285,8 @@ def write_start(
 
 def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: bool) -> float:
     """The run the preflight checked (and whose directory rank 0 has locked): records, engine, log."""
+    from hypertrain.run.session import disk_full_as_failure, train_session
+
     run = checked.run
     resolved = preflight.resolved_config(run.cfg)
     identity = run_identity(run.cfg, resolved)
@@ -313,11 +324,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
         if not writer:
             return math.nan
     else:
-        if run.cfg.engine.threads:
-            import torch
-
-            torch.set_num_threads(run.cfg.engine.threads)
-        with StopSignals() as signals:
+        with engine_threads(run.cfg.engine.threads), StopSignals() as signals:
             try:
                 summary = train_session(run, run_dir, resolved, identity, resume=resume)
             except Preempted as e:
@@ -334,15 +341,95 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
     return summary["eval/final_loss"]
 
 
+class engine_threads:
+    """torch's thread count set to engine.threads (0: left as it is) for the run, and put back after."""
+
+    def __init__(self, threads: int):
+        self.threads, self.before = threads, None
+
+    def __enter__(self):
+        if self.threads:
+            import torch
+
+            self.before = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc):
+        if self.before is not None:
+            import torch
+
+            torch.set_num_threads(self.before)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m hypertrain.train ARGV` as a function: runs the entry on `argv` (the command line's
+    when None) and returns its exit code (0, 2 for a user mistake, the codes of
+    hypertrain/failures/__init__.py), with what it printed on this process's stdout and stderr.
+
+    Hydra has no public entry that takes an argv: `cli` sets `sys.argv` for the Hydra app and puts it
+    back. Every call runs in a fresh `contextvars` context (a call's prepared run, locks and stop
+    signals are its own) and inside `invocation.restored()`, which puts back the environment, signal
+    handlers, logging handlers, Hydra's singletons and torch's settings as they were."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    with invocation.restored():
+        return contextvars.copy_context().run(_entry, args)
+
+
+def _entry(args: list[str]) -> int:
+    try:
+        # A W&B service token inherited from the parent process (wandb keeps it in WANDB_SERVICE) would
+        # make this run a client of the parent's service: a run of a killed earlier session would still
+        # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
+        os.environ.pop("WANDB_SERVICE", None)
+        argv, notices = modern_spelling(quote_numeric_choices(multirun_first(["hypertrain.train", *args])))
+        if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
+            print("\n".join(notices), file=sys.stderr)
+        argv = torchrun_restarts(argv)  # a restart by torchrun's agent resumes (resume=auto)
+        guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again
+        composition.check_composition(argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
+        sys.argv[:] = argv
+        main()
+    except SystemExit as e:
+        return exit_code(e)
+    return 0
+
+
+def exit_code(e: SystemExit) -> int:
+    """The exit status a process ending with `e` has: None is 0, an int itself, anything else 1 (the
+    interpreter prints it)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+@dataclass
+class EntryResult:
+    """What one call of the entry left: its exit code, its run directory (None when it made none:
+    a refusal, a sweep), the one `hypertrain: error:` line when it refused or failed, and its stderr."""
+
+    code: int
+    run_dir: Path | None
+    error: str | None
+    stderr: str
+
+
+def run_entry(argv: list[str]) -> EntryResult:
+    """`cli(argv)` for tests and notebooks, its stderr captured (and not printed): the exit code, the
+    run directory (`hydra.run.dir=` of `argv`, when it holds a run's records), the error line."""
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = cli(argv)
+    text = err.getvalue()
+    given = [a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+") == "hydra.run.dir"]
+    run_dir = Path(given[-1]).absolute() if given else None
+    if run_dir is not None and not (run_dir / "metrics.jsonl").is_file():
+        run_dir = None
+    errors = [line for line in text.splitlines() if line.startswith("hypertrain: error: ")]
+    return EntryResult(code, run_dir, errors[-1] if errors else None, text)
+
+
 if __name__ == "__main__":
-    # A W&B service token inherited from the parent process (wandb keeps it in WANDB_SERVICE) would
-    # make this run a client of the parent's service: a run of a killed earlier session would still
-    # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
-    os.environ.pop("WANDB_SERVICE", None)
-    sys.argv, notices = modern_spelling(quote_numeric_choices(multirun_first(sys.argv)))
-    if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
-        print("\n".join(notices), file=sys.stderr)
-    sys.argv = torchrun_restarts(sys.argv)  # a restart by torchrun's agent resumes (resume=auto)
-    guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again
-    composition.check_composition(sys.argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made
-    main()
+    sys.exit(cli())

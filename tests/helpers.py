@@ -1,17 +1,19 @@
-"""What the test modules share: the entry run as a user runs it, composed configs, the trainer's rounds
-with their rounding floors, and the records a run leaves. Test modules import from here (and from
-references.py, the float64 references), never from each other."""
+"""What the test modules share: the entry run as a user runs it (in this process where the process
+boundary is not what a test checks, `entry`; as a real command line otherwise), composed configs,
+the trainer's rounds with their rounding floors, and the records a run leaves. Test modules import
+from here (and from references.py, the float64 references), never from each other."""
 
 from __future__ import annotations
 
 import copy
+import io
 import math
 import os
 import signal
 import subprocess
 import sys
 import traceback
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stderr, redirect_stdout
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,7 +44,7 @@ from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import METRICS_FILE, RunLogger, read_metrics
 from hypertrain.run.schema import register_configs
 from hypertrain.run.trainer import train
-from hypertrain.train import quote_numeric_choices
+from hypertrain.train import cli, quote_numeric_choices
 
 # -- the entry in a subprocess ---------------------------------------------------------------------
 
@@ -82,26 +84,76 @@ def _command(args: list[str], torchrun: int = 0) -> list[str]:
     return [*launcher, "--standalone", "--nproc_per_node", str(torchrun), "-m", "hypertrain.train", *args]
 
 
+# What the entry's environment is, as a user's shell would have it: offline W&B, Hydra's one-line
+# errors, one thread per process, and none of a launcher's or the fault hook's variables.
+ENTRY_ENV = {
+    "WANDB_MODE": "offline",
+    "WANDB_ERROR_REPORTING": "false",
+    "HYDRA_FULL_ERROR": "0",
+    "OMP_NUM_THREADS": "1",
+}
+NOT_INHERITED = ("WANDB_DIR", FAULT_ENV, "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def entry_env(env: dict | None = None) -> dict:
+    base = os.environ | ENTRY_ENV
+    for name in NOT_INHERITED:
+        base.pop(name, None)
+    return base | (env or {})
+
+
 def start_entry(args: list[str], cwd: Path, env: dict | None = None, torchrun: int = 0) -> subprocess.Popen:
     """The entry started as a user starts it: offline W&B, one line per Hydra error, one thread per
     process, no fault unless asked; in its own session so a hung run can be stopped whole."""
-    base = os.environ | {
-        "WANDB_MODE": "offline",
-        "WANDB_ERROR_REPORTING": "false",
-        "HYDRA_FULL_ERROR": "0",
-        "OMP_NUM_THREADS": "1",
-    }
-    for name in ("WANDB_DIR", FAULT_ENV, "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        base.pop(name, None)
     return subprocess.Popen(
         _command(args, torchrun),
         cwd=cwd,
-        env=base | (env or {}),
+        env=entry_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+
+
+# Overrides whose runs start processes of their own (torch's elastic agent, a sweep's launcher): `entry`
+# runs them on the real command line.
+STARTS_PROCESSES = (
+    "processes=dist",
+    "engine=dist",
+    "experiment=phases",
+    "experiment=audio_phases",
+    "launcher=",
+)
+
+
+def needs_a_process(args: list[str], fault: str | None, torchrun: int) -> bool:
+    """Whether `entry` must start a real process: a fault (it kills or stops the process), torchrun,
+    or a run that starts processes itself."""
+    return bool(fault or torchrun) or any(part in a for a in args for part in STARTS_PROCESSES)
+
+
+def in_process(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m hypertrain.train ARGS` as `hypertrain.train.cli(ARGS)` in this process, in `cwd` with
+    the entry's environment (`entry_env`), its stdout and stderr captured; what a process would have
+    ended with: an exception that escapes the entry is its traceback on stderr and exit 1."""
+    before_env, before_cwd = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(entry_env(env))
+    try:
+        os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = cli(list(args))
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(before_cwd)
+        os.environ.clear()
+        os.environ.update(before_env)
+    return subprocess.CompletedProcess(["hypertrain.train", *args], code, out.getvalue(), err.getvalue())
 
 
 def finish(proc: subprocess.Popen, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
@@ -122,9 +174,16 @@ def entry(
     timeout: int = TIMEOUT,
     env: dict | None = None,
     torchrun: int = 0,
+    process: bool | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m hypertrain.train ARGS` (or under `torchrun` with that many processes) in `cwd`, to
-    its end; `fault` sets the test-only fault hook (FAULT_ENV)."""
+    its end; `fault` sets the test-only fault hook (FAULT_ENV). It runs in this process (`in_process`)
+    unless it needs a process of its own (`needs_a_process`) or `process` is True: the same exit code,
+    the same lines (the catalogue's sample proves it, tests/test_bad_input.py)."""
+    if process is None:
+        process = needs_a_process(args, fault, torchrun)
+    if not process:
+        return in_process(args, cwd, env)
     extra = (env or {}) | ({FAULT_ENV: fault} if fault else {})
     return finish(start_entry(args, cwd, extra, torchrun), timeout)
 

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from types import FrameType
 
@@ -51,12 +52,15 @@ class StoppedAtOnce(Preempted):
     checkpoint written before it is intact (`session.stopping` names it)."""
 
 
-_leave: Callable[[], list[Path]] = list  # empties a new run's directory: the directories emptied
+# One call of the entry's own (hypertrain.train.cli runs each call in a context of its own): what empties
+# a new run's directory (returning the directories emptied), and the StopSignals now installed.
+_leave: ContextVar[Callable[[], list[Path]]] = ContextVar("hypertrain_leave", default=list)
+_active: ContextVar[StopSignals | None] = ContextVar("hypertrain_stop_signals", default=None)
 
 
 def _stop_before_start(signum: int, frame: FrameType | None) -> None:
     """No update runs: nothing to checkpoint; what a new run made so far goes, then the process."""
-    emptied = _leave()
+    emptied = _leave.get()()
     left = f"; nothing of the run was left in {emptied[0]}" if emptied else ""
     name = signal.Signals(signum).name
     print(f"hypertrain: stopped by {name} while no update was running{left}", file=sys.stderr)
@@ -69,25 +73,26 @@ def guard_start(leave: Callable[[], list[Path]] | None = None) -> None:
     """The entry's first statement (and again, with `leave`, once it can empty a run directory): until
     a `StopSignals` takes over, and again once it has put this back, a stop signal ends the process
     with one line and its exit code, after `leave()` (`directory.abandon_unstarted`)."""
-    global _leave
     if leave is not None:
-        _leave = leave
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _stop_before_start)
-
-
-_active: StopSignals | None = None
+        _leave.set(leave)
+    try:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _stop_before_start)
+    except ValueError:  # not the main thread (the entry called from one): the caller's handlers stay
+        pass
 
 
 def requested() -> int | None:
     """The stop signal this process has received (its number), None when there is none."""
-    return None if _active is None else _active.received
+    active = _active.get()
+    return None if active is None else active.received
 
 
 def settled() -> None:
     """The stop's checkpoint is written (or there is none to write): a second SIGINT changes nothing."""
-    if _active is not None:
-        _active.settled = True
+    active = _active.get()
+    if active is not None:
+        active.settled = True
 
 
 def under_launcher() -> bool:
@@ -109,14 +114,13 @@ class StopSignals:
         return self.install()
 
     def install(self) -> StopSignals:
-        global _active
         try:
             for signum in STOP_SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)
         except ValueError:  # not the main thread: leave the process's handlers as they are
             self.previous.clear()
             return self
-        _active = self
+        _active.set(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -124,12 +128,11 @@ class StopSignals:
 
     def restore(self) -> None:
         """Put back the handlers that were there before (the entry's guard, where it is the entry)."""
-        global _active
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
-        self.previous = {} if _active is self else self.previous
-        if _active is self:
-            _active = None
+        if _active.get() is self:
+            self.previous = {}
+            _active.set(None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # No line here: the stop's one line is printed once the run has stopped (the entry's).

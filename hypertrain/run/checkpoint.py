@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
 from hypertrain.failures import fault_points
 from hypertrain.run.records import METRICS_FILE
@@ -37,6 +35,8 @@ def path_for(run_dir: Path, next_update: int) -> Path:
 def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -> tuple[int, float]:
     """Save `payload` atomically at `path`, keep the newest `keep` checkpoints; (bytes, seconds).
     With `ours` (the names of the checkpoints this run wrote, `path`'s added) only those are pruned."""
+    import torch
+
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -77,6 +77,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def load(path: Path) -> dict:
     """A checkpoint's payload; ConfigError naming it when it is truncated or not a checkpoint."""
+    import torch  # only to read one: a refusal made from the config alone never imports it
+
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
@@ -153,7 +155,7 @@ def _on_cpu(tree):
     """`tree` (dicts of tensors, tensors, plain values) with every tensor copied to the CPU."""
     if isinstance(tree, dict):
         return {k: _on_cpu(v) for k, v in tree.items()}
-    return tree.detach().cpu() if isinstance(tree, torch.Tensor) else tree
+    return tree.detach().cpu() if hasattr(tree, "detach") else tree
 
 
 class Checkpointer:

@@ -2,7 +2,8 @@
 
 `validate(cfg)` runs every section's own checks (`TrainConfig.check`), then these: the phase as the
 plan builds it (`plan_phase`), the world, replicas and phase together, the data and the model, and
-whether a process layout fits processes=dist. A user mistake is one `ConfigError` line, before anything is
+whether a process layout fits processes=dist; `check_device`, whether this machine has engine.device.
+None of them imports torch for a CPU run. A user mistake is one `ConfigError` line, before anything is
 built or written; what needs the data (the stream's length, the vocabulary) is checked by `prepare`.
 """
 
@@ -104,3 +105,21 @@ def validate(cfg: TrainConfig) -> None:
     check_layout(cfg)
     check_fragments(cfg)
     check_deadline(cfg)
+
+
+def check_device(device: str) -> None:
+    """engine.device names a device this process has; ConfigError (one line) otherwise."""
+    if not device.startswith("cuda"):
+        return
+    import torch  # only for a CUDA device: a CPU run's refusals never import it
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"engine.device={device!r} but this torch ({torch.__version__}) sees no CUDA device; valid: 'cpu'"
+        )
+    count, index = torch.cuda.device_count(), torch.device(device).index
+    if index is not None and index >= count:
+        raise ConfigError(
+            f"engine.device={device!r} but this machine has {count} CUDA device(s); "
+            f"valid: cuda:0..cuda:{count - 1}"
+        )

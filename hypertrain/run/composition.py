@@ -17,6 +17,7 @@ from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.run import memory
 from hypertrain.run.checks import validate
+from hypertrain.run.directory import close_log_files
 from hypertrain.run.records import METRICS_FILE
 from hypertrain.run.refusal import fail
 
@@ -235,7 +236,5 @@ def remove_rejected_job_dir(job_dir: Path) -> None:
         return
     hydra_files = {".hydra", "train.log"}
     if {p.name for p in job_dir.iterdir()} <= hydra_files:
-        import logging
-
-        logging.shutdown()  # close the job's log file before removing it
+        close_log_files(job_dir)  # the job's log file, closed before it is removed
         shutil.rmtree(job_dir, ignore_errors=True)

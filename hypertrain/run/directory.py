@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+from contextvars import ContextVar
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -205,12 +206,14 @@ class RunLock:
         self.fd = None
 
 
-_held: list[RunLock] = []  # the locks this process holds (released when its run ends)
+# The locks this call of the entry holds (released when its run ends; hypertrain.train.cli runs each
+# call in a context of its own).
+_held: ContextVar[tuple[RunLock, ...]] = ContextVar("hypertrain_held_locks", default=())
 
 
 def release(lock: RunLock, undo: bool = False) -> None:
     """Give `lock` back (with `undo`, removing what taking it made)."""
-    _held.remove(lock)
+    _held.set(tuple(held for held in _held.get() if held is not lock))
     lock.release(undo=undo)
 
 
@@ -276,15 +279,31 @@ def _acquire(run_dir: Path, fresh: bool) -> RunLock:
         if same:
             lock = RunLock(path, fd, made)
             lock.fresh = fresh
-            _held.append(lock)
+            _held.set((*_held.get(), lock))
             return lock
         os.close(fd)
 
 
 def release_all() -> None:
     """Drop the locks this process holds (the end of a run; a multirun's next job takes its own)."""
-    while _held:
-        _held.pop().release()
+    held = _held.get()
+    _held.set(())
+    for lock in reversed(held):
+        lock.release()
+
+
+def close_log_files(folder: Path) -> None:
+    """Close and detach the logging handlers that write a file under `folder` (Hydra's job log), and
+    only those: the caller's own handlers (a test's, a notebook's) stay as they are."""
+    import logging
+
+    folder = folder.absolute()
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", ())):
+            name = getattr(handler, "baseFilename", None)
+            if name is not None and folder in Path(name).parents:
+                logger.removeHandler(handler)
+                handler.close()
 
 
 def abandon_unstarted() -> list[Path]:
@@ -294,14 +313,12 @@ def abandon_unstarted() -> list[Path]:
     the same hydra.run.dir is accepted again. A resumed run's directory stays (its rerun resumes), as
     does a run with a record (its records end with its end row). Returns the directories emptied."""
     emptied = []
-    for lock in list(_held):
+    for lock in _held.get():
         run_dir = lock.path.parent
         metrics = run_dir / METRICS_FILE
         if not lock.fresh or (metrics.exists() and metrics.stat().st_size > 0):
             continue
-        import logging
-
-        logging.shutdown()  # Hydra's log file handler: closed before its file goes
+        close_log_files(run_dir)  # Hydra's log file handler: closed before its file goes
         for entry in run_dir.iterdir():
             if entry.name == LOCK_FILE:
                 continue
@@ -309,8 +326,7 @@ def abandon_unstarted() -> list[Path]:
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
-        _held.remove(lock)
-        lock.release(undo=True)
+        release(lock, undo=True)
         emptied.append(run_dir)
     return emptied
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from hypertrain.distributed.layouts import choose_layout, launched_rank, process
 from hypertrain.failures import DiskFull
 from hypertrain.plan.sampling import PlanError
 from hypertrain.run import checkpoint, memory
-from hypertrain.run.checks import validate
+from hypertrain.run.checks import check_device, validate
 from hypertrain.run.composition import (
     check_experiment,
     check_fields,
@@ -46,7 +47,9 @@ from hypertrain.run.records import METRICS_FILE
 from hypertrain.run.refusal import fail
 from hypertrain.run.wandb_settings import check_wandb
 
-_prepared: dict[str, object] = {}  # resolved task config (as YAML) -> the PreparedRun built for it
+# The run `Preflight` prepared, for the task function of the same call (hypertrain.train.cli runs each
+# call in a context of its own): (the resolved task config as YAML, the Checked built for it).
+_prepared: ContextVar[tuple[str, Checked] | None] = ContextVar("hypertrain_prepared", default=None)
 
 
 def with_layout(cfg: TrainConfig) -> TrainConfig:
@@ -83,8 +86,6 @@ def prepare_checked(
     Hydra's own files in a run directory; `hydra_written`: Hydra has written them for this very launch
     (a multirun job), so they are this run's. A directory is written only when it does not exist, is
     empty, holds only this run's own files, or is resumed (its checkpoint and records belonging together)."""
-    from hypertrain.run.prepare import check_device, prepare  # torch and data once the config is sane
-
     check_experiment(choices)
     check_fields(task_cfg, TrainConfig)
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
@@ -117,6 +118,8 @@ def prepare_checked(
         session = found is None and auto and bool(foreign(run_dir, own))
         if found is None and not session:
             check_run_dir(run_dir, own)
+    from hypertrain.run.prepare import prepare  # torch and the data, once every other check passed
+
     run = prepare(cfg)
     memory.check(run.cfg, run.dataset.max_length)  # again with the data's longest example (speech's)
     checked = Checked(run, run_dir, found, own=own, session=session)
@@ -219,12 +222,16 @@ class Preflight(Callback):
         if checked.run_dir is not None and checked.run_dir != run_dir:  # resume=PATH: that run's directory
             with read_write(config.hydra), open_dict(config.hydra):
                 config.hydra.run.dir = str(checked.run_dir)
-        _prepared[_key(task)] = checked
+        _prepared.set((_key(task), checked))
 
 
 def take_prepared(task_cfg: DictConfig) -> Checked | None:
     """What `Preflight` decided for this config, or None (a multirun job, or no callback)."""
-    return _prepared.pop(_key(task_cfg), None)
+    handed = _prepared.get()
+    if handed is None or handed[0] != _key(task_cfg):
+        return None
+    _prepared.set(None)
+    return handed[1]
 
 
 def check_job(

@@ -19,28 +19,12 @@ from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
-from hypertrain.run.checks import plan_phase
+from hypertrain.run.checks import check_device, plan_phase
 
 logger = logging.getLogger("hypertrain")
 
 
 HELDOUT_ROWS_PER_PASS = 64
-
-
-def check_device(device: str) -> None:
-    """engine.device names a device this process has; ConfigError (one line) otherwise."""
-    if not device.startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"engine.device={device!r} but this torch ({torch.__version__}) sees no CUDA device; valid: 'cpu'"
-        )
-    count, index = torch.cuda.device_count(), torch.device(device).index
-    if index is not None and index >= count:
-        raise ConfigError(
-            f"engine.device={device!r} but this machine has {count} CUDA device(s); "
-            f"valid: cuda:0..cuda:{count - 1}"
-        )
 
 
 def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
