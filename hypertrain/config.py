@@ -22,6 +22,9 @@ LAYOUTS = ("auto", "benchmark", "replicas")  # processes.layout values (hypertra
 COMPRESSORS = ("none", "int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk")
 REDUCTIONS = ("gather", "two_phase")
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
+HELDOUT_ROWS_PER_PASS = (
+    64  # rows of one held-out forward pass (run.prepare batches them; run.memory sizes them)
+)
 
 
 class ConfigError(ValueError):

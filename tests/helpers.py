@@ -6,9 +6,12 @@ from here (and from references.py, the float64 references), never from each othe
 from __future__ import annotations
 
 import copy
+import fcntl
+import hashlib
 import io
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,22 +313,64 @@ BASE = [*RUN, "inner.H=2", "phase.updates=8"]
 KILLED = -9  # the entry's return code when the fault hook SIGKILLs it (one-process engines)
 
 
+class ReferenceRuns:
+    """Finished runs of the entry, each trained once per test session and shared by every test and
+    xdist worker that asks for the same resolved config (its key), in pytest's temporary directory of
+    the session; a file lock per key makes one worker train it while the others wait. A test reads a
+    reference, never writes into it: `copy` gives one to change."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @classmethod
+    def beside(cls, tmp_path: Path) -> ReferenceRuns:
+        """The session's store, found from a test's `tmp_path` (or a `tmp_path_factory.mktemp` folder):
+        its parent is the worker's base temporary directory, whose parent xdist's workers share."""
+        base = tmp_path.parent
+        return cls((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference-runs")
+
+    @staticmethod
+    def key(args: list[str]) -> str:
+        """The run's resolved config (what config.yaml would hold), hashed; the overrides themselves
+        where the config needs Hydra's run to resolve."""
+        try:
+            text = OmegaConf.to_yaml(compose_train(quote_numeric_choices(list(args))), resolve=True)
+        except Exception:
+            text = "\n".join(args)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __call__(self, args: list[str]) -> Path:
+        """The finished run of `args` (trained now if no test of this session has asked for it yet)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        key = self.key(args)
+        folder = self.root / key
+        with open(self.root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / "done").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                done = entry([*args, f"hydra.run.dir={folder / 'run'}"], folder)
+                assert done.returncode == 0, (args, done.stderr[-3000:])
+                (folder / "done").write_text(" ".join(args) + "\n")
+        return folder / "run"
+
+    def copy(self, args: list[str], dest: Path) -> Path:
+        """A copy of the reference run of `args` at `dest`, for a test that changes it."""
+        shutil.copytree(self(args), dest)
+        return dest
+
+
 def killed_beside_uninterrupted(
     args: list[str], tmp_path: Path, fault: str, killed_rc: int = KILLED
 ) -> tuple[Path, Path]:
-    """The run `args` started uninterrupted in tmp_path/reference and, meanwhile, the same run killed by
-    the test-only `fault` (failures.fault_points) in tmp_path/run; asserts the first finished and the
-    second ended with `killed_rc`, leaving no final weights. Returns (run, reference)."""
-    reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    proc = start_entry([*args, f"hydra.run.dir={reference}"], tmp_path)
-    try:
-        killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, fault)
-    finally:
-        done = finish(proc)
-    assert done.returncode == 0, done.stderr
+    """The run `args` killed by the test-only `fault` (failures.fault_points) in tmp_path/run, and the
+    same run uninterrupted (the session's reference, `ReferenceRuns`); asserts the killed run ended with
+    `killed_rc`, leaving no final weights. Returns (run, reference), the reference to read only."""
+    run_dir = tmp_path / "run"
+    killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, fault)
     assert killed.returncode == killed_rc, killed.stderr
     assert not (run_dir / "weights.pt").exists()
-    return run_dir, reference
+    return run_dir, ReferenceRuns.beside(tmp_path)(args)
 
 
 def resumed(args: list[str], run_dir: Path, tmp_path: Path) -> None:
@@ -676,16 +721,3 @@ def fork_ranks(world: int, worker) -> None:
     worker(0)
     failed = [pid for pid in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
     sys.exit(1 if failed else 0)
-
-
-def side_by_side(runs: dict[str, list[str]], tmp_path: Path) -> dict[str, subprocess.CompletedProcess]:
-    """Run the entry once per name with its overrides, at the same time, each in tmp_path/NAME;
-    assert every one exited 0. Returns the finished processes by name."""
-    procs = {
-        name: start_entry([*overrides, f"hydra.run.dir={tmp_path / name}"], tmp_path)
-        for name, overrides in runs.items()
-    }
-    done = {name: finish(proc) for name, proc in procs.items()}
-    for name, result in done.items():
-        assert result.returncode == 0, (name, result.stderr)
-    return done

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import QUICK, entry, tree
+from helpers import RUN, ReferenceRuns, entry, tree
 
 from hypertrain.failures import EXIT_CODES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
-BASE = [*QUICK, "logger=none"]
+BASE = RUN
 # A one-node cluster whose controller does not run: port 1 on loopback refuses at once (privileged,
 # never a slurmctld's), so `scontrol ping` says DOWN without waiting (no munged is needed for that).
 DEAD_CLUSTER = b"""ClusterName=nobody
@@ -611,11 +611,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def earlier(tmp_path_factory) -> Path:
-    """A finished run (with checkpoints) that every case's working directory lies beside."""
-    root = tmp_path_factory.mktemp("earlier")
-    done = entry([*BASE, f"hydra.run.dir={root / 'run'}"], root)
-    assert done.returncode == 0, done.stderr
-    return root / "run"
+    """A finished run (with checkpoints) that every case's working directory lies beside: the session's
+    reference of BASE (`ReferenceRuns`), which the cases copy before they change it."""
+    return ReferenceRuns.beside(tmp_path_factory.mktemp("earlier"))(BASE)
 
 
 def fill(text: str, earlier: Path, cwd: Path) -> str:

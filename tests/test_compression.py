@@ -45,6 +45,7 @@ import torch
 from helpers import (
     KILLED,
     RUN,
+    ReferenceRuns,
     assert_identical,
     assert_identical_but,
     assert_identical_streaming,
@@ -57,7 +58,6 @@ from helpers import (
     resumed,
     run_losses,
     run_rounds,
-    side_by_side,
     small_cfg,
     start_entry,
     stderr_lines,
@@ -866,16 +866,18 @@ def test_compress_none_spelled_out_is_the_default_run_bitwise(tmp_path):
         "outer.topk_fraction=0.01",
         "outer.error_feedback=false",
     ]
-    done = side_by_side({"plain": plain, "spelled": spelled}, tmp_path)
-    configs = {name: OmegaConf.load(tmp_path / name / "config.yaml") for name in done}
+    runs = {"plain": ReferenceRuns.beside(tmp_path)(plain), "spelled": tmp_path / "spelled"}
+    done = entry([*spelled, f"hydra.run.dir={runs['spelled']}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    configs = {name: OmegaConf.load(run / "config.yaml") for name, run in runs.items()}
     assert configs["spelled"] == configs["plain"] and configs["plain"].outer.compress == "none"
     starts = {
-        name: next(r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "start")
-        for name in done
+        name: next(r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "start")
+        for name, run in runs.items()
     }
     assert starts["spelled"]["name"] == starts["plain"]["name"]
-    assert_identical(tmp_path / "spelled", tmp_path / "plain")
-    syncs = [r for r in read_metrics(tmp_path / "plain" / "metrics.jsonl") if r["kind"] == "sync"]
+    assert_identical(runs["spelled"], runs["plain"])
+    syncs = [r for r in read_metrics(runs["plain"] / "metrics.jsonl") if r["kind"] == "sync"]
     assert [r["update"] for r in syncs] == [2, 4]
     assert all("payload_bytes" not in r and "compress_error" not in r for r in syncs)
 

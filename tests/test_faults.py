@@ -27,7 +27,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import BASE, ENGINES, KILLED, ckpt, entry, error_lines, finish, start_entry, stderr_lines, tree
+from helpers import (
+    BASE,
+    ENGINES,
+    KILLED,
+    ReferenceRuns,
+    ckpt,
+    entry,
+    error_lines,
+    finish,
+    start_entry,
+    stderr_lines,
+    tree,
+)
 
 from hypertrain.config import ConfigError
 from hypertrain.run.records import METRICS_FILE, read_metrics
@@ -61,10 +73,8 @@ def assert_refused_in_use(done, run_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    where = tmp_path_factory.mktemp("finished")
-    done = entry([*BASE, f"hydra.run.dir={where / 'run'}"], where)
-    assert done.returncode == 0, done.stderr
-    return where / "run"
+    """The session's finished BASE run (`ReferenceRuns`): the tests copy it before they change it."""
+    return ReferenceRuns.beside(tmp_path_factory.mktemp("finished"))(BASE)
 
 
 @pytest.mark.parametrize("how", ["new", "resume-true", "resume-auto"])

@@ -66,6 +66,7 @@ from helpers import (
     INNERS,
     KILLED,
     TIMEOUT,
+    ReferenceRuns,
     _untimed,
     assert_same_weights,
     finish,
@@ -510,19 +511,9 @@ def _new_start(line: bytes, seen: set[float]) -> bool:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The uninterrupted run of a config, run once per config the module's sequences draw."""
-    made: dict[tuple[str, ...], Path] = {}
-
-    def run(overrides: list[str]) -> Path:
-        key = tuple(overrides)
-        if key not in made:
-            where = tmp_path_factory.mktemp("uninterrupted")
-            done = finish(start_entry([*overrides, f"hydra.run.dir={where / 'run'}"], where))
-            assert done.returncode == 0, done.stderr
-            made[key] = where / "run"
-        return made[key]
-
-    return run
+    """The uninterrupted run of a config, run once per config the session's sequences draw (the
+    session's references, `ReferenceRuns`)."""
+    return ReferenceRuns.beside(tmp_path_factory.mktemp("uninterrupted"))
 
 
 @pytest.mark.parametrize("p", SEQUENCES)

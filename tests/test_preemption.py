@@ -40,6 +40,7 @@ from helpers import (
     ENGINES,
     INNERS,
     KILLED,
+    ReferenceRuns,
     assert_identical,
     ckpt,
     entry,
@@ -66,11 +67,7 @@ class References(dict):
         self.where = where
 
     def __missing__(self, engine: str) -> Path:
-        done = finish(
-            start_entry([*H4, *ENGINES[engine], f"hydra.run.dir={self.where / engine}"], self.where)
-        )
-        assert done.returncode == 0, (engine, done.stderr)
-        self[engine] = self.where / engine
+        self[engine] = ReferenceRuns.beside(self.where)([*H4, *ENGINES[engine]])
         return self[engine]
 
 

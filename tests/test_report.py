@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_ENV, QUICK, entry, finish, start_entry, tree
+from helpers import FAULT_ENV, QUICK, ReferenceRuns, entry, finish, start_entry, tree
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
@@ -523,11 +523,9 @@ def test_the_command_line_reports_bad_input_without_a_traceback(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_run(tmp_path_factory) -> Path:
-    """One finished run (the quick phase: seconds), read by the command-line tests; none writes into it."""
-    tmp = tmp_path_factory.mktemp("one_run")
-    done = entry([*QUICK, "logger=none", "logger.progress=never", f"hydra.run.dir={tmp / 'run'}"], tmp)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "run"
+    """One finished run (the quick phase: seconds), read by the command-line tests; none writes into it
+    (the session's reference of the quick run, `ReferenceRuns`)."""
+    return ReferenceRuns.beside(tmp_path_factory.mktemp("one_run"))([*QUICK, "logger=none"])
 
 
 @pytest.mark.parametrize(("module", "wrote"), [("report", "report.html"), ("clock", "clock.md")])

@@ -22,6 +22,7 @@ from helpers import (
     DIST,
     KILLED,
     RUN,
+    ReferenceRuns,
     assert_identical,
     assert_identical_streaming,
     assert_streaming_engines_agree,
@@ -33,7 +34,6 @@ from helpers import (
     killed_beside_uninterrupted,
     recorded_clock,
     resumed,
-    side_by_side,
     simulate_streaming,
     simulated_beside,
     start_entry,
@@ -306,19 +306,21 @@ def test_fragments_1_delay_0_alpha_0_spelled_out_is_the_default_run_bitwise(tmp_
     them, the summary's final figures, weights.pt): two runs of 2 rounds of 2 updates, side by side."""
     plain = [*RUN, "inner.H=2", "phase.updates=4"]
     spelled = [*plain, "outer.fragments=1", "outer.delay=0", "outer.merge_alpha=0"]
-    done = side_by_side({"plain": plain, "spelled": spelled}, tmp_path)
-    configs = {name: OmegaConf.load(tmp_path / name / "config.yaml") for name in done}
+    runs = {"plain": ReferenceRuns.beside(tmp_path)(plain), "spelled": tmp_path / "spelled"}
+    done = entry([*spelled, f"hydra.run.dir={runs['spelled']}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    configs = {name: OmegaConf.load(run / "config.yaml") for name, run in runs.items()}
     assert configs["spelled"] == configs["plain"]
     assert (configs["plain"].outer.fragments, configs["plain"].outer.delay) == (1, 0)
     assert configs["plain"].outer.merge_alpha == 0.0 and list(configs["plain"].outer.assignment) == []
     names = {
-        name: [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "start"]
-        for name in done
+        name: [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "start"]
+        for name, run in runs.items()
     }
     assert names["spelled"][0]["name"] == names["plain"][0]["name"]
     assert "-p1-" not in names["plain"][0]["name"] and not any("P=" in t for t in names["plain"][0]["tags"])
-    assert_identical(tmp_path / "spelled", tmp_path / "plain")
-    syncs = [r for r in read_metrics(tmp_path / "plain" / "metrics.jsonl") if r["kind"] == "sync"]
+    assert_identical(runs["spelled"], runs["plain"])
+    syncs = [r for r in read_metrics(runs["plain"] / "metrics.jsonl") if r["kind"] == "sync"]
     assert [r["update"] for r in syncs] == [2, 4] and all(
         "fragment" not in r and "eval_loss" in r for r in syncs
     )

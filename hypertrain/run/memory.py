@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hypertrain.config import INT64_MAX, ConfigError, ModelConfig, TrainConfig
+from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ConfigError, ModelConfig, TrainConfig
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
 
@@ -220,8 +220,6 @@ def largest_tensor(model: ModelConfig, stacked: int, positions: int) -> tuple[st
 def estimate(cfg: TrainConfig, longest: int | None = None) -> Estimate:
     """The run's memory at its peak, from its validated config; `longest`: the data's longest
     example in ids, once the data is built (None: the longest the config allows, `row_ids`)."""
-    from hypertrain.run.prepare import HELDOUT_ROWS_PER_PASS  # the rows of one held-out pass
-
     model = model_with_vocabs(cfg)
     by_role = params_by_role(model)
     workers, entry, replicas, streams = processes(cfg)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hypertrain import plan
-from hypertrain.config import ConfigError, ModelConfig, TrainConfig
+from hypertrain.config import HELDOUT_ROWS_PER_PASS, ConfigError, ModelConfig, TrainConfig
 from hypertrain.data.batches import is_multistream, replica_batch
 from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
@@ -22,9 +22,6 @@ from hypertrain.plan.check import verify_phase
 from hypertrain.run.checks import check_device, plan_phase
 
 logger = logging.getLogger("hypertrain")
-
-
-HELDOUT_ROWS_PER_PASS = 64
 
 
 def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
