@@ -1,5 +1,6 @@
 """The catalogue of user mistakes: each one line naming the bad value and what is valid, exit 2, no
-traceback, nothing created or changed. Each case runs the entry in a subprocess in an empty working
+traceback, nothing created or changed. Each case runs the entry (`hypertrain.train.cli`, in this
+process; a sample of them on the command line too, which must say the same) in an empty working
 directory; an earlier run's directory beside it must stay byte for byte as it was.
 
 Hydra's own composition errors (unknown option, misspelled key, wrong type, an ambiguous sweep) keep
@@ -620,9 +621,8 @@ def fill(text: str, earlier: Path, cwd: Path) -> str:
     return text.replace("{earlier}", str(earlier)).replace("{cwd}", str(cwd))
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, name):
-    case = CASES[name]
+def skip_where_valid(name: str) -> None:
+    """The cases that are no mistake on this machine (it has the devices they name) are skipped."""
     if name == "absent-device" and torch.cuda.device_count() > 99:
         pytest.skip("this machine has a 100th CUDA device")
     if name == "cuda-on-a-cpu-build" and torch.cuda.is_available():
@@ -632,8 +632,14 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
     nccl = torch.cuda.is_available() and torch.distributed.is_nccl_available()
     if name == "nccl-on-cpu-tensors" and not nccl:
         pytest.skip("this machine has no CUDA device or torch no NCCL: nccl is refused for that")
+
+
+def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = None) -> list[str]:
+    """Case `name` run in an empty working directory beside `earlier` (in this process, or on the real
+    command line with `process`): exit 2, one line, no traceback, nothing created or changed. Its lines."""
+    case = CASES[name]
     cwd = tmp_path / "work"
-    cwd.mkdir()
+    cwd.mkdir(parents=True)
     for file, data in case.files.items():
         (cwd / file).parent.mkdir(parents=True, exist_ok=True)
         (cwd / file).write_bytes(data)
@@ -641,7 +647,7 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
         case.setup(earlier, cwd)
     before, earlier_before = tree(cwd), tree(earlier)
     env = {key: fill(value, earlier, cwd) for key, value in case.env.items()}
-    done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd, env=env)
+    done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd, env=env, process=process)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
@@ -649,6 +655,28 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
     assert "Traceback" not in done.stderr + done.stdout
     assert tree(cwd) == before, "a rejected run created or changed files"
     assert tree(earlier) == earlier_before, "a rejected run touched the earlier run"
+    return [line.replace(str(cwd), "<cwd>") for line in lines]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, name):
+    skip_where_valid(name)
+    refused(name, tmp_path, earlier)
+
+
+# Every seventh case, from Hydra's composition errors through the fields, the plan, the memory check and
+# the run directory to the resumes and the launch-side refusals, both ways.
+SAMPLE = list(CASES)[::7]
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_a_sample_of_the_catalogue_says_the_same_in_process_as_on_the_command_line(tmp_path, earlier, name):
+    """`hypertrain.train.cli` in this process and `python -m hypertrain.train` give the same one line
+    and exit code (2) for the same mistake, and neither changes anything."""
+    skip_where_valid(name)
+    here = refused(name, tmp_path / "here", earlier, process=False)
+    real = refused(name, tmp_path / "real", earlier, process=True)
+    assert here == real
 
 
 def test_a_sweep_stops_at_its_invalid_second_job_and_keeps_the_first(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -370,6 +371,37 @@ def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | 
     raise failed
 
 
+RENDEZVOUS_HOST = "127.0.0.1"  # loopback by address: "localhost" may resolve to ::1 first, or to both
+
+
+def store_timeout(timeout_s: float) -> int:
+    """Seconds a rendezvous store's reads wait: processes.timeout_s, at least torch's default 60."""
+    return max(60, math.ceil(timeout_s))
+
+
+def rendezvous_store(timeout_s: float):
+    """The self-launch's rendezvous store, a TCP server on a free loopback port this process binds
+    before torch's agent starts. The agent's c10d rendezvous (is_host, multi-tenant) then serves from
+    the same server instead of binding `localhost:0` itself: on a loaded machine that bind could fail
+    and the agent fall back to a client of port 0, which waited 2 x 60 s and ended in a traceback.
+    Kept open by the caller for as long as the agent runs."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(
+            RENDEZVOUS_HOST,
+            0,
+            is_master=True,
+            multi_tenant=True,
+            timeout=timedelta(seconds=store_timeout(timeout_s)),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError, TimeoutError) as e:  # DistNetworkError, DistStoreError among them
+        raise RankFailed(
+            f"no rendezvous store could be started on {RENDEZVOUS_HOST}: {first_line(e)}"
+        ) from None
+
+
 def launch(job: WorkerJob) -> dict:
     """Start P = processes.nproc workers on this node with torch's elastic launcher and wait for them;
     with `processes.max_restarts`, the agent starts every worker again after one failed, and the
@@ -383,16 +415,20 @@ def launch(job: WorkerJob) -> dict:
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _quiet_agent()
+    store = rendezvous_store(job.cfg.processes.timeout_s)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=job.cfg.processes.nproc,
         run_id=f"hypertrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        # The agent hosts the store on the port bound above (`rendezvous_store`): never a client of itself.
+        rdzv_endpoint=f"{RENDEZVOUS_HOST}:{store.port}",
+        rdzv_configs={"is_host": True, "read_timeout": store_timeout(job.cfg.processes.timeout_s)},
         max_restarts=job.cfg.processes.max_restarts,  # each restart resumes from the newest checkpoint
         monitor_interval=0.1,
         start_method="spawn",
@@ -407,6 +443,11 @@ def launch(job: WorkerJob) -> dict:
     results, failed, signum = None, None, None
     try:
         results = elastic_launch(config, run_worker)(job)
+    except RendezvousError as e:  # the agent's store or its rendezvous: no worker started
+        raise RankFailed(
+            f"the {job.cfg.processes.nproc} processes could not meet at {config.rdzv_endpoint} "
+            f"(torch's rendezvous: {first_line(e)})"
+        ) from None
     except SignalException as e:
         signum = int(e.sigval)
         _wait_for_workers(signum)
