@@ -432,4 +432,8 @@ def run_entry(argv: list[str]) -> EntryResult:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    # The importable module's cli, so that a sweeper's launcher (submitit, joblib) pickles the task
+    # function `main` by reference, as hypertrain.train.main, not by value from this __main__.
+    from hypertrain.train import cli as entry_cli
+
+    sys.exit(entry_cli())

@@ -345,13 +345,14 @@ class Sequence:
 
     def guarded(self, operation) -> object:
         """Run `operation()`; nothing outside the run directory may change (the parent's mtime only
-        when it creates the run directory)."""
+        when the run directory did not exist: a new run probes its parent for room to make it, then
+        makes it, and a kill may fall between the two)."""
         run_dir, root = self.place.run_dir, self.place.root
         existed = run_dir.exists()
         before = snapshot(root, skip=run_dir)
         result = operation()
         after = snapshot(root, skip=run_dir)
-        if not existed and run_dir.exists():  # making the run directory changes its parent's mtime
+        if not existed:  # probing the parent (run.directory.check_place) and making the run directory
             parent = str(run_dir.parent.relative_to(root))
             before[parent], after[parent] = (None, 0), (None, 0)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))

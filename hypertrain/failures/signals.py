@@ -63,7 +63,8 @@ def _stop_before_start(signum: int, frame: FrameType | None) -> None:
     emptied = _leave.get()()
     left = f"; nothing of the run was left in {emptied[0]}" if emptied else ""
     name = signal.Signals(signum).name
-    print(f"hypertrain: stopped by {name} while no update was running{left}", file=sys.stderr)
+    if not under_launcher() or _launched_rank() == 0:  # rank 0 says it once for every rank
+        print(f"hypertrain: stopped by {name} while no update was running{left}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_CODES[signum])  # at once: no library code half way through an import or a write goes on
@@ -93,6 +94,11 @@ def settled() -> None:
     active = _active.get()
     if active is not None:
         active.settled = True
+
+
+def _launched_rank() -> int:
+    """This process's rank under a launcher (torchrun's RANK, srun's SLURM_PROCID), 0 without one."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
 
 
 def under_launcher() -> bool:
