@@ -433,7 +433,8 @@ def run_entry(argv: list[str]) -> EntryResult:
 
 if __name__ == "__main__":
     # The importable module's cli, so that a sweeper's launcher (submitit, joblib) pickles the task
-    # function `main` by reference, as hypertrain.train.main, not by value from this __main__.
-    from hypertrain.train import cli as entry_cli
+    # function `main` by reference, as hypertrain.train.main, not by value from this __main__
+    # (importlib: the module is not its own import).
+    import importlib
 
-    sys.exit(entry_cli())
+    sys.exit(importlib.import_module("hypertrain.train").cli())
