@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import QUICK, assert_same_weights, entry, entry_env, in_process
 
@@ -152,3 +153,27 @@ def test_the_command_line_is_the_function(tmp_path):
     here = in_process([*run, f"hydra.run.dir={tmp_path / 'here'}"], tmp_path)
     assert real.returncode == here.returncode == 0, real.stderr + here.stderr
     assert records(tmp_path / "real") == records(tmp_path / "here")
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_run_imports_torch_dynamo_only_when_it_compiles(tmp_path, compiled):
+    """A worker holds what its run uses: torch._dynamo (and sympy with it, about 80 MB per process)
+    comes only with `engine.compile=true`. A fresh interpreter per case; the compiled case is the
+    control that the probe sees the import at all (slow: compiling takes about 30 s here)."""
+    run = [*QUICK, "logger=none", "phase.updates=2", f"engine.compile={str(compiled).lower()}"]
+    script = (
+        "import json, sys\n"
+        "from hypertrain.train import cli\n"
+        f"code = cli({[*run, 'hydra.run.dir=run']!r})\n"
+        "print(json.dumps([code, 'torch._dynamo' in sys.modules, 'sympy' in sys.modules]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=entry_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [0, compiled, compiled], done.stderr[-3000:]

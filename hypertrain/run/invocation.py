@@ -118,6 +118,11 @@ def _restore_torch(saved: dict | None) -> None:
     if torch.get_num_threads() != saved["threads"]:
         torch.set_num_threads(saved["threads"])
     torch.random.set_rng_state(saved["rng"])
-    torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["warn_only"])
+    deterministic = (saved["deterministic"], saved["warn_only"])
+    if deterministic != (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ):  # only when changed: torch's setter imports torch._inductor, and with it torch._dynamo
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     torch.set_float32_matmul_precision(saved["matmul"])
     torch.set_default_dtype(saved["dtype"])
