@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUICK, REPO, finish, recorded_clock, start_entry
+from helpers import QUICK, REPO, entry, finish, recorded_clock, start_entry
 from omegaconf import OmegaConf
 
 from hypertrain.clock.formulas import (
@@ -99,10 +99,8 @@ def test_taken_at_follows_the_streaming_schedule():
     assert taken_at(7, 1, 8, 2, 2) == 6 and taken_at(7, 0, 8, 2, 2) == 7
 
 
-def _train(tmp_path, name: str, extra: list[str]):
-    run = tmp_path / name
-    args = [*QUICK, "logger=none", "logger.progress=never", f"hydra.run.dir={run}", *extra]
-    return run, start_entry(args, tmp_path)
+def _args(tmp_path, name: str, extra: list[str]) -> list[str]:
+    return [*QUICK, "logger=none", "logger.progress=never", f"hydra.run.dir={tmp_path / name}", *extra]
 
 
 STREAMING = ["world=2", "replicas=2", "inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"]
@@ -112,20 +110,22 @@ MODELLED = ["cluster=h100", "cluster.straggler.sigma=0.3"]  # a clock that reads
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Four short runs trained at once: the quick DiLoCo run (on the default cluster, cpu_here: measured
-    compute), and one streaming compressed run on h100 (modelled compute, stragglers) on the stacked
-    engine, the loop engine and two real processes."""
+    """Four short runs: the quick DiLoCo run (on the default cluster, cpu_here: measured compute), and
+    one streaming compressed run on h100 (modelled compute, stragglers) on the stacked engine, the loop
+    engine (both in this process) and two real processes (started first, trained meanwhile)."""
     tmp = tmp_path_factory.mktemp("clock")
-    started = {
-        "quick": _train(tmp, "quick", []),
-        "stacked": _train(tmp, "stacked", [*STREAMING, *COMPRESSED, *MODELLED, "engine=stacked"]),
-        "loop": _train(tmp, "loop", [*STREAMING, *COMPRESSED, *MODELLED, "engine=loop"]),
-        "dist": _train(tmp, "dist", [*STREAMING, *COMPRESSED, *MODELLED, "processes=dist"]),
+    dist = _args(tmp, "dist", [*STREAMING, *COMPRESSED, *MODELLED, "processes=dist"])
+    started = start_entry(dist, tmp)
+    done = {
+        "quick": entry(_args(tmp, "quick", []), tmp),
+        "stacked": entry(_args(tmp, "stacked", [*STREAMING, *COMPRESSED, *MODELLED, "engine=stacked"]), tmp),
+        "loop": entry(_args(tmp, "loop", [*STREAMING, *COMPRESSED, *MODELLED, "engine=loop"]), tmp),
+        "dist": finish(started),
     }
     out = {}
-    for name, (run, proc) in started.items():
-        done = finish(proc)
-        assert done.returncode == 0, done.stderr[-2000:]
+    for name, result in done.items():
+        run = tmp / name
+        assert result.returncode == 0, result.stderr[-2000:]
         resolved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
         out[name] = (run, read_metrics(run), resolved)
     return out

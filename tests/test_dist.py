@@ -192,6 +192,8 @@ def tail_offset(overrides: list[str], tail: int) -> str:
 
 # The quick loop (`pytest -m 'not slow'`) keeps one case of each kind; the rest are slow.
 SLOW_CASES = {
+    "churn-replicas-p2-r4",  # churn on real processes: the fragments-delay-churn case below
+    "w2-r1-weak-k2",  # the weak phase's ids: the plan's and the simulation's tests
     "churn-benchmark-w4-r2",
     "w4-r2-adamw-documents-tail",
     "w4-r2-weak-k2",

@@ -184,6 +184,7 @@ OLD_DIST = [
 NEW_DIST = ["processes=dist", "world.size=2", "replicas=2", "processes.nproc=2", "processes.layout=replicas"]
 
 
+@pytest.mark.slow  # the spellings' translation alone: test_an_older_runs_config_reads_as_todays
 def test_the_older_engine_dist_spelling_runs_as_processes_dist_with_one_notice_each(tmp_path):
     """engine=dist and engine.nproc/layout/timeout_s were the processes' choices before they had their
     own group: they still run, as processes=dist with engine=stacked, each older spelling named in one

@@ -104,7 +104,7 @@ print(json.dumps({"peak": status("VmHWM") - before, "estimate": est.state + est.
 @pytest.mark.skipif(not memory.MEMINFO.exists(), reason="needs Linux's /proc")
 @pytest.mark.parametrize(
     "d_model, replicas, global_batch",
-    [(256, 4, 128), (512, 4, 8)],
+    [(256, 4, 128), pytest.param(512, 4, 8, marks=pytest.mark.slow)],
     ids=["activations-dominate", "weights-and-state-dominate"],
 )
 def test_the_estimate_bounds_a_stacked_runs_measured_peak(d_model, replicas, global_batch):

@@ -2,9 +2,10 @@
 makes torch's elastic agent stop and restart every worker, and the restarted session goes on from
 the newest checkpoint (or from the start) in the same run directory (docs/resume.md, "Restarts").
 
-`test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one` starts four runs at once,
-each `processes=dist world=2 replicas=2` (two worker processes of one torch thread each, plus the
-entry, or torchrun's agent), and waits for them all:
+`test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one` runs each of three restarted
+runs, `processes=dist world=2 replicas=2` (two worker processes of one torch thread each, plus the
+entry, or torchrun's agent), beside the session's reference run (the first in the quick loop, the
+other two slow):
 
 - torchrun, `--max-restarts 1` (torchrun reads it from `PET_MAX_RESTARTS`), rank 1 killed right
   after update 4, before the ranks agree whether to stop: rank 0's collective fails, the agent
@@ -16,7 +17,7 @@ entry, or torchrun's agent), and waits for them all:
 - torchrun, `--max-restarts 1`, `checkpoint.every=2` (no checkpoint before the run's end), rank 0
   killed as round 2 starts: the restart starts the run over in the same directory, under the same
   run id, the failed session's rows (updates 1-3) moved to metrics.superseded.jsonl;
-- the same run uninterrupted, self-launched: the reference.
+- the same run uninterrupted, self-launched: the reference (`helpers.ReferenceRuns`, made once).
 
 Each restarted run must exit 0 with one `restart` row (the count, the update gone on from, the
 updates recomputed), no `preempted` end row anywhere, and per-replica losses, sync rows, held-out
@@ -33,13 +34,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_ENV, QUICK, assert_identical, entry, finish, start_entry, stderr_lines
+from helpers import FAULT_ENV, QUICK, ReferenceRuns, assert_identical, entry, stderr_lines
 
 from hypertrain.run.checkpoint import SUPERSEDED_FILE, checkpoints
 from hypertrain.run.records import METRICS_FILE, read_metrics
 from hypertrain.train import torchrun_restarts
 
-# Workers of four runs share two cores here: a restarted worker may wait long for its peers' imports.
+# Workers share two cores with other tests' here: a restarted worker may wait long for its peers' imports.
 COMMON = [*QUICK, "logger=none", "processes=dist", "world=2", "replicas=2", "processes.timeout_s=90"]
 
 
@@ -70,66 +71,64 @@ RUNS = {
 }
 
 
-def test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one(tmp_path):
-    reference = tmp_path / "reference"
-    procs = {"reference": start_entry([*COMMON, f"hydra.run.dir={reference}"], tmp_path)}
-    for name, (overrides, torchrun, fault, _) in RUNS.items():
-        env = {FAULT_ENV: fault} | ({"PET_MAX_RESTARTS": "1"} if torchrun else {})
-        args = [*COMMON, *overrides, f"hydra.run.dir={tmp_path / name}"]
-        procs[name] = start_entry(args, tmp_path, env, torchrun=torchrun)
-    done = {name: finish(proc) for name, proc in procs.items()}
-    assert done["reference"].returncode == 0, done["reference"].stderr
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n == "torchrun-rank1-after-4" else pytest.mark.slow) for n in RUNS],
+)
+def test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one(tmp_path, name):
+    overrides, torchrun, fault, expected = RUNS[name]
+    env = {FAULT_ENV: fault} | ({"PET_MAX_RESTARTS": "1"} if torchrun else {})
+    run_dir = tmp_path / name
+    result = entry([*COMMON, *overrides, f"hydra.run.dir={run_dir}"], tmp_path, env=env, torchrun=torchrun)
+    reference = ReferenceRuns.beside(tmp_path)(COMMON)
     want = [r for r in rows(reference / METRICS_FILE) if r["kind"] == "summary" and "run/restarts" in r]
     assert [r["run/restarts"] for r in want] == [0]
 
-    for name, (*_, expected) in RUNS.items():
-        run_dir, result = tmp_path / name, done[name]
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-        kept, moved = rows(run_dir / METRICS_FILE), rows(run_dir / SUPERSEDED_FILE)
-        restarts = [r for r in kept if r["kind"] == "restart"]
-        assert len(restarts) == 1, (name, restarts)
-        row = restarts[0]
-        got = {k: v for k, v in row.items() if k != "superseded_bytes"} | {
-            "from": row["from"] and Path(row["from"]).name
-        }
-        assert got == {"kind": "restart", "count": 1, "max_restarts": 1} | expected, name
-        assert row["superseded_bytes"] == (run_dir / SUPERSEDED_FILE).stat().st_size > 0, name
-        # The failed session's updates after the point gone on from: moved aside, none lost or doubled.
-        assert [r["update"] for r in moved if r["kind"] == "update"] == list(
-            range(expected["update"] + 1, expected["update"] + 1 + expected["recomputed"])
-        ), name
-        assert [r["update"] for r in kept if r["kind"] == "update"] == list(range(1, 7)), name
-        # The agent's SIGTERM to the survivors is no preemption; the run finished.
-        ends = [r for r in kept + moved if r["kind"] == "end"]
-        assert all(r["status"] in ("finished", "failed") for r in ends), (name, ends)
-        assert [r["status"] for r in kept if r["kind"] == "end"] == ["finished"], name
-        assert not any(r.get("exit_code") == 143 for r in ends), name
-        assert len({r["run_id"] for r in kept + moved if r["kind"] == "start"}) == 1, name
-        lines = [line for line in stderr_lines(result.stderr) if line.startswith("hypertrain:")]
-        assert "hypertrain: restart 1 of 1 after a worker failed: going on from " in " ".join(lines), name
-        assert not any(line.startswith(("hypertrain: error", "hypertrain: stopped")) for line in lines), (
-            name,
-            lines,
-        )
-        assert not list((run_dir / "checkpoints").glob("*.tmp")), name
-        assert [p.name for p in checkpoints(run_dir)][-1] == "ckpt-u0000006.pt", name
-        assert_identical(run_dir, reference)
-        summary = [r for r in kept if r["kind"] == "summary" and "run/restarts" in r][-1]
-        assert summary["run/restarts"] == 1, name  # the summary counts the agent's restarts
+    assert result.returncode == 0, (name, result.stderr[-3000:])
+    kept, moved = rows(run_dir / METRICS_FILE), rows(run_dir / SUPERSEDED_FILE)
+    restarts = [r for r in kept if r["kind"] == "restart"]
+    assert len(restarts) == 1, (name, restarts)
+    row = restarts[0]
+    got = {k: v for k, v in row.items() if k != "superseded_bytes"} | {
+        "from": row["from"] and Path(row["from"]).name
+    }
+    assert got == {"kind": "restart", "count": 1, "max_restarts": 1} | expected, name
+    assert row["superseded_bytes"] == (run_dir / SUPERSEDED_FILE).stat().st_size > 0, name
+    # The failed session's updates after the point gone on from: moved aside, none lost or doubled.
+    assert [r["update"] for r in moved if r["kind"] == "update"] == list(
+        range(expected["update"] + 1, expected["update"] + 1 + expected["recomputed"])
+    ), name
+    assert [r["update"] for r in kept if r["kind"] == "update"] == list(range(1, 7)), name
+    # The agent's SIGTERM to the survivors is no preemption; the run finished.
+    ends = [r for r in kept + moved if r["kind"] == "end"]
+    assert all(r["status"] in ("finished", "failed") for r in ends), (name, ends)
+    assert [r["status"] for r in kept if r["kind"] == "end"] == ["finished"], name
+    assert not any(r.get("exit_code") == 143 for r in ends), name
+    assert len({r["run_id"] for r in kept + moved if r["kind"] == "start"}) == 1, name
+    lines = [line for line in stderr_lines(result.stderr) if line.startswith("hypertrain:")]
+    assert "hypertrain: restart 1 of 1 after a worker failed: going on from " in " ".join(lines), name
+    assert not any(line.startswith(("hypertrain: error", "hypertrain: stopped")) for line in lines), (
+        name,
+        lines,
+    )
+    assert not list((run_dir / "checkpoints").glob("*.tmp")), name
+    assert [p.name for p in checkpoints(run_dir)][-1] == "ckpt-u0000006.pt", name
+    assert_identical(run_dir, reference)
+    summary = [r for r in kept if r["kind"] == "summary" and "run/restarts" in r][-1]
+    assert summary["run/restarts"] == 1, name  # the summary counts the agent's restarts
 
-    # The survivor of the worker killed after update 4 says the agent restarts it, as does its end row.
-    survivor = "torchrun-rank1-after-4"
-    restarting = "torch's agent restarts every rank (restart 1 of 1)"
-    warnings = [
-        line for line in stderr_lines(done[survivor].stderr) if line.startswith("hypertrain: warning")
-    ]
-    assert [
-        line.startswith("hypertrain: warning: rank 0: ") and line.endswith(restarting) for line in warnings
-    ] == [True], warnings
-    failed = [r for r in rows(tmp_path / survivor / SUPERSEDED_FILE) if r["kind"] == "end"]
-    assert [(r["status"], r["exit_code"], r["error"].endswith(restarting)) for r in failed] == [
-        ("failed", 3, True)
-    ]
+    if name == "torchrun-rank1-after-4":
+        # The survivor of the worker killed after update 4 says the agent restarts it, as does its end row.
+        restarting = "torch's agent restarts every rank (restart 1 of 1)"
+        warnings = [line for line in stderr_lines(result.stderr) if line.startswith("hypertrain: warning")]
+        assert [
+            line.startswith("hypertrain: warning: rank 0: ") and line.endswith(restarting)
+            for line in warnings
+        ] == [True], warnings
+        failed = [r for r in rows(run_dir / SUPERSEDED_FILE) if r["kind"] == "end"]
+        assert [(r["status"], r["exit_code"], r["error"].endswith(restarting)) for r in failed] == [
+            ("failed", 3, True)
+        ]
 
 
 def test_a_negative_max_restarts_is_one_line_and_creates_nothing(tmp_path):

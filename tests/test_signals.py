@@ -80,6 +80,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_and_the_last_checkpoint_int
     resume_auto_identically(run_dir, overrides, tmp_path / "reference", tmp_path)
 
 
+@pytest.mark.slow
 def test_dist_a_worker_that_dies_after_the_finished_end_row_leaves_the_run_finished(tmp_path):
     """Rank 1 SIGKILLed in its teardown, once rank 0's `finished` end row is written: exit 0 (it
     was 3: the launcher's failure overrode the records), one warning line naming rank 1."""
