@@ -59,7 +59,8 @@ EXIT_CODES = {
     "(Diverged), W&B that could not start "
     "(WandbFailed: nothing of a new run is left), or an unexpected error",
     2: "a user mistake, found before the run started: nothing was created or changed",
-    3: "processes=dist: a rank died, hung past processes.timeout_s, or failed (RankFailed)",
+    3: "processes=dist: a rank died, hung past processes.timeout_s or failed, or the ranks could not "
+    "meet (RankFailed)",
     4: "no space left on the device while writing records or a checkpoint (DiskFull); before the first "
     "record (or under 128 KiB free at the start) nothing of a new run is left",
     129: "stopped by SIGHUP after an update, checkpointed: resume=auto goes on (Preempted, `interrupted`)",

@@ -22,7 +22,7 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-# Every rank finds the same mistake after the same work (imports, composition: about 3 CPU seconds
+# Every rank finds the same mistake after the same work (imports, composition: 0.5 to 3 CPU seconds
 # here), started together by the launcher: rank 0 is at most that far behind, several times over on
 # a loaded machine. Only a mistake that rank 0 does not see (this machine's own) waits this long.
 REFUSAL_GRACE_S = 10.0
