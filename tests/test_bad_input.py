@@ -658,7 +658,13 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
     return [line.replace(str(cwd), "<cwd>") for line in lines]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def quick_every(names: list[str], step: int) -> list:
+    """`names` as parameters, every `step`-th one in the quick loop (a sample of every kind, the catalogue
+    being in the order of its kinds) and the others slow."""
+    return [pytest.param(n, marks=() if i % step == 0 else pytest.mark.slow) for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("name", quick_every(list(CASES), 3))
 def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, name):
     skip_where_valid(name)
     refused(name, tmp_path, earlier)
@@ -669,7 +675,7 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
 SAMPLE = list(CASES)[::7]
 
 
-@pytest.mark.parametrize("name", SAMPLE)
+@pytest.mark.parametrize("name", quick_every(SAMPLE, 3))
 def test_a_sample_of_the_catalogue_says_the_same_in_process_as_on_the_command_line(tmp_path, earlier, name):
     """`hypertrain.train.cli` in this process and `python -m hypertrain.train` give the same one line
     and exit code (2) for the same mistake, and neither changes anything."""

@@ -274,6 +274,7 @@ def churn_summary(rows: list[dict]) -> dict:
     return {k: v for k, v in summary.items() if k.startswith("churn/")}
 
 
+@pytest.mark.slow  # the quick loop's churn kill: the one with a fragment in flight mid-absence, below
 def test_killed_mid_absence_resumes_bit_identically(tmp_path):
     """Invariant 9 with churn: SIGKILL after update 5 (replica 1 absent in rounds 2-3, updates 3-6), the
     newest checkpoint at 4; resume=true equals an uninterrupted run exactly: every row (the sync rows'

@@ -473,7 +473,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_stage_on_real_processes_equals_the_simulation_bitwise(tmp_path, world):
     """Invariant 10's stage equality: `world` real processes (gloo on CPU, forked ranks) run
     `compressed_mean` on their replicas' rows of bitwise-identical inputs (`stage_inputs`, a seeded CPU
@@ -630,8 +630,8 @@ MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
 
 @pytest.mark.parametrize(
     "name",
-    # the quick loop's case: int8 with fragments and a delay (fp4 is the simulation's, test_codecs.py)
-    [pytest.param(n, marks=() if n == "int8-fragments2-delay1" else pytest.mark.slow) for n in WHOLE_CASES],
+    # every case slow: the quick loop's codec on real processes is the stage's, above (world 2)
+    [pytest.param(n, marks=pytest.mark.slow) for n in WHOLE_CASES],
 )
 def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, name):
     """`processes=dist world=2 replicas=2` (two self-launched gloo workers, benchmark layout) against the

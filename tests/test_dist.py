@@ -200,6 +200,7 @@ SLOW_CASES = {
     "stacked-p2-r4-muon-tail",
     "w2-r2-muon-microbatches",
     "loop-replicas-p2-r4",
+    "loop-w2-r1",  # the loop engine is the simulation's reference (tests/test_engines.py, test_stacked.py)
 }
 
 

@@ -95,10 +95,11 @@ SESSION_FIGURES = ("train/replica_steps_per_s", "train/presentations", "train/ti
 
 DIST_FAILED = RankFailed.exit_code  # processes=dist: the entry's code when the hook kills a rank
 
-# Seed 14 (stacked, every sync, three kills by the hook) resumes from three different checkpoints:
-# it found the checkpoint an earlier session resumed from left unpruned (checkpoint.written_by_run).
-QUICK_SEEDS = [14]
-SLOW_SEEDS = [s for s in range(15) if s not in QUICK_SEEDS]
+# Every sequence is slow: the quick loop's resume cases are tests/test_resume.py's one kill and the
+# churn, deadline and error-buffer kills beside it. Seed 14 (stacked, every sync, three kills by the
+# hook) resumes from three different checkpoints: it found the checkpoint an earlier session resumed
+# from left unpruned (checkpoint.written_by_run).
+SEEDS = range(15)
 DIST_SEED = 49  # rank 1 killed by the hook after update 6, then the whole job from outside
 
 
@@ -140,20 +141,16 @@ def plan(seed: int, engine: str | None = None) -> Plan:
     return Plan(seed, engine, inner, checkpoints, kills)
 
 
-def _param(seed: int, engine: str | None = None, slow: bool = True):
+def _param(seed: int, engine: str | None = None):
     p = plan(seed, engine)
     return pytest.param(
         p,
-        marks=pytest.mark.slow if slow else (),
+        marks=pytest.mark.slow,
         id=f"seed-{seed}-{p.engine}-{p.inner}-{p.checkpoints}-{p.kills}kills",
     )
 
 
-SEQUENCES = (
-    [_param(s, slow=False) for s in QUICK_SEEDS]
-    + [_param(s) for s in SLOW_SEEDS]
-    + [_param(DIST_SEED, engine="dist")]
-)
+SEQUENCES = [_param(s) for s in SEEDS] + [_param(DIST_SEED, engine="dist")]
 
 
 # -- the run directory and what surrounds it --------------------------------------------------------

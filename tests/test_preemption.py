@@ -115,7 +115,8 @@ def resume_auto(run_dir: Path, overrides: list[str], cwd: Path) -> None:
 SIGNALLED = [
     pytest.param("stacked", "0:3:term:after", "SIGTERM", id="stacked-sigterm"),
     pytest.param("loop", "0:6:usr2:after", "SIGUSR2", id="loop-sigusr2", marks=pytest.mark.slow),
-    pytest.param("stacked", "0:3:int:after", "SIGINT", id="stacked-sigint"),
+    # slow: the quick loop's signal to one process is SIGTERM's case, above
+    pytest.param("stacked", "0:3:int:after", "SIGINT", id="stacked-sigint", marks=pytest.mark.slow),
     pytest.param("loop", "0:6:hup:after", "SIGHUP", id="loop-sighup", marks=pytest.mark.slow),
     pytest.param("dist", "1:3:usr2:after", "SIGUSR2", id="dist-sigusr2-to-rank-1", marks=pytest.mark.slow),
     pytest.param("dist", "1:5:int:after", "SIGINT", id="dist-sigint-to-rank-1", marks=pytest.mark.slow),

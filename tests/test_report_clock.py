@@ -138,6 +138,7 @@ def test_the_report_times_each_run_on_its_recorded_cluster_to_the_loss_every_run
     assert {p.name for p in out.glob("*.png")} == {p["file"] for p in record["plots"]}
 
 
+@pytest.mark.slow  # the quick loop's target: the default one, above
 def test_a_given_target_times_each_run_to_it_and_a_run_that_never_reached_it_shows_a_dash(runs, tmp_path):
     records = {name: read_metrics(runs / name / "metrics.jsonl") for name in RUNS}
     curves = {name: _heldout(rows) for name, rows in records.items()}

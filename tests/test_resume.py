@@ -185,6 +185,7 @@ KILLS = [
     # weights equal the uninterrupted run's.
     pytest.param(
         Kill([*BASE, "model=moe_tiny", "inner=muon", "checkpoint.every=2"], "0:7:kill", 4, [5, 6]),
+        marks=pytest.mark.slow,
         id="moe-tiny-muon",
     ),
 ]
@@ -513,6 +514,7 @@ def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_p
     assert_identical(run_dir, reference)
 
 
+@pytest.mark.slow
 def test_a_resumed_sessions_throughput_counts_only_its_own_updates(tmp_path):
     """A resumed session's throughput is its own (docs/report.md): the replica-steps it took over the
     seconds it timed, and the updates it timed, never the restored run's. Killed as update 7 starts

@@ -157,8 +157,17 @@ def wait_for(path: Path, proc, seconds: float = 120) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGQUIT])
-@pytest.mark.parametrize("when", ["importing", "claimed"])
+@pytest.mark.parametrize(
+    ("when", "signum"),
+    [
+        ("importing", signal.SIGINT),
+        ("importing", signal.SIGQUIT),
+        ("claimed", signal.SIGINT),
+        # slow: the quick loop's claimed case is SIGINT's; SIGQUIT takes the same path
+        pytest.param("claimed", signal.SIGQUIT, marks=pytest.mark.slow),
+    ],
+    ids=["importing-2", "importing-3", "claimed-2", "claimed-3"],
+)
 def test_a_stop_before_training_is_one_line_its_code_and_leaves_nothing(tmp_path, when, signum):
     """`importing`: 0.5 s after start, inside the entry's imports (they take seconds: torch), where
     Python's own Ctrl-C was a traceback and SIGQUIT a core dump. `claimed`: as soon as the run
@@ -183,6 +192,7 @@ def test_a_stop_before_training_is_one_line_its_code_and_leaves_nothing(tmp_path
         assert entry(args, tmp_path).returncode == 0
 
 
+@pytest.mark.slow  # the quick loop's stop during training: tests/test_preemption.py's SIGTERM case
 def test_sigquit_during_training_stops_after_the_update_checkpointed(tmp_path):
     """Ctrl-\\ stops as Ctrl-C does (not a core dump): after the update in flight, a checkpoint, an
     `interrupted` end row with exit code 131, one line; resume=auto finishes the run."""

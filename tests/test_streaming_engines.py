@@ -139,7 +139,9 @@ DIST_CASES = {
         2,
     ),
 }
-SLOW_DIST = {"w4-r2-benchmark-hsdp-p2-d1-alpha0.5", "replicas-p2-w4-r4-p4-d1-alpha0.5"}
+# Every case is slow: the quick loop's fragments on real processes are tests/test_dist.py's
+# fragments-delay-churn case.
+SLOW_DIST = set(DIST_CASES)
 
 
 @pytest.mark.parametrize(
@@ -238,7 +240,9 @@ def check_pending_checkpoint(path: Path, cfg) -> dict:
     return saved
 
 
-@pytest.mark.parametrize("engine", ["stacked", pytest.param("dist", marks=pytest.mark.slow)])
+# Slow: the quick loop kills a run with a fragment in flight in tests/test_churn.py (mid-absence too).
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["stacked", "dist"])
 def test_killed_while_a_reduction_is_in_flight_resumes_bit_identically(tmp_path, engine):
     """Invariant 9 with a reduction in flight: SIGKILL right after update 4's inner step (the fault hook's
     `after` point: fragment 0 was taken after update 3, its landing after update 4 not yet made; under

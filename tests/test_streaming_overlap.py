@@ -249,6 +249,7 @@ def throttled_netns():
         _sh("ip", "netns", "del", name)
 
 
+@pytest.mark.slow  # a rate-limited link, as tests/test_clock_link.py's
 def test_the_delayed_outer_reduction_overlaps_compute_on_a_rate_limited_link(throttled_netns):
     name, rate_bit = throttled_netns
     world = 2
