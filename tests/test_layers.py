@@ -17,6 +17,7 @@ from helpers import REPO
 # Lowest first: a module may import its own package and the layers before it, never one after it.
 LAYERS = (
     "config",  # the schema: imports nothing of hypertrain
+    "records",  # the rows a run writes (metrics.jsonl): their fields, JSON form and W&B keys
     "failures",  # how a run fails: exit codes, stop signals, the test-only fault points
     "plan",  # the sample plan: numpy only
     "data",  # datasets and the batches an update trains on
@@ -32,7 +33,11 @@ LAYERS = (
     "train",  # the entries: hypertrain.train and every package's __main__ (python -m ...)
 )
 # Third-party packages a layer must not load (the plan is numpy only; the model needs no Hydra).
-FORBIDDEN = {"plan": ("torch", "hydra", "omegaconf", "wandb"), "model": ("hydra", "omegaconf", "wandb")}
+FORBIDDEN = {
+    "records": ("torch", "numpy", "hydra", "omegaconf", "wandb"),
+    "plan": ("torch", "hydra", "omegaconf", "wandb"),
+    "model": ("hydra", "omegaconf", "wandb"),
+}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -10,19 +10,22 @@ from omegaconf import OmegaConf
 
 from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import ClusterConfig, ConfigError, upgrade_resolved
+from hypertrain.records.rows import EvalRow, SyncRow, UpdateRow, parse
 
-_ORDER = {"update": 0, "sync": 1, "eval": 2}  # within one update, as training writes them
+_ORDER = {UpdateRow.kind: 0, SyncRow.kind: 1, EvalRow.kind: 2}  # within one update, as training writes them
 
 
-def in_order(rows: list[dict]) -> list[dict]:
-    """A run's update, sync and eval rows in the order training writes them, each once (the last
-    written: a resumed run writes again the updates after its checkpoint): by update, then an update's
-    row, the syncs landing after it (a flush's fragments in the order written), its evaluation."""
-    found: dict[tuple, dict] = {}
+def in_order(rows: list[dict]) -> list[UpdateRow | SyncRow | EvalRow]:
+    """A run's update, sync and eval rows, as their types, in the order training writes them, each once
+    (the last written: a resumed run writes again the updates after its checkpoint): by update, then an
+    update's row, the syncs landing after it (a flush's fragments in the order written), its evaluation."""
+    found: dict[tuple, UpdateRow | SyncRow | EvalRow] = {}
     for row in rows:
         kind = row.get("kind")
         if kind in _ORDER:
-            found[(kind, row["update"], row.get("fragment", 0) if kind == "sync" else 0)] = row
+            typed = parse(row)
+            fragment = (typed.fragment or 0) if isinstance(typed, SyncRow) else 0
+            found[(kind, typed.update, fragment)] = typed
     written = {key: i for i, key in enumerate(found)}
     return [found[k] for k in sorted(found, key=lambda k: (k[1], _ORDER[k[0]], written[k]))]
 
@@ -67,16 +70,14 @@ def clock_of(
     clock = Clock(shape, cluster, run_params(rows), model_params, run_active_params(rows))
     updates, syncs, heldout = [], [], []
     for row in in_order(rows):
-        u = row["update"]
-        if row["kind"] == "update":
+        u = row.update
+        if isinstance(row, UpdateRow):
             updates.append({"update": u, "clock_s": clock.update(row)})
             continue
-        if row["kind"] == "sync":
-            syncs.append({"update": u, "fragment": row.get("fragment", 0)} | clock.sync(row))
-        if "eval_loss" in row:
-            heldout.append(
-                {"update": u, "clock_s": clock.heldout(row["eval_loss"]), "eval_loss": row["eval_loss"]}
-            )
+        if isinstance(row, SyncRow):
+            syncs.append({"update": u, "fragment": row.fragment or 0} | clock.sync(row))
+        if isinstance(row, EvalRow) or row.eval_loss is not None:  # DiLoCo's sync row holds one
+            heldout.append({"update": u, "clock_s": clock.heldout(row.eval_loss), "eval_loss": row.eval_loss})
     totals = {key.removeprefix("clock/"): value for key, value in clock.summary().items()}
     return totals | {"updates": updates, "syncs": syncs, "heldout": heldout}
 

@@ -22,6 +22,7 @@ from hypertrain.clock.formulas import (
     ring_allreduce_s,
 )
 from hypertrain.config import ClusterConfig, StragglerConfig
+from hypertrain.records.rows import SyncRow, UpdateRow
 
 FP32_BYTES = 4
 
@@ -108,7 +109,7 @@ class Clock:
         self.best: tuple[float, float] | None = None  # the lowest held-out loss and the clock at it
         self.round, self.ahead = 0, [0.0] * shape.replicas  # each replica's compute seconds in the round
 
-    def update(self, row: dict) -> float:
+    def update(self, row: UpdateRow) -> float:
         """An `update` row (`update`, `round`, `loss`, `tokens`, `rank_seconds`): its compute, then the
         inner ring all-reduce of the fp32 gradient among a replica's L ranks. Replicas run on their own
         between syncs: each stepping replica's step (modelled from its tokens, or the slowest process's
@@ -117,15 +118,14 @@ class Clock:
         largest factor times the step). Returns the clock at its end (`clock_s`), before any sync
         landing after it."""
         shape, cluster = self.shape, self.cluster
-        losses = row.get("loss")
-        stepped = [x is not None for x in losses] if isinstance(losses, list) else [True] * shape.replicas
+        stepped = row.stepped if row.loss else [True] * shape.replicas
         if cluster.compute == "modelled":
-            one_replica_tokens = row["tokens"] / max(sum(stepped), 1)
+            one_replica_tokens = row.tokens / max(sum(stepped), 1)
             seconds = modelled_compute_s(self.active, one_replica_tokens, cluster.peak_flops, cluster.mfu)
         else:
-            seconds = max(row["rank_seconds"]) * self.scale
-        if row["round"] != self.round:  # the replicas start the round together
-            self.round, self.ahead = int(row["round"]), [0.0] * shape.replicas
+            seconds = max(row.rank_seconds) * self.scale
+        if row.round != self.round:  # the replicas start the round together
+            self.round, self.ahead = int(row.round), [0.0] * shape.replicas
         before = max(self.ahead)
         factors = straggler_factors(cluster.straggler, self.round, shape.replicas)
         for m, did in enumerate(stepped):
@@ -133,7 +133,7 @@ class Clock:
                 self.ahead[m] += seconds * float(factors[m])
         compute = max(self.ahead) - before
         inner = ring_allreduce_s(FP32_BYTES * self.params, shape.ranks_per_replica, self.intra)
-        u = int(row["update"])
+        u = int(row.update)
         self.recent[u] = compute
         for old in [v for v in self.recent if v <= u - shape.H]:
             del self.recent[old]
@@ -144,7 +144,7 @@ class Clock:
         self.total_s += compute + inner
         return self.total_s
 
-    def sync(self, row: dict) -> dict:
+    def sync(self, row: SyncRow) -> dict:
         """A `sync` row (`update`, `fragment`, `comm_outer_bytes`, `payload_bytes`): the outer exchange
         among the R replicas over the inter link by scheme (fp32 ring all-reduce of the synced
         parameters; a compressed payload's all-gather, or two_phase's all-to-all then the all-gather of
@@ -152,22 +152,22 @@ class Clock:
         compute. Returns the row's clock fields: the compute and inner seconds since the previous
         landing (on the first row of an update), outer exposed and hidden seconds, and `clock_s`."""
         shape = self.shape
-        u, p, R = int(row["update"]), int(row.get("fragment", 0)), shape.replicas
+        u, p, R = int(row.update), int(row.fragment or 0), shape.replicas
         hideable = at_landing = 0.0
-        if not row.get("comm_outer_bytes"):  # R = 1, or no replica stepped: nothing was exchanged
+        if not row.comm_outer_bytes:  # R = 1, or no replica stepped: nothing was exchanged
             pass
         elif shape.compress == "none":
             synced = (
                 FP32_BYTES * self.run_params
                 if shape.fragments == 1
-                else row["comm_outer_bytes"] * R / (2 * (R - 1))  # the fragment's: the ring formula inverted
+                else row.comm_outer_bytes * R / (2 * (R - 1))  # the fragment's: the ring formula inverted
             )
             hideable = ring_allreduce_s(synced * self.scale, R, self.inter)
         elif shape.reduce == "two_phase" and shape.compress != "topk":
-            b = row["payload_bytes"] * self.scale
+            b = row.figures["payload_bytes"] * self.scale
             hideable = at_landing = all_to_all_s(b, R, self.inter)
         else:
-            hideable = all_gather_s(row["payload_bytes"] * self.scale, R, self.inter)
+            hideable = all_gather_s(row.figures["payload_bytes"] * self.scale, R, self.inter)
         since = range(taken_at(u, p, shape.H, shape.fragments, shape.delay) + 1, u + 1)
         exposed = exposed_s(hideable, sum(self.recent.get(v, 0.0) for v in since))
         split = {

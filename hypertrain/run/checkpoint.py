@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
 from hypertrain.failures import fault_points
+from hypertrain.records.rows import CheckpointRow
 from hypertrain.run.records import METRICS_FILE
 
 FORMAT = 1
@@ -214,14 +215,14 @@ class Checkpointer:
         path = path_for(self.run_dir, state.next_update)
         size, seconds = write(path, payload, self.keep, self.ours)
         self.log.log_checkpoint(
-            {
-                "update": state.next_update,
-                "round": state.rounds_done,
-                "mid_round": mid,
-                "path": str(path),
-                "bytes": size,
-                "seconds": seconds,
-            }
+            CheckpointRow(
+                update=state.next_update,
+                round=state.rounds_done,
+                mid_round=mid,
+                path=str(path),
+                bytes=size,
+                seconds=seconds,
+            )
         )
         return path
 

@@ -4,40 +4,10 @@
 with `logger.name == "wandb"`, logs the same numbers to a Weights & Biases run (offline by default)
 plotted against the update. `read_metrics` reads the file back. Imports wandb only when it is used.
 
-Rows, by `kind` (JSON has no NaN; Python's json writes and reads `NaN`/`Infinity` tokens):
-- `start`: one per `RunLogger`, `{"kind", "time", "run_id", "name", "group", "job_type", "tags",
-  "replicas", "wandb_run_id", "pid", "host"}` (`run_id`: the run's own id, kept by every session of
-  it and by its checkpoints, which must match their records to be resumed; `pid` and `host`: the
-  writing process and `socket.gethostname()`, so a file without an `end` row tells a running
-  session from a dead one); a resumed run appends a second one, so
-  every session of a file is visible.
-- `eval`: the held-out loss before training, `{"kind", "update", "round", "eval_loss"}` (`log_eval`).
-- `update`: `{"kind", "update", "round", "lr", "loss": [per replica, null = skipped], "tokens", "wall",
-  "rank_seconds", "clock_s", ..., "loss_mean"}` (`log_update`; `clock_s`: the network clock at the
-  update's end, docs/clock.md).
-- `sync`: `{"kind", "update", "round", "eval_loss", "pseudo_grad_norm", "comm_inner_bytes",
-  "comm_outer_bytes", "comm_inner_total", "comm_outer_total", ...}` (`log_sync`).
-- `summary`: `{"kind", ...values}` (`summary`).
-- `restart`: a session torch's agent started again after a worker failed (`torchrun --max-restarts`,
-  `processes.max_restarts`), written by its rank 0 after its `start` row (and its `resume` row when it
-  goes on from a checkpoint): `{"kind", "count", "max_restarts", "update", "recomputed", "from",
-  "superseded_bytes"}` (`log_restart`; `count`: the agent's restart count, 1 for the first restart;
-  `update`: the update the run goes on from, 0 from the start; `recomputed`: the updates after it that
-  the failed session had recorded, which this session runs again; `from`: the checkpoint, null from
-  the start; docs/resume.md, "Restarts").
-- `end`: the last row of a session, `{"kind", "time", "status": "finished" | "failed" | "preempted" |
-  "interrupted"}`, and for a run that did not finish `"error"` (its one line) and `"exit_code"`, the
-  code the entry exits with (`preempted`: SIGTERM or SIGUSR2, 143; `interrupted`: SIGINT 130, SIGHUP
-  129; failures.signals); written by `close`. A file that ends without one is a run that was
-  killed or is still running. `session_end` reads it back: the entry of a self-launched
-  `processes=dist` run exits as its rank 0's end row says.
-
-W&B keys: `update` (the step metric of every other key), `round`, `train/loss/replica_<m>`,
-`train/loss_mean`, `train/lr`, `train/tokens`, `train/wall`, `train/<extra>`, `eval/loss`,
-`sync/pseudo_grad_norm`, `sync/<extra>`, `comm/inner_bytes`, `comm/outer_bytes`, `comm/inner_total`,
-`comm/outer_total`, `clock/seconds` (every update's and sync's `clock_s`), `clock/compute_s`,
-`clock/inner_s`, `clock/outer_exposed_s`, `clock/outer_hidden_s` (a sync's split); summary keys as given
-(the clock's totals under `clock/`, docs/clock.md).
+The rows are `hypertrain.records.rows`' types (their fields, JSON form and W&B keys; the tables in
+docs/interfaces.md, "Records", are made from them): `RunLogger` takes a row as its type, or as the dict
+of its fields, and writes `to_json()` and logs `wandb()`. W&B's step metric is `update`; a summary row's
+values go to W&B's run summary as they are.
 
 W&B that cannot start is refused before anything is written where that can be known (`check_wandb`:
 the mode, the project's name, credentials for an online mode); where `wandb.init` still fails,
@@ -49,7 +19,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -60,24 +29,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hypertrain.failures import WandbFailed, fault_points
+from hypertrain.records.files import (  # noqa: F401  (read back here too, as before the records' layer)
+    METRICS_FILE,
+    read_metrics,
+    readable_rows,
+    session_end,
+    session_rows,
+)
+from hypertrain.records.rows import (
+    CheckpointRow,
+    EndRow,
+    EvalRow,
+    RestartRow,
+    ResumeRow,
+    Row,
+    StartRow,
+    SummaryRow,
+    SyncRow,
+    UpdateRow,
+    loss_mean,  # noqa: F401  (as above)
+    plain,
+)
 from hypertrain.run.wandb_settings import quiet_wandb, wandb_mode
 
 if TYPE_CHECKING:
     from hypertrain.config import LoggerConfig
 
-METRICS_FILE = "metrics.jsonl"
 WANDB_ID_RETRIES = 15  # seconds to wait for a killed session's wandb service to let its run id go
-
-# The sync row's fields that W&B gets under their own names; any other field goes to `sync/<key>`.
-_SYNC_KEYS = {
-    "eval_loss": "eval/loss",
-    "pseudo_grad_norm": "sync/pseudo_grad_norm",
-    "comm_inner_bytes": "comm/inner_bytes",
-    "comm_outer_bytes": "comm/outer_bytes",
-    "comm_inner_total": "comm/inner_total",
-    "comm_outer_total": "comm/outer_total",
-}
-_UPDATE_KEYS = ("lr", "tokens", "wall")
 
 
 def no_space(error: BaseException) -> OSError | None:
@@ -89,40 +67,19 @@ def no_space(error: BaseException) -> OSError | None:
     return cause
 
 
-def _plain(value: Any) -> Any:
-    """JSON fallback for numpy / torch scalars and arrays, without importing either."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"metrics.jsonl cannot hold a {type(value).__name__}: {value!r}")
-
-
-def _scalar(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def loss_mean(losses: list[float | None]) -> float | None:
-    """Mean of the replicas that stepped (None entries left out); None when no replica stepped."""
-    stepped = [float(loss) for loss in losses if loss is not None]
-    return math.fsum(stepped) / len(stepped) if stepped else None
-
-
 class Records(Protocol):
     """What training hands its records, row by row (`run.trainer`): `RunLogger` writes the rows,
     `NoLog` drops them (tests/test_interfaces.py holds both to these methods)."""
 
     def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None: ...
 
-    def log_update(self, row: dict) -> None: ...
+    def log_update(self, row: UpdateRow | dict) -> None: ...
 
-    def log_sync(self, row: dict) -> None: ...
+    def log_sync(self, row: SyncRow | dict) -> None: ...
 
-    def log_checkpoint(self, row: dict) -> None: ...
+    def log_checkpoint(self, row: CheckpointRow | dict) -> None: ...
 
-    def summary(self, values: dict) -> None: ...
+    def summary(self, values: SummaryRow | dict) -> None: ...
 
 
 class NoLog:
@@ -131,16 +88,16 @@ class NoLog:
     def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None:
         pass
 
-    def log_update(self, row: dict) -> None:
+    def log_update(self, row: UpdateRow | dict) -> None:
         pass
 
-    def log_sync(self, row: dict) -> None:
+    def log_sync(self, row: SyncRow | dict) -> None:
         pass
 
-    def log_checkpoint(self, row: dict) -> None:
+    def log_checkpoint(self, row: CheckpointRow | dict) -> None:
         pass
 
-    def summary(self, values: dict) -> None:
+    def summary(self, values: SummaryRow | dict) -> None:
         pass
 
 
@@ -232,19 +189,18 @@ class RunLogger:
                     "valid: run again, or logger.mode=offline"
                 ) from None
         self._write(
-            {
-                "kind": "start",
-                "time": time.time(),
-                "run_id": self.run_id,
-                "name": self.name,
-                "group": self.group,
-                "job_type": self.job_type,
-                "tags": self.tags,
-                "replicas": self.replicas,
-                "wandb_run_id": self._run.id if self._run is not None and self._mode != "disabled" else None,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-            }
+            StartRow(
+                time=time.time(),
+                run_id=self.run_id,
+                name=self.name,
+                group=self.group,
+                job_type=self.job_type,
+                tags=self.tags,
+                replicas=self.replicas,
+                wandb_run_id=self.wandb_run_id,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+            )
         )
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -262,14 +218,13 @@ class RunLogger:
         exit_code = 0 if error is None else int(getattr(error, "exit_code", 1))
         try:
             if self._file is not None and not self._file.closed:
-                end = {
-                    "kind": "end",
-                    "time": time.time(),
-                    "status": "finished" if error is None else getattr(error, "status", "failed"),
-                }
+                end = EndRow(
+                    time=time.time(),
+                    status="finished" if error is None else getattr(error, "status", "failed"),
+                )
                 if error is not None:
-                    end |= {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
-                    end |= {"exit_code": exit_code}
+                    end.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+                    end.exit_code = exit_code
                 try:
                     self._write(end)
                 except OSError:  # a full disk: the rows before it are flushed; the error is reported
@@ -352,36 +307,22 @@ class RunLogger:
     def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None:
         """A held-out loss in its own `eval` row, `eval/loss`: the starting weights' (before any update),
         and with Streaming DiLoCo's fragments the global weights' after every round (`extra`: the
-        running byte totals, a multistream model's per-channel losses)."""
-        row = {"kind": "eval", "update": update, "round": round, "eval_loss": float(eval_loss), **extra}
-        self._write(row)
-        self._wandb_log({"update": update, "round": round, "eval/loss": row["eval_loss"]}, extra, "eval/")
+        running byte totals, the clock, a multistream model's per-channel losses)."""
+        self.write(EvalRow.of({"update": update, "round": round, "eval_loss": eval_loss, **extra}))
 
-    def log_update(self, row: dict) -> None:
+    def log_update(self, row: UpdateRow | dict) -> None:
         """One update: `update`, `round`, `lr`, `loss` (R entries, None = skipped), `tokens`, `wall`, ..."""
-        losses = [None if loss is None else float(loss) for loss in row["loss"]]
-        if len(losses) != self.replicas:
+        row = UpdateRow.of(row)
+        if len(row.loss) != self.replicas:
             raise ValueError(
-                f"log_update: loss has {len(losses)} entries at update {row['update']}; "
+                f"log_update: loss has {len(row.loss)} entries at update {row.update}; "
                 f"valid: one per replica ({self.replicas})"
             )
-        mean = loss_mean(losses)
-        self._write({"kind": "update", **row, "loss": losses, "loss_mean": mean})
-        data: dict[str, Any] = {"update": row["update"], "round": row["round"]}
-        data.update({f"train/loss/replica_{m}": loss for m, loss in enumerate(losses) if loss is not None})
-        if mean is not None:
-            data["train/loss_mean"] = mean
-        data.update({f"train/{key}": row[key] for key in _UPDATE_KEYS if key in row})
-        extra = {k: v for k, v in row.items() if k not in ("update", "round", "loss", *_UPDATE_KEYS)}
-        self._wandb_log(data, extra, "train/")
+        self.write(row)
 
-    def log_sync(self, row: dict) -> None:
+    def log_sync(self, row: SyncRow | dict) -> None:
         """One sync (end of a round): held-out loss, pseudo-gradient norm, communicated bytes, extras."""
-        self._write({"kind": "sync", **row})
-        data: dict[str, Any] = {"update": row["update"], "round": row["round"]}
-        data.update({wandb_key: row[key] for key, wandb_key in _SYNC_KEYS.items() if key in row})
-        extra = {k: v for k, v in row.items() if k not in ("update", "round", *_SYNC_KEYS)}
-        self._wandb_log(data, extra, "sync/")
+        self.write(SyncRow.of(row))
 
     def position(self) -> int:
         """Bytes written to metrics.jsonl so far (every row is flushed as it is written)."""
@@ -395,34 +336,38 @@ class RunLogger:
     def wandb_run_id(self) -> str | None:
         return self._run.id if self._run is not None and self._mode != "disabled" else None
 
-    def log_checkpoint(self, row: dict) -> None:
+    def log_checkpoint(self, row: CheckpointRow | dict) -> None:
         """A checkpoint written: `update` (the next to run), `round`, `path`, `bytes`, `seconds`."""
-        self._write({"kind": "checkpoint", **row})
-        self._wandb_log(
-            {"update": row["update"], "round": row["round"]},
-            {k: row[k] for k in ("bytes", "seconds")},
-            "checkpoint/",
-        )
+        self.write(CheckpointRow.of(row))
 
-    def log_resume(self, row: dict) -> None:
+    def log_resume(self, row: ResumeRow | dict) -> None:
         """This session resumes: from which checkpoint, at which update, what was superseded."""
-        self._write({"kind": "resume", **row})
+        self.write(ResumeRow.of(row))
 
-    def log_restart(self, row: dict) -> None:
+    def log_restart(self, row: RestartRow | dict) -> None:
         """This session was restarted by torch's agent: its count, where it goes on, what runs again."""
-        self._write({"kind": "restart", **row})
+        self.write(RestartRow.of(row))
 
-    def summary(self, values: dict) -> None:
+    def summary(self, values: SummaryRow | dict) -> None:
         """Run-level facts (`plan/union_sha256`, `plan/data_order_sha256`, `data/fingerprint`, ...)."""
-        self._write({"kind": "summary", **values})
+        row = SummaryRow.of(values)
+        self.write(row)
         if self._run is not None:
-            for key, value in values.items():
+            for key, value in row.values.items():
                 self._run.summary[key] = value
 
-    def _write(self, row: dict) -> None:
+    def write(self, row: Row) -> None:
+        """`row` to metrics.jsonl and, where it has W&B keys, to W&B."""
+        self._write(row)
+        data = None if self._run is None else row.wandb()
+        if data is not None:
+            self._run.log(data, commit=True)
+
+    def _write(self, typed: Row) -> None:
         if self._file is None or self._file.closed:
             raise RuntimeError("RunLogger is not open; use it as a context manager (with RunLogger(...))")
-        line = json.dumps(row, default=_plain) + "\n"
+        row = typed.to_json()
+        line = json.dumps(row, default=plain) + "\n"
         at = range(row["update"] - 1, row["update"]) if row["kind"] == "update" else range(0)
         if fault_points.due(0, "metrics", at):
             self._append(line[: len(line) // 2])  # tests only: die half-way through the row
@@ -433,73 +378,3 @@ class RunLogger:
         self._file.write(text)
         self._file.flush()
         self._sha.update(text.encode("utf-8"))
-
-    def _wandb_log(self, data: dict, extra: dict, prefix: str) -> None:
-        if self._run is None:
-            return
-        for key, value in extra.items():
-            value = _plain(value) if hasattr(value, "item") else value
-            if _scalar(value):  # lists and strings stay in metrics.jsonl only
-                data[_clock_key(key) or f"{prefix}{key}"] = value
-        self._run.log(data, commit=True)
-
-
-def _clock_key(key: str) -> str | None:
-    """The network clock's W&B keys: `clock_s` (an update's or a sync's, the clock at its end) is
-    `clock/seconds`, a sync's `clock_<part>` is `clock/<part>`; None for any other field."""
-    if key == "clock_s":
-        return "clock/seconds"
-    return f"clock/{key.removeprefix('clock_')}" if key.startswith("clock_") else None
-
-
-def read_metrics(path: Path | str) -> list[dict]:
-    """The rows of a `metrics.jsonl` (a file, or a run directory holding one), in order."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number} is not a JSON line ({e.msg}): {line[:80]!r}") from None
-    return rows
-
-
-def session_rows(path: Path | str, since: int = 0) -> list[dict]:
-    """The rows of a `metrics.jsonl` (a file, or a run directory holding one) from byte `since` on,
-    leaving out a line that is not JSON (a row cut short by a kill); [] when there is no file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    try:
-        with open(path, "rb") as f:
-            f.seek(since)
-            data = f.read()
-    except FileNotFoundError:
-        return []
-    return readable_rows(data)
-
-
-def readable_rows(data: bytes) -> list[dict]:
-    """The rows among `data`'s lines (metrics.jsonl bytes), leaving out a line that is not JSON (a row
-    cut short by a kill)."""
-    rows = []
-    for line in data.splitlines():
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def session_end(rows: list[dict]) -> dict | None:
-    """The session's `end` row among `rows` (`session_rows`), None when it has none; its exit code is
-    `end.get("exit_code", 0)`."""
-    ends = [r for r in rows if r.get("kind") == "end"]
-    return ends[-1] if ends else None

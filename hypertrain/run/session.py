@@ -30,6 +30,7 @@ from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
+from hypertrain.records.rows import RestartRow, ResumeRow, StartRow, UpdateRow, parse
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer, checkpoints, written_by_run
 from hypertrain.run.records import METRICS_FILE, NoLog, RunLogger, no_space, readable_rows
@@ -102,15 +103,15 @@ class Restart:
     run_id: str | None = None  # from the start: the run's id, kept (None: the records held none yet)
     wandb_id: str | None = None  # from the start: the W&B run's id, kept
 
-    def row(self) -> dict:
-        return {
-            "count": self.count,
-            "max_restarts": self.allowed,
-            "update": self.update,
-            "recomputed": self.recomputed,
-            "from": self.path,
-            "superseded_bytes": self.superseded,
-        }
+    def row(self) -> RestartRow:
+        return RestartRow(
+            count=self.count,
+            max_restarts=self.allowed,
+            update=self.update,
+            recomputed=self.recomputed,
+            from_=self.path,
+            superseded_bytes=self.superseded,
+        )
 
     def line(self) -> str:
         where = f"checkpoint {self.path}" if self.path else "the start (no checkpoint yet)"
@@ -133,13 +134,13 @@ def restart_here(run_dir: Path, found: tuple[Path, dict] | None) -> tuple[Resume
     saved = None if found is None else found[1]
     length = 0 if saved is None else int(saved["metrics_bytes"])
     update = 0 if saved is None else int(saved["state"]["next_update"])
-    after = [int(r["update"]) for r in readable_rows(data[length:]) if r.get("kind") == "update"]
+    after = [int(r.update) for r in map(parse, readable_rows(data[length:])) if isinstance(r, UpdateRow)]
     recorded = {u for u in after if u > update}
     run_id = wandb_id = None
     if saved is None:  # from the start: the same run, its own id kept
-        starts = [r for r in readable_rows(data) if r.get("kind") == "start"]
+        starts = [r for r in map(parse, readable_rows(data)) if isinstance(r, StartRow)]
         if starts:
-            run_id, wandb_id = starts[-1].get("run_id"), starts[-1].get("wandb_run_id")
+            run_id, wandb_id = starts[-1].run_id, starts[-1].wandb_run_id
     checkpoint.drop_later(run_dir, update)  # and a checkpoint's temporary file a kill cut short
     moved = checkpoint.rewind_metrics(run_dir, length)
     path = None if found is None else str(found[0])
@@ -196,12 +197,12 @@ def train_session(
         stack.enter_context(stopping(run_dir))
         if resume is not None:
             log.log_resume(
-                {
-                    "from": resume.path,
-                    "update": resume.saved["state"]["next_update"],
-                    "round": resume.saved["state"]["rounds_done"],
-                    "superseded_bytes": resume.superseded,
-                }
+                ResumeRow(
+                    from_=resume.path,
+                    update=resume.saved["state"]["next_update"],
+                    round=resume.saved["state"]["rounds_done"],
+                    superseded_bytes=resume.superseded,
+                )
             )
         if restart is not None:
             log.log_restart(restart.row())

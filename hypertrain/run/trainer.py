@@ -25,6 +25,7 @@ from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
+from hypertrain.records.rows import SyncRow, UpdateRow
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer
 from hypertrain.run.evaluation import heldout_eval
@@ -54,7 +55,7 @@ def device_name(device: str) -> str:
 
 def sync_rows(
     cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int, extra: dict, clock: Clock | None
-) -> list[dict]:
+) -> list[SyncRow]:
     """The rows of the syncs that landed after `rnd`, advancing `totals`: the pseudo-gradient norm, the
     replicas that took part, the formula's bytes (inner: the updates since the previous sync, on the
     first row; outer: the synced parameters' ring all-reduce across replicas) and what real processes
@@ -72,24 +73,22 @@ def sync_rows(
         totals.comm_inner_bytes += inner
         totals.comm_outer_bytes += outer
         totals.comm_outer_peak = max(totals.comm_outer_peak, outer)
-        row = {"update": count, "round": rnd.index}
-        if cfg.outer.fragments > 1:
-            row["fragment"] = sync.fragment
-        elif eval_loss is not None:
-            row["eval_loss"] = eval_loss
-        row |= {
-            "pseudo_grad_norm": sync.delta_norm,
-            "replicas_synced": sync.synced,
-            "comm_inner_bytes": inner,
-            "comm_outer_bytes": outer,
-            "comm_inner_total": totals.comm_inner_bytes,
-            "comm_outer_total": totals.comm_outer_bytes,
-            **stage,
-        }
-        row |= sync.measured | extra
+        row = SyncRow(
+            update=count,
+            round=rnd.index,
+            fragment=sync.fragment if cfg.outer.fragments > 1 else None,
+            eval_loss=eval_loss if cfg.outer.fragments == 1 else None,
+            pseudo_grad_norm=sync.delta_norm,
+            replicas_synced=sync.synced,
+            comm_inner_bytes=inner,
+            comm_outer_bytes=outer,
+            comm_inner_total=totals.comm_inner_bytes,
+            comm_outer_total=totals.comm_outer_bytes,
+            figures=stage | sync.measured | extra,
+        )
         if sync.churn is not None:  # who contributed, was absent, missed; whether the quorum failed
             facts = sync.churn
-            row |= facts.row()
+            row.figures |= facts.row()
             if facts.fragment == cfg.outer.fragments - 1:  # the round's last sync counts its replicas
                 totals.churn_missed += len(facts.missed)
                 totals.churn_absent += len(facts.absent)
@@ -98,9 +97,9 @@ def sync_rows(
             totals.replica_steps_reached += sum(facts.steps.values())
             totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts, cfg.outer.fragments)
         if clock is not None:
-            row |= clock.sync(row)
-            if "eval_loss" in row:
-                clock.heldout(row["eval_loss"])
+            row.figures |= clock.sync(row)
+            if row.eval_loss is not None:
+                clock.heldout(row.eval_loss)
         rows.append(row)
     return rows
 
@@ -171,7 +170,7 @@ def after_syncs(
         if rnd.ends_round and verdict != HELDOUT_NON_FINITE:
             progress.eval_loss = eval_loss
             if streaming:
-                totals = {k: rows[-1][k] for k in ("comm_inner_total", "comm_outer_total")}
+                totals = {k: getattr(rows[-1], k) for k in ("comm_inner_total", "comm_outer_total")}
                 if clock is not None:
                     totals["clock_s"] = clock.heldout(eval_loss)
                 log.log_eval(rnd.updates[-1] + 1, eval_loss, rnd.index, **totals, **channels)
@@ -271,20 +270,19 @@ def train(
             tokens = int(rnd.replica_column("targets")[t].sum())
             totals.tokens += tokens
             totals.replica_steps += len(stepped)
-            row = {
-                "update": u + 1,
-                "round": rnd.index,
-                "lr": rnd.assigns[0].lr(cfg, t),
-                "loss": losses,
-                "tokens": tokens,
-                "grad_accum": int(rnd.replica_column("microbatches")[t].max()),
-                "wall": round_end,
-                "rank_seconds": rnd.process_column("seconds")[:, t].tolist(),  # each process's time
-                **channel_losses(rnd, t),
-                **router_figures(rnd, t),
-            }
+            row = UpdateRow(
+                update=u + 1,
+                round=rnd.index,
+                lr=rnd.assigns[0].lr(cfg, t),
+                loss=losses,
+                tokens=tokens,
+                grad_accum=int(rnd.replica_column("microbatches")[t].max()),
+                wall=round_end,
+                rank_seconds=rnd.process_column("seconds")[:, t].tolist(),  # each process's time
+                figures=channel_losses(rnd, t) | router_figures(rnd, t),
+            )
             if clock is not None:
-                row["clock_s"] = clock.update(row)
+                row.clock_s = clock.update(row)
             log.log_update(row)
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
         if rnd.syncs or rnd.ends_round:

@@ -1,0 +1,71 @@
+"""`metrics.jsonl` read back: its rows as JSON objects (`read_metrics`, `session_rows`, `readable_rows`)
+or as their types (`read_rows`, `rows.parse`); a session's `end` row (`session_end`). The writer is
+`run.records.RunLogger`; it appends one row per line and never truncates the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypertrain.records.rows import EndRow, Row, parse
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _file(path: Path | str) -> Path:
+    path = Path(path)
+    return path / METRICS_FILE if path.is_dir() else path
+
+
+def read_metrics(path: Path | str) -> list[dict]:
+    """The rows of a `metrics.jsonl` (a file, or a run directory holding one), in order."""
+    path = _file(path)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not a JSON line ({e.msg}): {line[:80]!r}") from None
+    return rows
+
+
+def read_rows(path: Path | str) -> list[Row]:
+    """`read_metrics`' rows as their types, leaving out a kind no type names."""
+    return [typed for typed in map(parse, read_metrics(path)) if typed is not None]
+
+
+def session_rows(path: Path | str, since: int = 0) -> list[dict]:
+    """The rows of a `metrics.jsonl` (a file, or a run directory holding one) from byte `since` on,
+    leaving out a line that is not JSON (a row cut short by a kill); [] when there is no file."""
+    try:
+        with open(_file(path), "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    return readable_rows(data)
+
+
+def readable_rows(data: bytes) -> list[dict]:
+    """The rows among `data`'s lines (metrics.jsonl bytes), leaving out a line that is not JSON (a row
+    cut short by a kill)."""
+    rows = []
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def session_end(rows: list[dict]) -> dict | None:
+    """The session's `end` row among `rows` (`session_rows`), None when it has none; its exit code is
+    `end.get("exit_code", 0)` (`EndRow.from_json(end).code`)."""
+    ends = [r for r in rows if r.get("kind") == EndRow.kind]
+    return ends[-1] if ends else None
