@@ -230,9 +230,15 @@ def _finished_here(run) -> bool:
 
 def finished_loss(run_dir: Path) -> float:
     """The final held-out loss a finished run's records hold (NaN when they hold none)."""
-    from hypertrain.run.records import read_metrics
+    from hypertrain.records.files import read_records
+    from hypertrain.records.rows import SummaryRow
 
-    losses = [r["eval/final_loss"] for r in read_metrics(run_dir) if "eval/final_loss" in r]
+    rows = read_records(run_dir)
+    losses = [
+        r.values["eval/final_loss"]
+        for r in rows
+        if isinstance(r, SummaryRow) and "eval/final_loss" in r.values
+    ]
     return losses[-1] if losses else math.nan
 
 

@@ -10,41 +10,45 @@ from omegaconf import OmegaConf
 
 from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import ClusterConfig, ConfigError, upgrade_resolved
-from hypertrain.records.rows import EvalRow, SyncRow, UpdateRow, parse
+from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
 
 _ORDER = {UpdateRow.kind: 0, SyncRow.kind: 1, EvalRow.kind: 2}  # within one update, as training writes them
 
 
-def in_order(rows: list[dict]) -> list[UpdateRow | SyncRow | EvalRow]:
+def in_order(rows: list[Row | dict]) -> list[UpdateRow | SyncRow | EvalRow]:
     """A run's update, sync and eval rows, as their types, in the order training writes them, each once
     (the last written: a resumed run writes again the updates after its checkpoint): by update, then an
     update's row, the syncs landing after it (a flush's fragments in the order written), its evaluation."""
     found: dict[tuple, UpdateRow | SyncRow | EvalRow] = {}
-    for row in rows:
-        kind = row.get("kind")
-        if kind in _ORDER:
-            typed = parse(row)
-            fragment = (typed.fragment or 0) if isinstance(typed, SyncRow) else 0
-            found[(kind, typed.update, fragment)] = typed
+    for row in map(parse, rows):
+        if row is not None and row.kind in _ORDER:
+            fragment = (row.fragment or 0) if isinstance(row, SyncRow) else 0
+            found[(row.kind, row.update, fragment)] = row
     written = {key: i for i, key in enumerate(found)}
     return [found[k] for k in sorted(found, key=lambda k: (k[1], _ORDER[k[0]], written[k]))]
 
 
-def run_params(rows: list[dict]) -> int:
+def _summary_value(rows: list[Row | dict], key: str):
+    """`key` of the first summary row that holds it; None when none does."""
+    for row in map(parse, rows):
+        if isinstance(row, SummaryRow) and key in row.values:
+            return row.values[key]
+    return None
+
+
+def run_params(rows: list[Row | dict]) -> int:
     """The run's parameter count, from its summary (`model/params`)."""
-    for row in rows:
-        if row.get("kind") == "summary" and "model/params" in row:
-            return int(row["model/params"])
+    params = _summary_value(rows, "model/params")
+    if params is not None:
+        return int(params)
     raise ConfigError("the run's metrics.jsonl has no summary with model/params; valid: a run's records")
 
 
-def run_active_params(rows: list[dict]) -> int | None:
+def run_active_params(rows: list[Row | dict]) -> int | None:
     """The parameters a token of the run used (`model/active_params`); None for a run recorded before
     (the models then were dense: all of them)."""
-    for row in rows:
-        if row.get("kind") == "summary" and "model/active_params" in row:
-            return int(row["model/active_params"])
-    return None
+    active = _summary_value(rows, "model/active_params")
+    return None if active is None else int(active)
 
 
 def run_cluster(resolved: dict) -> ClusterConfig:
@@ -57,7 +61,7 @@ def run_cluster(resolved: dict) -> ClusterConfig:
 
 
 def clock_of(
-    rows: list[dict], resolved: dict, cluster: ClusterConfig, model_params: int | None = None
+    rows: list[Row | dict], resolved: dict, cluster: ClusterConfig, model_params: int | None = None
 ) -> dict:
     """The simulated clock of a run (its `metrics.jsonl` rows, its resolved config) on `cluster`,
     `model_params` N rescaling as `Clock` says.

@@ -1,5 +1,6 @@
 """`metrics.jsonl` read back: its rows as JSON objects (`read_metrics`, `session_rows`, `readable_rows`)
-or as their types (`read_rows`, `rows.parse`); a session's `end` row (`session_end`). The writer is
+or as their types (`read_records`, `rows.parse`); a session's `end` row and summary (`session_end`,
+`merged_summary`). The writer is
 `run.records.RunLogger`; it appends one row per line and never truncates the file.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hypertrain.records.rows import EndRow, Row, parse
+from hypertrain.records.rows import EndRow, Row, SummaryRow, parse
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -33,7 +34,7 @@ def read_metrics(path: Path | str) -> list[dict]:
     return rows
 
 
-def read_rows(path: Path | str) -> list[Row]:
+def read_records(path: Path | str) -> list[Row]:
     """`read_metrics`' rows as their types, leaving out a kind no type names."""
     return [typed for typed in map(parse, read_metrics(path)) if typed is not None]
 
@@ -64,8 +65,17 @@ def readable_rows(data: bytes) -> list[dict]:
     return rows
 
 
-def session_end(rows: list[dict]) -> dict | None:
+def session_end(rows: list[dict | Row]) -> EndRow | None:
     """The session's `end` row among `rows` (`session_rows`), None when it has none; its exit code is
-    `end.get("exit_code", 0)` (`EndRow.from_json(end).code`)."""
-    ends = [r for r in rows if r.get("kind") == EndRow.kind]
+    `code`."""
+    ends = [row for row in map(parse, rows) if isinstance(row, EndRow)]
     return ends[-1] if ends else None
+
+
+def merged_summary(rows: list[dict | Row]) -> dict:
+    """The values of `rows`' summary rows, merged in order (a later value of a key wins)."""
+    merged: dict = {}
+    for row in map(parse, rows):
+        if isinstance(row, SummaryRow):
+            merged |= row.values
+    return merged

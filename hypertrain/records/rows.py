@@ -187,17 +187,18 @@ class UpdateRow(Row):
     clock_s: float | None = _maybe("the network clock at its end (docs/clock.md)")
 
     def __post_init__(self) -> None:
-        self.loss = [None if loss is None else float(loss) for loss in self.loss]
+        if self.loss is not None:  # None: a row that holds no losses (it reads back as one)
+            self.loss = [None if loss is None else float(loss) for loss in self.loss]
 
     @property
     def stepped(self) -> list[bool]:
         """Per replica: whether it stepped."""
-        return [loss is not None for loss in self.loss]
+        return [loss is not None for loss in self.loss or ()]
 
     @property
     def loss_mean(self) -> float | None:
         """The mean over the replicas that stepped; None when none did."""
-        return loss_mean(self.loss)
+        return loss_mean(self.loss or [])
 
     def to_json(self) -> dict:
         return super().to_json() | {"loss_mean": self.loss_mean}
@@ -339,7 +340,10 @@ ROWS: dict[str, type[Row]] = {
 }
 
 
-def parse(row: dict) -> Row | None:
-    """The typed row of a metrics.jsonl object; None for a kind no type names."""
+def parse(row: dict | Row) -> Row | None:
+    """The typed row of a metrics.jsonl object (a row already typed: itself); None for a kind no type
+    names, or for something that is not a row."""
+    if isinstance(row, Row):
+        return row
     cls = ROWS.get(row.get("kind")) if isinstance(row, dict) else None
     return None if cls is None else cls.from_json(row)

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from hypertrain.records.rows import EndRow
 from hypertrain.report import phases
 from hypertrain.report.clocks import parse_target, run_clock, target_loss
 from hypertrain.report.command import VALID_OUT, check_out, print_out
@@ -172,11 +173,11 @@ def build(
     rows = table_rows(runs, names, list(clocks), target)
     table = phases.cells([flat(row) for row in rows], columns(keys, rows))
     marked = [bool(row["data"]) or row["status"] != "finished" for row in rows]
-    ends = [run.rows[-1] if run.rows else {} for run in runs]  # an end row is a session's last
+    ends = [run.rows[-1] if run.rows else None for run in runs]  # an end row is a session's last
     failures = [
-        f"{row['run']} {row['status']}: {end['error']}"
+        f"{row['run']} {row['status']}: {end.error}"
         for row, end in zip(rows, ends, strict=True)
-        if end.get("kind") == "end" and "error" in end
+        if isinstance(end, EndRow) and end.error is not None
     ]
     cannot = [
         f"{row['run']}: no simulated clock ({why})" for row, why in zip(rows, untimed, strict=True) if why

@@ -14,20 +14,18 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.records.files import METRICS_FILE, merged_summary, read_records
+from hypertrain.records.rows import EndRow
 
 TABLE_MD, TABLE_JSON = "phases.md", "phases.json"
 
 
 def job_row(job_dir: Path) -> dict:
     """One run's figures: its summary rows merged, its phase and world, its end status."""
-    rows = read_metrics(job_dir / METRICS_FILE)
-    summary: dict = {}
-    for row in rows:
-        if row["kind"] == "summary":
-            summary |= row
+    rows = read_records(job_dir / METRICS_FILE)
+    summary = merged_summary(rows)
     cfg = OmegaConf.load(job_dir / "config.yaml")
-    end = rows[-1] if rows and rows[-1]["kind"] == "end" else {"status": "crashed"}
+    end = rows[-1] if rows and isinstance(rows[-1], EndRow) else EndRow(status="crashed")
     per_rank = summary.get("bench/samples_per_s_per_rank", [])
     return {
         "job": job_dir.name,
@@ -58,7 +56,7 @@ def job_row(job_dir: Path) -> dict:
         "union_sha256": summary.get("plan/union_sha256"),
         "data_order_sha256": summary.get("plan/data_order_sha256"),
         "rank_sha256": summary.get("plan/rank_sha256"),
-        "status": end["status"],
+        "status": end.status,
     } | ({"frames_per_s": summary.get("bench/frames_per_s")} if cfg.model.arch == "multistream" else {})
 
 

@@ -132,10 +132,10 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
     series = labels(runs, names, keys, flags)
     for run, label, style in zip(runs, series, lines, strict=True):
         evals = run.heldout()
-        loss = [row["eval_loss"] for row in evals]
-        outer = [row.get("comm_outer_total", 0) for row in evals]  # the eval row before training: 0
+        loss = [row.eval_loss for row in evals]
+        outer = [row.comm_outer_total or 0 for row in evals]  # the eval row before training: 0
         line = style | dict(markersize=3)
-        by_update.plot([row["update"] for row in evals], loss, label=label, **line)
+        by_update.plot([row.update for row in evals], loss, label=label, **line)
         by_bytes.plot(outer, loss, **line)
         if evals:  # one point: the last held-out loss at the run's peak bytes per sync
             by_peak.plot(
@@ -148,7 +148,7 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
     by_update.set_xlabel("update")
     by_update.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_update.set_ylabel(f"held-out loss of the global weights ({LOSS_UNIT})")
-    most = max((row.get("comm_outer_total", 0) for run in runs for row in run.of_kind("sync")), default=0)
+    most = max((row.comm_outer_total or 0 for run in runs for row in run.of_kind("sync")), default=0)
     _bytes_axis(by_bytes, most, "outer (cross-replica) bytes sent per replica, cumulative")
     peak = max((run.outer_peak_bytes() for run in runs), default=0)
     _bytes_axis(by_peak, peak, "peak outer bytes per sync and replica (last held-out loss)")
@@ -248,15 +248,15 @@ def spread_plot(run: Run, name: str, number: int, out_dir: Path) -> Plot:
     """One run's per-replica training loss: min-max band over the replicas that stepped, their mean,
     and the held-out loss of the global weights at its evaluations (Run.heldout)."""
     fig, (ax,) = _figure(SPREAD_SIZE, 1)
-    updates = [row for row in run.of_kind("update") if any(loss is not None for loss in row["loss"])]
-    steps = [row["update"] for row in updates]
-    stepped = [[loss for loss in row["loss"] if loss is not None] for row in updates]
+    updates = [row for row in run.of_kind("update") if any(row.stepped)]
+    steps = [row.update for row in updates]
+    stepped = [[loss for loss in row.loss if loss is not None] for row in updates]
     ax.fill_between(steps, [min(x) for x in stepped], [max(x) for x in stepped], alpha=0.3, label="min-max")
-    ax.plot(steps, [row["loss_mean"] for row in updates], label="mean over replicas")
+    ax.plot(steps, [row.loss_mean for row in updates], label="mean over replicas")
     evals = run.heldout()
     ax.plot(
-        [row["update"] for row in evals],
-        [row["eval_loss"] for row in evals],
+        [row.update for row in evals],
+        [row.eval_loss for row in evals],
         "o--",
         markersize=3,
         label="held-out loss of the global weights",

@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hypertrain.config import flatten, upgrade_resolved
+from hypertrain.records.files import merged_summary
+from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
 from hypertrain.run.records import METRICS_FILE, read_metrics
 
 VALID_PATH = "valid: a run directory (holding metrics.jsonl), a sweep directory, or a folder above them"
@@ -36,7 +38,7 @@ class Run:
     """One run directory's records, read once."""
 
     path: Path
-    rows: list[dict]  # metrics.jsonl, in order
+    rows: list[Row]  # metrics.jsonl, in order, as the row types (a kind no type names left out)
     config: dict  # config.yaml flattened to dotted keys ("inner.H": 5)
     plan: dict  # plan.json: the plan check, the hashes, the data fingerprint, updates run
     status: str  # one of STATUSES, or the `end` row's own word (e.g. `preempted`)
@@ -47,34 +49,30 @@ class Run:
     def replicas(self) -> int:
         return self.config["replicas"]
 
-    def of_kind(self, kind: str) -> list[dict]:
-        return [row for row in self.rows if row.get("kind") == kind]
+    def of_kind(self, kind: str) -> list[Row]:
+        return [row for row in self.rows if row.kind == kind]
 
     @property
     def resumed(self) -> int:
         """How many times the run was resumed (one `resume` row per resumed session)."""
         return len(self.of_kind("resume"))
 
-    def sessions(self) -> list[list[dict]]:
+    def sessions(self) -> list[list[Row]]:
         """The rows split at each `start` row (a resumed run has several sessions)."""
         return sessions(self.rows)
 
     def summary(self) -> dict:
         """The last session's summary rows merged (a resumed run: what it ran last; {} without any)."""
-        merged: dict = {}
-        for row in (self.sessions() or [[]])[-1]:
-            if row.get("kind") == "summary":
-                merged |= row
-        return merged
+        return merged_summary((self.sessions() or [[]])[-1])
 
-    def heldout(self) -> list[dict]:
+    def heldout(self) -> list[EvalRow | SyncRow]:
         """The held-out curve of the global weights, in order: every `eval` row (the one before
         training; with fragments, one after every round of H updates and at the end) and every `sync`
         row that holds an `eval_loss` (DiLoCo's one sync per round; a fragment's sync holds none)."""
         return [
             row
             for row in self.rows
-            if row.get("kind") == "eval" or (row.get("kind") == "sync" and "eval_loss" in row)
+            if isinstance(row, EvalRow) or (isinstance(row, SyncRow) and row.eval_loss is not None)
         ]
 
     def outer_total_bytes(self) -> int:
@@ -85,7 +83,7 @@ class Run:
         if total is not None:
             return total
         syncs = self.of_kind("sync")
-        return syncs[-1]["comm_outer_total"] if syncs else 0
+        return syncs[-1].comm_outer_total if syncs else 0
 
     def outer_peak_bytes(self) -> int:
         """The most outer bytes one replica sent in one sync (a fragment's sync with fragments): the
@@ -94,14 +92,14 @@ class Run:
         peak = self.summary().get("comm/outer_peak_bytes")
         if peak is not None:
             return peak
-        return max((row["comm_outer_bytes"] for row in self.of_kind("sync")), default=0)
+        return max((row.comm_outer_bytes for row in self.of_kind("sync")), default=0)
 
 
-def sessions(rows: list[dict]) -> list[list[dict]]:
+def sessions(rows: list[Row]) -> list[list[Row]]:
     """`rows` split at each `start` row; rows before the first start row form a session of their own."""
-    out: list[list[dict]] = []
+    out: list[list[Row]] = []
     for row in rows:
-        if row.get("kind") == "start" or not out:
+        if isinstance(row, StartRow) or not out:
             out.append([])
         out[-1].append(row)
     return out
@@ -203,21 +201,23 @@ def load_run(run_dir: Path, host: str | None = None, need_plan: bool = True) -> 
     # A config written before today's fields reads in today's shape (a run from before Streaming DiLoCo
     # as the plain DiLoCo it ran), so it differs from today's runs only where it truly does.
     config = flatten(upgrade_resolved(tree))
-    return Run(run_dir, rows, config, facts, run_status(rows, host), cut_short, tree)
+    typed = [row for row in map(parse, rows) if row is not None]
+    return Run(run_dir, typed, config, facts, run_status(typed, host), cut_short, tree)
 
 
-def run_status(rows: list[dict], host: str | None = None) -> str:
+def run_status(rows: list[Row | dict], host: str | None = None) -> str:
     """The status of the run's last session (see the module docstring); `host` defaults to this one."""
+    rows = [row for row in map(parse, rows) if row is not None]
     last = sessions(rows)[-1] if rows else []
-    ends = [row for row in last if row.get("kind") == "end"]
+    ends = [row for row in last if isinstance(row, EndRow)]
     if ends:
-        return ends[-1].get("status", "unknown")
-    start = last[0] if last and last[0].get("kind") == "start" else {}
-    if "pid" not in start or "host" not in start:
+        return "unknown" if ends[-1].status is None else ends[-1].status
+    start = last[0] if last and isinstance(last[0], StartRow) else StartRow()
+    if start.pid is None or start.host is None:
         return "unknown"
-    if start["host"] != (host or socket.gethostname()):
+    if start.host != (host or socket.gethostname()):
         return "unknown"
-    return "running" if process_alive(int(start["pid"]), float(start["time"])) else "crashed"
+    return "running" if process_alive(int(start.pid), float(start.time)) else "crashed"
 
 
 def process_alive(pid: int, started_by: float) -> bool:

@@ -12,6 +12,7 @@ from collections import Counter
 
 from hypertrain.clock.replay import time_to_loss
 from hypertrain.config import MAY_CHANGE
+from hypertrain.records.rows import Row, SummaryRow, UpdateRow
 from hypertrain.report.runs import Run
 
 NOT_COMPARED = MAY_CHANGE  # config sections that may differ without changing a run's numbers
@@ -97,37 +98,37 @@ def data_flags(runs: list[Run]) -> list[str]:
     return flags
 
 
-def _last(rows: list[dict], key: str):
-    values = [row[key] for row in rows if row.get(key) is not None]
-    return values[-1] if values else None
+def _last(values: list):
+    given = [value for value in values if value is not None]
+    return given[-1] if given else None
 
 
-def session_seconds(session: list[dict]) -> float:
+def session_seconds(session: list[Row]) -> float:
     """A session's training seconds: its final summary's `train/wall_s`, or, when it stopped before
     writing one, the `wall` of its last update row (the end of the last round it logged)."""
-    wall = _last([row for row in session if row.get("kind") == "summary"], "train/wall_s")
+    wall = _last([row.values.get("train/wall_s") for row in session if isinstance(row, SummaryRow)])
     if wall is None:
-        wall = _last([row for row in session if row.get("kind") == "update"], "wall")
+        wall = _last([row.wall for row in session if isinstance(row, UpdateRow)])
     return float(wall or 0.0)
 
 
 def figures(run: Run) -> dict:
     """One run's figures from its metrics.jsonl (see docs/report.md for each one's definition)."""
-    evals = [row["eval_loss"] for row in run.heldout()]
+    evals = [row.eval_loss for row in run.heldout()]
     syncs, updates = run.of_kind("sync"), run.of_kind("update")
     summary = run.summary()  # the last session's (a resumed run: what it ran last)
-    done = len({row["update"] for row in updates})
+    done = len({row.update for row in updates})
     planned = run.plan.get("plan/updates_run")
     return {
         "heldout_final": evals[-1] if evals else None,
         "heldout_best": min(evals) if evals else None,
-        "train_loss_final": _last(updates, "loss_mean"),
+        "train_loss_final": _last([row.loss_mean for row in updates]),
         "updates_run": done,
         "updates_planned": planned,
         "updates": f"{done}/{planned if planned is not None else '?'}",
         "replica_steps_per_s": summary.get("train/replica_steps_per_s"),
         "tokens_per_s": summary.get("bench/tokens_per_s"),
-        "comm_inner_bytes": syncs[-1]["comm_inner_total"] if syncs else 0,
+        "comm_inner_bytes": syncs[-1].comm_inner_total if syncs else 0,
         "comm_outer_bytes": run.outer_total_bytes(),
         "comm_outer_peak_bytes": run.outer_peak_bytes(),
         "wall_s": sum(session_seconds(session) for session in run.sessions()),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
 from hypertrain.failures import fault_points
-from hypertrain.records.rows import CheckpointRow
+from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
 from hypertrain.run.records import METRICS_FILE
 
 FORMAT = 1
@@ -288,23 +288,22 @@ def written_by_run(run_dir: Path, resumed: Path | None = None) -> list[str]:
 
 def _written_path(row) -> str | None:
     """The checkpoint a `checkpoint` row (its `path`) or a `resume` row (its `from`) names."""
-    if not isinstance(row, dict):
-        return None
-    key = {"checkpoint": "path", "resume": "from"}.get(row.get("kind"))
-    return str(row[key]) if key and row.get(key) else None
+    row = parse(row)
+    path = row.path if isinstance(row, CheckpointRow) else row.from_ if isinstance(row, ResumeRow) else None
+    return str(path) if path else None
 
 
-def _start_rows(data: bytes) -> list[dict]:
+def _start_rows(data: bytes) -> list[StartRow]:
     """The `start` rows among `data`'s lines (unreadable lines skipped)."""
     starts = []
     for line in data.splitlines():
         if b'"start"' not in line:
             continue
         try:
-            row = json.loads(line)
+            row = parse(json.loads(line))
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
-        if isinstance(row, dict) and row.get("kind") == "start":
+        if isinstance(row, StartRow):
             starts.append(row)
     return starts
 
@@ -332,7 +331,7 @@ def records_match(run_dir: Path, path: Path, saved: dict) -> None:
     run_id, digest = saved.get("run_id"), saved.get("metrics_sha256")
     if run_id is not None:
         starts = _start_rows(kept)
-        theirs = starts[-1].get("run_id") if starts else None
+        theirs = starts[-1].run_id if starts else None
         if theirs != run_id:
             raise ConfigError(
                 f"checkpoint {path} is of run {run_id} but {metrics} is of run {theirs}; valid: a "

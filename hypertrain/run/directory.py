@@ -170,18 +170,19 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
 
 def finished_updates(run_dir: Path) -> int | None:
     """The last update of a run whose records end with a `finished` end row; None otherwise."""
-    from hypertrain.run.records import read_metrics
+    from hypertrain.records.files import read_records
+    from hypertrain.records.rows import EndRow, UpdateRow
 
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         return None
     try:
-        rows = read_metrics(metrics)
+        rows = read_records(metrics)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not (rows and rows[-1].get("kind") == "end" and rows[-1].get("status") == "finished"):
+    if not (rows and isinstance(rows[-1], EndRow) and rows[-1].status == "finished"):
         return None
-    return max((int(r["update"]) for r in rows if r.get("kind") == "update"), default=0)
+    return max((int(r.update) for r in rows if isinstance(r, UpdateRow)), default=0)
 
 
 class RunLock:

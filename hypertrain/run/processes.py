@@ -39,6 +39,7 @@ from hypertrain.distributed.collectives import DistReplicaGroups, collective, fi
 from hypertrain.distributed.layouts import LaunchedRank, choose_layout, launched_rank
 from hypertrain.failures import RankFailed, RunFailure, fault_points, restarts
 from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
+from hypertrain.records.files import merged_summary
 from hypertrain.run import checkpoint
 from hypertrain.run.records import METRICS_FILE, read_metrics, session_end, session_rows
 
@@ -252,8 +253,7 @@ def _restarted(run_dir: Path):
 
 def _finished_summary(run_dir: Path) -> dict:
     """The summary a finished run's records hold (its summary rows, merged)."""
-    rows = read_metrics(run_dir)
-    return {k: v for r in rows if r.get("kind") == "summary" for k, v in r.items() if k != "kind"}
+    return merged_summary(read_metrics(run_dir))
 
 
 def _say(line: str) -> None:
@@ -307,7 +307,7 @@ def _quiet_agent() -> None:
 
 
 def _has_end_row(run_dir: Path) -> bool:
-    return any(r.get("kind") == "end" for r in session_rows(run_dir))
+    return session_end(session_rows(run_dir)) is not None
 
 
 def _wait_for_workers(signum: int, timeout_s: float = 30.0) -> None:
@@ -353,18 +353,18 @@ def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | 
         name = signal.Signals(signum or signal.SIGTERM).name
         stop = Preempted(f"stopped by {name} before rank 0 closed its records", signum or signal.SIGTERM)
         raise stop
-    code = int(end.get("exit_code", 0))
-    if end.get("status") == "finished":
+    code = end.code
+    if end.status == "finished":
         if failed is not None:  # a worker died after the run finished (its records and weights are whole)
             print(f"hypertrain: warning: {failed.teardown}; the run had finished", file=sys.stderr)
             sys.stderr.flush()
         if results and results.get(0) is not None:
             return results[0]
-        return {k: v for r in rows if r.get("kind") == "summary" for k, v in r.items() if k != "kind"}
-    error = end.get("error") or end.get("status", "failed")
-    if end.get("status") in ("preempted", "interrupted"):
+        return merged_summary(rows)
+    error = end.error or ("failed" if end.status is None else end.status)
+    if end.status in ("preempted", "interrupted"):
         kind = StoppedAtOnce if error.startswith("stopped at once") else Preempted
-        raise kind(error, signum or signal.SIGTERM, exit_code=code, status=end["status"])
+        raise kind(error, signum or signal.SIGTERM, exit_code=code, status=end.status)
     if failed is None:
         failed = RankFailed(f"rank 0 failed: {error}")
     failed.exit_code = code
