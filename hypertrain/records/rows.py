@@ -1,6 +1,6 @@
 """The rows of `metrics.jsonl`, one dataclass per `kind`: its fields in the order the row holds them, its
-JSON form (`to_json`, and `parse` back) and its W&B keys (`wandb`). A field left None is not written,
-unless it is one of `NULL_WRITTEN`'s; an open field (`figures`, `values`) holds the scheme's own keys.
+JSON form (`to_json`, and `parse` back) and its W&B keys (`wandb`). A field left None is not written (a
+field marked `_null` is written as null); an open field (`figures`, `values`) holds the row's own keys.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def _open(doc: str) -> Any:
     return field(default_factory=dict, metadata={OPEN: True, "doc": doc})
 
 
-def _json_name(name: str) -> str:
-    return name.rstrip("_")  # `from_`: a Python keyword in Python, `from` in JSON
+def json_name(name: str) -> str:
+    """A field's key in the JSON row: its name, but `from_` (`from` is a Python keyword) is `from`."""
+    return name.rstrip("_")
 
 
 def plain(value: Any) -> Any:
@@ -86,14 +87,14 @@ class Row:
             if f.metadata.get(OPEN):
                 row |= value
             elif value is not None or f.metadata.get(NULL):
-                row[_json_name(f.name)] = value
+                row[json_name(f.name)] = value
         return row
 
     @classmethod
     def from_json(cls, row: dict) -> Row:
         """The row `to_json` wrote (or one written before a field existed: that field None); keys no
         field names go to the open field, in order."""
-        named = {_json_name(f.name): f.name for f in fields(cls) if not f.metadata.get(OPEN)}
+        named = {json_name(f.name): f.name for f in fields(cls) if not f.metadata.get(OPEN)}
         spare = [f.name for f in fields(cls) if f.metadata.get(OPEN)]
         given = {named[k]: v for k, v in row.items() if k in named}
         rest = {k: v for k, v in row.items() if k not in named and k != "kind"}
@@ -107,7 +108,7 @@ class Row:
         the row has not (where it has no open field to hold it)."""
         if isinstance(row, cls):
             return row
-        names = {_json_name(f.name) for f in fields(cls)}
+        names = {json_name(f.name) for f in fields(cls)}
         if not any(f.metadata.get(OPEN) for f in fields(cls)) and not set(row) <= names:
             unknown = ", ".join(sorted(set(row) - names))
             raise ValueError(f"a {cls.kind} row has no field {unknown}; valid: {', '.join(sorted(names))}")

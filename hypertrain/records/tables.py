@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from hypertrain.records.rows import NULL, OPEN, ROWS, Row, SummaryRow, UpdateRow, _json_name
+from hypertrain.records.rows import NULL, OPEN, ROWS, Row, SummaryRow, UpdateRow, json_name
 
 HEADING = "## Records (records/rows.py)"
 INTRO = """\
@@ -42,10 +42,10 @@ def table(cls: type[Row]) -> str:
     lines += ["| field | type | W&B | meaning |", "|---|---|---|---|"]
     for f in fields(cls):
         open_field = bool(f.metadata.get(OPEN))
-        name = "..." if open_field else _json_name(f.name)
+        name = "..." if open_field else json_name(f.name)
         doc = f.metadata.get("doc", "") + (" (written as null)" if f.metadata.get(NULL) else "")
         annotation = str(f.type)
-        wandb = _wandb_key(cls, _json_name(f.name), annotation, open_field)
+        wandb = _wandb_key(cls, json_name(f.name), annotation, open_field)
         lines.append(f"| `{name}` | `{annotation}` | {wandb} | {doc} |")
     if cls is UpdateRow:
         mean = "the mean over the replicas that stepped; null when none did (made from `loss`)"
