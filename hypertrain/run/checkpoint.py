@@ -214,7 +214,7 @@ class Checkpointer:
         }
         path = path_for(self.run_dir, state.next_update)
         size, seconds = write(path, payload, self.keep, self.ours)
-        self.log.log_checkpoint(
+        self.log.write(
             CheckpointRow(
                 update=state.next_update,
                 round=state.rounds_done,

@@ -68,36 +68,17 @@ def no_space(error: BaseException) -> OSError | None:
 
 
 class Records(Protocol):
-    """What training hands its records, row by row (`run.trainer`): `RunLogger` writes the rows,
-    `NoLog` drops them (tests/test_interfaces.py holds both to these methods)."""
+    """What training hands its records, row by row as the row types (`run.trainer`, the checkpointer,
+    the session): `RunLogger` writes the rows, `NoLog` drops them (tests/test_interfaces.py holds both
+    to these methods)."""
 
-    def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None: ...
-
-    def log_update(self, row: UpdateRow | dict) -> None: ...
-
-    def log_sync(self, row: SyncRow | dict) -> None: ...
-
-    def log_checkpoint(self, row: CheckpointRow | dict) -> None: ...
-
-    def summary(self, values: SummaryRow | dict) -> None: ...
+    def write(self, row: Row) -> None: ...
 
 
 class NoLog:
     """The records of a process that does not write the run (every rank but 0): rows go nowhere."""
 
-    def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None:
-        pass
-
-    def log_update(self, row: UpdateRow | dict) -> None:
-        pass
-
-    def log_sync(self, row: SyncRow | dict) -> None:
-        pass
-
-    def log_checkpoint(self, row: CheckpointRow | dict) -> None:
-        pass
-
-    def summary(self, values: SummaryRow | dict) -> None:
+    def write(self, row: Row) -> None:
         pass
 
 
@@ -304,6 +285,8 @@ class RunLogger:
             return None
         return Path(self._run.settings.sync_dir)
 
+    # -- a row as the dict of its fields (tests, notebooks): the row's type, written -------------
+
     def log_eval(self, update: int, eval_loss: float, round: int = 0, **extra: Any) -> None:
         """A held-out loss in its own `eval` row, `eval/loss`: the starting weights' (before any update),
         and with Streaming DiLoCo's fragments the global weights' after every round (`extra`: the
@@ -312,13 +295,7 @@ class RunLogger:
 
     def log_update(self, row: UpdateRow | dict) -> None:
         """One update: `update`, `round`, `lr`, `loss` (R entries, None = skipped), `tokens`, `wall`, ..."""
-        row = UpdateRow.of(row)
-        if len(row.loss) != self.replicas:
-            raise ValueError(
-                f"log_update: loss has {len(row.loss)} entries at update {row.update}; "
-                f"valid: one per replica ({self.replicas})"
-            )
-        self.write(row)
+        self.write(UpdateRow.of(row))
 
     def log_sync(self, row: SyncRow | dict) -> None:
         """One sync (end of a round): held-out loss, pseudo-gradient norm, communicated bytes, extras."""
@@ -350,16 +327,23 @@ class RunLogger:
 
     def summary(self, values: SummaryRow | dict) -> None:
         """Run-level facts (`plan/union_sha256`, `plan/data_order_sha256`, `data/fingerprint`, ...)."""
-        row = SummaryRow.of(values)
-        self.write(row)
-        if self._run is not None:
-            for key, value in row.values.items():
-                self._run.summary[key] = value
+        self.write(SummaryRow.of(values))
 
     def write(self, row: Row) -> None:
-        """`row` to metrics.jsonl and, where it has W&B keys, to W&B."""
+        """`row` to metrics.jsonl and, where it has W&B keys, to W&B (a summary row's values: to W&B's
+        run summary). An update row must hold R losses."""
+        if isinstance(row, UpdateRow) and len(row.loss) != self.replicas:
+            raise ValueError(
+                f"log_update: loss has {len(row.loss)} entries at update {row.update}; "
+                f"valid: one per replica ({self.replicas})"
+            )
         self._write(row)
-        data = None if self._run is None else row.wandb()
+        if self._run is None:
+            return
+        if isinstance(row, SummaryRow):
+            for key, value in row.values.items():
+                self._run.summary[key] = value
+        data = row.wandb()
         if data is not None:
             self._run.log(data, commit=True)
 

@@ -196,7 +196,7 @@ def train_session(
         stack.enter_context(disk_full_as_failure())
         stack.enter_context(stopping(run_dir))
         if resume is not None:
-            log.log_resume(
+            log.write(
                 ResumeRow(
                     from_=resume.path,
                     update=resume.saved["state"]["next_update"],
@@ -205,7 +205,7 @@ def train_session(
                 )
             )
         if restart is not None:
-            log.log_restart(restart.row())
+            log.write(restart.row())
             sys.stderr.write(restart.line() + "\n")
             sys.stderr.flush()
         summary, state = train(run, log, groups, checkpointer(log), saved)

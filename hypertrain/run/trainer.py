@@ -25,7 +25,7 @@ from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
-from hypertrain.records.rows import SyncRow, UpdateRow
+from hypertrain.records.rows import EvalRow, SummaryRow, SyncRow, UpdateRow
 from hypertrain.run import checkpoint
 from hypertrain.run.checkpoint import Checkpointer
 from hypertrain.run.evaluation import heldout_eval
@@ -166,14 +166,21 @@ def after_syncs(
     if groups.is_writer:
         if verdict != HELDOUT_NON_FINITE or streaming:
             for row in rows:
-                log.log_sync(row)
+                log.write(row)
         if rnd.ends_round and verdict != HELDOUT_NON_FINITE:
             progress.eval_loss = eval_loss
-            if streaming:
-                totals = {k: getattr(rows[-1], k) for k in ("comm_inner_total", "comm_outer_total")}
-                if clock is not None:
-                    totals["clock_s"] = clock.heldout(eval_loss)
-                log.log_eval(rnd.updates[-1] + 1, eval_loss, rnd.index, **totals, **channels)
+            if streaming:  # the held-out loss in its own row, beside the running totals
+                log.write(
+                    EvalRow(
+                        update=rnd.updates[-1] + 1,
+                        round=rnd.index,
+                        eval_loss=eval_loss,
+                        comm_inner_total=rows[-1].comm_inner_total,
+                        comm_outer_total=rows[-1].comm_outer_total,
+                        clock_s=None if clock is None else clock.heldout(eval_loss),
+                        figures=channels,
+                    )
+                )
     stop_on_verdict(groups.max_over_processes(verdict), verdict, why, rnd)
     if checkpointer is not None:
         if rnd.ends_round:
@@ -227,24 +234,22 @@ def train(
         groups.restore_measured(saved.get("comm_measured", {}))
     totals = state.totals
     n_params = count_params(cfg.model)
-    log.summary(
-        run.plan_facts
-        | {
-            "model/params": n_params,
-            "model/active_params": active_params(cfg.model),  # a token's: a mixture's top_k experts
-            "engine/layout": groups.layout,
-            "env/processes": groups.size,
-            "env/backend": groups.backend,
-            "env/device": device_name(cfg.engine.device),
-            "env/torch": torch.__version__,
-        }
-    )
+    facts = {
+        "model/params": n_params,
+        "model/active_params": active_params(cfg.model),  # a token's: a mixture's top_k experts
+        "engine/layout": groups.layout,
+        "env/processes": groups.size,
+        "env/backend": groups.backend,
+        "env/device": device_name(cfg.engine.device),
+        "env/torch": torch.__version__,
+    }
+    log.write(SummaryRow(values=run.plan_facts | facts))
     eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
     clock = state.clock if writer else None  # the writer's: fed the rows it writes
     if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
         if clock is not None:
             clock.heldout(eval_loss)
-        log.log_eval(update=0, eval_loss=eval_loss, **channels)
+        log.write(EvalRow(update=0, round=0, eval_loss=eval_loss, figures=channels))
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
@@ -283,7 +288,7 @@ def train(
             )
             if clock is not None:
                 row.clock_s = clock.update(row)
-            log.log_update(row)
+            log.write(row)
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
         if rnd.syncs or rnd.ends_round:
             evaluated = after_syncs(run, state, rnd, groups, log, progress, checkpointer, n_params)
@@ -309,5 +314,5 @@ def train(
         | (clock.summary() if clock is not None else {})
         | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled else {})
     )
-    log.summary(summary)
+    log.write(SummaryRow(values=summary))
     return summary, state
