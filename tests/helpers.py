@@ -41,6 +41,8 @@ from hypertrain.diloco.outer import pseudo_gradient_sum, unflatten
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
+from hypertrain.records.files import merged_summary, read_records
+from hypertrain.records.rows import EvalRow, SyncRow, UpdateRow, parse
 from hypertrain.run.checks import validate
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.prepare import initial_weights, prepare
@@ -236,7 +238,8 @@ def run_losses(cfg: TrainConfig, tmp_path) -> list[dict]:
 
 
 def update_losses(rows: list[dict]) -> list[list[float | None]]:
-    return [r["loss"] for r in rows if r["kind"] == "update"]
+    """Each update row's per-replica losses (None: the replica did not step), read as `UpdateRow`s."""
+    return [row.loss for row in map(parse, rows) if isinstance(row, UpdateRow)]
 
 
 def run_rounds(
@@ -417,24 +420,24 @@ def _untimed(row: dict) -> dict:
 def recorded_clock(run_dir: Path) -> dict:
     """What a run's records say of its network clock (docs/clock.md): every update, sync and eval row's
     clock fields in the order written, and the last summary's `clock/` totals."""
-    rows = read_metrics(run_dir / METRICS_FILE)
+    rows = read_records(run_dir / METRICS_FILE)
     fields = [
-        (r["kind"], r["update"], {k: v for k, v in r.items() if k.startswith("clock_")})
+        (r.kind, r.update, {k: v for k, v in r.to_json().items() if k.startswith("clock_")})
         for r in rows
-        if r["kind"] in ("update", "sync", "eval") and r["update"] > 0
+        if isinstance(r, (UpdateRow, SyncRow, EvalRow)) and r.update > 0
     ]
-    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items() if k.startswith("clock/")}
+    summary = {k: v for k, v in merged_summary(rows).items() if k.startswith("clock/")}
     assert fields and summary, "the run recorded no clock"
     return {"rows": fields, "summary": summary}
 
 
 def outcome(run_dir: Path) -> Outcome:
-    rows = read_metrics(run_dir / METRICS_FILE)
-    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    rows = read_records(run_dir / METRICS_FILE)
+    summary = merged_summary(rows)
     return Outcome(
-        [_untimed(r) for r in rows if r["kind"] == "update"],
-        [_untimed(r) for r in rows if r["kind"] == "sync"],
-        [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")],
+        [_untimed(r.to_json()) for r in rows if isinstance(r, UpdateRow)],
+        [_untimed(r.to_json()) for r in rows if isinstance(r, SyncRow)],
+        [r.eval_loss for r in rows if isinstance(r, (EvalRow, SyncRow))],
         {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
         torch.load(run_dir / "weights.pt"),
     )
@@ -619,12 +622,12 @@ def simulate_streaming(cfg: TrainConfig, dtype: torch.dtype = torch.float32, bat
 def streaming_outcome(run_dir: Path) -> Outcome:
     """`outcome` of a run with fragments: its held-out losses are its `eval` rows (before training, after
     every period of H updates and at the end); its sync rows (one per fragment sync) hold none."""
-    rows = read_metrics(run_dir / METRICS_FILE)
-    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    rows = read_records(run_dir / METRICS_FILE)
+    summary = merged_summary(rows)
     return Outcome(
-        [_untimed(r) for r in rows if r["kind"] == "update"],
-        [_untimed(r) for r in rows if r["kind"] == "sync"],
-        [r["eval_loss"] for r in rows if r["kind"] == "eval"],
+        [_untimed(r.to_json()) for r in rows if isinstance(r, UpdateRow)],
+        [_untimed(r.to_json()) for r in rows if isinstance(r, SyncRow)],
+        [r.eval_loss for r in rows if isinstance(r, EvalRow)],
         {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
         torch.load(run_dir / "weights.pt"),
     )
