@@ -87,6 +87,21 @@ def test_cli_twice_with_other_configs_between_gives_the_first_runs_records_again
     )
 
 
+def test_a_call_that_sets_up_wandb_tears_it_down_so_the_next_call_reads_its_own_environment(tmp_path):
+    """W&B's process-wide singleton reads WANDB_BASE_URL, WANDB_INIT_TIMEOUT and the rest once, when it is
+    made: left in place, a later call with another environment would run on the first call's settings
+    (an online run after an offline one waited wandb's default 90 s, not its WANDB_INIT_TIMEOUT)."""
+    import wandb
+    from wandb.sdk import wandb_setup
+
+    wandb.teardown()  # whatever an earlier test of this worker set up
+    assert wandb_setup._singleton is None
+    done = run_entry([*QUICK, "logger=wandb", "phase.updates=2", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert done.code == 0, done.stderr
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*")), "the call made no W&B run"
+    assert wandb_setup._singleton is None, "the call left W&B's singleton of its environment behind"
+
+
 def test_a_refusal_in_process_returns_its_line_and_code_and_leaves_the_process_as_it_was(tmp_path):
     before = process_state()
     done = run_entry([*QUICK, "inner.H=0", f"hydra.run.dir={tmp_path / 'run'}"])

@@ -23,8 +23,9 @@ def restored() -> Iterator[None]:
     handler added meanwhile, Hydra's job log among them, is closed), Hydra's singletons (its config of
     the run, the job's runtime; `GlobalHydra` Hydra clears itself) and, where torch is imported,
     torch's thread count, default random generator, deterministic-algorithm flags, matmul precision
-    and default dtype."""
+    and default dtype; W&B set up by the call is torn down (`_wandb_set_up`)."""
     environ, argv, cwd = dict(os.environ), list(sys.argv), os.getcwd()
+    wandb_before = _wandb_set_up()
     handlers = _signal_handlers()
     loggers = _loggers()
     hydra = _hydra_singletons()
@@ -32,6 +33,10 @@ def restored() -> Iterator[None]:
     try:
         yield
     finally:
+        if not wandb_before and _wandb_set_up():
+            import wandb
+
+            wandb.teardown()
         _restore_torch(torch_state)
         _restore_hydra(hydra)
         _restore_loggers(loggers)
@@ -43,6 +48,15 @@ def restored() -> Iterator[None]:
         if dict(os.environ) != environ:
             os.environ.clear()
             os.environ.update(environ)
+
+
+def _wandb_set_up() -> bool:
+    """Whether W&B's process-wide singleton exists. It reads its settings (WANDB_BASE_URL,
+    WANDB_INIT_TIMEOUT, ...) from the environment once, when it is made, and writes into the
+    environment: one made by a call is torn down after it, so the next call reads its own environment
+    (a singleton the caller made before is the caller's, and stays)."""
+    setup = sys.modules.get("wandb.sdk.wandb_setup")
+    return setup is not None and getattr(setup, "_singleton", None) is not None
 
 
 def _signal_handlers() -> dict[int, object]:
