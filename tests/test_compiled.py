@@ -16,7 +16,6 @@ import pytest
 import torch
 from helpers import assert_engines_agree, cfg_for, run_rounds
 from references import U32, assert_within_rounding, float64_inner_step, float64_state, to_float64
-from torch._dynamo.utils import counters
 
 from hypertrain.config import InnerConfig, ModelConfig
 from hypertrain.engines import stacked
@@ -38,6 +37,8 @@ def a_cxx_compiler():
 
 
 def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters  # here, not at collection: torch._dynamo costs 2 s to import
+
     return counters["stats"]["unique_graphs"]
 
 
