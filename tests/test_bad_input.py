@@ -675,7 +675,7 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
 SAMPLE = list(CASES)[::7]
 
 
-@pytest.mark.parametrize("name", quick_every(SAMPLE, 3))
+@pytest.mark.parametrize("name", quick_every(SAMPLE, 6))
 def test_a_sample_of_the_catalogue_says_the_same_in_process_as_on_the_command_line(tmp_path, earlier, name):
     """`hypertrain.train.cli` in this process and `python -m hypertrain.train` give the same one line
     and exit code (2) for the same mistake, and neither changes anything."""

@@ -130,6 +130,7 @@ def test_stacked_equals_the_loop_with_a_deadline():
     assert_engines_agree(deadline_cfg())
 
 
+@pytest.mark.slow  # the quick loop's churn kill: tests/test_churn.py's fragment in flight mid-absence
 def test_killed_mid_round_with_a_deadline_resumes_bit_identically(tmp_path):
     """SIGKILL after update 7 (round 2, whose replicas 0 and 3 stop after 3 steps), the newest checkpoint
     at 6, mid-round: resume=true equals an uninterrupted run exactly, every row's clock included (each

@@ -170,7 +170,8 @@ def test_the_command_line_is_the_function(tmp_path):
     assert records(tmp_path / "real") == records(tmp_path / "here")
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a fresh interpreter a case; the compiled control compiles (about 30 s)
+@pytest.mark.parametrize("compiled", [False, True])
 def test_a_run_imports_torch_dynamo_only_when_it_compiles(tmp_path, compiled):
     """A worker holds what its run uses: torch._dynamo (and sympy with it, about 80 MB per process)
     comes only with `engine.compile=true`. A fresh interpreter per case; the compiled case is the

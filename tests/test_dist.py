@@ -409,7 +409,8 @@ LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/run/proc
 SCHEDULING_S = 1.0  # a process of a 2-core machine shared by parallel tests may wait this long to run
 
 
-@pytest.mark.parametrize("action", ["kill", pytest.param("sleep", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a rank's death under real processes: the full suite's
+@pytest.mark.parametrize("action", ["kill", "sleep"])
 def test_a_dead_or_hung_rank_stops_the_run_within_the_timeout(tmp_path, action):
     """Rank 1 dies (SIGKILL) or hangs as round 3 starts. Exit code 1; one line from each rank that failed
     and the parent's; rank 0's metrics.jsonl holds rounds 1-2 and ends with a failed `end` row.
@@ -521,7 +522,11 @@ def test_processes_that_fit_no_layout_fail_with_one_line_and_create_nothing(tmp_
     ("overrides", "says"),
     [
         (["processes.nproc=4"], "processes.nproc=4 but torchrun started 2 processes; valid: "),
-        (["-m", "replicas=1,2"], "a multirun (-m) under torchrun is not supported: "),
+        pytest.param(
+            ["-m", "replicas=1,2"],
+            "a multirun (-m) under torchrun is not supported: ",
+            marks=pytest.mark.slow,  # the quick loop's refusal under torchrun: nproc's
+        ),
     ],
     ids=["nproc", "multirun"],
 )

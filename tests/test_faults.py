@@ -122,6 +122,7 @@ def test_two_runs_started_together_on_one_directory_one_runs_one_is_refused(tmp_
     }
 
 
+@pytest.mark.slow  # the quick loop's lock: two runs started together, above
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     """SIGKILL while the run holds the lock: the kernel drops it; resume=auto goes on and finishes."""
     run_dir = tmp_path / "run"
@@ -263,7 +264,7 @@ def test_wandb_that_cannot_reach_its_server_fails_in_one_line_and_leaves_nothing
         "WANDB_MODE": "online",
         "WANDB_BASE_URL": "http://127.0.0.1:9",
         "WANDB_API_KEY": "k" * 40,  # wandb's form: 40 characters (never sent anywhere that answers)
-        "WANDB_INIT_TIMEOUT": "5",
+        "WANDB_INIT_TIMEOUT": "2",  # nobody listens: every try is refused at once
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
     }
     args = [*BASE, "logger=wandb", "logger.progress=never", f"hydra.run.dir={run_dir}"]
@@ -300,7 +301,9 @@ def fill_leaving(mount: Path, left: int) -> Path:
     return filler
 
 
-@pytest.mark.parametrize("left", [0, 4096, 64 * 1024])
+@pytest.mark.parametrize(
+    "left", [0, pytest.param(4096, marks=pytest.mark.slow), pytest.param(64 * 1024, marks=pytest.mark.slow)]
+)
 def test_a_disk_full_before_the_first_record_is_exit_4_one_line_and_nothing_made(small_disk, left):
     """0 bytes, a page and 64 KiB free (under what a run writes before its first record): exit 4, one
     line naming the directory, nothing created; with the filler gone the same command runs."""

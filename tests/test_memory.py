@@ -101,10 +101,11 @@ print(json.dumps({"peak": status("VmHWM") - before, "estimate": est.state + est.
 """
 
 
+@pytest.mark.slow  # a measured peak: the quick loop's memory checks are the estimate's refusals
 @pytest.mark.skipif(not memory.MEMINFO.exists(), reason="needs Linux's /proc")
 @pytest.mark.parametrize(
     "d_model, replicas, global_batch",
-    [(256, 4, 128), pytest.param(512, 4, 8, marks=pytest.mark.slow)],
+    [(256, 4, 128), (512, 4, 8)],
     ids=["activations-dominate", "weights-and-state-dominate"],
 )
 def test_the_estimate_bounds_a_stacked_runs_measured_peak(d_model, replicas, global_batch):

@@ -71,10 +71,8 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=() if n == "torchrun-rank1-after-4" else pytest.mark.slow) for n in RUNS],
-)
+@pytest.mark.slow  # torch's agent restarting real workers: the full suite's
+@pytest.mark.parametrize("name", list(RUNS))
 def test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one(tmp_path, name):
     overrides, torchrun, fault, expected = RUNS[name]
     env = {FAULT_ENV: fault} | ({"PET_MAX_RESTARTS": "1"} if torchrun else {})

@@ -54,7 +54,7 @@ def resume_auto_identically(run_dir: Path, overrides: list[str], reference: Path
 @pytest.mark.parametrize(
     ("engine", "fault"),
     [
-        pytest.param("stacked", "0:6:int2:after", id="stacked"),
+        pytest.param("stacked", "0:6:int2:after", id="stacked", marks=pytest.mark.slow),
         pytest.param("dist", "1:6:int2:after", id="dist", marks=pytest.mark.slow),
     ],
 )
