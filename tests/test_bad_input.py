@@ -25,6 +25,7 @@ import torch
 from helpers import RUN, ReferenceRuns, entry, tree
 
 from hypertrain.failures import EXIT_CODES
+from hypertrain.run.checkpoint import seal
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 BASE = RUN
@@ -86,6 +87,15 @@ def _checkpoint_of_another_run(run: Path) -> None:
     saved = torch.load(path, weights_only=False)
     saved["run_id"] = "0" * 32
     torch.save(saved, path)
+    seal(path)  # a whole checkpoint, of another run
+
+
+def _flip_a_bit(run: Path) -> None:
+    """One bit of the newest checkpoint flipped, half-way through its bytes."""
+    path = sorted((run / "checkpoints").glob("ckpt-u*.pt"))[-1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
 
 
 def token_file(largest: int, n: int = 20000) -> bytes:
@@ -604,8 +614,15 @@ CASES = {
         "directory, or a checkpoint inside RUN/checkpoints/ of a run that has its metrics.jsonl",
         "the checkpoint where its run wrote it, or the run's directory",
         setup=lambda earlier, cwd: shutil.copy(
-            sorted((earlier / "checkpoints").iterdir())[-1], cwd / "loose.pt"
+            sorted((earlier / "checkpoints").glob("ckpt-u*.pt"))[-1], cwd / "loose.pt"
         ),
+    ),
+    "resume-damaged-checkpoint": Case(
+        "resume= a checkpoint whose bytes changed after it was written (a failing disk, a stray write)",
+        ["resume={cwd}/run/checkpoints/ckpt-u0000006.pt"],
+        "checkpoint {cwd}/run/checkpoints/ckpt-u0000006.pt is not the one that was written (its sha256 ",
+        "resume=RUN (or resume=true): the newest checkpoint whose bytes match its digest",
+        setup=copy_of_earlier(_flip_a_bit),
     ),
 }
 

@@ -74,6 +74,7 @@ from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.failures import NonFiniteError, RankFailed
 from hypertrain.model.transformer import init_params
+from hypertrain.run.checkpoint import seal
 from hypertrain.run.records import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -719,6 +720,7 @@ def test_killed_with_error_buffers_resumes_bit_identically(tmp_path, engine):
         for t in e.values():
             t.zero_()
     torch.save(whole, ckpt(edited, 3))
+    seal(ckpt(edited, 3))  # a whole checkpoint whose buffers are wrong
     done = entry([*overrides, f"resume={ckpt(edited, 3)}"], tmp_path)
     assert done.returncode == 0, done.stderr
     got, want = outcome(edited), outcome(reference)

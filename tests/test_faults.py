@@ -116,10 +116,8 @@ def test_two_runs_started_together_on_one_directory_one_runs_one_is_refused(tmp_
     kinds = [r["kind"] for r in rows]
     assert kinds.count("start") == 1 and kinds.count("end") == 1 and rows[-1]["status"] == "finished"
     assert [r["update"] for r in rows if r["kind"] == "update"] == list(range(1, 9))
-    assert {p.name for p in (run_dir / "checkpoints").iterdir()} == {
-        ckpt(run_dir, 6).name,
-        ckpt(run_dir, 8).name,
-    }
+    kept = (ckpt(run_dir, 6).name, ckpt(run_dir, 8).name)
+    assert {p.name for p in (run_dir / "checkpoints").iterdir()} == {*kept, *(f"{k}.sha256" for k in kept)}
 
 
 @pytest.mark.slow  # the quick loop's lock: two runs started together, above
@@ -171,7 +169,12 @@ def test_pruning_removes_only_the_checkpoints_this_run_wrote(tmp_path):
     done = entry([*args, "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert mine.read_bytes() == b"the user's own file"
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [mine.name, ckpt(run_dir, 8).name]
+    newest = ckpt(run_dir, 8).name
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        mine.name,
+        newest,
+        f"{newest}.sha256",
+    ]
 
 
 PSEUDO_GRAD_LINE = (

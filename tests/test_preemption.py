@@ -51,7 +51,7 @@ from helpers import (
 )
 
 from hypertrain.failures.signals import EXIT_CODES, STATUSES, Preempted, StopSignals, requested
-from hypertrain.run.checkpoint import SUPERSEDED_FILE, checkpoints
+from hypertrain.run.checkpoint import SUPERSEDED_FILE, checkpoints, seal
 from hypertrain.run.records import METRICS_FILE, read_metrics
 
 H4 = [*BASE, "inner.H=4"]  # syncs after updates 4 and 8
@@ -247,6 +247,7 @@ def test_a_mid_round_checkpoint_without_the_replica_weights_resumes_to_another_r
     theta = saved["state"]["theta"]
     saved["state"]["round_params"][1] = {n: t.unsqueeze(0).clone() for n, t in theta.items()}
     torch.save(saved, path)
+    seal(path)
     resume_auto(run_dir, H4, tmp_path)
     got, want = outcome(run_dir), outcome(references["stacked"])
     assert got.updates[:2] == want.updates[:2]

@@ -29,6 +29,8 @@ A known limitation: a SIGKILLed session's W&B piece holds only what wandb's writ
 from __future__ import annotations
 
 import shutil
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +55,7 @@ from helpers import (
 )
 
 from hypertrain.failures import RankFailed
-from hypertrain.run.checkpoint import SUPERSEDED_FILE
+from hypertrain.run.checkpoint import SUPERSEDED_FILE, digest_path, seal
 from hypertrain.run.records import METRICS_FILE, read_metrics
 from hypertrain.run.wandb_offline import read_run
 
@@ -128,7 +130,7 @@ def reference(tmp_path_factory) -> Path:
     done = entry([*BASE, "checkpoint.keep=10", f"hydra.run.dir={where / 'run'}"], where)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (where / "run" / "checkpoints").iterdir()) == [
-        ckpt(where, u).name for u in (2, 4, 6, 8)
+        name for u in (2, 4, 6, 8) for name in (ckpt(where, u).name, f"{ckpt(where, u).name}.sha256")
     ]
     return where / "run"
 
@@ -266,6 +268,7 @@ def _edited(reference: Path, to: Path, change) -> Path:
         saved = torch.load(path, weights_only=False)
         change(saved["state"])
         torch.save(saved, path)
+        seal(path)  # a whole checkpoint of a wrong state
     # keep=10: the newer checkpoints of the run that had gone on stay (see the xfail test below).
     done = entry([*BASE, "checkpoint.keep=10", f"resume={path}"], to.parent)
     assert done.returncode == 0, done.stderr
@@ -410,15 +413,44 @@ def test_a_finished_run_resumed_is_a_no_op_with_one_line(tmp_path, reference, re
 # -- 6: a corrupt checkpoint -----------------------------------------------------------------------
 
 
-def _two_newest_cut(reference: Path, to: Path, cut: tuple[int, ...]) -> Path:
+def _tensor_bytes(path: Path) -> tuple[int, int]:
+    """(offset, length) in the checkpoint file of its largest tensor's data (torch's zip stores tensor
+    storages uncompressed under `*/data/<key>`)."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as file:  # the local header: 30 bytes, then the name and the extra field
+        file.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", file.read(4))
+    return info.header_offset + 30 + name_length + extra_length, info.file_size
+
+
+def _damage(path: Path, how: str) -> None:
+    """Damage checkpoint `path` as a failing disk or a stray write would: `truncated` to half its bytes
+    (a write that never finished), 64 bytes of its largest tensor overwritten (`overwritten`), or one
+    bit of a float32 in it flipped (`bit`: the lowest exponent bit, which torch's zip reader, checking no
+    CRC, loads silently as a weight twice or half as large)."""
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        del data[len(data) // 2 :]
+    else:
+        start, length = _tensor_bytes(path)
+        middle = start + (length // 2) // 4 * 4
+        if how == "overwritten":
+            data[middle : middle + 64] = bytes(range(64))
+        else:
+            data[middle + 2] ^= 0x80  # little endian: byte 2's top bit is the exponent's lowest
+    path.write_bytes(bytes(data))
+
+
+def _two_newest_cut(reference: Path, to: Path, cut: tuple[int, ...], how: str = "truncated") -> Path:
     """A copy of the reference holding what checkpoint.keep=2 leaves (ckpt-u6, ckpt-u8), the ones
-    in `cut` truncated to half their bytes (a write that never finished, a damaged disk)."""
+    in `cut` damaged (`_damage`)."""
     run_dir = copy_run(reference, to)
     for u in (2, 4):
         ckpt(run_dir, u).unlink()
+        digest_path(ckpt(run_dir, u)).unlink()
     for u in cut:
-        data = ckpt(run_dir, u).read_bytes()
-        ckpt(run_dir, u).write_bytes(data[: len(data) // 2])
+        _damage(ckpt(run_dir, u), how)
     return run_dir
 
 
@@ -438,15 +470,30 @@ def test_a_checkpoint_write_cut_short_leaves_no_temporary_file_after_the_resume(
     assert_identical(run_dir, reference)
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
-    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(8,))
+@pytest.mark.parametrize(
+    "how",
+    [
+        "bit",
+        pytest.param("overwritten", marks=pytest.mark.slow),
+        pytest.param("truncated", marks=pytest.mark.slow),
+    ],
+)
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference, how):
+    """The newest checkpoint damaged after it was written (`_damage`): its bytes no longer match the
+    digest written with it, so resume=true says so in one warning line and resumes from the one before,
+    and the run equals the uninterrupted one. Without the digest the bit flip loads (the control)."""
+    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(8,), how=how)
+    if how != "truncated":
+        assert torch.load(ckpt(run_dir, 8), weights_only=False)["format"] == 1  # torch alone sees nothing
     before = (run_dir / METRICS_FILE).read_bytes()
     saved = torch.load(ckpt(run_dir, 6), weights_only=False)
     done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr
-    # One warning line on stderr names the unreadable checkpoint and the one used instead.
-    (warning,) = [x for x in done.stderr.splitlines() if "cannot be read" in x]
-    assert warning.startswith(f"hypertrain: warning: checkpoint {ckpt(run_dir, 8)} cannot be read")
+    # One warning line on stderr names the damaged checkpoint and the one used instead.
+    (warning,) = [x for x in done.stderr.splitlines() if "warning" in x]
+    assert warning.startswith(
+        f"hypertrain: warning: checkpoint {ckpt(run_dir, 8)} is not the one that was written (its sha256 "
+    )
     assert warning.endswith(f"resuming from {ckpt(run_dir, 6)} instead")
     assert not [x for x in done.stderr.splitlines() if x.startswith("hypertrain: error")]
     assert assert_resumed_records(run_dir, before, ckpt(run_dir, 6), saved, 8) == [7, 8]
@@ -454,7 +501,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, re
 
 
 def test_every_checkpoint_corrupt_fails_with_one_line_and_touches_nothing(tmp_path, reference):
-    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(6, 8))
+    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(6, 8), how="bit")
     before = tree(tmp_path)
     done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 2, done.stderr
@@ -463,6 +510,35 @@ def test_every_checkpoint_corrupt_fails_with_one_line_and_touches_nothing(tmp_pa
         "valid: a run with a whole checkpoint"
     ]
     assert tree(tmp_path) == before
+
+
+def test_a_damaged_or_unsealed_checkpoint_named_by_path_is_refused_and_touches_nothing(tmp_path, reference):
+    """resume=PATH of a checkpoint whose bytes differ from its digest, or whose digest is gone (it was
+    written with one): one line, exit 2, nothing changed."""
+    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=(8,), how="bit")
+    digest_path(ckpt(run_dir, 6)).unlink()
+    before = tree(tmp_path)
+    for u, says in ((8, "is not the one that was written"), (6, "was written with a digest")):
+        done = entry([*BASE, f"hydra.run.dir={run_dir}", f"resume={ckpt(run_dir, u)}"], tmp_path)
+        assert done.returncode == 2, done.stderr
+        (line,) = stderr_lines(done.stderr)
+        assert line.startswith(f"hypertrain: error: checkpoint {ckpt(run_dir, u)} {says}"), line
+        assert tree(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_digests_resumes_unchecked(tmp_path, reference):
+    """A checkpoint written before digests (no `.sha256`, no `sealed` in its payload) still resumes,
+    to the uninterrupted run."""
+    run_dir = _two_newest_cut(reference, tmp_path / "run", cut=())
+    path = ckpt(run_dir, 8)
+    saved = torch.load(path, weights_only=False)
+    del saved["sealed"]
+    torch.save(saved, path)
+    digest_path(path).unlink()
+    done = entry([*BASE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert_identical(run_dir, reference)
 
 
 # -- 7: a finished run extended --------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Checkpoints: the run's whole state at a sync or mid-round, written atomically, found and checked
 on resume.
 
-`Checkpointer` writes `run_dir/checkpoints/ckpt-u<next update>.pt`; `find` gives the newest that
-loads, `compatible` and `records_match` refuse (one line) a resume that does not belong to the run,
+`Checkpointer` writes `run_dir/checkpoints/ckpt-u<next update>.pt` and beside it the sha256 of its
+bytes (`ckpt-u<next update>.pt.sha256`, in place before the checkpoint is); `load` checks it (torch's
+zip reader checks no CRC: a flipped byte loads silently), `find` gives the newest that loads and
+matches, `compatible` and `records_match` refuse (one line) a resume that does not belong to the run,
 and `rewind_metrics` cuts metrics.jsonl back to it. docs/resume.md has the contents and every rule.
 """
 
@@ -33,6 +35,35 @@ def path_for(run_dir: Path, next_update: int) -> Path:
     return Path(run_dir) / FOLDER / f"ckpt-u{next_update:07d}.pt"
 
 
+def digest_path(path: Path) -> Path:
+    """Where the sha256 of checkpoint `path`'s bytes is kept."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def seal(path: Path, bytes_of: Path | None = None) -> None:
+    """Write the sha256 of `bytes_of` (default `path`) as `path`'s digest, atomically and fsynced. The
+    checkpointer seals its temporary file under the final name before renaming it into place; a test
+    that edits a checkpoint on purpose (a whole, wrong state) seals the edited file."""
+    digest = digest_path(path)
+    tmp = digest.with_name(digest.name + ".tmp")
+    try:
+        with open(tmp, "w") as file:
+            file.write(_sha256(bytes_of or path) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, digest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -> tuple[int, float]:
     """Save `payload` atomically at `path`, keep the newest `keep` checkpoints; (bytes, seconds).
     With `ours` (the names of the checkpoints this run wrote, `path`'s added) only those are pruned."""
@@ -46,6 +77,7 @@ def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -
             torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
+        seal(path, tmp)  # the digest first: a checkpoint in place always has its own
         fault_points.act(
             0, "checkpoint", range(payload["state"]["next_update"] - 1, payload["state"]["next_update"])
         )
@@ -66,6 +98,7 @@ def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -
     for old in checkpoints(path.parent.parent)[:-keep]:
         if ours is None or old.name in ours:
             old.unlink(missing_ok=True)
+            digest_path(old).unlink(missing_ok=True)
     return path.stat().st_size, time.perf_counter() - start
 
 
@@ -77,9 +110,19 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load(path: Path) -> dict:
-    """A checkpoint's payload; ConfigError naming it when it is truncated or not a checkpoint."""
+    """A checkpoint's payload; ConfigError naming it when its bytes differ from the digest written with
+    it, or it is truncated or not a checkpoint. A checkpoint from before digests (no `.sha256` beside
+    it, and none promised in its payload) loads unchecked."""
     import torch  # only to read one: a refusal made from the config alone never imports it
 
+    digest = digest_path(path)
+    if digest.is_file():
+        want, got = digest.read_text().strip(), _sha256(path)
+        if got != want:
+            raise ConfigError(
+                f"checkpoint {path} is not the one that was written (its sha256 {got[:16]}... differs "
+                f"from {digest.name}'s {want[:16]}...); valid: a checkpoint whose bytes match its digest"
+            )
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
@@ -89,6 +132,11 @@ def load(path: Path) -> dict:
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise ConfigError(
             f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint"
+        )
+    if saved.get("sealed") and not digest.is_file():
+        raise ConfigError(
+            f"checkpoint {path} was written with a digest, and {digest.name} is missing; valid: a "
+            "checkpoint beside its digest"
         )
     return saved
 
@@ -204,6 +252,7 @@ class Checkpointer:
         saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
         payload = {
             "format": FORMAT,
+            "sealed": True,  # its digest is written beside it: one missing is refused (`load`)
             "state": saved,
             "config": self.resolved,
             "plan": self.plan,
@@ -233,9 +282,14 @@ def drop_later(run_dir: Path, next_update: int) -> list[Path]:
     temporary file of a write that a kill cut short (`write` renames a whole one into place)."""
     later = [p for p in checkpoints(run_dir) if int(_NAME.search(p.name).group(1)) > next_update]
     folder = Path(run_dir) / FOLDER
-    cut_short = sorted(folder.glob("ckpt-u*.pt.tmp")) if folder.is_dir() else []
+    cut_short = sorted(folder.glob("ckpt-u*.tmp")) if folder.is_dir() else []
     for path in later + cut_short:
-        path.unlink()
+        path.unlink(missing_ok=True)
+        digest_path(path).unlink(missing_ok=True)
+    kept = {p.name for p in checkpoints(run_dir)}
+    for digest in sorted(folder.glob("ckpt-u*.pt.sha256")) if folder.is_dir() else []:
+        if digest.name.removesuffix(".sha256") not in kept:  # a kill between the digest and its checkpoint
+            digest.unlink()
     return later
 
 
