@@ -284,6 +284,7 @@ class DataConfig:
             raise ConfigError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
         if self.name == "token_bin" and self.examples != "windows":
             raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
+        _at_least("data.shuffle_seed", self.shuffle_seed, 0)  # numpy's seeds are non-negative
         _at_least("data.seq_len", self.seq_len, 1)
         _at_least("data.max_len", self.max_len, 2)
         _at_least("data.heldout", self.heldout, 1)
@@ -452,6 +453,7 @@ class StragglerConfig:
 
     def check(self) -> None:
         _at_least("cluster.straggler.sigma", self.sigma, 0.0)
+        _at_least("cluster.straggler.seed", self.seed, 0)  # numpy's seeds are non-negative
 
 
 @dataclass
@@ -533,6 +535,7 @@ class ChurnConfig:
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"churn.{name}={value!r} is out of range; valid: [0, 1]")
         _at_least("churn.mean_absence", self.mean_absence, 1.0)
+        _at_least("churn.seed", self.seed, 0)  # numpy's seeds are non-negative
         _at_least("churn.deadline", self.deadline, 0.0)
         _choice("churn.rejoin_state", self.rejoin_state, REJOIN_STATES)
         if not 1 <= self.min_quorum <= replicas:

@@ -624,6 +624,16 @@ CASES = {
         "resume=RUN (or resume=true): the newest checkpoint whose bytes match its digest",
         setup=copy_of_earlier(_flip_a_bit),
     ),
+    # numpy's generators take no negative seed (issue 35: a traceback, exit 1, the run directory left)
+    **{
+        f"negative-{key.replace('.', '-')}": Case(
+            f"a negative {key} (numpy's random generators take seeds >= 0)",
+            [f"{key}=-1"],
+            f"{key}=-1 is too small; valid: >= 0",
+            "a seed >= 0",
+        )
+        for key in ("data.shuffle_seed", "cluster.straggler.seed", "churn.seed")
+    },
 }
 
 
