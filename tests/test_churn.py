@@ -24,6 +24,7 @@ from helpers import (
     assert_engines_agree,
     assert_identical,
     assert_identical_streaming,
+    assert_same_weights,
     assert_streaming_engines_agree,
     cfg_for,
     ckpt,
@@ -585,3 +586,26 @@ def test_bad_churn_is_one_line_and_exit_2(tmp_path, override, message):
     assert done.returncode == 2 and not run_dir.exists()
     (line,) = error_lines(done.stderr)
     assert message in line, line
+
+
+@pytest.mark.parametrize(
+    "everyone_out",
+    [["churn.events=[1:0:leave,1:1:leave]"], ["cluster=h100", "churn.deadline=1e-15"]],
+    ids=["absent", "late"],
+)
+def test_a_run_where_no_replica_ever_trains_finishes_on_its_initial_weights(tmp_path, everyone_out):
+    """Every replica absent for the whole run, or stopped by a deadline shorter than any step: every sync
+    is skipped, the run finishes (exit 0) on its initial weights and its summary has counts but no rates
+    (issue 35: the throughput summary divided by zero seconds, a traceback, end row `failed`)."""
+    run_dir = tmp_path / "run"
+    done = entry([*QUICK, "logger=none", "replicas=2", *everyone_out, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[-1] == {**rows[-1], "kind": "end", "status": "finished"}
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert syncs and all(r["skipped"] and r["replicas_synced"] == 0 for r in syncs)
+    summary = [r for r in rows if r["kind"] == "summary"][-1]
+    assert summary["bench/presentations"] == 0 and "bench/tokens_per_s" not in summary
+    cfg = compose_cfg([*QUICK, "logger=none", "replicas=2", *everyone_out])
+    assert_same_weights(torch.load(run_dir / "weights.pt"), initial_weights(prepare(cfg)))

@@ -79,7 +79,8 @@ class Throughput:
         }
 
     def summary(self) -> dict:
-        """bench/* figures; per-rank ones as lists in rank order. Empty before any timed update."""
+        """bench/* figures; per-rank ones as lists in rank order. Empty before any timed update, counts
+        only (no rates) when no replica computed in the timed window."""
         if not self.updates:
             return {"train/presentations": self.presentations}
         samples, tokens, padded, seconds, allreduce, frames = (
@@ -87,6 +88,13 @@ class Throughput:
             for name in ("samples", "tokens", "padded", "seconds", "allreduce_seconds", "frames")
         )
         wall = float(seconds.max())  # ranks advance in lockstep: the slowest rank's time is the run's
+        if not wall:  # no replica computed in the window (churn: every one absent or late): no rates
+            return {
+                "bench/timed_updates": self.updates,
+                "bench/presentations": 0,
+                "bench/timed_s": 0.0,
+                "train/presentations": self.presentations,
+            }
         per_rank = lambda x: (x / seconds.clamp(min=1e-12)).tolist()  # noqa: E731
         return {
             "bench/timed_updates": self.updates,
