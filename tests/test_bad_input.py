@@ -634,6 +634,13 @@ CASES = {
         )
         for key in ("data.shuffle_seed", "cluster.straggler.seed", "churn.seed")
     },
+    "fault-hook-left-set": Case(
+        "HYPERTRAIN_FAULT (the tests' fault hook) left set in the environment to something it cannot do",
+        [],
+        "HYPERTRAIN_FAULT='garbage' is not a fault of the tests' hook; valid: unset it",
+        "unset HYPERTRAIN_FAULT: it is for tests only",
+        env={"HYPERTRAIN_FAULT": "garbage"},
+    ),
 }
 
 

@@ -4,7 +4,9 @@ racing a clock.
 `HYPERTRAIN_FAULT=RANK:UPDATE:ACTION[:POINT[:RESTART]]` acts in the process of rank RANK at UPDATE, at
 POINT, in the session of torch's agent's restart count RESTART (default 0: the first start, and every
 process no agent started), so a fault that makes the agent restart the workers does not fire again in
-the restarted ones (docs/resume.md, "The fault hook"). Unset, every call is one dictionary lookup.
+the restarted ones (docs/resume.md, "The fault hook"). Unset, every call is one dictionary lookup. Set
+to anything else, the run is refused before it starts (`check`, one line): a hook a test left in a
+user's environment must not break a run halfway, nor be silently ignored.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 
+from hypertrain.config import ConfigError
 from hypertrain.failures import restarts
 
 FAULT_ENV = "HYPERTRAIN_FAULT"
@@ -25,6 +28,23 @@ _SIGNALS = {
     "int": signal.SIGINT,
     "hup": signal.SIGHUP,
 }
+
+
+def check() -> None:
+    """ConfigError (one line) when HYPERTRAIN_FAULT is set but is not a fault this hook can act on."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    numbers = [parts[0], parts[1], *parts[4:5]] if len(parts) >= 3 else []
+    ok = 3 <= len(parts) <= 5 and all(p.isdigit() for p in numbers)
+    ok = ok and parts[2] in (*_SIGNALS, "sleep", "int2") and (len(parts) < 4 or parts[3] in POINTS)
+    if not ok:
+        raise ConfigError(
+            f"{FAULT_ENV}={spec!r} is not a fault of the tests' hook; valid: unset it (it is for tests "
+            f"only), or RANK:UPDATE:ACTION[:POINT[:RESTART]] with ACTION one of "
+            f"{', '.join((*_SIGNALS, 'sleep', 'int2'))} and POINT one of {', '.join(POINTS)}"
+        )
 
 
 def due(rank: int, point: str, updates: range) -> bool:

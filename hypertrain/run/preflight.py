@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
-from hypertrain.failures import DiskFull
+from hypertrain.failures import DiskFull, fault_points
 from hypertrain.plan.sampling import PlanError
 from hypertrain.run import checkpoint, memory
 from hypertrain.run.checks import check_device, validate
@@ -87,6 +87,7 @@ def prepare_checked(
     (a multirun job), so they are this run's. A directory is written only when it does not exist, is
     empty, holds only this run's own files, or is resumed (its checkpoint and records belonging together)."""
     check_experiment(choices)
+    fault_points.check()
     check_fields(task_cfg, TrainConfig)
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
     check_labels(cfg, choices)
