@@ -19,6 +19,7 @@ take, and pruning beside checkpoints the run did not write (issue 21, "a run dir
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -324,3 +325,22 @@ def test_a_disk_full_before_the_first_record_is_exit_4_one_line_and_nothing_made
     filler.unlink()
     again = entry(args, small_disk.parent)
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.slow  # a few hundred updates to fill the disk with rows
+def test_a_disk_that_fills_while_rows_are_written_is_exit_4_and_one_line(small_disk):
+    """No checkpoints (checkpoint.every=0), 160 KiB free: the rows fill the disk mid-run. The run stops
+    with one line and the documented disk-full code, 4 (it was a 38-line OSError traceback from the
+    records' close, exit 1); every whole row written before is JSON (the last may be torn)."""
+    fill_leaving(small_disk, 160 * 1024)
+    run_dir = small_disk / "run"
+    args = [*BASE, "inner.H=5", "phase.updates=2000", "checkpoint.every=0", f"hydra.run.dir={run_dir}"]
+    done = entry(args, small_disk.parent)
+    assert done.returncode == 4, done.stderr
+    assert "Traceback" not in done.stderr
+    assert stderr_lines(done.stderr) == [
+        f"hypertrain: error: run failed: no space left on the device writing the run's records ({run_dir})"
+    ]
+    lines = (run_dir / METRICS_FILE).read_bytes().split(b"\n")
+    rows = [json.loads(line) for line in lines[:-1]]  # the whole lines; the tail after them may be torn
+    assert sum(r["kind"] == "update" for r in rows) > 100

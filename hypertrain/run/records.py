@@ -212,7 +212,11 @@ class RunLogger:
                     pass
         finally:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()  # flushes what a full disk refused: it fails again, and closes
+                except OSError:
+                    if error is None:  # nothing else to report: the entry's disk-full handling does
+                        raise
             if self._run is not None:
                 run, self._run = self._run, None
                 run_file = None if self._mode == "disabled" else Path(run.settings.sync_file)

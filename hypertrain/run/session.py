@@ -190,7 +190,7 @@ def train_session(
     # `stopping` is innermost: a stop has settled (a second Ctrl-C changes nothing) before the records
     # close, and the end row of a stop at once names the checkpoint that is intact. A full disk while
     # opening them is DiskFull too, though no end row can hold it (there is no record yet).
-    with ExitStack() as stack:
+    with disk_full_as_failure(), ExitStack() as stack:  # the outer one: the records' close (its flush)
         with disk_full_as_failure():
             log = stack.enter_context(records)
         stack.enter_context(disk_full_as_failure())
