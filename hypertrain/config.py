@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,13 +304,19 @@ class EngineConfig:
     name: str = "stacked"
     stack: int = 0  # stacked: replicas per sub-round; 0 = all of the process's replicas
     device: str = "cpu"
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    threads: int = 0  # torch intra-op threads; 0 = torch's default; at most the CPUs a process may use
     compile: bool = False  # torch.compile the loss (forward and backward) and the inner optimizer step
 
     def check(self) -> None:
         _choice("engine.name", self.name, ENGINES)
         _at_least("engine.stack", self.stack, 0)
         _at_least("engine.threads", self.threads, 0)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.threads > cpus:  # more only oversubscribes; far more, OpenMP cannot start (a segfault)
+            raise ConfigError(
+                f"engine.threads={self.threads} is more than the {cpus} CPUs this process may use; "
+                f"valid: 0 (torch's default) to {cpus}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"engine.device={self.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
 

@@ -634,6 +634,12 @@ CASES = {
         )
         for key in ("data.shuffle_seed", "cluster.straggler.seed", "churn.seed")
     },
+    "threads-beyond-the-cpus": Case(
+        "engine.threads above the CPUs the process may use (far above, OpenMP cannot start: a segfault)",
+        ["engine.threads=100000"],
+        "engine.threads=100000 is more than the ",
+        "0 (torch's default) or at most the CPUs of the machine (the line says how many)",
+    ),
     "fault-hook-left-set": Case(
         "HYPERTRAIN_FAULT (the tests' fault hook) left set in the environment to something it cannot do",
         [],
