@@ -321,6 +321,9 @@ class EngineConfig:
             raise ConfigError(f"engine.device={self.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
 
 
+TIMEOUT_MAX_S = 365 * 24 * 3600
+
+
 @dataclass
 class ProcessesConfig:
     # How many processes hold the replicas and how they talk: one (this process holds every replica:
@@ -345,8 +348,13 @@ class ProcessesConfig:
                 f"processes.max_restarts={self.max_restarts!r} is not valid; valid: >= 0 (0: a failed "
                 "worker ends the run)"
             )
-        if not self.timeout_s > 0:
-            raise ConfigError(f"processes.timeout_s={self.timeout_s!r} is not valid; valid: > 0 seconds")
+        # below a second gloo's own waits time out inside torch (C++ frames); above a year torch's
+        # timedelta overflows on rank 0 and the cause never reaches the one line
+        if not 1 <= self.timeout_s <= TIMEOUT_MAX_S:
+            raise ConfigError(
+                f"processes.timeout_s={self.timeout_s:g} is out of range; valid: 1 to {TIMEOUT_MAX_S} "
+                "seconds (a year)"
+            )
         if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts):
             what = f"processes.nproc={self.nproc}" if self.nproc else f"processes.layout={self.layout!r}"
             what = f"processes.max_restarts={self.max_restarts}" if self.max_restarts else what

@@ -640,6 +640,15 @@ CASES = {
         "engine.threads=100000 is more than the ",
         "0 (torch's default) or at most the CPUs of the machine (the line says how many)",
     ),
+    **{
+        f"timeout-{name}": Case(
+            f"processes.timeout_s {name} (torch's timedelta overflowed on rank 0; gloo timed out in C++)",
+            ["processes=dist", "world=2", "replicas=1", f"processes.timeout_s={value}"],
+            f"processes.timeout_s={value} is out of range; valid: 1 to 31536000 seconds (a year)",
+            "a timeout between a second and a year",
+        )
+        for name, value in (("huge", "1e+15"), ("tiny", "1e-06"))
+    },
     "fault-hook-left-set": Case(
         "HYPERTRAIN_FAULT (the tests' fault hook) left set in the environment to something it cannot do",
         [],
