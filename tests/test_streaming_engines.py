@@ -52,6 +52,7 @@ from hypertrain.failures import RankFailed
 from hypertrain.model.shapes import param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import OptState, init_state, inner_step, sync_inner_states
+from hypertrain.run.checkpoint import seal
 from hypertrain.run.prepare import initial_weights, prepare
 from hypertrain.run.records import read_metrics
 
@@ -286,6 +287,7 @@ def test_killed_while_a_reduction_is_in_flight_resumes_bit_identically(tmp_path,
     saved = torch.load(ckpt(edited, 3), weights_only=False)
     saved["state"]["pending"]["mean"] *= 2
     torch.save(saved, ckpt(edited, 3))
+    seal(ckpt(edited, 3))  # a whole checkpoint whose stored mean is wrong
     done = entry([*overrides, f"resume={ckpt(edited, 3)}"], tmp_path)
     assert done.returncode == 0, done.stderr
     resumes = [r for r in read_metrics(edited / "metrics.jsonl") if r["kind"] == "resume"]
