@@ -53,6 +53,12 @@ def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int 
     return int(2 * (participants - 1) / participants * params * bytes_per_element)
 
 
+def inner_bytes(cfg: TrainConfig, params: int, updates: int) -> int:
+    """Bytes one rank sends for `updates` updates' gradient all-reduces among the L = W/R ranks of a
+    replica, as an ideal ring would."""
+    return ring_allreduce_bytes(cfg.world.size // cfg.replicas, params) * updates
+
+
 def round_bytes(
     cfg: TrainConfig, params: int, updates: int, synced: int, synced_params: int | None = None
 ) -> tuple[int, int]:
@@ -63,7 +69,7 @@ def round_bytes(
     whenever some replica stepped (`synced` > 0; one that did not sends zeros), 0 when none did; over
     `synced_params` parameters (a fragment's) or all `params`.
     """
-    inner = ring_allreduce_bytes(cfg.world.size // cfg.replicas, params) * updates
+    inner = inner_bytes(cfg, params, updates)
     outer = (
         ring_allreduce_bytes(cfg.replicas, params if synced_params is None else synced_params)
         if synced
@@ -171,8 +177,7 @@ class CompressedMean:
             )
             sent = int(2 * (R - 1) / R * self.b)  # each payload shard out, each mean shard back
         taken = [e if a else None for a, e in zip(active, errors, strict=True)]
-        figures = {"comm_outer_bytes": sent, "payload_bytes": self.b, "compress_error": taken}
-        self.result = Reduced(mean, sum(active), figures)
+        self.result = Reduced(mean, sum(active), sent, self.b, taken)
         return self.result
 
 

@@ -1,6 +1,10 @@
 """The outer step of DiLoCo (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1, lines 10-12): the
 pseudo-gradient Delta = mean over replicas of (theta_global - theta_m), then theta_global steps by an
-outer optimizer on Delta: torch.optim.SGD with (Nesterov) momentum, the paper's choice.
+outer optimizer on Delta: torch.optim.SGD's (Nesterov) momentum, the paper's choice, written out here
+rather than as torch.optim.SGD: SGD's first step clones the gradient into its buffer where ours adds it
+to a zero buffer, so a -0.0 of the pseudo-gradient is kept as -0.0 in SGD's buffer and +0.0 in ours
+(the weights are bitwise equal, the checkpoint's `outer_momentum` is not); and SGD keeps its buffer in
+the weights' dtype and its state keyed by parameter, where ours is fp32 and keyed by name.
 """
 
 from __future__ import annotations

@@ -1,25 +1,55 @@
 """A sync between its take and its landing (`Pending`): the fragment, the update count it was taken
-at, which local replicas took part, and its reduction: in flight (`Reduction`, e.g. an asynchronous
-collective) or known (`Landed`). A checkpoint stores the result, so a resumed run issues nothing again.
+at, which local replicas took part, churn's facts of it, and its reduction: in flight (`Reduction`,
+e.g. an asynchronous collective) or known (`Landed`). A checkpoint stores the result, so a resumed run
+issues nothing again; its saved form is unchanged since before the sync was one object per fragment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from hypertrain.diloco.churn import RoundFacts
 
 
 @dataclass
 class Reduced:
     """A communication stage's result: the mean pseudo-gradient (flat), the replicas that took part,
-    and what the stage reports for the sync row (a compressor's bytes and errors; none for fp32)."""
+    and a codec's facts (None for fp32's exact mean): the bytes one participant sent, each replica's
+    payload bytes and each one's compression error (None for a replica that did not take part)."""
 
     mean: Tensor
     synced: int
-    figures: dict = field(default_factory=dict)
+    sent_bytes: int | None = None
+    payload_bytes: int | None = None
+    compress_error: list[float | None] | None = None
+
+    @property
+    def figures(self) -> dict:
+        """The codec's facts as a checkpoint stores them (`comm_outer_bytes`, `payload_bytes`,
+        `compress_error`; empty for fp32)."""
+        if self.sent_bytes is None:
+            return {}
+        return {
+            "comm_outer_bytes": self.sent_bytes,
+            "payload_bytes": self.payload_bytes,
+            "compress_error": self.compress_error,
+        }
+
+    @classmethod
+    def of(cls, mean: Tensor, synced: int, figures: dict) -> Reduced:
+        """From a checkpoint's `figures` (see `figures`)."""
+        return cls(
+            mean,
+            synced,
+            figures.get("comm_outer_bytes"),
+            figures.get("payload_bytes"),
+            figures.get("compress_error"),
+        )
 
 
 class Reduction(Protocol):
@@ -50,6 +80,9 @@ class Pending:
     taken_at: int  # the update count (updates done in the phase) at which it was taken
     stepped: list[bool]  # which local replicas took part (stepped since the fragment's last landing)
     reduction: Reduction
+    # with churn: who contributed, was absent, missed (decided at the take); None when churn is off or
+    # the pending sync was read back from a checkpoint (its landing decides them again, the same way)
+    churn: RoundFacts | None = None
 
     def settle(self) -> None:
         """Wait for the reduction (every process, at the same point) and keep its result."""
@@ -75,6 +108,6 @@ class Pending:
         """This process's part of a saved pending sync (`rows`: its replicas' rows in `saved`)."""
         mean = saved["mean"]
         figures = saved.get("figures", {})
-        result = None if mean is None else Reduced(mean.to(device), int(saved["synced"]), figures)
+        result = None if mean is None else Reduced.of(mean.to(device), int(saved["synced"]), figures)
         stepped = [bool(saved["stepped"][i]) for i in rows]
         return cls(int(saved["fragment"]), int(saved["taken_at"]), stepped, Landed(result))

@@ -1,7 +1,8 @@
 """The one round loop of every engine and process layout: `rounds(run, state)` yields a phase's rounds
 as `Segment`s, advancing the run's state; a round is H updates by an engine on this process's replicas,
-then the sync (`diloco.sync`) that steps the global weights. With Streaming DiLoCo's fragments a round
-holds P syncs, one per fragment, each taken tau updates before it lands (`diloco.fragments.Schedule`).
+then the sync that steps the global weights (`diloco.sync.FragmentSync`, one per fragment). With
+Streaming DiLoCo's fragments a round holds P syncs, each taken tau updates before it lands
+(`diloco.fragments.Schedule`).
 A segment ends wherever the schedule, a checkpoint or a stop cuts; cuts change no number. The
 one-process simulation is the case of one process holding every replica.
 """
@@ -20,7 +21,7 @@ from hypertrain.data.batches import ReplicaBatch, replica_batch
 from hypertrain.diloco import churn
 from hypertrain.diloco.fragments import LAND, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
-from hypertrain.diloco.sync import SyncFigures, land, take
+from hypertrain.diloco.sync import FragmentSync, Landing
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.columns import PROCESS_COLUMNS, REPLICA_COLUMNS
@@ -99,7 +100,7 @@ class Segment:
     table: Tensor  # float64 [updates, R, len(REPLICA_COLUMNS)]
     ranks: Tensor  # float64 [P, updates, len(PROCESS_COLUMNS)]: each process's work and seconds
     ends_round: bool = False  # a round (H updates, or the phase's last) ended here
-    syncs: list[SyncFigures] = field(default_factory=list)  # the syncs that landed, in order
+    syncs: list[Landing] = field(default_factory=list)  # the syncs that landed, in order
 
     def replica_column(self, name: str) -> Tensor:
         """[updates, R]: every replica's `name` (REPLICA_COLUMNS) per update."""
@@ -157,6 +158,7 @@ def rounds(
     average = groups.average_in_replica if groups.rank_share() is not None else None
     schedule = Schedule.of(cfg, run.updates)
     fragments = members(cfg)
+    syncs = [FragmentSync(cfg, state, names, p, groups) for p, names in enumerate(fragments)]
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
     churned = churn.Churn.of(run)  # None without churn
@@ -190,25 +192,25 @@ def rounds(
             if kind == TAKE:
                 params = state.round_params
                 groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
-                stepped = state.stepped_in(p)
+                stepped, facts = state.stepped_in(p), None
                 if churned is not None:  # only the contributors' pseudo-gradients reach the sync
                     window = schedule.window(p, count)  # the updates its pseudo-gradient holds
-                    contributors = churned.facts(part.index, window, p).contributors
+                    facts = churned.facts(part.index, window, p)
+                    contributors = facts.contributors
                     stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
-                state.pending = take(cfg, state, params, stepped, fragments[p], p, count, groups)
+                state.pending = syncs[p].take(params, stepped, count, facts)
             elif kind == LAND:
                 pending, state.pending = state.pending, None
                 assert pending is not None and pending.fragment == p, (pending, p)
+                if churned is not None and pending.churn is None:  # read back from a checkpoint
+                    pending.churn = churned.facts(part.index, schedule.window(p, pending.taken_at), p)
                 merged = None if restart else state.round_params
-                figures = land(cfg, state, pending, fragments[p], merged, groups)
-                figures.measured = groups.comm_stats()  # this landing's (and the updates' before it)
-                if churned is not None:  # recomputed: a checkpoint may lie between the take and here
-                    window = schedule.window(p, pending.taken_at)
-                    figures.churn = churned.facts(part.index, window, p)
-                    if merged is not None:  # who did not contribute restarts from the global weights
-                        names = fragments[p]
-                        churn.restart_others(figures.churn, state.theta, names, merged, groups.replicas)
-                part.syncs.append(figures)
+                landing = syncs[p].land(state, pending, merged)
+                landing.measured = groups.comm_stats()  # this landing's (and the updates' before it)
+                if landing.churn is not None and merged is not None:
+                    # who did not contribute restarts from the global weights
+                    churn.restart_others(landing.churn, state.theta, fragments[p], merged, groups.replicas)
+                part.syncs.append(landing)
                 for flags in state.round_stepped:
                     flags[p] = False
         if schedule.is_period_end(count):

@@ -1,10 +1,12 @@
-"""The DiLoCo sync, one pipeline a reader follows top to bottom (docs/design.md, "The sync pipeline"):
-`take` forms this process's replicas' pseudo-gradients over the parameters being synced (all of them,
-or one Streaming DiLoCo fragment) and starts the communication stage (`communication.exact_mean`,
-replaceable); `land` waits for its mean, steps those parameters' global weights with their outer
-optimizer state (`outer.outer_step`), merges them into every replica and applies the inner state
-policy (`optim.inner.sync_inner_states`). Between the two the replicas may train on (outer.delay).
-The simulation and the real processes call the same functions; only their `Collectives` differ.
+"""The DiLoCo sync as one object per fragment (`FragmentSync`, in the shape of torchft's
+`_StreamingDiLoCoFragment`; docs/design.md, "The sync pipeline"): built once, it holds its parameters'
+global weights, outer momentum and error-feedback buffers (views into the run's state, which a
+checkpoint saves) and its reduction, chosen once (`ExactReducer`: fp32 sums; `CodecReducer`: a
+codec, gathered or two_phase). `take` forms this process's replicas' pseudo-gradients and starts the
+reduction (a `Pending`); `land` waits for its mean, steps the global weights (`outer.outer_step`),
+merges them into every replica, applies the inner state policy and returns a typed `Landing`. Between
+the two the replicas may train on (outer.delay). Simulation and real processes differ only in their
+`Collectives`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hypertrain.config import TrainConfig
+from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco.churn import RoundFacts
 from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import compressed_mean, exact_mean
-from hypertrain.diloco.outer import outer_step, pseudo_gradient_sum, pseudo_gradients, unflatten, weights_norm
-from hypertrain.diloco.pending import Pending
+from hypertrain.diloco.communication import compressed_mean, exact_mean, ring_allreduce_bytes
+from hypertrain.diloco.outer import (
+    OuterState,
+    outer_step,
+    pseudo_gradient_sum,
+    pseudo_gradients,
+    unflatten,
+    weights_norm,
+)
+from hypertrain.diloco.pending import Pending, Reduced, Reduction
 from hypertrain.diloco.state import RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
@@ -27,94 +36,138 @@ from hypertrain.optim.inner import sync_inner_states
 
 
 @dataclass
-class SyncFigures:
-    """What a landed sync reports: its fragment, the mean pseudo-gradient's norm, the replicas that
-    took part, the norm of the fragment's global weights before the outer step, its parameters and,
-    under real processes, the payload bytes and seconds measured since the previous landing."""
+class Landing:
+    """A landed sync, typed: its fragment, the update count its pseudo-gradient was taken at, the
+    fragment's parameter count, the replicas that took part, the mean pseudo-gradient's norm, the norm
+    of the fragment's global weights before the outer step, the bytes one participant sent for it
+    (the fp32 ring's, or a codec's), a codec's payload bytes and errors, what real processes measured
+    since the previous landing, and churn's facts (who contributed, was absent, missed; skipped)."""
 
     fragment: int
-    delta_norm: float
-    synced: int
-    theta_norm: float
+    taken_at: int
     params: int
+    synced: int = 0
+    delta_norm: float = 0.0
+    theta_norm: float = 0.0
+    outer_bytes: int = 0
+    payload_bytes: int | None = None
+    compress_error: list[float | None] | None = None
     measured: dict = field(default_factory=dict)
-    stage: dict = field(default_factory=dict)  # the communication stage's figures (a compressor's)
-    churn: RoundFacts | None = None  # with churn: who contributed, was absent, missed; whether skipped
+    churn: RoundFacts | None = None
+
+    def codec_figures(self) -> dict:
+        """A codec's fields of the sync row (`payload_bytes`, `compress_error`); none for fp32."""
+        if self.payload_bytes is None:
+            return {}
+        return {"payload_bytes": self.payload_bytes, "compress_error": self.compress_error}
 
 
-def take(
-    cfg: TrainConfig,
-    state: RunState,
-    params: list[Params],
-    stepped: list[bool],
-    names: list[str],
-    fragment: int,
-    count: int,
-    groups: Collectives,
-) -> Pending:
-    """Start a sync of the parameters `names`: this process's replicas' pseudo-gradients (theta -
-    theta_m over the replicas that `stepped`) handed to the communication stage, which starts their
-    mean over every process's replicas: fp32 sums and their count (`exact_mean`), or each replica's
-    compressed payload, with its error-feedback buffer (`compressed_mean`)."""
-    theta = {n: state.theta[n] for n in names}
-    device = next(iter(theta.values())).device
-    active = torch.tensor(stepped, device=device)
-    replica_params = {n: torch.cat([p[n] for p in params]) for n in names}
-    if cfg.outer.compress == "none":
-        reduction = exact_mean(pseudo_gradient_sum(theta, replica_params, active), groups)
-        return Pending(fragment, count, list(stepped), reduction)
-    blocks = Blocks(tuple(t.numel() for t in theta.values()), cfg.outer.block)
-    errors = None
-    if state.errors is not None:  # this fragment's part of each local replica's buffer, flat
-        errors = torch.cat([torch.cat([e[n].reshape(1, -1) for n in names], dim=1) for e in state.errors])
-    deltas = pseudo_gradients(theta, replica_params)
-    reduction = compressed_mean(cfg.outer, deltas, errors, active, blocks, groups, count)
-    if errors is not None:  # the updated buffers back into the state
-        for row, e in zip(errors, state.errors, strict=True):
-            for n, part in zip(names, row.split([e[n].numel() for n in names]), strict=True):
+class ExactReducer:
+    """outer.compress=none: the fp32 sum of the pseudo-gradients and their count, one all-reduce
+    (`communication.exact_mean`); one participant sends the ideal ring's bytes."""
+
+    def start(self, sync: FragmentSync, replica_params: Params, active, count: int) -> Reduction:
+        return exact_mean(pseudo_gradient_sum(sync.theta, replica_params, active), sync.groups)
+
+    def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
+        return ring_allreduce_bytes(sync.cfg.replicas, sync.params)
+
+
+class CodecReducer:
+    """outer.compress=a codec: each replica's payload, with its error-feedback buffer, reduced by
+    outer.reduce (`communication.compressed_mean`); one participant sends what the codec reports."""
+
+    def __init__(self, outer: OuterConfig, blocks: Blocks):
+        self.outer, self.blocks = outer, blocks
+
+    def start(self, sync: FragmentSync, replica_params: Params, active, count: int) -> Reduction:
+        errors = sync.flat_errors()
+        deltas = pseudo_gradients(sync.theta, replica_params)
+        reduction = compressed_mean(self.outer, deltas, errors, active, self.blocks, sync.groups, count)
+        if errors is not None:
+            sync.store_errors(errors)
+        return reduction
+
+    def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
+        return result.sent_bytes
+
+
+class FragmentSync:
+    """The sync of the parameters `names` (fragment `index`; all of them with DiLoCo's one fragment).
+
+    Its state lives in the run's `state` (what a checkpoint saves): it keeps views of its parameters'
+    global weights, outer momentum and each local replica's error buffer, so `state.load_state_dict`
+    (which copies in place) reaches it. Its reducer is chosen here, once."""
+
+    def __init__(self, cfg: TrainConfig, state: RunState, names: list[str], index: int, groups: Collectives):
+        self.cfg, self.names, self.index, self.groups = cfg, list(names), index, groups
+        self.theta = {n: state.theta[n] for n in self.names}
+        self.outer = OuterState({n: state.outer.momentum[n] for n in self.names})
+        self.errors = None if state.errors is None else [{n: e[n] for n in self.names} for e in state.errors]
+        self.params = sum(t.numel() for t in self.theta.values())
+        self.whole_model = len(self.names) == len(state.theta)
+        if cfg.outer.compress == "none":
+            self.reducer: ExactReducer | CodecReducer = ExactReducer()
+        else:
+            blocks = Blocks(tuple(t.numel() for t in self.theta.values()), cfg.outer.block)
+            self.reducer = CodecReducer(cfg.outer, blocks)
+
+    def flat_errors(self):
+        """This fragment's part of each local replica's error buffer, flat: [R_local, n]; None without
+        error feedback."""
+        if self.errors is None:
+            return None
+        return torch.cat([torch.cat([e[n].reshape(1, -1) for n in self.names], dim=1) for e in self.errors])
+
+    def store_errors(self, flat) -> None:
+        """The updated flat buffers back into the state."""
+        for row, e in zip(flat, self.errors, strict=True):
+            for n, part in zip(self.names, row.split([e[n].numel() for n in self.names]), strict=True):
                 e[n].copy_(part.view_as(e[n]))
-    return Pending(fragment, count, list(stepped), reduction)
 
+    def take(
+        self, params: list[Params], stepped: list[bool], count: int, churn: RoundFacts | None = None
+    ) -> Pending:
+        """Start this fragment's sync at update count `count`: this process's replicas'
+        pseudo-gradients (theta - theta_m over the replicas that `stepped`) handed to the reducer,
+        which starts their mean over every process's replicas. `churn`: the facts of the sync."""
+        device = next(iter(self.theta.values())).device
+        active = torch.tensor(stepped, device=device)
+        replica_params = {n: torch.cat([p[n] for p in params]) for n in self.names}
+        reduction = self.reducer.start(self, replica_params, active, count)
+        return Pending(self.index, count, list(stepped), reduction, churn)
 
-@torch.no_grad()
-def land(
-    cfg: TrainConfig,
-    state: RunState,
-    pending: Pending,
-    names: list[str],
-    params: list[Params] | None,
-    groups: Collectives,
-) -> SyncFigures:
-    """Finish a sync: wait for the mean pseudo-gradient, step the global weights of `names` with their
-    outer state, merge them into every local replica's weights `params` (None: the replicas restart from
-    the global weights), and apply the inner state policy to those parameters."""
-    theta = {n: state.theta[n] for n in names}
-    size = sum(t.numel() for t in theta.values())
-    communicated = pending.reduction.wait()
-    if communicated is None:  # nobody stepped: no pseudo-gradient, and momentum must not move theta
-        figures = SyncFigures(pending.fragment, 0.0, 0, 0.0, size)
-    else:
-        mean, synced = communicated.mean, communicated.synced
-        theta_norm = weights_norm(theta)  # before the outer step changes theta in place
-        delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
-        outer_step(cfg.outer, theta, unflatten(mean, theta), state.outer)
-        figures = SyncFigures(
-            pending.fragment, delta_norm, synced, theta_norm, size, stage=communicated.figures
-        )
-    if params is not None:
-        merge(theta, params, cfg.outer.merge_alpha)
-    if communicated is not None:
-        active = torch.tensor(pending.stepped, device=state.inner[0].step.device)
-        sync_inner_states(
-            cfg.inner,
-            state.inner,
-            active,
-            groups.sum_over_replicas,
-            groups.max_over_replicas,
-            names=names if len(names) < len(state.theta) else None,
-            fragment=pending.fragment,
-        )
-    return figures
+    @torch.no_grad()
+    def land(self, state: RunState, pending: Pending, params: list[Params] | None) -> Landing:
+        """Finish the sync `pending`: wait for the mean pseudo-gradient, step the global weights with
+        the outer state, merge them into every local replica's weights `params` (None: the replicas
+        restart from the global weights), and apply the inner state policy to these parameters."""
+        cfg = self.cfg
+        landing = Landing(pending.fragment, pending.taken_at, self.params, churn=pending.churn)
+        communicated = pending.reduction.wait()
+        if communicated is not None:  # None: nobody stepped, and momentum must not move theta
+            mean = communicated.mean
+            landing.synced = communicated.synced
+            landing.theta_norm = weights_norm(self.theta)  # before the outer step changes theta in place
+            landing.delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
+            outer_step(cfg.outer, self.theta, unflatten(mean, self.theta), self.outer)
+            landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
+            landing.payload_bytes = communicated.payload_bytes
+            landing.compress_error = communicated.compress_error
+        if params is not None:
+            merge(self.theta, params, cfg.outer.merge_alpha)
+        if communicated is not None:
+            active = torch.tensor(pending.stepped, device=state.inner[0].step.device)
+            sync_inner_states(
+                cfg.inner,
+                state.inner,
+                active,
+                self.groups.sum_over_replicas,
+                self.groups.max_over_replicas,
+                names=None if self.whole_model else self.names,
+                fragment=pending.fragment,
+            )
+        return landing
 
 
 def merge(theta: Params, params: list[Params], alpha: float) -> None:
@@ -139,7 +192,6 @@ def sync(
     """DiLoCo's sync of every parameter at once (take and land together; the replicas then restart
     from the global weights): the mean pseudo-gradient's norm and the replicas that took part."""
     groups = groups or ReplicaGroups(cfg.replicas)
-    names = list(state.theta)
-    pending = take(cfg, state, params, stepped, names, 0, state.next_update, groups)
-    figures = land(cfg, state, pending, names, None, groups)
-    return figures.delta_norm, figures.synced
+    whole = FragmentSync(cfg, state, list(state.theta), 0, groups)
+    landing = whole.land(state, whole.take(params, stepped, state.next_update), None)
+    return landing.delta_norm, landing.synced

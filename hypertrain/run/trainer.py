@@ -16,7 +16,7 @@ import torch
 
 from hypertrain.clock.timeline import Clock
 from hypertrain.diloco.churn import chain_digest
-from hypertrain.diloco.communication import round_bytes
+from hypertrain.diloco.communication import inner_bytes
 from hypertrain.diloco.fragments import Schedule
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
 from hypertrain.diloco.rounds import Segment, StopCheck, rounds
@@ -58,7 +58,7 @@ def sync_rows(
 ) -> list[SyncRow]:
     """The rows of the syncs that landed after `rnd`, advancing `totals`: the pseudo-gradient norm, the
     replicas that took part, the formula's bytes (inner: the updates since the previous sync, on the
-    first row; outer: the synced parameters' ring all-reduce across replicas) and what real processes
+    first row; outer: what the landing's reducer sent) and what real processes
     measured since the previous landing (the first row's includes the updates' gradient all-reduces).
     DiLoCo's one sync row also holds the held-out loss (`eval_loss`) and `extra` (a multistream
     model's per-channel held-out losses); with fragments each row names its fragment and the held-out
@@ -67,9 +67,8 @@ def sync_rows(
     since = count - Schedule.of(cfg, count).previous_land(count)
     rows = []
     for i, sync in enumerate(rnd.syncs):
-        inner, outer = round_bytes(cfg, n_params, since if i == 0 else 0, sync.synced, sync.params)
-        stage = dict(sync.stage)  # a compressor's: its payload's bytes on the wire, its errors
-        outer = stage.pop("comm_outer_bytes", outer)
+        inner = inner_bytes(cfg, n_params, since if i == 0 else 0)
+        outer = sync.outer_bytes  # what the fragment's reducer sent (the fp32 ring's, or a codec's)
         totals.comm_inner_bytes += inner
         totals.comm_outer_bytes += outer
         totals.comm_outer_peak = max(totals.comm_outer_peak, outer)
@@ -84,7 +83,7 @@ def sync_rows(
             comm_outer_bytes=outer,
             comm_inner_total=totals.comm_inner_bytes,
             comm_outer_total=totals.comm_outer_bytes,
-            figures=stage | sync.measured | extra,
+            figures=sync.codec_figures() | sync.measured | extra,
         )
         if sync.churn is not None:  # who contributed, was absent, missed; whether the quorum failed
             facts = sync.churn
