@@ -5,7 +5,8 @@ uses, and what that costs on the wire.
 processes (`Collectives.start_sum_over_replicas`, asynchronous under real processes), divided by the
 replicas that stepped. A stage takes this process's `[n_params + 1]` sum (the count last) and starts
 a `Reduction` whose `wait()` gives the mean, or None when no replica stepped.
-`round_bytes` is what an ideal ring all-reduce sends for a round (the `comm_*_bytes` records).
+`inner_bytes` and `ring_allreduce_bytes` are what an ideal ring all-reduce sends (the `comm_*_bytes`
+records; a codec's `Reduced` reports its own), `round_bytes` both for a round.
 """
 
 from __future__ import annotations

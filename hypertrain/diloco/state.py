@@ -53,7 +53,7 @@ class Totals:
 
     tokens: int = 0  # target tokens trained on, all replicas
     replica_steps: int = 0  # inner steps taken, summed over replicas
-    comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (communication.round_bytes)
+    comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (communication.inner_bytes)
     comm_outer_bytes: int = 0
     comm_outer_peak: int = 0  # the most one sync sent (the ideal ring's bytes per participant)
     # churn (docs/churn.md): replica-rounds that missed their sync, that were absent; syncs skipped below
