@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from hypertrain.clock.timeline import Clock, Shape
+from hypertrain.clock.timeline import Clock, Shape, taken_at
 from hypertrain.config import ClusterConfig, ConfigError, upgrade_resolved
 from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
 
@@ -79,7 +79,9 @@ def clock_of(
             updates.append({"update": u, "clock_s": clock.update(row)})
             continue
         if isinstance(row, SyncRow):
-            syncs.append({"update": u, "fragment": row.fragment or 0} | clock.sync(row))
+            p = row.fragment or 0  # a row does not hold when its pseudo-gradient was taken: the schedule's
+            taken = taken_at(u, p, shape.H, shape.fragments, shape.delay)
+            syncs.append({"update": u, "fragment": p} | clock.sync(row, taken))
         if isinstance(row, EvalRow) or row.eval_loss is not None:  # DiLoCo's sync row holds one
             heldout.append({"update": u, "clock_s": clock.heldout(row.eval_loss), "eval_loss": row.eval_loss})
     totals = {key.removeprefix("clock/"): value for key, value in clock.summary().items()}

@@ -39,7 +39,8 @@ def straggler_factors(straggler: StragglerConfig, round_index: int, replicas: in
 def taken_at(count: int, fragment: int, H: int, P: int, tau: int) -> int:
     """The update count after which the pseudo-gradient landing after `count` was taken (the streaming
     schedule, docs/streaming.md): tau earlier at its scheduled landing `k*H + (p+1)*H/P`; at the phase's
-    final flush, when it was in flight, at its scheduled take; otherwise at the landing itself."""
+    final flush, when it was in flight, at its scheduled take; otherwise at the landing itself. What the
+    replay reads a finished run's sync rows with (training hands `Clock.sync` the landing's own)."""
     if tau == 0:
         return count
     stride = H // P
@@ -144,15 +145,16 @@ class Clock:
         self.total_s += compute + inner
         return self.total_s
 
-    def sync(self, row: SyncRow) -> dict:
-        """A `sync` row (`update`, `fragment`, `comm_outer_bytes`, `payload_bytes`): the outer exchange
-        among the R replicas over the inter link by scheme (fp32 ring all-reduce of the synced
-        parameters; a compressed payload's all-gather, or two_phase's all-to-all then the all-gather of
-        shard means at the landing), the part started tau updates earlier hidden by those updates'
-        compute. Returns the row's clock fields: the compute and inner seconds since the previous
-        landing (on the first row of an update), outer exposed and hidden seconds, and `clock_s`."""
+    def sync(self, row: SyncRow, taken_at: int) -> dict:
+        """A `sync` row (`update`, `fragment`, `comm_outer_bytes`, `payload_bytes`) whose pseudo-gradient
+        was taken after update count `taken_at`: the outer exchange among the R replicas over the inter
+        link by scheme (fp32 ring all-reduce of the synced parameters; a compressed payload's
+        all-gather, or two_phase's all-to-all then the all-gather of shard means at the landing), the
+        part started at the take hidden by the compute of the updates since. Returns the row's clock
+        fields: the compute and inner seconds since the previous landing (on the first row of an
+        update), outer exposed and hidden seconds, and `clock_s`."""
         shape = self.shape
-        u, p, R = int(row.update), int(row.fragment or 0), shape.replicas
+        u, R = int(row.update), shape.replicas
         hideable = at_landing = 0.0
         if not row.comm_outer_bytes:  # R = 1, or no replica stepped: nothing was exchanged
             pass
@@ -168,7 +170,7 @@ class Clock:
             hideable = at_landing = all_to_all_s(b, R, self.inter)
         else:
             hideable = all_gather_s(row.figures["payload_bytes"] * self.scale, R, self.inter)
-        since = range(taken_at(u, p, shape.H, shape.fragments, shape.delay) + 1, u + 1)
+        since = range(taken_at + 1, u + 1)
         exposed = exposed_s(hideable, sum(self.recent.get(v, 0.0) for v in since))
         split = {
             "clock_compute_s": self.since_compute_s,

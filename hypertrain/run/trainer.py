@@ -96,7 +96,7 @@ def sync_rows(
             totals.replica_steps_reached += sum(facts.steps.values())
             totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts, cfg.outer.fragments)
         if clock is not None:
-            row.figures |= clock.sync(row)
+            row.figures |= clock.sync(row, sync.taken_at)
             if row.eval_loss is not None:
                 clock.heldout(row.eval_loss)
         rows.append(row)
