@@ -21,7 +21,7 @@ from hypertrain.data.batches import ReplicaBatch, replica_batch
 from hypertrain.diloco import churn
 from hypertrain.diloco.fragments import LAND, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
-from hypertrain.diloco.sync import FragmentSync, Landing
+from hypertrain.diloco.sync import Landing
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.columns import PROCESS_COLUMNS, REPLICA_COLUMNS
@@ -158,7 +158,6 @@ def rounds(
     average = groups.average_in_replica if groups.rank_share() is not None else None
     schedule = Schedule.of(cfg, run.updates)
     fragments = members(cfg)
-    syncs = [FragmentSync(cfg, state, names, p, groups) for p, names in enumerate(fragments)]
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
     churned = churn.Churn.of(run)  # None without churn
@@ -198,14 +197,13 @@ def rounds(
                     facts = churned.facts(part.index, window, p)
                     contributors = facts.contributors
                     stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
-                state.pending = syncs[p].take(params, stepped, count, facts)
+                state.syncs[p].take(params, stepped, count, groups, facts)
             elif kind == LAND:
-                pending, state.pending = state.pending, None
-                assert pending is not None and pending.fragment == p, (pending, p)
-                if churned is not None and pending.churn is None:  # read back from a checkpoint
+                pending = state.syncs[p].pending
+                if churned is not None and pending is not None and pending.churn is None:  # from a checkpoint
                     pending.churn = churned.facts(part.index, schedule.window(p, pending.taken_at), p)
                 merged = None if restart else state.round_params
-                landing = syncs[p].land(state, pending, merged)
+                landing = state.syncs[p].land(state.inner, merged, groups)
                 landing.measured = groups.comm_stats()  # this landing's (and the updates' before it)
                 if landing.churn is not None and merged is not None:
                     # who did not contribute restarts from the global weights

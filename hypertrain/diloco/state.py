@@ -26,9 +26,10 @@ from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch
 from hypertrain.data.datasets import Dataset
 from hypertrain.diloco.communication import ring_allreduce_bytes
-from hypertrain.diloco.fragments import fragment_of
+from hypertrain.diloco.fragments import fragment_of, members
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
+from hypertrain.diloco.sync import FragmentSync
 from hypertrain.model.shapes import active_params, count_params, param_roles
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, init_state
@@ -83,13 +84,27 @@ class RunState:
     # sync (a replica that has not sits the fragment's next sync out).
     round_params: list[Params] | None = None
     round_stepped: list[list[bool]] | None = None
-    pending: Pending | None = None  # a fragment's sync taken, not landed yet (outer.delay > 0)
     # outer.error_feedback: each local replica's error buffer [1, ...] per parameter (fp32): what
     # compression left out of its pseudo-gradients so far, added to its next one
     errors: list[Params] | None = None
     # the network clock (docs/clock.md), fed by the writer with the rows it writes; None for the rest of
     # a run resumed from a checkpoint written before the clock
     clock: Clock | None = None
+    # one sync per fragment (`diloco.sync.FragmentSync`): views of its part of the state above, its
+    # reducer, and its sync taken and not landed yet (outer.delay > 0; at most one fragment's at a time)
+    syncs: list[FragmentSync] = field(default_factory=list)
+
+    @property
+    def pending(self) -> Pending | None:
+        """The fragment's sync in flight, if one is (what a checkpoint saves)."""
+        return next((s.pending for s in self.syncs if s.pending is not None), None)
+
+    @pending.setter
+    def pending(self, pending: Pending | None) -> None:
+        for s in self.syncs:
+            s.pending = None
+        if pending is not None:
+            self.syncs[pending.fragment].pending = pending
 
     @property
     def mid_round(self) -> bool:
@@ -109,7 +124,12 @@ class RunState:
             errors = [{n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()} for _ in local]
         shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
         clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
-        return cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
+        state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
+        state.syncs = [
+            FragmentSync(cfg, p, names, state.theta, state.outer, state.errors)
+            for p, names in enumerate(members(cfg))
+        ]
+        return state
 
     def stepped_in(self, fragment: int) -> list[bool]:
         """Whether each local replica has stepped since `fragment`'s last sync."""

@@ -1,12 +1,12 @@
 """The DiLoCo sync as one object per fragment (`FragmentSync`, in the shape of torchft's
-`_StreamingDiLoCoFragment`; docs/design.md, "The sync pipeline"): built once, it holds its parameters'
-global weights, outer momentum and error-feedback buffers (views into the run's state, which a
-checkpoint saves) and its reduction, chosen once (`ExactReducer`: fp32 sums; `CodecReducer`: a
-codec, gathered or two_phase). `take` forms this process's replicas' pseudo-gradients and starts the
-reduction (a `Pending`); `land` waits for its mean, steps the global weights (`outer.outer_step`),
-merges them into every replica, applies the inner state policy and returns a typed `Landing`. Between
-the two the replicas may train on (outer.delay). Simulation and real processes differ only in their
-`Collectives`.
+`_StreamingDiLoCoFragment`; docs/design.md, "The sync pipeline"): built once with the run's state, it
+holds its parameters' global weights, outer momentum and error-feedback buffers (views), its sync in
+flight (`pending`; the state's checkpoint saves them all) and its reduction, chosen once
+(`ExactReducer`: fp32 sums; `CodecReducer`: a codec, gathered or two_phase). `take` forms this
+process's replicas' pseudo-gradients and starts the reduction; `land` waits for its mean, steps the
+global weights (`outer.outer_step`), merges them into every replica, applies the inner state policy
+and returns a typed `Landing`. Between the two the replicas may train on (outer.delay). Simulation
+and real processes differ only in their `Collectives`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from hypertrain.diloco.outer import (
     weights_norm,
 )
 from hypertrain.diloco.pending import Pending, Reduced, Reduction
-from hypertrain.diloco.state import RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
-from hypertrain.optim.inner import sync_inner_states
+from hypertrain.optim.inner import OptState, sync_inner_states
 
 
 @dataclass
@@ -66,8 +65,8 @@ class ExactReducer:
     """outer.compress=none: the fp32 sum of the pseudo-gradients and their count, one all-reduce
     (`communication.exact_mean`); one participant sends the ideal ring's bytes."""
 
-    def start(self, sync: FragmentSync, replica_params: Params, active, count: int) -> Reduction:
-        return exact_mean(pseudo_gradient_sum(sync.theta, replica_params, active), sync.groups)
+    def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
+        return exact_mean(pseudo_gradient_sum(sync.theta, replica_params, active), groups)
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return ring_allreduce_bytes(sync.cfg.replicas, sync.params)
@@ -80,10 +79,10 @@ class CodecReducer:
     def __init__(self, outer: OuterConfig, blocks: Blocks):
         self.outer, self.blocks = outer, blocks
 
-    def start(self, sync: FragmentSync, replica_params: Params, active, count: int) -> Reduction:
+    def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
         errors = sync.flat_errors()
         deltas = pseudo_gradients(sync.theta, replica_params)
-        reduction = compressed_mean(self.outer, deltas, errors, active, self.blocks, sync.groups, count)
+        reduction = compressed_mean(self.outer, deltas, errors, active, self.blocks, groups, count)
         if errors is not None:
             sync.store_errors(errors)
         return reduction
@@ -95,17 +94,29 @@ class CodecReducer:
 class FragmentSync:
     """The sync of the parameters `names` (fragment `index`; all of them with DiLoCo's one fragment).
 
-    Its state lives in the run's `state` (what a checkpoint saves): it keeps views of its parameters'
-    global weights, outer momentum and each local replica's error buffer, so `state.load_state_dict`
-    (which copies in place) reaches it. Its reducer is chosen here, once."""
+    The run state holds one per fragment (`RunState.syncs`) and saves what it owns: views of its
+    parameters' global weights, outer momentum and each local replica's error buffer (so
+    `state.load_state_dict`, which copies in place, reaches them) and its `pending` sync, taken and not
+    landed. Its reducer is chosen here, once."""
 
-    def __init__(self, cfg: TrainConfig, state: RunState, names: list[str], index: int, groups: Collectives):
-        self.cfg, self.names, self.index, self.groups = cfg, list(names), index, groups
-        self.theta = {n: state.theta[n] for n in self.names}
-        self.outer = OuterState({n: state.outer.momentum[n] for n in self.names})
-        self.errors = None if state.errors is None else [{n: e[n] for n in self.names} for e in state.errors]
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        index: int,
+        names: list[str],
+        theta: Params,
+        outer: OuterState,
+        errors: list[Params] | None,
+    ):
+        """Fragment `index`'s sync of the parameters `names`, of the run's global weights `theta`,
+        outer state `outer` and local replicas' error buffers `errors` (None without error feedback)."""
+        self.cfg, self.names, self.index = cfg, list(names), index
+        self.pending: Pending | None = None
+        self.theta = {n: theta[n] for n in self.names}
+        self.outer = OuterState({n: outer.momentum[n] for n in self.names})
+        self.errors = None if errors is None else [{n: e[n] for n in self.names} for e in errors]
         self.params = sum(t.numel() for t in self.theta.values())
-        self.whole_model = len(self.names) == len(state.theta)
+        self.whole_model = len(self.names) == len(theta)
         if cfg.outer.compress == "none":
             self.reducer: ExactReducer | CodecReducer = ExactReducer()
         else:
@@ -126,23 +137,31 @@ class FragmentSync:
                 e[n].copy_(part.view_as(e[n]))
 
     def take(
-        self, params: list[Params], stepped: list[bool], count: int, churn: RoundFacts | None = None
+        self,
+        params: list[Params],
+        stepped: list[bool],
+        count: int,
+        groups: Collectives,
+        churn: RoundFacts | None = None,
     ) -> Pending:
-        """Start this fragment's sync at update count `count`: this process's replicas'
+        """Start this fragment's sync at update count `count` (its `pending`): this process's replicas'
         pseudo-gradients (theta - theta_m over the replicas that `stepped`) handed to the reducer,
         which starts their mean over every process's replicas. `churn`: the facts of the sync."""
         device = next(iter(self.theta.values())).device
         active = torch.tensor(stepped, device=device)
         replica_params = {n: torch.cat([p[n] for p in params]) for n in self.names}
-        reduction = self.reducer.start(self, replica_params, active, count)
-        return Pending(self.index, count, list(stepped), reduction, churn)
+        reduction = self.reducer.start(self, replica_params, active, count, groups)
+        self.pending = Pending(self.index, count, list(stepped), reduction, churn)
+        return self.pending
 
     @torch.no_grad()
-    def land(self, state: RunState, pending: Pending, params: list[Params] | None) -> Landing:
-        """Finish the sync `pending`: wait for the mean pseudo-gradient, step the global weights with
+    def land(self, inner: list[OptState], params: list[Params] | None, groups: Collectives) -> Landing:
+        """Finish the `pending` sync: wait for the mean pseudo-gradient, step the global weights with
         the outer state, merge them into every local replica's weights `params` (None: the replicas
-        restart from the global weights), and apply the inner state policy to these parameters."""
-        cfg = self.cfg
+        restart from the global weights), and apply the inner state policy to these parameters of the
+        local replicas' inner optimizer states `inner`."""
+        cfg, pending, self.pending = self.cfg, self.pending, None
+        assert pending is not None and pending.fragment == self.index, (pending, self.index)
         landing = Landing(pending.fragment, pending.taken_at, self.params, churn=pending.churn)
         communicated = pending.reduction.wait()
         if communicated is not None:  # None: nobody stepped, and momentum must not move theta
@@ -157,13 +176,13 @@ class FragmentSync:
         if params is not None:
             merge(self.theta, params, cfg.outer.merge_alpha)
         if communicated is not None:
-            active = torch.tensor(pending.stepped, device=state.inner[0].step.device)
+            active = torch.tensor(pending.stepped, device=inner[0].step.device)
             sync_inner_states(
                 cfg.inner,
-                state.inner,
+                inner,
                 active,
-                self.groups.sum_over_replicas,
-                self.groups.max_over_replicas,
+                groups.sum_over_replicas,
+                groups.max_over_replicas,
                 names=None if self.whole_model else self.names,
                 fragment=pending.fragment,
             )
@@ -184,14 +203,16 @@ def merge(theta: Params, params: list[Params], alpha: float) -> None:
 
 def sync(
     cfg: TrainConfig,
-    state: RunState,
+    state,
     params: list[Params],
     stepped: list[bool],
     groups: Collectives | None = None,
 ) -> tuple[float, int]:
-    """DiLoCo's sync of every parameter at once (take and land together; the replicas then restart
-    from the global weights): the mean pseudo-gradient's norm and the replicas that took part."""
+    """DiLoCo's sync of every parameter of the run `state` (a `diloco.state.RunState`, which imports
+    this module) at once, take and land together (the replicas then restart from the global weights):
+    the mean pseudo-gradient's norm and the replicas that took part."""
     groups = groups or ReplicaGroups(cfg.replicas)
-    whole = FragmentSync(cfg, state, list(state.theta), 0, groups)
-    landing = whole.land(state, whole.take(params, stepped, state.next_update), None)
+    whole = FragmentSync(cfg, 0, list(state.theta), state.theta, state.outer, state.errors)
+    whole.take(params, stepped, state.next_update, groups)
+    landing = whole.land(state.inner, None, groups)
     return landing.delta_norm, landing.synced
