@@ -438,6 +438,18 @@ CASES = {
         "absolute path, hydra.run.dir=",
         "an absolute path ($HOME/x), or the value in quotes: 'hydra.run.dir=\"~/x\"'",
     ),
+    "path-unresolvable": Case(
+        "an output directory with an interpolation that does not resolve",
+        ["hydra.run.dir=out/${oops}"],
+        "hydra.run.dir=out/${oops} cannot be resolved (Interpolation key 'oops' not found)",
+        "a path, with ${now:...} if wanted",
+    ),
+    "path-name-too-long": Case(
+        "an output directory with a folder name longer than Linux allows (255 bytes)",
+        [f"hydra.run.dir=out/{'n' * 256}"],
+        f"hydra.run.dir=out/{'n' * 256} has a folder name of 256 bytes",
+        "names of at most 255 bytes",
+    ),
     "sweep-invalid-first-job": Case(
         "a sweep whose first job is invalid (-m; here hydra.mode=MULTIRUN, as -m must come first)",
         ["hydra.mode=MULTIRUN", "replicas=3,2", "hydra.sweep.dir=sweep"],

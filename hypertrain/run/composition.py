@@ -163,6 +163,7 @@ def check_composition(args: list[str]) -> None:
                         )
     except Exception as e:  # Hydra's errors have no common base class beyond Exception
         fail(composition_error(e))
+    check_output_dir(composed, "sweep.dir" if sweeping else "run.dir")
     if sweeping and (launched := launched_rank()) is not None:
         fail(
             f"a multirun (-m) under {launched.launcher} is not supported: every rank would run the whole "
@@ -178,6 +179,34 @@ def check_composition(args: list[str]) -> None:
         for job in jobs:
             check_sweep_memory(job)
         note_sweep_root(composed)
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits: bytes in one path component, in a whole path
+
+
+def check_output_dir(composed: DictConfig, key: str) -> None:
+    """`hydra.<key>` (run.dir, or sweep.dir in a multirun) resolves and names a folder this system can
+    make: an interpolation that does not resolve, or a component over NAME_MAX bytes, is one line
+    naming the value (Hydra would fail making it, with a traceback)."""
+    try:
+        folder = str(OmegaConf.select(composed, f"hydra.{key}"))
+    except Exception as e:  # omegaconf's interpolation errors
+        written = OmegaConf.to_container(composed.hydra, resolve=False)
+        for part in key.split("."):
+            written = written[part]
+        reason = str(e).strip().splitlines()[0]
+        fail(
+            f"hydra.{key}={written} cannot be resolved ({reason}); valid: a path, with ${{now:...}} if wanted"
+        )
+    encoded = os.fsencode(folder)
+    long = [c for c in encoded.split(b"/") if len(c) > NAME_MAX]
+    if long:
+        fail(
+            f"hydra.{key}={folder} has a folder name of {len(long[0])} bytes; valid: names of at most "
+            f"{NAME_MAX} bytes"
+        )
+    if len(encoded) >= PATH_MAX:
+        fail(f"hydra.{key}={folder} is {len(encoded)} bytes long; valid: a path under {PATH_MAX} bytes")
 
 
 def check_sweep_memory(composed: DictConfig) -> None:
