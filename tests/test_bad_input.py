@@ -501,6 +501,15 @@ CASES = {
         "a new directory",
         setup=copy_of_earlier(lambda run: (_without("metrics.jsonl")(run), _without("checkpoints")(run))),
     ),
+    "checkpoints-is-a-file": Case(
+        "resume=auto where the run's checkpoints/ has been replaced by a file",
+        ["hydra.run.dir=run", "resume=auto"],
+        "{cwd}/run/checkpoints is not a folder, so the run cannot keep its checkpoints there",
+        "that file moved away (a run's checkpoints/ is a folder it makes)",
+        setup=copy_of_earlier(
+            lambda run: (_without("checkpoints")(run), (run / "checkpoints").write_text("x"))
+        ),
+    ),
     "nothing-to-resume": Case(
         "resume=true where there is no checkpoint",
         ["hydra.run.dir=fresh", "resume=true"],

@@ -103,8 +103,14 @@ def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoints, oldest first."""
+    """The run's checkpoints, oldest first; ConfigError when RUN/checkpoints is there but no folder
+    (a resume would train a round, then fail to write its first checkpoint)."""
     folder = Path(run_dir) / FOLDER
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"{folder} is not a folder, so the run cannot keep its checkpoints there; valid: that file "
+            "moved away (a run's checkpoints/ is a folder it makes)"
+        )
     found = [p for p in folder.glob("ckpt-u*.pt") if _NAME.search(p.name)] if folder.is_dir() else []
     return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
 
