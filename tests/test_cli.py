@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import QUICK, assert_same_weights, entry, entry_env, in_process
+from helpers import QUICK, assert_same_weights, entry, entry_env, in_process, start_entry
 
 from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.train import run_entry
@@ -168,6 +168,21 @@ def test_the_command_line_is_the_function(tmp_path):
     here = in_process([*run, f"hydra.run.dir={tmp_path / 'here'}"], tmp_path)
     assert real.returncode == here.returncode == 0, real.stderr + here.stderr
     assert records(tmp_path / "real") == records(tmp_path / "here")
+
+
+def test_a_reader_that_stops_reading_ends_the_console_not_the_run(tmp_path):
+    """`python -m hypertrain.train ... | head -1`: the first line read, the pipe closed. The run goes on
+    to its end (exit 0, end row finished, the whole log in train.log) and stderr holds nothing: no
+    "--- Logging error ---" BrokenPipe traceback at each later line, none at the interpreter's exit."""
+    run_dir = tmp_path / "run"
+    run = start_entry([*QUICK, "logger=none", "phase.updates=4", f"hydra.run.dir={run_dir}"], tmp_path)
+    first = run.stdout.readline()
+    run.stdout.close()  # what head does after its line
+    stderr = run.stderr.read()
+    assert run.wait(timeout=300) == 0, stderr
+    assert "hypertrain" in first and stderr == ""
+    assert records(run_dir)[-1]["status"] == "finished"
+    assert "done: held-out loss" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow  # a fresh interpreter a case; the compiled control compiles (about 30 s)
