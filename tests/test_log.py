@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -130,6 +131,28 @@ def test_offline_wandb_run_mirrors_metrics_jsonl(offline_env, tmp_path):
         for key in ("inner_bytes", "outer_bytes", "inner_total", "outer_total"):
             assert logged[f"comm/{key}"] == row[f"comm_{key}"]
         assert logged["sync/replicas_stepped"] == row["replicas_stepped"]
+
+
+def test_a_run_that_starts_wandb_keeps_wandbs_service_log_in_its_own_folder(offline_env, tmp_path):
+    """wandb's service writes a core-debug-*.log into $WANDB_CACHE_DIR/wandb/logs/, ~/.cache/wandb/logs/
+    by default: outside the run. A run that starts the service (no WANDB_CACHE_DIR of the user's) keeps
+    the log in its own wandb/ folder, stops the service at its close, and leaves the environment and
+    $HOME as they were."""
+    import wandb
+
+    from hypertrain.run.wandb_settings import wandb_is_set_up
+
+    wandb.teardown()  # a service an earlier test in this process left up would be this run's
+    home = tmp_path / "home"
+    home.mkdir()
+    offline_env.setenv("HOME", str(home))
+    offline_env.delenv("WANDB_CACHE_DIR")
+    offline_env.delenv("XDG_CACHE_HOME", raising=False)
+    with open_logger(tmp_path / "run") as log:
+        log.log_update(UPDATES[0])
+    assert len(list((tmp_path / "run" / "wandb" / "logs").glob("core-debug-*.log"))) == 1
+    assert list(home.rglob("*")) == []
+    assert "WANDB_CACHE_DIR" not in os.environ and not wandb_is_set_up()
 
 
 def test_records_larger_than_a_block_read_back(offline_env, tmp_path):

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hypertrain.failures.signals import STOP_SIGNALS
+from hypertrain.run.wandb_settings import wandb_is_set_up
 
 
 @contextmanager
@@ -23,9 +24,9 @@ def restored() -> Iterator[None]:
     handler added meanwhile, Hydra's job log among them, is closed), Hydra's singletons (its config of
     the run, the job's runtime; `GlobalHydra` Hydra clears itself) and, where torch is imported,
     torch's thread count, default random generator, deterministic-algorithm flags, matmul precision
-    and default dtype; W&B set up by the call is torn down (`_wandb_set_up`)."""
+    and default dtype; W&B set up by the call is torn down (`wandb_is_set_up`)."""
     environ, argv, cwd = dict(os.environ), list(sys.argv), os.getcwd()
-    wandb_before = _wandb_set_up()
+    wandb_before = wandb_is_set_up()
     handlers = _signal_handlers()
     loggers = _loggers()
     hydra = _hydra_singletons()
@@ -33,7 +34,7 @@ def restored() -> Iterator[None]:
     try:
         yield
     finally:
-        if not wandb_before and _wandb_set_up():
+        if not wandb_before and wandb_is_set_up():
             import wandb
 
             wandb.teardown()
@@ -48,15 +49,6 @@ def restored() -> Iterator[None]:
         if dict(os.environ) != environ:
             os.environ.clear()
             os.environ.update(environ)
-
-
-def _wandb_set_up() -> bool:
-    """Whether W&B's process-wide singleton exists. It reads its settings (WANDB_BASE_URL,
-    WANDB_INIT_TIMEOUT, ...) from the environment once, when it is made, and writes into the
-    environment: one made by a call is torn down after it, so the next call reads its own environment
-    (a singleton the caller made before is the caller's, and stays)."""
-    setup = sys.modules.get("wandb.sdk.wandb_setup")
-    return setup is not None and getattr(setup, "_singleton", None) is not None
 
 
 def _signal_handlers() -> dict[int, object]:

@@ -50,7 +50,7 @@ from hypertrain.records.rows import (
     loss_mean,  # noqa: F401  (as above)
     plain,
 )
-from hypertrain.run.wandb_settings import quiet_wandb, wandb_mode
+from hypertrain.run.wandb_settings import quiet_wandb, wandb_is_set_up, wandb_mode
 
 if TYPE_CHECKING:
     from hypertrain.config import LoggerConfig
@@ -115,6 +115,7 @@ class RunLogger:
         self._sha = hashlib.sha256()  # of every byte of metrics.jsonl so far (checkpoints record it)
         self._file = None
         self._run = None
+        self._owns_wandb = False  # this run started wandb's service (`_init_wandb`)
         self._mode: str | None = None
         self._closed = False
 
@@ -223,6 +224,10 @@ class RunLogger:
                 run.finish(exit_code=exit_code)
                 if run_file is not None and run_file.exists():
                     self._wait_for_run_file(run_file)
+                if self._owns_wandb:
+                    import wandb
+
+                    wandb.teardown()  # the service this run started, whose log is in the run's folder
 
     @staticmethod
     def _wait_for_run_file(run_file: Path) -> None:
@@ -257,9 +262,27 @@ class RunLogger:
             # Console capture and the system monitor cost start-up time and add nothing offline.
             settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True, silent=True),
         )
-        # A resumed run keeps its id; right after a kill, wandb's service of the killed session may
-        # still hold it ("run ID ... is in use") for a few seconds: wait for it, then, if it still
-        # does, go on under a new id (metrics.jsonl is the record; the resume row says where).
+        # wandb's service writes its debug log to $WANDB_CACHE_DIR/wandb/logs/ (~/.cache by default):
+        # a service this run starts puts it in the run's own wandb/ folder, and is stopped at close so
+        # the next run of a multirun starts its own (a WANDB_CACHE_DIR of the user's stays theirs).
+        self._owns_wandb = not wandb_is_set_up()
+        own_cache = self._owns_wandb and "WANDB_CACHE_DIR" not in os.environ
+        if own_cache:
+            os.environ["WANDB_CACHE_DIR"] = str(self.run_dir)
+        try:
+            run = self._start_wandb(wandb, settings)
+        finally:
+            if own_cache:  # the service has it now; the process's environment is as it was
+                os.environ.pop("WANDB_CACHE_DIR", None)
+        run.define_metric("update")
+        run.define_metric("*", step_metric="update")
+        return run
+
+    def _start_wandb(self, wandb, settings):
+        """wandb.init with this run's id. A resumed run keeps its id; right after a kill, wandb's
+        service of the killed session may still hold it ("run ID ... is in use") for a few seconds:
+        wait for it, then, if it still does, go on under a new id (metrics.jsonl is the record; the
+        resume row says where)."""
         for attempt in range(WANDB_ID_RETRIES + 1):
             try:
                 run = wandb.init(id=self.wandb_id, **settings())
@@ -276,8 +299,6 @@ class RunLogger:
                     run = wandb.init(id=None, **settings())
                     break
                 time.sleep(1.0)
-        run.define_metric("update")
-        run.define_metric("*", step_metric="update")
         return run
 
     # -- rows ------------------------------------------------------------------------------------

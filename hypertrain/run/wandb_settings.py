@@ -5,6 +5,7 @@ logger.mode), the project name, and credentials for an online mode, each refusal
 from __future__ import annotations
 
 import os
+import sys
 
 from hypertrain.config import ConfigError, LoggerConfig
 
@@ -88,3 +89,12 @@ def _check_credentials(named: str) -> None:
             "entry, no `wandb login`); valid: `wandb login` or WANDB_API_KEY=..., or logger.mode=offline "
             "(upload later with `wandb sync`)"
         )
+
+
+def wandb_is_set_up() -> bool:
+    """Whether W&B's process-wide singleton exists. It reads its settings (WANDB_BASE_URL,
+    WANDB_INIT_TIMEOUT, ...) from the environment once, when it is made, and writes into the
+    environment: one made by a call is torn down after it, so the next call reads its own environment
+    (a singleton the caller made before is the caller's, and stays)."""
+    setup = sys.modules.get("wandb.sdk.wandb_setup")
+    return setup is not None and getattr(setup, "_singleton", None) is not None
