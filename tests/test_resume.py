@@ -20,7 +20,9 @@ zeroed, or whose replica 1 step count was changed (AdamW's bias correction uses 
 same way, gives other losses and weights, exactly where the edited state first acts. Refusals (a
 resume that cannot be done, a config that changed, every checkpoint corrupt) exit 2 with one line
 and leave every file as it was; a corrupt newest checkpoint falls back to the one before. A finished
-run extended (phase.updates longer, the same explicit inner.decay_steps) is its continuation.
+run extended (phase.updates longer, the same explicit inner.decay_steps) is its continuation. A
+killed run reported on (`python -m hypertrain.report` and `python -m hypertrain.clock`, their default
+report/ in the run directory) still resumes with resume=auto, to the same run, its report untouched.
 
 A known limitation: a SIGKILLed session's W&B piece holds only what wandb's writer had flushed
 (often nothing); the test asserts what it holds is exact and in order, not that it is complete.
@@ -28,9 +30,11 @@ A known limitation: a SIGKILLed session's W&B piece holds only what wandb's writ
 
 from __future__ import annotations
 
+import io
 import shutil
 import struct
 import zipfile
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +59,8 @@ from helpers import (
 )
 
 from hypertrain.failures import RankFailed
+from hypertrain.report import cli as report
+from hypertrain.report import retime
 from hypertrain.run.checkpoint import SUPERSEDED_FILE, digest_path, seal
 from hypertrain.run.records import METRICS_FILE, read_metrics
 from hypertrain.run.wandb_offline import read_run
@@ -588,6 +594,47 @@ def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_p
     )  # finished: resumes, adds nothing
     assert again.returncode == 0, again.stderr
     assert_identical(run_dir, reference)
+
+
+def test_the_report_and_the_clock_of_a_killed_run_leave_it_resumable(tmp_path, reference):
+    """A run's own tools never make it unresumable (issue 35): killed as round 3 starts, with no
+    checkpoint (checkpoint.every=0), then reported on and timed by the clock with their default output
+    (the run's report/), `resume=auto` starts it over in its directory and it equals the uninterrupted
+    run; the report is left as it was, of the killed run. A report/ holding anything else is not the
+    run's: refused with one line, exit 2, nothing changed."""
+    args = [*BASE, "checkpoint.every=0"]
+    run_dir = tmp_path / "run"
+    killed = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path, "0:5:kill")
+    assert killed.returncode == KILLED, killed.stderr
+    before = (run_dir / METRICS_FILE).read_bytes()
+    assert not (run_dir / "checkpoints").exists()
+    out = run_dir / "report"
+    printed, said = io.StringIO(), io.StringIO()
+    with redirect_stdout(printed):
+        assert report.main([str(run_dir)]) == 0
+    with redirect_stdout(io.StringIO()), redirect_stderr(said):
+        assert retime.main([str(run_dir)]) == 0
+    assert printed.getvalue().splitlines()[-1].startswith(f"report: {out / 'report.html'} ("), (
+        printed.getvalue()
+    )
+    assert said.getvalue().startswith(f"hypertrain.clock: wrote {out / 'clock-cpu_here' / 'clock.md'} and ")
+    reported = tree(out)
+
+    (out / "notes.txt").write_text("mine")
+    kept = tree(tmp_path)
+    refused = entry([*args, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path)
+    assert refused.returncode == 2 and stderr_lines(refused.stderr) == [
+        f"hypertrain: error: hydra.run.dir={run_dir} holds files that are not this run's (report); valid: a "
+        "new or empty directory, or the directory of this run"
+    ], refused.stderr
+    assert tree(tmp_path) == kept, "a refused resume created or changed files"
+    (out / "notes.txt").unlink()
+
+    done = entry([*args, f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / SUPERSEDED_FILE).read_bytes() == before
+    assert_identical(run_dir, reference)
+    assert tree(out) == reported
 
 
 @pytest.mark.slow

@@ -34,12 +34,12 @@ from hypertrain.report.table import (
     phase_of,
     table_rows,
 )
+from hypertrain.run.directory import REPORT_FOLDER
 
 PROG = "python -m hypertrain.report"
 ERROR = "hypertrain.report: error:"  # every bad input's one line starts so
 USAGE = "valid: PATH [PATH ...] [--out DIR] [--target-loss X]"
 TITLE = "hypertrain run report"
-FILES = ("report.md", "report.html", "report.json")
 
 NOTES = [
     "held-out: the global weights' loss on the held-out slice (nats/token), at the last evaluation "
@@ -90,12 +90,14 @@ def _paths(given: list[str]) -> list[Path]:
 
 def _out(given: str | None, paths: list[Path]) -> Path:
     """Where the report goes, checked before anything is written: `--out`, else the one PATH's
-    `report/`; ReportInputError when it cannot be a directory this user writes into."""
+    `report/` (a run's own: a resume leaves it as it is, `run.directory.is_report`); ReportInputError
+    when it cannot be a directory this user writes into."""
     if given is None:
         if len(paths) > 1:
             raise ReportInputError(f"{len(paths)} PATHs and no --out; valid: one PATH, or --out DIR")
-        check_out(paths[0] / "report", f"{paths[0] / 'report'} (the default --out)")
-        return paths[0] / "report"
+        out = paths[0] / REPORT_FOLDER
+        check_out(out, f"{out} (the default --out)")
+        return out
     if not given:
         raise ReportInputError(f"--out={given!r} is not valid; {VALID_OUT}")
     check_out(Path(given))

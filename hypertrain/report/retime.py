@@ -29,6 +29,7 @@ from hypertrain.report.plots import clock_plot, file_safe
 from hypertrain.report.render import Section, markdown
 from hypertrain.report.runs import Run, load_run
 from hypertrain.report.table import data_flags, differing_keys
+from hypertrain.run.directory import CLOCK_MD, CLOCK_PREFIX, REPORT_FOLDER
 from hypertrain.run.records import METRICS_FILE
 
 PROG = "hypertrain.clock"
@@ -36,7 +37,6 @@ USAGE = (
     "valid: RUN_DIR ... [cluster=NAME cluster/inter=LINK cluster.FIELD=VALUE ...] [--model-params N] "
     "[--out DIR] [--target-loss X]"
 )
-CLOCK_MD = "clock.md"
 
 
 @dataclass
@@ -94,9 +94,10 @@ def parse(argv: list[str]) -> Args:
 
 def default_out(runs: list[Path], clusters: list[str]) -> Path:
     """`report/clock-<cluster name>/` under the deepest directory holding every run (a single run: its
-    own folder); several clusters (each run on its own) named together, joined by `-`."""
+    own folder, where it is the run's own: a resume leaves it as it is, `run.directory.is_report`);
+    several clusters (each run on its own) named together, joined by `-`."""
     base = Path(os.path.commonpath([run.resolve() for run in runs]))
-    return base / "report" / f"clock-{'-'.join(file_safe(name) for name in clusters)}"
+    return base / REPORT_FOLDER / f"{CLOCK_PREFIX}{'-'.join(file_safe(name) for name in clusters)}"
 
 
 def compose_cluster(overrides: list[str]) -> ClusterConfig:

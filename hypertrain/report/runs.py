@@ -22,10 +22,11 @@ from omegaconf.errors import OmegaConfBaseException
 from hypertrain.config import flatten, upgrade_resolved
 from hypertrain.records.files import merged_summary
 from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
+from hypertrain.run.directory import REPORT_FOLDER
 from hypertrain.run.records import METRICS_FILE, read_metrics
 
 VALID_PATH = "valid: a run directory (holding metrics.jsonl), a sweep directory, or a folder above them"
-SKIPPED = {"wandb", "checkpoints", "report", ".hydra"}  # folders that never hold a run's metrics.jsonl
+SKIPPED = {"wandb", "checkpoints", REPORT_FOLDER, ".hydra"}  # folders that never hold a run's metrics.jsonl
 PROCESS_START_SLACK_S = 2.0  # /proc's boot time is whole seconds; clocks drift a little
 
 

@@ -42,6 +42,14 @@ SESSION_FILES = frozenset(
 )
 
 
+# What `python -m hypertrain.report RUN` and `python -m hypertrain.clock RUN` write by default into the
+# run directory they read: the run's own report, so a resume leaves it as it is (docs/report.md).
+REPORT_FOLDER = "report"
+REPORT_FILES = frozenset({"report.md", "report.html", "report.json"})  # and the plots, *.png
+CLOCK_PREFIX = "clock-"  # the clock's folder in it: clock-<cluster name>/, its CLOCK_MD and plot
+CLOCK_MD = "clock.md"
+
+
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
@@ -110,6 +118,24 @@ def foreign(run_dir: Path, own: frozenset[str]) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name not in own and p.name != LOCK_FILE)
 
 
+def is_report(path: Path) -> bool:
+    """Whether `path` is a folder of what the report and the clock write (REPORT_FOLDER): the report's
+    files and plots, and clock-<cluster>/ folders of clock.md and plots; nothing else, no links."""
+
+    def written(entry: Path, names: frozenset[str]) -> bool:
+        return entry.is_file() and not entry.is_symlink() and (entry.name in names or entry.suffix == ".png")
+
+    if not path.is_dir() or path.is_symlink():
+        return False
+    for entry in path.iterdir():
+        if entry.name.startswith(CLOCK_PREFIX) and entry.is_dir() and not entry.is_symlink():
+            if not all(written(inner, frozenset({CLOCK_MD})) for inner in entry.iterdir()):
+                return False
+        elif not written(entry, REPORT_FILES):
+            return False
+    return True
+
+
 def check_run_dir(run_dir: Path, own: frozenset[str] = frozenset()) -> None:
     """A new run's directory: it can be created here, and it does not exist, is empty, or holds only
     this run's own files (`own`: Hydra's of this very launch, the lock file)."""
@@ -129,11 +155,17 @@ def check_run_dir(run_dir: Path, own: frozenset[str] = frozenset()) -> None:
 
 def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> None:
     """resume=auto without a checkpoint: `run_dir` may hold only what an earlier session of this same
-    run wrote before its first checkpoint (its config.yaml is this run's, beyond what may change)."""
+    run wrote before its first checkpoint (its config.yaml is this run's, beyond what may change), and
+    the report and clock of it in their default folder (`is_report`), which it leaves as they are."""
     metrics = (run_dir / METRICS_FILE).exists()
     # A session writes config.yaml and plan.json, then metrics.jsonl, then the rest: without its
     # records, anything more is not the start of a run that stopped, but a run whose records are gone.
-    others = foreign(run_dir, own | (SESSION_FILES if metrics else {"config.yaml", "plan.json"}))
+    # With them, a report of the run (its default folder, REPORT_FOLDER) is the run's own.
+    others = [
+        name
+        for name in foreign(run_dir, own | (SESSION_FILES if metrics else {"config.yaml", "plan.json"}))
+        if not (metrics and name == REPORT_FOLDER and is_report(run_dir / name))
+    ]
     if others:
         raise ConfigError(
             f"hydra.run.dir={run_dir} holds files that are not this run's ({', '.join(others[:3])}); "
