@@ -661,6 +661,42 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+# Fields filled in at start-up from others (preflight.with_layout, run/prepare.py): the process count and
+# layout from processes=dist, world.size and replicas, the decay from phase.updates, the fragments'
+# parameters from outer.fragments and the model, the channel vocabularies from the data. Where one
+# differs, what it is derived from differs too: `changed_fields` names that first (the user set it).
+DERIVED = (
+    "processes.nproc",
+    "processes.layout",
+    "inner.decay_steps",
+    "outer.assignment",
+    "model.channel_vocabs",
+)
+
+
+def changed_fields(was: dict, now: dict) -> list[str]:
+    """The keys of two flattened resolved configs whose values differ (the sections that MAY_CHANGE left
+    out), what the user chose first: the config groups' choices (`model.name`: model=...), then the
+    fields set directly, in alphabetical order, then the DERIVED ones in its order (the process count
+    before the layout derived from it)."""
+
+    def kind(key: str) -> tuple[int, int, str]:
+        if key in DERIVED:
+            return (2, DERIVED.index(key), key)
+        return (0 if key.partition(".")[2] == "name" else 1, 0, key)
+
+    keys = was.keys() | now.keys()
+    differ = [k for k in keys if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE]
+    return sorted(differ, key=kind)
+
+
+def setting(key: str, value: Any) -> str:
+    """`key` set to `value` as a user writes it on the command line: a config group's choice as
+    `group=option` (the section's `name` labels the option composed), any other field as `key=value`."""
+    section, _, rest = key.partition(".")
+    return f"{section}={value}" if rest == "name" else f"{key}={value!r}"
+
+
 OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* before processes had a group
 
 

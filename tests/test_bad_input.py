@@ -98,6 +98,14 @@ def _flip_a_bit(run: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _stopped_before_its_first_checkpoint(earlier: Path, cwd: Path) -> None:
+    """A session of the earlier run's config in cwd/run that stopped before its first checkpoint: its
+    config.yaml and plan.json, nothing more."""
+    (cwd / "run").mkdir()
+    for name in ("config.yaml", "plan.json"):
+        shutil.copy(earlier / name, cwd / "run" / name)
+
+
 def token_file(largest: int, n: int = 20000) -> bytes:
     """A uint16 token file of distinct-enough random ids up to `largest` (which it holds)."""
     ids = np.random.default_rng(0).integers(0, largest, size=n)
@@ -525,8 +533,44 @@ CASES = {
     "resume-changed-plan": Case(
         "resume with a changed plan",
         ["hydra.run.dir={earlier}", "resume=true", "phase.offset=64"],
-        "phase.offset=64 differs from the checkpoint's 0",
+        "phase.offset=64 differs from the checkpoint's phase.offset=0; a resumed run may change only "
+        "logger.*, checkpoint.*, guard.* and phase.updates; valid: resume with phase.offset=0, or start a "
+        "new run in another directory",
         "the run's own config (only logger.*, checkpoint.*, guard.* and phase.updates may change)",
+    ),
+    # A changed config is named as the user changed it, never by a field derived from it (here
+    # processes.layout, outer.assignment, model.expert_ffn), whose advice would loop (issue 35, item 5).
+    "resume-another-processes": Case(
+        "resume with another option of a config group (processes=dist on a run of processes=one)",
+        ["hydra.run.dir={earlier}", "resume=true", "processes=dist"],
+        "processes=dist differs from the checkpoint's processes=one; a resumed run may change only "
+        "logger.*, checkpoint.*, guard.* and phase.updates; valid: resume with processes=one, or start a "
+        "new run in another directory",
+        "resume with the run's own option, or start a new run in another directory",
+    ),
+    "resume-more-fragments": Case(
+        "resume=auto with a field that others are derived from changed (outer.fragments=3 on a run of 1)",
+        ["hydra.run.dir={earlier}", "resume=auto", "outer.fragments=3"],
+        "outer.fragments=3 differs from the checkpoint's outer.fragments=1; a resumed run may change only "
+        "logger.*, checkpoint.*, guard.* and phase.updates; valid: resume with outer.fragments=1, or start "
+        "a new run in another directory",
+        "resume with the run's own value, or start a new run in another directory",
+    ),
+    "resume-another-model-by-path": Case(
+        "resume=PATH with another model (model=moe_tiny on a run of the default model)",
+        ["resume={earlier}/checkpoints/ckpt-u0000006.pt", "model=moe_tiny"],
+        "model=moe_tiny differs from the checkpoint's model=tiny; a resumed run may change only logger.*, "
+        "checkpoint.*, guard.* and phase.updates; valid: resume with model=tiny, or start a new run in "
+        "another directory",
+        "resume with the run's own model, or start a new run in another directory",
+    ),
+    "resume-auto-another-model-before-a-checkpoint": Case(
+        "resume=auto with another model where the run stopped before its first checkpoint",
+        ["hydra.run.dir=run", "resume=auto", "model=moe_tiny"],
+        "hydra.run.dir={cwd}/run holds another run that stopped before its first checkpoint (model=tiny "
+        "there, model=moe_tiny here); valid: resume with model=tiny, or a new directory",
+        "resume with the run's own model, or a new directory",
+        setup=_stopped_before_its_first_checkpoint,
     ),
     "resume-corrupt-checkpoint": Case(
         "resume from a corrupt checkpoint",

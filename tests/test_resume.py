@@ -19,10 +19,12 @@ folders). Negative controls show the comparison can fail: a checkpoint whose out
 zeroed, or whose replica 1 step count was changed (AdamW's bias correction uses it), resumed the
 same way, gives other losses and weights, exactly where the edited state first acts. Refusals (a
 resume that cannot be done, a config that changed, every checkpoint corrupt) exit 2 with one line
-and leave every file as it was; a corrupt newest checkpoint falls back to the one before. A finished
-run extended (phase.updates longer, the same explicit inner.decay_steps) is its continuation. A
-killed run reported on (`python -m hypertrain.report` and `python -m hypertrain.clock`, their default
-report/ in the run directory) still resumes with resume=auto, to the same run, its report untouched.
+and leave every file as it was (a changed config named as the user changed it, with the run's value
+to resume with, which then resumes); a corrupt newest checkpoint falls back to the one before. A
+finished run extended (phase.updates longer, the same explicit inner.decay_steps) is its continuation.
+A killed run reported on (`python -m hypertrain.report` and `python -m hypertrain.clock`, their
+default report/ in the run directory) still resumes with resume=auto, to the same run, its report
+untouched.
 
 A known limitation: a SIGKILLed session's W&B piece holds only what wandb's writer had flushed
 (often nothing); the test asserts what it holds is exact and in order, not that it is complete.
@@ -35,7 +37,7 @@ import shutil
 import struct
 import zipfile
 from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,7 @@ from helpers import (
     tree,
 )
 
+from hypertrain.config import DERIVED, TrainConfig, flatten
 from hypertrain.failures import RankFailed
 from hypertrain.report import cli as report
 from hypertrain.report import retime
@@ -364,12 +367,18 @@ REFUSALS = {
     "changed-learning-rate": (
         None,
         lambda d: [*BASE, "inner.lr=0.002", f"hydra.run.dir={d}", "resume=true"],
-        lambda d: ["inner.lr=0.002 differs from the checkpoint's 0.003", "valid: inner.lr=0.003"],
+        lambda d: [
+            "inner.lr=0.002 differs from the checkpoint's inner.lr=0.003",
+            "valid: resume with inner.lr=0.003",
+        ],
     ),
     "changed-learning-rate-resumed-by-path": (
         None,
         lambda d: [*BASE, "inner.lr=0.002", f"resume={ckpt(d, 4)}"],
-        lambda d: ["inner.lr=0.002 differs from the checkpoint's 0.003", "valid: inner.lr=0.003"],
+        lambda d: [
+            "inner.lr=0.002 differs from the checkpoint's inner.lr=0.003",
+            "valid: resume with inner.lr=0.003",
+        ],
     ),
     "extended-without-an-explicit-decay": (
         None,
@@ -398,6 +407,49 @@ def test_a_resume_that_cannot_be_done_fails_with_one_line_and_touches_nothing(tm
     assert len(lines) == 1 and lines[0].startswith("hypertrain: error: "), done.stderr
     assert all(part in lines[0] for part in says(run_dir)), lines[0]
     assert tree(tmp_path) == before, "a refused resume created or changed files"
+
+
+# A changed config is named as the user changed it (a config group chosen, a field set) with the
+# checkpoint's value, never by a field derived from it, whose advice would give the same line again
+# (processes.layout from processes=dist, outer.assignment from outer.fragments; issue 35, item 5):
+# (the change, the run's own setting, how the run is resumed).
+CHANGED = {
+    "processes-dist-on-a-one-process-run": ("processes=dist", "processes=one", "true"),
+    "two-fragments-on-a-one-fragment-run": ("outer.fragments=2", "outer.fragments=1", "auto"),
+    "moe-tiny-on-the-default-model": ("model=moe_tiny", "model=tiny", "path"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHANGED))
+def test_a_changed_config_names_what_the_user_changed_and_its_advice_resumes(tmp_path, reference, name):
+    """One line naming the change with both values and what to do, exit 2, nothing touched; then the
+    advice followed (the run's own setting in place of the change) resumes: the run has finished, a
+    no-op, exit 0. In this process: processes=dist is refused before any process starts."""
+    change, own, resume = CHANGED[name]
+    run_dir = copy_run(reference, tmp_path / "run")
+    if resume == "path":
+        where = [f"resume={ckpt(run_dir, 8)}"]
+    else:
+        where = [f"hydra.run.dir={run_dir}", f"resume={resume}"]
+    before = tree(tmp_path)
+    done = entry([*BASE, change, *where], tmp_path, process=False)
+    assert done.returncode == 2, done.stderr
+    assert stderr_lines(done.stderr) == [
+        f"hypertrain: error: {change} differs from the checkpoint's {own}; a resumed run may change only "
+        f"logger.*, checkpoint.*, guard.* and phase.updates; valid: resume with {own}, or start a new run "
+        "in another directory"
+    ], done.stderr
+    assert tree(tmp_path) == before, "a refused resume created or changed files"
+    followed = entry([*BASE, own, *where], tmp_path)
+    assert followed.returncode == 0, followed.stderr
+    lines = stderr_lines(followed.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"hypertrain: {run_dir} has finished (update 8 of 8)")
+    assert tree(tmp_path) == before
+
+
+def test_the_derived_fields_are_fields_of_the_config():
+    """`DERIVED` names fields that exist (a renamed one would be ranked as set by the user)."""
+    assert set(DERIVED) <= flatten(asdict(TrainConfig())).keys()
 
 
 @pytest.mark.parametrize("resume", ["true", "auto", "dir"])

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
+from hypertrain.config import MAY_CHANGE, ConfigError, changed_fields, flatten, setting, upgrade_resolved
 from hypertrain.failures import fault_points
 from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
 from hypertrain.run.records import METRICS_FILE
@@ -174,11 +174,7 @@ def find(path: Path) -> tuple[Path, dict] | None:
 def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     """Raise ConfigError (one line) unless the run `resolved` may continue the saved one."""
     before, now = flatten(upgrade_resolved(saved["config"])), flatten(resolved)
-    changed = sorted(
-        key
-        for key in before.keys() | now.keys()
-        if before.get(key) != now.get(key) and key.split(".")[0] not in MAY_CHANGE
-    )
+    changed = changed_fields(before, now)
     # A longer phase changes the default decay (it ends at the phase's last update) along with it.
     longer = now.get("phase.updates", 0) > before.get("phase.updates", 0)
     extended = longer and set(changed) <= {"phase.updates", "inner.decay_steps"}
@@ -189,11 +185,12 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
             f"inner.decay_steps as before, set explicitly (inner.decay_steps={before['inner.decay_steps']})"
         )
     if changed and not extended:
-        key = changed[0]
+        key = changed[0]  # what the user changed, not a field derived from it (its advice would loop)
+        there = setting(key, before.get(key))
         raise ConfigError(
-            f"{key}={now.get(key)!r} differs from the checkpoint's {before.get(key)!r}; a resumed run may "
-            f"change only {', '.join(f'{k}.*' for k in MAY_CHANGE[:3])} and phase.updates; valid: "
-            f"{key}={before.get(key)!r}"
+            f"{setting(key, now.get(key))} differs from the checkpoint's {there}; a resumed run may change "
+            f"only {', '.join(f'{k}.*' for k in MAY_CHANGE[:3])} and phase.updates; valid: resume with "
+            f"{there}, or start a new run in another directory"
         )
     # With only phase.updates longer, the ids of the updates already run are the same by the plan's
     # definition, given the same data in the same order (the fingerprint covers both).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import MAY_CHANGE, ConfigError, flatten, upgrade_resolved
+from hypertrain.config import ConfigError, changed_fields, flatten, setting, upgrade_resolved
 from hypertrain.failures import DiskFull
 from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.run import checkpoint
@@ -188,15 +188,13 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
             f"hydra.run.dir={run_dir} holds a config.yaml that is not a run's; valid: a new directory"
         )
     was, now = flatten(upgrade_resolved(before)), flatten(resolved)
-    changed = sorted(
-        k for k in was.keys() | now.keys() if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE
-    )
+    changed = changed_fields(was, now)
     if changed:
-        key = changed[0]
+        key = changed[0]  # what the user changed, not a field derived from it
+        there = setting(key, was.get(key))
         raise ConfigError(
-            f"hydra.run.dir={run_dir} holds another run that stopped before its first checkpoint ({key}="
-            f"{was.get(key)!r} there, {now.get(key)!r} here); valid: {key}={was.get(key)!r}, "
-            "or a new directory"
+            f"hydra.run.dir={run_dir} holds another run that stopped before its first checkpoint ({there} "
+            f"there, {setting(key, now.get(key))} here); valid: resume with {there}, or a new directory"
         )
 
 
