@@ -417,6 +417,18 @@ class GuardConfig:
             raise ConfigError(f"guard.pseudo_grad_ratio={self.pseudo_grad_ratio!r} is not valid; valid: > 0")
 
 
+# The ranges that keep the network clock's seconds finite, training's and the clock command's alike
+# (ClusterConfig.check). A straggler factor is exp(sigma * z), z numpy's standard normal: |z| < 12.3 (its
+# ziggurat's tail, 3.65 + sqrt(2 * 53 ln 2)), and exp overflows float64 past 709, so sigma <= 10 keeps every
+# factor below e^123 (1e53). With compute of at least 1 FLOP/s (peak_tflops and mfu >= 1e-6) and links of
+# at least 1 bit/s and at most 1e12 us (11.6 days) a message, a run of int64-many updates of int64-many
+# tokens and bytes stays below 1e120 simulated seconds, far from float64's 1.8e308.
+MAX_STRAGGLER_SIGMA = 10.0
+MIN_PEAK_TFLOPS = MIN_MFU = 1e-6
+MIN_BANDWIDTH_GBIT = 1e-9
+MAX_LATENCY_US = 1e12
+
+
 @dataclass
 class LinkConfig:
     """One tier of the network clock's links (docs/clock.md): alpha-beta, one message per ring step."""
@@ -436,13 +448,15 @@ class LinkConfig:
         return self.latency_us * 1e-6
 
     def check(self, prefix: str) -> None:
-        if not self.bandwidth_gbit > 0:
+        if not self.bandwidth_gbit >= MIN_BANDWIDTH_GBIT:
             raise ConfigError(
-                f"{prefix}.bandwidth_gbit={self.bandwidth_gbit!r} is not valid; valid: > 0 (Gbit/s)"
+                f"{prefix}.bandwidth_gbit={self.bandwidth_gbit!r} is out of range; valid: >= "
+                f"{MIN_BANDWIDTH_GBIT:g} (Gbit/s: 1 bit/s)"
             )
-        if not self.latency_us >= 0:
+        if not 0 <= self.latency_us <= MAX_LATENCY_US:
             raise ConfigError(
-                f"{prefix}.latency_us={self.latency_us!r} is not valid; valid: >= 0 (microseconds)"
+                f"{prefix}.latency_us={self.latency_us!r} is out of range; valid: [0, {MAX_LATENCY_US:g}] "
+                "(microseconds)"
             )
 
 
@@ -467,7 +481,10 @@ class StragglerConfig:
     seed: int = 0
 
     def check(self) -> None:
-        _at_least("cluster.straggler.sigma", self.sigma, 0.0)
+        if not 0 <= self.sigma <= MAX_STRAGGLER_SIGMA:
+            raise ConfigError(
+                f"cluster.straggler.sigma={self.sigma!r} is out of range; valid: [0, {MAX_STRAGGLER_SIGMA:g}]"
+            )
         _at_least("cluster.straggler.seed", self.seed, 0)  # numpy's seeds are non-negative
 
 
@@ -482,7 +499,7 @@ class ClusterConfig:
     # (6 * params * tokens of a replica / (peak_tflops * 1e12 * mfu))
     compute: str = "measured"
     peak_tflops: float = 0.1  # modelled: one replica's peak, TFLOP/s (1e12 FLOP/s) in the dtype trained
-    mfu: float = 0.3  # modelled: the fraction of the peak reached, in (0, 1]
+    mfu: float = 0.3  # modelled: the fraction of the peak reached, in [1e-6, 1]
     intra: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["infiniband"]))
     inter: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["datacenter_100g"]))
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -492,11 +509,18 @@ class ClusterConfig:
         return self.peak_tflops * 1e12
 
     def check(self) -> None:
+        """Every field, as training checks it and the clock command (`python -m hypertrain.clock`) too:
+        finite numbers, in the ranges that keep the clock's seconds finite (MAX_STRAGGLER_SIGMA's)."""
+        check_finite_floats(self, "cluster.")
+        check_int64(self, "cluster.")
         _choice("cluster.compute", self.compute, ("measured", "modelled"))
-        if not self.peak_tflops > 0:
-            raise ConfigError(f"cluster.peak_tflops={self.peak_tflops!r} is not valid; valid: > 0 (TFLOP/s)")
-        if not 0.0 < self.mfu <= 1.0:
-            raise ConfigError(f"cluster.mfu={self.mfu!r} is out of range; valid: (0, 1]")
+        if not self.peak_tflops >= MIN_PEAK_TFLOPS:
+            raise ConfigError(
+                f"cluster.peak_tflops={self.peak_tflops!r} is out of range; valid: >= {MIN_PEAK_TFLOPS:g} "
+                "(TFLOP/s)"
+            )
+        if not MIN_MFU <= self.mfu <= 1.0:
+            raise ConfigError(f"cluster.mfu={self.mfu!r} is out of range; valid: [{MIN_MFU:g}, 1]")
         self.intra.check("cluster.intra")
         self.inter.check("cluster.inter")
         self.straggler.check()

@@ -721,6 +721,15 @@ CASES = {
         "unset HYPERTRAIN_FAULT: it is for tests only",
         env={"HYPERTRAIN_FAULT": "garbage"},
     ),
+    # exp(sigma * z) overflowed the clock: two RuntimeWarnings, NaN and Infinity in metrics.jsonl, exit 0
+    # (issue 35); each cluster number has the range that keeps the clock finite (hypertrain.config)
+    "straggler-sigma-overflowing-the-clock": Case(
+        "a straggler sigma whose factors exp(sigma * z) would overflow the clock (or any cluster number "
+        "beyond its range: docs/clock.md)",
+        ["cluster=h100", "cluster.straggler.sigma=1e6"],
+        "cluster.straggler.sigma=1000000.0 is out of range; valid: [0, 10]",
+        "a sigma of at most 10 (already a factor of e^10 for one replica in six)",
+    ),
 }
 
 

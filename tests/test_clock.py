@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from helpers import QUICK, REPO, entry, finish, recorded_clock, start_entry
+from helpers import QUICK, REPO, entry, error_lines, finish, recorded_clock, start_entry
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from hypertrain.clock import timeline
 from hypertrain.clock.formulas import (
     Link,
     all_gather_s,
@@ -27,6 +31,7 @@ from hypertrain.clock.formulas import (
 from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
 from hypertrain.clock.timeline import straggler_factors, taken_at
 from hypertrain.config import LINKS, ClusterConfig, ConfigError, LinkConfig, StragglerConfig
+from hypertrain.report import retime
 from hypertrain.run.records import read_metrics
 
 GIGABIT = 1e9 / 8  # bytes per second
@@ -68,13 +73,33 @@ def test_config_units_convert_to_bytes_and_seconds():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"intra": LinkConfig("x", 0.0, 1.0)}, "cluster.intra.bandwidth_gbit=0.0 is not valid; valid: > 0"),
-        ({"inter": LinkConfig("x", 1.0, -1.0)}, "cluster.inter.latency_us=-1.0 is not valid; valid: >= 0"),
-        ({"mfu": 1.5}, r"cluster.mfu=1.5 is out of range; valid: \(0, 1\]"),
-        ({"mfu": 0.0}, r"cluster.mfu=0.0 is out of range; valid: \(0, 1\]"),
-        ({"peak_tflops": -1.0}, "cluster.peak_tflops=-1.0 is not valid; valid: > 0"),
+        (
+            {"intra": LinkConfig("x", 0.0, 1.0)},
+            r"cluster.intra.bandwidth_gbit=0.0 is out of range; valid: >= 1e-09",
+        ),
+        (
+            {"inter": LinkConfig("x", 1.0, -1.0)},
+            r"cluster.inter.latency_us=-1.0 is out of range; valid: \[0, 1e\+12\]",
+        ),
+        ({"mfu": 1.5}, r"cluster.mfu=1.5 is out of range; valid: \[1e-06, 1\]"),
+        ({"mfu": 0.0}, r"cluster.mfu=0.0 is out of range; valid: \[1e-06, 1\]"),
+        ({"peak_tflops": -1.0}, "cluster.peak_tflops=-1.0 is out of range; valid: >= 1e-06"),
         ({"compute": "guessed"}, "cluster.compute='guessed' is not valid"),
-        ({"straggler": StragglerConfig(sigma=-0.1)}, "cluster.straggler.sigma=-0.1 is too small"),
+        (
+            {"straggler": StragglerConfig(sigma=-0.1)},
+            r"cluster.straggler.sigma=-0.1 is out of range; valid: \[0, 10\]",
+        ),
+        # beyond these the clock's seconds overflow float64 (hypertrain.config, MAX_STRAGGLER_SIGMA)
+        ({"straggler": StragglerConfig(sigma=1e6)}, r"cluster.straggler.sigma=1000000.0 is out of range"),
+        ({"inter": LinkConfig("x", 5e-324, 1.0)}, "cluster.inter.bandwidth_gbit=5e-324 is out of range"),
+        ({"intra": LinkConfig("x", 1.0, 1e300)}, r"cluster.intra.latency_us=1e\+300 is out of range"),
+        ({"peak_tflops": 1e-300}, "cluster.peak_tflops=1e-300 is out of range"),
+        ({"mfu": 1e-300}, "cluster.mfu=1e-300 is out of range"),
+        (
+            {"straggler": StragglerConfig(sigma=math.nan)},
+            "cluster.straggler.sigma=nan is not a finite number",
+        ),
+        ({"inter": LinkConfig("x", 1.0, math.inf)}, "cluster.inter.latency_us=inf is not a finite number"),
     ],
 )
 def test_a_bad_cluster_is_one_line_naming_field_value_and_what_is_valid(change, message):
@@ -278,9 +303,9 @@ def test_the_command_prints_a_line_per_run_and_takes_cluster_overrides(runs):
         (["{missing}"], "is not a run directory"),
         (["{run}", "cluster=h200"], "Could not find 'cluster/h200'; valid: a100, cpu_here, h100"),
         (["{run}", "cluster/inter=modem"], "Could not find 'cluster/inter/modem'; valid: cross_region_10g"),
-        (["{run}", "cluster.inter.bandwidth_gbit=0"], "cluster.inter.bandwidth_gbit=0.0 is not valid"),
-        (["{run}", "cluster.intra.latency_us=-5"], "cluster.intra.latency_us=-5.0 is not valid"),
-        (["{run}", "cluster.mfu=2"], r"cluster.mfu=2.0 is out of range; valid: (0, 1]"),
+        (["{run}", "cluster.inter.bandwidth_gbit=0"], "cluster.inter.bandwidth_gbit=0.0 is out of range"),
+        (["{run}", "cluster.intra.latency_us=-5"], "cluster.intra.latency_us=-5.0 is out of range"),
+        (["{run}", "cluster.mfu=2"], r"cluster.mfu=2.0 is out of range; valid: [1e-06, 1]"),
         (["{run}", "cluster.mfu=abc"], "could not be converted to Float"),
         (["{run}", "inner.H=3"], "'inner.H=3' is not a cluster override"),
         (["{run}", "--model-params", "-3"], "--model-params='-3' is not valid"),
@@ -292,6 +317,61 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, args, message):
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith("hypertrain.clock: error: ") and message in line, line
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "cluster.straggler.sigma=nan",  # the clock said nan seconds, exit 0
+        "cluster.inter.latency_us=inf",
+    ],
+)
+def test_the_clock_command_refuses_a_cluster_number_with_trainings_own_line(tmp_path, capsys, override):
+    """One validation for both entries (`ClusterConfig.check`): a cluster number training refuses, the
+    clock command refuses with the same line, exit 2 (both in this process)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("metrics.jsonl", "config.yaml"):  # refused before either is read
+        (run / name).write_text("")
+    assert retime.main([str(run), "cluster=h100", override]) == 2
+    clock_lines = capsys.readouterr().err.splitlines()
+    trained = entry([*QUICK, "logger=none", "cluster=h100", override], tmp_path, process=False)
+    assert trained.returncode == 2, trained.stderr
+    (line,) = trained.stderr.splitlines()
+    assert line.startswith(f"hypertrain: error: {override.partition('=')[0]}="), line
+    assert clock_lines == [line.replace("hypertrain:", "hypertrain.clock:", 1)]
+    assert not GlobalHydra.instance().is_initialized()  # the entry put Hydra back as the clock left it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # neither wrote anything
+
+
+def test_a_clock_that_overflowed_would_stop_the_run_in_one_line_never_writing_a_non_json_row(
+    tmp_path, monkeypatch
+):
+    """The ranges keep the clock finite; were a factor still infinite, the records' writer stops the run
+    (NonFiniteError, exit 1) before metrics.jsonl holds Infinity, and every line it wrote is JSON."""
+    monkeypatch.setattr(timeline, "straggler_factors", lambda straggler, k, R: np.full(R, np.inf))
+    done = entry([*QUICK, "logger=none", f"hydra.run.dir={tmp_path / 'run'}", "cluster=h100"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    line = (
+        "hypertrain: error: run failed: the update row of update 1 holds clock_s=inf, a number JSON cannot "
+        f"hold (metrics.jsonl's rows are JSON); the run stops ({tmp_path / 'run'})"
+    )
+    assert error_lines(done.stderr) == [line] and "Traceback" not in done.stderr
+    rows = read_metrics(tmp_path / "run")  # strictly: NaN and Infinity are refused
+    assert [r["kind"] for r in rows][-1] == "end" and rows[-1]["exit_code"] == 1
+    assert "update" not in [r["kind"] for r in rows]
+
+
+def test_the_clock_command_refuses_a_parameter_count_its_arithmetic_cannot_hold(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("metrics.jsonl", "config.yaml"):
+        (run / name).write_text("")
+    assert retime.main([str(run), "--model-params", "1" + "0" * 400]) == 2  # was an OverflowError traceback
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("hypertrain.clock: error: --model-params='1000") and line.endswith(
+        "is not valid; valid: a whole number from 1 to 10^15"
+    )
 
 
 def test_a_run_written_before_the_clock_replays_on_the_default_cluster(runs, tmp_path):

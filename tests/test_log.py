@@ -9,6 +9,7 @@ import os
 import pytest
 
 from hypertrain.config import LoggerConfig
+from hypertrain.failures import NonFiniteError
 from hypertrain.run.records import RunLogger, loss_mean, read_metrics
 from hypertrain.run.wandb_offline import WandbFileError, has_exit_record, read_run
 
@@ -265,6 +266,41 @@ def test_read_metrics_names_a_bad_line(tmp_path):
     path.write_text(json.dumps({"kind": "update"}) + "\n{broken\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON line"):
         read_metrics(path)
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_read_metrics_refuses_a_number_json_has_not(tmp_path, token):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"kind": "update"}) + f'\n{{"kind": "update", "clock_s": {token}}}\n')
+    with pytest.raises(
+        ValueError, match=rf"metrics.jsonl:2 is not a JSON line \({token} is not a JSON number\)"
+    ):
+        read_metrics(path)
+
+
+@pytest.mark.parametrize(
+    "row, key",
+    [
+        ({**UPDATES[0], "clock_s": math.inf}, "clock_s=inf"),
+        ({**UPDATES[0], "loss": [5.5, math.nan]}, "loss[1]=nan"),
+        ({**UPDATES[0], "channel_loss": [1.0, -math.inf]}, "channel_loss[1]=-inf"),
+    ],
+)
+def test_a_row_holding_nan_or_inf_stops_the_run_and_is_never_written(tmp_path, row, key):
+    """JSON has no nan or infinity (Python's json would write the tokens NaN and Infinity): the writer
+    stops the run with one line (NonFiniteError, exit 1) and the end row holds it; every line stays JSON."""
+    with pytest.raises(NonFiniteError) as stopped:
+        with open_logger(tmp_path / "run", name="none") as log:
+            log.log_update(UPDATES[0])
+            log.log_update(row)
+    line = str(stopped.value)
+    assert line == (
+        f"the update row of update 0 holds {key}, a number JSON cannot hold (metrics.jsonl's rows are JSON); "
+        "the run stops"
+    )
+    rows = read_metrics(tmp_path / "run")  # strictly: NaN and Infinity are refused
+    assert [r["kind"] for r in rows] == ["start", "update", "end"]
+    assert (rows[-1]["status"], rows[-1]["error"], rows[-1]["exit_code"]) == ("failed", line, 1)
 
 
 def test_read_run_rejects_a_file_that_is_not_a_wandb_log(tmp_path):

@@ -15,7 +15,8 @@ class RunFailure(RuntimeError):
 
 
 class NonFiniteError(RunFailure):
-    """A loss, gradient or held-out loss went non-finite: the run stops, never trains on."""
+    """A loss, gradient or held-out loss went non-finite, or a row of metrics.jsonl would hold nan or an
+    infinity (JSON has neither): the run stops, never trains on, never writes a row that is not JSON."""
 
     exit_code = 1
 
@@ -55,7 +56,8 @@ class Terminated(RunFailure):
 
 EXIT_CODES = {
     0: "the run finished",
-    1: "a non-finite loss, gradient or held-out loss (NonFiniteError), a divergence the guard caught "
+    1: "a non-finite loss, gradient or held-out loss, or a row of metrics.jsonl that would hold nan or an "
+    "infinity (NonFiniteError), a divergence the guard caught "
     "(Diverged), W&B that could not start "
     "(WandbFailed: nothing of a new run is left), or an unexpected error",
     2: "a user mistake, found before the run started: nothing was created or changed",

@@ -19,8 +19,19 @@ def _file(path: Path | str) -> Path:
     return path / METRICS_FILE if path.is_dir() else path
 
 
+def _not_a_number(token: str):
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def json_row(line: str | bytes):
+    """One line of metrics.jsonl as JSON, strictly: `NaN`, `Infinity` and `-Infinity`, which Python's json
+    would read but JSON has not (the writer never writes them), are a ValueError."""
+    return json.loads(line, parse_constant=_not_a_number)
+
+
 def read_metrics(path: Path | str) -> list[dict]:
-    """The rows of a `metrics.jsonl` (a file, or a run directory holding one), in order."""
+    """The rows of a `metrics.jsonl` (a file, or a run directory holding one), in order; ValueError naming
+    the first line that is not JSON (`json_row`)."""
     path = _file(path)
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -28,9 +39,10 @@ def read_metrics(path: Path | str) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number} is not a JSON line ({e.msg}): {line[:80]!r}") from None
+                rows.append(json_row(line))
+            except ValueError as e:
+                why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                raise ValueError(f"{path}:{number} is not a JSON line ({why}): {line[:80]!r}") from None
     return rows
 
 

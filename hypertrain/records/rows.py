@@ -42,6 +42,22 @@ def plain(value: Any) -> Any:
     raise TypeError(f"metrics.jsonl cannot hold a {type(value).__name__}: {value!r}")
 
 
+def non_finite(value: Any, key: str = "") -> tuple[str, float] | None:
+    """The first number in `value` (a row as `to_json` gives it, at any depth: `loss[1]`) that is nan
+    or an infinity, which JSON has no number for, with its key; None when every number is finite."""
+    if hasattr(value, "tolist") or hasattr(value, "item"):  # numpy / torch, as `plain` writes them
+        value = plain(value)
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (key, value)
+    if isinstance(value, dict):
+        found = (non_finite(item, f"{key}.{k}" if key else str(k)) for k, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        found = (non_finite(item, f"{key}[{i}]") for i, item in enumerate(value))
+    else:
+        return None
+    return next((hit for hit in found if hit is not None), None)
+
+
 def is_scalar(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -16,10 +16,11 @@ Every row of `metrics.jsonl` is one of these types (`hypertrain.records.rows`), 
 `rows.parse`. A row is a JSON object: `kind` first, then its fields in the order below. A field that
 is None is left out of the row, unless its meaning says null; an open field (`...`) is the row's own
 keys, in the order the run adds them. "Did not step" is None in memory (`UpdateRow.loss`), null in
-JSON. JSON has no NaN: Python's json writes and reads `NaN` and `Infinity` tokens. W&B logs a row's
-numbers against `update` (its step metric); lists and strings stay in metrics.jsonl only, and a
-`clock_<part>` key is `clock/<part>` (`clock_s`: `clock/seconds`). This section is made from the
-types (`hypertrain.records.tables`; `python tests/test_records.py` rewrites it)."""
+JSON. JSON has no nan or infinity (Python's json would write `NaN` and `Infinity`): a row that would
+hold one stops the run instead (`NonFiniteError`, exit 1), and `read_metrics` refuses such a line.
+W&B logs a row's numbers against `update` (its step metric); lists and strings stay in metrics.jsonl
+only, and a `clock_<part>` key is `clock/<part>` (`clock_s`: `clock/seconds`). This section is made
+from the types (`hypertrain.records.tables`; `python tests/test_records.py` rewrites it)."""
 
 
 def _wandb_key(cls: type[Row], name: str, annotation: str, open_field: bool) -> str:

@@ -37,6 +37,10 @@ USAGE = (
     "valid: RUN_DIR ... [cluster=NAME cluster/inter=LINK cluster.FIELD=VALUE ...] [--model-params N] "
     "[--out DIR] [--target-loss X]"
 )
+# The clock scales a run's bytes and compute by N / its own count: up to 10^15 parameters its seconds stay
+# finite within the cluster's ranges (hypertrain.config, MAX_STRAGGLER_SIGMA's comment); far beyond,
+# the scale itself overflows a float.
+MAX_MODEL_PARAMS = 10**15
 
 
 @dataclass
@@ -64,8 +68,11 @@ def parse(argv: list[str]) -> Args:
     for arg in args:
         if _is(arg, "--model-params"):
             value = _value(arg, args)
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--model-params={value!r} is not valid; valid: a positive whole number")
+            whole = value.isascii() and value.isdigit() and len(value.lstrip("0")) <= 16
+            if not (whole and 1 <= int(value) <= MAX_MODEL_PARAMS):
+                raise ConfigError(
+                    f"--model-params={value!r} is not valid; valid: a whole number from 1 to 10^15"
+                )
             parsed.model_params = int(value)
         elif _is(arg, "--out"):
             value = _value(arg, args)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hypertrain.config import flatten, upgrade_resolved
-from hypertrain.records.files import merged_summary
+from hypertrain.records.files import json_row, merged_summary
 from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
 from hypertrain.run.directory import REPORT_FOLDER
 from hypertrain.run.records import METRICS_FILE, read_metrics
@@ -178,7 +178,7 @@ def read_rows(path: Path) -> tuple[list[dict], bool]:
             raise
         try:
             return [
-                json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()
+                json_row(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()
             ], True
         except ValueError:
             raise error from None

@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.run.wandb_settings import wandb_is_set_up
@@ -22,9 +23,9 @@ def restored() -> Iterator[None]:
     """Run the body, then put back as they were: the environment, sys.argv, the working directory, the
     handlers of the stop signals, the root logger's and every existing logger's handlers and levels (a
     handler added meanwhile, Hydra's job log among them, is closed), Hydra's singletons (its config of
-    the run, the job's runtime; `GlobalHydra` Hydra clears itself) and, where torch is imported,
-    torch's thread count, default random generator, deterministic-algorithm flags, matmul precision
-    and default dtype; W&B set up by the call is torn down (`wandb_is_set_up`)."""
+    the run, the job's runtime, `GlobalHydra` and its state) and, where torch is imported, torch's
+    thread count, default random generator, deterministic-algorithm flags, matmul precision and default
+    dtype; W&B set up by the call is torn down (`wandb_is_set_up`)."""
     environ, argv, cwd = dict(os.environ), list(sys.argv), os.getcwd()
     wandb_before = wandb_is_set_up()
     handlers = _signal_handlers()
@@ -81,20 +82,28 @@ def _restore_loggers(saved: dict[str, tuple]) -> None:
             logger.propagate, logger.disabled = propagate, disabled
 
 
-def _hydra_singletons() -> dict:
+def _hydra_singletons() -> tuple[dict, Any]:
+    """Hydra's singletons, and the state of `GlobalHydra` where one was made before the call (a compose
+    elsewhere): a refusal inside Hydra's app leaves that one initialized, and the next call refused."""
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
 
-    return dict(Singleton._instances)
+    global_hydra = Singleton._instances.get(GlobalHydra)
+    return dict(Singleton._instances), None if global_hydra is None else global_hydra.hydra
 
 
-def _restore_hydra(saved: dict) -> None:
+def _restore_hydra(saved: tuple[dict, Any]) -> None:
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.singleton import Singleton
 
-    before = saved.get(HydraConfig)
+    instances, global_hydra = saved
+    before = instances.get(HydraConfig)
     config = None if before is None else before.cfg
     Singleton._instances.clear()
-    Singleton._instances.update(saved)
+    Singleton._instances.update(instances)
+    if GlobalHydra in instances:
+        instances[GlobalHydra].hydra = global_hydra
     if before is not None:
         before.cfg = config
 

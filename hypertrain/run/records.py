@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hypertrain.failures import WandbFailed, fault_points
+from hypertrain.failures import NonFiniteError, WandbFailed, fault_points
 from hypertrain.records.files import (  # noqa: F401  (read back here too, as before the records' layer)
     METRICS_FILE,
     read_metrics,
@@ -48,6 +48,7 @@ from hypertrain.records.rows import (
     SyncRow,
     UpdateRow,
     loss_mean,  # noqa: F401  (as above)
+    non_finite,
     plain,
 )
 from hypertrain.run.wandb_settings import quiet_wandb, wandb_is_set_up, wandb_mode
@@ -65,6 +66,15 @@ def no_space(error: BaseException) -> OSError | None:
     while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
         cause = cause.__cause__ or cause.__context__
     return cause
+
+
+def non_finite_line(row: dict, key: str, value: float) -> str:
+    """The one line of a run stopped by `row` holding `value`, nan or an infinity, at `key`."""
+    where = f" of update {row['update']}" if "update" in row else ""
+    return (
+        f"the {row['kind']} row{where} holds {key}={value}, a number JSON cannot hold (metrics.jsonl's rows "
+        "are JSON); the run stops"
+    )
 
 
 class Records(Protocol):
@@ -376,7 +386,13 @@ class RunLogger:
         if self._file is None or self._file.closed:
             raise RuntimeError("RunLogger is not open; use it as a context manager (with RunLogger(...))")
         row = typed.to_json()
-        line = json.dumps(row, default=plain) + "\n"
+        try:
+            line = json.dumps(row, default=plain, allow_nan=False) + "\n"
+        except ValueError:  # nan or an infinity: JSON has no number for it, and a reader would refuse it
+            found = non_finite(row)
+            if found is None:
+                raise
+            raise NonFiniteError(non_finite_line(row, *found)) from None
         at = range(row["update"] - 1, row["update"]) if row["kind"] == "update" else range(0)
         if fault_points.due(0, "metrics", at):
             self._append(line[: len(line) // 2])  # tests only: die half-way through the row
