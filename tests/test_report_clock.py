@@ -16,18 +16,20 @@ import contextlib
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, REPO, finish, start_entry, tree
+from helpers import QUICK, REPO, entry, finish, start_entry, tree
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
 from hypertrain.clock.replay import clock_of
 from hypertrain.config import LINKS, ClusterConfig
 from hypertrain.report import cli as report
+from hypertrain.report import retime
 from hypertrain.run.records import read_metrics
 
 RUNS = {
@@ -227,6 +229,50 @@ def test_the_clock_command_writes_the_time_plot_and_clock_md(runs, tmp_path):
     assert len(done.stdout.splitlines()) == 3 and str(default / "clock.md") in done.stderr
     assert "timed at 1,000,000,000 parameters" in (default / "clock.md").read_text()
     assert (default / PLOT).is_file()
+
+
+def _clock(*args) -> tuple[int, str, str]:
+    """`python -m hypertrain.clock ARGS` in this process: its code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = retime.main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_a_run_whose_own_clock_decided_its_weights_is_timed_only_on_its_own_cluster_and_size(tmp_path):
+    """churn.deadline: the run's clock chose which replicas were late, so its weights are its cluster's.
+    Timed on another cluster, other values of its own, or another parameter count, it would be a clock
+    that never happened: one line naming the setting, exit 2, nothing written; on its own, timed."""
+    run = tmp_path / "deadline"
+    overrides = [*QUICK, "logger=none", "cluster=h100", "churn.deadline=1e-3", f"hydra.run.dir={run}"]
+    done = entry(overrides, tmp_path)
+    assert done.returncode == 0, done.stderr
+    before = tree(tmp_path)
+    for other in (["cluster=a100"], ["cluster=h100", "cluster.mfu=0.3"], ["--model-params", "1000000"]):
+        code, out, err = _clock(run, *other)
+        assert (code, out) == (2, ""), (other, err)
+        assert len(err.splitlines()) == 1 and "churn.deadline=0.001" in err and "never happened" in err
+        assert tree(tmp_path) == before
+    code, out, err = _clock(run, "cluster=h100")  # its own cluster, named
+    assert code == 0 and len(out.splitlines()) == 2, err
+
+
+def test_the_clock_of_several_runs_times_the_whole_ones_and_names_the_one_it_cannot(runs, tmp_path):
+    """A run killed before its first summary (its records: the start row only) among whole ones: the
+    others are timed, one line names it; alone, it is one line naming it, exit 2, nothing written."""
+    half = shutil.copytree(runs / "h3", tmp_path / "half", ignore=shutil.ignore_patterns("report"))
+    metrics = half / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])
+    code, out, err = _clock(runs / "h2", half, "--out", tmp_path / "both")
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines()] == ["run", str(runs / "h2")]
+    assert [line for line in err.splitlines() if "skipped" in line] == [
+        f"hypertrain.clock: skipped {half}: the run's metrics.jsonl has no summary with model/params; "
+        "valid: a run's records"
+    ]
+    code, out, err = _clock(half, "--out", tmp_path / "alone")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1 and f"error: {half}: " in err
+    assert not (tmp_path / "alone").exists()
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf", ""])

@@ -60,6 +60,14 @@ def run_cluster(resolved: dict) -> ClusterConfig:
     return cluster
 
 
+def decided_by_clock(resolved: dict) -> str | None:
+    """The setting with which the run's own clock decided its numbers (`churn.deadline`: which replicas
+    were late, so which pseudo-gradients its weights hold), as `key=value`; None for a run whose
+    numbers no clock touched. Such a run timed on another cluster or size is a clock that never was."""
+    deadline = (resolved.get("churn") or {}).get("deadline") or 0.0
+    return f"churn.deadline={deadline:g}" if deadline > 0 else None
+
+
 def clock_of(
     rows: list[Row | dict], resolved: dict, cluster: ClusterConfig, model_params: int | None = None
 ) -> dict:

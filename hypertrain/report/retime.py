@@ -7,7 +7,9 @@ It also writes, into `--out DIR` (default: `report/clock-<cluster name>/` under 
 holding every RUN_DIR), the report's plot of the held-out loss against simulated seconds
 (`plots.clock_plot`) and `clock.md`: the printed table, the target and the plot. The table goes to
 stdout, the path written to stderr. The target of `time to target s` is `--target-loss`, else the
-largest of the runs' best held-out losses. Bad input: one line, exit 2, nothing written. A reader that
+largest of the runs' best held-out losses. Bad input: one line, exit 2, nothing written. Of several
+runs, one that cannot be timed is skipped with one line naming it; a run whose own clock decided its
+weights (`replay.decided_by_clock`) is timed only on its own cluster and size. A reader that
 closes stdout early (`| head -1`) ends it quietly, exit 1 (`command.print_out`).
 The implementation of `python -m hypertrain.clock` (hypertrain/clock/__main__.py).
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
+from hypertrain.clock.replay import clock_of, decided_by_clock, run_cluster, run_params, time_to_loss
 from hypertrain.config import ClusterConfig, ConfigError
 from hypertrain.report.clocks import cluster_text, parse_target, target_loss
 from hypertrain.report.command import VALID_OUT, check_out, print_out
@@ -214,28 +216,71 @@ def write(
     return out / plot.file
 
 
+def _reason(error: Exception) -> str:
+    """A run's records that cannot be timed, in words (a KeyError is a record missing a field)."""
+    if isinstance(error, KeyError):
+        return f"a record lacks {error}; valid: a run's records"
+    return " ".join(str(error).split())
+
+
+def check_clock_decided(path: Path, run: Run, cluster: ClusterConfig, own: ClusterConfig, params) -> None:
+    """ConfigError when the run's own clock decided its numbers (`replay.decided_by_clock`) and it is to
+    be timed on another cluster or parameter count: its weights hold what that other cluster would
+    have made late, so the clock would time a run that never happened."""
+    decided = decided_by_clock(run.resolved)
+    if decided is None:
+        return
+    other = []
+    if cluster != own:
+        changed = " with other values" if cluster.name == own.name else ""
+        other.append(f"cluster {cluster.name}{changed} (its own: {own.name})")
+    if params is not None and params != run_params(run.rows):
+        other.append(f"--model-params {params:,} (its own {run_params(run.rows):,})")
+    if other:
+        raise ConfigError(
+            f"{path} was trained with {decided}: its own clock chose which replicas were late, so its "
+            f"weights are that cluster's; timed on {' and '.join(other)} it would be a run that never "
+            "happened; valid: its own cluster and size (no cluster overrides or --model-params), or a "
+            "run trained on that cluster"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse(argv)
         chosen = compose_cluster(args.overrides) if args.overrides else None
-        loaded = [load_run(run, need_plan=False) for run in args.runs]
-        results, clusters = [], []
-        for path, run in zip(args.runs, loaded, strict=True):
-            cluster = chosen or run_cluster(run.resolved)
+        timed, results, clusters, skipped = [], [], [], []
+        for path in args.runs:
+            run = load_run(path, need_plan=False)
+            own = run_cluster(run.resolved)
+            cluster = chosen or own
+            check_clock_decided(path, run, cluster, own, args.model_params)
+            try:
+                results.append((path, clock_of(run.rows, run.resolved, cluster, args.model_params)))
+            except (ConfigError, ValueError, KeyError) as e:
+                if len(args.runs) == 1:
+                    raise ConfigError(f"{path}: {_reason(e)}") from None
+                skipped.append(f"{PROG}: skipped {path}: {_reason(e)}")
+                continue
+            timed.append(run)
             clusters.append(cluster)
-            results.append((path, clock_of(run.rows, run.resolved, cluster, args.model_params)))
+        if not results:
+            raise ConfigError(f"none of the runs can be timed ({skipped[0].split(': ', 1)[1]})")
+        loaded, paths = timed, [path for path, _ in results]
         target, rule = target_loss(args.target, [clock for _, clock in results])
         names = list(dict.fromkeys(cluster.name for cluster in clusters))
-        out = args.out if args.out is not None else default_out(args.runs, names)
+        out = args.out if args.out is not None else default_out(paths, names)
         check_out(out)
         where = cluster_text(chosen) if chosen else f"each run's own cluster ({', '.join(names)})"
         command = " ".join(["python -m hypertrain.clock", *argv])
-        png = write(out, loaded, args.runs, results, target, rule, where, args.model_params, command)
+        png = write(out, loaded, paths, results, target, rule, where, args.model_params, command)
     except (ConfigError, ValueError, KeyError, OSError) as e:
         message = str(e) if not isinstance(e, KeyError) else f"a record lacks {e}; valid: a run's records"
         print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
+    for line in skipped:
+        print(line, file=sys.stderr)
     if print_out([table(results, target)]):
         return 1  # the reader is gone: quietly, as Python's note on SIGPIPE does
     print(f"{PROG}: wrote {out / CLOCK_MD} and {png}", file=sys.stderr)
