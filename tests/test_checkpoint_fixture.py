@@ -1,0 +1,62 @@
+"""A checkpoint written by an earlier commit resumes today (issue 34's proof: moving hypertrain's modules
+must not break the checkpoints users hold).
+
+The regression fixture tests/assets/checkpoint_fixture/ (recorded by tests/record_checkpoint_fixture.py;
+its README names the commit) is a small run killed after update 6: Streaming DiLoCo with a fragment's
+sync in flight, int8 pseudo-gradients with error feedback, churn, a mid-round checkpoint after update 5.
+Its checkpoint unpickles with torch's weights_only loader, which admits builtins, tensors and a few torch
+types only: no hypertrain class path is pickled in it, so no move of a class can break it. Copied and
+resumed (resume=true), the run equals an uninterrupted run of the same args made now, by today's code
+(the independent check: every update and sync row but timings, the held-out losses, the summary and
+weights.pt, exactly), and the uninterrupted outcome recorded with the fixture. The checkpoint the
+resumed session writes loads the same way, so today's form stays the fixture's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import ReferenceRuns, assert_identical_streaming, resumed
+from record_checkpoint_fixture import CHECKPOINT_AT, FIXTURE, outcome_json
+
+from hypertrain.run.checkpoint import checkpoints
+from hypertrain.run.records import METRICS_FILE, read_metrics
+
+ABOUT = json.loads((FIXTURE / "reference.json").read_text())
+
+
+def test_the_fixture_checkpoint_unpickles_with_builtins_and_tensors_only():
+    saved = torch.load(FIXTURE / ABOUT["checkpoint"], map_location="cpu", weights_only=True)
+    state = saved["state"]
+    assert state["next_update"] == CHECKPOINT_AT
+    # what the fixture is for: the parts of the state only a mid-round streaming checkpoint holds
+    assert state["pending"]["fragment"] == 0 and state["pending"]["taken_at"] == CHECKPOINT_AT
+    assert state["round_params"] is not None and state["errors"] is not None
+
+
+def test_the_fixture_run_resumed_today_equals_an_uninterrupted_run_of_today(tmp_path):
+    args = ABOUT["args"]
+    reference = ReferenceRuns.beside(tmp_path)(args)
+    now = {
+        "data_fingerprint": json.loads((reference / "plan.json").read_text())["data/fingerprint"],
+        "torch": torch.__version__,
+    }
+    for key, value in now.items():
+        if value != ABOUT[key]:
+            pytest.skip(
+                f"fixture recorded with {key}={ABOUT[key]}, this machine has {value}; regenerate with "
+                f"`{ABOUT['regenerate']}`"
+            )
+    run_dir = shutil.copytree(FIXTURE / "run", tmp_path / "run")
+    resumed(args, run_dir, tmp_path)
+
+    rows = read_metrics(run_dir / METRICS_FILE)
+    froms = [(r["from"], r["update"]) for r in rows if r["kind"] == "resume"]
+    assert froms == [(str(tmp_path / ABOUT["checkpoint"]), CHECKPOINT_AT)]
+    assert_identical_streaming(run_dir, reference)
+    assert json.loads(json.dumps(outcome_json(run_dir))) == ABOUT["uninterrupted"]
+    for path in checkpoints(run_dir):  # today's checkpoints keep the fixture's form
+        torch.load(path, map_location="cpu", weights_only=True)
