@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from hypertrain.clock.replay import clock_of, time_to_loss
 from hypertrain.config import upgrade_resolved
 from hypertrain.report.retime import compose_cluster
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 SETTINGS = (("outer.fragments", "P"), ("outer.delay", "tau"), ("outer.merge_alpha", "alpha"))
 SETTINGS += (("outer.compress", "compress"), ("outer.error_feedback", "error feedback"))

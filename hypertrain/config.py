@@ -1,10 +1,11 @@
-"""Typed configuration for every Hydra group (registered by `run/schema.py`); each section checks itself.
+"""Typed configuration for every Hydra group (registered by `preflight/schema.py`); each section checks
+itself.
 
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
 engine, processes, logger, checkpoint, guard, cluster: the network clock's target) plus `replicas` (R)
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
 raising `ConfigError` (a `ValueError`) with one line naming the field, the bad value and what is
-valid. The checks across sections and against the plan are `hypertrain.run.checks.validate`.
+valid. The checks across sections and against the plan are `hypertrain.preflight.checks.validate`.
 Nothing of hypertrain is imported here.
 """
 
@@ -405,7 +406,7 @@ class GuardConfig:
     heldout_margin: float = 1.0
     # the pseudo-gradient's norm may be at most this many times the global weights' norm before the sync
     pseudo_grad_ratio: float = 1000.0
-    # Before anything is made: refuse a run whose estimated memory (hypertrain/run/memory.py: weights,
+    # Before anything is made: refuse a run whose estimated memory (hypertrain/preflight/memory.py: weights,
     # optimizer state, activations, batches, per process) exceeds 90% of the memory available (host,
     # and the GPU's on engine.device=cuda); false skips the comparison (a tensor larger than torch can
     # index is refused still). A guard: it changes no number, so a resumed run may change it.
@@ -460,7 +461,7 @@ class LinkConfig:
             )
 
 
-# The link presets (cluster/intra=NAME, cluster/inter=NAME), registered with Hydra by run/schema.py;
+# The link presets (cluster/intra=NAME, cluster/inter=NAME), registered with Hydra by preflight/schema.py;
 # bandwidth one way per participant, latency one way per message. Sources in docs/clock.md.
 LINKS = {
     "nvlink": LinkConfig("nvlink", 3600.0, 2.0),  # H100 NVLink 4: 450 GB/s each way
@@ -612,7 +613,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Every section's own fields (the checks that need several sections or the plan:
-        `hypertrain.run.checks.validate`)."""
+        `hypertrain.preflight.checks.validate`)."""
         check_finite_floats(self)
         check_int64(self)
         for section in (self.model, self.inner, self.outer, self.world):
@@ -685,8 +686,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-# Fields filled in at start-up from others (preflight.with_layout, run/prepare.py): the process count and
-# layout from processes=dist, world.size and replicas, the decay from phase.updates, the fragments'
+# Fields filled in at start-up from others (preflight.with_layout, preflight/prepare.py): the process count
+# and layout from processes=dist, world.size and replicas, the decay from phase.updates, the fragments'
 # parameters from outer.fragments and the model, the channel vocabularies from the data. Where one
 # differs, what it is derived from differs too: `changed_fields` names that first (the user set it).
 DERIVED = (

@@ -46,8 +46,11 @@ from hypertrain.config import MAY_CHANGE, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
-from hypertrain.run import composition, directory, invocation, preflight, refusal
-from hypertrain.run.schema import register_configs
+from hypertrain.preflight import checked as preflight
+from hypertrain.preflight import composition, refusal
+from hypertrain.preflight.schema import register_configs
+from hypertrain.run import invocation
+from hypertrain.rundir import directory
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -255,8 +258,8 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
     say what runs. Where the session goes on from (None: a new run), and, when torchrun's agent
     restarted this session, the restart (it goes on from the newest checkpoint, or from the start
     under the same run id: `session.restart_here`): (Resume | None, Restart | None)."""
-    from hypertrain.run import checkpoint
     from hypertrain.run.session import Resume, restart_here
+    from hypertrain.rundir import checkpoint
 
     resume = restart = None
     if restarts.count():  # torchrun restarted every rank after one failed (resume=auto, torchrun_restarts)
@@ -304,7 +307,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
         except DiskFull as e:
             refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     if run.cfg.processes.name == "dist":
-        from hypertrain.run import processes as dist
+        from hypertrain.launchers import local as dist
 
         job = dist.WorkerJob(
             run.cfg,

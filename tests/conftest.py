@@ -25,7 +25,7 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
 from hypertrain.data.datasets import build_dataset  # noqa: E402
-from hypertrain.run import prepare  # noqa: E402
+from hypertrain.preflight import prepare  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -41,14 +41,14 @@ from hypertrain.diloco.outer import pseudo_gradient_sum, unflatten
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.preflight.schema import register_configs
 from hypertrain.records.files import merged_summary, read_records
 from hypertrain.records.rows import EvalRow, SyncRow, UpdateRow, parse
-from hypertrain.run.checks import validate
 from hypertrain.run.evaluation import heldout_eval
-from hypertrain.run.prepare import initial_weights, prepare
-from hypertrain.run.records import METRICS_FILE, RunLogger, read_metrics
-from hypertrain.run.schema import register_configs
 from hypertrain.run.trainer import train
+from hypertrain.rundir.records import METRICS_FILE, RunLogger, read_metrics
 from hypertrain.train import cli, quote_numeric_choices
 
 # -- the entry in a subprocess ---------------------------------------------------------------------

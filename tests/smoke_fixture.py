@@ -18,9 +18,9 @@ import torch
 
 from hypertrain import plan
 from hypertrain.config import DataConfig, InnerConfig, LoggerConfig, ModelConfig, PhaseConfig, TrainConfig
-from hypertrain.run.prepare import prepare
-from hypertrain.run.records import RunLogger, read_metrics
+from hypertrain.preflight.prepare import prepare
 from hypertrain.run.trainer import train
+from hypertrain.rundir.records import RunLogger, read_metrics
 
 FIXTURE = Path(__file__).parent / "assets" / "smoke_losses.json"
 TOLERANCE = {"rtol": 1e-5, "atol": 0.0}  # same machine kind: float32 reductions, threads may reorder

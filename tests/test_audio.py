@@ -29,7 +29,7 @@ from hypertrain.config import ConfigError, DataConfig, TrainConfig
 from hypertrain.data.speech import cache, synth
 from hypertrain.data.speech import dataset as speech
 from hypertrain.data.speech.speech import PHONEME
-from hypertrain.run.checks import validate
+from hypertrain.preflight.checks import validate
 
 SOURCE_MODULES = ["asyncio/base_events.py", "asyncio/events.py", "asyncio/tasks.py", "asyncio/streams.py"]
 FRAME_MS = 80.0

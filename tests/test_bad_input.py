@@ -25,7 +25,7 @@ import torch
 from helpers import RUN, ReferenceRuns, entry, tree
 
 from hypertrain.failures import EXIT_CODES
-from hypertrain.run.checkpoint import seal
+from hypertrain.rundir.checkpoint import seal
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 BASE = RUN
@@ -281,8 +281,8 @@ CASES = {
         "world.size=1000000000 is too large; valid: 1..65536",
         "at most 65536 ranks",
     ),
-    # Sizes that cannot fit (hypertrain/run/memory.py): the estimate is a pure function of the config, so
-    # the line is the same on every machine up to "but <the memory available>"; each needs far more
+    # Sizes that cannot fit (hypertrain/preflight/memory.py): the estimate is a pure function of the config,
+    # so the line is the same on every machine up to "but <the memory available>"; each needs far more
     # than any test machine has (the smallest, the 7B model, 630 GB).
     "model-too-large-for-memory": Case(
         "a model whose replicas cannot fit this machine's memory",

@@ -22,8 +22,8 @@ import torch
 from helpers import ReferenceRuns, _untimed, assert_identical_streaming, resumed
 from record_checkpoint_fixture import CHECKPOINT_AT, FIXTURE, outcome_json
 
-from hypertrain.run.checkpoint import checkpoints
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.checkpoint import checkpoints
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 ABOUT = json.loads((FIXTURE / "reference.json").read_text())
 

@@ -43,9 +43,9 @@ from hypertrain.config import ChurnConfig
 from hypertrain.diloco.churn import ABSENT, MISS, PRESENT, Schedule
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
-from hypertrain.run.checks import validate
-from hypertrain.run.prepare import initial_weights, prepare
-from hypertrain.run.records import read_metrics
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.rundir.records import read_metrics
 
 # -- 1. the schedule is the documented rule -------------------------------------------------------------
 

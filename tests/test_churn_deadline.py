@@ -33,9 +33,9 @@ from hypertrain.config import ChurnConfig, ClusterConfig, StragglerConfig
 from hypertrain.diloco.churn import Churn
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
-from hypertrain.run.checks import validate
-from hypertrain.run.prepare import initial_weights, prepare
-from hypertrain.run.records import read_metrics
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.rundir.records import read_metrics
 
 R, H, UPDATES = 4, 4, 12
 STRAGGLER = StragglerConfig(sigma=0.5, seed=3)

@@ -32,7 +32,7 @@ from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
 from hypertrain.clock.timeline import straggler_factors, taken_at
 from hypertrain.config import LINKS, ClusterConfig, ConfigError, LinkConfig, StragglerConfig
 from hypertrain.report import retime
-from hypertrain.run.records import read_metrics
+from hypertrain.rundir.records import read_metrics
 
 GIGABIT = 1e9 / 8  # bytes per second
 

@@ -74,8 +74,8 @@ from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.failures import NonFiniteError, RankFailed
 from hypertrain.model.transformer import init_params
-from hypertrain.run.checkpoint import seal
-from hypertrain.run.records import read_metrics
+from hypertrain.rundir.checkpoint import seal
+from hypertrain.rundir.records import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 QUANTIZERS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
@@ -432,7 +432,7 @@ def stage_result(case: StageCase, index: int, groups, mine: list[int]) -> dict:
 
 def stage_worker(rank: int, world: int, out: Path) -> None:
     """One rank: join the gloo group (a file rendezvous in the test's directory), build the collectives of
-    every layout as `hypertrain.run.processes.run_worker` does (`choose_layout`, `DistReplicaGroups`; every
+    every layout as `hypertrain.launchers.local.run_worker` does (`choose_layout`, `DistReplicaGroups`; every
     rank creates every group in the same order) and run every case; its results and the bytes it handed
     to the collectives per case go to out/rank{r}.pt."""
     import torch.distributed as dist

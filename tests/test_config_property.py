@@ -26,9 +26,9 @@ from omegaconf import OmegaConf
 
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.plan.sampling import PlanError
-from hypertrain.run.composition import composition_error
-from hypertrain.run.preflight import prepare_checked
-from hypertrain.run.records import read_metrics
+from hypertrain.preflight.checked import prepare_checked
+from hypertrain.preflight.composition import composition_error
+from hypertrain.rundir.records import read_metrics
 
 
 def numeric_fields(schema: type, prefix: str = "") -> list[tuple[str, type]]:

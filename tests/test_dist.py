@@ -62,10 +62,10 @@ from omegaconf import OmegaConf
 from references import assert_losses_within_rounding, assert_within_rounding
 
 from hypertrain.failures import RankFailed
-from hypertrain.run.checks import validate
-from hypertrain.run.prepare import initial_weights, prepare
-from hypertrain.run.records import read_metrics
-from hypertrain.run.wandb_offline import read_run
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.rundir.records import read_metrics
+from hypertrain.rundir.wandb_offline import read_run
 
 # -- the simulation ------------------------------------------------------------------------------
 
@@ -405,7 +405,7 @@ def test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group(tmp_pa
 
 FAULT_UPDATE = 3  # with H = 1, rounds 1 and 2 finish and the fault lands as round 3 starts
 FAULT_TIMEOUT_S = 5.0
-LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/run/processes.py, launch)
+LAUNCHER_POLL_S = 0.1  # the self-launch's monitor_interval (hypertrain/launchers/local.py, launch)
 SCHEDULING_S = 1.0  # a process of a 2-core machine shared by parallel tests may wait this long to run
 
 

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 from hypertrain import plan
 from hypertrain.config import ConfigError, TrainConfig
-from hypertrain.run.checks import plan_phase, validate
-from hypertrain.run.records import read_metrics
-from hypertrain.run.wandb_offline import read_run
+from hypertrain.preflight.checks import plan_phase, validate
+from hypertrain.rundir.records import read_metrics
+from hypertrain.rundir.wandb_offline import read_run
 
 
 def test_default_entry_writes_metrics_plan_and_a_matching_wandb_run(tmp_path):
@@ -126,7 +126,7 @@ def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, laun
 
 
 def _options(group: str) -> list[str]:
-    if group == "phase":  # the plan's presets, registered with Hydra (hypertrain.run.schema)
+    if group == "phase":  # the plan's presets, registered with Hydra (hypertrain.preflight.schema)
         return sorted(plan.PRESETS)
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
@@ -216,7 +216,7 @@ def test_an_older_runs_config_reads_as_todays():
     engine.nproc, engine.layout=stacked) reads as the same run in today's spelling: resuming compares
     it with today's resolved config key by key."""
     from hypertrain.config import upgrade_resolved
-    from hypertrain.run.preflight import resolved_config
+    from hypertrain.preflight.checked import resolved_config
 
     today = resolved_config(OmegaConf.to_object(compose_train([*QUICK, *NEW_DIST])))
     older = {k: v for k, v in today.items() if k != "processes"}

@@ -43,7 +43,7 @@ from helpers import (
 )
 
 from hypertrain.config import ConfigError
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 HOLD = (
     "import fcntl, os, sys, time\n"
@@ -138,7 +138,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
 def test_a_filesystem_without_locks_is_refused_with_one_line_and_nothing_made(tmp_path, monkeypatch, code):
-    from hypertrain.run import directory
+    from hypertrain.rundir import directory
 
     def no_locks(fd, op):
         raise OSError(code, "not supported")

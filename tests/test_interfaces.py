@@ -17,7 +17,7 @@ from hypertrain.data.text import TextDataset
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Engine
 from hypertrain.model.transformer import forward, init_params, loss_channels
-from hypertrain.run.records import NoLog, Records, RunLogger
+from hypertrain.rundir.records import NoLog, Records, RunLogger
 
 
 def protocol_members(protocol: type) -> dict[str, object]:

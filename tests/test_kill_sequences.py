@@ -76,7 +76,7 @@ from helpers import (
 
 from hypertrain.config import MAY_CHANGE
 from hypertrain.failures import RankFailed
-from hypertrain.run.records import METRICS_FILE, read_metrics, session_rows
+from hypertrain.rundir.records import METRICS_FILE, read_metrics, session_rows
 
 H = 2  # BASE's inner.H: a round is 2 updates, 8 updates in all
 UPDATES = 8

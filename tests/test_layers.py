@@ -27,9 +27,11 @@ LAYERS = (
     "distributed",  # process layouts, groups and collectives, launchers' environments
     "clock",  # the network clock: a run's simulated seconds on a named cluster, row by row
     "diloco",  # rounds, the sync pipeline, the outer step, the run's state
-    "run",  # preparation, training with records and checkpoints, sessions, real processes
+    "rundir",  # what a run leaves on disk: its directory and lock, records, checkpoints
+    "preflight",  # everything that refuses a run before anything is written; the data and plan prepared
+    "run",  # the training session: rounds with records, held-out losses, checkpoints, the stop
+    "launchers",  # real processes (torch's agent, the worker) and what Hydra loads to launch sweeps
     "report",  # reading and comparing runs, on the measured and the simulated clock
-    "launchers",  # what Hydra loads to launch sweeps
     "train",  # the entries: hypertrain.train and every package's __main__ (python -m ...)
 )
 # Third-party packages a layer must not load (the plan is numpy only; the model needs no Hydra).

@@ -10,8 +10,8 @@ import pytest
 
 from hypertrain.config import LoggerConfig
 from hypertrain.failures import NonFiniteError
-from hypertrain.run.records import RunLogger, loss_mean, read_metrics
-from hypertrain.run.wandb_offline import WandbFileError, has_exit_record, read_run
+from hypertrain.rundir.records import RunLogger, loss_mean, read_metrics
+from hypertrain.rundir.wandb_offline import WandbFileError, has_exit_record, read_run
 
 CONFIG = {"replicas": 2, "seed": 0, "inner": {"name": "adamw", "H": 2, "lr": 0.003}, "world": {"size": 8}}
 SUMMARY = {
@@ -141,7 +141,7 @@ def test_a_run_that_starts_wandb_keeps_wandbs_service_log_in_its_own_folder(offl
     $HOME as they were."""
     import wandb
 
-    from hypertrain.run.wandb_settings import wandb_is_set_up
+    from hypertrain.rundir.wandb_settings import wandb_is_set_up
 
     wandb.teardown()  # a service an earlier test in this process left up would be this run's
     home = tmp_path / "home"
@@ -319,7 +319,7 @@ def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
     import wandb
 
     from hypertrain.config import ConfigError
-    from hypertrain.run.wandb_settings import WANDB_LOCAL_MODES, check_wandb
+    from hypertrain.rundir.wandb_settings import WANDB_LOCAL_MODES, check_wandb
 
     try:
         wandb.Settings(mode=mode)
@@ -345,7 +345,7 @@ def test_the_project_names_check_wandb_refuses_are_the_ones_wandb_refuses(offlin
     import wandb
 
     from hypertrain.config import ConfigError
-    from hypertrain.run.wandb_settings import check_wandb
+    from hypertrain.rundir.wandb_settings import check_wandb
 
     try:
         wandb.Settings(project=project)

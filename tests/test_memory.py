@@ -17,8 +17,8 @@ from hypertrain.config import INT64_MAX, ConfigError, InnerConfig, ModelConfig
 from hypertrain.model.shapes import count_params, param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
-from hypertrain.run import memory
-from hypertrain.run.checks import validate
+from hypertrain.preflight import memory
+from hypertrain.preflight.checks import validate
 
 MODELS = {
     "tiny": ModelConfig(),
@@ -80,9 +80,9 @@ PEAK = """
 import json, re, sys
 from dataclasses import replace
 from pathlib import Path
-from hypertrain.run import memory
+from hypertrain.preflight import memory
 from hypertrain.config import TrainConfig, ModelConfig, PhaseConfig, WorldConfig, InnerConfig, DataConfig
-from hypertrain.run.prepare import prepare
+from hypertrain.preflight.prepare import prepare
 from hypertrain.run.trainer import train
 
 def status(key):

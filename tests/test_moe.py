@@ -62,9 +62,9 @@ from hypertrain.model import moe
 from hypertrain.model.shapes import param_roles
 from hypertrain.model.transformer import forward, init_params, logits, objective
 from hypertrain.optim.inner import init_state, inner_step, newton_schulz, uses_muon
-from hypertrain.run.checks import validate
-from hypertrain.run.prepare import initial_weights, prepare
-from hypertrain.run.records import read_metrics
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.rundir.records import read_metrics
 
 EXPERTS = dict(is_moe=True, n_experts=4, top_k=2, expert_ffn=32)
 

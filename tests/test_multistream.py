@@ -222,7 +222,7 @@ def test_stacked_equals_loop_on_multistream_data(monkeypatch, optimizer, R, H, s
 
     from helpers import assert_engines_agree, cfg_for
 
-    from hypertrain.run import prepare
+    from hypertrain.preflight import prepare
 
     data = SyntheticStreams(n_total=120, empty_channel_below=30)
     data.fingerprint, data.description = "synthetic-multistream", "synthetic multistream examples"
@@ -279,7 +279,7 @@ def test_real_processes_equal_the_simulation_on_speech(tmp_path, speech):
     from helpers import DIST, compose_cfg, finish, rounding_floors, simulate, start_entry
     from references import assert_losses_within_rounding, assert_within_rounding
 
-    from hypertrain.run.records import read_metrics
+    from hypertrain.rundir.records import read_metrics
 
     overrides = [
         *[a for a in DIST if not a.startswith(("data.", "model."))],
@@ -352,7 +352,7 @@ def test_the_multistream_model_learns_text_and_audio(tmp_path):
     from helpers import compose_cfg, finish, start_entry
 
     from hypertrain.data.datasets import build_dataset
-    from hypertrain.run.records import read_metrics
+    from hypertrain.rundir.records import read_metrics
 
     overrides = [
         *[a for a in SPEECH if not a.startswith("data.heldout")],

@@ -22,7 +22,7 @@ from hypertrain.engines.contract import check_finite
 from hypertrain.failures import NonFiniteError
 from hypertrain.model.shapes import count_params
 from hypertrain.optim.inner import init_state, inner_step, sync_inner_states
-from hypertrain.run.checks import validate
+from hypertrain.preflight.checks import validate
 
 ROLES = {"emb": "embedding", "layers.000.w1": "hidden"}  # embedding_like's parameters
 

@@ -17,7 +17,7 @@ from helpers import entry
 from hypertrain import plan
 from hypertrain.report.phases import TABLE_JSON, TABLE_MD
 from hypertrain.report.phases import main as phases_main
-from hypertrain.run.records import read_metrics
+from hypertrain.rundir.records import read_metrics
 
 # The tests on `sweep` are slow: one experiment=phases sweep of real processes (~40 s).
 

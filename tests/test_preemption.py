@@ -51,8 +51,8 @@ from helpers import (
 )
 
 from hypertrain.failures.signals import EXIT_CODES, STATUSES, Preempted, StopSignals, requested
-from hypertrain.run.checkpoint import SUPERSEDED_FILE, checkpoints, seal
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.checkpoint import SUPERSEDED_FILE, checkpoints, seal
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 H4 = [*BASE, "inner.H=4"]  # syncs after updates 4 and 8
 STOPPED = Preempted.exit_code  # 143, docs/errors.md

@@ -22,7 +22,7 @@ from smoke_fixture import FIXTURE, smoke_config, smoke_losses
 from hypertrain import plan
 from hypertrain.diloco.rounds import assignments
 from hypertrain.model.transformer import init_params
-from hypertrain.run.prepare import prepare
+from hypertrain.preflight.prepare import prepare
 
 
 def reference_loss(cfg, w: dict, rows: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from hypertrain.report import cli as report
 from hypertrain.report import retime
 from hypertrain.report.runs import load_run, read_rows, run_status
 from hypertrain.report.table import DIFFERENT_DATA, OTHER_ORDER
-from hypertrain.run.records import read_metrics
+from hypertrain.rundir.records import read_metrics
 
 SMALL = ["phase=smoke", "model.d_model=32", "data.seq_len=32", "data.heldout=64", "logger=none"]
 RUN = [*SMALL, "world=2"]  # world 2: with R = 1 a replica's 2 ranks all-reduce every update

@@ -30,7 +30,7 @@ from hypertrain.clock.replay import clock_of
 from hypertrain.config import LINKS, ClusterConfig
 from hypertrain.report import cli as report
 from hypertrain.report import retime
-from hypertrain.run.records import read_metrics
+from hypertrain.rundir.records import read_metrics
 
 RUNS = {
     "h3": ["cluster=h100"],

@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 from helpers import FAULT_ENV, QUICK, ReferenceRuns, assert_identical, entry, stderr_lines
 
-from hypertrain.run.checkpoint import SUPERSEDED_FILE, checkpoints
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.checkpoint import SUPERSEDED_FILE, checkpoints
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 from hypertrain.train import torchrun_restarts
 
 # Workers share two cores with other tests' here: a restarted worker may wait long for its peers' imports.

@@ -64,9 +64,9 @@ from hypertrain.config import DERIVED, TrainConfig, flatten
 from hypertrain.failures import RankFailed
 from hypertrain.report import cli as report
 from hypertrain.report import retime
-from hypertrain.run.checkpoint import SUPERSEDED_FILE, digest_path, seal
-from hypertrain.run.records import METRICS_FILE, read_metrics
-from hypertrain.run.wandb_offline import read_run
+from hypertrain.rundir.checkpoint import SUPERSEDED_FILE, digest_path, seal
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.wandb_offline import read_run
 
 DIST_FAILED = RankFailed.exit_code  # the entry's exit code when a dist rank dies (docs/errors.md)
 

@@ -12,7 +12,7 @@ from helpers import small_cfg
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines.columns import PROCESS_COLUMNS, REPLICA_COLUMNS, Columns
-from hypertrain.run.prepare import initial_weights, prepare
+from hypertrain.preflight.prepare import initial_weights, prepare
 
 
 def test_each_named_column_of_a_rounds_records_holds_what_its_name_says():

@@ -11,7 +11,7 @@ from helpers import small_cfg
 from hypertrain.config import InnerConfig
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
-from hypertrain.run.prepare import initial_weights, prepare
+from hypertrain.preflight.prepare import initial_weights, prepare
 
 
 def losses_of(rnds) -> list:

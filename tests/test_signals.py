@@ -31,8 +31,8 @@ import pytest
 from helpers import BASE, ENGINES, assert_identical, ckpt, entry, finish, start_entry, stderr_lines
 
 from hypertrain.failures.signals import EXIT_CODES, REPEAT_S, StoppedAtOnce, StopSignals
-from hypertrain.run.checkpoint import checkpoints
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.checkpoint import checkpoints
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 H4 = [*BASE, "inner.H=4"]  # syncs (and checkpoints) after updates 4 and 8
 INTERRUPTED = EXIT_CODES[signal.SIGINT]  # 130

@@ -37,9 +37,9 @@ import pytest
 from helpers import FAULT_ENV, QUICK, assert_identical, assert_same_weights, finish, outcome, start_entry
 from slurm_cluster import END_TIMEOUT_S, RPC_S, SCHED_INTERVAL_S, SLOWDOWN, STOP_CPU_S
 
-from hypertrain.run.checkpoint import SUPERSEDED_FILE
-from hypertrain.run.records import METRICS_FILE, read_metrics
-from hypertrain.run.wandb_offline import read_run
+from hypertrain.rundir.checkpoint import SUPERSEDED_FILE
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.wandb_offline import read_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # a SLURM cluster per test process: 1-2 min
 

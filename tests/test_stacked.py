@@ -35,7 +35,7 @@ from hypertrain.engines import loop, stacked
 from hypertrain.model.shapes import param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
-from hypertrain.run.prepare import prepare
+from hypertrain.preflight.prepare import prepare
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

@@ -21,7 +21,7 @@ from references import U32, assert_outer_step
 
 from hypertrain.config import ConfigError
 from hypertrain.diloco.fragments import Schedule, fragment_of
-from hypertrain.run.checks import validate
+from hypertrain.preflight.checks import validate
 
 
 def stream_cfg(P: int, tau: int, alpha: float, updates: int = 19):

@@ -52,9 +52,9 @@ from hypertrain.failures import RankFailed
 from hypertrain.model.shapes import param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import OptState, init_state, inner_step, sync_inner_states
-from hypertrain.run.checkpoint import seal
-from hypertrain.run.prepare import initial_weights, prepare
-from hypertrain.run.records import read_metrics
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.rundir.checkpoint import seal
+from hypertrain.rundir.records import read_metrics
 
 H = 8  # every run's inner.H: P = 2 and P = 4 divide it
 

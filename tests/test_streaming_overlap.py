@@ -6,7 +6,7 @@ Set-up. A fresh network namespace whose `lo` is rate-limited by `tc qdisc ... tb
 tbf but no netem, so no latency is emulated), MTU 1500 (a namespace's `lo` has MTU 65536, larger than
 a small tbf burst, and tbf then drops every packet). Two real processes (gloo, CPU, one torch thread
 each) join on 127.0.0.1 inside it and build `DistReplicaGroups` from `choose_layout` exactly as
-`hypertrain.run.processes.run_worker` does (P = W = R = 2: one rank per replica, the sync's sum is one
+`hypertrain.launchers.local.run_worker` does (P = W = R = 2: one rank per replica, the sync's sum is one
 all-reduce on the outer process group). Each rank trains hypertrain's decoder (forward, backward, an
 SGD update: the compute of an inner update) and takes its pseudo-gradient `theta_0 - theta` with the
 count appended, the `[n_params + 1]` sum the sync's `exact_mean` stage reduces.

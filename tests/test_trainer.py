@@ -31,7 +31,7 @@ from hypertrain.failures import Diverged
 from hypertrain.model.shapes import param_roles
 from hypertrain.model.transformer import forward, init_params
 from hypertrain.optim.inner import init_state
-from hypertrain.run.prepare import prepare
+from hypertrain.preflight.prepare import prepare
 
 
 def test_strong_world_8_and_16_give_bitwise_equal_replica_losses(tmp_path):

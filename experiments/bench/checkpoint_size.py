@@ -2,7 +2,7 @@
 
 Builds the run state a checkpoint holds (global weights, outer momentum, every replica's AdamW
 moments and step counts) for each config, with the state's real shapes, and writes it with
-`hypertrain.run.checkpoint.write` (temporary file, fsync, rename, folder fsync) into a temporary
+`hypertrain.rundir.checkpoint.write` (temporary file, fsync, rename, folder fsync) into a temporary
 directory, several times; prints the file size and the median and spread of the write time.
 Measured on the machine it runs on (its disk and page cache); the gather of the replicas' states
 under processes=dist is not included.
@@ -21,7 +21,7 @@ from hypertrain.config import ModelConfig, TrainConfig
 from hypertrain.diloco.state import RunState
 from hypertrain.model.shapes import count_params
 from hypertrain.model.transformer import init_params
-from hypertrain.run import checkpoint
+from hypertrain.rundir import checkpoint
 
 CASES = {
     "default (model=tiny, R 4)": (ModelConfig(), 4),

@@ -128,7 +128,7 @@ def loop_of(m: ModelConfig, inner: InnerConfig, device: str):
 def aux_split(run_dir: str | None) -> None:
     from hypertrain.config import TrainConfig
     from hypertrain.diloco.rounds import assignments
-    from hypertrain.run.prepare import prepare
+    from hypertrain.preflight.prepare import prepare
 
     m = MODELS["moe_tiny"]
     run = prepare(TrainConfig(model=m, replicas=4))

@@ -35,8 +35,8 @@ from hypertrain.config import (
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
-from hypertrain.run.checks import validate
-from hypertrain.run.prepare import initial_weights, prepare
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
 
 TOLERANCE = {"fp32": 1e-5, "bf16-ns": 1e-3, "bf16-autocast": 1e-2}
 

@@ -39,8 +39,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import LayoutError, choose_layout, launched_rank
 from hypertrain.plan.sampling import PlanError
-from hypertrain.run import composition, preflight, refusal
-from hypertrain.run.checks import validate
+from hypertrain.preflight import checked as preflight
+from hypertrain.preflight import composition, refusal
+from hypertrain.preflight.checks import validate
 
 RESUME = "auto"  # what a job's `resume` is unless the command line says: a requeued job goes on
 # `scontrol ping` answers at once from a live controller and reports a dead one (refused, or no

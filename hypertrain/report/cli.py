@@ -34,7 +34,7 @@ from hypertrain.report.table import (
     phase_of,
     table_rows,
 )
-from hypertrain.run.directory import REPORT_FOLDER
+from hypertrain.rundir.directory import REPORT_FOLDER
 
 PROG = "python -m hypertrain.report"
 ERROR = "hypertrain.report: error:"  # every bad input's one line starts so

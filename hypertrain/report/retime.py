@@ -31,8 +31,8 @@ from hypertrain.report.plots import clock_plot, file_safe
 from hypertrain.report.render import Section, markdown
 from hypertrain.report.runs import Run, load_run
 from hypertrain.report.table import data_flags, differing_keys
-from hypertrain.run.directory import CLOCK_MD, CLOCK_PREFIX, REPORT_FOLDER
-from hypertrain.run.records import METRICS_FILE
+from hypertrain.rundir.directory import CLOCK_MD, CLOCK_PREFIX, REPORT_FOLDER
+from hypertrain.rundir.records import METRICS_FILE
 
 PROG = "hypertrain.clock"
 USAGE = (
@@ -114,8 +114,8 @@ def compose_cluster(overrides: list[str]) -> ClusterConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from hypertrain.run.composition import CONF, composition_error
-    from hypertrain.run.schema import register_configs
+    from hypertrain.preflight.composition import CONF, composition_error
+    from hypertrain.preflight.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()

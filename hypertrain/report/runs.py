@@ -22,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 from hypertrain.config import flatten, upgrade_resolved
 from hypertrain.records.files import json_row, merged_summary
 from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
-from hypertrain.run.directory import REPORT_FOLDER
-from hypertrain.run.records import METRICS_FILE, read_metrics
+from hypertrain.rundir.directory import REPORT_FOLDER
+from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 VALID_PATH = "valid: a run directory (holding metrics.jsonl), a sweep directory, or a folder above them"
 SKIPPED = {"wandb", "checkpoints", REPORT_FOLDER, ".hydra"}  # folders that never hold a run's metrics.jsonl

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hypertrain.failures.signals import STOP_SIGNALS
-from hypertrain.run.wandb_settings import wandb_is_set_up
+from hypertrain.rundir.wandb_settings import wandb_is_set_up
 
 
 @contextmanager

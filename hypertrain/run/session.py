@@ -31,10 +31,10 @@ from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
 from hypertrain.records.rows import RestartRow, ResumeRow, StartRow, UpdateRow, parse
-from hypertrain.run import checkpoint
-from hypertrain.run.checkpoint import Checkpointer, checkpoints, written_by_run
-from hypertrain.run.records import METRICS_FILE, NoLog, RunLogger, no_space, readable_rows
 from hypertrain.run.trainer import train
+from hypertrain.rundir import checkpoint
+from hypertrain.rundir.checkpoint import Checkpointer, checkpoints, written_by_run
+from hypertrain.rundir.records import METRICS_FILE, NoLog, RunLogger, no_space, readable_rows
 
 
 @contextmanager

@@ -25,14 +25,14 @@ from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
+from hypertrain.preflight.prepare import initial_weights
 from hypertrain.records.rows import EvalRow, SummaryRow, SyncRow, UpdateRow
-from hypertrain.run import checkpoint
-from hypertrain.run.checkpoint import Checkpointer
 from hypertrain.run.evaluation import heldout_eval
-from hypertrain.run.prepare import initial_weights
 from hypertrain.run.progress import Progress
-from hypertrain.run.records import NoLog, RunLogger
 from hypertrain.run.runtime import keep_freed_memory
+from hypertrain.rundir import checkpoint
+from hypertrain.rundir.checkpoint import Checkpointer
+from hypertrain.rundir.records import NoLog, RunLogger
 
 logger = logging.getLogger("hypertrain")
 

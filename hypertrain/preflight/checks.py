@@ -123,3 +123,40 @@ def check_device(device: str) -> None:
             f"engine.device={device!r} but this machine has {count} CUDA device(s); "
             f"valid: cuda:0..cuda:{count - 1}"
         )
+
+
+def check_backend(cfg: TrainConfig, local_processes: int) -> None:
+    """processes.backend and engine.device can run `local_processes` ranks on this machine, checked
+    before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
+    "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
+    engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. ConfigError
+    (one line) otherwise; engine.device=cuda without CUDA is `check_device`'s to refuse."""
+    import torch  # here: a refusal made from the config alone never imports it
+    import torch.distributed as dist
+
+    e = cfg.engine
+    cuda = e.device.startswith("cuda")
+    if cfg.processes.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"processes.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
+                f"({torch.__version__}); valid: processes.backend=gloo or auto (gloo on CPUs)"
+            )
+        if not dist.is_nccl_available():
+            raise ConfigError(
+                f"processes.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
+                "valid: processes.backend=gloo or auto"
+            )
+        if not cuda:
+            raise ConfigError(
+                f"processes.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
+                "valid: engine.device=cuda, or processes.backend=gloo or auto (gloo on CPUs)"
+            )
+    if cuda and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(
+            f"processes=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
+            f"one CUDA device each, but it has {count} (fewer GPUs than processes); valid: at most "
+            f"{count} processes per machine (processes.nproc, torchrun --nproc_per_node), or "
+            "engine.device=cpu with processes.backend=gloo or auto"
+        )

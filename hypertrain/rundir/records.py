@@ -51,7 +51,7 @@ from hypertrain.records.rows import (
     non_finite,
     plain,
 )
-from hypertrain.run.wandb_settings import quiet_wandb, wandb_is_set_up, wandb_mode
+from hypertrain.rundir.wandb_settings import quiet_wandb, wandb_is_set_up, wandb_mode
 
 if TYPE_CHECKING:
     from hypertrain.config import LoggerConfig
@@ -242,7 +242,7 @@ class RunLogger:
     @staticmethod
     def _wait_for_run_file(run_file: Path) -> None:
         """Return once the run file is complete, so it can be read (or synced) as soon as we exit."""
-        from hypertrain.run.wandb_offline import wait_for_exit_record
+        from hypertrain.rundir.wandb_offline import wait_for_exit_record
 
         if not wait_for_exit_record(run_file, timeout=30.0):
             warnings.warn(f"{run_file} has no exit record 30 s after wandb's finish()", stacklevel=3)

@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from hypertrain.config import ConfigError, changed_fields, flatten, setting, upgrade_resolved
 from hypertrain.failures import DiskFull
 from hypertrain.failures.signals import STOP_SIGNALS
-from hypertrain.run import checkpoint
-from hypertrain.run.records import METRICS_FILE
+from hypertrain.rundir import checkpoint
+from hypertrain.rundir.records import METRICS_FILE
 
 # Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
 

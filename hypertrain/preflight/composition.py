@@ -15,11 +15,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
-from hypertrain.run import memory
-from hypertrain.run.checks import validate
-from hypertrain.run.directory import close_log_files
-from hypertrain.run.records import METRICS_FILE
-from hypertrain.run.refusal import fail
+from hypertrain.preflight import memory
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.refusal import fail
+from hypertrain.rundir.directory import close_log_files
+from hypertrain.rundir.records import METRICS_FILE
 
 # Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from hypertrain.config import MAY_CHANGE, ConfigError, changed_fields, flatten, setting, upgrade_resolved
 from hypertrain.failures import fault_points
 from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
-from hypertrain.run.records import METRICS_FILE
+from hypertrain.rundir.records import METRICS_FILE
 
 FORMAT = 1
 FOLDER = "checkpoints"

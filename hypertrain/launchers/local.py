@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import TrainConfig
 from hypertrain.distributed import slurm_env
 from hypertrain.distributed.collectives import DistReplicaGroups, collective, first_line
 from hypertrain.distributed.layouts import LaunchedRank, choose_layout, launched_rank
 from hypertrain.failures import RankFailed, RunFailure, fault_points, restarts
 from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
 from hypertrain.records.files import merged_summary
-from hypertrain.run import checkpoint
-from hypertrain.run.records import METRICS_FILE, read_metrics, session_end, session_rows
+from hypertrain.rundir import checkpoint
+from hypertrain.rundir.records import METRICS_FILE, read_metrics, session_end, session_rows
 
 if TYPE_CHECKING:
     from hypertrain.run.session import Restart
@@ -84,40 +84,6 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
-
-
-def check_backend(cfg: TrainConfig, local_processes: int) -> None:
-    """processes.backend and engine.device can run `local_processes` ranks on this machine, checked
-    before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
-    "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
-    engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. ConfigError
-    (one line) otherwise; engine.device=cuda without CUDA is `run.prepare.check_device`'s to refuse."""
-    e = cfg.engine
-    cuda = e.device.startswith("cuda")
-    if cfg.processes.backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"processes.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
-                f"({torch.__version__}); valid: processes.backend=gloo or auto (gloo on CPUs)"
-            )
-        if not dist.is_nccl_available():
-            raise ConfigError(
-                f"processes.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
-                "valid: processes.backend=gloo or auto"
-            )
-        if not cuda:
-            raise ConfigError(
-                f"processes.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
-                "valid: engine.device=cuda, or processes.backend=gloo or auto (gloo on CPUs)"
-            )
-    if cuda and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise ConfigError(
-            f"processes=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
-            f"one CUDA device each, but it has {count} (fewer GPUs than processes); valid: at most "
-            f"{count} processes per machine (processes.nproc, torchrun --nproc_per_node), or "
-            "engine.device=cpu with processes.backend=gloo or auto"
-        )
 
 
 def _backend(cfg: TrainConfig, device: torch.device) -> str:
@@ -164,7 +130,7 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     spawned worker prepares its own (the same config gives the same data and plan everywhere).
     Returns rank 0's summary. A failure prints one line naming this rank and exits non-zero.
     """
-    from hypertrain.run.prepare import prepare
+    from hypertrain.preflight.prepare import prepare
     from hypertrain.run.session import Resume, train_session
 
     signals = StopSignals().install()  # SIGTERM, SIGUSR2: stop after the update in flight, checkpointed
@@ -235,8 +201,8 @@ def _restarted(run_dir: Path):
     whether the run had finished already). It goes on from the newest checkpoint whose records match,
     or from the start (`session.restart_here`); a run whose records end `finished` (a worker died in
     its teardown) is left as it is."""
-    from hypertrain.run.directory import finished_updates
     from hypertrain.run.session import restart_here
+    from hypertrain.rundir.directory import finished_updates
 
     if finished_updates(run_dir) is not None:
         _say(

@@ -19,7 +19,7 @@ from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
-from hypertrain.run.checks import check_device, plan_phase
+from hypertrain.preflight.checks import check_device, plan_phase
 
 logger = logging.getLogger("hypertrain")
 

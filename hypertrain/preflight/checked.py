@@ -19,9 +19,9 @@ from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.failures import DiskFull, fault_points
 from hypertrain.plan.sampling import PlanError
-from hypertrain.run import checkpoint, memory
-from hypertrain.run.checks import check_device, validate
-from hypertrain.run.composition import (
+from hypertrain.preflight import memory
+from hypertrain.preflight.checks import check_backend, check_device, validate
+from hypertrain.preflight.composition import (
     check_experiment,
     check_fields,
     check_labels,
@@ -29,7 +29,9 @@ from hypertrain.run.composition import (
     remove_rejected_sweep_dir,
     task_part,
 )
-from hypertrain.run.directory import (
+from hypertrain.preflight.refusal import fail
+from hypertrain.rundir import checkpoint
+from hypertrain.rundir.directory import (
     RunLock,
     acquire,
     check_not_in_use,
@@ -43,9 +45,8 @@ from hypertrain.run.directory import (
     release,
     resume_target,
 )
-from hypertrain.run.records import METRICS_FILE
-from hypertrain.run.refusal import fail
-from hypertrain.run.wandb_settings import check_wandb
+from hypertrain.rundir.records import METRICS_FILE
+from hypertrain.rundir.wandb_settings import check_wandb
 
 # The run `Preflight` prepared, for the task function of the same call (hypertrain.train.cli runs each
 # call in a context of its own): (the resolved task config as YAML, the Checked built for it).
@@ -95,8 +96,6 @@ def prepare_checked(
     if run_dir is not None:  # the process that writes the run (rank 0) starts its W&B run
         check_wandb(cfg.logger)
     if cfg.processes.name == "dist":
-        from hypertrain.run.processes import check_backend
-
         cfg = with_layout(cfg)
         launched = launched_rank()  # the ranks on this machine: the launcher's, else the self-launch's
         check_backend(cfg, cfg.processes.nproc if launched is None else launched.local_processes)
@@ -119,7 +118,7 @@ def prepare_checked(
         session = found is None and auto and bool(foreign(run_dir, own))
         if found is None and not session:
             check_run_dir(run_dir, own)
-    from hypertrain.run.prepare import prepare  # torch and the data, once every other check passed
+    from hypertrain.preflight.prepare import prepare  # torch and the data, once every other check passed
 
     run = prepare(cfg)
     memory.check(run.cfg, run.dataset.max_length)  # again with the data's longest example (speech's)
