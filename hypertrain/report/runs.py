@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,9 +107,14 @@ def sessions(rows: list[Row]) -> list[list[Row]]:
     return out
 
 
+def natural(path: Path) -> list:
+    """`path` as a sort key that orders its numbers by value: a sweep's jobs 0, 1, 2, 10, 11."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
 def find_runs(paths: list[Path]) -> list[Path]:
-    """Every run directory at or under `paths`, sorted, each once; ReportInputError for a path that
-    does not exist or holds no run."""
+    """Every run directory at or under `paths`, each once, in natural order (`natural`: a sweep's job
+    10 after its job 9); ReportInputError for a path that does not exist or holds no run."""
     found: set[Path] = set()
     for path in paths:
         if not path.exists():
@@ -119,7 +125,7 @@ def find_runs(paths: list[Path]) -> list[Path]:
         if not runs:
             raise ReportInputError(f"PATH={path} holds no {METRICS_FILE}; {VALID_PATH}")
         found.update(run.resolve() for run in runs)
-    return sorted(found)
+    return sorted(found, key=natural)
 
 
 def _runs_under(folder: Path) -> list[Path]:
