@@ -237,12 +237,17 @@ def test_only_the_run_that_saw_other_data_is_flagged(made, made_report):
         plan = json.loads((Path(row["path"]) / "plan.json").read_text())
         orders.setdefault(row["config"]["replicas"], set()).add(plan["plan/data_order_sha256"])
     assert len(orders[1]) == len(orders[2]) == 1 and orders[1] != orders[2]
+    # seed1 differs from sweep R = 2, H = 3 only in data.shuffle_seed: one line of the plot (one entry per
+    # group of runs over seeds), whose entry counts the flag; the killed run, unfinished, is one alone.
     (heldout,) = [p for p in record["plots"] if p["file"] == "heldout.png"]
     assert [DIFFERENT_DATA in label for label in heldout["series"]] == [
-        r["run"] == "seed1" for r in record["runs"]
+        "seed1" in group["runs"] for group in record["groups"]
     ]
+    (pair,) = [group["runs"] for group in record["groups"] if "seed1" in group["runs"]]
+    assert pair[0] == "seed1" and len(pair) == 2 and pair[1].startswith("sweep/3")  # the sweep's R 2, H 3
+    assert any(f"({DIFFERENT_DATA}: 1 of 2)" in label for label in heldout["series"])
     assert ["[crashed]" in label for label in heldout["series"]] == [
-        r["run"] == "killed" for r in record["runs"]
+        group["runs"] == ["killed"] for group in record["groups"]
     ]
     assert f"seed1: {DIFFERENT_DATA}" in stdout
 
@@ -327,7 +332,9 @@ def _decimals(cell: str) -> int:
 @pytest.mark.slow
 def test_markdown_and_terminal_tables_show_the_recorded_values(made_report):
     out, record, stdout = made_report
-    lines = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
+    runs_section = (out / "report.md").read_text().split("## Runs\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in runs_section.splitlines() if line.startswith("| ")]
+    stdout = stdout.split("Over seeds:", 1)[0]  # the runs' table; the groups' follows it
     titles = [c.strip() for c in lines[0].strip("|").split("|")]
     cells = {
         row[0]: dict(zip(titles, row, strict=True))

@@ -24,6 +24,7 @@ from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, heldout_plot, phases_plot, spread_plot
 from hypertrain.report.render import Section, html, markdown
 from hypertrain.report.runs import VALID_PATH, ReportInputError, Run, find_runs, load_run
+from hypertrain.report.seeds import SEED_KEYS, SPREAD, group_columns, group_rows, grouped, seed_groups
 from hypertrain.report.table import (
     DIFFERENT_DATA,
     OTHER_ORDER,
@@ -136,6 +137,17 @@ def data_note(runs: list[Run], flags: list[str]) -> str:
     )
 
 
+def seeds_section(groups: list[dict]) -> Section:
+    """The table of the runs grouped over their seeds: one row per group, its figures' mean and spread."""
+    notes = [
+        f"runs that differ only in {', '.join(f'`{key}`' for key in SEED_KEYS)} form one row: n runs, "
+        f"each figure's {SPREAD} over them (report.json also holds their standard deviation, n - 1 in "
+        "the denominator); a run that did not finish is a row of its own; `-` where a run of the group "
+        "lacks the figure (a run that never reached the target).",
+    ]
+    return Section("Over seeds", [], group_columns(groups), [bool(row["data"]) for row in groups], notes)
+
+
 def phases_sections(runs: list[Run], out: Path) -> tuple[list[Section], dict]:
     """One section per experiment=phases sweep among the runs: phases.py's table and a plot."""
     sweeps: dict[Path, list[Run]] = {}
@@ -173,6 +185,9 @@ def build(
     target, rule = target_loss(given_target, list(clocks))
     clusters = list(dict.fromkeys(clock["cluster"] for clock in clocks if clock is not None))
     rows = table_rows(runs, names, list(clocks), target)
+    groups = seed_groups(runs, keys)
+    group_table = group_rows(runs, rows, groups, keys)
+    plot_keys = [key for key in keys if key not in SEED_KEYS] if grouped(groups) else keys
     table = phases.cells([flat(row) for row in rows], columns(keys, rows))
     marked = [bool(row["data"]) or row["status"] != "finished" for row in rows]
     ends = [run.rows[-1] if run.rows else None for run in runs]  # an end row is a session's last
@@ -188,11 +203,13 @@ def build(
     intro = f"{len(runs)} runs, made by `{command}`. Config values that differ between them: {differ}."
     notes = [*NOTES, *clock_notes(target, rule, clusters), data_note(runs, flags), *failures, *cannot]
     sections = [Section("Runs", [intro], table, marked, notes)]
-    plots = [heldout_plot(runs, names, keys, flags, out)]
+    if grouped(groups):
+        sections.append(seeds_section(group_table))
+    plots = [heldout_plot(runs, names, plot_keys, flags, out, groups)]
     sections.append(Section("Held-out loss", plots=plots))
     if clusters:
         where = f"each run's own cluster ({', '.join(clusters)})"
-        timed = clock_plot(runs, names, keys, flags, list(clocks), target, where, out)
+        timed = clock_plot(runs, names, plot_keys, flags, list(clocks), target, where, out, groups=groups)
         sections.append(Section("Held-out loss against simulated seconds", plots=[timed]))
     spreads = [
         spread_plot(run, name, i, out)
@@ -212,10 +229,16 @@ def build(
             row | {"path": str(run.path), "clock_error": why}
             for row, run, why in zip(rows, runs, untimed, strict=True)
         ],
+        "seed_keys": list(SEED_KEYS),
+        "groups": group_table,
         "plots": [asdict(plot) for section in sections for plot in section.plots],
         "phases": phase_tables,
     }
     terminal = "\n".join(phases.markdown_table(*table, pad=True))
+    if grouped(groups):
+        terminal += "\n\nOver seeds:\n" + "\n".join(
+            phases.markdown_table(*group_columns(group_table), pad=True)
+        )
     if target is not None:
         terminal += f"\ntime to target s: to held-out loss {target:.4f} ({rule})"
     return sections, record, terminal

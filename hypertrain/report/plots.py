@@ -3,7 +3,9 @@
 `heldout_plot` (every run's held-out loss against the update, the outer bytes and the peak outer bytes
 per sync), `clock_plot` (every run's held-out loss against its simulated seconds; also drawn by
 `python -m hypertrain.clock`), `spread_plot` (one run's per-replica losses), `phases_plot` (a phases
-sweep's throughput and scaling): docs/report.md, "The plots".
+sweep's throughput and scaling): docs/report.md, "The plots". The first two draw a group of runs that
+differ only in their seeds (`seeds.seed_groups`) as its mean and a min-max band, and widen a figure
+whose legend would not fit it.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from hypertrain.report.runs import Run
+from hypertrain.report.seeds import band
 
 DPI = 100
 HELDOUT_SIZE = (1500, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend below the panels
 LEGEND_ROW_PX = 22
-CLOCK_SIZE = (1000, 480)  # pixels, plus LEGEND_ROW_PX per row of the legend
+LEGEND_MARGIN_PX = 8  # the least room beside the legend: a wider one gets fewer columns, then a wider figure
+CLOCK_SIZE = (1000, 480)  # pixels (wider when the legend needs it), plus LEGEND_ROW_PX per row of the legend
 SPREAD_SIZE = (900, 420)
 PHASES_SIZE = (1100, 420)
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
 STYLES = ("-", "--", ":", "-.")
-MARKERS = ("o", "s", "^", "D")  # with the line style: a one-point series shows no line (the peak panel)
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # a one-point series shows no line (the peak panel)
+BAND_ALPHA = 0.2  # a seed group's min-max band, in its line's colour
 LOSS_UNIT = "nats/token"
 
 
@@ -52,6 +57,7 @@ def _figure(size: tuple[int, int], panels: int) -> tuple[Figure, list]:
 
 
 def _save(fig: Figure, out_dir: Path, file: str, size: tuple[int, int], **what) -> Plot:
+    """The figure as `file` in `out_dir`, exactly `size` pixels (no tight bounding box: sizes are stated)."""
     fig.savefig(out_dir / file, dpi=DPI, format="png")
     return Plot(file, width=size[0], height=size[1], **what)
 
@@ -69,17 +75,38 @@ def _value_index(runs: list[Run], key: str | None) -> dict[str, int]:
     return index
 
 
-def labels(runs: list[Run], names: list[str], keys: list[str], flags: list[str]) -> list[str]:
-    """Legend entries: the run's differing values (its name when there are none), its status when it
-    did not finish, its data flag; runs that would share an entry get their name appended."""
-    out = []
-    for run, name, flag in zip(runs, names, flags, strict=True):
+def _singles(runs: list[Run], groups: list[list[int]] | None) -> list[list[int]]:
+    return groups if groups is not None else [[i] for i in range(len(runs))]
+
+
+def labels(
+    runs: list[Run],
+    names: list[str],
+    keys: list[str],
+    flags: list[str],
+    groups: list[list[int]] | None = None,
+) -> list[str]:
+    """Legend entries, one per group of runs (`seeds.seed_groups`; default: one per run): every
+    differing value of `keys` (its runs' names when there are none), `mean of N seeds` for a group of
+    several runs, a run's status when it did not finish, the data flags; groups that would share an
+    entry get their names appended."""
+    out, group_names = [], []
+    for group in _singles(runs, groups):
+        run, name = runs[group[0]], ", ".join(names[i] for i in group)
         text = ", ".join(f"{key}={run.config.get(key)}" for key in keys) or name
+        if len(group) > 1:
+            text += f" (mean of {len(group)} seeds)"
         if run.status != "finished":
             text += f" [{run.status}]"
-        out.append(text + (f" ({flag})" if flag else ""))
+        marks = [flags[i] for i in group if flags[i]]
+        for flag in dict.fromkeys(marks):
+            text += f" ({flag}: {marks.count(flag)} of {len(group)})" if len(group) > 1 else f" ({flag})"
+        out.append(text)
+        group_names.append(name)
     repeated = {text for text in out if out.count(text) > 1}
-    return [f"{text} - {name}" if text in repeated else text for text, name in zip(out, names, strict=True)]
+    return [
+        f"{text} - {name}" if text in repeated else text for text, name in zip(out, group_names, strict=True)
+    ]
 
 
 def _bytes_axis(ax, most: int, label: str) -> None:
@@ -93,57 +120,108 @@ def _bytes_axis(ax, most: int, label: str) -> None:
         ax.text(0.5, 0.5, "no outer bytes sent (R = 1, or no sync yet)", transform=ax.transAxes, ha="center")
 
 
-def _legend(n: int, base: tuple[int, int]) -> tuple[int, tuple[int, int]]:
-    """The legend's columns for `n` entries and the figure's size with its rows below the panels."""
-    legend_columns = 1 if n <= 3 else 2 if n <= 12 else 3
-    return legend_columns, (base[0], base[1] + LEGEND_ROW_PX * math.ceil(n / legend_columns))
+def _place_legend(fig: Figure, n: int, base: tuple[int, int]) -> tuple[int, int]:
+    """The figure's legend of `n` entries below its panels, and the figure's size in pixels: `base`
+    plus LEGEND_ROW_PX per row, in as many columns (up to 3) as fit its width with LEGEND_MARGIN_PX
+    either side; a legend too wide in one column widens the figure (a legend wider than its figure
+    loses the ends of its entries on both sides)."""
+    for columns in range(1 if n <= 3 else 2 if n <= 12 else 3, 0, -1):
+        size = (base[0], base[1] + LEGEND_ROW_PX * math.ceil(n / columns))
+        fig.set_size_inches(size[0] / DPI, size[1] / DPI)
+        legend = fig.legend(loc="outside lower center", ncols=columns, fontsize="small")
+        fig.draw_without_rendering()
+        width = legend.get_window_extent().width
+        if width + 2 * LEGEND_MARGIN_PX <= size[0]:
+            return size
+        if columns > 1:
+            legend.remove()
+    size = (math.ceil(width) + 2 * LEGEND_MARGIN_PX, size[1])
+    fig.set_size_inches(size[0] / DPI, size[1] / DPI)
+    return size
 
 
-def _run_lines(runs: list[Run], keys: list[str]) -> tuple[str | None, str | None, list[dict]]:
-    """Each run's line (colour by the first differing key, line style and marker by the second): the
-    colour key, the style key, and per run matplotlib's `color`, `linestyle`, `marker`. The held-out
-    plots against the update and against simulated seconds draw every run alike."""
+def line_styles(runs: list[Run], keys: list[str]) -> tuple[list[str | None], list[dict]]:
+    """Each run's line: colour by the first of `keys`, line style by the second, marker by the rest (by
+    the second when there are only two), so runs that differ in any key are drawn apart; the keys each
+    of colour, line style and marker go by, and per run matplotlib's `color`, `linestyle`, `marker` (and
+    for a run that did not finish, hollow markers: `fillstyle`, `alpha`). The held-out plots against the
+    update and against simulated seconds draw every run alike."""
     colour_key = keys[0] if keys else None
     style_key = keys[1] if len(keys) > 1 else None
+    marker_keys = keys[2:]
     colours, styles = _value_index(runs, colour_key), _value_index(runs, style_key)
+    markers: dict[str, int] = {}
     lines = []
     for run in runs:
         style = styles[_value(run, style_key)] if style_key else 0
+        marker = style
+        if marker_keys:
+            marker = markers.setdefault(
+                json.dumps([run.config.get(key) for key in marker_keys]), len(markers)
+            )
         colour = COLOURS[colours[_value(run, colour_key)] % len(COLOURS)]
-        lines.append(
-            dict(color=colour, linestyle=STYLES[style % len(STYLES)], marker=MARKERS[style % len(MARKERS)])
+        line = dict(
+            color=colour, linestyle=STYLES[style % len(STYLES)], marker=MARKERS[marker % len(MARKERS)]
         )
-    return colour_key, style_key, lines
+        # a run that did not finish: hollow markers (it may differ from a finished run only in a seed)
+        lines.append(line | (dict(fillstyle="none", alpha=0.7) if run.status != "finished" else {}))
+    return [colour_key, style_key, ", ".join(marker_keys) or None], lines
 
 
-def _keys_note(colour_key: str | None, style_key: str | None) -> str:
-    style_note = f", line style and marker: {style_key}" if style_key else ""
+def _keys_note(colour_key: str | None, style_key: str | None, marker_key: str | None) -> str:
+    style_note = f", line style and marker: {style_key}" if style_key and not marker_key else ""
+    if marker_key:
+        style_note = f", line style: {style_key}, marker: {marker_key}"
     return f"colour: {colour_key or 'run'}{style_note}"
 
 
-def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list[str], out_dir: Path) -> Plot:
+def _band(ax, curve: tuple[list, list, list, list], colour: str) -> None:
+    """A group's min-max band (no band for one run, whose min and max are its line)."""
+    xs, _, low, high = curve
+    if low != high:
+        ax.fill_between(xs, low, high, color=colour, alpha=BAND_ALPHA, linewidth=0)
+
+
+def heldout_plot(
+    runs: list[Run],
+    names: list[str],
+    keys: list[str],
+    flags: list[str],
+    out_dir: Path,
+    groups: list[list[int]] | None = None,
+) -> Plot:
     """The held-out loss of every run against the update and the outer bytes, and its last held-out
-    loss against its peak outer bytes per sync (one PNG, three panels)."""
-    legend_columns, size = _legend(len(runs), HELDOUT_SIZE)
-    fig, (by_update, by_bytes, by_peak) = _figure(size, 3)
+    loss against its peak outer bytes per sync (one PNG, three panels); a group of several runs
+    (`groups`, `seeds.seed_groups`; default: each run alone) as its mean with a min-max band, its last
+    point with a min-max error bar."""
+    groups = _singles(runs, groups)
+    fig, (by_update, by_bytes, by_peak) = _figure(HELDOUT_SIZE, 3)
     by_bytes.sharey(by_update)
     by_peak.sharey(by_update)
-    colour_key, style_key, lines = _run_lines(runs, keys)
-    series = labels(runs, names, keys, flags)
-    for run, label, style in zip(runs, series, lines, strict=True):
-        evals = run.heldout()
-        loss = [row.eval_loss for row in evals]
-        outer = [row.comm_outer_total or 0 for row in evals]  # the eval row before training: 0
+    drawn, lines = line_styles([runs[group[0]] for group in groups], keys)
+    series = labels(runs, names, keys, flags, groups)
+    for group, label, style in zip(groups, series, lines, strict=True):
+        evals = [runs[i].heldout() for i in group]
+        # the eval row before training has no outer bytes: 0
+        by_count = band([[(row.update, row.update, row.eval_loss) for row in run] for run in evals])
+        by_sent = band(
+            [[(row.update, row.comm_outer_total or 0, row.eval_loss) for row in run] for run in evals]
+        )
         line = style | dict(markersize=3)
-        by_update.plot([row.update for row in evals], loss, label=label, **line)
-        by_bytes.plot(outer, loss, **line)
-        if evals:  # one point: the last held-out loss at the run's peak bytes per sync
-            by_peak.plot(
-                [run.outer_peak_bytes()],
-                [loss[-1]],
-                color=style["color"],
-                marker=style["marker"],
+        by_update.plot(by_count[0], by_count[1], label=label, **line)
+        by_bytes.plot(by_sent[0], by_sent[1], **line)
+        _band(by_update, by_count, style["color"])
+        _band(by_bytes, by_sent, style["color"])
+        if all(evals):  # one point: the last held-out loss at the peak bytes per sync (a group's mean)
+            last = [run[-1].eval_loss for run in evals]
+            mean = sum(last) / len(last)
+            by_peak.errorbar(
+                [sum(runs[i].outer_peak_bytes() for i in group) / len(group)],
+                [mean],
+                yerr=[[mean - min(last)], [max(last) - mean]] if len(group) > 1 else None,
+                **{key: value for key, value in style.items() if key != "linestyle"},
                 markersize=7,
+                capsize=4,
             )
     by_update.set_xlabel("update")
     by_update.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -152,8 +230,8 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
     _bytes_axis(by_bytes, most, "outer (cross-replica) bytes sent per replica, cumulative")
     peak = max((run.outer_peak_bytes() for run in runs), default=0)
     _bytes_axis(by_peak, peak, "peak outer bytes per sync and replica (last held-out loss)")
-    fig.suptitle(f"Held-out loss ({_keys_note(colour_key, style_key)})")
-    fig.legend(loc="outside lower center", ncols=legend_columns, fontsize="small")
+    fig.suptitle(f"Held-out loss ({_keys_note(*drawn)})")
+    size = _place_legend(fig, len(series), HELDOUT_SIZE)
     return _save(
         fig,
         out_dir,
@@ -163,11 +241,16 @@ def heldout_plot(runs: list[Run], names: list[str], keys: list[str], flags: list
         caption="The global weights' held-out loss before training and after every sync (with fragments: "
         "after every round of H updates and at the end). Outer bytes: what one replica sends in the ring "
         "all-reduces of the syncs (0 with R = 1), cumulative (middle), and the most it sent in one sync "
-        "(right: one point per run, at its last held-out loss; a fragment's sync sends that fragment).",
+        "(right: one point per run, at its last held-out loss; a fragment's sync sends that fragment)."
+        + (SEEDS_NOTE if any(len(group) > 1 for group in groups) else ""),
         series=series,
     )
 
 
+SEEDS_NOTE = (
+    " Runs that differ only in their seeds: one line, their mean at each update, in a band from their "
+    "lowest to their highest loss (the peak panel: an error bar from their lowest to highest last loss)."
+)
 CLOCK_FILE = "heldout-clock.png"
 LOG_SPAN = 100  # runs whose simulated totals differ by more than this factor get a log time axis
 
@@ -182,33 +265,44 @@ def clock_plot(
     where: str,
     out_dir: Path,
     params: int | None = None,
+    groups: list[list[int]] | None = None,
 ) -> Plot:
     """The held-out loss of every run against its simulated seconds (`clocks`: each run's
     `replay.clock_of`, None for a run that could not be timed: left out), drawn as `heldout_plot`
-    draws the run, and a dotted line at the `target` loss. `where`: the cluster(s), for the axis;
+    draws the run (a group of runs as their mean clock and loss at each update, with a min-max band of
+    the loss), and a dotted line at the `target` loss. `where`: the cluster(s), for the axis;
     `params`: the parameter count the runs were timed at (`--model-params`), for the title. The report
     and `python -m hypertrain.clock` both draw it."""
-    timed = [i for i, clock in enumerate(clocks) if clock is not None]
-    legend_columns, size = _legend(len(timed) + (target is not None), CLOCK_SIZE)
-    fig, (ax,) = _figure(size, 1)
-    colour_key, style_key, lines = _run_lines(runs, keys)
-    every = labels(runs, names, keys, flags)
-    ends = [max((p["clock_s"] for p in clocks[i]["heldout"]), default=0.0) for i in timed]
+    groups = _singles(runs, groups)
+    drawn, lines = line_styles([runs[group[0]] for group in groups], keys)
+    every = labels(runs, names, keys, flags, groups)
+    timed = []  # (a group's runs the clock could time, its legend entry, its line)
+    for group, label, style in zip(groups, every, lines, strict=True):
+        members = [i for i in group if clocks[i] is not None]
+        if members:
+            timed.append((members, label, style))
+    ends = [
+        max((p["clock_s"] for p in clocks[i]["heldout"]), default=0.0) for group, _, _ in timed for i in group
+    ]
     spread = [end for end in ends if end > 0]
     log = bool(spread) and max(spread) > LOG_SPAN * min(spread)
+    fig, (ax,) = _figure(CLOCK_SIZE, 1)
     series = []
-    for i in timed:
-        points = [
-            p for p in clocks[i]["heldout"] if p["eval_loss"] is not None and (p["clock_s"] > 0 or not log)
+    for group, label, style in timed:
+        curves = [
+            [
+                (p["update"], p["clock_s"], p["eval_loss"])
+                for p in clocks[i]["heldout"]
+                if p["eval_loss"] is not None
+            ]
+            for i in group
         ]
-        ax.plot(
-            [p["clock_s"] for p in points],
-            [p["eval_loss"] for p in points],
-            label=every[i],
-            markersize=3,
-            **lines[i],
-        )
-        series.append(every[i])
+        xs, mean, low, high = band(curves)
+        kept = [k for k, x in enumerate(xs) if x > 0 or not log]
+        curve = tuple([values[k] for k in kept] for values in (xs, mean, low, high))
+        ax.plot(curve[0], curve[1], label=label, markersize=3, **style)
+        _band(ax, curve, style["color"])
+        series.append(label)
     if target is not None:
         ax.axhline(target, color="grey", linestyle=":", linewidth=1.5, label=f"target {target:.4f}")
         series.append(f"target {target:.4f}")
@@ -221,10 +315,9 @@ def clock_plot(
     if not timed:
         ax.text(0.5, 0.5, "no run could be timed", transform=ax.transAxes, ha="center")
     at = f", timed at {params:,} parameters" if params else ""
-    heading, note = f"Held-out loss against simulated seconds{at}", f"({_keys_note(colour_key, style_key)})"
+    heading, note = f"Held-out loss against simulated seconds{at}", f"({_keys_note(*drawn)})"
     fig.suptitle(heading + ("\n" if len(heading) + len(note) > 90 else " ") + note)
-    if series:
-        fig.legend(loc="outside lower center", ncols=legend_columns, fontsize="small")
+    size = _place_legend(fig, len(series), CLOCK_SIZE) if series else CLOCK_SIZE
     return _save(
         fig,
         out_dir,
@@ -238,6 +331,11 @@ def clock_plot(
         + (
             " Time on a log axis (the runs' totals differ by more than 100x): the points at 0 s left out."
             if log
+            else ""
+        )
+        + (
+            SEEDS_NOTE.replace(" at each update", " clock and loss at each update")
+            if any(len(g) > 1 for g, _, _ in timed)
             else ""
         ),
         series=series,
