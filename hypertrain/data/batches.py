@@ -105,7 +105,7 @@ def replica_batch(
     Simulation: `ids` are the replica's `V_m`, `world` 1. Benchmark layout: `ids` are one rank's
     share, `replica_ids` its replica's `V_m` (whose lengths give the totals) and `world` the
     replica's distinct streams (L ranks; L/k in a weak phase at W = kB, where each id lies on k of
-    them: `diloco.rounds.rank_streams`), so the average of the L ranks' losses is the replica batch's
+    them: `rank_streams`), so the average of the L ranks' losses is the replica batch's
     token mean.
     """
     if is_multistream(dataset):
@@ -128,6 +128,45 @@ def replica_batch(
         weight = float(plan.channel_coefficients([count], [total or share], [1.0], world=world)[0])
         micro.append(Microbatch(tokens, mask, weight, count))
     return ReplicaBatch(micro, share, total)
+
+
+def rank_streams(phase: plan.Phase, world: int, ranks_per_replica: int) -> int:
+    """The `world` a rank's loss weights use under the benchmark layout: the replica's distinct
+    streams. A strong phase's L ranks split the replica's ids, so L. A weak phase at W = kB presents
+    each of the replica's ids on k of its L ranks (docs/design.md, "Rank ids"): their shares cover the
+    batch k times, so each rank weighs its share as one of L/k = B/R streams. The average of the L
+    ranks' losses (and gradients) is then the replica batch's token mean, as in the simulation, not k
+    times it."""
+    repeats = world // phase.base_world if isinstance(phase, plan.WeakPhase) else 1
+    return ranks_per_replica // repeats
+
+
+def update_batch(
+    phase: plan.Phase,
+    samples: int,
+    dataset: Dataset,
+    data: DataConfig,
+    micro_batch: int,
+    replicas: int,
+    update: int,
+    replica: int,
+    share: tuple[int, int, int] | None = None,
+    idle: bool = False,
+) -> ReplicaBatch:
+    """Replica `replica`'s batch at `update`, from the plan's ids: its whole `V_m` (one process
+    simulates it), or with `share` (rank, world, ranks per replica: the benchmark layout) this rank's
+    ids weighted over its replica's streams (`rank_streams`). `idle` (churn: the replica trains
+    nothing this update) gives no microbatches, its totals kept."""
+    ids = plan.replica_ids(phase, update, replica, replicas, samples)
+    if idle:
+        ids = ids[:0]
+    if share is None:
+        return replica_batch(dataset, ids, data, micro_batch)
+    rank, world, per_replica = share
+    mine = plan.rank_ids(phase, update, rank, world, replicas, samples)
+    if idle:
+        mine = mine[:0]
+    return replica_batch(dataset, mine, data, micro_batch, ids, rank_streams(phase, world, per_replica))
 
 
 def is_multistream(dataset: Dataset) -> bool:

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hypertrain import plan
-from hypertrain.data.batches import ReplicaBatch, replica_batch
+from hypertrain.data.batches import ReplicaBatch, update_batch
 from hypertrain.diloco import churn
 from hypertrain.diloco.fragments import LAND, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
@@ -35,17 +34,6 @@ from hypertrain.engines.throughput import process_table
 from hypertrain.failures import fault_points, signals
 
 
-def rank_streams(phase: plan.Phase, world: int, ranks_per_replica: int) -> int:
-    """The `world` a rank's loss weights use under the benchmark layout: the replica's distinct
-    streams. A strong phase's L ranks split the replica's ids, so L. A weak phase at W = kB presents
-    each of the replica's ids on k of its L ranks (docs/design.md, "Rank ids"): their shares cover the
-    batch k times, so each rank weighs its share as one of L/k = B/R streams. The average of the L
-    ranks' losses (and gradients) is then the replica batch's token mean, as in the simulation, not k
-    times it."""
-    repeats = world // phase.base_world if isinstance(phase, plan.WeakPhase) else 1
-    return ranks_per_replica // repeats
-
-
 def assignments(
     run: PreparedRun,
     updates: range,
@@ -60,19 +48,20 @@ def assignments(
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
     share = groups.rank_share()
-    streams = rank_streams(run.phase, share[1], share[2]) if share is not None else 1
 
     def batch(u: int, m: int) -> ReplicaBatch:
-        ids = plan.replica_ids(run.phase, u, m, cfg.replicas, run.samples)
-        if (u, m) in idle:
-            ids = ids[:0]
-        if share is None:
-            return replica_batch(run.dataset, ids, cfg.data, cfg.inner.micro_batch)
-        rank, world, _ = share
-        mine = plan.rank_ids(run.phase, u, rank, world, cfg.replicas, run.samples)
-        if (u, m) in idle:
-            mine = mine[:0]
-        return replica_batch(run.dataset, mine, cfg.data, cfg.inner.micro_batch, ids, streams)
+        return update_batch(
+            run.phase,
+            run.samples,
+            run.dataset,
+            cfg.data,
+            cfg.inner.micro_batch,
+            cfg.replicas,
+            u,
+            m,
+            share,
+            idle=(u, m) in idle,
+        )
 
     if cfg.outer.fragments > 1:  # each fragment's step counted from its own last sync
         since: int | tuple[int, ...] = Schedule.of(cfg, run.updates).since_land(updates[0])

@@ -113,7 +113,7 @@ def processes(cfg: TrainConfig) -> tuple[int, int, int, int]:
     workers, entry = (P, 1) if launched is None else (launched.local_processes, 0)
     if layout.kind == "replicas":
         return workers, entry, cfg.replicas // P, 1
-    # A weak phase at W = kB presents each id on k of a replica's L ranks (diloco.rounds.rank_streams).
+    # A weak phase at W = kB presents each id on k of a replica's L ranks (data.batches.rank_streams).
     repeats = cfg.world.size // cfg.phase.base_world if cfg.phase.kind == "weak" else 1
     return workers, entry, 1, max(1, layout.ranks_per_replica // repeats)
 
