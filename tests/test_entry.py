@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from hypertrain import plan
 from hypertrain.config import ConfigError, TrainConfig
 from hypertrain.preflight.checks import plan_phase, validate
+from hypertrain.preflight.composition import LAUNCHER_PLUGINS
 from hypertrain.rundir.records import read_metrics
 from hypertrain.rundir.wandb_offline import read_run
 
@@ -123,6 +124,63 @@ def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, laun
     assert len(groups) == 1 and groups.pop().startswith("quick-")
     # The data order depends on R, not on the world.
     assert digests["0_w4_r1_h3"] == digests["2_w8_r1_h3"] != digests["1_w4_r2_h3"]
+
+
+# A sitecustomize that makes the hydra_plugins packages named in HIDDEN_PLUGINS not installed, as far as
+# Python and Hydra's plugin scan can tell: the scan lists none of them, an import of one finds nothing.
+HIDE_PLUGINS = """
+import importlib.abc, os, pkgutil, sys
+
+hidden = {"hydra_plugins." + name for name in os.environ["HIDDEN_PLUGINS"].split(",")}
+
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == h or name.startswith(h + ".") for h in hidden):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+listed = pkgutil.iter_modules
+pkgutil.iter_modules = lambda path=None, prefix="": (m for m in listed(path, prefix) if m.name not in hidden)
+"""
+
+
+@pytest.mark.parametrize(
+    "launcher, package",
+    [
+        ("joblib", "hydra-joblib-launcher"),
+        ("slurm_dist", "hydra-submitit-launcher"),
+        ("submitit_local", "hydra-submitit-launcher"),
+    ],
+)
+def test_a_launcher_whose_plugin_is_not_installed_is_one_line_naming_the_package(tmp_path, launcher, package):
+    """Without the dev extra's launcher plugins Hydra says only that it cannot find or load the option:
+    the entry names the package and how to install it, one line, exit 2, no sweep folder."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_PLUGINS)
+    repo = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": f"{hide}:{repo}", "HIDDEN_PLUGINS": "hydra_joblib_launcher,hydra_submitit_launcher"}
+    sweep = tmp_path / "sweep"
+    args = ["-m", *QUICK, "replicas=1,2", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}"]
+    done = entry(args, tmp_path, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"hypertrain: error: hydra/launcher={launcher} needs the Hydra plugin {package}, which is not "
+        f"installed (pyproject.toml's dev extra brings it); valid: python -m pip install "
+        f"'{package}>=1.2,<1.3' (or the whole dev extra: scripts/setup --dev), or no hydra/launcher "
+        "(Hydra's basic launcher runs the jobs one by one)"
+    ]
+    assert not sweep.exists()
+
+
+def test_the_launcher_plugins_named_in_refusals_are_the_dev_extras_pins():
+    tomllib = pytest.importorskip("tomllib")
+    dev = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    pins = set(dev["project"]["optional-dependencies"]["dev"])
+    assert {requirement for requirement, _ in LAUNCHER_PLUGINS.values()} <= pins
 
 
 def _options(group: str) -> list[str]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -20,9 +22,6 @@ from hypertrain.preflight.checks import validate
 from hypertrain.preflight.refusal import fail
 from hypertrain.rundir.directory import close_log_files
 from hypertrain.rundir.records import METRICS_FILE
-
-# Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
-
 
 # Groups whose `name` field only labels the option chosen; the option is chosen with `group=option`.
 LABELLED_GROUPS = ("model", "outer", "phase")
@@ -92,11 +91,51 @@ def grammar_error(error: Exception) -> str | None:
     return f"{key}={value} cannot be read by Hydra's override grammar{where}; {hint}"
 
 
-def composition_error(error: Exception) -> str:
-    """Hydra's own composition error as one line: its first line, with the cause or the options."""
+# Hydra's launchers that come from plugins outside hypertrain's own dependencies (pyproject.toml's dev
+# extra, whose pins these are): the option under hydra/launcher -> (the requirement, its module under
+# hydra_plugins). conf/hydra/launcher/slurm.yaml and slurm_dist.yaml build on submitit_slurm.
+LAUNCHER_PLUGINS = {
+    "joblib": ("hydra-joblib-launcher>=1.2,<1.3", "hydra_joblib_launcher"),
+    "submitit_local": ("hydra-submitit-launcher>=1.2,<1.3", "hydra_submitit_launcher"),
+    "submitit_slurm": ("hydra-submitit-launcher>=1.2,<1.3", "hydra_submitit_launcher"),
+}
+
+
+def plugin_installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"hydra_plugins.{module}") is not None
+    except ImportError:
+        return False
+
+
+def missing_launcher(error: Exception, overrides: list[str]) -> str | None:
+    """A launcher whose Hydra plugin is not installed (Hydra says only that it cannot find or load the
+    option) as one line naming the package and how to install it; None for any other error."""
+    found = re.search(r"Could not (?:find|load) 'hydra/launcher/(\w+)'", str(error))
+    if found is None or found.group(1) not in LAUNCHER_PLUGINS:
+        return None
+    requirement, module = LAUNCHER_PLUGINS[found.group(1)]
+    if plugin_installed(module):
+        return None
+    chosen = [o for o in overrides if o.startswith("hydra/launcher=")]
+    chosen = chosen[-1] if chosen else f"hydra/launcher={found.group(1)}"
+    package = re.split(r"[<>=]", requirement)[0]
+    return (
+        f"{chosen} needs the Hydra plugin {package}, which is not installed (pyproject.toml's dev extra "
+        f"brings it); valid: python -m pip install '{requirement}' (or the whole dev extra: "
+        "scripts/setup --dev), or no hydra/launcher (Hydra's basic launcher runs the jobs one by one)"
+    )
+
+
+def composition_error(error: Exception, overrides: list[str] = ()) -> str:
+    """Hydra's own composition error as one line: its first line, with the cause or the options; a
+    launcher whose plugin is not installed says which package to install."""
     unreadable = grammar_error(error)
     if unreadable is not None:
         return unreadable
+    uninstalled = missing_launcher(error, list(overrides))
+    if uninstalled is not None:
+        return uninstalled
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     first = lines[0] if lines else type(error).__name__
     options = getattr(error, "options", None)
@@ -162,7 +201,7 @@ def check_composition(args: list[str]) -> None:
                             )
                         )
     except Exception as e:  # Hydra's errors have no common base class beyond Exception
-        fail(composition_error(e))
+        fail(composition_error(e, overrides))
     check_output_dir(composed, "sweep.dir" if sweeping else "run.dir")
     if sweeping and (launched := launched_rank()) is not None:
         fail(
