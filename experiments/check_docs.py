@@ -1,0 +1,444 @@
+"""The tables of numbers in docs/, re-run and compared with their printed digits, so a page cannot drift
+from the code (issue 35, item 7). Each table is registered below: its page, its header line (which finds
+it on the page), the commands that give its numbers, and how each printed cell is read from their
+records. A check runs the commands of the cheap tables (every command well under a minute on the
+2-core development CPU; `--all` adds the expensive ones, `NAME ...` picks tables), prints a verdict per
+table and exits 1 when a printed cell differs from what its command gives, at the printed precision.
+`--write` puts the commands' numbers into the page instead and stamps the table with the command that
+wrote it and the commit.
+
+    python experiments/check_docs.py [NAME ...] [--all] [--write] [--runs DIR] [--list]
+
+`--runs DIR` keeps the runs (a finished run whose overrides are the same is reused), so a check then a
+`--write` trains once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Output:
+    """What a command left: a training run's rows, or a script's stdout."""
+
+    rows: list[dict] = field(default_factory=list)
+    stdout: str = ""
+
+    @property
+    def summary(self) -> dict:
+        merged: dict = {}
+        for row in self.rows:
+            if row["kind"] == "summary":
+                merged |= {k: v for k, v in row.items() if k != "kind"}
+        return merged
+
+    def heldout(self) -> list[dict]:
+        """The held-out loss after each sync (DiLoCo's sync rows), or each later eval row (streaming)."""
+        synced = [r for r in self.rows if r["kind"] == "sync" and r.get("eval_loss") is not None]
+        return synced or [r for r in self.rows if r["kind"] == "eval" and r["update"] > 0]
+
+    def best(self) -> float:
+        return min(r["eval_loss"] for r in self.rows if r.get("eval_loss") is not None)
+
+
+Cell = Callable[[dict[str, Output]], str]  # the printed cell, from the outputs of the table's commands
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str  # the page, from the repository's root
+    header: str  # the table's header line as printed: finds the table on its page
+    commands: dict[str, tuple[str, ...]]  # name -> `python -m hypertrain.train` overrides, or a script's
+    cells: dict[tuple[str, str], Cell]  # (the row's key, the column's header) -> the printed cell
+    key_columns: int = 1  # the leading cells that name a row, joined with " | "
+    cheap: bool = True  # every command well under a minute on the 2-core CPU
+
+    def run_names(self) -> list[str]:
+        return list(self.commands)
+
+
+SCRIPT = "script:"  # a command that starts so is a script (its path follows), not a training run
+
+
+def train_command(name: str, overrides: tuple[str, ...], run_dir: Path) -> list[str]:
+    if overrides and overrides[0].startswith(SCRIPT):
+        return [sys.executable, overrides[0].removeprefix(SCRIPT), *overrides[1:]]
+    return [sys.executable, "-m", "hypertrain.train", *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
+
+
+def printed(command: tuple[str, ...]) -> str:
+    """The command as a shell takes it ("{NAME}", another command's run directory, as RUN_DIR)."""
+    words = [re.sub(r"\{[\w-]+\}", "RUN_DIR", shlex.quote(w)) for w in command]
+    if command and command[0].startswith(SCRIPT):
+        return " ".join(["python", words[0].removeprefix(SCRIPT), *words[1:]])
+    return " ".join(["python -m hypertrain.train", *words, "logger=none"])
+
+
+# ---------------------------------------------------------------- what a cell is read from
+
+
+def final(run: str, digits: int = 4) -> Cell:
+    return lambda out: f"{out[run].summary['eval/final_loss']:.{digits}f}"
+
+
+def best(run: str) -> Cell:
+    return lambda out: f"{out[run].best():.4f}"
+
+
+def count(run: str, key: str) -> Cell:
+    return lambda out: str(int(out[run].summary.get(key, 0)))
+
+
+def number(run: str, key: str, spec: str) -> Cell:
+    return lambda out: format(out[run].summary[key], spec)
+
+
+def after_sync(run: str, k: int, clock: bool = False) -> Cell:
+    def cell(out: dict[str, Output]) -> str:
+        point = out[run].heldout()[k - 1]
+        return f"{point['eval_loss']:.4f}" + (f" ({point['clock_s']:.2f})" if clock else "")
+
+    return cell
+
+
+def goodput(run: str) -> Cell:
+    def cell(out: dict[str, Output]) -> str:
+        value = out[run].summary.get("churn/goodput")
+        return "(1)" if value is None else f"{value:.3f}"
+
+    return cell
+
+
+def time_to(run: str, target: float) -> Cell:
+    def cell(out: dict[str, Output]) -> str:
+        reached = [p["clock_s"] for p in out[run].heldout() if p["eval_loss"] <= target]
+        return f"{reached[0]:.3f}" if reached else "never"
+
+    return cell
+
+
+def script_figure(run: str, pattern: str) -> Cell:
+    """The first group of `pattern` in a script's output."""
+
+    def cell(out: dict[str, Output]) -> str:
+        found = re.search(pattern, out[run].stdout, re.S)
+        if found is None:
+            raise ValueError(f"{run}'s output has no {pattern!r}")
+        return found.group(1)
+
+    return cell
+
+
+# ---------------------------------------------------------------- the tables
+
+LEAVE_REJOIN = "churn.events=[2:3:leave,4:3:rejoin,3:5:leave,5:5:rejoin,3:6:leave,4:6:rejoin]"
+CHURN = {
+    "none": ("replicas=8", "churn.p_miss=0"),
+    "p_miss 0.1": ("replicas=8", "churn.p_miss=0.1"),
+    "p_miss 0.3": ("replicas=8", "churn.p_miss=0.3"),
+    "leave/rejoin, rejoin_state=reset": ("replicas=8", LEAVE_REJOIN),
+    "leave/rejoin, rejoin_state=carry": ("replicas=8", "churn.rejoin_state=carry", LEAVE_REJOIN),
+}
+CHURN_RUNS = {row: f"churn-{i}" for i, row in enumerate(CHURN)}
+
+
+def churn_study() -> Table:
+    cells: dict[tuple[str, str], Cell] = {}
+    for row, run in CHURN_RUNS.items():
+        cells[row, "held-out final"] = final(run)
+        cells[row, "held-out best"] = best(run)
+        cells[row, "missed replica-rounds"] = count(run, "churn/missed_replica_rounds")
+        cells[row, "absent replica-rounds"] = count(run, "churn/absent_replica_rounds")
+        cells[row, "goodput"] = goodput(run)
+    header = (
+        "| churn | held-out final | held-out best | missed replica-rounds | absent replica-rounds | goodput |"
+    )
+    commands = {CHURN_RUNS[row]: overrides for row, overrides in CHURN.items()}
+    return Table("churn-study", "docs/churn.md", header, commands, cells)
+
+
+def churn_curve() -> Table:
+    rows = {
+        "none": "none",
+        "p_miss 0.3": "p_miss 0.3",
+        "leave/rejoin, reset": "leave/rejoin, rejoin_state=reset",
+        "leave/rejoin, carry": "leave/rejoin, rejoin_state=carry",
+    }
+    cells = {(row, str(k)): after_sync(CHURN_RUNS[of], k) for row, of in rows.items() for k in range(1, 9)}
+    commands = {CHURN_RUNS[of]: CHURN[of] for of in rows.values()}
+    return Table("churn-curve", "docs/churn.md", "| churn | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |", commands, cells)
+
+
+DEADLINES = {"0 (none)": "0", "0.33": "0.33", "0.273": "0.273", "0.2": "0.2"}
+DEADLINE_RUNS = {row: f"deadline-{value}" for row, value in DEADLINES.items()}
+DEADLINE_COMMANDS = {
+    DEADLINE_RUNS[row]: (
+        "replicas=8",
+        "cluster.compute=modelled",
+        "cluster.straggler.sigma=0.5",
+        f"churn.deadline={value}",
+    )
+    for row, value in DEADLINES.items()
+}
+TARGET = 3.0467  # the report's --target-loss in docs/churn.md's command
+
+
+def churn_deadline() -> Table:
+    cells: dict[tuple[str, str], Cell] = {}
+    for row, run in DEADLINE_RUNS.items():
+        cells[row, "held-out final"] = final(run)
+        cells[row, "late replica-rounds (of 64)"] = count(run, "churn/late_replica_rounds")
+        cells[row, "simulated s"] = number(run, "clock/total_s", ".3f")
+        cells[row, f"time to {TARGET} (s)"] = time_to(run, TARGET)
+    header = (
+        "| churn.deadline (s) | held-out final | late replica-rounds (of 64) | simulated s | "
+        f"time to {TARGET} (s) |"
+    )
+    return Table("churn-deadline", "docs/churn.md", header, DEADLINE_COMMANDS, cells)
+
+
+def churn_deadline_curve() -> Table:
+    rows = {"none": "0 (none)", "0.273": "0.273", "0.2": "0.2"}
+    cells = {
+        (row, str(k)): after_sync(DEADLINE_RUNS[of], k, clock=True)
+        for row, of in rows.items()
+        for k in range(1, 9)
+    }
+    commands = {DEADLINE_RUNS[of]: DEADLINE_COMMANDS[DEADLINE_RUNS[of]] for of in rows.values()}
+    header = "| deadline | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |"
+    return Table("churn-deadline-curve", "docs/churn.md", header, commands, cells)
+
+
+def streaming_study() -> Table:
+    cells: dict[tuple[str, str], Cell] = {}
+    commands = {}
+    for alpha in ("0", "0.5"):
+        for fragments in ("1", "2", "4"):
+            for delay in ("0", "1"):
+                run = f"streaming-p{fragments}-tau{delay}-alpha{alpha}"
+                commands[run] = (
+                    "inner.H=8",
+                    "model.n_layers=4",
+                    f"outer.fragments={fragments}",
+                    f"outer.delay={delay}",
+                    f"outer.merge_alpha={alpha}",
+                )
+                row = f"{fragments} | {delay} | {alpha}"
+                cells[row, "held-out final"] = final(run)
+                cells[row, "held-out best"] = best(run)
+                cells[row, "outer bytes/replica"] = number(run, "comm/outer_total_bytes", ",")
+                cells[row, "peak bytes/sync"] = number(run, "comm/outer_peak_bytes", ",")
+    header = "| P | tau | alpha | held-out final | held-out best | outer bytes/replica | peak bytes/sync |"
+    return Table("streaming-study", "docs/streaming.md", header, commands, cells, key_columns=3, cheap=False)
+
+
+def moe_aux_split() -> Table:
+    commands = {
+        "moe-default": ("model=moe_tiny",),
+        "moe-aux-split": ("script:experiments/bench/moe_stacked.py", "--aux-split", "{moe-default}"),
+    }
+    cells: dict[tuple[str, str], Cell] = {}
+    for row, name in (("initial", "initial"), ("after the default run", "trained")):
+        block = name + r" weights, \d+ windows whole: load-balancing loss {aux}, cross-entropy {ce}"
+        cells[row, "whole"] = script_figure("moe-aux-split", block.format(aux="([\\d.]+)", ce="[\\d.]+"))
+        cells[row, "cross-entropy (all three)"] = script_figure(
+            "moe-aux-split", block.format(aux="[\\d.]+", ce="([\\d.]+)")
+        )
+        for pieces in (2, 8):
+            cells[row, f"{pieces} microbatches"] = script_figure(
+                "moe-aux-split",
+                rf"{name} weights.*?in {pieces} microbatches, token-weighted: load-balancing loss ([\d.]+)",
+            )
+    header = "| moe_tiny weights | whole | 2 microbatches | 8 microbatches | cross-entropy (all three) |"
+    return Table("moe-aux-split", "docs/moe.md", header, commands, cells)
+
+
+TABLES = {
+    t.name: t
+    for t in (
+        churn_study(),
+        churn_curve(),
+        churn_deadline(),
+        churn_deadline_curve(),
+        streaming_study(),
+        moe_aux_split(),
+    )
+}
+
+
+# ---------------------------------------------------------------- reading and comparing a page
+
+
+def split_row(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def find_table(text: str, table: Table) -> tuple[int, int]:
+    """The lines [first, end) of the table's rows below its header (and the rule under it)."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == table.header]
+    if len(starts) != 1:
+        raise ValueError(
+            f"{table.doc}: {len(starts)} tables with the header {table.header!r}; valid: exactly one"
+        )
+    first = starts[0] + 2
+    end = first
+    while end < len(lines) and lines[end].lstrip().startswith("|"):
+        end += 1
+    return first, end
+
+
+def printed_cells(text: str, table: Table) -> dict[tuple[str, str], str]:
+    """The table's cells as printed: (the row's key, the column's header) -> the cell."""
+    first, end = find_table(text, table)
+    columns = split_row(table.header)
+    cells = {}
+    for line in text.splitlines()[first:end]:
+        row = split_row(line)
+        key = " | ".join(row[: table.key_columns])
+        cells |= {(key, column): cell for column, cell in zip(columns, row, strict=True)}
+    return cells
+
+
+def compare(text: str, table: Table, computed: dict[tuple[str, str], str]) -> list[str]:
+    """Each registered cell whose printed digits differ from the computed ones, as a line."""
+    cells = printed_cells(text, table)
+    wrong = []
+    for key in table.cells:
+        if key not in cells:
+            wrong.append(f"{key[0]} / {key[1]}: not in the table")
+        elif cells[key] != computed[key]:
+            wrong.append(f"{key[0]} / {key[1]}: printed {cells[key]}, the commands give {computed[key]}")
+    return wrong
+
+
+def stamp(table: Table, commit: str) -> str:
+    return (
+        f"Written by `python experiments/check_docs.py --write {table.name}` at {commit}, from: "
+        + "; ".join(f"`{printed(c)}`" for c in table.commands.values())
+        + "."
+    )
+
+
+def written(text: str, table: Table, computed: dict[tuple[str, str], str], commit: str) -> str:
+    """The page with the table's registered cells set to the computed ones, stamped below the table."""
+    first, end = find_table(text, table)
+    lines = text.splitlines()
+    columns = split_row(table.header)
+    for i in range(first, end):
+        row = split_row(lines[i])
+        key = " | ".join(row[: table.key_columns])
+        row = [computed.get((key, column), cell) for column, cell in zip(columns, row, strict=True)]
+        lines[i] = "| " + " | ".join(row) + " |"
+    line = stamp(table, commit)
+    prefix = f"Written by `python experiments/check_docs.py --write {table.name}`"
+    if end + 1 < len(lines) and lines[end + 1].startswith(prefix):
+        lines[end + 1] = line
+    else:
+        lines[end:end] = ["", line]
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+# ---------------------------------------------------------------- running the commands
+
+
+def run(name: str, command: tuple[str, ...], runs: Path, outputs: dict[str, Output]) -> Output:
+    run_dir = runs / name
+    for other in outputs:  # "{NAME}" in a command: the directory of the command NAME run before it
+        command = tuple(part.replace("{" + other + "}", str(runs / other)) for part in command)
+    script = bool(command) and command[0].startswith(SCRIPT)
+    done = run_dir / ("stdout.txt" if script else "metrics.jsonl")
+    same = run_dir / "command.json"
+    if done.exists() and same.exists() and json.loads(same.read_text()) == list(command):
+        print(f"  {name}: reused {run_dir}", flush=True)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        same.unlink(missing_ok=True)
+        print(f"  {name}: {printed(command)}", flush=True)
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        finished = subprocess.run(
+            train_command(name, command, run_dir), cwd=REPO, env=env, capture_output=True, text=True
+        )
+        if finished.returncode != 0:
+            raise RuntimeError(
+                f"{name} failed (exit {finished.returncode}): {finished.stderr.strip()[-500:]}"
+            )
+        if script:
+            done.write_text(finished.stdout)
+        same.write_text(json.dumps(list(command)))
+    if script:
+        return Output(stdout=done.read_text())
+    return Output(rows=[json.loads(line) for line in done.read_text().splitlines() if line.strip()])
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "hypertrain", "conf", "experiments/bench"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="tables to check (default: the cheap ones)")
+    parser.add_argument("--all", action="store_true", help="the expensive tables too")
+    parser.add_argument("--write", action="store_true", help="write the numbers into the pages instead")
+    parser.add_argument("--runs", type=Path, default=None, help="keep the runs here (reused when the same)")
+    parser.add_argument("--list", action="store_true", help="list the tables and their commands")
+    args = parser.parse_args()
+    unknown = [n for n in args.names if n not in TABLES]
+    if unknown:
+        print(f"check_docs: error: no table {unknown[0]!r}; valid: {', '.join(TABLES)}", file=sys.stderr)
+        return 2
+    chosen = [TABLES[n] for n in args.names] or [t for t in TABLES.values() if t.cheap or args.all]
+    if args.list:
+        for t in TABLES.values():
+            print(f"{t.name} ({t.doc}, {'cheap' if t.cheap else 'expensive'}):")
+            for c in t.commands.values():
+                print(f"    {printed(c)}")
+        return 0
+    runs = args.runs or Path(tempfile.mkdtemp(prefix="check_docs-"))
+    outputs: dict[str, Output] = {}
+    failed = 0
+    for table in chosen:
+        print(f"{table.name} ({table.doc}):", flush=True)
+        for name, command in table.commands.items():
+            if name not in outputs:
+                outputs[name] = run(name, command, runs, outputs)
+        computed = {key: cell(outputs) for key, cell in table.cells.items()}
+        page = REPO / table.doc
+        text = page.read_text()
+        if args.write:
+            page.write_text(written(text, table, computed, commit()))
+            print(f"{table.name}: written ({len(computed)} cells)")
+            continue
+        wrong = compare(text, table, computed)
+        for line in wrong:
+            print(f"  {line}")
+        print(
+            f"{table.name}: {'FAIL, ' + str(len(wrong)) + ' of ' if wrong else 'ok, '}{len(computed)} cells"
+        )
+        failed += bool(wrong)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
