@@ -328,9 +328,9 @@ def compare(text: str, table: Table, computed: dict[tuple[str, str], str]) -> li
 
 def stamp(table: Table, commit: str) -> str:
     return (
-        f"Written by `python experiments/check_docs.py --write {table.name}` at {commit}, from: "
-        + "; ".join(f"`{printed(c)}`" for c in table.commands.values())
-        + "."
+        f"Written by `python experiments/check_docs.py --write {table.name}` at {commit}: the numbers of "
+        f"the commands above, one run each (`--list` prints them); `python experiments/check_docs.py "
+        f"{table.name}` checks them."
     )
 
 
