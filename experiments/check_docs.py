@@ -267,6 +267,26 @@ def moe_aux_split() -> Table:
     return Table("moe-aux-split", "docs/moe.md", header, commands, cells)
 
 
+def heldout_line(run: str) -> Cell:
+    """The held-out loss at the start and after each sync, 3 decimals, the last in bold."""
+
+    def cell(out: dict[str, Output]) -> str:
+        start = [r["eval_loss"] for r in out[run].rows if r["kind"] == "eval" and r["update"] == 0]
+        losses = [f"{loss:.3f}" for loss in start + [p["eval_loss"] for p in out[run].heldout()]]
+        return ", ".join([*losses[:-1], f"**{losses[-1]}**"])
+
+    return cell
+
+
+def moe_heldout() -> Table:
+    commands = {"tiny-default": ("model=tiny",), "moe-default": ("model=moe_tiny",)}
+    cells = {
+        ("tiny", "held-out"): heldout_line("tiny-default"),
+        ("moe_tiny", "held-out"): heldout_line("moe-default"),
+    }
+    return Table("moe-heldout", "docs/moe.md", "| model | held-out |", commands, cells)
+
+
 TABLES = {
     t.name: t
     for t in (
@@ -276,6 +296,7 @@ TABLES = {
         churn_deadline_curve(),
         streaming_study(),
         moe_aux_split(),
+        moe_heldout(),
     )
 }
 
@@ -328,8 +349,8 @@ def compare(text: str, table: Table, computed: dict[tuple[str, str], str]) -> li
 
 def stamp(table: Table, commit: str) -> str:
     return (
-        f"Written by `python experiments/check_docs.py --write {table.name}` at {commit}: the numbers of "
-        f"the commands above, one run each (`--list` prints them); `python experiments/check_docs.py "
+        f"Written by `python experiments/check_docs.py --write {table.name}` at {commit} from its commands, "
+        f"one run each (`--list` prints them); `python experiments/check_docs.py "
         f"{table.name}` checks them."
     )
 
