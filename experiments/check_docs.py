@@ -229,7 +229,7 @@ def streaming_study() -> Table:
     for alpha in ("0", "0.5"):
         for fragments in ("1", "2", "4"):
             for delay in ("0", "1"):
-                run = f"streaming-p{fragments}-tau{delay}-alpha{alpha}"
+                run = f"streaming/p{fragments}-tau{delay}-alpha{alpha}"  # a sweep folder: clock-study's
                 commands[run] = (
                     "inner.H=8",
                     "model.n_layers=4",
@@ -267,6 +267,49 @@ def moe_aux_split() -> Table:
     return Table("moe-aux-split", "docs/moe.md", header, commands, cells)
 
 
+def markdown_cell(run: str, key: str, column: str, key_columns: int = 2) -> Cell:
+    """A cell of the markdown table a script printed, its row named by its first cells joined by " | "."""
+
+    def cell(out: dict[str, Output]) -> str:
+        lines = [line for line in out[run].stdout.splitlines() if line.startswith("|")]
+        header = split_row(lines[0])
+        for line in lines[2:]:
+            row = split_row(line)
+            if " | ".join(row[:key_columns]) == key:
+                return row[header.index(column)]
+        raise ValueError(f"{run}'s table has no row {key!r}")
+
+    return cell
+
+
+def clock_study_streaming() -> Table:
+    """docs/clock.md's study: the streaming sweep's rows (the compression sweep's are not registered)."""
+    study = streaming_study()
+    links = ("datacenter_100g", "cross_region_10g", "internet_1g")
+    commands = dict(study.commands)
+    commands["clock-study"] = (
+        "script:experiments/clock_study.py",
+        "{streaming}",
+        "--model-params",
+        "1000000000",
+        "--device",
+        "h100",
+        "--links",
+        *links,
+    )
+    columns = ["target", "held-out final", *(f"{link} s (vs plain)" for link in links)]
+    cells: dict[tuple[str, str], Cell] = {}
+    for alpha in ("0.0", "0.5"):
+        for fragments in ("1", "2", "4"):
+            for delay in ("0", "1"):
+                key = f"streaming | P={fragments} tau={delay} alpha={alpha}"
+                cells |= {(key, c): markdown_cell("clock-study", key, c) for c in columns}
+    header = "| " + " | ".join(["sweep", "setting", *columns]) + " |"
+    return Table(
+        "clock-study-streaming", "docs/clock.md", header, commands, cells, key_columns=2, cheap=False
+    )
+
+
 def heldout_line(run: str) -> Cell:
     """The held-out loss at the start and after each sync, 3 decimals, the last in bold."""
 
@@ -297,6 +340,7 @@ TABLES = {
         streaming_study(),
         moe_aux_split(),
         moe_heldout(),
+        clock_study_streaming(),
     )
 }
 
@@ -379,8 +423,8 @@ def written(text: str, table: Table, computed: dict[tuple[str, str], str], commi
 
 def run(name: str, command: tuple[str, ...], runs: Path, outputs: dict[str, Output]) -> Output:
     run_dir = runs / name
-    for other in outputs:  # "{NAME}" in a command: the directory of the command NAME run before it
-        command = tuple(part.replace("{" + other + "}", str(runs / other)) for part in command)
+    # "{NAME}" in a command: the directory of the command NAME (or the folder of the commands NAME/...)
+    command = tuple(re.sub(r"\{([\w/-]+)\}", lambda m: str(runs / m.group(1)), part) for part in command)
     script = bool(command) and command[0].startswith(SCRIPT)
     done = run_dir / ("stdout.txt" if script else "metrics.jsonl")
     same = run_dir / "command.json"
