@@ -15,6 +15,8 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
 ENGINES = ("loop", "stacked")  # engine.name values; hypertrain.engines maps each to its engine
@@ -589,6 +591,55 @@ class ChurnConfig:
                 )
 
 
+class ResumeMode(Enum):
+    """What `resume` asks for, one meaning each."""
+
+    START = "start"  # resume= or resume=false: a new run
+    LATEST = "latest"  # resume=true: the run directory's newest good checkpoint; refused without one
+    AUTO = "auto"  # resume=auto: resume when the run directory holds a checkpoint, else start (over)
+    PATH = "path"  # resume=PATH: that checkpoint file, or that run directory's newest good checkpoint
+
+    @classmethod
+    def of(cls, text: str) -> ResumeMode:
+        """The mode `resume`'s text asks for: its word in RESUME_WORDS, else PATH."""
+        return RESUME_WORDS.get(text.strip().lower(), cls.PATH)
+
+
+# The words `resume` accepts, in any case and with blanks around them; any other text is a PATH.
+RESUME_WORDS = {
+    "": ResumeMode.START,
+    "false": ResumeMode.START,
+    "true": ResumeMode.LATEST,
+    "auto": ResumeMode.AUTO,
+}
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """The `resume` field decided: its mode and, for PATH only, the path (absolute, ~ expanded).
+    `given` is the field's text without the blanks around it, as the refusals quote it."""
+
+    mode: ResumeMode
+    path: Path | None = None
+    given: str = ""
+
+    @classmethod
+    def of(cls, text: str) -> ResumeRequest:
+        """`resume`'s text read (Hydra makes `resume=true` the text "True"); ConfigError, one line, for
+        a path whose leading ~ names a home this machine does not know."""
+        given, mode = text.strip(), ResumeMode.of(text)
+        if mode is not ResumeMode.PATH:
+            return cls(mode, None, given)
+        try:
+            path = Path(given).expanduser().absolute()
+        except RuntimeError:  # pathlib: ~user of an unknown user, or ~ without a home
+            raise ConfigError(
+                f"resume={given!r} starts with a ~ whose home directory this machine does not know; valid: "
+                "true, auto, a checkpoint file, or a run directory with checkpoints/"
+            ) from None
+        return cls(mode, path, given)
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -607,8 +658,9 @@ class TrainConfig:
     replicas: int = 4  # R, model replicas; must divide the world (weak phases: the base world)
     seed: int = 0  # initial weights (the same for every replica)
     experiment: str = "default"  # names the W&B group of a run unless logger.group is set
-    # "" (start), true (the run directory's newest good checkpoint), auto (resume when the run
-    # directory holds a checkpoint of this config, else start), or a checkpoint file or run directory
+    # "" or false (start), true (the run directory's newest good checkpoint), auto (resume when the
+    # run directory holds a checkpoint of this config, else start), or a checkpoint file or run
+    # directory; read once, by the preflight (`ResumeRequest.of`: its mode and, for a PATH, the path)
     resume: str = ""
 
     def check(self) -> None:

@@ -42,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import MAY_CHANGE, TrainConfig
+from hypertrain.config import MAY_CHANGE, ResumeMode, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
@@ -171,7 +171,7 @@ def torchrun_restarts(argv: list[str]) -> list[str]:
             "run where the first start wrote it, and Hydra's default directory is named by the time of "
             "each start; valid: hydra.run.dir=DIR"
         )
-    elif resume.lower() not in ("", "false", "true", "auto"):
+    elif ResumeMode.of(resume) is ResumeMode.PATH:
         mistake = (
             f"resume={resume!r} names a checkpoint, but under torchrun --max-restarts {allowed} every "
             "restart resumes from the newest checkpoint of hydra.run.dir; valid: hydra.run.dir=<its run "

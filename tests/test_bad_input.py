@@ -530,6 +530,12 @@ CASES = {
         "resume='/no/such/run' is no checkpoint file and no run directory holding one",
         "true, auto, a checkpoint file or a run directory",
     ),
+    "resume-unknown-home": Case(
+        "resume= a path under ~ of a user this machine does not know",
+        ["resume='~no_such_user/run'"],
+        "resume='~no_such_user/run' starts with a ~ whose home directory this machine does not know",
+        "true, auto, a checkpoint file or a run directory (an absolute path)",
+    ),
     "resume-changed-plan": Case(
         "resume with a changed plan",
         ["hydra.run.dir={earlier}", "resume=true", "phase.offset=64"],

@@ -60,7 +60,7 @@ from helpers import (
     tree,
 )
 
-from hypertrain.config import DERIVED, TrainConfig, flatten
+from hypertrain.config import DERIVED, ConfigError, ResumeMode, ResumeRequest, TrainConfig, flatten
 from hypertrain.failures import RankFailed
 from hypertrain.report import cli as report
 from hypertrain.report import retime
@@ -450,6 +450,63 @@ def test_a_changed_config_names_what_the_user_changed_and_its_advice_resumes(tmp
 def test_the_derived_fields_are_fields_of_the_config():
     """`DERIVED` names fields that exist (a renamed one would be ranked as set by the user)."""
     assert set(DERIVED) <= flatten(asdict(TrainConfig())).keys()
+
+
+# Every spelling `resume` has accepted, in the cases and blanks `.strip().lower()` let through, and what
+# it asks for ("True" is Hydra's `resume=true`, read into a text field).
+SPELLINGS = {
+    "": ResumeMode.START,
+    "   ": ResumeMode.START,
+    "false": ResumeMode.START,
+    "False": ResumeMode.START,
+    " FALSE\t": ResumeMode.START,
+    "true": ResumeMode.LATEST,
+    "True": ResumeMode.LATEST,
+    " TRUE ": ResumeMode.LATEST,
+    "auto": ResumeMode.AUTO,
+    "Auto": ResumeMode.AUTO,
+    "\tAUTO\n": ResumeMode.AUTO,
+}
+
+
+@pytest.mark.parametrize("text", list(SPELLINGS))
+def test_every_old_spelling_of_resume_reads_as_its_one_mode(text):
+    assert ResumeRequest.of(text) == ResumeRequest(SPELLINGS[text], None, text.strip())
+    assert ResumeMode.of(text) is SPELLINGS[text]
+
+
+@pytest.mark.parametrize("spelling", ["true", "false", "auto", "''", "/a/run"])
+def test_the_config_keeps_resume_as_the_command_line_gave_it(spelling):
+    """The field stays text (config.yaml holds it as it did); its reading is the same as the word's."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_dotlist([f"resume={spelling}"]))
+    assert isinstance(cfg.resume, str)
+    expected = SPELLINGS.get(spelling.strip("'"), ResumeMode.PATH)
+    assert ResumeRequest.of(cfg.resume).mode is expected
+
+
+def test_any_other_resume_is_a_path_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for text, path in [
+        (" run/checkpoints/ckpt-u0000004.pt ", tmp_path / "run/checkpoints/ckpt-u0000004.pt"),
+        ("auto/", tmp_path / "auto"),  # a folder named like a word is a path
+        ("TRUE.pt", tmp_path / "TRUE.pt"),
+        ("~/runs/a", tmp_path / "home/runs/a"),
+        (str(tmp_path / "x"), tmp_path / "x"),
+    ]:
+        assert ResumeRequest.of(text) == ResumeRequest(ResumeMode.PATH, path, text.strip()), text
+        assert ResumeMode.of(text) is ResumeMode.PATH
+
+
+def test_a_resume_under_an_unknown_home_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as refused:
+        ResumeRequest.of("~no_such_user/run")
+    assert str(refused.value) == (
+        "resume='~no_such_user/run' starts with a ~ whose home directory this machine does "
+        "not know; valid: true, auto, a checkpoint file, or a run directory with checkpoints/"
+    )
 
 
 @pytest.mark.parametrize("resume", ["true", "auto", "dir"])

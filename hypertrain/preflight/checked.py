@@ -15,7 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import ConfigError, ResumeMode, ResumeRequest, TrainConfig
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.failures import DiskFull, fault_points
 from hypertrain.plan.sampling import PlanError
@@ -93,6 +93,7 @@ def prepare_checked(
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
     check_labels(cfg, choices)
     validate(cfg)
+    asked = ResumeRequest.of(cfg.resume)  # the one reading of `resume`
     if run_dir is not None:  # the process that writes the run (rank 0) starts its W&B run
         check_wandb(cfg.logger)
     if cfg.processes.name == "dist":
@@ -108,12 +109,12 @@ def prepare_checked(
     check_device(cfg.engine.device)  # a device this process lacks, before the memory check asks it
     memory.check(cfg)  # before anything is built: the sizes the config asks for fit this machine
     found, session = None, False
-    auto = cfg.resume.strip().lower() == "auto"
+    auto = asked.mode is ResumeMode.AUTO
     # Hydra's files are this run's when Hydra wrote them for this launch; under resume=auto also an
     # earlier launch's of the same job (a requeued job: Hydra writes them again).
     own = hydra if hydra_written or auto else frozenset()
     if run_dir is not None:
-        run_dir, found = resume_target(cfg.resume, run_dir)
+        run_dir, found = resume_target(asked, run_dir)
         check_not_in_use(run_dir)
         session = found is None and auto and bool(foreign(run_dir, own))
         if found is None and not session:

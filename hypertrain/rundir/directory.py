@@ -16,7 +16,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import ConfigError, changed_fields, flatten, setting, upgrade_resolved
+from hypertrain.config import (
+    ConfigError,
+    ResumeMode,
+    ResumeRequest,
+    changed_fields,
+    flatten,
+    setting,
+    upgrade_resolved,
+)
 from hypertrain.failures import DiskFull
 from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.rundir import checkpoint
@@ -385,33 +393,32 @@ def check_room(run_dir: Path) -> None:
         )
 
 
-def resume_target(resume: str, run_dir: Path) -> tuple[Path, tuple[Path, dict] | None]:
-    """(the run directory, the checkpoint to resume from or None to start) for `resume`."""
-    mode = resume.strip()
-    if mode.lower() in ("", "false"):
+def resume_target(asked: ResumeRequest, run_dir: Path) -> tuple[Path, tuple[Path, dict] | None]:
+    """(the run directory, the checkpoint to resume from or None to start) for what `resume` asked."""
+    if asked.mode is ResumeMode.START:
         return run_dir, None
-    if mode.lower() in ("true", "auto"):
+    if asked.mode in (ResumeMode.LATEST, ResumeMode.AUTO):
         found = checkpoint.find(run_dir)
-        if found is None and mode.lower() == "true":
+        if found is None and asked.mode is ResumeMode.LATEST:
             raise ConfigError(
                 f"resume=true but {run_dir} holds no checkpoint; valid: hydra.run.dir=<an earlier run's "
                 "directory>, or resume=<a checkpoint file or run directory>"
             )
         return run_dir, found
-    path = Path(mode).expanduser().absolute()
+    path = asked.path
     if path.is_file():
-        check_checkpoint_place(mode, path)
+        check_checkpoint_place(asked.given, path)
         return path.parent.parent, (path, checkpoint.load(path))
     found = checkpoint.find(path) if path.is_dir() else None
     if found is None:
         raise ConfigError(
-            f"resume={mode!r} is no checkpoint file and no run directory holding one; valid: true, auto, "
-            "a checkpoint file, or a run directory with checkpoints/"
+            f"resume={asked.given!r} is no checkpoint file and no run directory holding one; valid: true, "
+            "auto, a checkpoint file, or a run directory with checkpoints/"
         )
     return path, found
 
 
-def check_checkpoint_place(mode: str, path: Path) -> None:
+def check_checkpoint_place(given: str, path: Path) -> None:
     """resume=FILE: the file lies in RUN/checkpoints/ of a run that has its metrics.jsonl, since RUN
     becomes the run directory (Hydra writes there, the records are rewound there)."""
     run_dir = path.parent.parent
@@ -423,7 +430,7 @@ def check_checkpoint_place(mode: str, path: Path) -> None:
         else f"it lies outside a run's {checkpoint.FOLDER}/ folder"
     )
     raise ConfigError(
-        f"resume={mode!r} is a file, but {where}; valid: a run directory, or a checkpoint inside "
+        f"resume={given!r} is a file, but {where}; valid: a run directory, or a checkpoint inside "
         f"RUN/{checkpoint.FOLDER}/ of a run that has its {METRICS_FILE}"
     )
 
