@@ -17,7 +17,10 @@ from hypertrain.data.text import TextDataset
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Engine
 from hypertrain.model.transformer import forward, init_params, loss_channels
+from hypertrain.rundir.jsonl import JsonlWriter
+from hypertrain.rundir.logger import Logger
 from hypertrain.rundir.records import NoLog, Records, RunLogger
+from hypertrain.rundir.wandb_mirror import WandbMirror
 
 
 def protocol_members(protocol: type) -> dict[str, object]:
@@ -50,6 +53,12 @@ def test_speech_alone_is_multistream():
 @pytest.mark.parametrize("implementation", [RunLogger, NoLog])
 def test_run_logger_and_no_log_offer_the_records_protocol(implementation):
     for name, wanted in protocol_members(Records).items():
+        assert inspect.signature(getattr(implementation, name)) == wanted, name
+
+
+@pytest.mark.parametrize("implementation", [JsonlWriter, WandbMirror, RunLogger])
+def test_the_writer_the_mirror_and_their_container_offer_the_logger_protocol(implementation):
+    for name, wanted in protocol_members(Logger).items():
         assert inspect.signature(getattr(implementation, name)) == wanted, name
 
 

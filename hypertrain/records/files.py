@@ -1,7 +1,8 @@
 """`metrics.jsonl` read back: its rows as JSON objects (`read_metrics`, `session_rows`, `readable_rows`)
 or as their types (`read_records`, `rows.parse`); a session's `end` row and summary (`session_end`,
 `merged_summary`). The writer is
-`run.records.RunLogger`; it appends one row per line and never truncates the file.
+`rundir.records.RunLogger` (its `rundir.jsonl.JsonlWriter`); it appends one row per line and never
+truncates the file.
 """
 
 from __future__ import annotations

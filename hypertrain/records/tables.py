@@ -12,7 +12,7 @@ from hypertrain.records.rows import NULL, OPEN, ROWS, Row, SummaryRow, UpdateRow
 HEADING = "## Records (records/rows.py)"
 INTRO = """\
 Every row of `metrics.jsonl` is one of these types (`hypertrain.records.rows`), written by
-`run.records.RunLogger` and read back by the clock's replay, resume and the report through
+`rundir.records.RunLogger` and read back by the clock's replay, resume and the report through
 `rows.parse`. A row is a JSON object: `kind` first, then its fields in the order below. A field that
 is None is left out of the row, unless its meaning says null; an open field (`...`) is the row's own
 keys, in the order the run adds them. "Did not step" is None in memory (`UpdateRow.loss`), null in

@@ -34,7 +34,8 @@ from hypertrain.records.rows import RestartRow, ResumeRow, StartRow, UpdateRow, 
 from hypertrain.run.trainer import train
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.checkpoint import Checkpointer, checkpoints, written_by_run
-from hypertrain.rundir.records import METRICS_FILE, NoLog, RunLogger, no_space, readable_rows
+from hypertrain.rundir.logger import no_space
+from hypertrain.rundir.records import METRICS_FILE, NoLog, RunLogger, readable_rows
 
 
 @contextmanager
