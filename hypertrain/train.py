@@ -49,6 +49,7 @@ from hypertrain.failures.signals import Preempted, StopSignals, guard_start
 from hypertrain.preflight import checked as preflight
 from hypertrain.preflight import composition, refusal
 from hypertrain.preflight.schema import register_configs
+from hypertrain.records import formats
 from hypertrain.run import invocation
 from hypertrain.rundir import directory
 
@@ -100,31 +101,6 @@ def quote_numeric_choices(argv: list[str], groups: tuple[str, ...] = ("world",))
             arg = key + "=" + ",".join(f"'{v}'" for v in value.split(","))
         out.append(arg)
     return out
-
-
-OLD_SPELLINGS = {  # engine=dist and its fields, before the processes had their own group
-    "engine=dist": "processes=dist",
-    **{f"engine.{k}": f"processes.{k}" for k in ("nproc", "layout", "timeout_s", "backend")},
-}
-
-
-def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
-    """`engine=dist engine.nproc=2 engine.layout=stacked` -> `processes=dist processes.nproc=2
-    processes.layout=replicas`, with one notice per older spelling; a sweep over engine=dist and an
-    engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse."""
-    out, notices = [], []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        new = OLD_SPELLINGS.get(arg) or (OLD_SPELLINGS.get(key) and f"{OLD_SPELLINGS[key]}={value}")
-        if sep and new:
-            if key == "engine.layout":
-                new = "processes.layout=" + ",".join(
-                    "replicas" if v == "stacked" else v for v in value.split(",")
-                )
-            notices.append(f"hypertrain: note: {arg} is now spelled {new} (engine= chooses loop or stacked)")
-            arg = new
-        out.append(arg)
-    return out, notices
 
 
 def multirun_first(argv: list[str]) -> list[str]:
@@ -276,7 +252,8 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
         moved = checkpoint.rewind_metrics(run_dir, saved["metrics_bytes"])
         resume = Resume(str(path), saved, moved)
         logger.info("resuming from %s at update %d", path, saved["state"]["next_update"] + 1)
-    write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
+    config_yaml = formats.config_yaml(OmegaConf.to_yaml(OmegaConf.structured(run.cfg)))
+    write_whole(run_dir / "config.yaml", config_yaml)
     write_whole(run_dir / "plan.json", json.dumps(run.plan_facts, indent=2) + "\n")
     logger.info("run %s: %s", identity["name"], run.dataset.description)
     if run.cfg.processes.name == "dist":
@@ -390,7 +367,8 @@ def _entry(args: list[str]) -> int:
         # make this run a client of the parent's service: a run of a killed earlier session would still
         # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
         os.environ.pop("WANDB_SERVICE", None)
-        argv, notices = modern_spelling(quote_numeric_choices(multirun_first(["hypertrain.train", *args])))
+        argv = quote_numeric_choices(multirun_first(["hypertrain.train", *args]))
+        argv, notices = formats.modern_spelling(argv)
         if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
             print("\n".join(notices), file=sys.stderr)
         argv = torchrun_restarts(argv)  # a restart by torchrun's agent resumes (resume=auto)

@@ -273,8 +273,8 @@ def test_an_older_runs_config_reads_as_todays():
     """A checkpoint's or config.yaml's config written before the processes group (engine.name=dist,
     engine.nproc, engine.layout=stacked) reads as the same run in today's spelling: resuming compares
     it with today's resolved config key by key."""
-    from hypertrain.config import upgrade_resolved
     from hypertrain.preflight.checked import resolved_config
+    from hypertrain.records.formats import upgrade_config as upgrade_resolved
 
     today = resolved_config(OmegaConf.to_object(compose_train([*QUICK, *NEW_DIST])))
     older = {k: v for k, v in today.items() if k != "processes"}

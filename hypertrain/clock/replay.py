@@ -9,7 +9,8 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from hypertrain.clock.timeline import Clock, Shape, taken_at
-from hypertrain.config import ClusterConfig, ConfigError, upgrade_resolved
+from hypertrain.config import ClusterConfig, ConfigError
+from hypertrain.records import formats
 from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
 
 _ORDER = {UpdateRow.kind: 0, SyncRow.kind: 1, EvalRow.kind: 2}  # within one update, as training writes them
@@ -78,7 +79,7 @@ def clock_of(
     landing after it), `syncs` (per sync row: update, fragment and `Clock.sync`'s split), `heldout`
     ({update, clock_s, eval_loss}: the held-out curve, from eval rows and DiLoCo's sync rows, each at
     the clock after the syncs of its update) and `Clock.summary`'s totals without their `clock/`."""
-    shape = Shape.of(upgrade_resolved(resolved))
+    shape = Shape.of(formats.upgrade_config(resolved))
     clock = Clock(shape, cluster, run_params(rows), model_params, run_active_params(rows))
     updates, syncs, heldout = [], [], []
     for row in in_order(rows):

@@ -227,6 +227,5 @@ class Clock:
             setattr(self, name, float(saved[name]))
         self.recent = {int(u): float(s) for u, s in saved["recent"]}
         self.best = None if saved["best"] is None else (float(saved["best"][0]), float(saved["best"][1]))
-        # a checkpoint written before each replica's seconds were kept: the next update starts a round
-        self.round = int(saved.get("round", 0))
-        self.ahead = [float(x) for x in saved.get("ahead", [0.0] * self.shape.replicas)]
+        self.round = int(saved["round"])
+        self.ahead = [float(x) for x in saved["ahead"]]

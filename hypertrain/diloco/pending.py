@@ -107,7 +107,7 @@ class Pending:
     def from_state_dict(cls, saved: dict, rows: list[int], device: torch.device) -> Pending:
         """This process's part of a saved pending sync (`rows`: its replicas' rows in `saved`)."""
         mean = saved["mean"]
-        figures = saved.get("figures", {})
+        figures = saved["figures"]
         result = None if mean is None else Reduced.of(mean.to(device), int(saved["synced"]), figures)
         stepped = [bool(saved["stepped"][i]) for i in rows]
         return cls(int(saved["fragment"]), int(saved["taken_at"]), stepped, Landed(result))

@@ -25,7 +25,6 @@ from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch
 from hypertrain.data.datasets import Dataset
-from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.diloco.fragments import fragment_of, members
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
@@ -182,8 +181,9 @@ class RunState:
 
     @torch.no_grad()
     def load_state_dict(self, saved: dict) -> None:
-        """Copy `saved` (from `state_dict`; it may hold more replicas, e.g. every replica of a run
-        whose processes held a few each) into this state in place: this process's replicas only."""
+        """Copy `saved` (from `state_dict`, or a checkpoint's in today's form: `records.formats`; it may
+        hold more replicas, e.g. every replica of a run whose processes held a few each) into this state
+        in place: this process's replicas only."""
         where = {m: i for i, m in enumerate(saved["replicas"])}
         missing = [m for m in self.replicas if m not in where]
         if missing:
@@ -198,14 +198,10 @@ class RunState:
             state.step.copy_(kept["step"])
         self.next_update, self.rounds_done = int(saved["next_update"]), int(saved["rounds_done"])
         self.totals = Totals(**saved["totals"])
-        if "comm_outer_peak" not in saved["totals"] and self.totals.comm_outer_bytes:
-            # saved before the peak was kept: every sync of such a run sent the whole model
-            size = sum(t.numel() for t in self.theta.values())
-            self.totals.comm_outer_peak = ring_allreduce_bytes(len(saved["replicas"]), size)
-        self.round_first = int(saved.get("round_first", self.next_update))  # older: boundaries only
+        self.round_first = int(saved["round_first"])
         self.round_params = self.round_stepped = self.pending = None
         device = next(iter(self.theta.values())).device
-        if saved.get("round_params") is not None:
+        if saved["round_params"] is not None:
             self.round_params = [
                 {n: t.to(device) for n, t in saved["round_params"][where[m]].items()} for m in self.replicas
             ]
@@ -216,11 +212,11 @@ class RunState:
             ):
                 for name, t in buffers.items():
                     t.copy_(kept[name])
-        if saved.get("clock") is None:
+        if saved["clock"] is None:
             self.clock = None
         elif self.clock is not None:
             self.clock.load_state_dict(saved["clock"])
-        if saved.get("pending") is not None:
+        if saved["pending"] is not None:
             mine = [where[m] for m in self.replicas]
             self.pending = Pending.from_state_dict(saved["pending"], mine, device)
 

@@ -20,7 +20,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hypertrain.config import flatten, upgrade_resolved
+from hypertrain.config import ConfigError, flatten
+from hypertrain.records import formats
 from hypertrain.records.files import json_row, merged_summary
 from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
 from hypertrain.rundir.directory import REPORT_FOLDER
@@ -207,7 +208,10 @@ def load_run(run_dir: Path, host: str | None = None, need_plan: bool = True) -> 
         raise ReportInputError(f"{plan} is not a run's plan facts (not a JSON object); {VALID_FILES}")
     # A config written before today's fields reads in today's shape (a run from before Streaming DiLoCo
     # as the plain DiLoCo it ran), so it differs from today's runs only where it truly does.
-    config = flatten(upgrade_resolved(tree))
+    try:
+        config = flatten(formats.upgrade_config(tree, what=str(config)))
+    except ConfigError as e:  # a newer hypertrain's run
+        raise ReportInputError(str(e)) from None
     typed = [row for row in map(parse, rows) if row is not None]
     return Run(run_dir, typed, config, facts, run_status(typed, host), cut_short, tree)
 

@@ -181,8 +181,8 @@ def train_session(
     if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
         with stopping(run_dir):
             return train(run, None, groups, checkpointer(NoLog()), saved)[0]
-    wandb_id = None if resume is None else resume.saved.get("wandb_run_id")
-    run_id = None if resume is None else resume.saved.get("run_id")  # None: a new id (RunLogger)
+    wandb_id = None if resume is None else resume.saved["wandb_run_id"]
+    run_id = None if resume is None else resume.saved["run_id"]  # None: a new id (RunLogger)
     if resume is None and restart is not None:  # restarted from the start: still the same run
         run_id, wandb_id = restart.run_id, restart.wandb_id
     records = RunLogger(

@@ -230,7 +230,7 @@ def train(
     state = RunState.start(cfg, initial_weights(run), groups.replicas)
     if saved is not None:
         state.load_state_dict(saved)
-        groups.restore_measured(saved.get("comm_measured", {}))
+        groups.restore_measured(saved["comm_measured"])
     totals = state.totals
     n_params = count_params(cfg.model)
     facts = {

@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from hypertrain.config import MAY_CHANGE, ConfigError, changed_fields, flatten, setting, upgrade_resolved
+from hypertrain.config import MAY_CHANGE, ConfigError, changed_fields, flatten, setting
 from hypertrain.failures import fault_points
+from hypertrain.records import formats
 from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
 from hypertrain.rundir.records import METRICS_FILE
 
@@ -118,7 +119,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def load(path: Path) -> dict:
     """A checkpoint's payload; ConfigError naming it when its bytes differ from the digest written with
     it, or it is truncated or not a checkpoint. A checkpoint from before digests (no `.sha256` beside
-    it, and none promised in its payload) loads unchecked."""
+    it, and none promised in its payload) loads unchecked. The payload is in today's form
+    (`records.formats.upgrade_checkpoint`); one of a newer schema is refused (`formats.NewerSchema`)."""
     import torch  # only to read one: a refusal made from the config alone never imports it
 
     digest = digest_path(path)
@@ -139,7 +141,8 @@ def load(path: Path) -> dict:
         raise ConfigError(
             f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint"
         )
-    if saved.get("sealed") and not digest.is_file():
+    saved = formats.upgrade_checkpoint(saved, f"checkpoint {path}")
+    if saved["sealed"] and not digest.is_file():
         raise ConfigError(
             f"checkpoint {path} was written with a digest, and {digest.name} is missing; valid: a "
             "checkpoint beside its digest"
@@ -158,6 +161,8 @@ def find(path: Path) -> tuple[Path, dict] | None:
     for candidate in reversed(found):
         try:
             saved = load(candidate)
+        except formats.NewerSchema:  # not corrupt: resuming from an older one would go back silently
+            raise
         except ConfigError as e:
             unreadable = unreadable or e
             continue
@@ -172,8 +177,9 @@ def find(path: Path) -> tuple[Path, dict] | None:
 
 
 def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
-    """Raise ConfigError (one line) unless the run `resolved` may continue the saved one."""
-    before, now = flatten(upgrade_resolved(saved["config"])), flatten(resolved)
+    """Raise ConfigError (one line) unless the run `resolved` may continue the saved one (`load`'s
+    payload: its config in today's shape)."""
+    before, now = flatten(saved["config"]), flatten(resolved)
     changed = changed_fields(before, now)
     # A longer phase changes the default decay (it ends at the phase's last update) along with it.
     longer = now.get("phase.updates", 0) > before.get("phase.updates", 0)
@@ -255,6 +261,7 @@ class Checkpointer:
         saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
         payload = {
             "format": FORMAT,
+            formats.VERSION_KEY: formats.SCHEMA_VERSION,
             "sealed": True,  # its digest is written beside it: one missing is refused (`load`)
             "state": saved,
             "config": self.resolved,
@@ -372,7 +379,7 @@ def records_match(run_dir: Path, path: Path, saved: dict) -> None:
     bytes up to that length. A checkpoint written before run ids and digests were saved is checked
     by the length alone (and that the length ends a row)."""
     metrics = Path(run_dir) / METRICS_FILE
-    length = int(saved.get("metrics_bytes", 0))
+    length = int(saved["metrics_bytes"])
     if not metrics.is_file():
         raise ConfigError(
             f"{metrics} is missing but checkpoint {path} goes on from its first {length} bytes; valid: "
@@ -385,7 +392,7 @@ def records_match(run_dir: Path, path: Path, saved: dict) -> None:
             "after: rows were lost; valid: the run's own metrics.jsonl (restore it), or a new run directory"
         )
     kept = data[:length]
-    run_id, digest = saved.get("run_id"), saved.get("metrics_sha256")
+    run_id, digest = saved["run_id"], saved["metrics_sha256"]
     if run_id is not None:
         starts = _start_rows(kept)
         theirs = starts[-1].run_id if starts else None

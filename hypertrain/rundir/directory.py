@@ -16,17 +16,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import (
-    ConfigError,
-    ResumeMode,
-    ResumeRequest,
-    changed_fields,
-    flatten,
-    setting,
-    upgrade_resolved,
-)
+from hypertrain.config import ConfigError, ResumeMode, ResumeRequest, changed_fields, flatten, setting
 from hypertrain.failures import DiskFull
 from hypertrain.failures.signals import STOP_SIGNALS
+from hypertrain.records import formats
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.records import METRICS_FILE
 
@@ -195,7 +188,7 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
         raise ConfigError(
             f"hydra.run.dir={run_dir} holds a config.yaml that is not a run's; valid: a new directory"
         )
-    was, now = flatten(upgrade_resolved(before)), flatten(resolved)
+    was, now = flatten(formats.upgrade_config(before, what=str(written))), flatten(resolved)
     changed = changed_fields(was, now)
     if changed:
         key = changed[0]  # what the user changed, not a field derived from it

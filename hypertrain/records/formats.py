@@ -1,0 +1,191 @@
+"""Every upgrade of what a run writes and reads back later, in one place, keyed by `SCHEMA_VERSION`:
+the resolved config (config.yaml, a checkpoint's `config`), a checkpoint's payload, and the command
+line's older spellings. A file of a newer schema than this code reads is refused in one line.
+
+`SCHEMA_VERSION` is written into config.yaml (`schema_version: N`, its first line) and every
+checkpoint payload (`"schema_version": N`, an int: the payload stays builtins and tensors). Version 0
+is everything written before versions were: its step finds each older change by the fields a file
+lacks, so it also reads a file of any shape since, unchanged. `CONFIG_STEPS[k]` and
+`CHECKPOINT_STEPS[k]` take a file from version k to k + 1; a file of version v gets steps v, v + 1,
+... A change to what a run writes adds a step here and raises `SCHEMA_VERSION` by one. The upgraded
+config carries no version: it is compared key by key with the config a run resolves today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hypertrain.config import ChurnConfig, ClusterConfig, ConfigError, ProcessesConfig, TrainConfig
+
+SCHEMA_VERSION = 1
+VERSION_KEY = "schema_version"
+
+
+class NewerSchema(ConfigError):
+    """A file a newer hypertrain wrote: readable, not corrupt, so never passed over for an older one."""
+
+
+def version_of(written: dict, what: str) -> int:
+    """The schema version of `written` (a config or a checkpoint payload; 0 without one); ConfigError
+    (one line) when it is not one this code reads."""
+    version = written.get(VERSION_KEY, 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(
+            f"{what} has schema_version={version!r}; valid: an int from 0 to {SCHEMA_VERSION}, as hypertrain "
+            "writes it"
+        )
+    if version > SCHEMA_VERSION:
+        raise NewerSchema(
+            f"{what} was written by a newer hypertrain (schema {version}, this one reads up to "
+            f"{SCHEMA_VERSION}); valid: read it with that hypertrain or a newer one, or start a new run"
+        )
+    return version
+
+
+def config_yaml(text: str) -> str:
+    """config.yaml's text: the resolved config's YAML (`text`) under its schema version."""
+    return f"{VERSION_KEY}: {SCHEMA_VERSION}\n{text}"
+
+
+# -- the resolved config --------------------------------------------------------------------------
+
+OLD_PROCESS_FIELDS = ("nproc", "layout", "timeout_s", "backend")  # engine.* before processes had a group
+
+
+def _config_0_to_1(resolved: dict) -> dict:
+    """Unversioned: a config written before a section's newer fields (streaming, compression, restarts,
+    experts: given their neutral defaults), before the cluster (the default one, cpu_here, which the
+    clock of such a run replays on) or churn (none), or before the processes had their own group, in
+    today's shape: engine=dist is processes=dist with engine=stacked, engine.nproc, layout, timeout_s
+    and backend are processes.*, layout 'stacked' is 'replicas'. Today's is returned as it is."""
+    if "outer" in resolved:  # sections added since, at their defaults (which change nothing)
+        for name, section in (("cluster", ClusterConfig), ("churn", ChurnConfig)):
+            if name not in resolved:
+                resolved = {**resolved, name: dataclasses.asdict(section())}
+    neutral = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):  # fields added to a section since: their neutral settings
+        section, default = resolved.get(f.name), getattr(neutral, f.name)
+        if isinstance(section, dict) and dataclasses.is_dataclass(default):
+            missing = {k: v for k, v in dataclasses.asdict(default).items() if k not in section}
+            if missing:
+                resolved = {**resolved, f.name: section | missing}
+    engine = resolved.get("engine")
+    if "processes" in resolved or not isinstance(engine, dict):
+        return resolved
+    engine = dict(engine)
+    processes = {"name": "dist" if engine.get("name") == "dist" else "one"}
+    for key in OLD_PROCESS_FIELDS:
+        if key in engine:
+            processes[key] = engine.pop(key)
+    if processes.get("layout") == "stacked":
+        processes["layout"] = "replicas"
+    if engine.get("name") == "dist":
+        engine["name"] = "stacked"
+    defaults = dataclasses.asdict(ProcessesConfig())
+    return {**resolved, "engine": engine, "processes": defaults | processes}
+
+
+CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1,)
+
+
+def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
+    """A resolved config (a run's config.yaml, a checkpoint's) in today's shape, without its version;
+    `version` where the file holding it says (a checkpoint's payload), else its own `schema_version`
+    (0 without one). Today's, unversioned, is returned as it is."""
+    if VERSION_KEY in resolved:
+        version = version_of(resolved, what) if version is None else version
+        resolved = {k: v for k, v in resolved.items() if k != VERSION_KEY}
+    for step in CONFIG_STEPS[version or 0 :]:
+        resolved = step(resolved)
+    return resolved
+
+
+# -- a checkpoint's payload -----------------------------------------------------------------------
+
+# the run's totals counted since the first checkpoints: zero in a run that did not count them yet
+CHURN_TOTALS = {
+    "churn_missed": 0,
+    "churn_absent": 0,
+    "churn_skipped": 0,
+    "churn_late": 0,
+    "replica_steps_reached": 0,
+    "contributed_sha256": "",
+}
+
+
+def _ring_bytes(participants: int, params: int) -> int:
+    """The fp32 ring's bytes per participant (`diloco.communication.ring_allreduce_bytes`, which this
+    layer cannot import; tests/test_formats.py checks they agree)."""
+    return 0 if participants <= 1 else int(2 * (participants - 1) / participants * params * 4)
+
+
+def _checkpoint_0_to_1(saved: dict) -> dict:
+    """Unversioned: a payload written before its digest (`sealed`), the run id and the records'
+    sha256 (None: checked by the length alone), before mid-round checkpoints (`round_first` is
+    `next_update`: it stopped at a boundary; no replica weights), Streaming DiLoCo (no sync in flight,
+    no peak: every sync of such a run sent the whole model over the ring), error feedback, the
+    clock (None: the rest of the run has none), each replica's clock seconds (the next update starts
+    a round), the codecs' figures of a sync in flight, the measured bytes, or churn's totals (zero)."""
+    saved = {**saved}
+    saved.setdefault("sealed", False)
+    for key in ("metrics_sha256", "run_id", "wandb_run_id"):
+        saved.setdefault(key, None)
+    state = saved["state"] = {**saved["state"]}
+    state.setdefault("round_first", state["next_update"])
+    for key in ("round_params", "round_stepped", "pending", "errors", "clock"):
+        state.setdefault(key, None)
+    state.setdefault("comm_measured", {})
+    totals = state["totals"] = CHURN_TOTALS | state["totals"]
+    if "comm_outer_peak" not in totals:
+        size = sum(t.numel() for t in state["theta"].values())
+        sent = totals.get("comm_outer_bytes", 0)
+        totals["comm_outer_peak"] = _ring_bytes(len(state["replicas"]), size) if sent else 0
+    if state["pending"] is not None:
+        state["pending"] = {"figures": {}} | state["pending"]
+    if state["clock"] is not None:
+        replicas = int(saved["config"]["replicas"])
+        state["clock"] = {"round": 0, "ahead": [0.0] * replicas} | state["clock"]
+    return saved
+
+
+CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (_checkpoint_0_to_1,)
+
+
+def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:
+    """A checkpoint's payload (what `torch.load` gave) in today's form: its config too, its version
+    `SCHEMA_VERSION`; ConfigError (one line) for a newer one. Today's is returned as it is."""
+    version = version_of(saved, what)
+    if version == SCHEMA_VERSION:
+        return saved
+    for step in CHECKPOINT_STEPS[version:]:
+        saved = step(saved)
+    config = upgrade_config(saved["config"], version, what)
+    return {**saved, "config": config, VERSION_KEY: SCHEMA_VERSION}
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+OLD_SPELLINGS = {  # engine=dist and its fields, before the processes had their own group
+    "engine=dist": "processes=dist",
+    **{f"engine.{k}": f"processes.{k}" for k in OLD_PROCESS_FIELDS},
+}
+
+
+def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`engine=dist engine.nproc=2 engine.layout=stacked` -> `processes=dist processes.nproc=2
+    processes.layout=replicas`, with one notice per older spelling; a sweep over engine=dist and an
+    engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse."""
+    out, notices = [], []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        new = OLD_SPELLINGS.get(arg) or (OLD_SPELLINGS.get(key) and f"{OLD_SPELLINGS[key]}={value}")
+        if sep and new:
+            if key == "engine.layout":
+                new = "processes.layout=" + ",".join(
+                    "replicas" if v == "stacked" else v for v in value.split(",")
+                )
+            notices.append(f"hypertrain: note: {arg} is now spelled {new} (engine= chooses loop or stacked)")
+            arg = new
+        out.append(arg)
+    return out, notices

@@ -1,0 +1,195 @@
+"""Every format upgrade is one step of `hypertrain.records.formats`, keyed by the schema version written
+into config.yaml and every checkpoint: each step maps a minimal older file to today's form (written out
+here by hand, not by the step), today's passes unchanged, and a file of a newer schema is refused in one
+line, exit 2, nothing changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import entry, stderr_lines, tree
+from omegaconf import OmegaConf
+from record_checkpoint_fixture import FIXTURE
+
+from hypertrain.config import ConfigError, EngineConfig, ProcessesConfig
+from hypertrain.diloco.communication import ring_allreduce_bytes
+from hypertrain.records import formats
+from hypertrain.records.formats import SCHEMA_VERSION, upgrade_checkpoint, upgrade_config
+from hypertrain.report.runs import ReportInputError, load_run
+from hypertrain.rundir import checkpoint
+
+ABOUT = json.loads((FIXTURE / "reference.json").read_text())
+NEWER = SCHEMA_VERSION + 1
+REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
+
+
+def test_today_is_schema_1_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 1
+    today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
+    today["processes"] = dataclasses.asdict(ProcessesConfig())
+    assert upgrade_config(today) is today
+    assert upgrade_config({**today, "schema_version": SCHEMA_VERSION}) == today  # config.yaml's own line
+    payload = {"format": 1, "schema_version": SCHEMA_VERSION, "state": {}, "config": today}
+    assert upgrade_checkpoint(payload) is payload
+
+
+def test_the_unversioned_config_step_gives_todays_shape():
+    """engine=dist with its process fields, before the processes group: processes=dist with them,
+    layout 'stacked' read as 'replicas', every field the sections gained since at its default."""
+    older = {"replicas": 2, "engine": {"name": "dist", "nproc": 2, "layout": "stacked"}}
+    engine = dataclasses.asdict(EngineConfig()) | {"name": "stacked"}
+    processes = dataclasses.asdict(ProcessesConfig()) | {"name": "dist", "nproc": 2, "layout": "replicas"}
+    for key in ("nproc", "layout", "timeout_s", "backend"):
+        engine.pop(key, None)
+    assert upgrade_config(older) == {"replicas": 2, "engine": engine, "processes": processes}
+
+
+def _older_payload(clock: bool) -> dict:
+    """A checkpoint payload as the first checkpoints wrote it: no version, digest, run id, mid-round
+    position, sync in flight, clock seconds per replica, peak or churn totals, nor measured bytes."""
+    state = {
+        "theta": {"w": torch.zeros(10), "b": torch.zeros(5)},
+        "outer_momentum": {"w": torch.zeros(10), "b": torch.zeros(5)},
+        "inner": [{}, {}, {}, {}],
+        "replicas": [0, 1, 2, 3],
+        "next_update": 6,
+        "rounds_done": 2,
+        "totals": {"tokens": 96, "replica_steps": 24, "comm_inner_bytes": 0, "comm_outer_bytes": 180},
+    }
+    if clock:
+        state["clock"] = {"total_s": 1.5, "recent": [], "best": None}
+    config = {"replicas": 4, "engine": dataclasses.asdict(EngineConfig())}  # today's (its step: above)
+    config["processes"] = dataclasses.asdict(ProcessesConfig())
+    return {"format": 1, "state": state, "config": config, "plan": {}, "metrics_bytes": 120}
+
+
+@pytest.mark.parametrize("clock", [False, True], ids=["before-the-clock", "with-the-clock"])
+def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
+    older = _older_payload(clock)
+    got = upgrade_checkpoint(older)
+    assert "sealed" not in older and "round_first" not in older["state"]  # the older payload is left alone
+    want_state = {
+        **older["state"],
+        "round_first": 6,  # it stopped at a round's boundary
+        "round_params": None,
+        "round_stepped": None,
+        "pending": None,
+        "errors": None,
+        "clock": None,
+        "comm_measured": {},
+        "totals": {
+            **older["state"]["totals"],
+            "comm_outer_peak": 2 * 3 * 15 * 4 // 4,  # the whole model (15 floats) over a ring of 4
+            "churn_missed": 0,
+            "churn_absent": 0,
+            "churn_skipped": 0,
+            "churn_late": 0,
+            "replica_steps_reached": 0,
+            "contributed_sha256": "",
+        },
+    }
+    if clock:  # the next update starts a round: no replica ahead
+        want_state["clock"] = {"total_s": 1.5, "recent": [], "best": None, "round": 0, "ahead": [0.0] * 4}
+    want = {
+        **older,
+        "schema_version": SCHEMA_VERSION,
+        "sealed": False,  # no digest promised: loads unchecked
+        "metrics_sha256": None,
+        "run_id": None,
+        "wandb_run_id": None,
+        "state": want_state,
+    }
+    assert got == want
+    assert upgrade_checkpoint(got) is got
+
+
+def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():
+    older = _older_payload(clock=False)
+    older["state"]["totals"]["comm_outer_bytes"] = 0
+    assert upgrade_checkpoint(older)["state"]["totals"]["comm_outer_peak"] == 0
+    for participants, params in ((1, 7), (2, 15), (3, 1001), (8, 123457)):
+        assert formats._ring_bytes(participants, params) == ring_allreduce_bytes(participants, params)
+
+
+def test_a_pending_sync_without_its_figures_gets_none():
+    older = _older_payload(clock=False)
+    pending = {"fragment": 0, "taken_at": 5, "stepped": [True] * 4, "mean": None, "synced": 0}
+    older["state"]["pending"] = pending
+    assert upgrade_checkpoint(older)["state"]["pending"] == {**pending, "figures": {}}
+
+
+def test_the_fixture_checkpoint_is_unversioned_and_reads_as_today():
+    saved = torch.load(FIXTURE / ABOUT["checkpoint"], map_location="cpu", weights_only=True)
+    assert "schema_version" not in saved
+    got = checkpoint.load(FIXTURE / ABOUT["checkpoint"])
+    assert got["schema_version"] == SCHEMA_VERSION and got["sealed"] is True
+    written = OmegaConf.to_container(OmegaConf.load(FIXTURE / "run" / "config.yaml"))
+    assert got["config"] == upgrade_config(written)
+
+
+@pytest.mark.parametrize("version", [NEWER, "1", -1, True])
+def test_a_config_of_a_newer_or_unknown_schema_is_refused_in_one_line(version):
+    with pytest.raises(ConfigError) as refused:
+        upgrade_config({"replicas": 2, "schema_version": version}, what="run/config.yaml")
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith("run/config.yaml ")
+    if version == NEWER:
+        assert REFUSED in line
+
+
+def test_a_checkpoint_of_a_newer_schema_is_refused_in_one_line(tmp_path):
+    path = checkpoint.path_for(tmp_path, 6)
+    path.parent.mkdir()
+    torch.save({**_older_payload(clock=False), "schema_version": NEWER}, path)
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.load(path)
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith(f"checkpoint {path} {REFUSED}")
+
+
+def _fixture_run(tmp_path, newer: str):
+    """A copy of the fixture's run whose checkpoint or config.yaml says it is of a newer schema."""
+    run_dir = shutil.copytree(FIXTURE / "run", tmp_path / "run")
+    if newer == "checkpoint":
+        (path,) = checkpoint.checkpoints(run_dir)
+        torch.save({**torch.load(path, weights_only=True), "schema_version": NEWER}, path)
+        checkpoint.seal(path)
+    else:  # stopped before its first checkpoint: resume=auto compares its config.yaml
+        shutil.rmtree(run_dir / checkpoint.FOLDER)
+        written = run_dir / "config.yaml"
+        written.write_text(f"schema_version: {NEWER}\n{written.read_text()}")
+    return run_dir
+
+
+@pytest.mark.parametrize("newer", ["checkpoint", "config"])
+def test_resuming_a_newer_schemas_run_is_refused_in_one_line_with_nothing_changed(tmp_path, newer):
+    run_dir = _fixture_run(tmp_path, newer)
+    before = tree(tmp_path)
+    resume = "resume=true" if newer == "checkpoint" else "resume=auto"
+    done = entry([*ABOUT["args"], f"hydra.run.dir={run_dir}", resume], tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = stderr_lines(done.stderr)
+    assert REFUSED in line, line
+    assert tree(tmp_path) == before
+    if newer == "config":
+        with pytest.raises(ReportInputError, match="was written by a newer hypertrain"):
+            load_run(run_dir)
+
+
+def test_a_run_writes_its_schema_into_config_yaml_and_its_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a for a in ABOUT["args"] if not a.startswith(("churn", "outer.", "phase.updates"))]
+    args += ["phase.updates=4", "checkpoint.every_updates=2", f"hydra.run.dir={run_dir}"]
+    done = entry(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / "config.yaml").read_text().startswith(f"schema_version: {SCHEMA_VERSION}\n")
+    assert checkpoint.checkpoints(run_dir)
+    for path in checkpoint.checkpoints(run_dir):
+        saved = torch.load(path, map_location="cpu", weights_only=True)  # builtins and tensors only
+        assert saved["schema_version"] == SCHEMA_VERSION
+        assert checkpoint.load(path) is not None
