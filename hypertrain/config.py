@@ -4,7 +4,7 @@ itself.
 `TrainConfig` is the whole run: one dataclass per group (model, inner, outer, phase, world, data,
 engine, processes, logger, checkpoint, guard, cluster: the network clock's target) plus `replicas` (R)
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
-raising `ConfigError` (a `ValueError`) with one line naming the field, the bad value and what is
+raising `UserError` (a `ValueError`) with one line naming the field, the bad value and what is
 valid. The checks across sections and against the plan are `hypertrain.preflight.checks.validate`.
 Nothing of hypertrain is imported here.
 """
@@ -31,8 +31,10 @@ HELDOUT_ROWS_PER_PASS = (
 )
 
 
-class ConfigError(ValueError):
-    """A user mistake in the configuration; its message is one line, the entry exits with code 2."""
+class UserError(ValueError):
+    """A user's mistake (a config value, a command-line argument, a file given that cannot serve), found
+    before anything is written or changed: its message is one line naming the value and what would be
+    valid; an entry prints it and exits with code 2."""
 
 
 @dataclass
@@ -75,35 +77,35 @@ class ModelConfig:
         _at_least("model.d_ff", self.d_ff, 0)
         for name in ("rope_theta", "init_std"):
             if not getattr(self, name) > 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not valid; valid: > 0")
+                raise UserError(f"model.{name}={getattr(self, name)!r} is not valid; valid: > 0")
         if not 0 < self.norm_eps < math.inf:
-            raise ConfigError(f"model.norm_eps={self.norm_eps!r} is not valid; valid: finite, > 0")
+            raise UserError(f"model.norm_eps={self.norm_eps!r} is not valid; valid: finite, > 0")
         if self.d_model % self.n_heads:
-            raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}")
+            raise UserError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
-            raise ConfigError(f"model.d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
+            raise UserError(f"model.d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
+            raise UserError(
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
             )
 
     def check_experts(self) -> None:
-        """The mixture-of-experts fields (with is_moe); ConfigError naming the first bad one."""
+        """The mixture-of-experts fields (with is_moe); UserError naming the first bad one."""
         if self.arch != "decoder":
-            raise ConfigError(
+            raise UserError(
                 f"model.is_moe=true with model.arch={self.arch!r} is not built; valid: model.arch=decoder"
             )
         _at_least("model.n_experts", self.n_experts, 2)
         if not 1 <= self.top_k <= self.n_experts:
-            raise ConfigError(
+            raise UserError(
                 f"model.top_k={self.top_k!r} is out of range; valid: 1..model.n_experts={self.n_experts}"
             )
         if self.expert_ffn < 1:
-            raise ConfigError(
+            raise UserError(
                 f"model.expert_ffn={self.expert_ffn!r} is not valid with model.is_moe=true; valid: >= 1"
             )
         if not 0 <= self.router_aux_weight < math.inf:
-            raise ConfigError(
+            raise UserError(
                 f"model.router_aux_weight={self.router_aux_weight!r} is not valid; valid: finite, >= 0"
             )
 
@@ -131,7 +133,7 @@ class InnerConfig:
 
     def check(self) -> None:
         if not self.eps > 0:
-            raise ConfigError(f"inner.eps={self.eps!r} is not valid; valid: > 0")
+            raise UserError(f"inner.eps={self.eps!r} is not valid; valid: > 0")
         _choice("inner.name", self.name, ("adamw", "muon"))
         _at_least("inner.H", self.H, 1)
         _at_least("inner.lr", self.lr, 0.0)
@@ -142,9 +144,9 @@ class InnerConfig:
         for name in ("beta1", "beta2", "muon_momentum"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
-                raise ConfigError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
+                raise UserError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:  # 1 = no decay; 0 = the cosine ends at a rate of exactly 0
-            raise ConfigError(f"inner.min_lr_ratio={self.min_lr_ratio!r} is out of range; valid: [0, 1]")
+            raise UserError(f"inner.min_lr_ratio={self.min_lr_ratio!r} is out of range; valid: [0, 1]")
         _choice("inner.state_policy", self.state_policy, ("carry", "reset", "average"))
         _choice("inner.ns_dtype", self.ns_dtype, ("fp32", "bf16"))
 
@@ -185,23 +187,23 @@ class OuterConfig:
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
+            raise UserError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
         _at_least("outer.fragments", self.fragments, 1)
         _at_least("outer.delay", self.delay, 0)
         if not 0.0 <= self.merge_alpha <= 1.0:
-            raise ConfigError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
+            raise UserError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
         _choice("outer.compress", self.compress, COMPRESSORS)
         _choice("outer.reduce", self.reduce, REDUCTIONS)
         _at_least("outer.block", self.block, 1)
         if not 0.0 < self.topk_fraction <= 1.0:
-            raise ConfigError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
+            raise UserError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
         if self.error_feedback and self.compress == "none":
-            raise ConfigError(
+            raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
             )
         if self.compress == "topk" and self.reduce == "two_phase":
-            raise ConfigError(
+            raise UserError(
                 "outer.compress=topk with outer.reduce=two_phase: top-k payloads cannot be summed shard by "
                 "shard; valid: outer.reduce=gather"
             )
@@ -264,7 +266,7 @@ class DataConfig:
     cache_dir: str = ""  # where speech datasets are built; "" = $XDG_CACHE_HOME/hypertrain/speech
 
     def check_speech(self) -> None:
-        """The speech fields' ranges; ConfigError (one line) naming the first bad one."""
+        """The speech fields' ranges; UserError (one line) naming the first bad one."""
         for name in ("speech_rate", "speech_max_words", "mel_bins", "codebooks"):
             _at_least(f"data.{name}", getattr(self, name), 1)
         for name in ("speech_sentences", "speech_seed", "audio_delay"):
@@ -274,9 +276,9 @@ class DataConfig:
         _at_least("data.text_vocab", self.text_vocab, 258)  # PAD, END and the 256 byte symbols
         for name in ("codebook_size", "text_vocab"):  # codes and text tokens are stored as uint16
             if getattr(self, name) > 65536:
-                raise ConfigError(f"data.{name}={getattr(self, name)} is too large; valid: <= 65536")
+                raise UserError(f"data.{name}={getattr(self, name)} is too large; valid: <= 65536")
         if not self.speech_voice.strip():
-            raise ConfigError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
+            raise UserError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
 
     def check(self) -> None:
         _choice("data.name", self.name, ("stdlib", "text_files", "token_bin", "speech"))
@@ -285,16 +287,16 @@ class DataConfig:
         if self.name == "speech":
             self.check_speech()
         if self.name in ("text_files", "token_bin") and not self.path:
-            raise ConfigError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
+            raise UserError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
         if self.name == "token_bin" and self.examples != "windows":
-            raise ConfigError("data.examples='documents' needs text; data=token_bin gives windows only")
+            raise UserError("data.examples='documents' needs text; data=token_bin gives windows only")
         _at_least("data.shuffle_seed", self.shuffle_seed, 0)  # numpy's seeds are non-negative
         _at_least("data.seq_len", self.seq_len, 1)
         _at_least("data.max_len", self.max_len, 2)
         _at_least("data.heldout", self.heldout, 1)
         _at_least("data.max_examples", self.max_examples, 1)
         if self.examples == "documents" and self.max_padded_tokens < self.max_len + 1:
-            raise ConfigError(
+            raise UserError(
                 f"data.max_padded_tokens={self.max_padded_tokens} is smaller than the longest example "
                 f"(data.max_len + 1 = {self.max_len + 1} ids); valid: >= {self.max_len + 1}"
             )
@@ -316,12 +318,12 @@ class EngineConfig:
         _at_least("engine.threads", self.threads, 0)
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if self.threads > cpus:  # more only oversubscribes; far more, OpenMP cannot start (a segfault)
-            raise ConfigError(
+            raise UserError(
                 f"engine.threads={self.threads} is more than the {cpus} CPUs this process may use; "
                 f"valid: 0 (torch's default) to {cpus}"
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"engine.device={self.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
+            raise UserError(f"engine.device={self.device!r} is not valid; valid: 'cpu', 'cuda', 'cuda:N'")
 
 
 TIMEOUT_MAX_S = 365 * 24 * 3600
@@ -347,21 +349,21 @@ class ProcessesConfig:
         _choice("processes.backend", self.backend, ("auto", "gloo", "nccl"))
         _at_least("processes.nproc", self.nproc, 0)
         if self.max_restarts < 0:
-            raise ConfigError(
+            raise UserError(
                 f"processes.max_restarts={self.max_restarts!r} is not valid; valid: >= 0 (0: a failed "
                 "worker ends the run)"
             )
         # below a second gloo's own waits time out inside torch (C++ frames); above a year torch's
         # timedelta overflows on rank 0 and the cause never reaches the one line
         if not 1 <= self.timeout_s <= TIMEOUT_MAX_S:
-            raise ConfigError(
+            raise UserError(
                 f"processes.timeout_s={self.timeout_s:g} is out of range; valid: 1 to {TIMEOUT_MAX_S} "
                 "seconds (a year)"
             )
         if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts):
             what = f"processes.nproc={self.nproc}" if self.nproc else f"processes.layout={self.layout!r}"
             what = f"processes.max_restarts={self.max_restarts}" if self.max_restarts else what
-            raise ConfigError(
+            raise UserError(
                 f"{what} applies to processes=dist only (now processes={self.name}); valid: processes=dist"
             )
 
@@ -417,7 +419,7 @@ class GuardConfig:
     def check(self) -> None:
         _at_least("guard.heldout_margin", self.heldout_margin, 0.0)
         if not self.pseudo_grad_ratio > 0:
-            raise ConfigError(f"guard.pseudo_grad_ratio={self.pseudo_grad_ratio!r} is not valid; valid: > 0")
+            raise UserError(f"guard.pseudo_grad_ratio={self.pseudo_grad_ratio!r} is not valid; valid: > 0")
 
 
 # The ranges that keep the network clock's seconds finite, training's and the clock command's alike
@@ -452,12 +454,12 @@ class LinkConfig:
 
     def check(self, prefix: str) -> None:
         if not self.bandwidth_gbit >= MIN_BANDWIDTH_GBIT:
-            raise ConfigError(
+            raise UserError(
                 f"{prefix}.bandwidth_gbit={self.bandwidth_gbit!r} is out of range; valid: >= "
                 f"{MIN_BANDWIDTH_GBIT:g} (Gbit/s: 1 bit/s)"
             )
         if not 0 <= self.latency_us <= MAX_LATENCY_US:
-            raise ConfigError(
+            raise UserError(
                 f"{prefix}.latency_us={self.latency_us!r} is out of range; valid: [0, {MAX_LATENCY_US:g}] "
                 "(microseconds)"
             )
@@ -485,7 +487,7 @@ class StragglerConfig:
 
     def check(self) -> None:
         if not 0 <= self.sigma <= MAX_STRAGGLER_SIGMA:
-            raise ConfigError(
+            raise UserError(
                 f"cluster.straggler.sigma={self.sigma!r} is out of range; valid: [0, {MAX_STRAGGLER_SIGMA:g}]"
             )
         _at_least("cluster.straggler.seed", self.seed, 0)  # numpy's seeds are non-negative
@@ -518,12 +520,12 @@ class ClusterConfig:
         check_int64(self, "cluster.")
         _choice("cluster.compute", self.compute, ("measured", "modelled"))
         if not self.peak_tflops >= MIN_PEAK_TFLOPS:
-            raise ConfigError(
+            raise UserError(
                 f"cluster.peak_tflops={self.peak_tflops!r} is out of range; valid: >= {MIN_PEAK_TFLOPS:g} "
                 "(TFLOP/s)"
             )
         if not MIN_MFU <= self.mfu <= 1.0:
-            raise ConfigError(f"cluster.mfu={self.mfu!r} is out of range; valid: [{MIN_MFU:g}, 1]")
+            raise UserError(f"cluster.mfu={self.mfu!r} is out of range; valid: [{MIN_MFU:g}, 1]")
         self.intra.check("cluster.intra")
         self.inter.check("cluster.inter")
         self.straggler.check()
@@ -564,7 +566,7 @@ class ChurnConfig:
             parts = str(text).split(":")
             ok = len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) >= 1
             if not ok or parts[2] not in CHURN_EVENTS:
-                raise ConfigError(
+                raise UserError(
                     f"churn.events entry {text!r} is not valid; valid: 'ROUND:REPLICA:EVENT' with "
                     f"ROUND >= 1, REPLICA >= 0 and EVENT one of {', '.join(CHURN_EVENTS)}"
                 )
@@ -575,18 +577,18 @@ class ChurnConfig:
         for name in ("p_miss", "p_leave"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"churn.{name}={value!r} is out of range; valid: [0, 1]")
+                raise UserError(f"churn.{name}={value!r} is out of range; valid: [0, 1]")
         _at_least("churn.mean_absence", self.mean_absence, 1.0)
         _at_least("churn.seed", self.seed, 0)  # numpy's seeds are non-negative
         _at_least("churn.deadline", self.deadline, 0.0)
         _choice("churn.rejoin_state", self.rejoin_state, REJOIN_STATES)
         if not 1 <= self.min_quorum <= replicas:
-            raise ConfigError(
+            raise UserError(
                 f"churn.min_quorum={self.min_quorum!r} is out of range; valid: 1 to replicas ({replicas})"
             )
         for _, replica, _ in self.parsed_events():
             if replica >= replicas:
-                raise ConfigError(
+                raise UserError(
                     f"churn.events names replica {replica}; valid: 0 to {replicas - 1} (replicas={replicas})"
                 )
 
@@ -625,7 +627,7 @@ class ResumeRequest:
 
     @classmethod
     def of(cls, text: str) -> ResumeRequest:
-        """`resume`'s text read (Hydra makes `resume=true` the text "True"); ConfigError, one line, for
+        """`resume`'s text read (Hydra makes `resume=true` the text "True"); UserError, one line, for
         a path whose leading ~ names a home this machine does not know."""
         given, mode = text.strip(), ResumeMode.of(text)
         if mode is not ResumeMode.PATH:
@@ -633,7 +635,7 @@ class ResumeRequest:
         try:
             path = Path(given).expanduser().absolute()
         except RuntimeError:  # pathlib: ~user of an unknown user, or ~ without a home
-            raise ConfigError(
+            raise UserError(
                 f"resume={given!r} starts with a ~ whose home directory this machine does not know; valid: "
                 "true, auto, a checkpoint file, or a run directory with checkpoints/"
             ) from None
@@ -687,12 +689,12 @@ class TrainConfig:
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
     if value not in valid:
-        raise ConfigError(f"{name}={value!r} is not valid; valid: {', '.join(repr(v) for v in valid)}")
+        raise UserError(f"{name}={value!r} is not valid; valid: {', '.join(repr(v) for v in valid)}")
 
 
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
-        raise ConfigError(f"{name}={value!r} is too small; valid: >= {low}")
+        raise UserError(f"{name}={value!r} is too small; valid: >= {low}")
 
 
 def check_finite_floats(node: Any, prefix: str = "") -> None:
@@ -703,7 +705,7 @@ def check_finite_floats(node: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             check_finite_floats(value, f"{prefix}{f.name}.")
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{prefix}{f.name}={value!r} is not a finite number; valid: a finite number")
+            raise UserError(f"{prefix}{f.name}={value!r} is not a finite number; valid: a finite number")
 
 
 def check_int64(node: Any, prefix: str = "") -> None:
@@ -716,7 +718,7 @@ def check_int64(node: Any, prefix: str = "") -> None:
             continue
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, int) and not -INT64_MAX - 1 <= item <= INT64_MAX:
-                raise ConfigError(
+                raise UserError(
                     f"{prefix}{f.name}={value!r} does not fit a 64-bit integer; valid: -{INT64_MAX + 1}.."
                     f"{INT64_MAX}"
                 )

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hypertrain.config import ConfigError, DataConfig, TrainConfig
+from hypertrain.config import DataConfig, TrainConfig, UserError
 from hypertrain.data.speech import cache, synth
 from hypertrain.data.speech import dataset as speech
 from hypertrain.data.speech.speech import PHONEME
@@ -278,7 +278,7 @@ def test_a_missing_espeak_library_is_one_line_exit_2(root, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("hypertrain: error: espeak-ng's library"), done.stderr
     assert lines[0].endswith("install it: apt-get install espeak-ng libespeak-ng1")
     monkeypatch.setenv("ESPEAK_NG_LIBRARY", env["ESPEAK_NG_LIBRARY"])
-    with pytest.raises(ConfigError, match="apt-get install espeak-ng libespeak-ng1"):
+    with pytest.raises(UserError, match="apt-get install espeak-ng libespeak-ng1"):
         speech.speech_dataset(small_config(root))
 
 
@@ -290,7 +290,7 @@ def test_the_build_command_reads_back_every_field_the_training_entry_hands_it():
 
 
 def test_training_the_byte_decoder_on_speech_is_refused():
-    with pytest.raises(ConfigError, match="multistream"):
+    with pytest.raises(UserError, match="multistream"):
         validate(TrainConfig(data=DataConfig(name="speech")))
 
 

@@ -30,7 +30,7 @@ from hypertrain.clock.formulas import (
 )
 from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
 from hypertrain.clock.timeline import straggler_factors, taken_at
-from hypertrain.config import LINKS, ClusterConfig, ConfigError, LinkConfig, StragglerConfig
+from hypertrain.config import LINKS, ClusterConfig, LinkConfig, StragglerConfig, UserError
 from hypertrain.report import retime
 from hypertrain.rundir.records import read_metrics
 
@@ -103,7 +103,7 @@ def test_config_units_convert_to_bytes_and_seconds():
     ],
 )
 def test_a_bad_cluster_is_one_line_naming_field_value_and_what_is_valid(change, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         dataclasses.replace(ClusterConfig(), **change).check()
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import TrainConfig, UserError
 from hypertrain.plan.sampling import PlanError
 from hypertrain.preflight.checked import prepare_checked
 from hypertrain.preflight.composition import composition_error
@@ -80,7 +80,7 @@ def preflight_outcome(base, key: str, value) -> str | None:
         return line
     try:
         prepare_checked(cfg, {}, None)
-    except (ConfigError, PlanError) as e:
+    except (UserError, PlanError) as e:
         assert str(e) and "\n" not in str(e), (key, value, str(e))
         return str(e)
     return None

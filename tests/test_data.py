@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hypertrain.config import ConfigError, DataConfig
+from hypertrain.config import DataConfig, UserError
 from hypertrain.data import text as data_module
 from hypertrain.data.datasets import build_dataset
 from hypertrain.data.text import TextDataset, load_batch, pad_batch
@@ -408,21 +408,21 @@ def test_ids_outside_the_stream_raise(stdlib):
 
 def test_empty_glob_is_a_one_line_config_error(tmp_path):
     glob = str(tmp_path / "nothing" / "**" / "*.txt")
-    with pytest.raises(ConfigError, match="matches no files") as error:
+    with pytest.raises(UserError, match="matches no files") as error:
         build_dataset(DataConfig(name="text_files", path=glob))
     assert glob in str(error.value) and "\n" not in str(error.value)
 
 
 def test_missing_or_ragged_token_file_is_a_one_line_config_error(tmp_path):
     missing = str(tmp_path / "absent.bin")
-    with pytest.raises(ConfigError, match="is not a file") as error:
+    with pytest.raises(UserError, match="is not a file") as error:
         build_dataset(DataConfig(name="token_bin", path=missing))
     assert missing in str(error.value) and "\n" not in str(error.value)
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x02\x03")
-    with pytest.raises(ConfigError, match="3 bytes"):
+    with pytest.raises(UserError, match="3 bytes"):
         build_dataset(DataConfig(name="token_bin", path=str(odd)))
-    with pytest.raises(ConfigError, match="documents"):  # the data section's own check, before any build
+    with pytest.raises(UserError, match="documents"):  # the data section's own check, before any build
         DataConfig(name="token_bin", path=str(odd), examples="documents").check()
 
 
@@ -430,7 +430,7 @@ def test_stream_not_longer_than_heldout_is_a_config_error(tmp_path):
     write_random_text(tmp_path, {"tiny.txt": 641})  # (641 - 1) // 64 = 10 windows, all distinct
     path = str(tmp_path / "tiny.txt")
     cfg = DataConfig(name="text_files", path=path, seq_len=64, heldout=10)
-    with pytest.raises(ConfigError, match="data.heldout=10") as error:
+    with pytest.raises(UserError, match="data.heldout=10") as error:
         build_dataset(cfg)
     message = str(error.value)
     assert (
@@ -441,7 +441,7 @@ def test_stream_not_longer_than_heldout_is_a_config_error(tmp_path):
     cfg.heldout = 9
     assert build_dataset(cfg).n_total == 10
     (tmp_path / "same.txt").write_bytes(b"x" * 641)  # 10 windows, all equal: 1 distinct
-    with pytest.raises(ConfigError, match="1 distinct window \\(9 duplicates dropped\\)") as error:
+    with pytest.raises(UserError, match="1 distinct window \\(9 duplicates dropped\\)") as error:
         build_dataset(DataConfig(name="text_files", path=str(tmp_path / "same.txt"), seq_len=64, heldout=1))
     assert "heldout < 1" not in str(error.value)
 
@@ -457,7 +457,7 @@ def test_stream_not_longer_than_heldout_is_a_config_error(tmp_path):
 def test_an_empty_source_is_a_one_line_error_naming_it(tmp_path, name, examples, unit):
     path = tmp_path / "empty.bin"
     path.write_bytes(b"")
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(UserError) as error:
         build_dataset(DataConfig(name=name, path=str(path), examples=examples))
     message = str(error.value)
     one = examples.removesuffix("s").replace("document", "paragraph")

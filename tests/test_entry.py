@@ -12,7 +12,7 @@ from helpers import CONF, QUICK, compose_train, entry
 from omegaconf import OmegaConf
 
 from hypertrain import plan
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import TrainConfig, UserError
 from hypertrain.preflight.checks import plan_phase, validate
 from hypertrain.preflight.composition import LAUNCHER_PLUGINS
 from hypertrain.rundir.records import read_metrics
@@ -206,7 +206,7 @@ def test_every_config_option_composes_and_validates(override):
     typed: TrainConfig = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
     if override == "data=text_files" or override == "data=token_bin":
-        with pytest.raises(ConfigError, match="data.path"):
+        with pytest.raises(UserError, match="data.path"):
             validate(typed)
     else:
         validate(typed)

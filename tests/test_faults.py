@@ -42,7 +42,7 @@ from helpers import (
     tree,
 )
 
-from hypertrain.config import ConfigError
+from hypertrain.config import UserError
 from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 HOLD = (
@@ -145,7 +145,7 @@ def test_a_filesystem_without_locks_is_refused_with_one_line_and_nothing_made(tm
 
     monkeypatch.setattr(directory.fcntl, "flock", no_locks)
     run_dir = tmp_path / "new" / "run"
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(UserError) as refused:
         directory.acquire(run_dir)
     message = str(refused.value)
     assert "\n" not in message

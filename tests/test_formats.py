@@ -16,7 +16,7 @@ from helpers import entry, stderr_lines, tree
 from omegaconf import OmegaConf
 from record_checkpoint_fixture import FIXTURE
 
-from hypertrain.config import ConfigError, EngineConfig, ProcessesConfig
+from hypertrain.config import EngineConfig, ProcessesConfig, UserError
 from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.records import formats
 from hypertrain.records.formats import SCHEMA_VERSION, upgrade_checkpoint, upgrade_config
@@ -134,7 +134,7 @@ def test_the_fixture_checkpoint_is_unversioned_and_reads_as_today():
 
 @pytest.mark.parametrize("version", [NEWER, "1", -1, True])
 def test_a_config_of_a_newer_or_unknown_schema_is_refused_in_one_line(version):
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(UserError) as refused:
         upgrade_config({"replicas": 2, "schema_version": version}, what="run/config.yaml")
     (line,) = str(refused.value).splitlines()
     assert line.startswith("run/config.yaml ")
@@ -146,7 +146,7 @@ def test_a_checkpoint_of_a_newer_schema_is_refused_in_one_line(tmp_path):
     path = checkpoint.path_for(tmp_path, 6)
     path.parent.mkdir()
     torch.save({**_older_payload(clock=False), "schema_version": NEWER}, path)
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(UserError) as refused:
         checkpoint.load(path)
     (line,) = str(refused.value).splitlines()
     assert line.startswith(f"checkpoint {path} {REFUSED}")

@@ -318,7 +318,7 @@ def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
     """check_wandb's list against wandb's own Settings (a wandb that adds or drops a mode fails this)."""
     import wandb
 
-    from hypertrain.config import ConfigError
+    from hypertrain.config import UserError
     from hypertrain.rundir.wandb_settings import WANDB_LOCAL_MODES, check_wandb
 
     try:
@@ -331,7 +331,7 @@ def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
     try:
         check_wandb(LoggerConfig(name="wandb", project="hypertrain-test"))
         we_accept = True
-    except ConfigError as e:
+    except UserError as e:
         assert str(e).startswith(f"WANDB_MODE={mode!r} is not a W&B mode; valid: "), e
         we_accept = False
     assert we_accept == wandb_accepts, (mode, wandb_accepts)
@@ -344,7 +344,7 @@ def test_the_modes_check_wandb_accepts_are_wandbs_own(offline_env, mode):
 def test_the_project_names_check_wandb_refuses_are_the_ones_wandb_refuses(offline_env, project):
     import wandb
 
-    from hypertrain.config import ConfigError
+    from hypertrain.config import UserError
     from hypertrain.rundir.wandb_settings import check_wandb
 
     try:
@@ -356,7 +356,7 @@ def test_the_project_names_check_wandb_refuses_are_the_ones_wandb_refuses(offlin
     try:
         check_wandb(LoggerConfig(name="wandb", project=project))
         we_accept = True
-    except ConfigError as e:
+    except UserError as e:
         assert "\n" not in str(e) and "valid: 1 to 128 characters" in str(e), e
         we_accept = False
     assert we_accept == wandb_accepts, (project, wandb_accepts)

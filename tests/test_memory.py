@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from helpers import QUICK, compose_cfg, entry, error_lines
 
-from hypertrain.config import INT64_MAX, ConfigError, InnerConfig, ModelConfig
+from hypertrain.config import INT64_MAX, InnerConfig, ModelConfig, UserError
 from hypertrain.model.shapes import count_params, param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
@@ -127,12 +127,12 @@ def test_the_estimate_bounds_a_stacked_runs_measured_peak(d_model, replicas, glo
 def test_memory_check_false_skips_the_comparison_but_not_an_unindexable_tensor():
     huge = compose_cfg(["model.d_model=1000000"])
     validate(huge)
-    with pytest.raises(ConfigError, match="guard.memory_check=false to skip this check"):
+    with pytest.raises(UserError, match="guard.memory_check=false to skip this check"):
         memory.check(huge)
     skipped = replace(huge, guard=replace(huge.guard, memory_check=False))
     assert memory.check(skipped).params > 10**13  # estimated, not refused
     beyond = replace(skipped, model=replace(skipped.model, vocab=2**62))
-    with pytest.raises(ConfigError, match="more than a tensor can hold"):
+    with pytest.raises(UserError, match="more than a tensor can hold"):
         memory.check(beyond)
     assert beyond.model.vocab * beyond.model.d_model > INT64_MAX
 

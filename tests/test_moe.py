@@ -54,7 +54,7 @@ from references import (
 )
 
 from hypertrain.clock.replay import clock_of
-from hypertrain.config import ClusterConfig, ConfigError, ModelConfig
+from hypertrain.config import ClusterConfig, ModelConfig, UserError
 from hypertrain.diloco.rounds import assignments, rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
@@ -99,7 +99,7 @@ def moe_cfg(R: int, H: int, stack: int = 0, model: dict | None = None, **inner):
     ],
 )
 def test_a_bad_mixture_is_one_line_naming_the_value_and_what_is_valid(fields, says):
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(UserError) as err:
         ModelConfig(**(EXPERTS | fields)).check()
     assert str(err.value) == says
 

@@ -16,7 +16,7 @@ import torch
 from helpers import run_losses, small_cfg
 from references import U32
 
-from hypertrain.config import ConfigError, InnerConfig, PhaseConfig
+from hypertrain.config import InnerConfig, PhaseConfig, UserError
 from hypertrain.diloco.communication import ring_allreduce_bytes, round_bytes
 from hypertrain.engines.contract import check_finite
 from hypertrain.failures import NonFiniteError
@@ -127,7 +127,7 @@ def test_averaging_when_no_replica_stepped_changes_nothing():
 
 def test_a_global_batch_smaller_than_the_replica_count_is_rejected():
     with pytest.raises(
-        ConfigError, match=r"phase.global_batch=3 is smaller than replicas=4.*valid: global_batch >= 4"
+        UserError, match=r"phase.global_batch=3 is smaller than replicas=4.*valid: global_batch >= 4"
     ):
         small_cfg(replicas=4, phase=PhaseConfig(name="t", global_batch=3, updates=2, timing_warmup=0))
     small_cfg(replicas=4, phase=PhaseConfig(name="t", global_batch=4, updates=2, timing_warmup=0))
@@ -145,7 +145,7 @@ def test_min_lr_ratio_takes_the_range_its_message_names():
     for ok in (0.0, 0.5, 1.0):
         small_cfg(inner=InnerConfig(min_lr_ratio=ok))
     for bad in (-0.1, 1.5):
-        with pytest.raises(ConfigError, match=rf"inner.min_lr_ratio={bad} is out of range; valid: \[0, 1\]"):
+        with pytest.raises(UserError, match=rf"inner.min_lr_ratio={bad} is out of range; valid: \[0, 1\]"):
             validate(
                 small_cfg(inner=InnerConfig(min_lr_ratio=0.5)).__class__(inner=InnerConfig(min_lr_ratio=bad))
             )

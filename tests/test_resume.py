@@ -60,7 +60,7 @@ from helpers import (
     tree,
 )
 
-from hypertrain.config import DERIVED, ConfigError, ResumeMode, ResumeRequest, TrainConfig, flatten
+from hypertrain.config import DERIVED, ResumeMode, ResumeRequest, TrainConfig, UserError, flatten
 from hypertrain.failures import RankFailed
 from hypertrain.report import cli as report
 from hypertrain.report import retime
@@ -501,7 +501,7 @@ def test_any_other_resume_is_a_path_made_absolute(tmp_path, monkeypatch):
 
 
 def test_a_resume_under_an_unknown_home_is_refused_in_one_line():
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(UserError) as refused:
         ResumeRequest.of("~no_such_user/run")
     assert str(refused.value) == (
         "resume='~no_such_user/run' starts with a ~ whose home directory this machine does "

@@ -19,7 +19,7 @@ import torch
 from helpers import observe, streaming_cfg
 from references import U32, assert_outer_step
 
-from hypertrain.config import ConfigError
+from hypertrain.config import UserError
 from hypertrain.diloco.fragments import Schedule, fragment_of
 from hypertrain.preflight.checks import validate
 
@@ -104,7 +104,7 @@ def test_layers_are_strided_over_fragments_embeddings_first_head_last():
 )
 def test_bad_fragment_settings_are_one_line(change, message):
     cfg = stream_cfg(P=1, tau=0, alpha=0.0)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         validate(replace(cfg, outer=replace(cfg.outer, **change)))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from hypertrain.clock.timeline import Clock, Shape, taken_at
-from hypertrain.config import ClusterConfig, ConfigError
+from hypertrain.config import ClusterConfig, UserError
 from hypertrain.records import formats
 from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
 
@@ -42,7 +42,7 @@ def run_params(rows: list[Row | dict]) -> int:
     params = _summary_value(rows, "model/params")
     if params is not None:
         return int(params)
-    raise ConfigError("the run's metrics.jsonl has no summary with model/params; valid: a run's records")
+    raise UserError("the run's metrics.jsonl has no summary with model/params; valid: a run's records")
 
 
 def run_active_params(rows: list[Row | dict]) -> int | None:

@@ -52,7 +52,7 @@ class MultistreamDataset(Protocol):
 
 
 def build_dataset(cfg: DataConfig) -> Dataset:
-    """The dataset `cfg` describes; ConfigError (one line) for a missing or too short source."""
+    """The dataset `cfg` describes; UserError (one line) for a missing or too short source."""
     if cfg.name == "speech":  # multistream examples from a built cache (docs/audio.md)
         return speech_dataset(cfg)
     return text_dataset(cfg)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hypertrain.config import ConfigError
+from hypertrain.config import UserError
 
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")
 _TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -53,7 +53,7 @@ def text_files_source(pattern: str) -> Source:
     expanded = os.path.expanduser(pattern)
     paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
     if not paths:
-        raise ConfigError(
+        raise UserError(
             f"data.path={pattern!r} matches no files; valid: a glob of text files, e.g. 'docs/**/*.txt'"
         )
     # Names relative to the files' common folder, so the fingerprint does not depend on where they live.
@@ -83,12 +83,12 @@ def token_bin_source(path_text: str, token_dtype: str) -> Source:
     dtype = _TOKEN_DTYPES[token_dtype]
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise ConfigError(
+        raise UserError(
             f"data.path={path_text!r} is not a file; data=token_bin needs a flat {token_dtype} token file"
         )
     size = path.stat().st_size
     if size % dtype.itemsize:
-        raise ConfigError(
+        raise UserError(
             f"data.path={path_text!r} has {size} bytes, not a whole number of {token_dtype} tokens; "
             "valid: a flat token file written with that dtype (data.token_dtype)"
         )

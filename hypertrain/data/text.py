@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hypertrain.config import ConfigError, DataConfig
+from hypertrain.config import DataConfig, UserError
 from hypertrain.data import sources
 from hypertrain.data.streams import stream_index, stream_indices
 
@@ -88,7 +88,7 @@ class TextDataset:
 
 
 def text_dataset(cfg: DataConfig) -> TextDataset:
-    """The text dataset `cfg` describes (`datasets.build_dataset` gives speech's); raises ConfigError
+    """The text dataset `cfg` describes (`datasets.build_dataset` gives speech's); raises UserError
     (one line) for a missing or too short source. `cfg` has passed `DataConfig.check`."""
     assert cfg.examples in ("windows", "documents") and cfg.seq_len >= 1 and cfg.max_len >= 2, cfg
     assert cfg.name in ("stdlib", "text_files", "token_bin"), cfg.name
@@ -128,7 +128,7 @@ def text_dataset(cfg: DataConfig) -> TextDataset:
         )
 
     if n_total <= cfg.heldout:
-        raise ConfigError(_too_short(cfg, source, n_total, duplicates))
+        raise UserError(_too_short(cfg, source, n_total, duplicates))
     order = np.random.default_rng(cfg.shuffle_seed).permutation(n_total)
     stream_starts = example_starts[order]
     # The order is hashed in (numpy does not promise permutation's stream across versions): the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import TrainConfig, UserError
 from hypertrain.model.shapes import param_specs
 
 TAKE, LAND = "take", "land"
@@ -52,14 +52,14 @@ def check(cfg: TrainConfig) -> None:
     """outer.fragments divides inner.H, leaves no fragment empty, and outer.delay < H/P."""
     P, tau, H = cfg.outer.fragments, cfg.outer.delay, cfg.inner.H
     if H % P:
-        raise ConfigError(f"outer.fragments={P} does not divide inner.H={H}; valid: a divisor of {H}")
+        raise UserError(f"outer.fragments={P} does not divide inner.H={H}; valid: a divisor of {H}")
     if P > 1 and P > cfg.model.n_layers + 1:
-        raise ConfigError(
+        raise UserError(
             f"outer.fragments={P} leaves a fragment without parameters (model.n_layers="
             f"{cfg.model.n_layers}); valid: 1..{cfg.model.n_layers + 1}"
         )
     if tau >= H // P:
-        raise ConfigError(
+        raise UserError(
             f"outer.delay={tau} is out of range; valid: 0..{H // P - 1} (below inner.H/outer.fragments "
             f"= {H // P})"
         )

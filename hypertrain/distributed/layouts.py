@@ -7,7 +7,7 @@ Pure arithmetic on (P processes, W = world.size, R replicas), no torch (docs/des
 - replicas (b), P divides R: process p trains the R/P whole replicas `p*R/P .. (p+1)*R/P - 1`,
   computed by its engine, each on its whole share; W is then only the plan's label, as in the simulation.
 `auto` picks (a) when P = W, else (b) when P divides R; a P, W, R that fit no layout is a
-`ConfigError` naming the values, the valid layouts and a command that fits.
+`UserError` naming the values, the valid layouts and a command that fits.
 
 `launched_rank()` says whether a launcher started this process as one of P ranks: torchrun's agent
 (or the entry's own elastic self-launch), or `srun` as one task of a SLURM job step of several tasks

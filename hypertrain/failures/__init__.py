@@ -2,7 +2,7 @@
 
 Each failure stops the run with one line (`hypertrain: error: run failed: ...`), its metrics.jsonl and
 W&B run closed with the line and the code, its checkpoints intact (docs/errors.md). User mistakes are
-found before anything runs and exit 2 (`config.ConfigError`, `plan.PlanError`).
+found before anything runs and exit 2 (`config.UserError`, `plan.PlanError`).
 """
 
 from __future__ import annotations

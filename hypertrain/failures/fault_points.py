@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from hypertrain.config import ConfigError
+from hypertrain.config import UserError
 from hypertrain.failures import restarts
 
 FAULT_ENV = "HYPERTRAIN_FAULT"
@@ -31,7 +31,7 @@ _SIGNALS = {
 
 
 def check() -> None:
-    """ConfigError (one line) when HYPERTRAIN_FAULT is set but is not a fault this hook can act on."""
+    """UserError (one line) when HYPERTRAIN_FAULT is set but is not a fault this hook can act on."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -40,7 +40,7 @@ def check() -> None:
     ok = 3 <= len(parts) <= 5 and all(p.isdigit() for p in numbers)
     ok = ok and parts[2] in (*_SIGNALS, "sleep", "int2") and (len(parts) < 4 or parts[3] in POINTS)
     if not ok:
-        raise ConfigError(
+        raise UserError(
             f"{FAULT_ENV}={spec!r} is not a fault of the tests' hook; valid: unset it (it is for tests "
             f"only), or RANK:UPDATE:ACTION[:POINT[:RESTART]] with ACTION one of "
             f"{', '.join((*_SIGNALS, 'sleep', 'int2'))} and POINT one of {', '.join(POINTS)}"

@@ -36,7 +36,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import LayoutError, choose_layout, launched_rank
 from hypertrain.plan.sampling import PlanError
 from hypertrain.preflight import checked as preflight
@@ -184,12 +184,12 @@ def check_job(cfg: TrainConfig, tasks: int) -> None:
     processes are the tasks (processes.nproc 0 or the tasks; the tasks fit a layout)."""
     e = cfg.processes
     if tasks > 1 and e.name != "dist":
-        raise ConfigError(
+        raise UserError(
             f"each job of this launcher is {tasks} SLURM tasks, the ranks of one processes=dist run, but "
             f"processes={e.name}; valid: processes=dist, or hydra/launcher=slurm (one process per job)"
         )
     if tasks > 1 and e.nproc not in (0, tasks):
-        raise ConfigError(
+        raise UserError(
             f"processes.nproc={e.nproc} but each job is {tasks} SLURM tasks (hydra.launcher.nodes x "
             f"tasks_per_node); valid: processes.nproc=0 (the tasks) or {tasks}"
         )
@@ -199,7 +199,7 @@ def check_job(cfg: TrainConfig, tasks: int) -> None:
     try:
         choose_layout(tasks, cfg.world.size, cfg.replicas, e.layout)
     except LayoutError as error:
-        raise ConfigError(
+        raise UserError(
             f"{str(error).split('; valid:')[0]} (the job's {tasks} SLURM tasks); valid: "
             f"world.size={tasks} (benchmark layout), or replicas a multiple of {tasks} (stacked), "
             "or hydra.launcher.tasks_per_node/nodes to match"
@@ -357,7 +357,7 @@ class SlurmPreflight(Callback):
                 cfg: TrainConfig = OmegaConf.to_object(task)
                 composition.check_labels(cfg, choices)
                 check_job(cfg, tasks)
-            except (ConfigError, PlanError) as e:
+            except (UserError, PlanError) as e:
                 refusal.fail(f"{e}{where}")
         problem = controller_problem(config.hydra.runtime.choices.get("hydra/launcher", "slurm"))
         if problem is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain.config import ConfigError, ResumeMode, ResumeRequest, TrainConfig
+from hypertrain.config import ResumeMode, ResumeRequest, TrainConfig, UserError
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.failures import DiskFull, fault_points
 from hypertrain.plan.sampling import PlanError
@@ -82,7 +82,7 @@ def prepare_checked(
     hydra: frozenset[str] = frozenset(),
     hydra_written: bool = False,
 ) -> Checked:
-    """The typed, validated, prepared run; ConfigError/PlanError (one line) on any user mistake.
+    """The typed, validated, prepared run; UserError/PlanError (one line) on any user mistake.
     `run_dir` None: this process writes nothing (a torchrun rank other than 0). `hydra`: the names of
     Hydra's own files in a run directory; `hydra_written`: Hydra has written them for this very launch
     (a multirun job), so they are this run's. A directory is written only when it does not exist, is
@@ -101,7 +101,7 @@ def prepare_checked(
         launched = launched_rank()  # the ranks on this machine: the launcher's, else the self-launch's
         check_backend(cfg, cfg.processes.nproc if launched is None else launched.local_processes)
     elif (launched := launched_rank()) is not None:
-        raise ConfigError(
+        raise UserError(
             f"processes={cfg.processes.name} runs in one process, but {launched.launcher} started this "
             f"one as one of {launched.processes} ranks; valid: processes=dist (the ranks are its processes), "
             "or a single process"
@@ -145,12 +145,12 @@ def recheck(checked: Checked) -> None:
     if checked.resume is not None:
         path, saved = checked.resume
         if not path.is_file():
-            raise ConfigError(f"checkpoint {path} is gone; valid: resume from a checkpoint that exists")
+            raise UserError(f"checkpoint {path} is gone; valid: resume from a checkpoint that exists")
         checkpoint.records_match(run_dir, path, saved)
     elif checked.session:
         check_own_session(run_dir, checked.own, resolved_config(checked.run.cfg))
         if finished_updates(run_dir) is not None:
-            raise ConfigError(f"hydra.run.dir={run_dir} has just finished; valid: a new directory")
+            raise UserError(f"hydra.run.dir={run_dir} has just finished; valid: a new directory")
     else:
         check_run_dir(run_dir, checked.own)
 
@@ -162,7 +162,7 @@ def claim(checked: Checked) -> None:
     lock = acquire(checked.run_dir, fresh=checked.resume is None and not checked.session)
     try:
         recheck(checked)
-    except ConfigError:
+    except UserError:
         release(lock, undo=True)
         raise
     checked.lock = lock
@@ -216,7 +216,7 @@ class Preflight(Callback):
                 sys.exit(0)
             if checked.run_dir is not None:
                 claim(checked)  # before Hydra creates the directory or writes .hydra/ there
-        except (ConfigError, PlanError) as e:
+        except (UserError, PlanError) as e:
             fail(str(e))
         except DiskFull as e:
             fail(str(e), code=e.exit_code)
@@ -250,7 +250,7 @@ def check_job(
         if checked.run_dir is not None and checked.finished is None:
             claim(checked)
         return checked
-    except (ConfigError, PlanError, DiskFull) as e:
+    except (UserError, PlanError, DiskFull) as e:
         if job_dir is not None:  # None: a rank other than 0, which made nothing
             remove_rejected_job_dir(job_dir)
             if sweep_dir is not None:

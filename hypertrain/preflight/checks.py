@@ -3,20 +3,20 @@
 `validate(cfg)` runs every section's own checks (`TrainConfig.check`), then these: the phase as the
 plan builds it (`plan_phase`), the world, replicas and phase together, the data and the model, and
 whether a process layout fits processes=dist; `check_device`, whether this machine has engine.device.
-None of them imports torch for a CPU run. A user mistake is one `ConfigError` line, before anything is
+None of them imports torch for a CPU run. A user mistake is one `UserError` line, before anything is
 built or written; what needs the data (the stream's length, the vocabulary) is checked by `prepare`.
 """
 
 from __future__ import annotations
 
-from hypertrain.config import ConfigError, PhaseConfig, TrainConfig
+from hypertrain.config import PhaseConfig, TrainConfig, UserError
 from hypertrain.diloco import fragments
 from hypertrain.distributed.layouts import LayoutError, choose_layout, process_count
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
 
 def plan_phase(phase: PhaseConfig) -> StrongPhase | WeakPhase:
-    """The plan's phase for `phase`; ConfigError naming the bad field."""
+    """The plan's phase for `phase`; UserError naming the bad field."""
     common = dict(
         name=phase.name, offset=phase.offset, updates=phase.updates, timing_warmup=phase.timing_warmup
     )
@@ -26,30 +26,30 @@ def plan_phase(phase: PhaseConfig) -> StrongPhase | WeakPhase:
         if phase.kind == "weak":
             return WeakPhase(**common, base_world=phase.base_world, per_rank_batch=phase.per_rank_batch)
     except PlanError as e:
-        raise ConfigError(str(e)) from None
-    raise ConfigError(f"phase.kind={phase.kind!r} is not a phase kind; valid: 'strong', 'weak'")
+        raise UserError(str(e)) from None
+    raise UserError(f"phase.kind={phase.kind!r} is not a phase kind; valid: 'strong', 'weak'")
 
 
 def check_world(cfg: TrainConfig) -> None:
     """World, replicas and phase together: every replica gets ids at every full update."""
     # The plan's checks and digests go over every rank: a world beyond any machine is refused.
     if cfg.world.size > MAX_WORLD:
-        raise ConfigError(f"world.size={cfg.world.size} is too large; valid: 1..{MAX_WORLD}")
+        raise UserError(f"world.size={cfg.world.size} is too large; valid: 1..{MAX_WORLD}")
     phase = plan_phase(cfg.phase)
     base = phase.base_world if isinstance(phase, WeakPhase) else cfg.world.size
     if cfg.world.size % cfg.replicas or base % cfg.replicas:
         what = "the weak phase's base world" if isinstance(phase, WeakPhase) else "world.size"
-        raise ConfigError(
+        raise UserError(
             f"replicas={cfg.replicas} does not divide {what} ({base}); valid: a divisor of {base}"
         )
     # Weak phases need no check here: R divides B, so B*b >= R.
     if isinstance(phase, StrongPhase) and phase.global_batch < cfg.replicas:
-        raise ConfigError(
+        raise UserError(
             f"phase.global_batch={phase.global_batch} is smaller than replicas={cfg.replicas}: a replica "
             f"would never get an id; valid: global_batch >= {cfg.replicas}"
         )
     if isinstance(phase, WeakPhase) and cfg.world.size % phase.base_world:
-        raise ConfigError(
+        raise UserError(
             f"world.size={cfg.world.size} is not a multiple of phase.base_world={phase.base_world}"
         )
 
@@ -58,7 +58,7 @@ def check_data_for_model(cfg: TrainConfig) -> None:
     """Speech's channels need a multistream model: refused here, before a first use builds the cache."""
     d, m = cfg.data, cfg.model
     if d.name == "speech" and m.arch != "multistream":
-        raise ConfigError(
+        raise UserError(
             f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
             f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"
         )
@@ -69,7 +69,7 @@ def check_fragments(cfg: TrainConfig) -> None:
     outer.delay is below H/P; outer.assignment is derived (a run's own, or empty)."""
     fragments.check(cfg)
     if cfg.outer.assignment and cfg.outer.assignment != fragments.assignment(cfg):
-        raise ConfigError(
+        raise UserError(
             f"outer.assignment={cfg.outer.assignment!r} is derived from outer.fragments and the model; "
             "valid: leave it unset"
         )
@@ -79,7 +79,7 @@ def check_deadline(cfg: TrainConfig) -> None:
     """churn.deadline cuts rounds by the network clock's modelled step times: measured ones would make
     engines, processes and a resumed run disagree."""
     if cfg.churn.deadline and cfg.cluster.compute != "modelled":
-        raise ConfigError(
+        raise UserError(
             f"churn.deadline={cfg.churn.deadline!r} needs modelled compute, not "
             f"cluster.compute={cfg.cluster.compute!r}; valid: cluster.compute=modelled (e.g. cluster=h100), "
             "or churn.deadline=0"
@@ -94,11 +94,11 @@ def check_layout(cfg: TrainConfig) -> None:
     try:
         choose_layout(process_count(e.nproc, cfg.world.size), cfg.world.size, cfg.replicas, e.layout)
     except LayoutError as error:
-        raise ConfigError(str(error)) from None
+        raise UserError(str(error)) from None
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Every check that can be made without the data; ConfigError (one line) at the first mistake."""
+    """Every check that can be made without the data; UserError (one line) at the first mistake."""
     cfg.check()
     check_world(cfg)
     check_data_for_model(cfg)
@@ -108,18 +108,18 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_device(device: str) -> None:
-    """engine.device names a device this process has; ConfigError (one line) otherwise."""
+    """engine.device names a device this process has; UserError (one line) otherwise."""
     if not device.startswith("cuda"):
         return
     import torch  # only for a CUDA device: a CPU run's refusals never import it
 
     if not torch.cuda.is_available():
-        raise ConfigError(
+        raise UserError(
             f"engine.device={device!r} but this torch ({torch.__version__}) sees no CUDA device; valid: 'cpu'"
         )
     count, index = torch.cuda.device_count(), torch.device(device).index
     if index is not None and index >= count:
-        raise ConfigError(
+        raise UserError(
             f"engine.device={device!r} but this machine has {count} CUDA device(s); "
             f"valid: cuda:0..cuda:{count - 1}"
         )
@@ -129,7 +129,7 @@ def check_backend(cfg: TrainConfig, local_processes: int) -> None:
     """processes.backend and engine.device can run `local_processes` ranks on this machine, checked
     before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
     "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
-    engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. ConfigError
+    engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. UserError
     (one line) otherwise; engine.device=cuda without CUDA is `check_device`'s to refuse."""
     import torch  # here: a refusal made from the config alone never imports it
     import torch.distributed as dist
@@ -138,23 +138,23 @@ def check_backend(cfg: TrainConfig, local_processes: int) -> None:
     cuda = e.device.startswith("cuda")
     if cfg.processes.backend == "nccl":
         if not torch.cuda.is_available():
-            raise ConfigError(
+            raise UserError(
                 f"processes.backend=nccl needs CUDA devices, but CUDA is not available to this torch "
                 f"({torch.__version__}); valid: processes.backend=gloo or auto (gloo on CPUs)"
             )
         if not dist.is_nccl_available():
-            raise ConfigError(
+            raise UserError(
                 f"processes.backend=nccl but this torch ({torch.__version__}) is built without NCCL; "
                 "valid: processes.backend=gloo or auto"
             )
         if not cuda:
-            raise ConfigError(
+            raise UserError(
                 f"processes.backend=nccl moves CUDA tensors only, but engine.device={e.device!r}; "
                 "valid: engine.device=cuda, or processes.backend=gloo or auto (gloo on CPUs)"
             )
     if cuda and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ConfigError(
+        raise UserError(
             f"processes=dist on engine.device={e.device!r} runs {local_processes} processes on this machine, "
             f"one CUDA device each, but it has {count} (fewer GPUs than processes); valid: at most "
             f"{count} processes per machine (processes.nproc, torchrun --nproc_per_node), or "

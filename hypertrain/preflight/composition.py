@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hypertrain.config import ConfigError, TrainConfig
+from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.preflight import memory
 from hypertrain.preflight.checks import validate
@@ -35,7 +35,7 @@ def check_experiment(choices: dict) -> None:
     chosen = choices.get("experiment")
     options = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
     if chosen is not None and chosen not in options:
-        raise ConfigError(f"experiment={chosen!r} is not an experiment; valid: {', '.join(options)}")
+        raise UserError(f"experiment={chosen!r} is not an experiment; valid: {', '.join(options)}")
 
 
 def check_fields(node: DictConfig, schema: type, prefix: str = "") -> None:
@@ -43,7 +43,7 @@ def check_fields(node: DictConfig, schema: type, prefix: str = "") -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in node:
         if key not in fields:
-            raise ConfigError(f"{prefix}{key} is not a config field; valid: {', '.join(sorted(fields))}")
+            raise UserError(f"{prefix}{key} is not a config field; valid: {', '.join(sorted(fields))}")
         kind = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(kind) and isinstance(node[key], DictConfig):
             check_fields(node[key], kind, f"{prefix}{key}.")
@@ -55,7 +55,7 @@ def check_labels(cfg: TrainConfig, choices: dict) -> None:
     for group in LABELLED_GROUPS:
         chosen, label = choices.get(group), getattr(cfg, group).name
         if chosen is not None and label != chosen:
-            raise ConfigError(
+            raise UserError(
                 f"{group}.name={label!r} only labels the run; the {group} is chosen with {group}=... "
                 f"(now {group}={chosen}); valid: {group}={label} to use that option, or {group}.name={chosen}"
             )
@@ -258,7 +258,7 @@ def check_sweep_memory(composed: DictConfig) -> None:
         return
     try:
         memory.check(cfg)
-    except ConfigError as e:
+    except UserError as e:
         fail(str(e))
 
 

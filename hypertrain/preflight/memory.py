@@ -6,7 +6,7 @@ traceback or the kernel's OOM kill after its directory was made.
 longest example): the bytes each process of the run holds at its peak on its compute device and on
 the host, and how many processes run on this machine. It costs time in proportion to the config,
 never to a size in it: the parameters are counted from the shapes of one layer times the layers,
-nothing is allocated. `check(cfg, longest)` refuses (`ConfigError`, one line naming the sizes, the
+nothing is allocated. `check(cfg, longest)` refuses (`UserError`, one line naming the sizes, the
 estimate, its parts and the memory available) a run whose estimate exceeds `HEADROOM` of what
 `host_available` (or, on a GPU, `torch.cuda.mem_get_info`) reports; `guard.memory_check=false`
 skips that comparison, never the refusal of a tensor beyond what torch can index. The estimate is
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ConfigError, ModelConfig, TrainConfig
+from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, TrainConfig, UserError
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
 
@@ -404,18 +404,18 @@ def refusal(cfg: TrainConfig, est: Estimate, scope: str, need: int, available: t
 
 
 def check_indexable(cfg: TrainConfig, est: Estimate) -> None:
-    """No tensor of the run has more elements than torch can index (2**63 - 1): ConfigError."""
+    """No tensor of the run has more elements than torch can index (2**63 - 1): UserError."""
     what, elements = est.largest
     if elements > INT64_MAX:
         model, batch = size_fields(cfg)
-        raise ConfigError(
+        raise UserError(
             f"{_fields(cfg, model + batch)} give {what} of {elements:.3g} elements, more than a tensor "
             f"can hold ({INT64_MAX}); valid: smaller sizes"
         )
 
 
 def check(cfg: TrainConfig, longest: int | None = None) -> Estimate:
-    """Refuse (ConfigError, one line) a validated run whose estimate exceeds HEADROOM of the memory
+    """Refuse (UserError, one line) a validated run whose estimate exceeds HEADROOM of the memory
     available: the host's, and on a GPU each worker's device's; a tensor beyond what torch can index
     is refused even with guard.memory_check=false. Returns the estimate."""
     est = estimate(cfg, longest)
@@ -431,5 +431,5 @@ def check(cfg: TrainConfig, longest: int | None = None) -> Estimate:
     for scope, need, available in checks:
         have = available()
         if have is not None and need > HEADROOM * have[0]:
-            raise ConfigError(refusal(cfg, est, scope, need, have))
+            raise UserError(refusal(cfg, est, scope, need, have))
     return est

@@ -1,5 +1,5 @@
 """Everything decided before training: `prepare(cfg)` builds the data and checks that the phase fits
-the stream and the model the data (a user mistake is one `ConfigError`/`PlanError` line before anything
+the stream and the model the data (a user mistake is one `UserError`/`PlanError` line before anything
 is written); `initial_weights(run)` gives the global weights every replica starts from.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hypertrain import plan
-from hypertrain.config import HELDOUT_ROWS_PER_PASS, ConfigError, ModelConfig, TrainConfig
+from hypertrain.config import HELDOUT_ROWS_PER_PASS, ModelConfig, TrainConfig, UserError
 from hypertrain.data.batches import is_multistream, replica_batch
 from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
@@ -26,23 +26,23 @@ logger = logging.getLogger("hypertrain")
 
 def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
     """The model config with what the data decides filled in (a multistream model's channel
-    vocabularies); ConfigError when model and data do not go together."""
+    vocabularies); UserError when model and data do not go together."""
     model = cfg.model
     if not is_multistream(dataset):
         if model.arch == "multistream":
-            raise ConfigError(
+            raise UserError(
                 f"model.arch=multistream needs data with several token channels, not data.name="
                 f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
             )
         return model
     vocabs = [int(v) for v in dataset.channel_vocabs]
     if model.arch != "multistream":
-        raise ConfigError(
+        raise UserError(
             f"data.name={cfg.data.name!r} has {len(vocabs)} token channels per position but "
             f"model.arch={model.arch!r} reads one; valid: model=multistream_tiny or multistream_small"
         )
     if model.channel_vocabs and list(model.channel_vocabs) != vocabs:
-        raise ConfigError(
+        raise UserError(
             f"model.channel_vocabs={list(model.channel_vocabs)} differs from the data's {vocabs}; "
             "valid: [] (taken from the data)"
         )
@@ -50,19 +50,19 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
 
 
 def prepare(cfg: TrainConfig) -> PreparedRun:
-    """Build data and plan facts; raise ConfigError/PlanError on any user mistake."""
+    """Build data and plan facts; raise UserError/PlanError on any user mistake."""
     check_device(cfg.engine.device)
     dataset = build_dataset(cfg.data)
     cfg = replace(cfg, model=model_for_data(cfg, dataset))
     if cfg.model.arch == "decoder" and cfg.model.vocab < dataset.vocab:
-        raise ConfigError(
+        raise UserError(
             f"model.vocab={cfg.model.vocab} is smaller than the data's vocabulary ({dataset.vocab}); "
             f"valid: >= {dataset.vocab}"
         )
     samples = dataset.n_total - cfg.data.heldout
     phase = plan_phase(cfg.phase)
     if phase.offset >= samples:
-        raise ConfigError(
+        raise UserError(
             f"phase.offset={phase.offset} lies past the training stream ({samples} ids once "
             f"data.heldout={cfg.data.heldout} is reserved from {dataset.n_total}); "
             f"valid: < {samples}, or a longer stream"

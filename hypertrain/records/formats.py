@@ -16,22 +16,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hypertrain.config import ChurnConfig, ClusterConfig, ConfigError, ProcessesConfig, TrainConfig
+from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError
 
 SCHEMA_VERSION = 1
 VERSION_KEY = "schema_version"
 
 
-class NewerSchema(ConfigError):
+class NewerSchema(UserError):
     """A file a newer hypertrain wrote: readable, not corrupt, so never passed over for an older one."""
 
 
 def version_of(written: dict, what: str) -> int:
-    """The schema version of `written` (a config or a checkpoint payload; 0 without one); ConfigError
+    """The schema version of `written` (a config or a checkpoint payload; 0 without one); UserError
     (one line) when it is not one this code reads."""
     version = written.get(VERSION_KEY, 0)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ConfigError(
+        raise UserError(
             f"{what} has schema_version={version!r}; valid: an int from 0 to {SCHEMA_VERSION}, as hypertrain "
             "writes it"
         )
@@ -154,7 +154,7 @@ CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (_checkpoint_0_to_1,)
 
 def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:
     """A checkpoint's payload (what `torch.load` gave) in today's form: its config too, its version
-    `SCHEMA_VERSION`; ConfigError (one line) for a newer one. Today's is returned as it is."""
+    `SCHEMA_VERSION`; UserError (one line) for a newer one. Today's is returned as it is."""
     version = version_of(saved, what)
     if version == SCHEMA_VERSION:
         return saved

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from hypertrain.clock.replay import clock_of, run_cluster
-from hypertrain.config import ClusterConfig, ConfigError
+from hypertrain.config import ClusterConfig, UserError
 from hypertrain.report.runs import ReportInputError, Run
 
 VALID_TARGET = "valid: a finite positive number (a held-out loss in nats/token)"
@@ -45,7 +45,7 @@ def run_clock(
         return clock_of(run.rows, run.resolved, where, model_params), None
     except KeyError as e:
         return None, f"its records or config lack {e}"
-    except (ConfigError, ValueError, TypeError) as e:
+    except (UserError, ValueError, TypeError) as e:
         return None, " ".join(str(e).split())[:200] or type(e).__name__
 
 

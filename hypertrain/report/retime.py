@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hypertrain.clock.replay import clock_of, decided_by_clock, run_cluster, run_params, time_to_loss
-from hypertrain.config import ClusterConfig, ConfigError
+from hypertrain.config import ClusterConfig, UserError
 from hypertrain.report.clocks import cluster_text, parse_target, target_loss
 from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, file_safe
@@ -72,32 +72,32 @@ def parse(argv: list[str]) -> Args:
             value = _value(arg, args)
             whole = value.isascii() and value.isdigit() and len(value.lstrip("0")) <= 16
             if not (whole and 1 <= int(value) <= MAX_MODEL_PARAMS):
-                raise ConfigError(
+                raise UserError(
                     f"--model-params={value!r} is not valid; valid: a whole number from 1 to 10^15"
                 )
             parsed.model_params = int(value)
         elif _is(arg, "--out"):
             value = _value(arg, args)
             if not value:
-                raise ConfigError(f"--out={value!r} is not valid; {VALID_OUT}")
+                raise UserError(f"--out={value!r} is not valid; {VALID_OUT}")
             parsed.out = Path(value)
         elif _is(arg, "--target-loss"):
             parsed.target = parse_target(_value(arg, args))
         elif not arg:  # an unset shell variable: Path("") would be the working directory
-            raise ConfigError(f"RUN_DIR='' is not valid; {USAGE}")
+            raise UserError(f"RUN_DIR='' is not valid; {USAGE}")
         elif arg.startswith("-"):
-            raise ConfigError(f"{arg} is not an option; {USAGE}")
+            raise UserError(f"{arg} is not an option; {USAGE}")
         elif "=" in arg:
             if not arg.startswith(("cluster=", "cluster.", "cluster/")):
-                raise ConfigError(f"{arg!r} is not a cluster override; {USAGE}")
+                raise UserError(f"{arg!r} is not a cluster override; {USAGE}")
             parsed.overrides.append(arg)
         else:
             parsed.runs.append(Path(arg))
     if not parsed.runs:
-        raise ConfigError(f"no RUN_DIR given; {USAGE}")
+        raise UserError(f"no RUN_DIR given; {USAGE}")
     for run in parsed.runs:
         if not (run / METRICS_FILE).is_file() or not (run / "config.yaml").is_file():
-            raise ConfigError(f"{run} is not a run directory (no {METRICS_FILE} and config.yaml); {USAGE}")
+            raise UserError(f"{run} is not a run directory (no {METRICS_FILE} and config.yaml); {USAGE}")
     return parsed
 
 
@@ -123,10 +123,10 @@ def compose_cluster(overrides: list[str]) -> ClusterConfig:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose("train", overrides=overrides)
         cluster = OmegaConf.to_object(cfg.cluster)
-    except ConfigError:
+    except UserError:
         raise
     except Exception as e:  # Hydra's and OmegaConf's own errors (an unknown preset, a bad number)
-        raise ConfigError(composition_error(e)) from None
+        raise UserError(composition_error(e)) from None
     cluster.check()
     return cluster
 
@@ -224,7 +224,7 @@ def _reason(error: Exception) -> str:
 
 
 def check_clock_decided(path: Path, run: Run, cluster: ClusterConfig, own: ClusterConfig, params) -> None:
-    """ConfigError when the run's own clock decided its numbers (`replay.decided_by_clock`) and it is to
+    """UserError when the run's own clock decided its numbers (`replay.decided_by_clock`) and it is to
     be timed on another cluster or parameter count: its weights hold what that other cluster would
     have made late, so the clock would time a run that never happened."""
     decided = decided_by_clock(run.resolved)
@@ -237,7 +237,7 @@ def check_clock_decided(path: Path, run: Run, cluster: ClusterConfig, own: Clust
     if params is not None and params != run_params(run.rows):
         other.append(f"--model-params {params:,} (its own {run_params(run.rows):,})")
     if other:
-        raise ConfigError(
+        raise UserError(
             f"{path} was trained with {decided}: its own clock chose which replicas were late, so its "
             f"weights are that cluster's; timed on {' and '.join(other)} it would be a run that never "
             "happened; valid: its own cluster and size (no cluster overrides or --model-params), or a "
@@ -258,15 +258,15 @@ def main(argv: list[str] | None = None) -> int:
             check_clock_decided(path, run, cluster, own, args.model_params)
             try:
                 results.append((path, clock_of(run.rows, run.resolved, cluster, args.model_params)))
-            except (ConfigError, ValueError, KeyError) as e:
+            except (UserError, ValueError, KeyError) as e:
                 if len(args.runs) == 1:
-                    raise ConfigError(f"{path}: {_reason(e)}") from None
+                    raise UserError(f"{path}: {_reason(e)}") from None
                 skipped.append(f"{PROG}: skipped {path}: {_reason(e)}")
                 continue
             timed.append(run)
             clusters.append(cluster)
         if not results:
-            raise ConfigError(f"none of the runs can be timed ({skipped[0].split(': ', 1)[1]})")
+            raise UserError(f"none of the runs can be timed ({skipped[0].split(': ', 1)[1]})")
         loaded, paths = timed, [path for path, _ in results]
         target, rule = target_loss(args.target, [clock for _, clock in results])
         names = list(dict.fromkeys(cluster.name for cluster in clusters))
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         where = cluster_text(chosen) if chosen else f"each run's own cluster ({', '.join(names)})"
         command = " ".join(["python -m hypertrain.clock", *argv])
         png = write(out, loaded, paths, results, target, rule, where, args.model_params, command)
-    except (ConfigError, ValueError, KeyError, OSError) as e:
+    except (UserError, ValueError, KeyError, OSError) as e:
         message = str(e) if not isinstance(e, KeyError) else f"a record lacks {e}; valid: a run's records"
         print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hypertrain.config import ConfigError, flatten
+from hypertrain.config import UserError, flatten
 from hypertrain.records import formats
 from hypertrain.records.files import json_row, merged_summary
 from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
@@ -210,7 +210,7 @@ def load_run(run_dir: Path, host: str | None = None, need_plan: bool = True) -> 
     # as the plain DiLoCo it ran), so it differs from today's runs only where it truly does.
     try:
         config = flatten(formats.upgrade_config(tree, what=str(config)))
-    except ConfigError as e:  # a newer hypertrain's run
+    except UserError as e:  # a newer hypertrain's run
         raise ReportInputError(str(e)) from None
     typed = [row for row in map(parse, rows) if row is not None]
     return Run(run_dir, typed, config, facts, run_status(typed, host), cut_short, tree)

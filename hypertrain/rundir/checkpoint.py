@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from hypertrain.config import MAY_CHANGE, ConfigError, changed_fields, flatten, setting
+from hypertrain.config import MAY_CHANGE, UserError, changed_fields, flatten, setting
 from hypertrain.failures import fault_points
 from hypertrain.records import formats
 from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
@@ -104,11 +104,11 @@ def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoints, oldest first; ConfigError when RUN/checkpoints is there but no folder
+    """The run's checkpoints, oldest first; UserError when RUN/checkpoints is there but no folder
     (a resume would train a round, then fail to write its first checkpoint)."""
     folder = Path(run_dir) / FOLDER
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(
+        raise UserError(
             f"{folder} is not a folder, so the run cannot keep its checkpoints there; valid: that file "
             "moved away (a run's checkpoints/ is a folder it makes)"
         )
@@ -117,7 +117,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load(path: Path) -> dict:
-    """A checkpoint's payload; ConfigError naming it when its bytes differ from the digest written with
+    """A checkpoint's payload; UserError naming it when its bytes differ from the digest written with
     it, or it is truncated or not a checkpoint. A checkpoint from before digests (no `.sha256` beside
     it, and none promised in its payload) loads unchecked. The payload is in today's form
     (`records.formats.upgrade_checkpoint`); one of a newer schema is refused (`formats.NewerSchema`)."""
@@ -127,23 +127,21 @@ def load(path: Path) -> dict:
     if digest.is_file():
         want, got = digest.read_text().strip(), _sha256(path)
         if got != want:
-            raise ConfigError(
+            raise UserError(
                 f"checkpoint {path} is not the one that was written (its sha256 {got[:16]}... differs "
                 f"from {digest.name}'s {want[:16]}...); valid: a checkpoint whose bytes match its digest"
             )
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
-        raise ConfigError(
+        raise UserError(
             f"checkpoint {path} cannot be read ({type(e).__name__}); valid: a whole checkpoint"
         ) from None
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ConfigError(
-            f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint"
-        )
+        raise UserError(f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint")
     saved = formats.upgrade_checkpoint(saved, f"checkpoint {path}")
     if saved["sealed"] and not digest.is_file():
-        raise ConfigError(
+        raise UserError(
             f"checkpoint {path} was written with a digest, and {digest.name} is missing; valid: a "
             "checkpoint beside its digest"
         )
@@ -157,27 +155,25 @@ def find(path: Path) -> tuple[Path, dict] | None:
     if path.is_file():
         return path, load(path)
     found = checkpoints(path)
-    unreadable: ConfigError | None = None  # the newest one that did not load
+    unreadable: UserError | None = None  # the newest one that did not load
     for candidate in reversed(found):
         try:
             saved = load(candidate)
         except formats.NewerSchema:  # not corrupt: resuming from an older one would go back silently
             raise
-        except ConfigError as e:
+        except UserError as e:
             unreadable = unreadable or e
             continue
         if unreadable is not None:  # before Hydra's job logging exists: straight to stderr
             print(f"hypertrain: warning: {unreadable}; resuming from {candidate} instead", file=sys.stderr)
         return candidate, saved
     if found:
-        raise ConfigError(
-            f"no checkpoint in {path / FOLDER} can be read; valid: a run with a whole checkpoint"
-        )
+        raise UserError(f"no checkpoint in {path / FOLDER} can be read; valid: a run with a whole checkpoint")
     return None
 
 
 def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
-    """Raise ConfigError (one line) unless the run `resolved` may continue the saved one (`load`'s
+    """Raise UserError (one line) unless the run `resolved` may continue the saved one (`load`'s
     payload: its config in today's shape)."""
     before, now = flatten(saved["config"]), flatten(resolved)
     changed = changed_fields(before, now)
@@ -185,7 +181,7 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     longer = now.get("phase.updates", 0) > before.get("phase.updates", 0)
     extended = longer and set(changed) <= {"phase.updates", "inner.decay_steps"}
     if extended and now["inner.decay_steps"] != before["inner.decay_steps"]:
-        raise ConfigError(
+        raise UserError(
             f"phase.updates={now['phase.updates']} extends the run ({before['phase.updates']} before) but "
             "the learning-rate schedule of the updates already run would change; valid: the same "
             f"inner.decay_steps as before, set explicitly (inner.decay_steps={before['inner.decay_steps']})"
@@ -193,7 +189,7 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     if changed and not extended:
         key = changed[0]  # what the user changed, not a field derived from it (its advice would loop)
         there = setting(key, before.get(key))
-        raise ConfigError(
+        raise UserError(
             f"{setting(key, now.get(key))} differs from the checkpoint's {there}; a resumed run may change "
             f"only {', '.join(f'{k}.*' for k in MAY_CHANGE[:3])} and phase.updates; valid: resume with "
             f"{there}, or start a new run in another directory"
@@ -203,7 +199,7 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     keys = PLAN_KEYS[:1] if extended else PLAN_KEYS
     differ = [k for k in keys if saved["plan"][k] != plan_facts[k]]
     if differ:
-        raise ConfigError(
+        raise UserError(
             f"{differ[0]}={plan_facts[differ[0]][:16]}... differs from the checkpoint's "
             f"{saved['plan'][differ[0]][:16]}...: the data or its order changed; valid: the run's own data"
         )
@@ -373,7 +369,7 @@ def _start_rows(data: bytes) -> list[StartRow]:
 
 
 def records_match(run_dir: Path, path: Path, saved: dict) -> None:
-    """Raise ConfigError (one line) unless `run_dir`'s metrics.jsonl holds the records checkpoint
+    """Raise UserError (one line) unless `run_dir`'s metrics.jsonl holds the records checkpoint
     `path` (payload `saved`) was written with: at least its recorded length, the session that wrote
     it (the last `start` row before that length) of the same run id, and the same sha256 of the
     bytes up to that length. A checkpoint written before run ids and digests were saved is checked
@@ -381,13 +377,13 @@ def records_match(run_dir: Path, path: Path, saved: dict) -> None:
     metrics = Path(run_dir) / METRICS_FILE
     length = int(saved["metrics_bytes"])
     if not metrics.is_file():
-        raise ConfigError(
+        raise UserError(
             f"{metrics} is missing but checkpoint {path} goes on from its first {length} bytes; valid: "
             "the run's own metrics.jsonl beside its checkpoints (restore it), or a new run directory"
         )
     data = metrics.read_bytes()
     if len(data) < length:
-        raise ConfigError(
+        raise UserError(
             f"{metrics} holds {len(data)} bytes, fewer than the {length} checkpoint {path} was written "
             "after: rows were lost; valid: the run's own metrics.jsonl (restore it), or a new run directory"
         )
@@ -397,20 +393,20 @@ def records_match(run_dir: Path, path: Path, saved: dict) -> None:
         starts = _start_rows(kept)
         theirs = starts[-1].run_id if starts else None
         if theirs != run_id:
-            raise ConfigError(
+            raise UserError(
                 f"checkpoint {path} is of run {run_id} but {metrics} is of run {theirs}; valid: a "
                 "checkpoint of the run whose records are in this directory"
             )
     if digest is not None:
         got = hashlib.sha256(kept).hexdigest()
         if got != digest:
-            raise ConfigError(
+            raise UserError(
                 f"{metrics} up to byte {length} has sha256 {got[:12]}..., not the {digest[:12]}... "
                 f"checkpoint {path} recorded: its rows were changed; valid: the run's own unedited "
                 "metrics.jsonl, or a new run directory"
             )
     elif length and not kept.endswith(b"\n"):
-        raise ConfigError(
+        raise UserError(
             f"{metrics} does not end a row at byte {length}, where checkpoint {path} (no digest: written "
             "before records were checked) goes on; valid: the run's own metrics.jsonl"
         )

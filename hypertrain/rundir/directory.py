@@ -1,6 +1,6 @@
 """A run directory is its run's own: a new run writes only into a directory that does not exist, is
 empty or holds only this run's files; rank 0 holds an exclusive lock on it while the run writes; a
-resume names a checkpoint that belongs to the records beside it. Each refusal is one ConfigError line.
+resume names a checkpoint that belongs to the records beside it. Each refusal is one UserError line.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hypertrain.config import ConfigError, ResumeMode, ResumeRequest, changed_fields, flatten, setting
+from hypertrain.config import ResumeMode, ResumeRequest, UserError, changed_fields, flatten, setting
 from hypertrain.failures import DiskFull
 from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.records import formats
@@ -67,27 +67,27 @@ def check_place(run_dir: Path) -> None:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir} lies under {existing}, which is a file; valid: a path under a directory"
         )
     try:  # permission bits do not tell for root or special filesystems: try, and leave nothing
         os.rmdir(tempfile.mkdtemp(prefix=".hypertrain-probe-", dir=existing))
     except OSError as e:
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir}: nothing can be created in {existing} ({e.strerror}); "
             "valid: a writable directory"
         ) from None
 
 
-def _in_use_error(run_dir: Path) -> ConfigError:
-    return ConfigError(
+def _in_use_error(run_dir: Path) -> UserError:
+    return UserError(
         f"hydra.run.dir={run_dir} is in use: another process holds {run_dir / LOCK_FILE} and writes there; "
         "valid: another hydra.run.dir, or wait until that run has ended"
     )
 
 
-def _no_locks_error(run_dir: Path, e: OSError) -> ConfigError:
-    return ConfigError(
+def _no_locks_error(run_dir: Path, e: OSError) -> UserError:
+    return UserError(
         f"hydra.run.dir={run_dir}: its filesystem does not support locking {run_dir / LOCK_FILE} "
         f"({errno.errorcode.get(e.errno, e.errno)}: {e.strerror}), so two runs could write it at once; "
         "valid: a run directory on a filesystem with flock (a local disk, NFS with locking)"
@@ -141,13 +141,13 @@ def check_run_dir(run_dir: Path, own: frozenset[str] = frozenset()) -> None:
     """A new run's directory: it can be created here, and it does not exist, is empty, or holds only
     this run's own files (`own`: Hydra's of this very launch, the lock file)."""
     if (run_dir / METRICS_FILE).exists():
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir} already holds a run ({METRICS_FILE}); valid: a new directory"
         )
     others = foreign(run_dir, own)
     if others:
         named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir} holds files that are not this run's ({named}); valid: a new or "
             "empty directory"
         )
@@ -168,14 +168,14 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
         if not (metrics and name == REPORT_FOLDER and is_report(run_dir / name))
     ]
     if others:
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir} holds files that are not this run's ({', '.join(others[:3])}); "
             "valid: a new or empty directory, or the directory of this run"
         )
     written = run_dir / "config.yaml"
     if not written.is_file():
         if metrics:
-            raise ConfigError(
+            raise UserError(
                 f"hydra.run.dir={run_dir} holds a run's {METRICS_FILE} without its config.yaml, so it cannot "
                 "be told to be this run's; valid: a new directory"
             )
@@ -185,7 +185,7 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
     except Exception:  # not YAML, or not a mapping: not this run's
         before = None
     if not isinstance(before, dict):
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir} holds a config.yaml that is not a run's; valid: a new directory"
         )
     was, now = flatten(formats.upgrade_config(before, what=str(written))), flatten(resolved)
@@ -193,7 +193,7 @@ def check_own_session(run_dir: Path, own: frozenset[str], resolved: dict) -> Non
     if changed:
         key = changed[0]  # what the user changed, not a field derived from it
         there = setting(key, was.get(key))
-        raise ConfigError(
+        raise UserError(
             f"hydra.run.dir={run_dir} holds another run that stopped before its first checkpoint ({there} "
             f"there, {setting(key, now.get(key))} here); valid: resume with {there}, or a new directory"
         )
@@ -250,7 +250,7 @@ def release(lock: RunLock, undo: bool = False) -> None:
 
 
 def acquire(run_dir: Path, fresh: bool = False) -> RunLock:
-    """Create `run_dir` if need be and take its lock; ConfigError (one line) when another process
+    """Create `run_dir` if need be and take its lock; UserError (one line) when another process
     holds it or the filesystem cannot lock, with whatever this call made removed again. `fresh`: a
     new run's directory (`abandon_unstarted` may empty it). A stop signal that arrives meanwhile is
     held until the lock is taken and known, so the stop removes what this call made."""
@@ -280,7 +280,7 @@ def _acquire(run_dir: Path, fresh: bool) -> RunLock:
             except FileNotFoundError:  # removed in between by a process that gave up: again
                 continue
             except OSError as e:
-                raise ConfigError(
+                raise UserError(
                     f"hydra.run.dir={run_dir}: {path} cannot be opened read-write to lock it ({e.strerror}); "
                     "valid: a run directory this user can write"
                 ) from None
@@ -290,7 +290,7 @@ def _acquire(run_dir: Path, fresh: bool) -> RunLock:
                     made_dir.rmdir()
                 except OSError:
                     pass
-            raise ConfigError(
+            raise UserError(
                 f"hydra.run.dir={run_dir}: {path} cannot be created ({e.strerror}); "
                 "valid: a writable directory"
             ) from None
@@ -393,7 +393,7 @@ def resume_target(asked: ResumeRequest, run_dir: Path) -> tuple[Path, tuple[Path
     if asked.mode in (ResumeMode.LATEST, ResumeMode.AUTO):
         found = checkpoint.find(run_dir)
         if found is None and asked.mode is ResumeMode.LATEST:
-            raise ConfigError(
+            raise UserError(
                 f"resume=true but {run_dir} holds no checkpoint; valid: hydra.run.dir=<an earlier run's "
                 "directory>, or resume=<a checkpoint file or run directory>"
             )
@@ -404,7 +404,7 @@ def resume_target(asked: ResumeRequest, run_dir: Path) -> tuple[Path, tuple[Path
         return path.parent.parent, (path, checkpoint.load(path))
     found = checkpoint.find(path) if path.is_dir() else None
     if found is None:
-        raise ConfigError(
+        raise UserError(
             f"resume={asked.given!r} is no checkpoint file and no run directory holding one; valid: true, "
             "auto, a checkpoint file, or a run directory with checkpoints/"
         )
@@ -422,7 +422,7 @@ def check_checkpoint_place(given: str, path: Path) -> None:
         if path.parent.name == checkpoint.FOLDER
         else f"it lies outside a run's {checkpoint.FOLDER}/ folder"
     )
-    raise ConfigError(
+    raise UserError(
         f"resume={given!r} is a file, but {where}; valid: a run directory, or a checkpoint inside "
         f"RUN/{checkpoint.FOLDER}/ of a run that has its {METRICS_FILE}"
     )

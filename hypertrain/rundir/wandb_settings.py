@@ -1,5 +1,5 @@
 """The W&B settings a run starts with, checked before anything is written: the mode (WANDB_MODE wins over
-logger.mode), the project name, and credentials for an online mode, each refusal one ConfigError line.
+logger.mode), the project name, and credentials for an online mode, each refusal one UserError line.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hypertrain.config import ConfigError, LoggerConfig
+from hypertrain.config import LoggerConfig, UserError
 
 # What wandb 0.31 accepts (`wandb.Settings.mode`; `run` and `shared` log online, `dryrun` offline) and
 # its project-name rule (`Settings.validate_project`); tests/test_log.py holds them to wandb's own.
@@ -30,7 +30,7 @@ def wandb_mode(logger_cfg: LoggerConfig) -> str:
 
 
 def check_wandb(logger_cfg: LoggerConfig) -> None:
-    """ConfigError (one line) when W&B could not start this run's W&B run, as far as that is known
+    """UserError (one line) when W&B could not start this run's W&B run, as far as that is known
     before anything is written: a mode wandb does not have, a project name it rejects, an online mode
     without credentials where wandb looks for them (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the
     netrc for its host, its settings file: wandb's own lookup, which reads files, asks no server)."""
@@ -39,13 +39,13 @@ def check_wandb(logger_cfg: LoggerConfig) -> None:
     mode = wandb_mode(logger_cfg)
     named = f"WANDB_MODE={mode!r}" if "WANDB_MODE" in os.environ else f"logger.mode={mode!r}"
     if mode not in WANDB_MODES:
-        raise ConfigError(f"{named} is not a W&B mode; valid: {', '.join(WANDB_MODES)}")
+        raise UserError(f"{named} is not a W&B mode; valid: {', '.join(WANDB_MODES)}")
     project = logger_cfg.project
     found = sorted({c for c in project if c in PROJECT_FORBIDDEN})
     if len(project) > PROJECT_MAX or found or not project.strip():
         why = f"{len(project)} characters" if len(project) > PROJECT_MAX else f"it holds {''.join(found)!r}"
         why = "it is empty" if not project.strip() else why
-        raise ConfigError(
+        raise UserError(
             f"logger.project={project!r} is not a W&B project name ({why}); valid: 1 to {PROJECT_MAX} "
             f"characters, none of {' '.join(PROJECT_FORBIDDEN)}"
         )
@@ -70,7 +70,7 @@ def _check_credentials(named: str) -> None:
         host = wandb_setup.singleton().settings.base_url
     except Exception as e:  # pydantic's ValidationError: several lines, the first names the setting
         said = " ".join(str(e).split())[:200]
-        raise ConfigError(
+        raise UserError(
             f"{named}: W&B's settings from the environment are not valid ({said}); valid: the WANDB_* "
             "variables as wandb documents them"
         ) from None
@@ -79,12 +79,12 @@ def _check_credentials(named: str) -> None:
             host=host, source="hypertrain", prompt=False, update_session=False
         )
     except Exception as e:  # wandb.errors.AuthenticationError: a key of the wrong form
-        raise ConfigError(
+        raise UserError(
             f"{named}: W&B's credentials for {host} are not valid ({str(e).splitlines()[0]}); valid: "
             "`wandb login`, or logger.mode=offline"
         ) from None
     if found is None:
-        raise ConfigError(
+        raise UserError(
             f"{named} needs W&B credentials for {host}, and there are none (no WANDB_API_KEY, no netrc "
             "entry, no `wandb login`); valid: `wandb login` or WANDB_API_KEY=..., or logger.mode=offline "
             "(upload later with `wandb sync`)"

@@ -12,7 +12,7 @@ import signal
 import sys
 from dataclasses import fields
 
-from hypertrain.config import ConfigError, DataConfig
+from hypertrain.config import DataConfig, UserError
 
 
 def parse_config(assignments: list[str]) -> DataConfig:
@@ -27,17 +27,17 @@ def parse_config(assignments: list[str]) -> DataConfig:
         key = key.removeprefix("data.")
         if not sep or key not in names:
             valid = "field=value with a field of DataConfig, e.g. codebooks=8"
-            raise ConfigError(f"{item!r} is not a data field assignment; valid: {valid}")
+            raise UserError(f"{item!r} is not a data field assignment; valid: {valid}")
         values[key] = value  # the text as given ("" stays ""); OmegaConf converts it to the field's type
     merged = OmegaConf.structured(DataConfig(name="speech"))
     for key, value in values.items():
         try:
             merged = OmegaConf.merge(merged, {key: value})
         except OmegaConfBaseException as error:
-            raise ConfigError(f"data.{key}={value!r}: {str(error).splitlines()[0]}") from None
+            raise UserError(f"data.{key}={value!r}: {str(error).splitlines()[0]}") from None
     cfg = OmegaConf.to_object(merged)
     if cfg.name != "speech":
-        raise ConfigError(f"name={cfg.name!r}: this command builds speech data only; valid: name=speech")
+        raise UserError(f"name={cfg.name!r}: this command builds speech data only; valid: name=speech")
     return cfg
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 manifest, found = build.read_manifest(recipe.directory), "already built"
             else:
                 manifest, found = build.build(recipe, recipe.directory), "built"
-    except ConfigError as error:
+    except UserError as error:
         print(f"hypertrain: error: {error}", file=sys.stdout if args.quiet else sys.stderr)
         return 2
     if not args.quiet:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from hypertrain.config import ConfigError, DataConfig
+from hypertrain.config import DataConfig, UserError
 from hypertrain.data.speech import corpus
 from hypertrain.data.speech.speech import Speaker
 
@@ -37,7 +37,7 @@ PACKAGES = {
 }
 
 
-class BuildError(ConfigError):
+class BuildError(UserError):
     """The inputs cannot make a dataset (too little text for the quantiser, no sentence aligned)."""
 
 
@@ -59,13 +59,13 @@ def cache_root(cfg: DataConfig) -> Path:
 
 
 def check_packages() -> dict[str, str]:
-    """The build's packages' versions; ConfigError naming the first one missing and how to install it."""
+    """The build's packages' versions; UserError naming the first one missing and how to install it."""
     found = {}
     for name, why in PACKAGES.items():
         try:
             found[name] = version(name)
         except PackageNotFoundError:
-            raise ConfigError(
+            raise UserError(
                 f"data=speech needs the Python package {name} ({why}); install the project's "
                 f"dependencies: pip install -e . (or pip install {name})"
             ) from None
@@ -73,7 +73,7 @@ def check_packages() -> dict[str, str]:
 
 
 def recipe(cfg: DataConfig) -> Recipe:
-    """The inputs of the dataset `cfg` describes and its cache directory; ConfigError (one line) for a
+    """The inputs of the dataset `cfg` describes and its cache directory; UserError (one line) for a
     bad field, a missing package, a missing espeak-ng library or voice, or a text glob matching nothing."""
     from hypertrain.data.speech import codes, features, synth
 
@@ -121,7 +121,7 @@ def build_lock(directory: Path):
     """Held while building `directory`: a second build of the same inputs (another rank, another
     user's command) waits, then finds it built. The lock file `<directory>.lock` is removed while
     still held, on every exit Python sees (a result, an error, Ctrl-C, SIGTERM: `__main__`), so none
-    is left; a waiter that then gets the lock of the removed file takes the lock anew. ConfigError
+    is left; a waiter that then gets the lock of the removed file takes the lock anew. UserError
     when the cache root cannot be written."""
     path = directory.parent / f"{directory.name}.lock"
     try:
@@ -148,8 +148,8 @@ def build_lock(directory: Path):
                 path.unlink(missing_ok=True)  # before unlocking: a waiter sees it gone and retries
 
 
-def _unwritable(directory: Path, error: OSError) -> ConfigError:
-    return ConfigError(
+def _unwritable(directory: Path, error: OSError) -> UserError:
+    return UserError(
         f"the speech cache {directory.parent} cannot be written ({error.strerror}); "
         "valid: data.cache_dir=a writable directory"
     )

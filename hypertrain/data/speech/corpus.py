@@ -39,7 +39,7 @@ class Sentences:
 
 
 def read_source(path: str) -> TextSource:
-    """The stdlib's `.py` files (`path` empty) or the glob's files; ConfigError when it matches none."""
+    """The stdlib's `.py` files (`path` empty) or the glob's files; UserError when it matches none."""
     from hypertrain.data.sources import stdlib_source, text_files_source
 
     source = stdlib_source() if not path else text_files_source(path)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hypertrain.config import ConfigError, DataConfig
+from hypertrain.config import DataConfig, UserError
 from hypertrain.data.speech import cache, text
 from hypertrain.data.speech.codes import Quantizer
 from hypertrain.data.streams import stream_index, stream_indices
@@ -142,7 +142,7 @@ class SpeechDataset:
 
 
 def speech_dataset(cfg: DataConfig) -> SpeechDataset:
-    """The speech dataset `cfg` describes, built first if its cache directory is absent; ConfigError
+    """The speech dataset `cfg` describes, built first if its cache directory is absent; UserError
     (one line) for a bad field, a missing tool or package, or too few examples for the held-out slice."""
     found = cache.recipe(cfg)
     if not cache.is_built(found.directory):
@@ -153,33 +153,33 @@ def speech_dataset(cfg: DataConfig) -> SpeechDataset:
         )
         run_build(cfg)
         if not cache.is_built(found.directory):
-            raise ConfigError(f"the speech build left no dataset in {found.directory}")
+            raise UserError(f"the speech build left no dataset in {found.directory}")
     return load(found.directory, cfg)
 
 
 def run_build(cfg: DataConfig) -> None:
     """`python -m hypertrain.data.speech build` for `cfg`, in a process of its own (its main module is light,
     as the synthesis's forked processes need); its progress bar shows on this stderr, and its one-line
-    error (exit 2) is raised here as a ConfigError."""
+    error (exit 2) is raised here as a UserError."""
     overrides = [f"{f.name}={getattr(cfg, f.name)}" for f in fields(DataConfig)]
     command = [sys.executable, "-m", "hypertrain.data.speech", "--quiet", "build", *overrides]
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if done.returncode == 2:
         said = done.stdout.strip().removeprefix("hypertrain: error: ")
-        raise ConfigError(said or "the speech build refused its arguments (exit 2)")
+        raise UserError(said or "the speech build refused its arguments (exit 2)")
     if done.returncode:
         raise RuntimeError(f"the speech build failed with exit code {done.returncode}")
 
 
 def load(directory: Path, cfg: DataConfig) -> SpeechDataset:
     """The built dataset in `directory`, in the stream order `cfg.shuffle_seed` gives, delayed by
-    `cfg.audio_delay`; ConfigError when it holds no more examples than `cfg.heldout`."""
+    `cfg.audio_delay`; UserError when it holds no more examples than `cfg.heldout`."""
     manifest = json.loads((directory / cache.MANIFEST).read_text())
     inputs = manifest["inputs"]
     frames = np.load(directory / cache.FRAMES)
     n_total = len(frames)
     if n_total <= cfg.heldout:
-        raise ConfigError(
+        raise UserError(
             f"the speech dataset in {directory} holds {n_total:,} examples, not more than "
             f"data.heldout={cfg.heldout}; valid: data.heldout < {n_total}, or more sentences "
             "(data.speech_sentences, a longer text)"

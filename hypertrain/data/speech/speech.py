@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hypertrain.config import ConfigError
+from hypertrain.config import UserError
 
 LIBRARY = "libespeak-ng.so.1"
 INSTALL = "apt-get install espeak-ng libespeak-ng1"
@@ -29,7 +29,7 @@ _BUFFER_MS = 500  # audio handed to the callback at a time
 LIST_TERMINATED, WORD, SENTENCE, MARK, PLAY, END, MSG_TERMINATED, PHONEME, SAMPLERATE = range(9)
 
 
-class EspeakMissing(ConfigError):
+class EspeakMissing(UserError):
     """espeak-ng's library cannot be loaded or initialised."""
 
 
@@ -187,13 +187,13 @@ class Speaker:
             )
         unlisted = unlisted_voice(lib, voice)
         if unlisted is not None or lib.espeak_SetVoiceByName(voice.encode()) != 0:
-            raise ConfigError(
+            raise UserError(
                 f"data.speech_voice={voice!r} is not an espeak-ng voice{unlisted or ''}; valid: a language, "
                 "name or file `espeak-ng --voices` lists, e.g. 'en-us', optionally +a variant "
                 "`espeak-ng --voices=variant` lists, e.g. 'en-us+m3'"
             )
         if lib.espeak_SetParameter(_RATE, rate, 0) != 0:
-            raise ConfigError(
+            raise UserError(
                 f"data.speech_rate={rate} is refused by espeak-ng; valid: 80..450 words per minute"
             )
         self.voice, self.rate = voice, rate
