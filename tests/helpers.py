@@ -407,7 +407,7 @@ class Outcome:
     weights: dict[str, torch.Tensor]
 
 
-def _untimed(row: dict) -> dict:
+def untimed(row: dict) -> dict:
     """A row without its timings: seconds, and the network clock (measured compute, the default, makes
     it a timing; tests/test_clock.py compares clocks of modelled compute)."""
     return {
@@ -435,8 +435,8 @@ def outcome(run_dir: Path) -> Outcome:
     rows = read_records(run_dir / METRICS_FILE)
     summary = merged_summary(rows)
     return Outcome(
-        [_untimed(r.to_json()) for r in rows if isinstance(r, UpdateRow)],
-        [_untimed(r.to_json()) for r in rows if isinstance(r, SyncRow)],
+        [untimed(r.to_json()) for r in rows if isinstance(r, UpdateRow)],
+        [untimed(r.to_json()) for r in rows if isinstance(r, SyncRow)],
         [r.eval_loss for r in rows if isinstance(r, (EvalRow, SyncRow))],
         {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
         torch.load(run_dir / "weights.pt"),
@@ -625,8 +625,8 @@ def streaming_outcome(run_dir: Path) -> Outcome:
     rows = read_records(run_dir / METRICS_FILE)
     summary = merged_summary(rows)
     return Outcome(
-        [_untimed(r.to_json()) for r in rows if isinstance(r, UpdateRow)],
-        [_untimed(r.to_json()) for r in rows if isinstance(r, SyncRow)],
+        [untimed(r.to_json()) for r in rows if isinstance(r, UpdateRow)],
+        [untimed(r.to_json()) for r in rows if isinstance(r, SyncRow)],
         [r.eval_loss for r in rows if isinstance(r, EvalRow)],
         {k: summary[k] for k in ("eval/final_loss", "train/tokens_total")},
         torch.load(run_dir / "weights.pt"),

@@ -18,7 +18,7 @@ from helpers import QUICK, assert_same_weights, entry, entry_env, in_process, st
 from hypertrain.failures.signals import STOP_SIGNALS
 from hypertrain.train import run_entry
 
-# What differs between two runs of one config by who ran them and when (tests/helpers.py's `_untimed`
+# What differs between two runs of one config by who ran them and when (tests/helpers.py's `untimed`
 # drops the same timings): measured seconds and rates, the process, the host, the ids, and the run's own
 # directory in the checkpoint rows. The network clock stays: on cluster=h100 it is a number of the run.
 IDENTITY = {"time", "pid", "host", "run_id", "wandb_run_id", "wall", "rank_seconds", "seconds", "path"}

@@ -28,9 +28,10 @@ from hypertrain.clock.formulas import (
     ring_allreduce_s,
     two_phase_s,
 )
-from hypertrain.clock.replay import clock_of, run_cluster, time_to_loss
-from hypertrain.clock.timeline import straggler_factors, taken_at
+from hypertrain.clock.replay import clock_of, in_order, run_cluster, time_to_loss
+from hypertrain.clock.timeline import straggler_factors
 from hypertrain.config import LINKS, ClusterConfig, LinkConfig, StragglerConfig, UserError
+from hypertrain.records import formats
 from hypertrain.report import retime
 from hypertrain.rundir.records import read_metrics
 
@@ -114,7 +115,8 @@ def test_stragglers_are_seeded_lognormal_and_none_at_sigma_zero():
     assert a != straggler_factors(StragglerConfig(0.5, 1), 4, 4).tolist()
 
 
-def test_taken_at_follows_the_streaming_schedule():
+def test_an_old_rows_take_follows_the_streaming_schedule():
+    taken_at = formats.streaming_take  # what a sync row written before it held `taken_at` is given
     # H 8, P 2, tau 1: fragment 0 lands after 4 (taken after 3), fragment 1 after 8 (taken after 7); at
     # the end of an 8-update phase fragment 0 is flushed: taken and landed at 8.
     assert [taken_at(4, 0, 8, 2, 1), taken_at(8, 1, 8, 2, 1), taken_at(8, 0, 8, 2, 1)] == [3, 7, 8]
@@ -270,6 +272,39 @@ def test_a_measured_clock_is_the_runs_own_rank_seconds(runs):
     assert [r["clock_s"] for r in updates] == [u["clock_s"] for u in replay["updates"]]
     inner = clock_of(rows, resolved, run_cluster(resolved))["inner_s"] / len(updates)
     assert updates[0]["clock_s"] == pytest.approx(max(updates[0]["rank_seconds"]) + inner, rel=1e-12)
+
+
+def _before_take_and_size(rows: list[dict]) -> list[dict]:
+    """The rows as a run wrote them before a sync row held its `taken_at` and `params`."""
+    return [{k: v for k, v in r.items() if k not in ("taken_at", "params")} for r in rows]
+
+
+def test_sync_rows_hold_their_take_and_size_and_older_rows_replay_the_same(runs, tmp_path):
+    """A sync row records when its pseudo-gradient was taken and how many parameters it synced (the
+    landing's own: the clock never re-derives them); records written before they did are given them
+    by `formats.upgrade_sync_row` and replay the same clock, for fp32 fragments (the ring's bytes
+    inverted) and a codec's (timed by its payload)."""
+    fp32 = tmp_path / "fp32"
+    assert entry(_args(tmp_path, "fp32", [*STREAMING, *MODELLED]), tmp_path).returncode == 0
+    written = OmegaConf.to_container(OmegaConf.load(fp32 / "config.yaml"), resolve=True)
+    for rows, resolved in ((read_metrics(fp32), written), runs["stacked"][1:]):
+        syncs = [r for r in rows if r.get("kind") == "sync"]
+        # H 4, P 2, tau 1 over 8 updates: each fragment lands H/P apart, taken one update before; the
+        # last flush of fragment 0 at 8 is taken there (docs/streaming.md)
+        assert [(r["update"], r["fragment"], r["taken_at"]) for r in syncs][:4] == [
+            (2, 0, 1), (4, 1, 3), (6, 0, 5), (8, 1, 7),
+        ]  # fmt: skip
+        assert syncs[0]["params"] + syncs[1]["params"] == _params(rows)  # the two fragments: the model
+        cluster = run_cluster(resolved)
+        older = _before_take_and_size(rows)
+        assert clock_of(older, resolved, cluster) == clock_of(rows, resolved, cluster)
+        params = _params(rows)
+        upgraded = [
+            formats.upgrade_sync_row(r, resolved, params) for r in in_order(older) if r.kind == "sync"
+        ]
+        assert [r.taken_at for r in upgraded] == [r["taken_at"] for r in syncs]
+        if resolved["outer"]["compress"] == "none":
+            assert [r.params for r in upgraded] == [r["params"] for r in syncs]
 
 
 def _clock_cli(*args, cwd=REPO):

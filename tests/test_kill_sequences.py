@@ -28,7 +28,7 @@ After every operation:
 At the end, against an uninterrupted run of the same config:
 - metrics.jsonl's training record (`record`: the held-out eval before training, every update and
   sync row, every checkpoint row) is equal (==) apart from the documented timing fields (`wall`,
-  `rank_seconds`, `*_s`: tests/helpers.py `_untimed`), with a checkpoint row's path taken relative
+  `rank_seconds`, `*_s`: tests/helpers.py `untimed`), with a checkpoint row's path taken relative
   to its run directory, and a `resume` row standing for the row of the checkpoint it resumed from;
 - every session's first summary (the plan, the data) is the uninterrupted run's, and the last
   summary is too, apart from its timings and the throughput figures, which are the last session's
@@ -67,11 +67,11 @@ from helpers import (
     KILLED,
     TIMEOUT,
     ReferenceRuns,
-    _untimed,
     assert_same_weights,
     finish,
     start_entry,
     stderr_lines,
+    untimed,
 )
 
 from hypertrain.config import MAY_CHANGE
@@ -234,7 +234,7 @@ def record(run_dir: Path) -> list[dict]:
     out = []
     for r in read_metrics(run_dir / METRICS_FILE):
         if r["kind"] in ("eval", "update", "sync"):
-            out.append(_untimed(r))
+            out.append(untimed(r))
         elif r["kind"] == "checkpoint":
             out.append(_checkpoint_entry(run_dir, r["path"], r["update"], r["round"]))
         elif r["kind"] == "resume":
@@ -243,7 +243,7 @@ def record(run_dir: Path) -> list[dict]:
 
 
 def _untimed_summary(row: dict) -> dict:
-    return {k: v for k, v in _untimed(row).items() if not k.startswith("bench/") and k not in SESSION_FIGURES}
+    return {k: v for k, v in untimed(row).items() if not k.startswith("bench/") and k not in SESSION_FIGURES}
 
 
 def assert_sessions(run_dir: Path, reference: Path) -> None:

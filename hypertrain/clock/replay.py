@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from hypertrain.clock.timeline import Clock, Shape, taken_at
+from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import ClusterConfig, UserError
 from hypertrain.records import formats
 from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
@@ -79,8 +79,9 @@ def clock_of(
     landing after it), `syncs` (per sync row: update, fragment and `Clock.sync`'s split), `heldout`
     ({update, clock_s, eval_loss}: the held-out curve, from eval rows and DiLoCo's sync rows, each at
     the clock after the syncs of its update) and `Clock.summary`'s totals without their `clock/`."""
-    shape = Shape.of(formats.upgrade_config(resolved))
-    clock = Clock(shape, cluster, run_params(rows), model_params, run_active_params(rows))
+    resolved = formats.upgrade_config(resolved)
+    shape, params = Shape.of(resolved), run_params(rows)
+    clock = Clock(shape, cluster, params, model_params, run_active_params(rows))
     updates, syncs, heldout = [], [], []
     for row in in_order(rows):
         u = row.update
@@ -88,9 +89,8 @@ def clock_of(
             updates.append({"update": u, "clock_s": clock.update(row)})
             continue
         if isinstance(row, SyncRow):
-            p = row.fragment or 0  # a row does not hold when its pseudo-gradient was taken: the schedule's
-            taken = taken_at(u, p, shape.H, shape.fragments, shape.delay)
-            syncs.append({"update": u, "fragment": p} | clock.sync(row, taken))
+            row = formats.upgrade_sync_row(row, resolved, params)
+            syncs.append({"update": u, "fragment": row.fragment or 0} | clock.sync(row))
         if isinstance(row, EvalRow) or row.eval_loss is not None:  # DiLoCo's sync row holds one
             heldout.append({"update": u, "clock_s": clock.heldout(row.eval_loss), "eval_loss": row.eval_loss})
     totals = {key.removeprefix("clock/"): value for key, value in clock.summary().items()}

@@ -36,24 +36,6 @@ def straggler_factors(straggler: StragglerConfig, round_index: int, replicas: in
     return np.exp(straggler.sigma * z)
 
 
-def taken_at(count: int, fragment: int, H: int, P: int, tau: int) -> int:
-    """The update count after which the pseudo-gradient landing after `count` was taken (the streaming
-    schedule, docs/streaming.md): tau earlier at its scheduled landing `k*H + (p+1)*H/P`; at the phase's
-    final flush, when it was in flight, at its scheduled take; otherwise at the landing itself. What the
-    replay reads a finished run's sync rows with (training hands `Clock.sync` the landing's own)."""
-    if tau == 0:
-        return count
-    stride = H // P
-    if (count % H or H) == (fragment + 1) * stride:
-        return count - tau
-    k = (count - 1) // H
-    for period in (k, k + 1):
-        land = period * H + (fragment + 1) * stride
-        if land - tau < count < land:
-            return land - tau
-    return count
-
-
 @dataclass(frozen=True)
 class Shape:
     """What of a run's config the clock reads: R, the L ranks of a replica, H, the fragments, their
@@ -145,9 +127,9 @@ class Clock:
         self.total_s += compute + inner
         return self.total_s
 
-    def sync(self, row: SyncRow, taken_at: int) -> dict:
-        """A `sync` row (`update`, `fragment`, `comm_outer_bytes`, `payload_bytes`) whose pseudo-gradient
-        was taken after update count `taken_at`: the outer exchange among the R replicas over the inter
+    def sync(self, row: SyncRow) -> dict:
+        """A `sync` row (`update`, `taken_at`, `params`, `comm_outer_bytes`, `payload_bytes`: what the
+        landing recorded, never re-derived here): the outer exchange among the R replicas over the inter
         link by scheme (fp32 ring all-reduce of the synced parameters; a compressed payload's
         all-gather, or two_phase's all-to-all then the all-gather of shard means at the landing), the
         part started at the take hidden by the compute of the updates since. Returns the row's clock
@@ -159,18 +141,13 @@ class Clock:
         if not row.comm_outer_bytes:  # R = 1, or no replica stepped: nothing was exchanged
             pass
         elif shape.compress == "none":
-            synced = (
-                FP32_BYTES * self.run_params
-                if shape.fragments == 1
-                else row.comm_outer_bytes * R / (2 * (R - 1))  # the fragment's: the ring formula inverted
-            )
-            hideable = ring_allreduce_s(synced * self.scale, R, self.inter)
+            hideable = ring_allreduce_s(FP32_BYTES * row.params * self.scale, R, self.inter)
         elif shape.reduce == "two_phase" and shape.compress != "topk":
             b = row.figures["payload_bytes"] * self.scale
             hideable = at_landing = all_to_all_s(b, R, self.inter)
         else:
             hideable = all_gather_s(row.figures["payload_bytes"] * self.scale, R, self.inter)
-        since = range(taken_at + 1, u + 1)
+        since = range(row.taken_at + 1, u + 1)
         exposed = exposed_s(hideable, sum(self.recent.get(v, 0.0) for v in since))
         split = {
             "clock_compute_s": self.since_compute_s,

@@ -1,6 +1,7 @@
 """Every upgrade of what a run writes and reads back later, in one place, keyed by `SCHEMA_VERSION`:
-the resolved config (config.yaml, a checkpoint's `config`), a checkpoint's payload, and the command
-line's older spellings. A file of a newer schema than this code reads is refused in one line.
+the resolved config (config.yaml, a checkpoint's `config`), a checkpoint's payload, a sync row written
+before it held its take and size, and the command line's older spellings. A file of a newer schema
+than this code reads is refused in one line.
 
 `SCHEMA_VERSION` is written into config.yaml (`schema_version: N`, its first line) and every
 checkpoint payload (`"schema_version": N`, an int: the payload stays builtins and tensors). Version 0
@@ -17,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError
+from hypertrain.records.rows import SyncRow
 
 SCHEMA_VERSION = 1
 VERSION_KEY = "schema_version"
@@ -162,6 +164,46 @@ def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:
         saved = step(saved)
     config = upgrade_config(saved["config"], version, what)
     return {**saved, "config": config, VERSION_KEY: SCHEMA_VERSION}
+
+
+# -- the records ----------------------------------------------------------------------------------
+
+
+def streaming_take(count: int, fragment: int, H: int, P: int, tau: int) -> int:
+    """The update count after which the pseudo-gradient landing after `count` was taken, by the
+    streaming schedule of docs/streaming.md as it was before a sync row held it: tau earlier at its
+    scheduled landing `k*H + (p+1)*H/P`; at the phase's final flush, when it was in flight, at its
+    scheduled take; otherwise at the landing itself."""
+    if tau == 0:
+        return count
+    stride = H // P
+    if (count % H or H) == (fragment + 1) * stride:
+        return count - tau
+    k = (count - 1) // H
+    for period in (k, k + 1):
+        land = period * H + (fragment + 1) * stride
+        if land - tau < count < land:
+            return land - tau
+    return count
+
+
+def upgrade_sync_row(row: SyncRow, resolved: dict, run_params: int) -> SyncRow:
+    """A sync row written before it held `taken_at` and `params` (any run before schema 1's rows
+    gained them; found by their absence), given them as its run's config says: the take by the
+    streaming schedule, the parameters synced the run's (`run_params`) without fragments, else the fp32
+    ring's bytes inverted (a codec's row is timed by its payload, so its `params` stays None). Today's
+    row is returned as it is."""
+    if row.taken_at is not None:
+        return row
+    outer, R = resolved["outer"], int(resolved["replicas"])
+    H, P, tau = int(resolved["inner"]["H"]), int(outer["fragments"]), int(outer["delay"])
+    params = row.params
+    if params is None and P == 1:
+        params = run_params
+    elif params is None and row.comm_outer_bytes and str(outer["compress"]) == "none":
+        params = round(row.comm_outer_bytes * R / (2 * (R - 1)) / 4)  # `_ring_bytes` inverted
+    taken = streaming_take(int(row.update), row.fragment or 0, H, P, tau)
+    return dataclasses.replace(row, taken_at=taken, params=params)
 
 
 # -- the command line -----------------------------------------------------------------------------

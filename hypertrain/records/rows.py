@@ -252,6 +252,8 @@ class SyncRow(Row):
     update: int = _maybe("updates done when it landed")
     round: int = _maybe("the round it ends")
     fragment: int | None = _maybe("with fragments: the fragment synced")
+    taken_at: int | None = _maybe("updates done when its pseudo-gradient was taken (`update` less the delay)")
+    params: int | None = _maybe("the parameters synced (the fragment's, with fragments)")
     eval_loss: float | None = _maybe("without fragments: the new global weights' held-out loss")
     pseudo_grad_norm: float | None = _maybe("the norm of the mean pseudo-gradient")
     replicas_synced: int | None = _maybe("the replicas that took part")

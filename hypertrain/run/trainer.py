@@ -76,6 +76,8 @@ def sync_rows(
             update=count,
             round=rnd.index,
             fragment=sync.fragment if cfg.outer.fragments > 1 else None,
+            taken_at=sync.taken_at,
+            params=sync.params,
             eval_loss=eval_loss if cfg.outer.fragments == 1 else None,
             pseudo_grad_norm=sync.delta_norm,
             replicas_synced=sync.synced,
@@ -96,7 +98,7 @@ def sync_rows(
             totals.replica_steps_reached += sum(facts.steps.values())
             totals.contributed_sha256 = chain_digest(totals.contributed_sha256, facts, cfg.outer.fragments)
         if clock is not None:
-            row.figures |= clock.sync(row, sync.taken_at)
+            row.figures |= clock.sync(row)
             if row.eval_loss is not None:
                 clock.heldout(row.eval_loss)
         rows.append(row)
