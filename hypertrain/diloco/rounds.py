@@ -99,8 +99,14 @@ class Segment:
         """[P, updates]: every process's `name` (PROCESS_COLUMNS) per update."""
         return PROCESS_COLUMNS.of(self.ranks, name)
 
+    def stepped(self, t: int) -> Tensor:
+        """bool [R]: which replicas took update `t`'s step (churn keeps the others out)."""
+        return self.replica_column("stepped")[t].bool()
+
     def losses(self, t: int) -> list[float | None]:
-        return [None if math.isnan(x) else x for x in self.replica_column("loss")[t].tolist()]
+        """Update `t`'s loss of every replica; None for one that did not step."""
+        losses = self.replica_column("loss")[t].tolist()
+        return [x if took else None for x, took in zip(losses, self.stepped(t).tolist(), strict=True)]
 
 
 def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
@@ -110,6 +116,7 @@ def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tens
         means = res.channel_losses[t] if res.channel_losses else None
         aux, low, high = (res.routing[t] if res.routing and res.routing[t] else None) or (math.nan,) * 3
         return REPLICA_COLUMNS.row(
+            stepped=float(res.losses[t] is not None),
             loss=math.nan if res.losses[t] is None else res.losses[t],
             targets=a.batches[t].replica_total,
             microbatches=len(a.batches[t].microbatches),

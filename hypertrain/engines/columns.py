@@ -34,12 +34,22 @@ class Columns:
         return [values[name] for name in self.names]
 
 
-# A replica's update: its loss (NaN when it skipped the step), its targets, its microbatches (the most
-# of its ranks' shares), for multistream the text channel's token mean and the audio channels' mean,
-# and for a mixture of experts its load-balancing loss (unweighted) and the smallest and largest
-# fraction of routing slots an expert got (NaN otherwise).
+# A replica's update: whether it stepped (1) or not (0: churn kept it out; its figures are then NaN, a
+# float tensor's filler, never read: `Segment.stepped` and `Segment.losses` are what is read, None for a
+# replica that did not step), its loss, its targets, its microbatches (the most of its ranks' shares),
+# for multistream the text channel's token mean and the audio channels' mean, and for a mixture of
+# experts its load-balancing loss (unweighted) and the smallest and largest fraction of routing slots an
+# expert got (NaN for a model without them).
 REPLICA_COLUMNS = Columns(
-    "loss", "targets", "microbatches", "text_loss", "audio_loss", "router_aux", "expert_min", "expert_max"
+    "stepped",
+    "loss",
+    "targets",
+    "microbatches",
+    "text_loss",
+    "audio_loss",
+    "router_aux",
+    "expert_min",
+    "expert_max",
 )
 
 # A process's update, its replicas' (or rank's) shares summed: examples, supervised target tokens,

@@ -126,8 +126,7 @@ def router_figures(rnd: Segment, t: int) -> dict[str, float]:
     that stepped (`loss/router_aux`; W&B `train/loss/router_aux`), and the smallest and largest fraction
     of routing slots an expert got in any of them (`experts/min_fraction`, `experts/max_fraction`;
     balanced is top_k / n_experts, 0 a dead expert)."""
-    aux = rnd.replica_column("router_aux")[t]
-    stepped = ~torch.isnan(aux)
+    aux, stepped = rnd.replica_column("router_aux")[t], rnd.stepped(t)
     if not bool(stepped.any()):
         return {}
     return {
@@ -141,7 +140,7 @@ def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
     """multistream: update `t`'s text and mean audio training losses, averaged over the replicas that
     stepped (`loss/text`, `loss/audio_mean`; W&B `train/loss/text`, `train/loss/audio_mean`)."""
     text, audio = rnd.replica_column("text_loss")[t], rnd.replica_column("audio_loss")[t]
-    stepped = ~torch.isnan(text)
+    stepped = rnd.stepped(t)
     if not bool(stepped.any()):
         return {}
     return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
@@ -285,7 +284,8 @@ def train(
                 grad_accum=int(rnd.replica_column("microbatches")[t].max()),
                 wall=round_end,
                 rank_seconds=rnd.process_column("seconds")[:, t].tolist(),  # each process's time
-                figures=channel_losses(rnd, t) | router_figures(rnd, t),
+                figures=(channel_losses(rnd, t) if cfg.model.arch == "multistream" else {})
+                | (router_figures(rnd, t) if cfg.model.is_moe else {}),
             )
             if clock is not None:
                 row.clock_s = clock.update(row)
