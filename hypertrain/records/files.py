@@ -66,7 +66,9 @@ def session_rows(path: Path | str, since: int = 0) -> list[dict]:
 
 def readable_rows(data: bytes) -> list[dict]:
     """The rows among `data`'s lines (metrics.jsonl bytes), leaving out a line that is not JSON (a row
-    cut short by a kill)."""
+    cut short by a kill). What a resume reads its own records with: it takes `NaN` and `Infinity` as
+    Python's json does (never written since the writer refuses them, but a run written before may hold
+    one, and must still resume); the report and the clock read with the strict `read_metrics`."""
     rows = []
     for line in data.splitlines():
         try:
