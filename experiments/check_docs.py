@@ -11,6 +11,13 @@ wrote it and the commit.
 
 `--runs DIR` keeps the runs (a finished run whose overrides are the same is reused), so a check then a
 `--write` trains once.
+
+Tables of figures that depend on the machine that measured them (the timings of docs/performance.md,
+docs/moe.md, docs/resume.md and the README, the real link's seconds in docs/clock.md, the rounding
+differences of docs/parity.md) cannot be compared digit for digit: each is listed in MEASURED with the
+machine and the command its page names, and `--list` prints them as not comparable. Where such a table
+also holds cells that do not depend on the machine (payload bytes, the ring's formula), those cells are
+registered as a table of their own (compression-sizes, performance-dist-bytes, checkpoint-size).
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Output:
-    """What a command left: a training run's rows, or a script's stdout."""
+    """What a command left: a training run's rows and its train.log, or a script's stdout."""
 
     rows: list[dict] = field(default_factory=list)
     stdout: str = ""
+    log: str = ""
 
     @property
     def summary(self) -> dict:
@@ -282,32 +290,101 @@ def markdown_cell(run: str, key: str, column: str, key_columns: int = 2) -> Cell
     return cell
 
 
-def clock_study_streaming() -> Table:
-    """docs/clock.md's study: the streaming sweep's rows (the compression sweep's are not registered)."""
-    study = streaming_study()
-    links = ("datacenter_100g", "cross_region_10g", "internet_1g")
+COMPRESSORS = {  # docs/compression.md's rows: the compressor's overrides, and its runs' folder
+    "none": ("none", ("outer.compress=none",)),
+    "int8": ("int8", ("outer.compress=int8",)),
+    "fp8_e4m3": ("fp8_e4m3", ("outer.compress=fp8_e4m3",)),
+    "fp4_e2m1": ("fp4_e2m1", ("outer.compress=fp4_e2m1",)),
+    "topk 1%, error feedback": ("topk-ef", ("outer.compress=topk", "outer.error_feedback=true")),
+}
+
+
+def compression_run(row: str, fragments: str) -> str:
+    return f"compression/{COMPRESSORS[row][0]}-p{fragments}"  # a sweep folder: clock-study's
+
+
+def vs_none(run: str, plain: str) -> Cell:
+    return lambda out: f"{out[run].summary['eval/final_loss'] - out[plain].summary['eval/final_loss']:+.4f}"
+
+
+def compression_study() -> Table:
+    cells: dict[tuple[str, str], Cell] = {}
+    commands = {}
+    for fragments in ("1", "2"):
+        for row, (_, overrides) in COMPRESSORS.items():
+            run = compression_run(row, fragments)
+            commands[run] = ("inner.H=8", *overrides, f"outer.fragments={fragments}")
+            key = f"{row} | {fragments}"
+            cells[key, "held-out final"] = final(run)
+            cells[key, "outer bytes/replica"] = number(run, "comm/outer_total_bytes", ",")
+            cells[key, "peak bytes/sync"] = number(run, "comm/outer_peak_bytes", ",")
+            if row != "none":
+                cells[key, "vs none"] = vs_none(run, compression_run("none", fragments))
+    header = "| compress | P | held-out final | outer bytes/replica | peak bytes/sync | vs none |"
+    return Table("compression-study", "docs/compression.md", header, commands, cells, key_columns=2)
+
+
+CLOCK_LINKS = ("datacenter_100g", "cross_region_10g", "internet_1g")
+CLOCK_COLUMNS = ["target", "held-out final", *(f"{link} s (vs plain)" for link in CLOCK_LINKS)]
+
+
+def clock_study(sweep: str, study: Table, settings: list[str]) -> Table:
+    """docs/clock.md's study: the rows of one sweep (its runs are those of `study`, in its folder)."""
     commands = dict(study.commands)
-    commands["clock-study"] = (
+    commands[f"clock-study-{sweep}"] = (
         "script:experiments/clock_study.py",
-        "{streaming}",
+        "{" + sweep + "}",
         "--model-params",
         "1000000000",
         "--device",
         "h100",
         "--links",
-        *links,
+        *CLOCK_LINKS,
     )
-    columns = ["target", "held-out final", *(f"{link} s (vs plain)" for link in links)]
     cells: dict[tuple[str, str], Cell] = {}
-    for alpha in ("0.0", "0.5"):
-        for fragments in ("1", "2", "4"):
-            for delay in ("0", "1"):
-                key = f"streaming | P={fragments} tau={delay} alpha={alpha}"
-                cells |= {(key, c): markdown_cell("clock-study", key, c) for c in columns}
-    header = "| " + " | ".join(["sweep", "setting", *columns]) + " |"
+    for setting in settings:
+        key = f"{sweep} | {setting}"
+        cells |= {(key, c): markdown_cell(f"clock-study-{sweep}", key, c) for c in CLOCK_COLUMNS}
+    header = "| " + " | ".join(["sweep", "setting", *CLOCK_COLUMNS]) + " |"
     return Table(
-        "clock-study-streaming", "docs/clock.md", header, commands, cells, key_columns=2, cheap=False
+        f"clock-study-{sweep}", "docs/clock.md", header, commands, cells, key_columns=2, cheap=study.cheap
     )
+
+
+def clock_study_streaming() -> Table:
+    settings = [
+        f"P={fragments} tau={delay} alpha={alpha}"
+        for alpha in ("0.0", "0.5")
+        for fragments in ("1", "2", "4")
+        for delay in ("0", "1")
+    ]
+    return clock_study("streaming", streaming_study(), settings)
+
+
+def clock_study_compression() -> Table:
+    labels = {"none": "", "int8": " int8", "fp8_e4m3": " fp8_e4m3", "fp4_e2m1": " fp4_e2m1"}
+    labels["topk 1%, error feedback"] = " topk +EF"
+    settings = [
+        f"P={fragments} tau=0 alpha=0.0{labels[row]}" for row in COMPRESSORS for fragments in ("1", "2")
+    ]
+    return clock_study("compression", compression_study(), settings)
+
+
+def compression_sizes() -> Table:
+    """docs/performance.md's codec table: its byte counts only (its seconds are timings: MEASURED)."""
+    commands = {"compression-sizes": ("script:experiments/bench/compression.py", "--sizes")}
+    cells: dict[tuple[str, str], Cell] = {}
+    for codec in ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk"):
+        line = rf"(?m)^{codec} +([\d,]+) +([\d.]+)"
+        cells[codec, "payload B/replica (default)"] = script_figure("compression-sizes", line)
+        cells[codec, "x below fp32"] = script_figure(
+            "compression-sizes", line.replace("([\\d,]+)", "[\\d,]+")
+        )
+    header = (
+        "| codec | payload B/replica (default) | x below fp32 | enc+dec s (default) | % of round | "
+        "enc+dec s (base) | % of round |"
+    )
+    return Table("compression-sizes", "docs/performance.md", header, commands, cells)
 
 
 def heldout_line(run: str) -> Cell:
@@ -330,6 +407,117 @@ def moe_heldout() -> Table:
     return Table("moe-heldout", "docs/moe.md", "| model | held-out |", commands, cells)
 
 
+def deduplicated(run: str, column: str) -> Cell:
+    """The examples before de-duplication, the distinct ones or the dropped ones, from the run's data line
+    in train.log ("488,316 windows of 65 (4,265 duplicates dropped)")."""
+
+    def cell(out: dict[str, Output]) -> str:
+        found = re.search(
+            r"([\d,]+) (?:windows|paragraphs) of .*?([\d,]+) duplicates dropped\)", out[run].log
+        )
+        if found is None:
+            raise ValueError(f"{run}'s train.log has no line of its examples")
+        distinct, dropped = (int(n.replace(",", "")) for n in found.groups())
+        return f"{ {'examples': distinct + dropped, 'distinct': distinct, 'dropped': dropped}[column]:,}"
+
+    return cell
+
+
+def concepts_duplicates() -> Table:
+    commands = {
+        "data-windows": ("phase.updates=1", "phase.timing_warmup=0", "checkpoint.every=0"),
+        "data-documents": (
+            "data.examples=documents",
+            "data.max_len=256",
+            "phase.updates=1",
+            "phase.timing_warmup=0",
+            "checkpoint.every=0",
+        ),
+    }
+    rows = {
+        "`data.examples=windows`, `seq_len=64`": "data-windows",
+        "`data.examples=documents`, `max_len=256`": "data-documents",
+    }
+    cells = {
+        (row, c): deduplicated(run, c)
+        for row, run in rows.items()
+        for c in ("examples", "distinct", "dropped")
+    }
+    header = "| stdlib, Python 3.11.7 | examples | distinct | dropped |"
+    return Table("concepts-duplicates", "docs/concepts.md", header, commands, cells)
+
+
+def checkpoint_size() -> Table:
+    """docs/resume.md's checkpoint sizes: the parameters and the file (its write seconds are the disk's)."""
+    commands = {"checkpoint-size": ("script:experiments/bench/checkpoint_size.py", "--repeats", "1")}
+    rows = {  # the page's row -> the script's, and the file's digits as printed
+        "default (`model=tiny`, R 4)": ("default (model=tiny, R 4)", 1),
+        "`model=base`, R 16": ("model=base, R 16", 0),
+    }
+    cells: dict[tuple[str, str], Cell] = {}
+    for row, (case, digits) in rows.items():
+        line = rf"(?m)^{re.escape(case)} +([\d,]+) +([\d.]+) "
+        cells[row, "parameters"] = script_figure("checkpoint-size", line)
+        mib = script_figure("checkpoint-size", line.replace("([\\d,]+)", "[\\d,]+"))
+        cells[row, "file"] = lambda out, mib=mib, digits=digits: f"{float(mib(out)):.{digits}f} MiB"
+    header = "| config | parameters | file | write (median, min-max) |"
+    return Table("checkpoint-size", "docs/resume.md", header, commands, cells, cheap=False)  # 582 MiB written
+
+
+DIST_CASES = {  # experiments/bench/dist_overhead.py's case -> its row's label in docs/distributed.md
+    "benchmark W2 R1 (L 2)": "benchmark W2 R1 (L 2)",
+    "benchmark W4 R2 (L 2)": "benchmark W4 R2 (L 2)",
+    "replicas P2 W4 R4": "replicas P2 W4 R4",
+}
+
+
+def dist_collective_bytes(case: str, k: int) -> Cell:
+    """The k-th byte count (inner payload, its formula, outer payload, its formula) of a case's row in
+    dist_overhead's table of collectives (the seconds between them are the machine's)."""
+    row = rf"(?m)^{re.escape(case)} +([\d,]+) +([\d,]+) .*?% +([\d,]+) +([\d,]+) "
+
+    def cell(out: dict[str, Output]) -> str:
+        collectives = out["dist-overhead"].stdout.split("dist's collectives", 1)[1]
+        found = re.search(row, collectives)
+        if found is None:
+            raise ValueError(f"dist-overhead's table of collectives has no row {case!r}")
+        return found.group(k)
+
+    return cell
+
+
+def dist_bytes(name: str, doc: str, header: str, labels: dict[str, str], names: list[str]) -> Table:
+    """A table of the bytes rank 0 hands to collectives under processes=dist, beside the ring's formula:
+    the same in every repeat (one is run; the pages' commands repeat 5 times for the seconds)."""
+    commands = {"dist-overhead": ("script:experiments/bench/dist_overhead.py", "--repeats", "1")}
+    cells = {
+        (labels[case], column): dist_collective_bytes(case, k + 1)
+        for case in DIST_CASES
+        for k, column in enumerate(names)
+    }
+    return Table(name, doc, header, commands, cells, cheap=False)
+
+
+def distributed_bytes() -> Table:
+    header = "| run | inner payload / update | formula | outer payload / sync | formula | why they differ |"
+    names = ["inner payload / update", "formula", "outer payload / sync", "formula 2"]
+    return dist_bytes("distributed-bytes", "docs/distributed.md", header, DIST_CASES, names)
+
+
+def performance_dist_bytes() -> Table:
+    labels = {
+        "benchmark W2 R1 (L 2)": "benchmark W2 R1",
+        "benchmark W4 R2 (L 2)": "benchmark W4 R2",
+        "replicas P2 W4 R4": "replicas layout P2 W4 R4",
+    }
+    header = (
+        "| case | inner payload / update | formula | inner ms / update | share of update | "
+        "outer payload / sync | formula | outer ms / sync |"
+    )
+    names = ["inner payload / update", "formula", "outer payload / sync", "formula 2"]
+    return dist_bytes("performance-dist-bytes", "docs/performance.md", header, labels, names)
+
+
 TABLES = {
     t.name: t
     for t in (
@@ -341,8 +529,161 @@ TABLES = {
         moe_aux_split(),
         moe_heldout(),
         clock_study_streaming(),
+        compression_study(),
+        clock_study_compression(),
+        compression_sizes(),
+        distributed_bytes(),
+        performance_dist_bytes(),
+        concepts_duplicates(),
+        checkpoint_size(),
     )
 }
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A table of figures that depend on the machine that measured them (timings, page faults, rounding
+    differences of one CPU's torch build): never compared digit for digit. Its page names the machine and
+    the command; `--list` prints them as not comparable. Cells of such a table that do not depend on the
+    machine (byte and parameter counts) are registered in TABLES where a cheap command gives them."""
+
+    doc: str
+    header: str  # the table's header line as printed (tests/test_check_docs.py finds it on its page)
+    machine: str
+    command: str
+
+
+PERFORMANCE = "docs/performance.md"
+XEON = "the 2-vCPU Intel Xeon (performance.md's machine table)"
+EPYC = "the 2-core AMD EPYC (performance.md's machine table)"
+UNNAMED = "a 2-core CPU whose model was not recorded"
+MEASURED = (
+    Measured(
+        PERFORMANCE,
+        "| measurement | seed | ours | ratio | target |",
+        XEON + ", a3bdf44",
+        "python experiments/bench/plan_speed.py",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| mode | opt | d | R | loop ms | stacked ms | stacked/loop | loop r-s/s | stacked r-s/s | "
+        "stacked % peak |",
+        XEON + ", e2bcefd",
+        "python experiments/bench/stacked_vs_loop.py --repeats 9",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| R = 16, AdamW | run 1 (peak 251.6) | run 2 (peak 293.0) | run 3 (peak 223.9, table above) | "
+        "target |",
+        XEON + ", e2bcefd",
+        "python experiments/bench/stacked_vs_loop.py --repeats 9",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| target | measured (runs 2 and 3) | verdict |",
+        XEON + ", e2bcefd",
+        "python experiments/bench/stacked_vs_loop.py --repeats 9",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| d | run | loop eager | loop compiled | stacked eager | stacked compiled | "
+        "stacked matmul + attention | floor | rest (compiled) | target |",
+        XEON,
+        "python experiments/bench/stacked_floor.py",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| recorded | default glibc | kept |",
+        EPYC + ", c6d17dd (the docstring's row: not recorded)",
+        "python -c \"from test_runtime import faults_per_step as f; print('default', f('default'), 'keep', "
+        "f('keep'))\" (in tests/)",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| case | P | dist | stacked | stacked-1t | run wall s, dist / stacked |",
+        UNNAMED + ", 7729e1e",
+        "python experiments/bench/dist_overhead.py --repeats 5",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| case | dist / stacked, median | best/best | dist / stacked-1t, median | best/best |",
+        UNNAMED + ", 7733dec to 7729e1e",
+        "python experiments/bench/dist_overhead.py --repeats 5",
+    ),
+    Measured(  # its byte columns are compared: performance-dist-bytes
+        PERFORMANCE,
+        "| case | inner payload / update | formula | inner ms / update | share of update | "
+        "outer payload / sync | formula | outer ms / sync |",
+        UNNAMED + ", 7729e1e",
+        "python experiments/bench/dist_overhead.py --repeats 5",
+    ),
+    Measured(  # its presentations and distinct ids do not depend on the machine (a sweep of 4 dist runs)
+        PERFORMANCE,
+        "| phase | world | examples/s | examples/s per rank | tokens/s | compute ms/update | "
+        "all-reduce ms/update | all-reduce share | presentations | distinct ids | scaling efficiency |",
+        EPYC + ", c8c8043",
+        "python -m hypertrain.train experiment=phases logger=none",
+    ),
+    Measured(
+        PERFORMANCE,
+        "| phase | world | examples/s | examples/s per rank | frames/s | tokens/s | padded tokens/s | "
+        "compute ms/update | all-reduce ms/update | all-reduce share | padding efficiency | presentations | "
+        "distinct ids | scaling efficiency | status |",
+        EPYC + ", 0ca656b",
+        "python -m hypertrain.train experiment=audio_phases data.speech_sentences=6000 logger=none",
+    ),
+    Measured(  # its byte columns are compared: compression-sizes
+        PERFORMANCE,
+        "| codec | payload B/replica (default) | x below fp32 | enc+dec s (default) | % of round | "
+        "enc+dec s (base) | % of round |",
+        "a 2-core CPU shared with other work, 2026-12-02",
+        "python experiments/bench/compression.py",
+    ),
+    Measured(
+        "docs/moe.md",
+        "| | grouped | dense masked | grouped / dense |",
+        "the 2-core development CPU, 95b27de",
+        "python experiments/bench/moe_stacked.py --repeats 5",
+    ),
+    Measured(
+        "docs/moe.md",
+        "| optimizer | model | loop ms | stacked ms | stacked / loop |",
+        "the 2-core development CPU, 95b27de",
+        "python experiments/bench/moe_stacked.py --repeats 5",
+    ),
+    Measured(  # its parameters and file sizes are compared: checkpoint-size
+        "docs/resume.md",
+        "| config | parameters | file | write (median, min-max) |",
+        "the 2-core development machine's disk",
+        "python experiments/bench/checkpoint_size.py",
+    ),
+    Measured(
+        "README.md",
+        "| run | eager | compiled, empty cache | compiled, cache filled |",
+        "the 2-core development CPU, ed7eaa4",
+        "python -m hypertrain.train logger=none [engine.compile=true]",
+    ),
+    Measured(
+        "docs/clock.md",
+        "| rate | world | collective | formula | measured median | difference |",
+        "the 2-core development machine's network namespaces (as root), 2026-12-02",
+        "python -m pytest -s tests/test_clock_link.py",
+    ),
+    Measured(
+        "docs/parity.md",
+        "| case | stack | loss rel | weight rel (norm) | weight max rel (per entry) |",
+        "torch 2.13 CPU, 2 threads (rounding differences of that build)",
+        "python experiments/sim/parity_equiv.py",
+    ),
+    Measured(
+        "docs/parity.md",
+        "| dist run | layout | losses bitwise | max rel loss diff | final held-out, dist / simulation | "
+        "max rel held-out diff | weights max rel (norm) |",
+        "the 2-core development CPU (rounding differences of its torch build)",
+        "python -m hypertrain.train experiment=quick logger=none processes=dist world=2 replicas=1 (and the "
+        "rest of the page's commands, one pair per row)",
+    ),
+)
 
 
 # ---------------------------------------------------------------- reading and comparing a page
@@ -350,6 +691,15 @@ TABLES = {
 
 def split_row(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def columns(table: Table) -> list[str]:
+    """The table's column headers, a repeated one numbered from its second ("formula", "formula 2")."""
+    named, seen = [], {}
+    for column in split_row(table.header):
+        seen[column] = seen.get(column, 0) + 1
+        named.append(column if seen[column] == 1 else f"{column} {seen[column]}")
+    return named
 
 
 def find_table(text: str, table: Table) -> tuple[int, int]:
@@ -370,12 +720,12 @@ def find_table(text: str, table: Table) -> tuple[int, int]:
 def printed_cells(text: str, table: Table) -> dict[tuple[str, str], str]:
     """The table's cells as printed: (the row's key, the column's header) -> the cell."""
     first, end = find_table(text, table)
-    columns = split_row(table.header)
+    names = columns(table)
     cells = {}
     for line in text.splitlines()[first:end]:
         row = split_row(line)
         key = " | ".join(row[: table.key_columns])
-        cells |= {(key, column): cell for column, cell in zip(columns, row, strict=True)}
+        cells |= {(key, column): cell for column, cell in zip(names, row, strict=True)}
     return cells
 
 
@@ -391,9 +741,21 @@ def compare(text: str, table: Table, computed: dict[tuple[str, str], str]) -> li
     return wrong
 
 
+STAMP = "Written by `python experiments/check_docs.py --write "
+
+
 def stamp(table: Table, commit: str) -> str:
+    """The line under a table; one that registers some of its columns names them (the others are figures
+    of the machine that measured them, MEASURED)."""
+    named = list(zip(columns(table), split_row(table.header), strict=True))[table.key_columns :]
+    registered = [header for column, header in named if any(key[1] == column for key in table.cells)]
+    which = ""
+    if len(registered) < len(named):
+        which = f" (its columns {', '.join(dict.fromkeys(registered))}"
+        machine = any(m.doc == table.doc and m.header == table.header for m in MEASURED)
+        which += "; the others are the machine's, `--list`)" if machine else ")"
     return (
-        f"Written by `python experiments/check_docs.py --write {table.name}` at {commit} from its commands, "
+        f"{STAMP}{table.name}` at {commit} from its commands{which}, "
         f"one run each (`--list` prints them); `python experiments/check_docs.py "
         f"{table.name}` checks them."
     )
@@ -403,16 +765,22 @@ def written(text: str, table: Table, computed: dict[tuple[str, str], str], commi
     """The page with the table's registered cells set to the computed ones, stamped below the table."""
     first, end = find_table(text, table)
     lines = text.splitlines()
-    columns = split_row(table.header)
+    names = columns(table)
     for i in range(first, end):
         row = split_row(lines[i])
         key = " | ".join(row[: table.key_columns])
-        row = [computed.get((key, column), cell) for column, cell in zip(columns, row, strict=True)]
+        row = [computed.get((key, column), cell) for column, cell in zip(names, row, strict=True)]
         lines[i] = "| " + " | ".join(row) + " |"
     line = stamp(table, commit)
-    prefix = f"Written by `python experiments/check_docs.py --write {table.name}`"
-    if end + 1 < len(lines) and lines[end + 1].startswith(prefix):
-        lines[end + 1] = line
+    # The stamps below a table, one a line after a blank one (a table registered in parts has several).
+    stamps = end + 1
+    while stamps < len(lines) and lines[stamps].startswith(STAMP):
+        stamps += 1
+    own = [i for i in range(end + 1, stamps) if lines[i].startswith(f"{STAMP}{table.name}`")]
+    if own:
+        lines[own[0]] = line
+    elif stamps > end + 1:
+        lines[stamps:stamps] = [line]
     else:
         lines[end:end] = ["", line]
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
@@ -447,7 +815,11 @@ def run(name: str, command: tuple[str, ...], runs: Path, outputs: dict[str, Outp
         same.write_text(json.dumps(list(command)))
     if script:
         return Output(stdout=done.read_text())
-    return Output(rows=[json.loads(line) for line in done.read_text().splitlines() if line.strip()])
+    log = run_dir / "train.log"
+    return Output(
+        rows=[json.loads(line) for line in done.read_text().splitlines() if line.strip()],
+        log=log.read_text() if log.exists() else "",
+    )
 
 
 def commit() -> str:
@@ -479,6 +851,10 @@ def main() -> int:
             print(f"{t.name} ({t.doc}, {'cheap' if t.cheap else 'expensive'}):")
             for c in t.commands.values():
                 print(f"    {printed(c)}")
+        print("not comparable (figures of the machine that measured them; the page names it):")
+        for m in MEASURED:
+            print(f"  {m.doc}: {m.header[:60]}{'...' if len(m.header) > 60 else ''}")
+            print(f"    measured on {m.machine}: {m.command}")
         return 0
     runs = args.runs or Path(tempfile.mkdtemp(prefix="check_docs-"))
     outputs: dict[str, Output] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hypertrain.clock.replay import clock_of, time_to_loss
-from hypertrain.config import upgrade_resolved
+from hypertrain.records.formats import upgrade_config
 from hypertrain.report.retime import compose_cluster
 from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
@@ -50,7 +50,7 @@ def sweep_runs(sweep: Path) -> list[tuple[Path, list[dict], dict]]:
 
     for metrics in sorted(sweep.rglob(METRICS_FILE), key=lambda p: (str(p.parent.parent), job_order(p))):
         run = metrics.parent
-        resolved = upgrade_resolved(OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True))
+        resolved = upgrade_config(OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True))
         runs.append((run, read_metrics(run), resolved))
     return runs
 

@@ -121,6 +121,27 @@ def start_entry(args: list[str], cwd: Path, env: dict | None = None, torchrun: i
     )
 
 
+# A sitecustomize that makes the hydra_plugins packages named in HIDDEN_PLUGINS not installed, as far as
+# Python and Hydra's plugin scan can tell: the scan lists none of them, an import of one finds nothing.
+HIDE_PLUGINS = """
+import importlib.abc, os, pkgutil, sys
+
+hidden = {"hydra_plugins." + name for name in os.environ["HIDDEN_PLUGINS"].split(",")}
+
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == h or name.startswith(h + ".") for h in hidden):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+listed = pkgutil.iter_modules
+pkgutil.iter_modules = lambda path=None, prefix="": (m for m in listed(path, prefix) if m.name not in hidden)
+"""
+
+
 # Overrides whose runs start processes of their own (torch's elastic agent, a sweep's launcher): `entry`
 # runs them on the real command line.
 STARTS_PROCESSES = (

@@ -13,6 +13,7 @@ it, and `test_the_errors_page_is_the_catalogue` fails when the page and the case
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -22,12 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import RUN, ReferenceRuns, entry, tree
+from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, entry, tree
 
 from hypertrain.failures import EXIT_CODES
 from hypertrain.rundir.checkpoint import seal
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "errors.md"
 BASE = RUN
 # A one-node cluster whose controller does not run: port 1 on loopback refuses at once (privileged,
 # never a slurmctld's), so `scontrol ping` says DOWN without waiting (no munged is needed for that).
@@ -631,6 +633,20 @@ CASES = {
         "created or submitted (an sbatch that refuses at submission: the same, exit 2)",
         files={"slurm.conf": DEAD_CLUSTER},
         env={"SLURM_CONF": "{cwd}/slurm.conf"},
+    ),
+    "launcher-plugin-not-installed": Case(
+        "a sweep's launcher whose Hydra plugin is not installed (hydra/launcher=joblib, submitit_local, "
+        "slurm or slurm_dist without pyproject.toml's dev extra; here both plugins are hidden from "
+        "Python and Hydra's plugin scan by a sitecustomize)",
+        ["-m", "replicas=1,2", "hydra/launcher=joblib", "hydra.sweep.dir=sweep"],
+        "hydra/launcher=joblib needs the Hydra plugin hydra-joblib-launcher, which is not installed",
+        "python -m pip install the package the line names (or the whole dev extra: scripts/setup --dev), "
+        "or no hydra/launcher (Hydra's basic launcher runs the jobs one by one); no sweep folder is made",
+        files={"hide/sitecustomize.py": HIDE_PLUGINS.encode()},
+        env={
+            "PYTHONPATH": f"{{cwd}}/hide{os.pathsep}{REPO}",
+            "HIDDEN_PLUGINS": "hydra_joblib_launcher,hydra_submitit_launcher",
+        },
     ),
     "nccl-without-cuda": Case(
         "processes.backend=nccl on a machine without CUDA",

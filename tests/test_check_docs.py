@@ -44,7 +44,7 @@ def test_the_check_passes_on_the_printed_digits_and_fails_when_one_digit_is_chan
         if " | ".join(check_docs.split_row(lines[i])[: table.key_columns]) == key[0]
     )
     cells = check_docs.split_row(lines[row])
-    column = check_docs.split_row(table.header).index(key[1])
+    column = check_docs.columns(table).index(key[1])
     digit = re.search(r"\d(?=\D*$)", cells[column])  # the cell's last digit, changed by one
     changed = str((int(digit.group()) + 1) % 10)
     cells[column] = cells[column][: digit.start()] + changed + cells[column][digit.end() :]
@@ -53,6 +53,27 @@ def test_the_check_passes_on_the_printed_digits_and_fails_when_one_digit_is_chan
 
     wrong = check_docs.compare(edited, table, recorded)
     assert wrong == [f"{key[0]} / {key[1]}: printed {cells[column]}, the commands give {printed[key]}"]
+
+
+@pytest.mark.parametrize("measured", check_docs.MEASURED, ids=lambda m: f"{m.doc}:{m.header[:30]}")
+def test_every_table_of_the_machine_is_on_its_page_naming_the_command_that_measures_it(measured):
+    """The tables `--list` prints as not comparable are on their pages (a renamed header is found here), and
+    each page names the command that measured them."""
+    text = (REPO / measured.doc).read_text()
+    first, end = check_docs.find_table(text, measured)
+    assert end > first
+    command = measured.command.split(" (")[0]  # what follows in parentheses is a note
+    assert command in " ".join(text.split())
+
+
+def test_a_repeated_column_is_named_by_its_place():
+    table = TABLES["distributed-bytes"]
+    assert check_docs.columns(table)[1:5] == [
+        "inner payload / update",
+        "formula",
+        "outer payload / sync",
+        "formula 2",
+    ]
 
 
 def sync_rows(losses: list[float]) -> list[dict]:
@@ -86,3 +107,26 @@ def test_cells_are_read_from_the_records_at_the_printed_precision_and_a_written_
     twice = check_docs.written(once, table, computed, "def5678")
     assert twice.count("check_docs.py --write churn-deadline`") == 1 and "at def5678" in twice
     assert len(twice.splitlines()) == len(once.splitlines())
+
+
+def test_a_table_registered_in_parts_keeps_one_stamp_per_part():
+    """docs/clock.md's study is two registered tables under one header: each write replaces its own stamp
+    and leaves the other's."""
+    text = (REPO / "docs" / "clock.md").read_text()
+    for name in ("clock-study-compression", "clock-study-streaming", "clock-study-compression"):
+        table = TABLES[name]
+        printed = check_docs.printed_cells(text, table)
+        text = check_docs.written(text, table, {key: printed[key] for key in table.cells}, "abc1234")
+        assert check_docs.compare(text, table, {key: printed[key] for key in table.cells}) == []
+    assert text.count("--write clock-study-streaming`") == 1
+    assert text.count("--write clock-study-compression`") == 1
+
+
+def test_the_stamp_of_a_table_of_the_machine_names_the_columns_it_wrote():
+    """performance.md's codec table: its byte columns are written and checked, its seconds are listed as
+    the machine's (MEASURED), and its stamp says which are which."""
+    table = TABLES["compression-sizes"]
+    line = check_docs.stamp(table, "abc1234")
+    assert "(its columns payload B/replica (default), x below fp32; the others are the machine's" in line
+    assert any(m.header == table.header for m in check_docs.MEASURED)
+    assert "(its columns" not in check_docs.stamp(TABLES["compression-study"], "abc1234")

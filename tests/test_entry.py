@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CONF, QUICK, compose_train, entry
+from helpers import CONF, HIDE_PLUGINS, QUICK, compose_train, entry
 from omegaconf import OmegaConf
 
 from hypertrain import plan
@@ -124,27 +124,6 @@ def test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group(tmp_path, laun
     assert len(groups) == 1 and groups.pop().startswith("quick-")
     # The data order depends on R, not on the world.
     assert digests["0_w4_r1_h3"] == digests["2_w8_r1_h3"] != digests["1_w4_r2_h3"]
-
-
-# A sitecustomize that makes the hydra_plugins packages named in HIDDEN_PLUGINS not installed, as far as
-# Python and Hydra's plugin scan can tell: the scan lists none of them, an import of one finds nothing.
-HIDE_PLUGINS = """
-import importlib.abc, os, pkgutil, sys
-
-hidden = {"hydra_plugins." + name for name in os.environ["HIDDEN_PLUGINS"].split(",")}
-
-
-class NotInstalled(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == h or name.startswith(h + ".") for h in hidden):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, NotInstalled())
-listed = pkgutil.iter_modules
-pkgutil.iter_modules = lambda path=None, prefix="": (m for m in listed(path, prefix) if m.name not in hidden)
-"""
 
 
 @pytest.mark.parametrize(

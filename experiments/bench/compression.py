@@ -8,9 +8,11 @@ interleaved repeats, beside the compute of one stacked round of H = 5 updates (f
 of the same 16 replicas at the default workload's global batch (256 windows of 64 tokens: 16 rows per
 replica): measured for the default model; for base one update takes ~20 s on 2 CPU cores, so its round
 is 5 x one measured update (the second of two, the first paying one-time costs). The ratios are printed
-side by side, never asserted (the issue aims at <= 5% of a round).
+side by side, never asserted (the issue aims at <= 5% of a round). `--sizes` prints the default model's
+payload bytes and their ratio to fp32 only, nothing timed: the machine-independent cells of
+docs/performance.md's table, which experiments/check_docs.py compares.
 
-    .venv/bin/python experiments/bench/compression.py [--repeats 3]
+    .venv/bin/python experiments/bench/compression.py [--repeats 3] [--sizes]
 """
 
 from __future__ import annotations
@@ -94,12 +96,28 @@ def codec_seconds(m: ModelConfig, outer: OuterConfig, repeats: int) -> dict[str,
     }
 
 
+def print_sizes(m: ModelConfig, outer: OuterConfig) -> None:
+    blocks = Blocks(tuple(math.prod(s) for s in param_shapes(m).values()), outer.block)
+    print(
+        f"model {m.name}: {count_params(m):,} parameters, block {outer.block}, "
+        f"topk fraction {outer.topk_fraction}"
+    )
+    print("codec      payload B/replica  x vs fp32")
+    for codec in CODECS:
+        size = payload_size(codec, blocks, outer.topk_fraction)
+        print(f"{codec:<10} {size:>17,}  {4 * blocks.numel / size:9.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", action="store_true", help="the default model's payload bytes only")
     args = parser.parse_args()
-    keep_freed_memory()  # as the trainer does (hypertrain/run/runtime.py)
     outer, H = OuterConfig(), InnerConfig().H
+    if args.sizes:
+        print_sizes(MODELS["default"], outer)
+        return
+    keep_freed_memory()  # as the trainer does (hypertrain/run/runtime.py)
     rows = PhaseConfig().global_batch // R
     print(
         f"R = {R}, block {outer.block}, topk fraction {outer.topk_fraction}, round: H = {H} stacked updates "
