@@ -5,8 +5,9 @@ itself.
 engine, processes, logger, checkpoint, guard, cluster: the network clock's target) plus `replicas` (R)
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
 raising `UserError` (a `ValueError`) with one line naming the field, the bad value and what is
-valid. The checks across sections and against the plan are `hypertrain.preflight.checks.validate`.
-Nothing of hypertrain is imported here.
+valid. A string choice is an enum of `hypertrain.choices` (the only module of hypertrain imported
+here): OmegaConf refuses any other value, so no check here repeats it. The checks across sections
+and against the plan are `hypertrain.preflight.checks.validate`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,28 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("loop", "stacked")  # engine.name values; hypertrain.engines maps each to its engine
-PROCESSES = ("one", "dist")  # processes.name values
-LAYOUTS = ("auto", "benchmark", "replicas")  # processes.layout values (hypertrain.distributed.layouts)
-# outer.compress values (hypertrain.diloco.codecs implements all but none) and outer.reduce values
-COMPRESSORS = ("none", "int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk")
-REDUCTIONS = ("gather", "two_phase")
+from hypertrain.choices import (
+    Arch,
+    Backend,
+    Compressor,
+    Compute,
+    DataName,
+    EngineName,
+    Examples,
+    InnerName,
+    LoggerName,
+    PhaseKind,
+    Precision,
+    ProcessesName,
+    ProcessLayout,
+    ProgressLine,
+    Reduction,
+    RejoinState,
+    StatePolicy,
+    TokenDtype,
+    WandbMode,
+)
+
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 HELDOUT_ROWS_PER_PASS = (
     64  # rows of one held-out forward pass (run.prepare batches them; run.memory sizes them)
@@ -42,7 +59,7 @@ class ModelConfig:
     name: str = "tiny"
     # decoder (one token stream), or multistream (several token channels per position, e.g. text and
     # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each)
-    arch: str = "decoder"
+    arch: Arch = Arch.decoder
     # mixture of experts (docs/moe.md): every layer's SwiGLU MLP becomes n_experts SwiGLU experts of
     # width expert_ffn and a linear router; each token goes to its top_k experts (softmax over all,
     # the chosen k renormalised, as Mixtral), dropless; Mixtral's load-balancing loss, weighted by
@@ -64,11 +81,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     norm_eps: float = 1e-6  # RMSNorm's epsilon (Hugging Face's rms_norm_eps)
-    compute_dtype: str = "fp32"  # fp32, or bf16 autocast (weights and optimizer stay fp32)
+    compute_dtype: Precision = Precision.fp32  # fp32, or bf16 autocast (weights and optimizer stay fp32)
 
     def check(self) -> None:
-        _choice("model.arch", self.arch, ("decoder", "multistream"))
-        _choice("model.compute_dtype", self.compute_dtype, ("fp32", "bf16"))
         if self.is_moe:
             self.check_experts()
         _at_least("model.expert_ffn", self.expert_ffn, 0)
@@ -112,7 +127,7 @@ class ModelConfig:
 
 @dataclass
 class InnerConfig:
-    name: str = "adamw"  # adamw, or muon (Muon on hidden matrices, AdamW on the rest)
+    name: InnerName = InnerName.adamw  # adamw, or muon (Muon on hidden matrices, AdamW on the rest)
     H: int = 5  # inner steps per round (the default run: 8 rounds of the strong phase)
     lr: float = 3e-3  # peak learning rate (Muon's is scaled 0.2*sqrt(max(rows, cols)) per matrix)
     warmup_steps: int = 10  # linear warmup over the first updates of the phase
@@ -126,15 +141,14 @@ class InnerConfig:
     wd: float = 0.1  # decoupled weight decay, on matrices only
     grad_clip: float = 1.0  # per-replica global gradient-norm clip; 0 = off
     micro_batch: int = 0  # rows in one forward pass; 0 = a replica's whole share in one pass
-    state_policy: str = "carry"  # at every sync: carry (kept per replica), reset, or average
+    state_policy: StatePolicy = StatePolicy.carry  # at every sync: carry (kept per replica), reset, average
     muon_momentum: float = 0.95
     ns_steps: int = 5  # Newton-Schulz iterations
-    ns_dtype: str = "fp32"  # fp32 or bf16 for the Newton-Schulz iteration
+    ns_dtype: Precision = Precision.fp32  # fp32 or bf16 for the Newton-Schulz iteration
 
     def check(self) -> None:
         if not self.eps > 0:
             raise UserError(f"inner.eps={self.eps!r} is not valid; valid: > 0")
-        _choice("inner.name", self.name, ("adamw", "muon"))
         _at_least("inner.H", self.H, 1)
         _at_least("inner.lr", self.lr, 0.0)
         for name in ("warmup_steps", "decay_steps", "rewarmup_steps", "micro_batch", "ns_steps"):
@@ -147,8 +161,6 @@ class InnerConfig:
                 raise UserError(f"inner.{name}={value!r} is out of range; valid: [0, 1)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:  # 1 = no decay; 0 = the cosine ends at a rate of exactly 0
             raise UserError(f"inner.min_lr_ratio={self.min_lr_ratio!r} is out of range; valid: [0, 1]")
-        _choice("inner.state_policy", self.state_policy, ("carry", "reset", "average"))
-        _choice("inner.ns_dtype", self.ns_dtype, ("fp32", "bf16"))
 
 
 @dataclass
@@ -174,12 +186,12 @@ class OuterConfig:
     # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1 (one fp32 scale per
     # block), or topk (the largest-magnitude outer.topk_fraction of each block, fp32 values and int32
     # indices). Each replica's contribution is its own decoded payload.
-    compress: str = "none"
+    compress: Compressor = Compressor.none
     block: int = 128  # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk
     # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
     # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
-    reduce: str = "gather"
+    reduce: Reduction = Reduction.gather
     topk_fraction: float = 0.01  # compress=topk: the fraction of each block sent, in (0, 1]
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
@@ -192,8 +204,6 @@ class OuterConfig:
         _at_least("outer.delay", self.delay, 0)
         if not 0.0 <= self.merge_alpha <= 1.0:
             raise UserError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
-        _choice("outer.compress", self.compress, COMPRESSORS)
-        _choice("outer.reduce", self.reduce, REDUCTIONS)
         _at_least("outer.block", self.block, 1)
         if not 0.0 < self.topk_fraction <= 1.0:
             raise UserError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
@@ -214,16 +224,13 @@ class PhaseConfig:
     """A benchmark phase. `kind` strong uses `global_batch`; weak uses `base_world` and `per_rank_batch`."""
 
     name: str = "strong"
-    kind: str = "strong"  # strong or weak
+    kind: PhaseKind = PhaseKind.strong  # strong or weak
     offset: int = 0  # first id of the phase in the stream
     global_batch: int = 256  # strong: ids per update
     base_world: int = 8  # weak: B, the world whose streams are replicated; world must be k*B
     per_rank_batch: int = 32  # weak: b, ids per rank per update
     updates: int = 40
     timing_warmup: int = 10  # first updates left out of train/replica_steps_per_s (none left if >= updates)
-
-    def check(self) -> None:
-        _choice("phase.kind", self.kind, ("strong", "weak"))
 
 
 @dataclass
@@ -236,13 +243,13 @@ class WorldConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib (embedded default), text_files, token_bin, or speech (docs/audio.md)
+    name: DataName = DataName.stdlib  # stdlib (embedded), text_files, token_bin, speech (docs/audio.md)
     # text_files: a glob of the user's files; token_bin: the token file; speech: a glob of the text to
     # speak ("" = the stdlib's docstrings and comments; a glob ending in .py reads the docstrings and
     # comments of those files, any other glob plain text)
     path: str = ""
-    token_dtype: str = "uint16"  # token_bin: uint16 or uint32
-    examples: str = "windows"  # windows (fixed seq_len + 1 ids) or documents (variable length)
+    token_dtype: TokenDtype = TokenDtype.uint16  # token_bin: uint16 or uint32
+    examples: Examples = Examples.windows  # windows (fixed seq_len + 1 ids) or documents (variable length)
     seq_len: int = 64  # windows: tokens the model reads per row (each row holds seq_len + 1 ids)
     max_len: int = 256  # documents: a paragraph is cut at max_len + 1 ids (max_len targets)
     heldout: int = 256  # the last ids of the stream, never trained on, for the held-out loss
@@ -281,9 +288,6 @@ class DataConfig:
             raise UserError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
 
     def check(self) -> None:
-        _choice("data.name", self.name, ("stdlib", "text_files", "token_bin", "speech"))
-        _choice("data.examples", self.examples, ("windows", "documents"))
-        _choice("data.token_dtype", self.token_dtype, ("uint16", "uint32"))
         if self.name == "speech":
             self.check_speech()
         if self.name in ("text_files", "token_bin") and not self.path:
@@ -306,14 +310,13 @@ class DataConfig:
 class EngineConfig:
     # How a process computes its replicas: stacked (all replicas of a sub-round as one model with a
     # leading replica axis, the fast path) or loop (one after another, the reference); docs/parity.md
-    name: str = "stacked"
+    name: EngineName = EngineName.stacked
     stack: int = 0  # stacked: replicas per sub-round; 0 = all of the process's replicas
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default; at most the CPUs a process may use
     compile: bool = False  # torch.compile the loss (forward and backward) and the inner optimizer step
 
     def check(self) -> None:
-        _choice("engine.name", self.name, ENGINES)
         _at_least("engine.stack", self.stack, 0)
         _at_least("engine.threads", self.threads, 0)
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -333,20 +336,17 @@ TIMEOUT_MAX_S = 365 * 24 * 3600
 class ProcessesConfig:
     # How many processes hold the replicas and how they talk: one (this process holds every replica:
     # the simulation) or dist (P real processes, torch.distributed; docs/distributed.md)
-    name: str = "one"
+    name: ProcessesName = ProcessesName.one
     nproc: int = 0  # dist: processes P; 0 = the launcher's count under torchrun or srun, else world.size
-    layout: str = "auto"  # dist: benchmark (P = world.size), replicas (P divides replicas), or auto
+    layout: ProcessLayout = ProcessLayout.auto  # dist: benchmark (P = W), replicas (P divides R), or auto
     timeout_s: float = 30.0  # dist: a collective waiting longer (a dead or hung rank) stops the run
-    backend: str = "auto"  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
+    backend: Backend = Backend.auto  # dist: gloo, nccl, or auto (nccl on cuda devices, else gloo)
     # dist, self-launched: how often torch's agent may restart every worker after one failed, each
     # restart resuming from the newest checkpoint (docs/resume.md, "Restarts"); under torchrun its
     # --max-restarts decides (0 here, or the same number)
     max_restarts: int = 0
 
     def check(self) -> None:
-        _choice("processes.name", self.name, PROCESSES)
-        _choice("processes.layout", self.layout, LAYOUTS)
-        _choice("processes.backend", self.backend, ("auto", "gloo", "nccl"))
         _at_least("processes.nproc", self.nproc, 0)
         if self.max_restarts < 0:
             raise UserError(
@@ -370,17 +370,12 @@ class ProcessesConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb or none (metrics.jsonl is always written)
+    name: LoggerName = LoggerName.wandb  # wandb or none (metrics.jsonl is always written)
     project: str = "hypertrain"
-    mode: str = "offline"  # offline, online or disabled; the WANDB_MODE environment variable wins
+    mode: WandbMode = WandbMode.offline  # offline, online or disabled; WANDB_MODE in the environment wins
     group: str = ""  # empty = the experiment name, or the sweep's name in a multirun
     entity: str = ""
-    progress: str = "auto"  # auto (a live line only on a terminal), always, never
-
-    def check(self) -> None:
-        _choice("logger.name", self.name, ("wandb", "none"))
-        _choice("logger.mode", self.mode, ("offline", "online", "disabled"))
-        _choice("logger.progress", self.progress, ("auto", "always", "never"))
+    progress: ProgressLine = ProgressLine.auto  # auto (a live line only on a terminal), always, never
 
 
 @dataclass
@@ -502,7 +497,7 @@ class ClusterConfig:
     name: str = "cpu_here"  # the preset chosen (conf/cluster/), a label only
     # measured (the run's own seconds per update: its slowest process's) or modelled
     # (6 * params * tokens of a replica / (peak_tflops * 1e12 * mfu))
-    compute: str = "measured"
+    compute: Compute = Compute.measured
     peak_tflops: float = 0.1  # modelled: one replica's peak, TFLOP/s (1e12 FLOP/s) in the dtype trained
     mfu: float = 0.3  # modelled: the fraction of the peak reached, in [1e-6, 1]
     intra: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["infiniband"]))
@@ -518,7 +513,6 @@ class ClusterConfig:
         finite numbers, in the ranges that keep the clock's seconds finite (MAX_STRAGGLER_SIGMA's)."""
         check_finite_floats(self, "cluster.")
         check_int64(self, "cluster.")
-        _choice("cluster.compute", self.compute, ("measured", "modelled"))
         if not self.peak_tflops >= MIN_PEAK_TFLOPS:
             raise UserError(
                 f"cluster.peak_tflops={self.peak_tflops!r} is out of range; valid: >= {MIN_PEAK_TFLOPS:g} "
@@ -532,7 +526,6 @@ class ClusterConfig:
 
 
 CHURN_EVENTS = ("miss", "leave", "rejoin")
-REJOIN_STATES = ("reset", "carry")
 
 
 @dataclass
@@ -547,7 +540,7 @@ class ChurnConfig:
     p_miss: float = 0.0  # per round and present replica
     p_leave: float = 0.0  # per round and present replica
     mean_absence: float = 2.0  # rounds, the mean of the geometric absence (>= 1)
-    rejoin_state: str = "reset"  # a rejoining replica's inner optimizer state: reset (zeros) or carry
+    rejoin_state: RejoinState = RejoinState.reset  # a rejoining replica's inner state: reset (zeros) or carry
     events: list[str] = field(default_factory=list)  # "ROUND:REPLICA:EVENT", EVENT one of CHURN_EVENTS
     min_quorum: int = 1  # a sync with fewer contributing replicas is skipped (1: only an empty one)
     seed: int = 0
@@ -581,7 +574,6 @@ class ChurnConfig:
         _at_least("churn.mean_absence", self.mean_absence, 1.0)
         _at_least("churn.seed", self.seed, 0)  # numpy's seeds are non-negative
         _at_least("churn.deadline", self.deadline, 0.0)
-        _choice("churn.rejoin_state", self.rejoin_state, REJOIN_STATES)
         if not 1 <= self.min_quorum <= replicas:
             raise UserError(
                 f"churn.min_quorum={self.min_quorum!r} is out of range; valid: 1 to replicas ({replicas})"
@@ -674,27 +666,32 @@ class TrainConfig:
             section.check()
         _at_least("replicas", self.replicas, 1)
         for section in (
-            self.phase,
             self.data,
             self.engine,
             self.processes,
             self.guard,
             self.checkpoint,
-            self.logger,
             self.cluster,
         ):
             section.check()
         self.churn.check(self.replicas)
 
 
-def _choice(name: str, value: Any, valid: tuple) -> None:
-    if value not in valid:
-        raise UserError(f"{name}={value!r} is not valid; valid: {', '.join(repr(v) for v in valid)}")
-
-
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UserError(f"{name}={value!r} is too small; valid: >= {low}")
+
+
+def as_builtins(section: Any) -> Any:
+    """A config dataclass (or a value of one) as builtins: dicts, lists, and a choice as its plain str,
+    what a checkpoint (`torch.load(weights_only=True)`), config.yaml or W&B may hold."""
+    if dataclasses.is_dataclass(section):
+        return {f.name: as_builtins(getattr(section, f.name)) for f in dataclasses.fields(section)}
+    if isinstance(section, list | tuple):
+        return [as_builtins(item) for item in section]
+    if isinstance(section, Enum):
+        return section.value
+    return section
 
 
 def check_finite_floats(node: Any, prefix: str = "") -> None:

@@ -85,7 +85,6 @@ def test_config_units_convert_to_bytes_and_seconds():
         ({"mfu": 1.5}, r"cluster.mfu=1.5 is out of range; valid: \[1e-06, 1\]"),
         ({"mfu": 0.0}, r"cluster.mfu=0.0 is out of range; valid: \[1e-06, 1\]"),
         ({"peak_tflops": -1.0}, "cluster.peak_tflops=-1.0 is out of range; valid: >= 1e-06"),
-        ({"compute": "guessed"}, "cluster.compute='guessed' is not valid"),
         (
             {"straggler": StragglerConfig(sigma=-0.1)},
             r"cluster.straggler.sigma=-0.1 is out of range; valid: \[0, 10\]",
@@ -359,11 +358,12 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, args, message):
     [
         "cluster.straggler.sigma=nan",  # the clock said nan seconds, exit 0
         "cluster.inter.latency_us=inf",
+        "cluster.compute=guessed",  # a choice: OmegaConf refuses it as either entry composes
     ],
 )
 def test_the_clock_command_refuses_a_cluster_number_with_trainings_own_line(tmp_path, capsys, override):
-    """One validation for both entries (`ClusterConfig.check`): a cluster number training refuses, the
-    clock command refuses with the same line, exit 2 (both in this process)."""
+    """One validation for both entries (`ClusterConfig.check`, the choices' enums): a cluster value
+    training refuses, the clock command refuses with the same line, exit 2 (both in this process)."""
     run = tmp_path / "run"
     run.mkdir()
     for name in ("metrics.jsonl", "config.yaml"):  # refused before either is read

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from hypertrain.config import ENGINES
+from hypertrain.choices import EngineName
 from hypertrain.engines import engine_for, loop, stacked
 
 
 def test_each_engine_name_selects_its_own_engine():
     assert engine_for("loop") is loop.train_replicas
     assert engine_for("stacked") is stacked.train_replicas
-    assert set(ENGINES) == {"loop", "stacked"}  # how many processes is processes=, not an engine
+    assert set(EngineName) == {"loop", "stacked"}  # how many processes is processes=, not an engine
 
 
 def test_an_unknown_engine_name_is_an_error_not_a_default():

@@ -168,10 +168,3 @@ def test_the_run_entry_gives_the_loop_losses(tmp_path):
     batches: list = []
     ref, _ = run_rounds(cfg, loop.train_replicas, torch.float64, batches)
     assert_losses_within_rounding(stacked, looped, ref, rounding_floors(cfg, batches, len(ref))[0])
-
-
-def test_unsupported_model_is_a_clear_error():
-    cfg = cfg_for(3, 1, 0)
-    cfg = replace(cfg, model=replace(cfg.model, compute_dtype="fp16"))
-    with pytest.raises(ValueError, match="engine=stacked: model.compute_dtype='fp16'"):
-        stacked.check_supported(cfg)

@@ -7,7 +7,6 @@ replay (`replay.clock_of`) feeds it a finished run's rows: one arithmetic, so on
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from hypertrain.clock.formulas import (
     modelled_compute_s,
     ring_allreduce_s,
 )
-from hypertrain.config import ClusterConfig, StragglerConfig
+from hypertrain.config import ClusterConfig, StragglerConfig, as_builtins
 from hypertrain.records.rows import SyncRow, UpdateRow
 
 FP32_BYTES = 4
@@ -190,7 +189,7 @@ class Clock:
     def state_dict(self) -> dict:
         """Plain numbers: what a checkpoint keeps so that a resumed run's clock goes on exactly."""
         return {
-            "cluster": dataclasses.asdict(self.cluster),
+            "cluster": as_builtins(self.cluster),
             "params": self.params,
             **{name: getattr(self, name) for name in self._FLOATS},
             "recent": sorted(self.recent.items()),

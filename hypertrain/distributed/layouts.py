@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hypertrain.config import LAYOUTS  # the values processes.layout may take
 from hypertrain.distributed import slurm_env
 
 
@@ -60,12 +59,8 @@ def choose_layout(processes: int, world: int, replicas: int, requested: str = "a
     fits = {"benchmark": processes == world, "replicas": replicas % processes == 0}
     if requested == "auto":
         kind = "benchmark" if fits["benchmark"] else "replicas" if fits["replicas"] else None
-    elif requested in fits:
-        kind = requested if fits[requested] else None
-    else:
-        raise LayoutError(
-            f"processes.layout={requested!r} is not valid; valid: {', '.join(map(repr, LAYOUTS))}"
-        )
+    else:  # a ProcessLayout: the config's type admits no other
+        kind = str(requested) if fits[requested] else None
     if kind is None:
         divisors = [p for p in range(1, replicas + 1) if replicas % p == 0]
         # A command that fits: the requested layout's own process count (replicas: the largest

@@ -7,7 +7,7 @@ leading replica axis). `engine_for(engine.name)` gives the engine.
 
 from __future__ import annotations
 
-from hypertrain.config import ENGINES
+from hypertrain.choices import EngineName
 from hypertrain.engines import loop, stacked
 from hypertrain.engines.contract import Engine
 
@@ -18,4 +18,5 @@ def engine_for(name: str) -> Engine:
         return loop.train_replicas
     if name == "stacked":
         return stacked.train_replicas
-    raise ValueError(f"engine.name={name!r} is not an engine; valid: {', '.join(map(repr, ENGINES))}")
+    valid = ", ".join(repr(member.value) for member in EngineName)
+    raise ValueError(f"engine.name={name!r} is not an engine; valid: {valid}")

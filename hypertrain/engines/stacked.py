@@ -55,13 +55,6 @@ def _replica_state(state: OptState, r: int) -> OptState:
     )
 
 
-def check_supported(cfg: TrainConfig) -> None:
-    """Raise ValueError naming any configuration the stacked engine does not implement."""
-    m = cfg.model
-    if m.compute_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"engine=stacked: model.compute_dtype={m.compute_dtype!r}; valid: 'fp32', 'bf16'")
-
-
 def train_many(
     cfg: TrainConfig,
     theta: Params,
@@ -72,7 +65,6 @@ def train_many(
 ) -> list[ReplicaResult]:
     """The inner steps of the replicas in `assigns`, stacked (one sub-round); they end together after
     the update at which `stop` says so."""
-    check_supported(cfg)
     device = torch.device(cfg.engine.device)
     spans = {(a.global_step0, a.inner_step0, len(a.batches)) for a in assigns}
     if len(spans) != 1:

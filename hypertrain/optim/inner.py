@@ -295,8 +295,7 @@ def sync_inner_states(
             torch._foreach_zero_([s.m[n] for n in chosen] + [s.v[n] for n in chosen if n in s.v])
             s.steps_of(fragment).zero_()
         return
-    if policy != "average":
-        raise ValueError(f"inner.state_policy={policy!r} is not valid; valid: 'carry', 'reset', 'average'")
+    # average (a StatePolicy has no other value)
     steps = torch.cat([s.steps_of(fragment) for s in states])
     keep = torch.ones_like(steps, dtype=torch.bool) if active is None else active.to(steps.device)
     pairs = [("m", n) for n in chosen] + [("v", n) for n in chosen if n in states[0].v]

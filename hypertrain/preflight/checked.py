@@ -15,6 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from hypertrain.choices import ProcessLayout
 from hypertrain.config import ResumeMode, ResumeRequest, TrainConfig, UserError
 from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
 from hypertrain.failures import DiskFull, fault_points
@@ -58,7 +59,7 @@ def with_layout(cfg: TrainConfig) -> TrainConfig:
     chosen = cfg.processes
     count = process_count(chosen.nproc, cfg.world.size)
     layout = choose_layout(count, cfg.world.size, cfg.replicas, chosen.layout)
-    return replace(cfg, processes=replace(chosen, nproc=layout.processes, layout=layout.kind))
+    return replace(cfg, processes=replace(chosen, nproc=layout.processes, layout=ProcessLayout(layout.kind)))
 
 
 @dataclass
@@ -178,8 +179,9 @@ def finished_notice(checked: Checked) -> str:
 
 
 def resolved_config(cfg: TrainConfig) -> dict:
-    """The run's config as plain containers, derived fields filled: config.yaml, W&B, checkpoints."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    """The run's config as plain containers (a choice as its str), derived fields filled: config.yaml, W&B,
+    checkpoints."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
 
 
 def _key(task_cfg: DictConfig) -> str:

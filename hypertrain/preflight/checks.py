@@ -9,6 +9,7 @@ built or written; what needs the data (the stream's length, the vocabulary) is c
 
 from __future__ import annotations
 
+from hypertrain.choices import PhaseKind
 from hypertrain.config import PhaseConfig, TrainConfig, UserError
 from hypertrain.diloco import fragments
 from hypertrain.distributed.layouts import LayoutError, choose_layout, process_count
@@ -21,13 +22,11 @@ def plan_phase(phase: PhaseConfig) -> StrongPhase | WeakPhase:
         name=phase.name, offset=phase.offset, updates=phase.updates, timing_warmup=phase.timing_warmup
     )
     try:
-        if phase.kind == "strong":
+        if phase.kind == PhaseKind.strong:
             return StrongPhase(**common, global_batch=phase.global_batch)
-        if phase.kind == "weak":
-            return WeakPhase(**common, base_world=phase.base_world, per_rank_batch=phase.per_rank_batch)
+        return WeakPhase(**common, base_world=phase.base_world, per_rank_batch=phase.per_rank_batch)
     except PlanError as e:
         raise UserError(str(e)) from None
-    raise UserError(f"phase.kind={phase.kind!r} is not a phase kind; valid: 'strong', 'weak'")
 
 
 def check_world(cfg: TrainConfig) -> None:

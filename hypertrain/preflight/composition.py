@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from hypertrain.choices import choice_error
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.preflight import memory
@@ -129,10 +130,14 @@ def missing_launcher(error: Exception, overrides: list[str]) -> str | None:
 
 def composition_error(error: Exception, overrides: list[str] = ()) -> str:
     """Hydra's own composition error as one line: its first line, with the cause or the options; a
-    launcher whose plugin is not installed says which package to install."""
+    choice given a value it does not have names the valid ones (`choice_error`); a launcher whose
+    plugin is not installed says which package to install."""
     unreadable = grammar_error(error)
     if unreadable is not None:
         return unreadable
+    bad_choice = choice_error(error)
+    if bad_choice is not None:
+        return bad_choice
     uninstalled = missing_launcher(error, list(overrides))
     if uninstalled is not None:
         return uninstalled

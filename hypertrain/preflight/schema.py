@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
+from hypertrain.choices import PhaseKind
 from hypertrain.config import LINKS, PhaseConfig, TrainConfig
 from hypertrain.plan.sampling import PRESETS, Phase, StrongPhase
 
@@ -17,9 +18,9 @@ def phase_config(phase: Phase) -> PhaseConfig:
         name=phase.name, offset=phase.offset, updates=phase.updates, timing_warmup=phase.timing_warmup
     )
     if isinstance(phase, StrongPhase):
-        return PhaseConfig(kind="strong", global_batch=phase.global_batch, **common)
+        return PhaseConfig(kind=PhaseKind.strong, global_batch=phase.global_batch, **common)
     return PhaseConfig(
-        kind="weak", base_world=phase.base_world, per_rank_batch=phase.per_rank_batch, **common
+        kind=PhaseKind.weak, base_world=phase.base_world, per_rank_batch=phase.per_rank_batch, **common
     )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError
+from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
 SCHEMA_VERSION = 1
@@ -64,12 +64,12 @@ def _config_0_to_1(resolved: dict) -> dict:
     if "outer" in resolved:  # sections added since, at their defaults (which change nothing)
         for name, section in (("cluster", ClusterConfig), ("churn", ChurnConfig)):
             if name not in resolved:
-                resolved = {**resolved, name: dataclasses.asdict(section())}
+                resolved = {**resolved, name: as_builtins(section())}
     neutral = TrainConfig()
     for f in dataclasses.fields(TrainConfig):  # fields added to a section since: their neutral settings
         section, default = resolved.get(f.name), getattr(neutral, f.name)
         if isinstance(section, dict) and dataclasses.is_dataclass(default):
-            missing = {k: v for k, v in dataclasses.asdict(default).items() if k not in section}
+            missing = {k: v for k, v in as_builtins(default).items() if k not in section}
             if missing:
                 resolved = {**resolved, f.name: section | missing}
     engine = resolved.get("engine")
@@ -84,7 +84,7 @@ def _config_0_to_1(resolved: dict) -> dict:
         processes["layout"] = "replicas"
     if engine.get("name") == "dist":
         engine["name"] = "stacked"
-    defaults = dataclasses.asdict(ProcessesConfig())
+    defaults = as_builtins(ProcessesConfig())
     return {**resolved, "engine": engine, "processes": defaults | processes}
 
 

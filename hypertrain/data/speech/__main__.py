@@ -12,6 +12,7 @@ import signal
 import sys
 from dataclasses import fields
 
+from hypertrain.choices import choice_error
 from hypertrain.config import DataConfig, UserError
 
 
@@ -34,7 +35,8 @@ def parse_config(assignments: list[str]) -> DataConfig:
         try:
             merged = OmegaConf.merge(merged, {key: value})
         except OmegaConfBaseException as error:
-            raise UserError(f"data.{key}={value!r}: {str(error).splitlines()[0]}") from None
+            said = choice_error(error, "data.") or f"data.{key}={value!r}: {str(error).splitlines()[0]}"
+            raise UserError(said) from None
     cfg = OmegaConf.to_object(merged)
     if cfg.name != "speech":
         raise UserError(f"name={cfg.name!r}: this command builds speech data only; valid: name=speech")

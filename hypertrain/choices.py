@@ -1,0 +1,183 @@
+"""The config's string choices as enums (`hypertrain.config` types its fields with them), one place.
+
+Each is a `Choice`, an `enum.StrEnum` whose names are its values: OmegaConf's Enum node takes the
+name a user writes (`inner.state_policy=reset`) and refuses any other, naming the valid ones (the
+entry turns that into its one line: `choice_error`). A member is its string:
+it equals it (`member == "none"`), hashes as it, formats and quotes as it (f-strings, `!r`, JSON), so
+code and messages read a choice as they read a str. What a run stores (config.yaml, checkpoints, W&B)
+holds plain str, never a member (`config.as_builtins`, `enum_to_str=True`). Nothing of hypertrain is
+imported here; omegaconf only by `choice_error`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Choice(StrEnum):
+    """A config field's choice: a str that is one of its members; repr quotes it as a str would."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def choice_error(error: BaseException, prefix: str = "") -> str | None:
+    """A choice (an enum here) given a value it does not have, which OmegaConf
+    refuses ("Invalid value 'x', expected one of [...]"), as one line naming the field, the value and
+    the valid ones; `prefix` goes before OmegaConf's key (a section's own config). None for any other
+    error."""
+    from omegaconf.errors import ValidationError
+    from omegaconf.nodes import EnumNode
+
+    while error is not None:
+        node = getattr(error, "child_node", None)
+        if isinstance(error, ValidationError) and isinstance(node, EnumNode) and error.full_key:
+            valid = ", ".join(repr(member.value) for member in node.enum_type)
+            return f"{prefix}{error.full_key}={str(error.value)!r} is not valid; valid: {valid}"
+        error = error.__cause__
+    return None
+
+
+class Arch(Choice):
+    """model.arch: one token stream, or several token channels per position."""
+
+    decoder = "decoder"
+    multistream = "multistream"
+
+
+class Precision(Choice):
+    """model.compute_dtype (bf16: autocast) and inner.ns_dtype (the Newton-Schulz iteration's)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class InnerName(Choice):
+    """inner.name: the inner optimizer (muon: Muon on hidden matrices, AdamW on the rest)."""
+
+    adamw = "adamw"
+    muon = "muon"
+
+
+class StatePolicy(Choice):
+    """inner.state_policy: what the inner optimizer state does at every sync."""
+
+    carry = "carry"
+    reset = "reset"
+    average = "average"
+
+
+class Compressor(Choice):
+    """outer.compress: what each replica sends at a sync (hypertrain.diloco.codecs: all but none)."""
+
+    none = "none"
+    int8 = "int8"
+    uint8 = "uint8"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+    fp4_e2m1 = "fp4_e2m1"
+    topk = "topk"
+
+
+class Reduction(Choice):
+    """outer.reduce: how compressed payloads are reduced."""
+
+    gather = "gather"
+    two_phase = "two_phase"
+
+
+class PhaseKind(Choice):
+    """phase.kind: strong (a global batch) or weak (a base world's streams, replicated) scaling."""
+
+    strong = "strong"
+    weak = "weak"
+
+
+class DataName(Choice):
+    """data.name: where the tokens come from."""
+
+    stdlib = "stdlib"
+    text_files = "text_files"
+    token_bin = "token_bin"
+    speech = "speech"
+
+
+class TokenDtype(Choice):
+    """data.token_dtype: a token_bin file's integer type."""
+
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class Examples(Choice):
+    """data.examples: fixed windows of seq_len + 1 ids, or documents of variable length."""
+
+    windows = "windows"
+    documents = "documents"
+
+
+class EngineName(Choice):
+    """engine.name: how a process computes its replicas (hypertrain.engines maps each to its engine)."""
+
+    loop = "loop"
+    stacked = "stacked"
+
+
+class ProcessesName(Choice):
+    """processes.name: one process holds every replica, or P real processes (torch.distributed)."""
+
+    one = "one"
+    dist = "dist"
+
+
+class ProcessLayout(Choice):
+    """processes.layout: which process trains what (hypertrain.distributed.layouts)."""
+
+    auto = "auto"
+    benchmark = "benchmark"
+    replicas = "replicas"
+
+
+class Backend(Choice):
+    """processes.backend: torch.distributed's backend (auto: nccl on cuda devices, else gloo)."""
+
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class LoggerName(Choice):
+    """logger.name: whether W&B mirrors metrics.jsonl (always written)."""
+
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(Choice):
+    """logger.mode: the W&B mode (the WANDB_MODE environment variable wins)."""
+
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class ProgressLine(Choice):
+    """logger.progress: the live progress line (auto: only on a terminal)."""
+
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+class Compute(Choice):
+    """cluster.compute: the clock's seconds per update, measured or modelled from FLOPs."""
+
+    measured = "measured"
+    modelled = "modelled"
+
+
+class RejoinState(Choice):
+    """churn.rejoin_state: a rejoining replica's inner optimizer state."""
+
+    reset = "reset"
+    carry = "carry"
