@@ -96,7 +96,7 @@ def prepare_checked(
     if cfg.processes.name == "dist":
         cfg = with_layout(cfg, decided.layout)
         launched = launched_rank()  # the ranks on this machine: the launcher's, else the self-launch's
-        check_backend(cfg, cfg.processes.nproc if launched is None else launched.local_processes)
+        check_backend(cfg, decided, cfg.processes.nproc if launched is None else launched.local_processes)
     elif (launched := launched_rank()) is not None:
         raise UserError(
             f"processes={cfg.processes.name} runs in one process, but {launched.launcher} started this "

@@ -127,8 +127,8 @@ def check_device(device: str) -> None:
         )
 
 
-def check_backend(cfg: TrainConfig, local_processes: int) -> None:
-    """processes.backend and engine.device can run `local_processes` ranks on this machine, checked
+def check_backend(cfg: TrainConfig, decided: Decided, local_processes: int) -> None:
+    """processes.backend and the decided device can run `local_processes` ranks on this machine, checked
     before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
     "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
     engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. UserError
@@ -137,7 +137,7 @@ def check_backend(cfg: TrainConfig, local_processes: int) -> None:
     import torch.distributed as dist
 
     e = cfg.engine
-    cuda = e.device.startswith("cuda")
+    cuda = decided.device.startswith("cuda")
     if cfg.processes.backend == "nccl":
         if not torch.cuda.is_available():
             raise UserError(

@@ -20,7 +20,7 @@ from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
-from hypertrain.preflight.checks import check_device, plan_phase
+from hypertrain.preflight.checks import plan_phase
 
 logger = logging.getLogger("hypertrain")
 
@@ -52,9 +52,9 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
 
 def prepare(cfg: TrainConfig, decided: Decided | None = None) -> PreparedRun:
     """Build data and plan facts; raise UserError/PlanError on any user mistake. `decided`: what the
-    preflight decided from `cfg` (None: `decided.decide`'s, for a caller without a preflight)."""
+    preflight decided from `cfg` and whose device it checked (None: `decided.decide`'s, for a caller
+    without a preflight)."""
     decided = decide(cfg) if decided is None else decided
-    check_device(decided.device)
     dataset = build_dataset(cfg.data)
     cfg = replace(cfg, model=model_for_data(cfg, dataset))
     if cfg.model.arch == "decoder" and cfg.model.vocab < dataset.vocab:
