@@ -288,6 +288,7 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
 
         job = dist.WorkerJob(
             run.cfg,
+            run.decided,
             str(run_dir) if writer else None,
             resolved,
             identity,

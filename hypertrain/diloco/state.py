@@ -29,6 +29,7 @@ from hypertrain.diloco.fragments import fragment_of, members
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
 from hypertrain.diloco.sync import FragmentSync
+from hypertrain.distributed.decided import Decided
 from hypertrain.model.shapes import active_params, count_params, param_roles
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, init_state
@@ -36,7 +37,8 @@ from hypertrain.optim.inner import OptState, init_state
 
 @dataclass
 class PreparedRun:
-    """Everything decided before training: the config with derived fields filled, data, plan facts."""
+    """Everything decided before training: the config with derived fields filled, data, plan facts,
+    and what the config decides (`decided`: the layout, device, backend and the sync's reduction)."""
 
     cfg: TrainConfig
     dataset: Dataset
@@ -45,6 +47,7 @@ class PreparedRun:
     updates: int  # updates that have ids (the rest of the phase is past the end of the stream)
     plan_facts: dict  # union hash, data-order digest, rank digest, data fingerprint
     heldout: ReplicaBatch  # the held-out ids (the last data.heldout), read and cut once
+    decided: Decided  # the preflight's (a dist worker's: its own device, `Decided.on_rank`)
 
 
 @dataclass
@@ -111,8 +114,15 @@ class RunState:
         return self.next_update != self.round_first
 
     @classmethod
-    def start(cls, cfg: TrainConfig, theta: Params, replicas: list[int] | None = None) -> RunState:
-        """The state before the first update: `theta` (owned by the state), zero optimizer state."""
+    def start(
+        cls,
+        cfg: TrainConfig,
+        theta: Params,
+        replicas: list[int] | None = None,
+        decided: Decided | None = None,
+    ) -> RunState:
+        """The state before the first update: `theta` (owned by the state), zero optimizer state; its
+        syncs reduce as `decided` says (None: as `cfg.outer` says, `decided.reduction`)."""
         local = list(range(cfg.replicas)) if replicas is None else list(replicas)
         one = {n: t.unsqueeze(0) for n, t in theta.items()}
         roles = param_roles(cfg.model)
@@ -124,8 +134,9 @@ class RunState:
         shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
         clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
         state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
+        reduction = None if decided is None else decided.reduction
         state.syncs = [
-            FragmentSync(cfg, p, names, state.theta, state.outer, state.errors)
+            FragmentSync(cfg, p, names, state.theta, state.outer, state.errors, reduction)
             for p, names in enumerate(members(cfg))
         ]
         return state

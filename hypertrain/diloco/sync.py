@@ -1,12 +1,12 @@
 """The DiLoCo sync as one object per fragment (`FragmentSync`, in the shape of torchft's
 `_StreamingDiLoCoFragment`; docs/design.md, "The sync pipeline"): built once with the run's state, it
 holds its parameters' global weights, outer momentum and error-feedback buffers (views), its sync in
-flight (`pending`; the state's checkpoint saves them all) and its reduction, chosen once
-(`ExactReducer`: fp32 sums; `CodecReducer`: a codec, gathered or two_phase). `take` forms this
-process's replicas' pseudo-gradients and starts the reduction; `land` waits for its mean, steps the
-global weights (`outer.outer_step`), merges them into every replica, applies the inner state policy
-and returns a typed `Landing`. Between the two the replicas may train on (outer.delay). Simulation
-and real processes differ only in their `Collectives`.
+flight (`pending`; the state's checkpoint saves them all) and its reduction, the one the preflight
+decided (`distributed.decided`; `ExactReducer`: fp32 sums; `CodecReducer`: a codec, gathered or
+two_phase). `take` forms this process's replicas' pseudo-gradients and starts the reduction; `land`
+waits for its mean, steps the global weights (`outer.outer_step`), merges them into every replica,
+applies the inner state policy and returns a typed `Landing`. Between the two the replicas may train
+on (outer.delay). Simulation and real processes differ only in their `Collectives`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from hypertrain.diloco.outer import (
     weights_norm,
 )
 from hypertrain.diloco.pending import Pending, Reduced, Reduction
+from hypertrain.distributed import decided
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, sync_inner_states
@@ -97,7 +98,7 @@ class FragmentSync:
     The run state holds one per fragment (`RunState.syncs`) and saves what it owns: views of its
     parameters' global weights, outer momentum and each local replica's error buffer (so
     `state.load_state_dict`, which copies in place, reaches them) and its `pending` sync, taken and not
-    landed. Its reducer is chosen here, once."""
+    landed. Its reducer is built here, once, for the decided reduction."""
 
     def __init__(
         self,
@@ -107,9 +108,11 @@ class FragmentSync:
         theta: Params,
         outer: OuterState,
         errors: list[Params] | None,
+        reduction: str | None = None,
     ):
         """Fragment `index`'s sync of the parameters `names`, of the run's global weights `theta`,
-        outer state `outer` and local replicas' error buffers `errors` (None without error feedback)."""
+        outer state `outer` and local replicas' error buffers `errors` (None without error feedback),
+        reduced by `reduction` (the run's `Decided.reduction`; None: `decided.reduction(cfg.outer)`)."""
         self.cfg, self.names, self.index = cfg, list(names), index
         self.pending: Pending | None = None
         self.theta = {n: theta[n] for n in self.names}
@@ -117,7 +120,8 @@ class FragmentSync:
         self.errors = None if errors is None else [{n: e[n] for n in self.names} for e in errors]
         self.params = sum(t.numel() for t in self.theta.values())
         self.whole_model = len(self.names) == len(theta)
-        if cfg.outer.compress == "none":
+        reduction = decided.reduction(cfg.outer) if reduction is None else reduction
+        if reduction == "exact":
             self.reducer: ExactReducer | CodecReducer = ExactReducer()
         else:
             blocks = Blocks(tuple(t.numel() for t in self.theta.values()), cfg.outer.block)

@@ -1,2 +1,2 @@
-"""Processes: how ranks map to replicas (layouts), their groups and collectives, the launchers'
-environment."""
+"""Processes: how ranks map to replicas (layouts), what a config decides once (`decided`: the layout,
+device, backend and the sync's reduction), their groups and collectives, the launchers' environment."""

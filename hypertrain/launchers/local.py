@@ -1,7 +1,8 @@
 """processes=dist: the one round loop on P real processes (torch.distributed), started by torch's launcher.
 
 Each process trains with `distributed.collectives.DistReplicaGroups`, the collectives of the layout
-`distributed.layouts` chose; every rank steps the same global weights.
+the preflight decided (`distributed.decided`, with the device and backend); every rank steps the same
+global weights.
 
 `run_worker(job)` is what each process runs: under `torchrun -m hypertrain.train processes=dist` every
 launched process calls it from the entry; `python -m hypertrain.train processes=dist` calls `launch(job)`,
@@ -36,7 +37,8 @@ import torch.distributed as dist
 from hypertrain.config import TrainConfig
 from hypertrain.distributed import slurm_env
 from hypertrain.distributed.collectives import DistReplicaGroups, collective, first_line
-from hypertrain.distributed.layouts import LaunchedRank, choose_layout, launched_rank
+from hypertrain.distributed.decided import Decided
+from hypertrain.distributed.layouts import LaunchedRank, launched_rank
 from hypertrain.failures import RankFailed, RunFailure, fault_points, restarts
 from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
 from hypertrain.records.files import merged_summary
@@ -54,6 +56,7 @@ class WorkerJob:
     """What the entry hands every worker (picklable: the self-launch sends it to spawned processes)."""
 
     cfg: TrainConfig  # validated, with the chosen layout and process count filled in
+    decided: Decided  # the entry's preflight's: the layout, device, backend and reduction
     run_dir: str | None  # the writer's run directory (rank 0); None on the other ranks
     resolved: dict  # the resolved config, W&B's run config
     identity: dict  # W&B name, group, job type, tags
@@ -76,20 +79,6 @@ def same_run_everywhere(run, resolved: dict, rank: int, processes: int) -> None:
             raise RankFailed(
                 f"rank {other} has another {what} than rank {rank}; every rank must run the same"
             )
-
-
-def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    if cfg.engine.device.startswith("cuda"):
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
-def _backend(cfg: TrainConfig, device: torch.device) -> str:
-    if cfg.processes.backend != "auto":
-        return cfg.processes.backend
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _cpu_threads(me: LaunchedRank) -> int:
@@ -127,7 +116,9 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     """One process of a dist run: join the group, train this rank's replicas, rank 0 writes.
 
     `run` is the prepared run when the entry already built it in this process (torchrun); a
-    spawned worker prepares its own (the same config gives the same data and plan everywhere).
+    spawned worker prepares its own (the same config gives the same data and plan everywhere). What
+    the preflight decided comes in `job.decided` (a torchrun rank's own preflight built it, by the same
+    `decided.decide`); a worker adds only its local rank's device (`Decided.on_rank`).
     Returns rank 0's summary. A failure prints one line naming this rank and exits non-zero.
     """
     from hypertrain.preflight.prepare import prepare
@@ -138,30 +129,31 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
     if me is None:
         raise RuntimeError("run_worker runs in a process a launcher started as one rank of several")
     rank, local_rank, processes = me.rank, me.local_rank, me.processes
-    cfg = job.cfg
-    device = _device(cfg, local_rank)
-    if device.type == "cpu":  # the node's cores shared by its workers, never oversubscribed
+    cfg, decided = job.cfg, job.decided.on_rank(local_rank)
+    device = torch.device(decided.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the node's cores shared by its workers, never oversubscribed
         torch.set_num_threads(cfg.engine.threads or _cpu_threads(me))
-    cfg = replace(cfg, engine=replace(cfg.engine, device=str(device)))
+    cfg = replace(cfg, engine=replace(cfg.engine, device=decided.device))  # what the engines read
     timeout = timedelta(seconds=cfg.processes.timeout_s)
     try:
-        backend = _backend(cfg, device)
+        backend = decided.backend
         try:  # its cause in this rank's one line, not lost behind the launcher's exit code
             dist.init_process_group(backend, timeout=timeout, **_rendezvous(me, timeout))
         except Exception as e:
             raise RankFailed(f"torch.distributed could not start ({backend}): {first_line(e)}") from None
-        layout = choose_layout(processes, cfg.world.size, cfg.replicas, cfg.processes.layout)
         resume, restart, finished = None, job.restart if rank == 0 else None, False
         if rank == 0 and job.self_launched and restarts.count() > 0:  # the entry's agent restarted us
             resume, restart, finished = _restarted(Path(job.run_dir))
         # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
-        decided = [job.run_dir, job.resume_from if restart is None else restart.path, finished]
-        dist.broadcast_object_list(decided, src=0)
-        run_dir, resume_from, finished = decided
+        told = [job.run_dir, job.resume_from if restart is None else restart.path, finished]
+        dist.broadcast_object_list(told, src=0)
+        run_dir, resume_from, finished = told
         if finished:  # restarted after a worker died in its teardown: the run had finished
             return _finished_summary(Path(run_dir)) if rank == 0 else None
-        groups = DistReplicaGroups(layout, rank, device, cfg.processes.timeout_s)
-        run = replace(run, cfg=cfg) if run is not None else prepare(cfg)
+        groups = DistReplicaGroups(decided.layout, rank, device, cfg.processes.timeout_s)
+        run = replace(run, cfg=cfg, decided=decided) if run is not None else prepare(cfg, decided)
         same_run_everywhere(run, job.resolved, rank, processes)
         if resume is None and resume_from is not None:
             saved = checkpoint.load(Path(resume_from))

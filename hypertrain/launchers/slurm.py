@@ -37,7 +37,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.config import TrainConfig, UserError
-from hypertrain.distributed.layouts import LayoutError, choose_layout, launched_rank
+from hypertrain.distributed.decided import decide
+from hypertrain.distributed.layouts import LayoutError, launched_rank
 from hypertrain.plan.sampling import PlanError
 from hypertrain.preflight import checked as preflight
 from hypertrain.preflight import composition, refusal
@@ -197,7 +198,7 @@ def check_job(cfg: TrainConfig, tasks: int) -> None:
     if tasks == 1:
         return
     try:
-        choose_layout(tasks, cfg.world.size, cfg.replicas, e.layout)
+        decide(cfg, processes=tasks)  # as each task's own preflight will, with the job's tasks as P
     except LayoutError as error:
         raise UserError(
             f"{str(error).split('; valid:')[0]} (the job's {tasks} SLURM tasks); valid: "

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.choices import ProcessLayout
 from hypertrain.config import ResumeMode, ResumeRequest, TrainConfig, UserError
-from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
+from hypertrain.distributed.layouts import Layout, launched_rank
 from hypertrain.failures import DiskFull, fault_points
 from hypertrain.plan.sampling import PlanError
 from hypertrain.preflight import memory
@@ -54,12 +54,11 @@ from hypertrain.rundir.wandb_settings import check_wandb
 _prepared: ContextVar[tuple[str, Checked] | None] = ContextVar("hypertrain_prepared", default=None)
 
 
-def with_layout(cfg: TrainConfig) -> TrainConfig:
-    """processes=dist's process count and layout decided (validate() has checked that one fits)."""
-    chosen = cfg.processes
-    count = process_count(chosen.nproc, cfg.world.size)
-    layout = choose_layout(count, cfg.world.size, cfg.replicas, chosen.layout)
-    return replace(cfg, processes=replace(chosen, nproc=layout.processes, layout=ProcessLayout(layout.kind)))
+def with_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
+    """processes=dist's process count and layout, as decided (`validate`), written into the config."""
+    return replace(
+        cfg, processes=replace(cfg.processes, nproc=layout.processes, layout=ProcessLayout(layout.kind))
+    )
 
 
 @dataclass
@@ -93,22 +92,22 @@ def prepare_checked(
     check_fields(task_cfg, TrainConfig)
     cfg: TrainConfig = OmegaConf.to_object(task_cfg)
     check_labels(cfg, choices)
-    validate(cfg)
+    decided = validate(cfg)  # the layout, device, backend and reduction, decided once: read after
     asked = ResumeRequest.of(cfg.resume)  # the one reading of `resume`
     if run_dir is not None:  # the process that writes the run (rank 0) starts its W&B run
         check_wandb(cfg.logger)
     if cfg.processes.name == "dist":
-        cfg = with_layout(cfg)
+        cfg = with_layout(cfg, decided.layout)
         launched = launched_rank()  # the ranks on this machine: the launcher's, else the self-launch's
-        check_backend(cfg, cfg.processes.nproc if launched is None else launched.local_processes)
+        check_backend(cfg, decided, cfg.processes.nproc if launched is None else launched.local_processes)
     elif (launched := launched_rank()) is not None:
         raise UserError(
             f"processes={cfg.processes.name} runs in one process, but {launched.launcher} started this "
             f"one as one of {launched.processes} ranks; valid: processes=dist (the ranks are its processes), "
             "or a single process"
         )
-    check_device(cfg.engine.device)  # a device this process lacks, before the memory check asks it
-    memory.check(cfg)  # before anything is built: the sizes the config asks for fit this machine
+    check_device(decided.device)  # a device this process lacks, before the memory check asks it
+    memory.check(cfg, decided=decided)  # before anything is built: the sizes asked for fit this machine
     found, session = None, False
     auto = asked.mode is ResumeMode.AUTO
     # Hydra's files are this run's when Hydra wrote them for this launch; under resume=auto also an
@@ -122,8 +121,8 @@ def prepare_checked(
             check_run_dir(run_dir, own)
     from hypertrain.preflight.prepare import prepare  # torch and the data, once every other check passed
 
-    run = prepare(cfg)
-    memory.check(run.cfg, run.dataset.max_length)  # again with the data's longest example (speech's)
+    run = prepare(cfg, decided)
+    memory.check(run.cfg, run.dataset.max_length, decided)  # again with the data's longest example (speech's)
     checked = Checked(run, run_dir, found, own=own, session=session)
     if found is not None:
         path, saved = found

@@ -2,7 +2,8 @@
 
 `validate(cfg)` runs every section's own checks (`TrainConfig.check`), then these: the phase as the
 plan builds it (`plan_phase`), the world, replicas and phase together, the data and the model, and
-whether a process layout fits processes=dist; `check_device`, whether this machine has engine.device.
+whether a process layout fits processes=dist; it returns what the config decides (`Decided`, built
+here once); `check_device`, whether this machine has the decided device.
 None of them imports torch for a CPU run. A user mistake is one `UserError` line, before anything is
 built or written; what needs the data (the stream's length, the vocabulary) is checked by `prepare`.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from hypertrain.choices import PhaseKind
 from hypertrain.config import PhaseConfig, TrainConfig, UserError
 from hypertrain.diloco import fragments
-from hypertrain.distributed.layouts import LayoutError, choose_layout, process_count
+from hypertrain.distributed.decided import Decided, decide
+from hypertrain.distributed.layouts import LayoutError
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
 
@@ -85,25 +87,25 @@ def check_deadline(cfg: TrainConfig) -> None:
         )
 
 
-def check_layout(cfg: TrainConfig) -> None:
-    """processes=dist: a process layout fits the processes (the launcher's, or processes.nproc), W and R."""
-    e = cfg.processes
-    if e.name != "dist":
-        return
+def check_layout(cfg: TrainConfig) -> Decided:
+    """What the config decides (`decided.decide`); UserError when processes=dist fits no process layout
+    for its processes (the launcher's, or processes.nproc), W and R."""
     try:
-        choose_layout(process_count(e.nproc, cfg.world.size), cfg.world.size, cfg.replicas, e.layout)
+        return decide(cfg)
     except LayoutError as error:
         raise UserError(str(error)) from None
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Every check that can be made without the data; UserError (one line) at the first mistake."""
+def validate(cfg: TrainConfig) -> Decided:
+    """Every check that can be made without the data; UserError (one line) at the first mistake.
+    Returns what the config decides: the layout, device, backend and reduction the run reads after."""
     cfg.check()
     check_world(cfg)
     check_data_for_model(cfg)
-    check_layout(cfg)
+    decided = check_layout(cfg)
     check_fragments(cfg)
     check_deadline(cfg)
+    return decided
 
 
 def check_device(device: str) -> None:
@@ -124,8 +126,8 @@ def check_device(device: str) -> None:
         )
 
 
-def check_backend(cfg: TrainConfig, local_processes: int) -> None:
-    """processes.backend and engine.device can run `local_processes` ranks on this machine, checked
+def check_backend(cfg: TrainConfig, decided: Decided, local_processes: int) -> None:
+    """processes.backend and the decided device can run `local_processes` ranks on this machine, checked
     before any starts (a rank would fail in init_process_group, its cause lost to the launcher's
     "exited with code 1"): nccl moves CUDA tensors only (a torch built with NCCL, a CUDA device,
     engine.device=cuda), and a CUDA rank takes the device of its local rank, one each. UserError
@@ -134,7 +136,7 @@ def check_backend(cfg: TrainConfig, local_processes: int) -> None:
     import torch.distributed as dist
 
     e = cfg.engine
-    cuda = e.device.startswith("cuda")
+    cuda = decided.device.startswith("cuda")
     if cfg.processes.backend == "nccl":
         if not torch.cuda.is_available():
             raise UserError(

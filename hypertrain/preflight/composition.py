@@ -258,11 +258,11 @@ def check_sweep_memory(composed: DictConfig) -> None:
     sweep directory: one line, exit 2. A value that is not valid is left to its own job's checks."""
     try:
         cfg = OmegaConf.to_object(task_part(composed))
-        validate(cfg)
+        decided = validate(cfg)
     except Exception:  # not valid (or not typed): its job says what is wrong, in its turn
         return
     try:
-        memory.check(cfg)
+        memory.check(cfg, decided=decided)
     except UserError as e:
         fail(str(e))
 

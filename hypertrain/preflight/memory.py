@@ -2,9 +2,10 @@
 memory this machine has: a run that cannot fit is refused with one line instead of an allocator's
 traceback or the kernel's OOM kill after its directory was made.
 
-`estimate(cfg, longest)` is a pure function of a validated config (and, once the data is built, its
-longest example): the bytes each process of the run holds at its peak on its compute device and on
-the host, and how many processes run on this machine. It costs time in proportion to the config,
+`estimate(cfg, longest, decided)` is a pure function of a validated config and what it decides (the
+layout and device, `distributed.decided`; and, once the data is built, its longest example): the
+bytes each process of the run holds at its peak on its compute device and on the host, and how many
+processes run on this machine. It costs time in proportion to the config,
 never to a size in it: the parameters are counted from the shapes of one layer times the layers,
 nothing is allocated. `check(cfg, longest)` refuses (`UserError`, one line naming the sizes, the
 estimate, its parts and the memory available) a run whose estimate exceeds `HEADROOM` of what
@@ -21,7 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, TrainConfig, UserError
-from hypertrain.distributed.layouts import choose_layout, launched_rank, process_count
+from hypertrain.distributed.decided import Decided, decide
+from hypertrain.distributed.layouts import launched_rank
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
 
 FLOAT_BYTES = 4  # weights, gradients, optimizer state and activations are fp32 (model.compute_dtype)
@@ -100,15 +102,15 @@ def ids_per_update(cfg: TrainConfig) -> int:
     return p.global_batch if p.kind == "strong" else p.base_world * p.per_rank_batch
 
 
-def processes(cfg: TrainConfig) -> tuple[int, int, int, int]:
+def processes(cfg: TrainConfig, decided: Decided) -> tuple[int, int, int, int]:
     """(workers on this machine, self-launching entries, replicas per worker, the plan's streams a
-    worker's share is cut into): processes=dist runs P processes, R/P replicas each under the replicas
-    layout, one replica's share of L ranks under the benchmark layout (distributed.layouts); under a
-    launcher only this node's processes are on this machine."""
-    if cfg.processes.name != "dist":
+    worker's share is cut into): processes=dist runs the decided layout's P processes, R/P replicas
+    each under the replicas layout, one replica's share of L ranks under the benchmark layout
+    (distributed.layouts); under a launcher only this node's processes are on this machine."""
+    layout = decided.layout
+    if layout is None:
         return 1, 0, cfg.replicas, 1
-    P = process_count(cfg.processes.nproc, cfg.world.size)
-    layout = choose_layout(P, cfg.world.size, cfg.replicas, cfg.processes.layout)
+    P = layout.processes
     launched = launched_rank()
     workers, entry = (P, 1) if launched is None else (launched.local_processes, 0)
     if layout.kind == "replicas":
@@ -194,14 +196,16 @@ def model_state_bytes(cfg: TrainConfig, by_role: dict[str, int], replicas: int, 
     return 2 * W + replicas * ((W + A) + (2 * W + A)) + stacked * per_stacked
 
 
-def checkpoint_bytes(cfg: TrainConfig, by_role: dict[str, int], replicas: int, workers: int) -> int:
+def checkpoint_bytes(
+    cfg: TrainConfig, decided: Decided, by_role: dict[str, int], replicas: int, workers: int
+) -> int:
     """Host copies a checkpoint makes (checkpoint.Checkpointer.save): several processes pickle every
     replica's state, and mid-round its weights, to rank 0 (each sent and received: 2 x R (2 W + A));
     one process on a GPU copies its state to the host (2 W + its replicas' 2 W + A); on a CPU, none."""
     W, A, _ = weight_bytes(cfg, by_role)
     if cfg.processes.name == "dist" and workers > 1:
         return 2 * cfg.replicas * (2 * W + A)
-    return 2 * W + replicas * (2 * W + A) if cfg.engine.device.startswith("cuda") else 0
+    return 2 * W + replicas * (2 * W + A) if decided.device.startswith("cuda") else 0
 
 
 def largest_tensor(model: ModelConfig, stacked: int, positions: int) -> tuple[str, int]:
@@ -217,12 +221,14 @@ def largest_tensor(model: ModelConfig, stacked: int, positions: int) -> tuple[st
     )
 
 
-def estimate(cfg: TrainConfig, longest: int | None = None) -> Estimate:
-    """The run's memory at its peak, from its validated config; `longest`: the data's longest
+def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | None = None) -> Estimate:
+    """The run's memory at its peak, from its validated config and what it decides (the preflight's
+    `decided`; None: `decided.decide`'s, for a caller without a preflight); `longest`: the data's longest
     example in ids, once the data is built (None: the longest the config allows, `row_ids`)."""
+    decided = decide(cfg) if decided is None else decided
     model = model_with_vocabs(cfg)
     by_role = params_by_role(model)
-    workers, entry, replicas, streams = processes(cfg)
+    workers, entry, replicas, streams = processes(cfg, decided)
     stacked = 1 if cfg.engine.name == "loop" else min(cfg.engine.stack or replicas, replicas)
     share = -(-ids_per_update(cfg) // cfg.replicas)  # a replica's ids at an update: V_m = U[m::R]
     share = -(-share // streams)  # a rank's part of it under the benchmark layout
@@ -242,7 +248,7 @@ def estimate(cfg: TrainConfig, longest: int | None = None) -> Estimate:
         state=model_state_bytes(cfg, by_role, replicas, stacked),
         activations=activations,
         batches=(round_updates * replicas * share + cfg.data.heldout) * per_id,
-        checkpoint=checkpoint_bytes(cfg, by_role, replicas, workers),
+        checkpoint=checkpoint_bytes(cfg, decided, by_role, replicas, workers),
         workers=workers,
         entry=entry,
         replicas=replicas,
@@ -287,16 +293,16 @@ def host_available(
     return min(figures) if figures else None
 
 
-def gpu_available(cfg: TrainConfig, workers: int) -> tuple[int, str]:
+def gpu_available(decided: Decided, workers: int) -> tuple[int, str]:
     """(bytes, where): the least free memory (torch.cuda.mem_get_info) of the GPUs the run's workers
-    use: engine.device, or under processes=dist cuda:0.. one per worker on this machine (dist._device).
-    Only called for a CUDA run: it initialises CUDA in this process."""
+    use: the decided device, or under processes=dist cuda:0.. one per worker on this machine
+    (`Decided.on_rank`). Only called for a CUDA run: it initialises CUDA in this process."""
     import torch
 
-    if cfg.processes.name == "dist":
-        devices = [f"cuda:{i}" for i in range(min(workers, torch.cuda.device_count()))]
+    if decided.layout is not None:
+        devices = [decided.on_rank(i).device for i in range(min(workers, torch.cuda.device_count()))]
     else:
-        devices = [cfg.engine.device]
+        devices = [decided.device]
     return min((torch.cuda.mem_get_info(torch.device(d))[0], f"free on {d}") for d in devices)
 
 
@@ -414,19 +420,20 @@ def check_indexable(cfg: TrainConfig, est: Estimate) -> None:
         )
 
 
-def check(cfg: TrainConfig, longest: int | None = None) -> Estimate:
+def check(cfg: TrainConfig, longest: int | None = None, decided: Decided | None = None) -> Estimate:
     """Refuse (UserError, one line) a validated run whose estimate exceeds HEADROOM of the memory
     available: the host's, and on a GPU each worker's device's; a tensor beyond what torch can index
-    is refused even with guard.memory_check=false. Returns the estimate."""
-    est = estimate(cfg, longest)
+    is refused even with guard.memory_check=false. Returns the estimate. `decided`: as `estimate`'s."""
+    decided = decide(cfg) if decided is None else decided
+    est = estimate(cfg, longest, decided)
     check_indexable(cfg, est)
     if not cfg.guard.memory_check:
         return est
     checks = [("cpu", est.host(on_gpu=False), host_available)]
-    if cfg.engine.device.startswith("cuda"):  # the host holds the batches, the GPUs the rest
+    if decided.device.startswith("cuda"):  # the host holds the batches, the GPUs the rest
         checks = [
             ("host", est.host(on_gpu=True), host_available),
-            ("gpu", est.device, lambda: gpu_available(cfg, est.workers)),
+            ("gpu", est.device, lambda: gpu_available(decided, est.workers)),
         ]
     for scope, need, available in checks:
         have = available()

@@ -17,9 +17,10 @@ from hypertrain.data.batches import is_multistream, replica_batch
 from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
+from hypertrain.distributed.decided import Decided, decide
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
-from hypertrain.preflight.checks import check_device, plan_phase
+from hypertrain.preflight.checks import plan_phase
 
 logger = logging.getLogger("hypertrain")
 
@@ -49,9 +50,11 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
     return replace(model, channel_vocabs=vocabs)
 
 
-def prepare(cfg: TrainConfig) -> PreparedRun:
-    """Build data and plan facts; raise UserError/PlanError on any user mistake."""
-    check_device(cfg.engine.device)
+def prepare(cfg: TrainConfig, decided: Decided | None = None) -> PreparedRun:
+    """Build data and plan facts; raise UserError/PlanError on any user mistake. `decided`: what the
+    preflight decided from `cfg` and whose device it checked (None: `decided.decide`'s, for a caller
+    without a preflight)."""
+    decided = decide(cfg) if decided is None else decided
     dataset = build_dataset(cfg.data)
     cfg = replace(cfg, model=model_for_data(cfg, dataset))
     if cfg.model.arch == "decoder" and cfg.model.vocab < dataset.vocab:
@@ -95,10 +98,10 @@ def prepare(cfg: TrainConfig) -> PreparedRun:
     }
     heldout_ids = np.arange(samples, dataset.n_total, dtype=np.int64)
     heldout = replica_batch(dataset, heldout_ids, cfg.data, HELDOUT_ROWS_PER_PASS)
-    return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout)
+    return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout, decided)
 
 
 def initial_weights(run: PreparedRun) -> Params:
     """The global weights before training: the same for every replica, from `seed`."""
-    device = torch.device(run.cfg.engine.device)
+    device = torch.device(run.decided.device)
     return {n: t.to(device) for n, t in init_params(run.cfg.model, run.cfg.seed).items()}

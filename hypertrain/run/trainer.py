@@ -228,7 +228,7 @@ def train(
     log = log if log is not None else NoLog()
     writer = groups.is_writer
     keep_freed_memory()
-    state = RunState.start(cfg, initial_weights(run), groups.replicas)
+    state = RunState.start(cfg, initial_weights(run), groups.replicas, run.decided)
     if saved is not None:
         state.load_state_dict(saved)
         groups.restore_measured(saved["comm_measured"])
@@ -240,7 +240,7 @@ def train(
         "engine/layout": groups.layout,
         "env/processes": groups.size,
         "env/backend": groups.backend,
-        "env/device": device_name(cfg.engine.device),
+        "env/device": device_name(run.decided.device),
         "env/torch": torch.__version__,
     }
     log.write(SummaryRow(values=run.plan_facts | facts))
