@@ -86,6 +86,16 @@ def check_deadline(cfg: TrainConfig) -> None:
         )
 
 
+def check_overlap(cfg: TrainConfig) -> None:
+    """outer.overlap=eager keeps an outer state per replica, which churn's absent and missing replicas
+    have no rule for (docs/overlap.md): refused with churn."""
+    if cfg.outer.overlap == "eager" and cfg.churn.enabled:
+        raise UserError(
+            "outer.overlap=eager with churn is not built (a replica's own outer state has no rule for "
+            "a missed or absent round); valid: outer.overlap=delayed or none, or churn off"
+        )
+
+
 def check_layout(cfg: TrainConfig) -> None:
     """processes=dist: a process layout fits the processes (the launcher's, or processes.nproc), W and R."""
     e = cfg.processes
@@ -105,6 +115,7 @@ def validate(cfg: TrainConfig) -> None:
     check_layout(cfg)
     check_fragments(cfg)
     check_deadline(cfg)
+    check_overlap(cfg)
 
 
 def check_device(device: str) -> None:
