@@ -33,6 +33,7 @@ from helpers import (
     small_cfg,
 )
 from omegaconf import OmegaConf
+from references import ROUNDING_FACTOR
 
 from hypertrain.clock.replay import clock_of, run_cluster
 from hypertrain.config import OuterConfig
@@ -310,3 +311,54 @@ def test_the_clock_hides_the_outer_exchange_behind_the_next_round_and_replays_as
     assert syncs[3]["clock_outer_hidden_s"] == 0 < syncs[3]["clock_outer_exposed_s"]
     exposed = {k: c["summary"]["clock/outer_exposed_s"] for k, c in clocks.items()}
     assert exposed["delayed"] < exposed["none"], exposed
+
+
+# the replicas layout with int8 and error feedback (its sums are the simulation's, so are its codes); the
+# benchmark layout in fp32: its gradients differ from the simulation's by rounding, which may flip an int8
+# code (invariant 10: whole runs on different engines may flip a choice within rounding of a boundary)
+LAYOUTS = {
+    "replicas": (["world=2", "outer.compress=int8", "outer.error_feedback=true"], []),
+    "benchmark": (["world=4"], ["processes.layout=benchmark"]),
+}
+DIST_CASES = [(layout, overlap) for layout in LAYOUTS for overlap in ("eager", "delayed")]
+
+
+@pytest.mark.parametrize(
+    "layout, overlap",
+    [pytest.param(*c, marks=() if c == ("replicas", "eager") else pytest.mark.slow) for c in DIST_CASES],
+)
+def test_real_processes_equal_the_simulation(tmp_path, layout, overlap):
+    """Two processes (the reduction on the outer group, in flight while the next round's collectives
+    run; eager's mean of the outer weights on the default group beside it) against the one-process
+    simulation of the same run, P = 2 (LAYOUTS): every held-out loss and weights.pt
+    within rounding. Bound: the simulation's and the processes' own rounding add (x 2), each at most
+    `helpers.rounding_floors`' (2 updates + syncs) U32 per weight relative to its norm, x ROUNDING_FACTOR;
+    the replicas layout sums the same numbers in the same order (exact), the benchmark layout averages
+    each gradient over a replica's 2 ranks."""
+    updates, H = 6, 2
+    args = [
+        *RUN,
+        f"inner.H={H}",
+        f"phase.updates={updates}",
+        "replicas=2",
+        f"outer.overlap={overlap}",
+        "outer.fragments=2",
+        *LAYOUTS[layout][0],
+    ]
+    sim, real = tmp_path / "sim", tmp_path / "dist"
+    done = entry([*args, f"hydra.run.dir={sim}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = entry([*args, *LAYOUTS[layout][1], "processes=dist", f"hydra.run.dir={real}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    relative = 2 * ROUNDING_FACTOR * (2 * updates + 2 * updates // H) * U32
+    got, want = torch.load(real / "weights.pt"), torch.load(sim / "weights.pt")
+    for n, t in want.items():
+        assert float((got[n].double() - t.double()).norm()) <= relative * float(t.norm()), n
+    losses = [
+        [r["eval_loss"] for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "eval"]
+        for d in (real, sim)
+    ]
+    assert len(losses[0]) == len(losses[1]) == 1 + updates // H
+    assert losses[0] == pytest.approx(losses[1], rel=relative * 10)
+    if layout == "replicas":
+        assert got == {n: t for n, t in got.items() if torch.equal(t, want[n])}  # the same sums: exact

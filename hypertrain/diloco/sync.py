@@ -331,7 +331,7 @@ class FragmentSync:
         flat = torch.cat(
             [torch.cat([o[n].float().reshape(1, -1) for n in self.names], dim=1) for o in self.replica_theta]
         )
-        mean = groups.sum_over_replicas(flat.sum(0)) / self.cfg.replicas
+        mean = groups.sum_over_replicas_beside(flat.sum(0)) / self.cfg.replicas
         for n, part in zip(self.names, mean.split([self.theta[n].numel() for n in self.names]), strict=True):
             self.theta[n].copy_(part.view_as(self.theta[n]))
         norm = mean.double().norm().clamp_min(torch.finfo(torch.float64).tiny)
