@@ -26,7 +26,9 @@ from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 SETTINGS = (("outer.fragments", "P"), ("outer.delay", "tau"), ("outer.merge_alpha", "alpha"))
 SETTINGS += (("outer.compress", "compress"), ("outer.error_feedback", "error feedback"))
+SETTINGS += (("outer.overlap", "overlap"), ("outer.lr", "outer lr"))
 PLAIN = {"outer.fragments": 1, "outer.delay": 0, "outer.merge_alpha": 0.0, "outer.compress": "none"}
+PLAIN |= {"outer.overlap": "none"}
 
 
 def setting(resolved: dict) -> dict:
@@ -39,6 +41,8 @@ def label(values: dict) -> str:
     parts.append(f"alpha={values['outer.merge_alpha']}")
     if values["outer.compress"] not in (None, "none"):
         parts.append(values["outer.compress"] + (" +EF" if values["outer.error_feedback"] else ""))
+    if values["outer.overlap"] not in (None, "none"):  # docs/overlap.md
+        parts.append(f"{values['outer.overlap']} outer lr={values['outer.lr']}")
     return " ".join(parts)
 
 

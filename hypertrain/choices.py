@@ -86,6 +86,14 @@ class Reduction(Choice):
     two_phase = "two_phase"
 
 
+class Overlap(Choice):
+    """outer.overlap: the outer step overlaps a whole round (docs/overlap.md), or not (none)."""
+
+    none = "none"
+    delayed = "delayed"
+    eager = "eager"
+
+
 class PhaseKind(Choice):
     """phase.kind: strong (a global batch) or weak (a base world's streams, replicated) scaling."""
 

@@ -30,6 +30,7 @@ from hypertrain.choices import (
     Examples,
     InnerName,
     LoggerName,
+    Overlap,
     PhaseKind,
     Precision,
     ProcessesName,
@@ -195,6 +196,11 @@ class OuterConfig:
     topk_fraction: float = 0.01  # compress=topk: the fraction of each block sent, in (0, 1]
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
+    # An outer step overlapping a whole round (docs/overlap.md): none (today's sync), delayed (the
+    # reduction started at the end of round t is applied at the end of round t+1, while round t+1
+    # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
+    # per-replica outer weights and momentum; Kale, Douillard, Donchev 2025). outer.delay must be 0.
+    overlap: Overlap = Overlap.none
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
@@ -211,6 +217,16 @@ class OuterConfig:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
+            )
+        if self.overlap != "none" and self.delay:
+            raise UserError(
+                f"outer.delay={self.delay} with outer.overlap={self.overlap}: the reduction already overlaps "
+                "a whole round; valid: outer.delay=0, or outer.overlap=none"
+            )
+        if self.overlap != "none" and self.merge_alpha:
+            raise UserError(
+                f"outer.merge_alpha={self.merge_alpha!r} with outer.overlap={self.overlap} is not built; "
+                "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
         if self.compress == "topk" and self.reduce == "two_phase":
             raise UserError(

@@ -76,6 +76,9 @@ def run_identity(cfg: TrainConfig, resolved: dict) -> dict:
     if cfg.outer.fragments > 1 or cfg.outer.delay:  # Streaming DiLoCo: its fragments and delay
         tag += f"-p{cfg.outer.fragments}-d{cfg.outer.delay}"
         streaming = [f"P={cfg.outer.fragments}", f"delay={cfg.outer.delay}"]
+    if cfg.outer.overlap != "none":  # an outer step overlapping a whole round (docs/overlap.md)
+        tag += f"-{cfg.outer.overlap}"
+        streaming.append(f"overlap={cfg.outer.overlap}")
     return {
         "name": f"{cfg.experiment}-{cfg.phase.name}-{tag}-{config_hash(resolved)}",
         "group": group,

@@ -247,6 +247,30 @@ CASES = {
         "churn.deadline=0.5 needs modelled compute, not cluster.compute='measured'",
         "cluster.compute=modelled (a cluster preset such as h100), or churn.deadline=0",
     ),
+    "overlap-unknown": Case(
+        "an outer overlap that does not exist (docs/overlap.md)",
+        ["outer.overlap=late"],
+        "outer.overlap='late' is not valid; valid: 'none', 'delayed', 'eager'",
+        "none, delayed or eager",
+    ),
+    "overlap-with-delay": Case(
+        "a whole-round overlap with Streaming DiLoCo's delay",
+        ["outer.overlap=delayed", "outer.delay=1"],
+        "outer.delay=1 with outer.overlap=delayed: the reduction already overlaps a whole round",
+        "outer.delay=0 with an overlap",
+    ),
+    "overlap-with-merge": Case(
+        "a whole-round overlap with a merge alpha",
+        ["outer.overlap=eager", "outer.merge_alpha=0.5"],
+        "outer.merge_alpha=0.5 with outer.overlap=eager is not built",
+        "outer.merge_alpha=0, or outer.overlap=none",
+    ),
+    "eager-with-churn": Case(
+        "eager updates with churn",
+        ["outer.overlap=eager", "churn.p_miss=0.1"],
+        "outer.overlap=eager with churn is not built",
+        "outer.overlap=delayed or none, or churn off",
+    ),
     "negative-restarts": Case(
         "a negative number of restarts",
         ["processes=dist", "processes.max_restarts=-1"],

@@ -28,8 +28,8 @@ NEWER = SCHEMA_VERSION + 1
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_1_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 1
+def test_today_is_schema_2_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 2
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -81,6 +81,8 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
         "pending": None,
         "errors": None,
         "clock": None,
+        "in_flight": None,
+        "outer_replicas": None,
         "comm_measured": {},
         "totals": {
             **older["state"]["totals"],
@@ -106,6 +108,18 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
     }
     assert got == want
     assert upgrade_checkpoint(got) is got
+
+
+def test_a_version_1_config_and_checkpoint_gain_no_overlap():
+    """Schema 1 knew no whole-round overlap: its config reads as outer.overlap=none, its checkpoint as
+    one without reductions in flight across a round and without per-replica outer state."""
+    outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
+    assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": {**outer, "overlap": "none"}}
+    older = {**_older_payload(clock=False), "schema_version": 1}
+    older["config"] = {**older["config"], "outer": outer}
+    got = upgrade_checkpoint(older)
+    assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None}
+    assert got["config"]["outer"] == {**outer, "overlap": "none"} and got["schema_version"] == 2
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():

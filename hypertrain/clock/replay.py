@@ -19,12 +19,20 @@ _ORDER = {UpdateRow.kind: 0, SyncRow.kind: 1, EvalRow.kind: 2}  # within one upd
 def in_order(rows: list[Row | dict]) -> list[UpdateRow | SyncRow | EvalRow]:
     """A run's update, sync and eval rows, as their types, in the order training writes them, each once
     (the last written: a resumed run writes again the updates after its checkpoint): by update, then an
-    update's row, the syncs landing after it (a flush's fragments in the order written), its evaluation."""
+    update's row, the syncs landing after it (a flush's fragments in the order written; with outer.overlap
+    a fragment's two landings at the phase's end), its evaluation."""
     found: dict[tuple, UpdateRow | SyncRow | EvalRow] = {}
+    landed: dict[tuple[int, int], int] = {}  # outer.overlap's flush: a fragment lands twice at the end
     for row in map(parse, rows):
         if row is not None and row.kind in _ORDER:
             fragment = (row.fragment or 0) if isinstance(row, SyncRow) else 0
-            found[(row.kind, row.update, fragment)] = row
+            nth = 0
+            if isinstance(row, UpdateRow):  # an update written again: its syncs are counted again
+                landed = {k: n for k, n in landed.items() if k[0] != row.update}
+            elif isinstance(row, SyncRow):
+                nth = landed.get((row.update, fragment), 0)
+                landed[(row.update, fragment)] = nth + 1
+            found[(row.kind, row.update, fragment, nth)] = row
     written = {key: i for i, key in enumerate(found)}
     return [found[k] for k in sorted(found, key=lambda k: (k[1], _ORDER[k[0]], written[k]))]
 

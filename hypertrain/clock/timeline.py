@@ -47,6 +47,7 @@ class Shape:
     delay: int
     compress: str
     reduce: str
+    overlap: str = "none"  # outer.overlap: a landing's reduction was taken at the fragment's last sync point
 
     @classmethod
     def of(cls, resolved: dict) -> Shape:
@@ -60,6 +61,7 @@ class Shape:
             int(outer["delay"]),
             str(outer["compress"]),
             str(outer["reduce"]),
+            str(outer.get("overlap", "none")),
         )
 
 

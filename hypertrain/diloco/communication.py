@@ -217,4 +217,6 @@ def compressed_mean(
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:
         errors.copy_(torch.where(active[:, None], x - decoded, errors))
-    return CompressedMean(outer, x, blocks, active, error.float(), groups)
+    reduction = CompressedMean(outer, x, blocks, active, error.float(), groups)
+    reduction.own = torch.where(active[:, None], decoded, 0.0)  # each replica's d_m (outer.overlap=eager)
+    return reduction

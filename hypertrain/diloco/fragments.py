@@ -5,6 +5,9 @@ fragments holds, and at which update counts a fragment's pseudo-gradient is take
 Counts are updates done since the phase's start (update u, 0-based, ends at count u + 1). Fragment p
 lands after counts k*H + (p+1)*H/P and is taken tau counts before; the phase's end flushes every
 fragment in order 0..P-1 (`Schedule.events`). P = 1, tau = 0 is DiLoCo's one sync per round of H.
+With outer.overlap a fragment's landing at its sync point lands the sync taken at its previous one (a
+whole period in flight), and the phase's end lands the last one too (FLUSH, after every fragment's
+take and landing).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.model.shapes import param_specs
 
-TAKE, LAND = "take", "land"
+TAKE, LAND, FLUSH = "take", "land", "flush"
 
 
 def fragment_of(cfg: TrainConfig) -> dict[str, int]:
@@ -73,10 +76,12 @@ class Schedule:
     P: int
     tau: int
     updates: int
+    overlap: bool = False  # outer.overlap: each fragment's last sync lands at the phase's end (FLUSH)
 
     @classmethod
     def of(cls, cfg: TrainConfig, updates: int) -> Schedule:
-        return cls(cfg.inner.H, cfg.outer.fragments, cfg.outer.delay, updates)
+        overlap = cfg.outer.overlap != "none"
+        return cls(cfg.inner.H, cfg.outer.fragments, cfg.outer.delay, updates, overlap)
 
     @property
     def stride(self) -> int:
@@ -105,6 +110,8 @@ class Schedule:
             for p in range(self.P):
                 if p not in landed:
                     out += [(LAND, p)] if self._in_flight(p, count) else [(TAKE, p), (LAND, p)]
+            if self.overlap:
+                out += [(FLUSH, p) for p in range(self.P)]
         elif self.tau and (offset + self.tau) % self.stride == 0:
             out.append((TAKE, (offset + self.tau) // self.stride - 1))
         return out

@@ -56,11 +56,12 @@ def pseudo_gradient_sum(
 
 def pseudo_gradients(global_params: Params, replica_params: Params) -> Tensor:
     """Each replica's (theta_global - theta_m), fp32, flat in `global_params` order: [R, n_params]
-    (`replica_params` [R, ...]). What a compressed sync encodes, replica by replica."""
+    (`replica_params` [R, ...]). What a compressed sync encodes, replica by replica. `global_params`
+    may hold one origin per replica instead ([R, ...]: eager's own outer weights)."""
     parts = []
     for name, theta in global_params.items():
         replicas = replica_params[name].float()
-        parts.append((theta.float().reshape(1, *replicas.shape[1:]) - replicas).reshape(len(replicas), -1))
+        parts.append((theta.float().reshape(-1, *replicas.shape[1:]) - replicas).reshape(len(replicas), -1))
     return torch.cat(parts, dim=1)
 
 

@@ -2,6 +2,9 @@
 at, which local replicas took part, churn's facts of it, and its reduction: in flight (`Reduction`,
 e.g. an asynchronous collective) or known (`Landed`). A checkpoint stores the result, so a resumed run
 issues nothing again; its saved form is unchanged since before the sync was one object per fragment.
+With outer.overlap a checkpoint stores what was taken instead (`taken_state`) and the resumed run
+re-issues the reduction (`from_taken`): the reduction is deterministic, and waiting for it at every
+checkpoint would undo the overlap.
 """
 
 from __future__ import annotations
@@ -83,6 +86,13 @@ class Pending:
     # with churn: who contributed, was absent, missed (decided at the take); None when churn is off or
     # the pending sync was read back from a checkpoint (its landing decides them again, the same way)
     churn: RoundFacts | None = None
+    # outer.overlap (a reduction in flight a whole round): what was taken, this process's replicas'
+    # pseudo-gradients [R_local, n] fp32 and their error buffers before the take (None without error
+    # feedback), which a checkpoint stores and a resumed run re-issues the reduction from; and each
+    # replica's own contribution d_m [R_local, n] (eager's fresh and stale terms)
+    taken: Tensor | None = None
+    errors_before: Tensor | None = None
+    own: Tensor | None = None
 
     def settle(self) -> None:
         """Wait for the reduction (every process, at the same point) and keep its result."""
@@ -111,3 +121,28 @@ class Pending:
         result = None if mean is None else Reduced.of(mean.to(device), int(saved["synced"]), figures)
         stepped = [bool(saved["stepped"][i]) for i in rows]
         return cls(int(saved["fragment"]), int(saved["taken_at"]), stepped, Landed(result))
+
+    def taken_state(self, stepped: list[bool], taken: list[Tensor], errors: list[Tensor] | None) -> dict:
+        """outer.overlap: what was taken, not waited for: every replica's flag, pseudo-gradient and error
+        buffer before the take (gathered from all processes, in replica order)."""
+        return {
+            "fragment": self.fragment,
+            "taken_at": self.taken_at,
+            "stepped": list(stepped),
+            "taken": list(taken),
+            "errors_before": None if errors is None else list(errors),
+        }
+
+    @classmethod
+    def from_taken(cls, saved: dict, rows: list[int], device: torch.device) -> Pending:
+        """This process's part of `taken_state` (`rows`: its replicas'), its reduction not issued yet
+        (`diloco.sync.FragmentSync.issue`)."""
+        errors = saved["errors_before"]
+        return cls(
+            int(saved["fragment"]),
+            int(saved["taken_at"]),
+            [bool(saved["stepped"][i]) for i in rows],
+            Landed(None),
+            taken=torch.stack([saved["taken"][i] for i in rows]).to(device),
+            errors_before=None if errors is None else torch.stack([errors[i] for i in rows]).to(device),
+        )

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from hypertrain.data.batches import ReplicaBatch, update_batch
 from hypertrain.diloco import churn
-from hypertrain.diloco.fragments import LAND, TAKE, Schedule, members
+from hypertrain.diloco.fragments import FLUSH, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.diloco.sync import Landing
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
@@ -155,7 +155,8 @@ def rounds(
     schedule = Schedule.of(cfg, run.updates)
     fragments = members(cfg)
     # DiLoCo (one fragment, no merge alpha): after a sync every replica restarts from the global weights.
-    restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0
+    # Eager: each restarts from its own outer weights (kept in `round_params`).
+    restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0 and cfg.outer.overlap != "eager"
     churned = churn.Churn.of(run)  # None without churn
     while state.next_update < run.updates:
         end = schedule.next_cut(state.next_update)
@@ -194,12 +195,15 @@ def rounds(
                     contributors = facts.contributors
                     stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
                 state.syncs[p].take(params, stepped, count, groups, facts)
-            elif kind == LAND:
-                pending = state.syncs[p].pending
+            else:  # LAND, or FLUSH (outer.overlap: the phase's last reduction)
+                sync = state.syncs[p]
+                # outer.overlap: a landing lands the sync taken a period earlier (`due`)
+                pending = sync.due if schedule.overlap and kind != FLUSH else sync.pending
                 if churned is not None and pending is not None and pending.churn is None:  # from a checkpoint
-                    pending.churn = churned.facts(part.index, schedule.window(p, pending.taken_at), p)
+                    k = (pending.taken_at - 1) // cfg.inner.H + 1 if schedule.overlap else part.index
+                    pending.churn = churned.facts(k, schedule.window(p, pending.taken_at), p)
                 merged = None if restart else state.round_params
-                landing = state.syncs[p].land(state.inner, merged, groups)
+                landing = (sync.flush if kind == FLUSH else sync.land)(state.inner, merged, groups)
                 landing.measured = groups.comm_stats()  # this landing's (and the updates' before it)
                 if landing.churn is not None and merged is not None:
                     # who did not contribute restarts from the global weights

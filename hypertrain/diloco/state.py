@@ -95,10 +95,26 @@ class RunState:
     # one sync per fragment (`diloco.sync.FragmentSync`): views of its part of the state above, its
     # reducer, and its sync taken and not landed yet (outer.delay > 0; at most one fragment's at a time)
     syncs: list[FragmentSync] = field(default_factory=list)
+    # outer.overlap=eager: each local replica's own outer weights and momentum ({"theta", "momentum"},
+    # each [1, ...]); `theta` is then their mean over every replica (what is evaluated and saved)
+    outer_replicas: list[dict] | None = None
+
+    @property
+    def overlapped(self) -> bool:
+        """outer.overlap is on: every fragment's reduction is in flight a whole period (`in_flight`)."""
+        return bool(self.syncs) and self.syncs[0].overlap != "none"
+
+    @property
+    def in_flight(self) -> list[Pending]:
+        """outer.overlap: the reductions in flight, one per fragment taken, in fragment order."""
+        return [s.pending for s in self.syncs if s.pending is not None] if self.overlapped else []
 
     @property
     def pending(self) -> Pending | None:
-        """The fragment's sync in flight, if one is (what a checkpoint saves)."""
+        """The fragment's sync in flight, if one is (what a checkpoint saves); None with outer.overlap,
+        whose reductions are `in_flight`."""
+        if self.overlapped:
+            return None
         return next((s.pending for s in self.syncs if s.pending is not None), None)
 
     @pending.setter
@@ -135,11 +151,27 @@ class RunState:
         clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
         state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
         reduction = None if decided is None else decided.reduction
+        if cfg.outer.overlap == "eager":
+            state.outer_replicas = [
+                {
+                    "theta": {n: t.detach().clone() for n, t in one.items()},
+                    "momentum": {n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()},
+                }
+                for _ in local
+            ]
         state.syncs = [
-            FragmentSync(cfg, p, names, state.theta, state.outer, state.errors, reduction)
+            FragmentSync(
+                cfg, p, names, state.theta, state.outer, state.errors, state.outer_replicas, reduction
+            )
             for p, names in enumerate(members(cfg))
         ]
         return state
+
+    def reissue(self, groups) -> None:
+        """outer.overlap, after `load_state_dict`: start again the reductions a checkpoint stored taken
+        (every process, in fragment order: the same numbers as the first time)."""
+        for pending in self.in_flight:
+            self.syncs[pending.fragment].issue(pending, groups)
 
     def stepped_in(self, fragment: int) -> list[bool]:
         """Whether each local replica has stepped since `fragment`'s last sync."""
@@ -154,8 +186,18 @@ class RunState:
         if self.pending is not None:
             self.pending.settle()
         kept = self.round_params is not None
+        flights = self.in_flight  # outer.overlap: what was taken, not waited for
         return [
             {
+                "in_flight": {
+                    p.fragment: {
+                        "stepped": p.stepped[i],
+                        "taken": p.taken[i],
+                        "errors_before": None if p.errors_before is None else p.errors_before[i],
+                    }
+                    for p in flights
+                },
+                "outer": self.outer_replicas[i] if self.outer_replicas is not None else None,
                 "inner": {"m": s.m, "v": s.v, "step": s.step},
                 "params": self.round_params[i] if kept else None,
                 "stepped": _flags_out(self.round_stepped[i]) if kept and self.round_stepped else None,
@@ -188,6 +230,8 @@ class RunState:
             "pending": pending,
             "errors": [r["errors"] for r in records] if self.errors is not None else None,
             "clock": self.clock.state_dict() if self.clock is not None else None,
+            "in_flight": _in_flight_out(self.in_flight, records) if self.overlapped else None,
+            "outer_replicas": [r["outer"] for r in records] if self.outer_replicas is not None else None,
         }
 
     @torch.no_grad()
@@ -227,9 +271,29 @@ class RunState:
             self.clock = None
         elif self.clock is not None:
             self.clock.load_state_dict(saved["clock"])
+        mine = [where[m] for m in self.replicas]
         if saved["pending"] is not None:
-            mine = [where[m] for m in self.replicas]
             self.pending = Pending.from_state_dict(saved["pending"], mine, device)
+        if self.outer_replicas is not None:
+            for own, i in zip(self.outer_replicas, mine, strict=True):
+                for part in ("theta", "momentum"):
+                    for name, t in own[part].items():
+                        t.copy_(saved["outer_replicas"][i][part][name])
+        for s in self.syncs:
+            s.due = None
+        for taken in saved["in_flight"] or []:
+            pending = Pending.from_taken(taken, mine, device)
+            self.syncs[pending.fragment].pending = pending  # issued again by `reissue`
+
+
+def _in_flight_out(flights: list[Pending], records: list[dict]) -> list[dict]:
+    """Each fragment's reduction in flight as a checkpoint stores it: what every replica took."""
+    out = []
+    for pending in flights:
+        mine = [r["in_flight"][pending.fragment] for r in records]
+        errors = None if mine[0]["errors_before"] is None else [x["errors_before"] for x in mine]
+        out.append(pending.taken_state([x["stepped"] for x in mine], [x["taken"] for x in mine], errors))
+    return out
 
 
 def _flags_out(flags: list[bool]) -> bool | list[bool]:

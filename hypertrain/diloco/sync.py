@@ -54,6 +54,9 @@ class Landing:
     compress_error: list[float | None] | None = None
     measured: dict = field(default_factory=dict)
     churn: RoundFacts | None = None
+    # outer.overlap=eager: the largest relative distance ||theta_m - mean|| / ||mean|| of a replica's
+    # outer weights of the fragment from their mean over replicas, after this landing; None otherwise
+    outer_spread: float | None = None
 
     def codec_figures(self) -> dict:
         """A codec's fields of the sync row (`payload_bytes`, `compress_error`); none for fp32."""
@@ -68,6 +71,13 @@ class ExactReducer:
 
     def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
         return exact_mean(pseudo_gradient_sum(sync.theta, replica_params, active), groups)
+
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
+        """outer.overlap: the reduction of the flat pseudo-gradients `deltas` [R_local, n] that were
+        taken, and each replica's own contribution (its pseudo-gradient, 0 where it did not step)."""
+        own = torch.where(active[:, None], deltas, 0.0)
+        local = torch.cat([own.sum(0), active.sum().to(own.dtype).reshape(1)])
+        return exact_mean(local, groups), own
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return ring_allreduce_bytes(sync.cfg.replicas, sync.params)
@@ -87,6 +97,12 @@ class CodecReducer:
         if errors is not None:
             sync.store_errors(errors)
         return reduction
+
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
+        """outer.overlap: as `start`, from the flat pseudo-gradients taken and the error buffers before
+        the take (updated in place); each replica's own contribution is its decoded payload."""
+        reduction = compressed_mean(self.outer, deltas, errors, active, self.blocks, groups, count)
+        return reduction, reduction.own
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return result.sent_bytes
@@ -108,13 +124,23 @@ class FragmentSync:
         theta: Params,
         outer: OuterState,
         errors: list[Params] | None,
+        replica_outer: list[dict] | None = None,
         reduction: str | None = None,
     ):
         """Fragment `index`'s sync of the parameters `names`, of the run's global weights `theta`,
-        outer state `outer` and local replicas' error buffers `errors` (None without error feedback),
+        outer state `outer` and local replicas' error buffers `errors` (None without error feedback);
+        `replica_outer`: eager's per-replica outer weights and momentum ({"theta", "momentum"} each);
         reduced by `reduction` (the run's `Decided.reduction`; None: `decided.reduction(cfg.outer)`)."""
         self.cfg, self.names, self.index = cfg, list(names), index
         self.pending: Pending | None = None
+        # outer.overlap: the sync taken a period earlier, due to land now (set by `take`, landed by `land`)
+        self.overlap, self.due = cfg.outer.overlap, None
+        # outer.overlap=eager: each local replica's own outer weights and momentum (views, [1, ...])
+        self.replica_theta: list[Params] | None = None
+        self.replica_momentum: list[Params] | None = None
+        if replica_outer is not None:
+            self.replica_theta = [{n: o["theta"][n] for n in self.names} for o in replica_outer]
+            self.replica_momentum = [{n: o["momentum"][n] for n in self.names} for o in replica_outer]
         self.theta = {n: theta[n] for n in self.names}
         self.outer = OuterState({n: outer.momentum[n] for n in self.names})
         self.errors = None if errors is None else [{n: e[n] for n in self.names} for e in errors]
@@ -154,9 +180,43 @@ class FragmentSync:
         device = next(iter(self.theta.values())).device
         active = torch.tensor(stepped, device=device)
         replica_params = {n: torch.cat([p[n] for p in params]) for n in self.names}
+        if self.overlap != "none":
+            return self._take_overlapped(replica_params, stepped, count, groups, churn)
         reduction = self.reducer.start(self, replica_params, active, count, groups)
         self.pending = Pending(self.index, count, list(stepped), reduction, churn)
         return self.pending
+
+    def _take_overlapped(self, replica_params: Params, stepped, count: int, groups, churn) -> Pending:
+        """outer.overlap: the pseudo-gradients from the weights each replica started the period from
+        (the global weights, or eager's own outer weights), their reduction started and left in flight
+        for a whole period; the sync taken a period earlier becomes `due`."""
+        origin = self.theta
+        if self.replica_theta is not None:
+            origin = {n: torch.cat([o[n] for o in self.replica_theta]) for n in self.names}
+        errors = self.flat_errors()
+        taken = Pending(
+            self.index,
+            count,
+            list(stepped),
+            None,
+            churn,
+            taken=pseudo_gradients(origin, replica_params),
+            errors_before=None if errors is None else errors.clone(),
+        )
+        self.issue(taken, groups, store=True)
+        self.due, self.pending = self.pending, taken
+        return taken
+
+    def issue(self, pending: Pending, groups: Collectives, store: bool = False) -> None:
+        """Start `pending`'s reduction from what it took (at the take; on resume, again: the same
+        numbers); `store`: keep the updated error buffers (at the take only)."""
+        active = torch.tensor(pending.stepped, device=pending.taken.device)
+        errors = None if pending.errors_before is None else pending.errors_before.clone()
+        pending.reduction, pending.own = self.reducer.start_taken(
+            self, pending.taken, errors, active, pending.taken_at, groups
+        )
+        if store and errors is not None:
+            self.store_errors(errors)
 
     @torch.no_grad()
     def land(self, inner: list[OptState], params: list[Params] | None, groups: Collectives) -> Landing:
@@ -164,6 +224,8 @@ class FragmentSync:
         the outer state, merge them into every local replica's weights `params` (None: the replicas
         restart from the global weights), and apply the inner state policy to these parameters of the
         local replicas' inner optimizer states `inner`."""
+        if self.overlap != "none":
+            return self._land_overlapped(inner, params, groups, last=False)
         cfg, pending, self.pending = self.cfg, self.pending, None
         assert pending is not None and pending.fragment == self.index, (pending, self.index)
         landing = Landing(pending.fragment, pending.taken_at, self.params, churn=pending.churn)
@@ -191,6 +253,94 @@ class FragmentSync:
                 fragment=pending.fragment,
             )
         return landing
+
+    @torch.no_grad()
+    def flush(self, inner: list[OptState], params: list[Params] | None, groups: Collectives) -> Landing:
+        """outer.overlap, the phase's end: wait for the last reduction in flight and apply it (delayed:
+        one more outer step; eager: each replica's last stale term), so the run ends on weights that hold
+        every round."""
+        return self._land_overlapped(inner, params, groups, last=True)
+
+    def _land_overlapped(self, inner, params, groups, last: bool) -> Landing:
+        """Land the sync taken a period ago (`due`; at the phase's end, `last`, the one in flight): its
+        mean steps the global weights (delayed) or, with each replica's fresh term in place of its stale
+        one, each replica's own outer weights (eager); every replica restarts from them; the inner
+        state policy applies to the replicas that stepped in the period just trained."""
+        cfg, fresh = self.cfg, None if last else self.pending
+        landed = self.pending if last else self.due
+        self.due = None
+        if last:
+            self.pending = None
+        landing = Landing(self.index, (landed or fresh).taken_at, self.params)
+        communicated = None
+        if landed is not None:
+            landing.churn = landed.churn
+            communicated = landed.reduction.wait()
+        if communicated is not None:
+            landing.synced = communicated.synced
+            landing.theta_norm = weights_norm(self.theta)
+            landing.delta_norm = math.sqrt(float(communicated.mean.double().pow(2).sum()))
+            landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
+            landing.payload_bytes = communicated.payload_bytes
+            landing.compress_error = communicated.compress_error
+        if self.replica_theta is not None:
+            if communicated is not None or not last:
+                stale = None if communicated is None else landed.own
+                self._eager_step(communicated, stale, None if fresh is None else fresh.own)
+            landing.outer_spread = self._mean_of_replicas(groups)
+            if params is not None:
+                for own, p in zip(self.replica_theta, params, strict=True):
+                    for n in self.names:
+                        p[n].copy_(own[n])
+        else:
+            if communicated is not None:
+                outer_step(cfg.outer, self.theta, unflatten(communicated.mean, self.theta), self.outer)
+            if params is not None:
+                merge(self.theta, params, 0.0)
+        if fresh is not None:
+            active = torch.tensor(fresh.stepped, device=inner[0].step.device)
+            sync_inner_states(
+                cfg.inner,
+                inner,
+                active,
+                groups.sum_over_replicas,
+                groups.max_over_replicas,
+                names=None if self.whole_model else self.names,
+                fragment=self.index,
+            )
+        return landing
+
+    def _eager_step(self, communicated, stale, fresh) -> None:
+        """Each local replica m steps its own outer weights and momentum with
+        A(t-1) + (d_m(t) - d_m(t-1)) / M: the mean landed now with the replica's own fresh contribution
+        in place of its stale one (M = outer replicas; a term not there is zero)."""
+        M = self.cfg.replicas
+        like = self.replica_theta[0]
+        for i, (theta_m, momentum_m) in enumerate(
+            zip(self.replica_theta, self.replica_momentum, strict=True)
+        ):
+            own = 0.0
+            if fresh is not None:
+                own = fresh[i]
+            if stale is not None:
+                own = own - stale[i]
+            step = own / M if communicated is None else communicated.mean + own / M
+            if not torch.is_tensor(step):
+                continue
+            outer_step(self.cfg.outer, theta_m, unflatten(step, like), OuterState(momentum_m))
+
+    def _mean_of_replicas(self, groups: Collectives) -> float:
+        """The global weights (what is evaluated and saved) become the mean over every replica of their
+        outer weights; returns the largest relative distance of one from that mean."""
+        flat = torch.cat(
+            [torch.cat([o[n].float().reshape(1, -1) for n in self.names], dim=1) for o in self.replica_theta]
+        )
+        mean = groups.sum_over_replicas_beside(flat.sum(0)) / self.cfg.replicas
+        for n, part in zip(self.names, mean.split([self.theta[n].numel() for n in self.names]), strict=True):
+            self.theta[n].copy_(part.view_as(self.theta[n]))
+        norm = mean.double().norm().clamp_min(torch.finfo(torch.float64).tiny)
+        local = ((flat.double() - mean.double()).norm(dim=1) / norm).max()
+        return float(groups.max_over_replicas(local))
 
 
 def merge(theta: Params, params: list[Params], alpha: float) -> None:

@@ -172,6 +172,13 @@ class DistReplicaGroups(ReplicaGroups):
     def sum_over_replicas(self, flat: Tensor) -> Tensor:
         return self.start_sum_over_replicas(flat).wait()
 
+    def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
+        """On the default group, beside the outer group's reduction in flight: every process passes its
+        replicas' sum, so under the benchmark layout each replica's L ranks count it L times."""
+        out = flat.clone()
+        self._timed("outer", out, lambda: dist.all_reduce(out))
+        return out if self.replica_group is None else out / self.L
+
     def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
         """The sync's sum, started asynchronously on the outer process group(s) (async_op=True); the
         replicas train on while it is in flight. Benchmark layout: the shard's all-reduce across

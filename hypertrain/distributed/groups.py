@@ -64,6 +64,8 @@ class Collectives(Protocol):
 
     def sum_over_replicas(self, flat: Tensor) -> Tensor: ...
 
+    def sum_over_replicas_beside(self, flat: Tensor) -> Tensor: ...
+
     def start_sum_over_replicas(self, flat: Tensor) -> InFlight: ...
 
     def start_all_gather_replicas(self, local: Tensor) -> InFlight: ...
@@ -119,6 +121,11 @@ class ReplicaGroups:
         """The sum over all R replicas of a flat per-replica quantity; this process passes the sum over
         its own replicas (under the benchmark layout every rank of a replica passes the same value)."""
         return flat
+
+    def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
+        """`sum_over_replicas`, not queued behind a reduction in flight on the outer group (eager's mean
+        of the replicas' outer weights, while the reduction of the round just trained is in flight)."""
+        return self.sum_over_replicas(flat)
 
     def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
         """`sum_over_replicas` started now and waited for later (the sync's reduction, which the

@@ -87,6 +87,16 @@ def check_deadline(cfg: TrainConfig) -> None:
         )
 
 
+def check_overlap(cfg: TrainConfig) -> None:
+    """outer.overlap=eager keeps an outer state per replica, which churn's absent and missing replicas
+    have no rule for (docs/overlap.md): refused with churn."""
+    if cfg.outer.overlap == "eager" and cfg.churn.enabled:
+        raise UserError(
+            "outer.overlap=eager with churn is not built (a replica's own outer state has no rule for "
+            "a missed or absent round); valid: outer.overlap=delayed or none, or churn off"
+        )
+
+
 def check_layout(cfg: TrainConfig) -> Decided:
     """What the config decides (`decided.decide`); UserError when processes=dist fits no process layout
     for its processes (the launcher's, or processes.nproc), W and R."""
@@ -105,6 +115,7 @@ def validate(cfg: TrainConfig) -> Decided:
     decided = check_layout(cfg)
     check_fragments(cfg)
     check_deadline(cfg)
+    check_overlap(cfg)
     return decided
 
 

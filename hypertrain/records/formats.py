@@ -20,7 +20,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 VERSION_KEY = "schema_version"
 
 
@@ -88,7 +88,15 @@ def _config_0_to_1(resolved: dict) -> dict:
     return {**resolved, "engine": engine, "processes": defaults | processes}
 
 
-CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1,)
+def _config_1_to_2(resolved: dict) -> dict:
+    """Version 1: before the whole-round overlap (`outer.overlap`, none: the sync of then)."""
+    outer = resolved.get("outer")
+    if isinstance(outer, dict) and "overlap" not in outer:
+        resolved = {**resolved, "outer": {**outer, "overlap": "none"}}
+    return resolved
+
+
+CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1, _config_1_to_2)
 
 
 def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
@@ -151,7 +159,17 @@ def _checkpoint_0_to_1(saved: dict) -> dict:
     return saved
 
 
-CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (_checkpoint_0_to_1,)
+def _checkpoint_1_to_2(saved: dict) -> dict:
+    """Version 1: before the whole-round overlap: no reductions in flight across a round (`in_flight`)
+    and no per-replica outer state (`outer_replicas`)."""
+    saved = {**saved}
+    state = saved["state"] = {**saved["state"]}
+    for key in ("in_flight", "outer_replicas"):
+        state.setdefault(key, None)
+    return saved
+
+
+CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (_checkpoint_0_to_1, _checkpoint_1_to_2)
 
 
 def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:

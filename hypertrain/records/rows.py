@@ -261,6 +261,9 @@ class SyncRow(Row):
     comm_outer_bytes: int | None = _maybe("outer bytes per replica of this sync (a codec's payload)")
     comm_inner_total: int | None = _maybe("running inner bytes")
     comm_outer_total: int | None = _maybe("running outer bytes")
+    outer_spread: float | None = _maybe(
+        "outer.overlap=eager: the largest relative distance of a replica's outer weights from their mean"
+    )
     figures: dict = _open(
         "a codec's (`payload_bytes`, its errors), real processes' measured bytes and seconds, a"
         " multistream model's held-out losses, churn's facts, the clock's split (`clock_*`)"

@@ -59,6 +59,9 @@ NOTES = [
     "summed over a resumed run's sessions.",
     "status: its `end` row's (finished, failed, preempted); without one, running (its process is "
     "alive on this host), crashed (it is not), or unknown (it started on another host).",
+    "outer.overlap (a column where runs differ in it): none, delayed (the outer step one round late) or "
+    "eager (each replica's own fresh pseudo-gradient in place of its stale one; docs/overlap.md); with an "
+    "overlap the clock hides a sync's exchange behind the next round's compute.",
     "simulated s, compute util: the network clock (docs/clock.md) of the run replayed from its records on "
     "the cluster its config.yaml records (cpu_here, measured compute, for a run written before the clock): "
     "its total simulated seconds, and compute / total.",

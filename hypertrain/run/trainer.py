@@ -85,6 +85,7 @@ def sync_rows(
             comm_outer_bytes=outer,
             comm_inner_total=totals.comm_inner_bytes,
             comm_outer_total=totals.comm_outer_bytes,
+            outer_spread=sync.outer_spread,
             figures=sync.codec_figures() | sync.measured | extra,
         )
         if sync.churn is not None:  # who contributed, was absent, missed; whether the quorum failed
@@ -231,6 +232,7 @@ def train(
     state = RunState.start(cfg, initial_weights(run), groups.replicas, run.decided)
     if saved is not None:
         state.load_state_dict(saved)
+        state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
     totals = state.totals
     n_params = count_params(cfg.model)
