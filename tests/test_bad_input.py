@@ -14,6 +14,7 @@ it, and `test_the_errors_page_is_the_catalogue` fails when the page and the case
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -851,7 +852,13 @@ def test_a_sample_of_the_catalogue_says_the_same_in_process_as_on_the_command_li
     skip_where_valid(name)
     here = refused(name, tmp_path / "here", earlier, process=False)
     real = refused(name, tmp_path / "real", earlier, process=True)
-    assert here == real
+    assert _at_any_moment(here) == _at_any_moment(real)
+
+
+def _at_any_moment(outcome):
+    """The memory refusal names the memory available when it was made (MemAvailable), which another
+    process can change between the two calls: that figure is left out of the comparison."""
+    return re.sub(r"but [0-9.]+ [kMGT]?B is available", "but N is available", repr(outcome))
 
 
 def test_a_sweep_stops_at_its_invalid_second_job_and_keeps_the_first(tmp_path):
