@@ -231,28 +231,35 @@ class FragmentSync:
         landing = Landing(pending.fragment, pending.taken_at, self.params, churn=pending.churn)
         communicated = pending.reduction.wait()
         if communicated is not None:  # None: nobody stepped, and momentum must not move theta
-            mean = communicated.mean
-            landing.synced = communicated.synced
-            landing.theta_norm = weights_norm(self.theta)  # before the outer step changes theta in place
-            landing.delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
-            outer_step(cfg.outer, self.theta, unflatten(mean, self.theta), self.outer)
-            landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
-            landing.payload_bytes = communicated.payload_bytes
-            landing.compress_error = communicated.compress_error
+            self._record(landing, communicated)
+            outer_step(cfg.outer, self.theta, unflatten(communicated.mean, self.theta), self.outer)
         if params is not None:
             merge(self.theta, params, cfg.outer.merge_alpha)
         if communicated is not None:
-            active = torch.tensor(pending.stepped, device=inner[0].step.device)
-            sync_inner_states(
-                cfg.inner,
-                inner,
-                active,
-                groups.sum_over_replicas,
-                groups.max_over_replicas,
-                names=None if self.whole_model else self.names,
-                fragment=pending.fragment,
-            )
+            self._sync_inner(inner, pending.stepped, groups)
         return landing
+
+    def _record(self, landing: Landing, communicated: Reduced) -> None:
+        """The landed reduction's figures on `landing`, the weights' norm taken before the outer step
+        changes them in place."""
+        landing.synced = communicated.synced
+        landing.theta_norm = weights_norm(self.theta)
+        landing.delta_norm = math.sqrt(float(communicated.mean.double().pow(2).sum()))
+        landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
+        landing.payload_bytes = communicated.payload_bytes
+        landing.compress_error = communicated.compress_error
+
+    def _sync_inner(self, inner: list[OptState], stepped: list[bool], groups: Collectives) -> None:
+        """The inner state policy on this fragment's parameters of the replicas that `stepped`."""
+        sync_inner_states(
+            self.cfg.inner,
+            inner,
+            torch.tensor(stepped, device=inner[0].step.device),
+            groups.sum_over_replicas,
+            groups.max_over_replicas,
+            names=None if self.whole_model else self.names,
+            fragment=self.index,
+        )
 
     @torch.no_grad()
     def flush(self, inner: list[OptState], params: list[Params] | None, groups: Collectives) -> Landing:
@@ -277,12 +284,7 @@ class FragmentSync:
             landing.churn = landed.churn
             communicated = landed.reduction.wait()
         if communicated is not None:
-            landing.synced = communicated.synced
-            landing.theta_norm = weights_norm(self.theta)
-            landing.delta_norm = math.sqrt(float(communicated.mean.double().pow(2).sum()))
-            landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
-            landing.payload_bytes = communicated.payload_bytes
-            landing.compress_error = communicated.compress_error
+            self._record(landing, communicated)
         if self.replica_theta is not None:
             if communicated is not None or not last:
                 stale = None if communicated is None else landed.own
@@ -298,16 +300,7 @@ class FragmentSync:
             if params is not None:
                 merge(self.theta, params, 0.0)
         if fresh is not None:
-            active = torch.tensor(fresh.stepped, device=inner[0].step.device)
-            sync_inner_states(
-                cfg.inner,
-                inner,
-                active,
-                groups.sum_over_replicas,
-                groups.max_over_replicas,
-                names=None if self.whole_model else self.names,
-                fragment=self.index,
-            )
+            self._sync_inner(inner, fresh.stepped, groups)
         return landing
 
     def _eager_step(self, communicated, stale, fresh) -> None:
