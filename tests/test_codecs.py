@@ -731,3 +731,19 @@ def test_the_dct_wraps_every_codec_with_its_bytes_and_rows_unchanged(codec):
     assert torch.equal(encode(codec, x, blocks, 0.05, "none"), encode(codec, x, blocks, 0.05))
     with pytest.raises(ValueError, match="transform='fft' is not valid; valid: none, dct"):
         encode(codec, x, blocks, 0.05, "fft")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_dct_is_within_the_float64_bound_and_its_rows_are_independent():
+    """On a GPU the products round in another order than on the CPU (so no bitwise claim across devices),
+    within the same bound; a row's bytes still do not depend on the rows beside it (one product per row)."""
+    blocks = Blocks(DCT_SIZES, DCT_BLOCK)
+    x = wide_range_values(3, DCT_SIZES, DCT_BLOCK, seed=11)
+    want, bound = dct_reference(x.double().numpy(), DCT_SIZES, DCT_BLOCK)
+    forward = codecs._dct(x.cuda(), blocks, inverse=False).cpu().double().numpy()
+    assert (np.abs(forward - want) <= bound).all()
+    payload = encode("topk", x.cuda(), blocks, 0.1, "dct")
+    for row in range(3):
+        assert torch.equal(
+            encode("topk", x[row : row + 1].cuda(), blocks, 0.1, "dct"), payload[row : row + 1]
+        )
