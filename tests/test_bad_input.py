@@ -272,6 +272,19 @@ CASES = {
         "outer.overlap=eager with churn is not built",
         "outer.overlap=delayed or none, or churn off",
     ),
+    "transform-unknown": Case(
+        "a transform before the codec that does not exist (docs/compression.md)",
+        ["outer.compress=topk", "outer.transform=fft"],
+        "outer.transform='fft' is not valid; valid: 'none', 'dct'",
+        "none or dct",
+    ),
+    "transform-with-none": Case(
+        "a DCT of the pseudo-gradient with no compressor",
+        ["outer.transform=dct"],
+        "outer.transform=dct with outer.compress=none: the fp32 all-reduce sends no blocks to transform; "
+        "valid: a compressor, or outer.transform=none",
+        "a compressor (outer.compress=topk, e3m0, ...), or outer.transform=none",
+    ),
     "negative-restarts": Case(
         "a negative number of restarts",
         ["processes=dist", "processes.max_restarts=-1"],
