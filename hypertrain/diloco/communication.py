@@ -123,7 +123,7 @@ class CompressedMean:
     def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups):
         self.outer, self.blocks, self.groups = outer, blocks, groups
         self.replicas, self.result, self.done = groups.total_replicas, None, False
-        codec, fraction = outer.compress, outer.topk_fraction
+        codec, fraction = outer.compress, topk(outer)
         if outer.reduce == "gather":
             payload = codecs.encode(codec, x, blocks, fraction)
             self.b = payload.shape[1]
@@ -144,7 +144,7 @@ class CompressedMean:
         if self.done:
             return self.result
         self.done = True
-        codec, fraction, R = self.outer.compress, self.outer.topk_fraction, self.replicas
+        codec, fraction, R = self.outer.compress, topk(self.outer), self.replicas
         if self.outer.reduce == "gather":
             rows = self.flight.wait()  # [R, header + b] in replica order
             active, errors = _header(rows)
@@ -182,6 +182,11 @@ class CompressedMean:
         return self.result
 
 
+def topk(outer: OuterConfig) -> codecs.TopK:
+    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it)."""
+    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+
+
 def compressed_mean(
     outer: OuterConfig,
     deltas: Tensor,
@@ -194,11 +199,17 @@ def compressed_mean(
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
     contribution is its own decoded payload (PCCL's self-quantize rule): d_m = decode(encode(x_m)),
-    x_m = delta_m + e_m; then e_m <- x_m - d_m for the replicas that took part (error feedback), the
-    others keep theirs. Returns the started `CompressedMean`; raises NonFiniteError (every process,
-    agreed) when a pseudo-gradient that would be sent is not finite, before anything is sent, naming
-    the replica (the highest-numbered, when several are) and the sync's `update`."""
-    x = deltas if errors is None else deltas + errors
+    x_m = delta_m + beta * e_m (beta = outer.error_decay; at 1, delta_m + e_m); then e_m <- x_m - d_m for
+    the replicas that took part (error feedback), the others keep theirs, undecayed. Returns the started
+    `CompressedMean`; raises NonFiniteError (every process, agreed) when a pseudo-gradient that would be
+    sent is not finite, before anything is sent, naming the replica (the highest-numbered, when several
+    are) and the sync's `update`."""
+    if errors is None:
+        x = deltas
+    elif outer.error_decay == 1.0:
+        x = deltas + errors  # today's expression: plain error feedback, bitwise
+    else:
+        x = deltas + errors * outer.error_decay  # SparseLoCo: u = beta * e + delta
     finite = torch.isfinite(x).all(dim=1) | ~active
     local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
     bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
@@ -207,12 +218,8 @@ def compressed_mean(
         raise NonFiniteError(
             f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
         )
-    decoded = codecs.decode(
-        outer.compress,
-        codecs.encode(outer.compress, x, blocks, outer.topk_fraction),
-        blocks,
-        outer.topk_fraction,
-    )
+    spec = topk(outer)
+    decoded = codecs.decode(outer.compress, codecs.encode(outer.compress, x, blocks, spec), blocks, spec)
     norms = deltas.double().norm(dim=1)
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:
