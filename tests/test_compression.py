@@ -36,7 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,7 +69,7 @@ from references import U32
 from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, WorldConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean
+from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.failures import NonFiniteError, RankFailed
@@ -372,16 +372,21 @@ class StageCase:
     reduce: str
     ef: bool
     active: tuple[bool, ...]
+    sparseloco: bool = False  # top-k's SparseLoCo settings: two_bit values, 12-bit indices, decay 0.9
 
     @property
     def name(self) -> str:
         stepped = "".join("T" if a else "F" for a in self.active)
         where = f"{self.layout}-w{self.world}-r{self.replicas}"
-        return f"{where}-{self.codec}-{self.reduce}-ef{int(self.ef)}-{stepped}"
+        extra = "-sparseloco" if self.sparseloco else ""
+        return f"{where}-{self.codec}-{self.reduce}-ef{int(self.ef)}-{stepped}{extra}"
 
     @property
     def outer(self) -> OuterConfig:
-        return outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef)
+        outer = outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef)
+        if self.sparseloco:  # k = 4 of a whole block of 32 (even); ragged ones keep 1 or 2
+            outer = replace(outer, error_decay=0.9, index_bits=12, topk_values="two_bit")
+        return outer
 
 
 def _cases(layout: str, world: int, R: int) -> list[StageCase]:
@@ -399,8 +404,10 @@ def _cases(layout: str, world: int, R: int) -> list[StageCase]:
 
 
 STAGE_CASES = {
-    # P = 2: one replica per process; two stacked replicas per process
-    2: _cases("replicas", 2, 2) + _cases("replicas", 4, 4),
+    # P = 2: one replica per process; two stacked replicas per process; SparseLoCo's top-k once (issue 37)
+    2: _cases("replicas", 2, 2)
+    + _cases("replicas", 4, 4)
+    + [StageCase("replicas", 2, 2, "topk", "gather", True, (True, True), sparseloco=True)],
     # P = 4: one replica per process; the benchmark layout W = 4, R = 2 (L = 2: each of a replica's two
     # ranks exchanges the whole payload in its own cross-replica group)
     4: _cases("replicas", 4, 4) + _cases("benchmark", 4, 2),
@@ -524,6 +531,7 @@ def test_the_stage_on_real_processes_equals_the_simulation_bitwise(tmp_path, wor
             if case.ef:
                 assert torch.equal(bits(have["errors"]), bits(want["errors"][mine])), where
             b = want["figures"]["payload_bytes"]
+            assert b == codecs.payload_size(case.codec, STAGE_BLOCKS, topk(case.outer)), where
             if case.reduce == "gather":
                 handed = len(mine) * (HEADER_BYTES + b)
             else:
