@@ -3,8 +3,9 @@ payload whose size depends only on the blocks (runs of `block` values that never
 and decoded back. Pure tensor functions: deterministic, vectorised over rows and blocks, on any device.
 
 Every payload is block-major: block after block, each block's bytes are its header (fp32 scale, or fp32
-minimum then fp32 scale; none for top-k) then its body, with fp32/int32 fields as native-endian raw bytes.
-So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads.
+minimum then fp32 scale; top-k's: `_encode_topk`) then its body, with fp32/int32 fields as native-endian raw
+bytes. So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads
+(but top-k's two_bit values, whose statistics are per tensor).
 """
 
 from __future__ import annotations
