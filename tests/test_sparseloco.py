@@ -7,6 +7,7 @@ its telescoped sum, today's numbers at the neutral settings, loop = stacked and 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -418,3 +419,31 @@ def test_killed_with_decayed_buffers_resumes_bit_identically(tmp_path):
 
 def test_topk_settings_are_what_the_stage_hands_the_codecs():
     assert topk(OuterConfig(**SPARSELOCO)) == TopK(0.0625, 12, "two_bit")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("values", VALUES)
+@pytest.mark.parametrize("bits", [32, 12])
+def test_cuda_bytes_and_values_equal_cpu(values, bits):
+    """The same bytes and decoded values on CUDA as on CPU. two_bit's float64 statistics are summed in
+    each device's own order; they round to the same fp32 header and codes unless a value lies within a
+    few float64 ulps of an fp32 rounding boundary or a bin edge (none in these seeded inputs)."""
+    spec, blocks = TopK(0.1, bits, values), Blocks((300, 64, 1000, 7, 0), 32)
+    x = torch.randn(3, blocks.numel, generator=torch.Generator().manual_seed(11))
+    cpu = encode("topk", x, blocks, spec)
+    gpu = encode("topk", x.cuda(), blocks, spec)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(decode("topk", gpu, blocks, spec).cpu(), decode("topk", cpu, blocks, spec))
+
+
+def test_bad_top_k_settings_are_refused_by_the_codec_in_one_line():
+    x = torch.zeros(1, 8)
+    for spec, says in (
+        (TopK(0.5, 16), "index_bits=16 is not valid; valid: 32 or 12"),
+        (TopK(0.5, 32, "fp8"), "values='fp8' is not valid; valid: fp32, fp16, int8, two_bit"),
+    ):
+        with pytest.raises(ValueError, match=f"^{re.escape(says)}$"):
+            encode("topk", x, Blocks((8,), 4), spec)
+    says = "index_bits=12 with block=8192 is not valid; valid: block <= 4096"
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}$"):
+        payload_size("topk", Blocks((8,), 8192), TopK(0.5, 12))
