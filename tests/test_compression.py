@@ -624,6 +624,15 @@ def test_stacked_and_loop_flip_int8_codes_only_where_their_pseudo_gradients_stra
 WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2"]
 WHOLE_CASES = {
     "fp4-gather": ["outer.compress=fp4_e2m1"],
+    # SparseLoCo's pieces (issue 37): k = 8 of a block of 128, two_bit values, 12-bit indices, decay 0.9
+    "topk-sparseloco": [
+        "outer.compress=topk",
+        "outer.topk_fraction=0.0625",
+        "outer.error_feedback=true",
+        "outer.error_decay=0.9",
+        "outer.index_bits=12",
+        "outer.topk_values=two_bit",
+    ],
     "fp4-two_phase": ["outer.compress=fp4_e2m1", "outer.reduce=two_phase"],
     # fragments: H = 4, P = 2 (a fragment every 2 updates), taken one update early (in flight meanwhile)
     "int8-fragments2-delay1": [
@@ -665,6 +674,11 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
     syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
     assert syncs and all(r["payload_bytes"] > 0 and len(r["compress_error"]) == 2 for r in syncs)
+    outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
+    weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=False)
+    blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
+    spec = codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+    assert all(r["payload_bytes"] == codecs.payload_size(str(outer.compress), blocks, spec) for r in syncs)
     if "outer.reduce=two_phase" not in extra:
         assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
 
