@@ -30,6 +30,7 @@ from hypertrain.diloco.codecs import Blocks, TopK, decode, encode, payload_size
 from hypertrain.diloco.communication import compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
+from hypertrain.rundir.checkpoint import seal
 
 VALUES = ("fp32", "fp16", "int8", "two_bit")
 
@@ -447,3 +448,46 @@ def test_bad_top_k_settings_are_refused_by_the_codec_in_one_line():
     says = "index_bits=12 with block=8192 is not valid; valid: block <= 4096"
     with pytest.raises(ValueError, match=f"^{re.escape(says)}$"):
         payload_size("topk", Blocks((8,), 8192), TopK(0.5, 12))
+
+
+# Today's top-k (k = 7 of 128: odd, so 12-bit indices would be refused) with error feedback, killed after
+# update 4's inner step, its newest checkpoint the mid-round one at 3.
+OLD_TOPK = [
+    *RUN,
+    "inner.H=2",
+    "phase.updates=6",
+    "outer.compress=topk",
+    "outer.topk_fraction=0.05",
+    "outer.error_feedback=true",
+    "checkpoint.every_updates=3",
+    "checkpoint.keep=10",
+]
+NEW_FIELDS = ("error_decay", "index_bits", "topk_values")
+
+
+def as_schema_2(run_dir) -> None:
+    """The run directory as schema 2 wrote it: config.yaml and every checkpoint's config without
+    SparseLoCo's fields, under schema_version 2 (each checkpoint resealed: a whole, older file)."""
+    config = run_dir / "config.yaml"
+    lines = config.read_text().splitlines(keepends=True)
+    assert lines[0] == "schema_version: 3\n"
+    kept_lines = [x for x in lines[1:] if x.strip().split(":")[0] not in NEW_FIELDS]
+    assert len(kept_lines) == len(lines) - 1 - len(NEW_FIELDS)
+    config.write_text("schema_version: 2\n" + "".join(kept_lines))
+    for path in sorted((run_dir / "checkpoints").glob("ckpt-u*.pt")):
+        saved = torch.load(path, weights_only=False)
+        saved["schema_version"] = 2
+        saved["config"]["outer"] = {k: v for k, v in saved["config"]["outer"].items() if k not in NEW_FIELDS}
+        torch.save(saved, path)
+        seal(path)
+
+
+def test_a_schema_2_top_k_run_resumes_with_its_own_bytes(tmp_path):
+    """A top-k run with error feedback written before SparseLoCo's fields (schema 2: config.yaml and its
+    checkpoints without them), killed mid-round, resumes (its config upgraded to index_bits=32,
+    topk_values=fp32, error_decay=1.0: what it sent) and equals the uninterrupted run of today exactly,
+    payload bytes included."""
+    run_dir, reference = killed_beside_uninterrupted(OLD_TOPK, tmp_path, "0:4:kill:after", KILLED)
+    as_schema_2(run_dir)
+    resumed(OLD_TOPK, run_dir, tmp_path)
+    assert_identical_but(run_dir, reference, skip=("comm_measured_inner_bytes", "comm_measured_outer_bytes"))
