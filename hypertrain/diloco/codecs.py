@@ -465,15 +465,12 @@ def _fields(codec: str, blocks: Blocks, fraction: float) -> list[tuple[int, Tens
     headers = {"uint8": 8}.get(codec, 4)
     if codec == "topk":
         distinct, which = torch.unique(lengths, return_inverse=True)
-        kept = torch.tensor([topk_kept(fraction.fraction, int(n)) for n in distinct], dtype=torch.int64)[
-            which
-        ]
-        most = topk_kept(fraction.fraction, blocks.block)
+        kept = torch.tensor([topk_kept(fraction.fraction, int(n)) for n in distinct], dtype=torch.int64)
+        kept, most = kept[which], topk_kept(fraction.fraction, blocks.block)
         if fraction.values == "two_bit":  # a tensor's header before its first block's codes
             first = torch.zeros_like(lengths)
-            first[
-                torch.tensor([0, *itertools.accumulate(_tensor_blocks(blocks))][:-1], dtype=torch.int64)
-            ] = 1
+            starts = [0, *itertools.accumulate(_tensor_blocks(blocks))][:-1]
+            first[torch.tensor(starts, dtype=torch.int64)] = 1
             values = [(TWO_BIT_HEADER, TWO_BIT_HEADER * first), ((most + 3) // 4, (kept + 3) // 4)]
         elif fraction.values == "int8":
             values = [(4, torch.full_like(lengths, 4)), (most, kept)]
