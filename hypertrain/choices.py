@@ -88,6 +88,15 @@ class Transform(Choice):
     dct = "dct"
 
 
+class TopkValues(Choice):
+    """outer.topk_values: how top-k's kept values travel (hypertrain.diloco.codecs.TopK)."""
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    int8 = "int8"
+    two_bit = "two_bit"
+
+
 class Reduction(Choice):
     """outer.reduce: how compressed payloads are reduced."""
 

@@ -36,7 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,7 +69,7 @@ from references import U32
 from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, WorldConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean
+from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.failures import NonFiniteError, RankFailed
@@ -392,16 +392,21 @@ class StageCase:
     ef: bool
     active: tuple[bool, ...]
     transform: str = "none"
+    sparseloco: bool = False  # top-k's SparseLoCo settings: two_bit values, 12-bit indices, decay 0.9
 
     @property
     def name(self) -> str:
         stepped = "".join("T" if a else "F" for a in self.active)
         where = f"{self.layout}-w{self.world}-r{self.replicas}"
-        return f"{where}-{self.codec}-{self.transform}-{self.reduce}-ef{int(self.ef)}-{stepped}"
+        extra = "-sparseloco" if self.sparseloco else ""
+        return f"{where}-{self.codec}-{self.transform}-{self.reduce}-ef{int(self.ef)}-{stepped}{extra}"
 
     @property
     def outer(self) -> OuterConfig:
-        return outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef, self.transform)
+        outer = outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef, self.transform)
+        if self.sparseloco:  # k = 4 of a whole block of 32 (even); ragged ones keep 1 or 2
+            outer = replace(outer, error_decay=0.9, index_bits=12, topk_values="two_bit")
+        return outer
 
 
 def _cases(layout: str, world: int, R: int) -> list[StageCase]:
@@ -424,8 +429,10 @@ def _cases(layout: str, world: int, R: int) -> list[StageCase]:
 
 
 STAGE_CASES = {
-    # P = 2: one replica per process; two stacked replicas per process
-    2: _cases("replicas", 2, 2) + _cases("replicas", 4, 4),
+    # P = 2: one replica per process; two stacked replicas per process; SparseLoCo's top-k once (issue 37)
+    2: _cases("replicas", 2, 2)
+    + _cases("replicas", 4, 4)
+    + [StageCase("replicas", 2, 2, "topk", "gather", True, (True, True), sparseloco=True)],
     # P = 4: one replica per process; the benchmark layout W = 4, R = 2 (L = 2: each of a replica's two
     # ranks exchanges the whole payload in its own cross-replica group)
     4: _cases("replicas", 4, 4) + _cases("benchmark", 4, 2),
@@ -550,6 +557,7 @@ def test_the_stage_on_real_processes_equals_the_simulation_bitwise(tmp_path, wor
             if case.ef:
                 assert torch.equal(bits(have["errors"]), bits(want["errors"][mine])), where
             b = want["figures"]["payload_bytes"]
+            assert b == codecs.payload_size(case.codec, STAGE_BLOCKS, topk(case.outer)), where
             if case.reduce == "gather":
                 handed = len(mine) * (HEADER_BYTES + b)
             else:
@@ -667,6 +675,15 @@ def replace_updates(updates: int) -> PhaseConfig:
 WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2"]
 WHOLE_CASES = {
     "fp4-gather": ["outer.compress=fp4_e2m1"],
+    # SparseLoCo's pieces (issue 37): k = 8 of a block of 128, two_bit values, 12-bit indices, decay 0.9
+    "topk-sparseloco": [
+        "outer.compress=topk",
+        "outer.topk_fraction=0.0625",
+        "outer.error_feedback=true",
+        "outer.error_decay=0.9",
+        "outer.index_bits=12",
+        "outer.topk_values=two_bit",
+    ],
     "fp4-two_phase": ["outer.compress=fp4_e2m1", "outer.reduce=two_phase"],
     "e3m0-gather": ["outer.compress=e3m0"],
     "dct-topk-ef": [
@@ -717,6 +734,11 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
     syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
     assert syncs and all(r["payload_bytes"] > 0 and len(r["compress_error"]) == 2 for r in syncs)
+    outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
+    weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=False)
+    blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
+    spec = codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+    assert all(r["payload_bytes"] == codecs.payload_size(str(outer.compress), blocks, spec) for r in syncs)
     if "outer.reduce=two_phase" not in extra:
         assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
     outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer

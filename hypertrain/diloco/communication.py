@@ -123,7 +123,7 @@ class CompressedMean:
     def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups):
         self.outer, self.blocks, self.groups = outer, blocks, groups
         self.replicas, self.result, self.done = groups.total_replicas, None, False
-        codec, fraction, transform = outer.compress, outer.topk_fraction, outer.transform
+        codec, fraction, transform = outer.compress, topk(outer), outer.transform
         if outer.reduce == "gather":
             payload = codecs.encode(codec, x, blocks, fraction, transform)
             self.b = payload.shape[1]
@@ -144,7 +144,7 @@ class CompressedMean:
         if self.done:
             return self.result
         self.done = True
-        codec, fraction, R = self.outer.compress, self.outer.topk_fraction, self.replicas
+        codec, fraction, R = self.outer.compress, topk(self.outer), self.replicas
         transform = self.outer.transform
         if self.outer.reduce == "gather":
             rows = self.flight.wait()  # [R, header + b] in replica order
@@ -188,6 +188,11 @@ class CompressedMean:
         return self.result
 
 
+def topk(outer: OuterConfig) -> codecs.TopK:
+    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it)."""
+    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+
+
 def compressed_mean(
     outer: OuterConfig,
     deltas: Tensor,
@@ -200,14 +205,19 @@ def compressed_mean(
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
     contribution is its own decoded payload (PCCL's self-quantize rule): d_m = decode(encode(x_m)),
-    x_m = delta_m + e_m; then e_m <- x_m - d_m for the replicas that took part (error feedback), the
-    others keep theirs. With outer.transform=dct the codec sees each block's DCT coefficients and d_m is
-    their inverse, so e_m stays in the parameter domain (as DeMo's momentum residual), and two_phase's
-    shard means are summed there and re-transformed. Returns the started `CompressedMean`; raises
-    NonFiniteError (every process, agreed) when a pseudo-gradient that would be sent is not finite, before
-    anything is sent, naming the replica (the highest-numbered, when several are) and the sync's
-    `update`."""
-    x = deltas if errors is None else deltas + errors
+    x_m = delta_m + beta * e_m (beta = outer.error_decay; at 1, delta_m + e_m); then e_m <- x_m - d_m for
+    the replicas that took part (error feedback), the others keep theirs, undecayed. With
+    outer.transform=dct the codec sees each block's DCT coefficients and d_m is their inverse, so e_m stays
+    in the parameter domain (as DeMo's momentum residual), and two_phase's shard means are summed there and
+    re-transformed. Returns the started `CompressedMean`; raises NonFiniteError (every process, agreed)
+    when a pseudo-gradient that would be sent is not finite, before anything is sent, naming the replica
+    (the highest-numbered, when several are) and the sync's `update`."""
+    if errors is None:
+        x = deltas
+    elif outer.error_decay == 1.0:
+        x = deltas + errors  # today's expression: plain error feedback, bitwise
+    else:
+        x = deltas + errors * outer.error_decay  # SparseLoCo: u = beta * e + delta
     finite = torch.isfinite(x).all(dim=1) | ~active
     local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
     bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
@@ -216,7 +226,7 @@ def compressed_mean(
         raise NonFiniteError(
             f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
         )
-    codec, fraction, transform = outer.compress, outer.topk_fraction, outer.transform
+    codec, fraction, transform = outer.compress, topk(outer), outer.transform
     decoded = codecs.decode(
         codec, codecs.encode(codec, x, blocks, fraction, transform), blocks, fraction, transform
     )

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 VERSION_KEY = "schema_version"
 
 
@@ -96,7 +96,21 @@ def _config_1_to_2(resolved: dict) -> dict:
     return resolved
 
 
-CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1, _config_1_to_2)
+# SparseLoCo's pieces (issue 37): the settings that send what such a run sent (int32 indices, fp32 values,
+# undecayed buffers), whatever today's defaults are
+BEFORE_SPARSELOCO = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32"}
+
+
+def _config_2_to_3(resolved: dict) -> dict:
+    """Version 2: before SparseLoCo's pieces (`outer.error_decay`, `index_bits`, `topk_values`): the run
+    sent int32 indices and fp32 values and never decayed its buffers, so it resumes with its own bytes."""
+    outer = resolved.get("outer")
+    if isinstance(outer, dict):
+        resolved = {**resolved, "outer": BEFORE_SPARSELOCO | outer}
+    return resolved
+
+
+CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1, _config_1_to_2, _config_2_to_3)
 
 
 def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
@@ -169,7 +183,16 @@ def _checkpoint_1_to_2(saved: dict) -> dict:
     return saved
 
 
-CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (_checkpoint_0_to_1, _checkpoint_1_to_2)
+def _checkpoint_2_to_3(saved: dict) -> dict:
+    """Version 2: the payload is today's (only its config gained fields: `_config_2_to_3`)."""
+    return saved
+
+
+CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
+    _checkpoint_0_to_1,
+    _checkpoint_1_to_2,
+    _checkpoint_2_to_3,
+)
 
 
 def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:
