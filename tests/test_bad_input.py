@@ -891,7 +891,9 @@ def test_a_mistake_is_one_line_exit_2_and_changes_nothing(tmp_path, earlier, nam
 
 # Every seventh case, from Hydra's composition errors through the fields, the plan, the memory check and
 # the run directory to the resumes and the launch-side refusals, both ways.
-SAMPLE = list(CASES)[::7]
+# A case whose environment works at an interpreter's start (a sitecustomize hiding plugins) has no
+# in-process form: the sample takes every 7th of the others.
+SAMPLE = [name for name in CASES if "hide/sitecustomize.py" not in CASES[name].files][::7]
 
 
 @pytest.mark.parametrize("name", quick_every(SAMPLE, 6))
