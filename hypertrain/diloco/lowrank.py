@@ -130,7 +130,7 @@ class LowRankMean:
         self.result, self.done = None, False
         rows = []
         for m in range(x.shape[0]):
-            parts = [active[m : m + 1].float()]
+            parts = [active[m : m + 1].to(x.dtype)]
             for mat in factors.matrices:
                 matrix = _own(x[m, mat.start : mat.start + mat.rows * mat.cols].view(mat.rows, mat.cols))
                 parts.append((matrix @ q[mat.name]).reshape(-1))
@@ -147,7 +147,7 @@ class LowRankMean:
             return self.result
         self.done = True
         factors, x = self.factors, self.x
-        first = self.flight.wait().view(torch.float32)  # [R, 1 + P + exact] in replica order
+        first = self.flight.wait().view(x.dtype)  # [R, 1 + P + exact] in replica order
         active = [bool(a) for a in first[:, 0].tolist()]
         if not any(active):
             return None
@@ -174,12 +174,12 @@ class LowRankMean:
             delta = self.deltas[m].double()
             norm = delta.norm()
             error = (own - delta).norm() / torch.where(norm > 0, norm, 1.0)
-            row = torch.cat([error.float().reshape(1), *q_parts])
+            row = torch.cat([error.to(x.dtype).reshape(1), *q_parts])
             rows.append(torch.where(self.active[m], row, 0.0).contiguous().view(torch.uint8))
-        second = self.groups.start_all_gather_replicas(torch.stack(rows)).wait().view(torch.float32)
+        second = self.groups.start_all_gather_replicas(torch.stack(rows)).wait().view(x.dtype)
         errors = second[:, 0].tolist()
         q_mean = _mean_in_replica_order(second[:, 1:], active)
-        mean = torch.empty(factors.numel, dtype=torch.float32, device=x.device)
+        mean = torch.empty(factors.numel, dtype=x.dtype, device=x.device)
         at = 0
         for mat in factors.matrices:
             size = mat.cols * mat.rank
@@ -196,11 +196,16 @@ class LowRankMean:
         for a, n in factors.exact:
             mean[a : a + n] = exact[offset : offset + n]
             offset += n
+        self.p_hat = p_hat  # the orthogonalized P of every matrix (what tests compare)
         if self.errors is not None:
             # PowerSGD's error feedback (arXiv 1905.13727, Algorithm 2, "memorize local errors"):
             # e_m <- Delta_m - DECOMPRESS(C(Delta_m)), Delta_m = delta_m + e_m the replica's own input and
-            # DECOMPRESS the shared P Q^T (Algorithm 1, l. 11), as the paper's code computes it
-            self.errors.copy_(torch.where(self.active[:, None], x - mean, self.errors))
+            # DECOMPRESS the shared P Q^T (Algorithm 1, DECOMPRESS), as the paper's code computes it after
+            # the all-reduce; the 1-D tensors, sent exact, leave nothing: their buffers stay 0
+            decoded = mean[None].expand_as(x).clone()
+            for a, n in factors.exact:
+                decoded[:, a : a + n] = x[:, a : a + n]
+            self.errors.copy_(torch.where(self.active[:, None], x - decoded, self.errors))
             self.store(self.errors)
         b = factors.payload_bytes
         taken = [e if a else None for a, e in zip(active, errors, strict=True)]
