@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,11 +37,14 @@ from helpers import (
     RUN,
     assert_engines_agree,
     assert_identical_but,
+    assert_identical_streaming,
     cfg_for,
     ckpt,
+    finish,
     fork_ranks,
     killed_beside_uninterrupted,
     resumed,
+    start_entry,
 )
 from references import U32
 
@@ -309,11 +313,8 @@ def test_loop_equals_stacked(ef):
     same code (`assert_engines_agree`: losses and final weights within twice the loop's own error or its
     rounding floor), R = 2, H = 2, two syncs at rank 2, with and without error feedback. The stage itself
     is the same function whatever engine made the pseudo-gradients."""
-    cfg = cfg_for(2, 2)
     outer = OuterConfig(compress="lowrank", lowrank_rank=2, error_feedback=ef)
-    from dataclasses import replace
-
-    assert_engines_agree(replace(cfg, outer=outer))
+    assert_engines_agree(replace(cfg_for(2, 2), outer=outer))
 
 
 # -- real processes ---------------------------------------------------------------------------------------
@@ -420,6 +421,44 @@ def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_pa
             assert have["handed"] == STAGE_SYNCS * len(mine) * (HEADER_BYTES + b), (rank, key)
 
 
+# Whole runs through the entry, W = R = 2 under the benchmark layout, the loop engine: one replica per
+# process computed by the same code on the same numbers as in the simulation (test_compression.py's
+# WHOLE), so the runs are equal, ==. Fragments (H = 4, P = 2) taken one update early: each fragment's
+# first all-gather is in flight over the delayed update, its second at the landing.
+WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2", "outer.compress=lowrank", "outer.lowrank_rank=2"]
+MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["outer.error_feedback=true", "inner.H=2", "phase.updates=4"],
+        pytest.param(
+            ["inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"], marks=pytest.mark.slow
+        ),
+    ],
+    ids=["ef", "fragments2-delay1"],
+)
+def test_real_processes_equal_the_simulation_exactly_in_whole_runs(tmp_path, extra):
+    """`processes=dist` (two self-launched gloo workers) against the simulation of the same overrides,
+    side by side through the entry: every update row, every sync row (payload bytes, per-replica errors;
+    not the measured figures only real processes record), the held-out losses, the summary and
+    weights.pt, exactly. Without fragments the bytes handed to the collectives at each sync are the two
+    messages' 8 header bytes and the payload."""
+    runs = {"sim": [*WHOLE, *extra], "dist": [*WHOLE, *extra, "processes=dist"]}
+    procs = {k: start_entry([*args, f"hydra.run.dir={tmp_path / k}"], tmp_path) for k, args in runs.items()}
+    done = {k: finish(p) for k, p in procs.items()}
+    for k, result in done.items():
+        assert result.returncode == 0, (k, result.stderr)
+    if "outer.fragments=2" in extra:
+        assert_identical_streaming(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
+        return
+    assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
+    syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
+    assert syncs and all(len(r["compress_error"]) == 2 for r in syncs)
+    assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
+
+
 # -- SIGKILL and resume -----------------------------------------------------------------------------------
 
 # Syncs after updates 2, 4, 6 (H = 2); a checkpoint every 3 updates falls mid-round at 3, after the sync
@@ -437,19 +476,49 @@ KILL_RUN = [
 ]
 
 
-def test_killed_with_warm_starts_and_error_buffers_resumes_bit_identically(tmp_path):
-    """Invariant 9 with low rank: SIGKILL after update 4's inner step; the newest checkpoint (at 3) holds
-    every matrix's warm start Q (moved from the seeded initial one by the sync at 2) and every replica's
-    non-zero buffer; `resume=true` goes on from it and equals an uninterrupted run exactly (update rows,
-    sync rows with their payload bytes and errors, held-out losses, summary, weights.pt)."""
-    run_dir, reference = killed_beside_uninterrupted(KILL_RUN, tmp_path, "0:4:kill:after")
+# Fragments (H = 4, P = 2, tau = 1): fragment 1 is taken after update 3 and lands after 4, so the
+# checkpoint at 3 holds its sync in flight (waited for: its result, the buffers and warm starts it
+# updated); the kill after update 4's inner step, before that landing, leaves it the newest.
+KILL_FRAGMENTS = [
+    *RUN,
+    "inner.H=4",
+    "phase.updates=8",
+    "outer.fragments=2",
+    "outer.delay=1",
+    "outer.compress=lowrank",
+    "outer.lowrank_rank=2",
+    "outer.error_feedback=true",
+    "checkpoint.every_updates=3",
+    "checkpoint.keep=10",
+]
+KILL_CASES = {
+    "mid-round": (KILL_RUN, "0:4:kill:after"),
+    "fragments-in-flight": (KILL_FRAGMENTS, "0:4:kill:after"),
+}
+
+
+@pytest.mark.parametrize("name", ["mid-round", pytest.param("fragments-in-flight", marks=pytest.mark.slow)])
+def test_killed_with_warm_starts_and_error_buffers_resumes_bit_identically(tmp_path, name):
+    """Invariant 9 with low rank: SIGKILL after an inner step; the newest checkpoint (at 3) holds every
+    matrix's warm start Q (moved from the seeded initial one by the syncs before it) and every replica's
+    non-zero buffer (with fragments, a fragment's sync in flight too); `resume=true` goes on from it and
+    equals an uninterrupted run exactly (update rows, sync rows with their payload bytes and errors,
+    held-out losses, summary, weights.pt)."""
+    args, fault = KILL_CASES[name]
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, fault)
+    assert sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))[-1] == ckpt(run_dir, 3)
     saved = torch.load(ckpt(run_dir, 3), weights_only=False)["state"]
     assert saved["lowrank_q"] and all(any(bool(t.any()) for t in e.values()) for e in saved["errors"])
-    theta = torch.load(ckpt(run_dir, 3), weights_only=False)["state"]["theta"]
-    drawn = initial_q(theta, 2, 0)
+    drawn = initial_q(saved["theta"], 2, 0)
     assert set(drawn) == set(saved["lowrank_q"])
-    assert all(not torch.equal(drawn[n], saved["lowrank_q"][n]) for n in drawn)
-    resumed(KILL_RUN, run_dir, tmp_path)
+    moved = [n for n in drawn if not torch.equal(drawn[n], saved["lowrank_q"][n])]
+    resumed(args, run_dir, tmp_path)
+    if name == "fragments-in-flight":
+        assert saved["pending"] is not None and saved["pending"]["fragment"] == 1
+        assert moved  # fragment 0's matrices, synced at 2 (fragment 1's sync was taken, and is saved landed)
+        assert_identical_streaming(run_dir, reference)
+        return
+    assert moved == list(drawn)
     assert_identical_but(run_dir, reference)
     syncs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "sync"]
     assert [r["update"] for r in syncs] == [2, 4, 6] and all(r["payload_bytes"] > 0 for r in syncs)
