@@ -110,10 +110,12 @@ def orthogonalize(p: Tensor) -> Tensor:
     return rows_first.t()
 
 
-def _own(t: Tensor) -> Tensor:
-    """A fresh contiguous copy: a matrix product's input at the allocator's alignment, whatever rows of
-    which tensor it came from (so a process holding one replica multiplies exactly as one holding all)."""
-    return t.clone(memory_format=torch.contiguous_format)
+def _matrix(x: Tensor, m: int, mat: Matrix) -> Tensor:
+    """Replica row m's `mat` as [rows, cols], a fresh contiguous copy: a matrix product's input at the
+    allocator's alignment whatever rows of which tensor it came from (so a process holding one replica
+    multiplies exactly as one holding all)."""
+    flat = x[m, mat.start : mat.start + mat.rows * mat.cols]
+    return flat.view(mat.rows, mat.cols).clone(memory_format=torch.contiguous_format)
 
 
 class LowRankMean:
@@ -124,7 +126,17 @@ class LowRankMean:
     (the 1-D tensors' mean beside it). It then updates the warm starts and, with error feedback, the
     local replicas' buffers."""
 
-    def __init__(self, factors, x, deltas, active, q, errors, store, groups):
+    def __init__(
+        self,
+        factors: Factors,
+        x: Tensor,
+        deltas: Tensor,
+        active: Tensor,
+        q: dict[str, Tensor],
+        errors: Tensor | None,
+        store: Callable[[Tensor], None],
+        groups: Collectives,
+    ):
         self.factors, self.x, self.deltas, self.active = factors, x, deltas, active
         self.q, self.errors, self.store, self.groups = q, errors, store, groups
         self.result, self.done = None, False
@@ -132,8 +144,7 @@ class LowRankMean:
         for m in range(x.shape[0]):
             parts = [active[m : m + 1].to(x.dtype)]
             for mat in factors.matrices:
-                matrix = _own(x[m, mat.start : mat.start + mat.rows * mat.cols].view(mat.rows, mat.cols))
-                parts.append((matrix @ q[mat.name]).reshape(-1))
+                parts.append((_matrix(x, m, mat) @ q[mat.name]).reshape(-1))
             parts += [x[m, a : a + n] for a, n in factors.exact]
             row = torch.cat(parts)
             rows.append(torch.where(active[m], row, 0.0).contiguous().view(torch.uint8))
@@ -164,8 +175,7 @@ class LowRankMean:
         for m in range(x.shape[0]):
             q_parts, own = [], torch.zeros(factors.numel, dtype=torch.float64, device=x.device)
             for mat in factors.matrices:
-                matrix = _own(x[m, mat.start : mat.start + mat.rows * mat.cols].view(mat.rows, mat.cols))
-                q_m = matrix.t() @ p_hat[mat.name]
+                q_m = _matrix(x, m, mat).t() @ p_hat[mat.name]
                 q_parts.append(q_m.reshape(-1))
                 span = slice(mat.start, mat.start + mat.rows * mat.cols)
                 own[span] = (p_hat[mat.name].double() @ q_m.double().t()).reshape(-1)
