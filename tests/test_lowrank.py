@@ -319,8 +319,17 @@ def test_loop_equals_stacked(ef):
 
 # -- real processes ---------------------------------------------------------------------------------------
 
-# (replicas R, error feedback, who took part at the second sync); P = 2 processes, the replicas layout
-STAGE_CASES = [(2, True, (True, True)), (4, True, (True, False, True, True)), (4, False, (True,) * 4)]
+# (layout, W, R, error feedback, who took part at the second sync) per process count P: P = 2 under the
+# replicas layout (one replica per process, two); P = 4 one replica per process, and the benchmark layout
+# W = 4, R = 2 (L = 2: each of a replica's two ranks exchanges the factors in its cross-replica group)
+STAGE_CASES = {
+    2: [
+        ("replicas", 2, 2, True, (True, True)),
+        ("replicas", 4, 4, True, (True, False, True, True)),
+        ("replicas", 4, 4, False, (True,) * 4),
+    ],
+    4: [("replicas", 4, 4, True, (True, False, True, True)), ("benchmark", 4, 2, True, (False, True))],
+}
 STAGE_SYNCS = 2
 
 
@@ -342,7 +351,7 @@ def stage_results(groups, R: int, ef: bool, active2: tuple[bool, ...], mine: lis
     return {"syncs": out, "q": q, "errors": local}
 
 
-def stage_worker(rank: int, out: Path) -> None:
+def stage_worker(rank: int, world: int, out: Path) -> None:
     import torch.distributed as dist
 
     from hypertrain.distributed.collectives import DistReplicaGroups
@@ -353,15 +362,17 @@ def stage_worker(rank: int, out: Path) -> None:
         "gloo",
         init_method=f"file://{out / 'rendezvous'}",
         rank=rank,
-        world_size=2,
+        world_size=world,
         timeout=timedelta(seconds=60),
     )
     results, built = {}, {}
-    for R, ef, active2 in STAGE_CASES:
-        if R not in built:
-            built[R] = DistReplicaGroups(choose_layout(2, R, R, "replicas"), rank, torch.device("cpu"), 60.0)
-        groups = built[R]
-        key = f"{R}-{ef}-{active2}"
+    for case in STAGE_CASES[world]:
+        layout, W, R, ef, active2 = case
+        if (layout, W, R) not in built:
+            plan = choose_layout(world, W, R, layout)
+            built[layout, W, R] = DistReplicaGroups(plan, rank, torch.device("cpu"), 60.0)
+        groups = built[layout, W, R]
+        key = str(case)
         results[key] = stage_results(groups, R, ef, active2, groups.replicas)
         results[key]["replicas"] = groups.replicas
         results[key]["handed"] = groups.comm_stats()["comm_measured_outer_bytes"]
@@ -373,10 +384,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_path):
-    """Two real processes (gloo, forked ranks, the replicas layout: R = 2, one replica each; R = 4, two
-    each) run two syncs of the stage on bitwise-identical inputs, error feedback on and off, a replica
-    sitting the second sync out: every rank's means, counts, figures (payload bytes, the gather's bytes,
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_path, world):
+    """`world` real processes (gloo, forked ranks; P = 2 under the replicas layout: R = 2, one replica
+    each, R = 4, two each; P = 4: R = 4, and the benchmark layout W = 4, R = 2, L = 2) run two syncs of
+    the stage on bitwise-identical inputs, error feedback on and off, a replica sitting the second sync
+    out: every rank's means, counts, figures (payload bytes, the gather's bytes,
     per-replica errors), warm starts and buffers equal the simulation's (`ReplicaGroups`, all replicas
     here), bitwise (== on the bit patterns): every process sums the same gathered factors in replica
     order, and each replica's factors are computed alone, the same way wherever it lives.
@@ -385,7 +398,7 @@ def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_pa
     each process handed the collectives, per sync, its replicas' two messages: the 8 header bytes and
     the payload."""
     proc = subprocess.Popen(
-        [sys.executable, __file__, "stage", str(tmp_path)],
+        [sys.executable, __file__, "stage", str(world), str(tmp_path)],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
@@ -395,8 +408,8 @@ def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_pa
     )
     try:
         simulated = {
-            f"{R}-{ef}-{a}": stage_results(ReplicaGroups(R), R, ef, a, list(range(R)))
-            for R, ef, a in STAGE_CASES
+            str(case): stage_results(ReplicaGroups(case[2]), *case[2:], list(range(case[2])))
+            for case in STAGE_CASES[world]
         }
         _, err = proc.communicate(timeout=120)  # gloo's timeout is 60 s
     finally:
@@ -405,10 +418,11 @@ def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_pa
         proc.wait()
     assert proc.returncode == 0, err[-3000:]
     b = 4 * (12 * 3 + 9 * 3) + 4 * (4 * 3 + 6 * 3) + 4 * (20 * 3 + 6 * 3) + 4 * (9 + 6)
-    for rank in range(2):
+    for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for R, ef, active2 in STAGE_CASES:
-            key = f"{R}-{ef}-{active2}"
+        for case in STAGE_CASES[world]:
+            _, _, R, ef, _ = case
+            key = str(case)
             have, want, mine = got[key], simulated[key], got[key]["replicas"]
             for k, (h, w) in enumerate(zip(have["syncs"], want["syncs"], strict=True)):
                 assert torch.equal(bits(h["mean"]), bits(w["mean"])), (rank, key, k)
@@ -524,7 +538,8 @@ def test_killed_with_warm_starts_and_error_buffers_resumes_bit_identically(tmp_p
     assert [r["update"] for r in syncs] == [2, 4, 6] and all(r["payload_bytes"] > 0 for r in syncs)
 
 
-if __name__ == "__main__":  # the stage test's ranks: `python tests/test_lowrank.py stage OUT`
+if __name__ == "__main__":  # the stage test's ranks: `python tests/test_lowrank.py stage WORLD OUT`
     assert sys.argv[1] == "stage"
     torch.set_num_threads(1)
-    fork_ranks(2, lambda rank: stage_worker(rank, Path(sys.argv[2])))
+    world = int(sys.argv[2])
+    fork_ranks(world, lambda rank: stage_worker(rank, world, Path(sys.argv[3])))
