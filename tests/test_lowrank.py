@@ -53,6 +53,7 @@ from hypertrain.diloco import lowrank
 from hypertrain.diloco.communication import HEADER_BYTES
 from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
 from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.failures import NonFiniteError
 from hypertrain.rundir.records import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,6 +303,46 @@ def test_rank_min_rows_cols_recovers_the_mean_exactly_within_rounding():
         assert np.linalg.norm(d64 - want) <= 1e-12 * np.linalg.norm(want), name
         got = result.mean[span].double().numpy().reshape(rows, cols)
         print(name, np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_a_matrix_that_did_not_move_gives_zeros_and_keeps_its_warm_start():
+    """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (Gram-Schmidt
+    leaves a zero column zero), and every warm start unchanged (a Q that came back zero would hold the
+    power iteration at zero for good); the next sync, with movement, is the float64 power iteration
+    from that same warm start."""
+    R = 2
+    q = warm_starts(SHAPES, RANK)
+    kept = {n: t.clone() for n, t in q.items()}
+    deltas, _ = inputs(R, 5, ef=False)
+    _, result = one_sync(SHAPES, RANK, torch.zeros_like(deltas), None, [True, True], q)
+    assert torch.equal(result.mean, torch.zeros_like(result.mean))
+    assert all(torch.equal(q[n], kept[n]) for n in q)
+    reduction, result = one_sync(SHAPES, RANK, deltas, None, [True, True], q)
+    check_sync(SHAPES, RANK, deltas, None, [True, True], kept, reduction, result, q, None)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_non_finite_pseudo_gradient_stops_the_sync_before_anything_is_sent(bad):
+    """A non-finite entry of a replica that took part stops the sync (NonFiniteError naming the replica)
+    before any message is handed to the collectives; the same entry in a replica that did not step is
+    left out, and the sync goes on."""
+    R = 3
+    deltas, _ = inputs(R, 6, ef=False)
+    deltas[2, 5] = bad
+
+    class Spy(ReplicaGroups):
+        gathered = 0
+
+        def start_all_gather_replicas(self, local):
+            Spy.gathered += 1
+            return super().start_all_gather_replicas(local)
+
+    q = warm_starts(SHAPES, RANK)
+    with pytest.raises(NonFiniteError, match="replica 2"):
+        lowrank_mean(Factors.of(SHAPES, RANK), deltas, None, torch.tensor([True] * 3), q, Spy(R))
+    assert Spy.gathered == 0
+    _, result = one_sync(SHAPES, RANK, deltas, None, [True, True, False], q, Spy(R))
+    assert result.synced == 2 and bool(torch.isfinite(result.mean).all())
 
 
 # -- whole runs ----------------------------------------------------------------------------------------
