@@ -77,8 +77,17 @@ class Compressor(Choice):
     fp8_e4m3 = "fp8_e4m3"
     fp8_e5m2 = "fp8_e5m2"
     fp4_e2m1 = "fp4_e2m1"
+    e3m0 = "e3m0"
     topk = "topk"
     lowrank = "lowrank"
+
+
+class Transform(Choice):
+    """outer.transform: what each block of a pseudo-gradient becomes before the codec (and after the
+    decoder, inverted): itself, or its orthonormal DCT-II coefficients (hypertrain.diloco.codecs)."""
+
+    none = "none"
+    dct = "dct"
 
 
 class Reduction(Choice):

@@ -40,6 +40,7 @@ from hypertrain.choices import (
     RejoinState,
     StatePolicy,
     TokenDtype,
+    Transform,
     WandbMode,
 )
 
@@ -184,9 +185,10 @@ class OuterConfig:
     # (layer i in fragment i mod P, the embeddings in fragment 0, the final norm and head in P-1).
     assignment: list[str] = field(default_factory=list)
     # Compressed pseudo-gradients (docs/compression.md): what each replica sends at a sync. none (fp32,
-    # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1 (one fp32 scale per
-    # block), or topk (the largest-magnitude outer.topk_fraction of each block, fp32 values and int32
-    # indices). Each replica's contribution is its own decoded payload.
+    # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0 (a sign and a power
+    # of two in 4 bits; these with one fp32 scale per block), or topk (the largest-magnitude
+    # outer.topk_fraction of each block, fp32 values and int32 indices). Each replica's contribution is its
+    # own decoded payload.
     compress: Compressor = Compressor.none
     block: int = 128  # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk
     # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
@@ -194,6 +196,10 @@ class OuterConfig:
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
     reduce: Reduction = Reduction.gather
     topk_fraction: float = 0.01  # compress=topk: the fraction of each block sent, in (0, 1]
+    # What each block becomes before the codec: none (itself) or dct (its orthonormal DCT-II coefficients,
+    # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
+    # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
+    transform: Transform = Transform.none
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
     # An outer step overlapping a whole round (docs/overlap.md): none (today's sync), delayed (the
@@ -221,6 +227,11 @@ class OuterConfig:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
+            )
+        if self.transform != "none" and self.compress == "none":
+            raise UserError(
+                f"outer.transform={self.transform} with outer.compress=none: the fp32 all-reduce sends no "
+                "blocks to transform; valid: a compressor, or outer.transform=none"
             )
         if self.overlap != "none" and self.delay:
             raise UserError(
@@ -253,6 +264,11 @@ class OuterConfig:
             raise UserError(
                 f"outer.compress=lowrank with outer.overlap={self.overlap} is not built; valid: "
                 "outer.overlap=none, or another outer.compress"
+            )
+        if self.transform != "none":
+            raise UserError(
+                f"outer.compress=lowrank with outer.transform={self.transform}: low rank sends factors of "
+                "matrices, not blocks to transform; valid: outer.transform=none"
             )
 
 

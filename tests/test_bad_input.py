@@ -272,6 +272,19 @@ CASES = {
         "outer.overlap=eager with churn is not built",
         "outer.overlap=delayed or none, or churn off",
     ),
+    "transform-unknown": Case(
+        "a transform before the codec that does not exist (docs/compression.md)",
+        ["outer.compress=topk", "outer.transform=fft"],
+        "outer.transform='fft' is not valid; valid: 'none', 'dct'",
+        "none or dct",
+    ),
+    "transform-with-none": Case(
+        "a DCT of the pseudo-gradient with no compressor",
+        ["outer.transform=dct"],
+        "outer.transform=dct with outer.compress=none: the fp32 all-reduce sends no blocks to transform; "
+        "valid: a compressor, or outer.transform=none",
+        "a compressor (outer.compress=topk, e3m0, ...), or outer.transform=none",
+    ),
     "lowrank-rank-0": Case(
         "a low-rank compression of rank 0 (docs/compression.md)",
         ["outer.compress=lowrank", "outer.lowrank_rank=0"],
@@ -289,6 +302,12 @@ CASES = {
         ["outer.compress=lowrank", "outer.overlap=delayed"],
         "outer.compress=lowrank with outer.overlap=delayed is not built",
         "outer.overlap=none, or another outer.compress",
+    ),
+    "lowrank-with-transform": Case(
+        "low rank with the DCT transform",
+        ["outer.compress=lowrank", "outer.transform=dct"],
+        "outer.compress=lowrank with outer.transform=dct: low rank sends factors of matrices",
+        "outer.transform=none",
     ),
     "lowrank-with-churn": Case(
         "low rank with churn",

@@ -5,6 +5,9 @@ and decoded back. Pure tensor functions: deterministic, vectorised over rows and
 Every payload is block-major: block after block, each block's bytes are its header (fp32 scale, or fp32
 minimum then fp32 scale; none for top-k) then its body, with fp32/int32 fields as native-endian raw bytes.
 So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads.
+
+A transform (`transform="dct"`) is applied around any codec: each block is replaced by its orthonormal
+DCT-II coefficients before encoding and decoded values are inverted blockwise (DCT-III), bytes unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk")
+CODECS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0", "topk")
+TRANSFORMS = ("none", "dct")
 _FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 # fp4 e2m1: code = sign << 3 | index, index = exponent << 1 | mantissa = the magnitude's place here.
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -31,6 +35,14 @@ _E2M1_MIDPOINTS = (
     (2.5, False),
     (3.5, True),
     (5.0, False),
+)
+# e3m0 (Streaming DiLoCo's 4-bit format, eXmY with no mantissa): code = sign << 3 | e, e in 0..7; e = 0 is
+# zero and e >= 1 is 2^(e - 7), so the magnitudes are 0, 1/64, ..., 1/2, 1 and the block's amax is 1.
+_E3M0 = (0.0,) + tuple(2.0 ** (e - 7) for e in range(1, 8))
+# Nearest in the linear domain (the midpoint of two neighbours, 3/4 of the upper above 2^-6), ties to the
+# even code, as e2m1's: a tie goes up where the lower neighbour's code is odd.
+_E3M0_MIDPOINTS = tuple(
+    ((a + b) / 2, i % 2 == 1) for i, (a, b) in enumerate(zip(_E3M0[:-1], _E3M0[1:], strict=True))
 )
 
 
@@ -105,13 +117,14 @@ def payload_size(codec: str, blocks: Blocks, fraction: float = 1.0) -> int:
     """Bytes of one replica's payload (codes, scales, minimums, indices: everything sent).
 
     With L_b the length of block b and C = blocks.count: int8, fp8_*: n + 4C; uint8: n + 8C;
-    fp4_e2m1: sum_b ceil(L_b / 2) + 4C (codes packed per block); topk: 8 * sum_b topk_kept(fraction, L_b).
+    fp4_e2m1, e3m0: sum_b ceil(L_b / 2) + 4C (codes packed per block); topk: 8 * sum_b topk_kept(fraction,
+    L_b). A transform changes no byte count.
     """
     fraction = _check(codec, blocks, fraction)
     return sum(int(length.sum()) for _, length in _fields(codec, blocks, fraction))
 
 
-def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tensor:
+def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transform: str = "none") -> Tensor:
     """x float32 [R, n] (n = blocks.numel) -> uint8 [R, payload_size]: each row encoded on its own.
 
     Per block (scale = amax / M, amax the block's largest magnitude; a zero scale divides as 1, so an
@@ -122,16 +135,23 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tens
     - fp4_e2m1: M = 6, codes sign << 3 | index of the magnitude in (0, .5, 1, 1.5, 2, 3, 4, 6), nearest,
       ties to the even index; two per byte, element 2i of the block in the low nibble, 2i + 1 in the high
       one (an odd block's last high nibble is 0);
+    - e3m0: M = 1 (scale = amax), codes sign << 3 | e, the magnitude's nearest of 0 (e = 0) and 2^(e - 7)
+      (e = 1..7: 1/64 .. 1) in the linear domain, ties to the even e (so |x| / scale <= 2^-7 is 0, and 3/4 of
+      a power of two goes to the even of its two neighbours); packed as fp4_e2m1. Sign bit kept for zeros;
     - topk: the topk_kept(fraction, L_b) largest magnitudes of each block, in order of magnitude
       (descending, ties by ascending index): their fp32 values, then their int32 indices in the vector.
+
+    transform="dct" encodes each block's orthonormal DCT-II coefficients in its place (`_dct`).
     """
-    fraction = _check(codec, blocks, fraction)
+    fraction = _check(codec, blocks, fraction, transform)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocks.numel:
         raise ValueError(
             f"x {x.dtype} {tuple(x.shape)} is not valid; valid: float32 [R, {blocks.numel}] (R rows, numel)"
         )
     if blocks.count == 0:
         return torch.zeros(x.shape[0], 0, dtype=torch.uint8, device=x.device)
+    if transform == "dct":
+        x = _dct(x, blocks, inverse=False)
     values = _spread(x, blocks)
     if codec == "topk":
         fields = _encode_topk(values, blocks, fraction)
@@ -141,18 +161,28 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tens
         fields = _encode_uint8(values)
     elif codec == "fp4_e2m1":
         fields = _encode_fp4(values, blocks)
+    elif codec == "e3m0":
+        fields = _encode_e3m0(values, blocks)
     else:
         fields = _encode_fp8(values, *_FP8[codec])
     return _pack(fields, codec, blocks, fraction)
 
 
-def decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tensor:
+def decode(
+    codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0, transform: str = "none"
+) -> Tensor:
     """uint8 [R, payload_size] -> float32 [R, n]: the dequantized values (top-k: zeros but the kept).
 
-    int8, fp8_*, fp4_e2m1: code value * scale; uint8: minimum + code * scale (two fp32 roundings, so a
-    block's minimum and a constant block come back exactly).
+    int8, fp8_*, fp4_e2m1, e3m0: code value * scale; uint8: minimum + code * scale (two fp32 roundings, so a
+    block's minimum and a constant block come back exactly). transform="dct": those values are each block's
+    DCT-II coefficients, and their inverse (DCT-III) is returned.
     """
-    fraction = _check(codec, blocks, fraction)
+    decoded = _decode(codec, payload, blocks, fraction, transform)
+    return decoded if transform == "none" else _dct(decoded, blocks, inverse=True)
+
+
+def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transform: str) -> Tensor:
+    fraction = _check(codec, blocks, fraction, transform)
     size = payload_size(codec, blocks, fraction)
     if payload.dtype != torch.uint8 or payload.dim() != 2 or payload.shape[1] != size:
         raise ValueError(
@@ -170,6 +200,8 @@ def decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0) -
         values = codes.view(torch.int8).float()
     elif codec == "fp4_e2m1":
         values = _decode_fp4_codes(codes, blocks.block)
+    elif codec == "e3m0":
+        values = _decode_nibbles(codes, blocks.block, _E3M0)
     else:
         values = codes.view(_FP8[codec][0]).float()
     return _unspread(values.mul_(_floats(header)), blocks)
@@ -221,14 +253,27 @@ def _encode_fp8(values: Tensor, dtype: torch.dtype, largest: float) -> list[Tens
 
 
 def _encode_fp4(values: Tensor, blocks: Blocks) -> list[Tensor]:
-    scale = _amax(values) / _E2M1[-1]
+    return _encode_nibbles(values, blocks, _E2M1, _E2M1_MIDPOINTS)
+
+
+def _encode_e3m0(values: Tensor, blocks: Blocks) -> list[Tensor]:
+    return _encode_nibbles(values, blocks, _E3M0, _E3M0_MIDPOINTS)
+
+
+def _encode_nibbles(
+    values: Tensor, blocks: Blocks, magnitudes: tuple[float, ...], midpoints: tuple[tuple[float, bool], ...]
+) -> list[Tensor]:
+    """A 4-bit format of 8 `magnitudes` (ascending, the last the largest) and a sign: scale = amax / largest,
+    codes sign << 3 | the nearest magnitude's index (`midpoints`: each with whether its tie goes up), two per
+    byte."""
+    scale = _amax(values) / magnitudes[-1]
     magnitude = (values / _divisor(scale)).abs_()
-    # The index is the number of midpoints below the magnitude, a tie counted when it goes up (so above 6,
-    # reachable only through an inexact subnormal scale, saturates to 6). Comparisons, not torch.bucketize:
-    # a few vectorised passes into one reused bool buffer are several times faster on CPU.
+    # The index is the number of midpoints below the magnitude, a tie counted when it goes up (so above the
+    # largest, reachable only through an inexact subnormal scale, saturates). Comparisons, not
+    # torch.bucketize: a few vectorised passes into one reused bool buffer are several times faster on CPU.
     hit = torch.empty_like(magnitude, dtype=torch.bool)
     codes = torch.zeros_like(magnitude, dtype=torch.uint8)
-    for midpoint, tie_up in _E2M1_MIDPOINTS:
+    for midpoint, tie_up in midpoints:
         (torch.ge if tie_up else torch.gt)(magnitude, midpoint, out=hit)
         codes += hit.view(torch.uint8)
     torch.signbit(values, out=hit)  # x / scale has x's sign bit
@@ -243,16 +288,20 @@ def _encode_fp4(values: Tensor, blocks: Blocks) -> list[Tensor]:
 
 
 @functools.lru_cache(maxsize=8)
-def _fp4_pairs(device: torch.device) -> Tensor:
+def _nibble_pairs(magnitudes: tuple[float, ...], device: torch.device) -> Tensor:
     """[256, 2] fp32: a packed byte's two values at scale 1, the low nibble's first."""
-    signed = _E2M1 + tuple(-m for m in _E2M1)
+    signed = magnitudes + tuple(-m for m in magnitudes)
     return torch.tensor([[signed[byte & 15], signed[byte >> 4]] for byte in range(256)], device=device)
 
 
 def _decode_fp4_codes(packed: Tensor, block: int) -> Tensor:
+    return _decode_nibbles(packed, block, _E2M1)
+
+
+def _decode_nibbles(packed: Tensor, block: int, magnitudes: tuple[float, ...]) -> Tensor:
     """[R, C, ceil(B / 2)] packed codes -> [R, C, B] their values at scale 1 (one table row per byte)."""
-    pairs = torch.nn.functional.embedding(packed.int(), _fp4_pairs(packed.device))  # [R, C, B / 2, 2]
-    return pairs.flatten(-2)[..., :block]
+    pairs = torch.nn.functional.embedding(packed.int(), _nibble_pairs(magnitudes, packed.device))
+    return pairs.flatten(-2)[..., :block]  # [R, C, B / 2, 2] flattened
 
 
 def _encode_topk(values: Tensor, blocks: Blocks, fraction: float) -> list[Tensor]:
@@ -277,6 +326,56 @@ def _decode_topk(payload: Tensor, blocks: Blocks, fraction: float) -> Tensor:
     index = payload.index_select(1, packing.field_bytes[1]).view(torch.int32).long()
     out = torch.zeros(payload.shape[0], blocks.numel, dtype=torch.float32, device=payload.device)
     return out.scatter_(1, index, kept)  # indices are distinct within a row: no order to decide
+
+
+# --- the transform: each block <-> its orthonormal DCT-II coefficients ----------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _dct_matrix(length: int, device: torch.device) -> Tensor:
+    """[L, L] fp32, the orthonormal DCT-II: row k is s_k cos(pi (2j + 1) k / (2L)) over j, s_0 = sqrt(1/L),
+    s_k = sqrt(2/L); its transpose is its inverse (the DCT-III). Made in float64 on the CPU and rounded once,
+    so every device multiplies by the same numbers."""
+    j = torch.arange(length, dtype=torch.float64)
+    matrix = torch.cos(math.pi * (2 * j[None, :] + 1) * j[:, None] / (2 * length))
+    matrix[0] *= math.sqrt(1 / length)
+    matrix[1:] *= math.sqrt(2 / length)
+    return matrix.float().to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _length_groups(blocks: Blocks) -> tuple[tuple[int, Tensor | None], ...]:
+    """(length, the blocks of that length [k] on the CPU) per distinct length; (block, None) when every
+    block is full."""
+    lengths = _lengths(blocks)
+    distinct = sorted(set(lengths.tolist()), reverse=True)
+    if distinct == [blocks.block]:
+        return ((blocks.block, None),)
+    return tuple((length, (lengths == length).nonzero().squeeze(1)) for length in distinct)
+
+
+def _dct(x: Tensor, blocks: Blocks, inverse: bool) -> Tensor:
+    """[R, n] -> [R, n]: each block of x replaced by its DCT-II coefficients y = D x (inverse: by D^T y), D
+    the orthonormal matrix of the block's own length (a tensor's shorter last block uses its length's: no
+    padding, so the coefficients are as many as the values and decoding is exact up to rounding).
+
+    One matrix product per row and block length: a row's result never depends on how many rows share the
+    call, so each process and the simulation compute the same bits (one process holds some replicas)."""
+    if blocks.count == 0:
+        return x
+    values = _spread(x, blocks)  # [R, C, block]
+    out = torch.empty_like(values)
+    for length, which in _length_groups(blocks):
+        matrix = _dct_matrix(length, x.device)
+        matrix = matrix if inverse else matrix.T  # row vectors: y = x D^T, x = y D
+        if which is None:
+            for row in range(values.shape[0]):
+                torch.matmul(values[row], matrix, out=out[row])
+            continue
+        which = which.to(x.device)
+        for row in range(values.shape[0]):
+            out[row, which, :length] = values[row].index_select(0, which)[:, :length] @ matrix
+    return _unspread(out, blocks)
 
 
 # --- layouts: the vector <-> padded blocks, and per-block fields <-> the payload ------------------------
@@ -347,7 +446,7 @@ def _fields(codec: str, blocks: Blocks, fraction: float) -> list[tuple[int, Tens
         kept = torch.tensor([topk_kept(fraction, int(length)) for length in distinct], dtype=torch.int64)
         width = 4 * topk_kept(fraction, blocks.block)
         return [(width, 4 * kept[which]), (width, 4 * kept[which])]
-    if codec == "fp4_e2m1":
+    if codec in ("fp4_e2m1", "e3m0"):
         return [(4, torch.full_like(lengths, 4)), ((blocks.block + 1) // 2, (lengths + 1) // 2)]
     return [(headers, torch.full_like(lengths, headers)), (blocks.block, lengths)]
 
@@ -406,10 +505,12 @@ def _whole(name: str, value, least: int) -> int:
     return whole
 
 
-def _check(codec: str, blocks: Blocks, fraction: float) -> float:
+def _check(codec: str, blocks: Blocks, fraction: float, transform: str = "none") -> float:
     """Refuse a bad argument in one line; the fraction that matters (1.0 for every codec but top-k)."""
     if codec not in CODECS:
         raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}")
+    if transform not in TRANSFORMS:
+        raise ValueError(f"transform={transform!r} is not valid; valid: {', '.join(TRANSFORMS)}")
     if not isinstance(blocks, Blocks):
         raise ValueError(f"blocks={blocks!r} is not valid; valid: a Blocks")
     if codec == "topk" and not 0 < fraction <= 1:
