@@ -8,10 +8,13 @@ inputs, against float64 references written here from the paper's algorithm, and 
 2. Deliberately broken variants (P not orthogonalized; the warm start not kept) are caught.
 3. Error feedback telescopes: after K syncs, for every replica and every matrix, what was applied plus
    the replica's buffer is the sum of its pseudo-gradients; a replica that did not step keeps its buffer.
-4. rank = min(rows, cols) recovers the mean exactly within rounding.
-5. loop = stacked (each against the float64 run of the same code), real processes (gloo, P = 2) equal
-   the simulation bitwise with the bytes handed to the collectives equal to the formula, and SIGKILL +
-   resume is bit-identical with the warm starts and error buffers in the checkpoint.
+4. rank = min(rows, cols) recovers the mean exactly within rounding; a matrix that did not move gives
+   zeros and keeps its warm start; a non-finite pseudo-gradient stops the sync before anything is sent.
+5. loop = stacked (each against the float64 run of the same code); the stage on real processes (gloo,
+   P = 2 and 4, both layouts) equals the simulation bitwise, the bytes handed to the collectives the
+   formula's; whole runs on 2 real processes equal the simulation exactly (fragments with a delay too);
+   SIGKILL + resume is bit-identical with the warm starts and error buffers in the checkpoint (and a
+   fragment's low-rank sync in flight).
 
 Every bound is derived where it is used: gamma(k) = k u / (1 - k u) bounds the rounding of k fp32
 operations in sequence (Higham, "Accuracy and Stability of Numerical Algorithms", Lemma 3.1 and
@@ -139,9 +142,10 @@ def check_sync(
       length cols (gamma(cols)), the replicas' sum and the division add R + 1 roundings: elementwise
       |P32 - P64| <= gamma(cols + R + 2) mean_m |M_m| |Q0|;
     - P orthonormalized: to first order the Q factor of A + dA moves by at most sqrt(2) ||A^+||_2 ||dA||_F
-      (Sun 1991, "Perturbation bounds for the Cholesky and QR factorizations", Thm 1.6), dA being the
-      input's error above plus modified Gram-Schmidt's backward error gamma(2 rows r) ||A||_F (Bjorck
-      1967); twice that for the second-order terms;
+      (the normwise perturbation bound of the QR factorization's Q factor: Sun 1991, "Perturbation bounds
+      for the Cholesky and QR factorizations"), dA being the input's error above plus modified
+      Gram-Schmidt's own error, of order gamma(2 rows r) ||A||_F (Bjorck 1967); twice that for the
+      second-order terms;
     - Q_m = M_m^T P: ||dQ||_F <= mean_m (||M_m||_F ||dP||_F + gamma(rows + R + 2) || |M_m|^T |P| ||_F);
     - P Q^T: ||dD||_F <= ||dP||_F ||Q||_F + (1 + ||dP||_F) ||dQ||_F + gamma(r) || |P| |Q|^T ||_F.
     """
