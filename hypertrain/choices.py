@@ -68,7 +68,8 @@ class StatePolicy(Choice):
 
 
 class Compressor(Choice):
-    """outer.compress: what each replica sends at a sync (hypertrain.diloco.codecs: all but none)."""
+    """outer.compress: what each replica sends at a sync (hypertrain.diloco.codecs: all but none and
+    lowrank, which is PowerSGD's own reduction: hypertrain.diloco.lowrank)."""
 
     none = "none"
     int8 = "int8"
@@ -78,6 +79,7 @@ class Compressor(Choice):
     fp4_e2m1 = "fp4_e2m1"
     e3m0 = "e3m0"
     topk = "topk"
+    lowrank = "lowrank"
 
 
 class Transform(Choice):

@@ -226,6 +226,10 @@ class OuterConfig:
     # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
     # per-replica outer weights and momentum; Kale, Douillard, Donchev 2025). outer.delay must be 0.
     overlap: Overlap = Overlap.none
+    # compress=lowrank (PowerSGD; docs/compression.md): the rank r of each matrix's factors P [rows, r] and
+    # Q [cols, r] (a tensor of more dims is [shape[0], rest]; r is cut to min(rows, cols)); 1-D tensors
+    # are sent exact in fp32.
+    lowrank_rank: int = 4
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
@@ -263,6 +267,28 @@ class OuterConfig:
             raise UserError(
                 "outer.compress=topk with outer.reduce=two_phase: top-k payloads cannot be summed shard by "
                 "shard; valid: outer.reduce=gather"
+            )
+        self.check_lowrank()
+
+    def check_lowrank(self) -> None:
+        """compress=lowrank: its rank, and the combinations it is not built for."""
+        _at_least("outer.lowrank_rank", self.lowrank_rank, 1)
+        if self.compress != "lowrank":
+            return
+        if self.reduce == "two_phase":
+            raise UserError(
+                "outer.compress=lowrank with outer.reduce=two_phase: PowerSGD's factors are all-gathered and "
+                "summed in replica order; valid: outer.reduce=gather"
+            )
+        if self.overlap != "none":
+            raise UserError(
+                f"outer.compress=lowrank with outer.overlap={self.overlap} is not built; valid: "
+                "outer.overlap=none, or another outer.compress"
+            )
+        if self.transform != "none":
+            raise UserError(
+                f"outer.compress=lowrank with outer.transform={self.transform}: low rank sends factors of "
+                "matrices, not blocks to transform; valid: outer.transform=none"
             )
 
     def check_sparseloco(self) -> None:

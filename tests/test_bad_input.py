@@ -321,6 +321,36 @@ CASES = {
         "outer.index_bits=12 with outer.topk_fraction=0.03 keeps k = 123 of a 4096-value block, an odd",
         "a fraction whose k is even (the line names one), or outer.index_bits=32",
     ),
+    "lowrank-rank-0": Case(
+        "a low-rank compression of rank 0 (docs/compression.md)",
+        ["outer.compress=lowrank", "outer.lowrank_rank=0"],
+        "outer.lowrank_rank=0 is too small; valid: >= 1",
+        "a rank of at least 1",
+    ),
+    "lowrank-two_phase": Case(
+        "low rank with the two-phase reduction",
+        ["outer.compress=lowrank", "outer.reduce=two_phase"],
+        "outer.compress=lowrank with outer.reduce=two_phase",
+        "outer.reduce=gather",
+    ),
+    "lowrank-with-overlap": Case(
+        "low rank with a whole-round overlap",
+        ["outer.compress=lowrank", "outer.overlap=delayed"],
+        "outer.compress=lowrank with outer.overlap=delayed is not built",
+        "outer.overlap=none, or another outer.compress",
+    ),
+    "lowrank-with-transform": Case(
+        "low rank with the DCT transform",
+        ["outer.compress=lowrank", "outer.transform=dct"],
+        "outer.compress=lowrank with outer.transform=dct: low rank sends factors of matrices",
+        "outer.transform=none",
+    ),
+    "lowrank-with-churn": Case(
+        "low rank with churn",
+        ["outer.compress=lowrank", "churn.p_miss=0.1"],
+        "outer.compress=lowrank with churn is not built",
+        "another outer.compress, or churn off",
+    ),
     "negative-restarts": Case(
         "a negative number of restarts",
         ["processes=dist", "processes.max_restarts=-1"],

@@ -110,11 +110,17 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
     assert upgrade_checkpoint(got) is got
 
 
+# What a run of schema 2 sent, in issue 37's fields: int32 indices, fp32 values, undecayed buffers, no
+# transform (and the low-rank rank, which its codecs never read, at its default)
+BEFORE_ISSUE_37 = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32", "transform": "none"}
+BEFORE_ISSUE_37["lowrank_rank"] = 4
+
+
 def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     """Schema 1 knew no whole-round overlap: its config reads as outer.overlap=none, its checkpoint as
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
-    then = {**outer, "overlap": "none", **formats.BEFORE_SPARSELOCO}  # and schema 2's step after it
+    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37}  # and schema 2's step after it
     assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
@@ -124,10 +130,11 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
 
 
 def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undecayed():
-    """Schema 2 knew no SparseLoCo pieces: its config reads as outer.error_decay=1.0, index_bits=32,
-    topk_values=fp32 (the bytes it sent, so it resumes with them), its checkpoint's state unchanged."""
+    """Schema 2 knew none of issue 37's codec fields: its config reads as outer.error_decay=1.0,
+    index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
+    checkpoint's state unchanged."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, "error_decay": 1.0, "index_bits": 32, "topk_values": "fp32"}
+    want = {**outer, **BEFORE_ISSUE_37}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}

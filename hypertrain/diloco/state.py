@@ -26,6 +26,7 @@ from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch
 from hypertrain.data.datasets import Dataset
 from hypertrain.diloco.fragments import fragment_of, members
+from hypertrain.diloco.lowrank import initial_q
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
 from hypertrain.diloco.sync import FragmentSync
@@ -98,6 +99,9 @@ class RunState:
     # outer.overlap=eager: each local replica's own outer weights and momentum ({"theta", "momentum"},
     # each [1, ...]); `theta` is then their mean over every replica (what is evaluated and saved)
     outer_replicas: list[dict] | None = None
+    # outer.compress=lowrank: each matrix's warm start Q [cols, r] fp32 (PowerSGD's), the same on every
+    # process: drawn from the run's seed, then the Q of every sync
+    lowrank_q: Params | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -151,6 +155,8 @@ class RunState:
         clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
         state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
         reduction = None if decided is None else decided.reduction
+        if cfg.outer.compress == "lowrank":
+            state.lowrank_q = initial_q(state.theta, cfg.outer.lowrank_rank, cfg.seed)
         if cfg.outer.overlap == "eager":
             state.outer_replicas = [
                 {
@@ -161,7 +167,15 @@ class RunState:
             ]
         state.syncs = [
             FragmentSync(
-                cfg, p, names, state.theta, state.outer, state.errors, state.outer_replicas, reduction
+                cfg,
+                p,
+                names,
+                state.theta,
+                state.outer,
+                state.errors,
+                state.outer_replicas,
+                reduction,
+                state.lowrank_q,
             )
             for p, names in enumerate(members(cfg))
         ]
@@ -232,6 +246,7 @@ class RunState:
             "clock": self.clock.state_dict() if self.clock is not None else None,
             "in_flight": _in_flight_out(self.in_flight, records) if self.overlapped else None,
             "outer_replicas": [r["outer"] for r in records] if self.outer_replicas is not None else None,
+            "lowrank_q": self.lowrank_q,
         }
 
     @torch.no_grad()
@@ -279,6 +294,9 @@ class RunState:
                 for part in ("theta", "momentum"):
                     for name, t in own[part].items():
                         t.copy_(saved["outer_replicas"][i][part][name])
+        if self.lowrank_q is not None and saved.get("lowrank_q") is not None:
+            for name, t in self.lowrank_q.items():
+                t.copy_(saved["lowrank_q"][name])
         for s in self.syncs:
             s.due = None
         for taken in saved["in_flight"] or []:

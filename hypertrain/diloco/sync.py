@@ -20,6 +20,7 @@ from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco.churn import RoundFacts
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.communication import compressed_mean, exact_mean, ring_allreduce_bytes
+from hypertrain.diloco.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.outer import (
     OuterState,
     outer_step,
@@ -108,6 +109,28 @@ class CodecReducer:
         return result.sent_bytes
 
 
+class LowRankReducer:
+    """outer.compress=lowrank: PowerSGD's rank-r factors of each matrix, warm-started from the fragment's
+    `lowrank_q`, all-gathered twice and summed in replica order, the 1-D tensors exact
+    (`lowrank.lowrank_mean`); the error buffers and warm starts are updated when the mean is waited for.
+    One participant sends what the gather of the factors reports."""
+
+    def __init__(self, factors: Factors):
+        self.factors = factors
+
+    def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
+        deltas = pseudo_gradients(sync.theta, replica_params)
+        errors = sync.flat_errors()
+        store = None if errors is None else sync.store_errors
+        return lowrank_mean(self.factors, deltas, errors, active, sync.lowrank_q, groups, store, count)
+
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
+        raise NotImplementedError("outer.compress=lowrank with outer.overlap is refused by OuterConfig.check")
+
+    def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
+        return result.sent_bytes
+
+
 class FragmentSync:
     """The sync of the parameters `names` (fragment `index`; all of them with DiLoCo's one fragment).
 
@@ -126,11 +149,13 @@ class FragmentSync:
         errors: list[Params] | None,
         replica_outer: list[dict] | None = None,
         reduction: str | None = None,
+        lowrank_q: Params | None = None,
     ):
         """Fragment `index`'s sync of the parameters `names`, of the run's global weights `theta`,
         outer state `outer` and local replicas' error buffers `errors` (None without error feedback);
         `replica_outer`: eager's per-replica outer weights and momentum ({"theta", "momentum"} each);
-        reduced by `reduction` (the run's `Decided.reduction`; None: `decided.reduction(cfg.outer)`)."""
+        reduced by `reduction` (the run's `Decided.reduction`; None: `decided.reduction(cfg.outer)`);
+        `lowrank_q`: outer.compress=lowrank's warm start Q of every matrix of the model (`RunState`'s)."""
         self.cfg, self.names, self.index = cfg, list(names), index
         self.pending: Pending | None = None
         # outer.overlap: the sync taken a period earlier, due to land now (set by `take`, landed by `land`)
@@ -147,8 +172,13 @@ class FragmentSync:
         self.params = sum(t.numel() for t in self.theta.values())
         self.whole_model = len(self.names) == len(theta)
         reduction = decided.reduction(cfg.outer) if reduction is None else reduction
+        self.lowrank_q = None
         if reduction == "exact":
-            self.reducer: ExactReducer | CodecReducer = ExactReducer()
+            self.reducer: ExactReducer | CodecReducer | LowRankReducer = ExactReducer()
+        elif cfg.outer.compress == "lowrank":
+            self.lowrank_q = {n: lowrank_q[n] for n in self.names if n in lowrank_q}
+            shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
+            self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank_rank))
         else:
             blocks = Blocks(tuple(t.numel() for t in self.theta.values()), cfg.outer.block)
             self.reducer = CodecReducer(cfg.outer, blocks)
@@ -359,7 +389,9 @@ def sync(
     this module) at once, take and land together (the replicas then restart from the global weights):
     the mean pseudo-gradient's norm and the replicas that took part."""
     groups = groups or ReplicaGroups(cfg.replicas)
-    whole = FragmentSync(cfg, 0, list(state.theta), state.theta, state.outer, state.errors)
+    whole = FragmentSync(
+        cfg, 0, list(state.theta), state.theta, state.outer, state.errors, lowrank_q=state.lowrank_q
+    )
     whole.take(params, stepped, state.next_update, groups)
     landing = whole.land(state.inner, None, groups)
     return landing.delta_norm, landing.synced

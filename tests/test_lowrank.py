@@ -1,0 +1,590 @@
+"""Low-rank pseudo-gradients, outer.compress=lowrank (issue 37, item 4; docs/compression.md, "Low rank";
+PowerSGD, Vogels, Karimireddy, Jaggi 2019, arXiv 1905.13727, Algorithm 1): the reduction fed chosen
+inputs, against float64 references written here from the paper's algorithm, and whole runs.
+
+1. One sync's P (the replicas' P_m = M_m Q summed over their count, orthogonalized), Q (the mean of the
+   Q_m = M_m^T P) and decoded mean P Q^T against a float64 power iteration on the same inputs, the
+   warm start carried from sync to sync; the 1-D tensors' exact mean; the error buffers.
+2. Deliberately broken variants (P not orthogonalized; the warm start not kept) are caught.
+3. Error feedback telescopes: after K syncs, for every replica and every matrix, what was applied plus
+   the replica's buffer is the sum of its pseudo-gradients; a replica that did not step keeps its buffer.
+4. rank = min(rows, cols) recovers the mean exactly within rounding; a matrix that did not move gives
+   zeros and keeps its warm start; a non-finite pseudo-gradient stops the sync before anything is sent.
+5. loop = stacked (each against the float64 run of the same code); the stage on real processes (gloo,
+   P = 2 and 4, both layouts) equals the simulation bitwise, the bytes handed to the collectives the
+   formula's; whole runs on 2 real processes equal the simulation exactly (fragments with a delay too);
+   SIGKILL + resume is bit-identical with the warm starts and error buffers in the checkpoint (and a
+   fragment's low-rank sync in flight).
+
+Every bound is derived where it is used: gamma(k) = k u / (1 - k u) bounds the rounding of k fp32
+operations in sequence (Higham, "Accuracy and Stability of Numerical Algorithms", Lemma 3.1 and
+eq. 3.5 for a dot product: |fl(x . y) - x . y| <= gamma(len) |x| . |y|).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    RUN,
+    assert_engines_agree,
+    assert_identical_but,
+    assert_identical_streaming,
+    cfg_for,
+    ckpt,
+    finish,
+    fork_ranks,
+    killed_beside_uninterrupted,
+    resumed,
+    start_entry,
+)
+from references import U32
+
+from hypertrain.config import OuterConfig
+from hypertrain.diloco import lowrank
+from hypertrain.diloco.communication import HEADER_BYTES
+from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
+from hypertrain.distributed.groups import ReplicaGroups
+from hypertrain.failures import NonFiniteError
+from hypertrain.rundir.records import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A fragment's parameters: matrices (one of three dims, [4, 6] as PowerSGD sees it), 1-D tensors between.
+SHAPES = {"w": (12, 9), "b": (9,), "c": (4, 2, 3), "e": (20, 6), "g": (6,)}
+RANK = 3
+
+
+def gamma(k: int) -> float:
+    return k * U32 / (1 - k * U32)
+
+
+def matrices(shapes: dict) -> dict[str, tuple[int, int, int]]:
+    """name -> (flat start, rows, cols) of each tensor of 2 or more dims, [shape[0], rest]."""
+    out, start = {}, 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if len(shape) >= 2:
+            out[name] = (start, shape[0], numel // shape[0])
+        start += numel
+    return out
+
+
+def exact_spans(shapes: dict) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for shape in shapes.values():
+        numel = math.prod(shape)
+        if len(shape) < 2:
+            out.append((start, numel))
+        start += numel
+    return out
+
+
+def inputs(R: int, seed: int, shapes: dict = SHAPES, ef: bool = True):
+    """Pseudo-gradients [R, n] and error buffers (None without error feedback), seeded, on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(math.prod(s) for s in shapes.values())
+    deltas = torch.randn(R, n, generator=gen)
+    errors = torch.randn(R, n, generator=gen) / 8 if ef else None
+    return deltas, errors
+
+
+def warm_starts(shapes: dict, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    return initial_q({n: torch.empty(s) for n, s in shapes.items()}, rank, seed)
+
+
+def one_sync(shapes, rank, deltas, errors, active, q, groups=None):
+    """The stage, in this process (the simulation): the reduction object after its wait."""
+    groups = groups or ReplicaGroups(deltas.shape[0])
+    reduction = lowrank_mean(Factors.of(shapes, rank), deltas, errors, torch.tensor(active), q, groups)
+    result = reduction.wait()
+    return reduction, result
+
+
+# -- the float64 reference, from the paper ----------------------------------------------------------------
+
+
+def orthonormal64(p: np.ndarray) -> np.ndarray:
+    """Gram-Schmidt's orthonormal columns of p, float64: the Q factor of p's QR with R's diagonal
+    positive (the factorisation Gram-Schmidt computes), from numpy's Householder QR."""
+    q, r = np.linalg.qr(p)
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+def power_iteration64(ms: list[np.ndarray], q0: np.ndarray, active: list[bool]):
+    """Algorithm 1 in float64 over the replicas that took part: P = mean M_m Q0, P orthonormalized,
+    Q = mean M_m^T P, decoded P Q^T."""
+    took = [m for m, a in zip(ms, active, strict=True) if a]
+    p = sum(m @ q0 for m in took) / len(took)
+    p_hat = orthonormal64(p)
+    q = sum(m.T @ p_hat for m in took) / len(took)
+    return p, p_hat, q, p_hat @ q.T
+
+
+def check_sync(
+    shapes, rank, deltas, errors_before, active, q_before, reduction, result, q_after, errors_after
+):
+    """One sync of the stage against the float64 reference on its inputs (the fp32 pseudo-gradients and
+    buffers, the warm start it was handed); AssertionError naming what is off. The bounds:
+
+    - M_m = fl(delta_m + e_m) is within U32 |M_m| of the exact sum; each P_m entry is a dot product of
+      length cols (gamma(cols)), the replicas' sum and the division add R + 1 roundings: elementwise
+      |P32 - P64| <= gamma(cols + R + 2) mean_m |M_m| |Q0|;
+    - P orthonormalized: to first order the Q factor of A + dA moves by at most sqrt(2) ||A^+||_2 ||dA||_F
+      (the normwise perturbation bound of the QR factorization's Q factor: Sun 1991, "Perturbation bounds
+      for the Cholesky and QR factorizations"), dA being the input's error above plus modified
+      Gram-Schmidt's own error, of order gamma(2 rows r) ||A||_F (Bjorck 1967); twice that for the
+      second-order terms;
+    - Q_m = M_m^T P: ||dQ||_F <= mean_m (||M_m||_F ||dP||_F + gamma(rows + R + 2) || |M_m|^T |P| ||_F);
+    - P Q^T: ||dD||_F <= ||dP||_F ||Q||_F + (1 + ||dP||_F) ||dQ||_F + gamma(r) || |P| |Q|^T ||_F.
+    """
+    R = deltas.shape[0]
+    x64 = deltas.double().numpy() + (0 if errors_before is None else errors_before.double().numpy())
+    took = [m for m in range(R) if active[m]]
+    mean = result.mean.double().numpy()
+    bounds_d = {}
+    for name, (start, rows, cols) in matrices(shapes).items():
+        ms = [x64[m, start : start + rows * cols].reshape(rows, cols) for m in range(R)]
+        q0 = q_before[name].double().numpy()
+        p64, p_hat64, q64, d64 = power_iteration64(ms, q0, active)
+        r = q0.shape[1]
+        assert r == min(rank, rows, cols), name
+        abs_p = sum(np.abs(ms[m]) @ np.abs(q0) for m in took) / len(took)
+        dp_input = float(np.linalg.norm(gamma(cols + R + 2) * abs_p))
+        a_plus = 1 / np.linalg.svd(p64, compute_uv=False)[-1]
+        dp = 2 * math.sqrt(2) * a_plus * (dp_input + gamma(2 * rows * r) * np.linalg.norm(p64))
+        got_p = reduction.p_hat[name].double().numpy()
+        assert np.linalg.norm(got_p - p_hat64) <= dp, (name, "P", np.linalg.norm(got_p - p_hat64), dp)
+        dq = sum(
+            np.linalg.norm(ms[m]) * dp
+            + gamma(rows + R + 2) * np.linalg.norm(np.abs(ms[m]).T @ np.abs(p_hat64))
+            for m in took
+        ) / len(took)
+        got_q = q_after[name].double().numpy()
+        assert np.linalg.norm(got_q - q64) <= dq, (name, "Q", np.linalg.norm(got_q - q64), dq)
+        dd = (
+            dp * np.linalg.norm(q64)
+            + (1 + dp) * dq
+            + gamma(r) * np.linalg.norm(np.abs(p_hat64) @ np.abs(q64).T)
+        )
+        got_d = mean[start : start + rows * cols].reshape(rows, cols)
+        assert np.linalg.norm(got_d - d64) <= dd, (name, "PQ^T", np.linalg.norm(got_d - d64), dd)
+        bounds_d[name] = (d64, dd)
+    # the 1-D tensors: sent exact, their mean added in replica order and divided, in fp32 (bitwise)
+    x32 = deltas if errors_before is None else deltas + errors_before
+    for a, n in exact_spans(shapes):
+        total = torch.zeros(n)
+        for m in took:
+            total = total + x32[m, a : a + n]
+        assert torch.equal(result.mean[a : a + n], total / len(took)), ("1-D", a)
+    assert result.synced == len(took)
+    if errors_after is None:
+        return
+    # e_m <- M_m - P Q^T (the shared approximation) for the replicas that took part; 1-D buffers 0
+    for m in range(R):
+        if not active[m]:
+            assert torch.equal(errors_after[m], errors_before[m]), ("kept", m)
+            continue
+        for name, (start, rows, cols) in matrices(shapes).items():
+            d64, dd = bounds_d[name]
+            want = x64[m, start : start + rows * cols].reshape(rows, cols) - d64
+            got = errors_after[m, start : start + rows * cols].double().numpy().reshape(rows, cols)
+            # the fp32 subtraction rounds once more (U32 |e|) beside D's error and M's rounding
+            bound = (
+                dd + U32 * np.linalg.norm(want) + U32 * np.linalg.norm(x64[m, start : start + rows * cols])
+            )
+            assert np.linalg.norm(got - want) <= 2 * bound, ("error buffer", m, name)
+        for a, n in exact_spans(shapes):
+            assert not errors_after[m, a : a + n].any(), ("1-D buffer", m, a)
+
+
+def run_and_check(syncs: int = 3, keep_warm_start: bool = True, R: int = 3):
+    """`syncs` syncs of the stage, each checked against the float64 reference from the warm start the
+    previous one left (the first: the seeded initial Q); replica 1 sits the second sync out. Returns the
+    largest fraction of a bound used. `keep_warm_start=False` is a broken variant: every sync starts
+    from the initial Q again, as a reducer that forgot its state would."""
+    q = warm_starts(SHAPES, RANK)
+    initial = {n: t.clone() for n, t in q.items()}
+    _, errors = inputs(R, 0)
+    carried = {n: t.clone() for n, t in q.items()}  # the warm start the reference starts from
+    for k in range(syncs):
+        deltas, _ = inputs(R, 1 + k)
+        active = [not (k == 1 and m == 1) for m in range(R)]
+        before_e = errors.clone()
+        reduction, result = one_sync(SHAPES, RANK, deltas, errors, active, q)
+        check_sync(SHAPES, RANK, deltas, before_e, active, carried, reduction, result, q, errors)
+        # the Q of this sync, checked against the reference above, is the next sync's warm start
+        carried = {n: t.clone() for n, t in q.items()}
+        if not keep_warm_start:
+            for n, t in q.items():
+                t.copy_(initial[n])
+
+
+def test_one_sync_equals_a_float64_power_iteration_with_the_warm_start_carried():
+    """Three syncs of R = 3 replicas (one sits the second out) of two matrices, a tensor of three dims
+    and two 1-D tensors at rank 3, error feedback on: each sync's P, Q, decoded mean and buffers against
+    the float64 Algorithm 1 from the warm start the previous sync left (`check_sync`'s bounds); the 1-D
+    tensors' mean bitwise the fp32 sum in replica order over the count."""
+    run_and_check()
+
+
+def test_a_broken_variant_is_caught():
+    """The same check fails for P left unorthogonalized (ORTHOGONALIZE skipped) and for a reduction that
+    does not keep its warm start between syncs: the checks are not vacuous."""
+    original = lowrank.orthogonalize
+    try:
+        lowrank.orthogonalize = lambda p: p.clone()
+        with pytest.raises(AssertionError, match="'P'"):
+            run_and_check(syncs=1)
+    finally:
+        lowrank.orthogonalize = original
+    with pytest.raises(AssertionError, match="'P'"):
+        run_and_check(syncs=2, keep_warm_start=False)
+
+
+def test_error_feedback_telescopes_over_syncs():
+    """Invariant 10's error feedback, PowerSGD's form (Algorithm 2, e_m <- Delta_m - DECOMPRESS): after K
+    syncs each replica's pseudo-gradients summed equal what was applied (the decoded means) plus its
+    buffer, for every matrix entry (sum_k delta_m(k) = sum_k D(k) + e_m(K), e_m(0) = 0), within
+    the fp32 roundings: each sync forms x = delta + e (one rounding, U32 |x|) and e' = x - D (one, U32
+    |e'|); the sums here are float64 (exact enough: K terms, gamma(K) in float64). A replica that did not
+    step (replica 1 at the second sync) keeps its buffer and has its pseudo-gradient left out of its sum."""
+    R, K = 3, 6
+    q = warm_starts(SHAPES, 2)
+    n = sum(math.prod(s) for s in SHAPES.values())
+    errors = torch.zeros(R, n)
+    sent = torch.zeros(R, n, dtype=torch.float64)
+    applied = torch.zeros(R, n, dtype=torch.float64)
+    slack = torch.zeros(R, n, dtype=torch.float64)
+    for k in range(K):
+        deltas, _ = inputs(R, 10 + k)
+        active = [not (k == 1 and m == 1) for m in range(R)]
+        x = deltas + errors
+        _, result = one_sync(SHAPES, 2, deltas, errors, active, q)
+        for m in range(R):
+            if active[m]:
+                sent[m] += deltas[m].double()
+                applied[m] += result.mean.double()
+                slack[m] += U32 * (x[m].double().abs() + errors[m].double().abs())
+    for name, (start, rows, cols) in matrices(SHAPES).items():
+        span = slice(start, start + rows * cols)
+        gap = (sent[:, span] - applied[:, span] - errors[:, span].double()).abs()
+        assert (gap <= 2 * slack[:, span]).all(), (name, float((gap / slack[:, span]).max()))
+        assert errors[:, span].abs().max() > 0.1  # rank 2 leaves a good part in the buffers
+    for a, size in exact_spans(SHAPES):
+        assert not errors[:, a : a + size].any()
+
+
+def test_rank_min_rows_cols_recovers_the_mean_exactly_within_rounding():
+    """At rank = min(rows, cols) P spans M's whole column space, so P Q^T = P P^T mean(M) = mean(M): the
+    float64 reference recovers it to 1e-12 (checked), and the stage is within `check_sync`'s bound of
+    the reference, so within that bound of the mean itself, for a wide matrix, a tall one and one of
+    three dims; lowrank_rank larger than both is cut to min(rows, cols)."""
+    shapes = {"wide": (5, 8), "tall": (8, 3), "deep": (4, 2, 3), "b": (3,)}
+    R = 2
+    deltas, _ = inputs(R, 7, shapes, ef=False)
+    q = warm_starts(shapes, 99)
+    assert {n: tuple(t.shape) for n, t in q.items()} == {"wide": (8, 5), "tall": (3, 3), "deep": (6, 4)}
+    before = {n: t.clone() for n, t in q.items()}
+    reduction, result = one_sync(shapes, 99, deltas, None, [True, True], q)
+    check_sync(shapes, 99, deltas, None, [True, True], before, reduction, result, q, None)
+    for name, (start, rows, cols) in matrices(shapes).items():
+        span = slice(start, start + rows * cols)
+        want = deltas[:, span].double().mean(0).numpy().reshape(rows, cols)
+        ms = [deltas[m, span].double().numpy().reshape(rows, cols) for m in range(R)]
+        *_, d64 = power_iteration64(ms, before[name].double().numpy(), [True, True])
+        assert np.linalg.norm(d64 - want) <= 1e-12 * np.linalg.norm(want), name
+        got = result.mean[span].double().numpy().reshape(rows, cols)
+        print(name, np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_a_matrix_that_did_not_move_gives_zeros_and_keeps_its_warm_start():
+    """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (Gram-Schmidt
+    leaves a zero column zero), and every warm start unchanged (a Q that came back zero would hold the
+    power iteration at zero for good); the next sync, with movement, is the float64 power iteration
+    from that same warm start."""
+    R = 2
+    q = warm_starts(SHAPES, RANK)
+    kept = {n: t.clone() for n, t in q.items()}
+    deltas, _ = inputs(R, 5, ef=False)
+    _, result = one_sync(SHAPES, RANK, torch.zeros_like(deltas), None, [True, True], q)
+    assert torch.equal(result.mean, torch.zeros_like(result.mean))
+    assert all(torch.equal(q[n], kept[n]) for n in q)
+    reduction, result = one_sync(SHAPES, RANK, deltas, None, [True, True], q)
+    check_sync(SHAPES, RANK, deltas, None, [True, True], kept, reduction, result, q, None)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_non_finite_pseudo_gradient_stops_the_sync_before_anything_is_sent(bad):
+    """A non-finite entry of a replica that took part stops the sync (NonFiniteError naming the replica)
+    before any message is handed to the collectives; the same entry in a replica that did not step is
+    left out, and the sync goes on."""
+    R = 3
+    deltas, _ = inputs(R, 6, ef=False)
+    deltas[2, 5] = bad
+
+    class Spy(ReplicaGroups):
+        gathered = 0
+
+        def start_all_gather_replicas(self, local):
+            Spy.gathered += 1
+            return super().start_all_gather_replicas(local)
+
+    q = warm_starts(SHAPES, RANK)
+    with pytest.raises(NonFiniteError, match="replica 2"):
+        lowrank_mean(Factors.of(SHAPES, RANK), deltas, None, torch.tensor([True] * 3), q, Spy(R))
+    assert Spy.gathered == 0
+    _, result = one_sync(SHAPES, RANK, deltas, None, [True, True, False], q, Spy(R))
+    assert result.synced == 2 and bool(torch.isfinite(result.mean).all())
+
+
+# -- whole runs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ef", [False, True])
+def test_loop_equals_stacked(ef):
+    """Invariant 6 with low rank: the stacked engine and the loop, each against the float64 run of the
+    same code (`assert_engines_agree`: losses and final weights within twice the loop's own error or its
+    rounding floor), R = 2, H = 2, two syncs at rank 2, with and without error feedback. The stage itself
+    is the same function whatever engine made the pseudo-gradients."""
+    outer = OuterConfig(compress="lowrank", lowrank_rank=2, error_feedback=ef)
+    assert_engines_agree(replace(cfg_for(2, 2), outer=outer))
+
+
+# -- real processes ---------------------------------------------------------------------------------------
+
+# (layout, W, R, error feedback, who took part at the second sync) per process count P: P = 2 under the
+# replicas layout (one replica per process, two); P = 4 one replica per process, and the benchmark layout
+# W = 4, R = 2 (L = 2: each of a replica's two ranks exchanges the factors in its cross-replica group)
+STAGE_CASES = {
+    2: [
+        ("replicas", 2, 2, True, (True, True)),
+        ("replicas", 4, 4, True, (True, False, True, True)),
+        ("replicas", 4, 4, False, (True,) * 4),
+    ],
+    4: [("replicas", 4, 4, True, (True, False, True, True)), ("benchmark", 4, 2, True, (False, True))],
+}
+STAGE_SYNCS = 2
+
+
+def stage_results(groups, R: int, ef: bool, active2: tuple[bool, ...], mine: list[int]) -> dict:
+    """Two syncs of the stage on this process's replicas `mine` of bitwise-identical inputs: each one's
+    mean, count and figures, and the warm starts and buffers after."""
+    q = warm_starts(SHAPES, RANK)
+    _, errors = inputs(R, 20, ef=ef)
+    local = None if errors is None else errors[mine].clone()
+    out = []
+    for k in range(STAGE_SYNCS):
+        deltas, _ = inputs(R, 21 + k)
+        active = (True,) * R if k == 0 else active2
+        reduction = lowrank_mean(
+            Factors.of(SHAPES, RANK), deltas[mine].clone(), local, torch.tensor(active)[mine], q, groups
+        )
+        result = reduction.wait()
+        out.append({"mean": result.mean, "synced": result.synced, "figures": result.figures})
+    return {"syncs": out, "q": q, "errors": local}
+
+
+def stage_worker(rank: int, world: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from hypertrain.distributed.collectives import DistReplicaGroups
+    from hypertrain.distributed.layouts import choose_layout
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'rendezvous'}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    results, built = {}, {}
+    for case in STAGE_CASES[world]:
+        layout, W, R, ef, active2 = case
+        if (layout, W, R) not in built:
+            plan = choose_layout(world, W, R, layout)
+            built[layout, W, R] = DistReplicaGroups(plan, rank, torch.device("cpu"), 60.0)
+        groups = built[layout, W, R]
+        key = str(case)
+        results[key] = stage_results(groups, R, ef, active2, groups.replicas)
+        results[key]["replicas"] = groups.replicas
+        results[key]["handed"] = groups.comm_stats()["comm_measured_outer_bytes"]
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_path, world):
+    """`world` real processes (gloo, forked ranks; P = 2 under the replicas layout: R = 2, one replica
+    each, R = 4, two each; P = 4: R = 4, and the benchmark layout W = 4, R = 2, L = 2) run two syncs of
+    the stage on bitwise-identical inputs, error feedback on and off, a replica sitting the second sync
+    out: every rank's means, counts, figures (payload bytes, the gather's bytes,
+    per-replica errors), warm starts and buffers equal the simulation's (`ReplicaGroups`, all replicas
+    here), bitwise (== on the bit patterns): every process sums the same gathered factors in replica
+    order, and each replica's factors are computed alone, the same way wherever it lives.
+
+    The payload is the formula (docs/compression.md): 4 (rows r + cols r) per matrix + 4 per 1-D element;
+    each process handed the collectives, per sync, its replicas' two messages: the 8 header bytes and
+    the payload."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "stage", str(world), str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        simulated = {
+            str(case): stage_results(ReplicaGroups(case[2]), *case[2:], list(range(case[2])))
+            for case in STAGE_CASES[world]
+        }
+        _, err = proc.communicate(timeout=120)  # gloo's timeout is 60 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of the ranks this test started
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    b = 4 * (12 * 3 + 9 * 3) + 4 * (4 * 3 + 6 * 3) + 4 * (20 * 3 + 6 * 3) + 4 * (9 + 6)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for case in STAGE_CASES[world]:
+            _, _, R, ef, _ = case
+            key = str(case)
+            have, want, mine = got[key], simulated[key], got[key]["replicas"]
+            for k, (h, w) in enumerate(zip(have["syncs"], want["syncs"], strict=True)):
+                assert torch.equal(bits(h["mean"]), bits(w["mean"])), (rank, key, k)
+                assert h["synced"] == w["synced"] and h["figures"] == w["figures"], (rank, key, k)
+                assert w["figures"]["payload_bytes"] == b and w["figures"]["comm_outer_bytes"] == (R - 1) * b
+            for n in want["q"]:
+                assert torch.equal(bits(have["q"][n]), bits(want["q"][n])), (rank, key, n)
+            if ef:
+                assert torch.equal(bits(have["errors"]), bits(want["errors"][mine])), (rank, key)
+            assert have["handed"] == STAGE_SYNCS * len(mine) * (HEADER_BYTES + b), (rank, key)
+
+
+# Whole runs through the entry, W = R = 2 under the benchmark layout, the loop engine: one replica per
+# process computed by the same code on the same numbers as in the simulation (test_compression.py's
+# WHOLE), so the runs are equal, ==. Fragments (H = 4, P = 2) taken one update early: each fragment's
+# first all-gather is in flight over the delayed update, its second at the landing.
+WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2", "outer.compress=lowrank", "outer.lowrank_rank=2"]
+MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["outer.error_feedback=true", "inner.H=2", "phase.updates=4"],
+        pytest.param(
+            ["inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"], marks=pytest.mark.slow
+        ),
+    ],
+    ids=["ef", "fragments2-delay1"],
+)
+def test_real_processes_equal_the_simulation_exactly_in_whole_runs(tmp_path, extra):
+    """`processes=dist` (two self-launched gloo workers) against the simulation of the same overrides,
+    side by side through the entry: every update row, every sync row (payload bytes, per-replica errors;
+    not the measured figures only real processes record), the held-out losses, the summary and
+    weights.pt, exactly. Without fragments the bytes handed to the collectives at each sync are the two
+    messages' 8 header bytes and the payload."""
+    runs = {"sim": [*WHOLE, *extra], "dist": [*WHOLE, *extra, "processes=dist"]}
+    procs = {k: start_entry([*args, f"hydra.run.dir={tmp_path / k}"], tmp_path) for k, args in runs.items()}
+    done = {k: finish(p) for k, p in procs.items()}
+    for k, result in done.items():
+        assert result.returncode == 0, (k, result.stderr)
+    if "outer.fragments=2" in extra:
+        assert_identical_streaming(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
+        return
+    assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
+    syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
+    assert syncs and all(len(r["compress_error"]) == 2 for r in syncs)
+    assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
+
+
+# -- SIGKILL and resume -----------------------------------------------------------------------------------
+
+# Syncs after updates 2, 4, 6 (H = 2); a checkpoint every 3 updates falls mid-round at 3, after the sync
+# at 2 updated the warm starts and left what rank 2 did not send in the buffers. The fault kills after
+# update 4's inner step, before its sync: the newest checkpoint is the one at 3.
+KILL_RUN = [
+    *RUN,
+    "inner.H=2",
+    "phase.updates=6",
+    "outer.compress=lowrank",
+    "outer.lowrank_rank=2",
+    "outer.error_feedback=true",
+    "checkpoint.every_updates=3",
+    "checkpoint.keep=10",
+]
+
+
+# Fragments (H = 4, P = 2, tau = 1): fragment 1 is taken after update 3 and lands after 4, so the
+# checkpoint at 3 holds its sync in flight (waited for: its result, the buffers and warm starts it
+# updated); the kill after update 4's inner step, before that landing, leaves it the newest.
+KILL_FRAGMENTS = [
+    *RUN,
+    "inner.H=4",
+    "phase.updates=8",
+    "outer.fragments=2",
+    "outer.delay=1",
+    "outer.compress=lowrank",
+    "outer.lowrank_rank=2",
+    "outer.error_feedback=true",
+    "checkpoint.every_updates=3",
+    "checkpoint.keep=10",
+]
+KILL_CASES = {
+    "mid-round": (KILL_RUN, "0:4:kill:after"),
+    "fragments-in-flight": (KILL_FRAGMENTS, "0:4:kill:after"),
+}
+
+
+@pytest.mark.parametrize("name", ["mid-round", pytest.param("fragments-in-flight", marks=pytest.mark.slow)])
+def test_killed_with_warm_starts_and_error_buffers_resumes_bit_identically(tmp_path, name):
+    """Invariant 9 with low rank: SIGKILL after an inner step; the newest checkpoint (at 3) holds every
+    matrix's warm start Q (moved from the seeded initial one by the syncs before it) and every replica's
+    non-zero buffer (with fragments, a fragment's sync in flight too); `resume=true` goes on from it and
+    equals an uninterrupted run exactly (update rows, sync rows with their payload bytes and errors,
+    held-out losses, summary, weights.pt)."""
+    args, fault = KILL_CASES[name]
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, fault)
+    assert sorted((run_dir / "checkpoints").glob("ckpt-u*.pt"))[-1] == ckpt(run_dir, 3)
+    saved = torch.load(ckpt(run_dir, 3), weights_only=False)["state"]
+    assert saved["lowrank_q"] and all(any(bool(t.any()) for t in e.values()) for e in saved["errors"])
+    drawn = initial_q(saved["theta"], 2, 0)
+    assert set(drawn) == set(saved["lowrank_q"])
+    moved = [n for n in drawn if not torch.equal(drawn[n], saved["lowrank_q"][n])]
+    resumed(args, run_dir, tmp_path)
+    if name == "fragments-in-flight":
+        assert saved["pending"] is not None and saved["pending"]["fragment"] == 1
+        assert moved  # fragment 0's matrices, synced at 2 (fragment 1's sync was taken, and is saved landed)
+        assert_identical_streaming(run_dir, reference)
+        return
+    assert moved == list(drawn)
+    assert_identical_but(run_dir, reference)
+    syncs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "sync"]
+    assert [r["update"] for r in syncs] == [2, 4, 6] and all(r["payload_bytes"] > 0 for r in syncs)
+
+
+if __name__ == "__main__":  # the stage test's ranks: `python tests/test_lowrank.py stage WORLD OUT`
+    assert sys.argv[1] == "stage"
+    torch.set_num_threads(1)
+    world = int(sys.argv[2])
+    fork_ranks(world, lambda rank: stage_worker(rank, world, Path(sys.argv[3])))
