@@ -210,6 +210,10 @@ class OuterConfig:
     # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
     # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
     transform: Transform = Transform.none
+    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.block) or T (a matrix
+    # whose two last sides are multiples of T is read in T x T tiles, one tile a block: SparseLoCo's
+    # 64 x 64 chunks; outer.block must be T * T; other tensors as with 0). Needs a block codec.
+    tile: int = 0
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
     # SparseLoCo's decay beta of the error buffers (Sarfi et al. 2025; docs/compression.md): a replica
@@ -246,6 +250,17 @@ class OuterConfig:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
+            )
+        _at_least("outer.tile", self.tile, 0)
+        if self.tile and self.compress in ("none", "lowrank"):
+            raise UserError(
+                f"outer.tile={self.tile} with outer.compress={self.compress}: tiles order the blocks of a "
+                "block codec; valid: a block codec (int8, ..., topk), or outer.tile=0"
+            )
+        if self.tile and self.block != self.tile * self.tile:
+            raise UserError(
+                f"outer.tile={self.tile} with outer.block={self.block}: a tile is one block; valid: "
+                f"outer.block={self.tile * self.tile}, or outer.tile=0"
             )
         if self.transform != "none" and self.compress == "none":
             raise UserError(

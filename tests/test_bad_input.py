@@ -321,6 +321,19 @@ CASES = {
         "outer.index_bits=12 with outer.topk_fraction=0.03 keeps k = 123 of a 4096-value block, an odd",
         "a fraction whose k is even (the line names one), or outer.index_bits=32",
     ),
+    "tile-without-block-codec": Case(
+        "2-D tiles of the blocks with no block codec (docs/compression.md)",
+        ["outer.tile=64", "outer.block=4096"],
+        "outer.tile=64 with outer.compress=none: tiles order the blocks of a block codec; valid: a block "
+        "codec (int8, ..., topk), or outer.tile=0",
+        "a block codec, or outer.tile=0",
+    ),
+    "tile-not-the-block": Case(
+        "a tile that is not one block",
+        ["outer.compress=topk", "outer.tile=64"],
+        "outer.tile=64 with outer.block=128: a tile is one block; valid: outer.block=4096, or outer.tile=0",
+        "outer.block = outer.tile squared",
+    ),
     "lowrank-rank-0": Case(
         "a low-rank compression of rank 0 (docs/compression.md)",
         ["outer.compress=lowrank", "outer.lowrank_rank=0"],

@@ -111,9 +111,9 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
 
 
 # What a run of schema 2 sent, in issue 37's fields: int32 indices, fp32 values, undecayed buffers, no
-# transform (and the low-rank rank, which its codecs never read, at its default)
+# transform, flat blocks (and the low-rank rank, which its codecs never read, at its default)
 BEFORE_ISSUE_37 = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32", "transform": "none"}
-BEFORE_ISSUE_37["lowrank_rank"] = 4
+BEFORE_ISSUE_37 |= {"tile": 0, "lowrank_rank": 4}
 
 
 def test_a_version_1_config_and_checkpoint_gain_no_overlap():

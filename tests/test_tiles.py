@@ -73,3 +73,55 @@ def test_no_tile_or_no_divisible_side_is_the_identity():
     assert tile_order([(6, 7), (9,)], T) is None
     x = torch.arange(10.0)[None]
     assert to_tiles(x, None) is x and from_tiles(x, None) is x
+
+
+def test_a_tiled_top_k_sync_sends_each_tiles_largest_and_keeps_the_buffers_in_parameter_order():
+    """The compressed stage with outer.tile (`compressed_mean`, gather, error feedback): each replica's
+    contribution is, per T x T tile of each matrix (per run of T * T of the 1-D tensor), its k largest
+    magnitudes, the rest zero, in the matrix's own positions; the buffer keeps what was left, in parameter
+    order; the mean is the replicas' contributions averaged. The reference slices the matrices in float64.
+    Ties are avoided by distinct magnitudes; the mean of R = 2 fp32 values is one fp32 addition and an exact
+    halving, so it is within u |a + b| / 2 of the float64 mean (u = 2^-24)."""
+    from hypertrain.config import OuterConfig
+    from hypertrain.diloco.communication import compressed_mean
+    from hypertrain.distributed.groups import ReplicaGroups
+
+    shapes, R, k = [(8, 12), (20,)], 2, 3
+    n = sum(math.prod(s) for s in shapes)
+    gen = torch.Generator().manual_seed(2)
+    # distinct magnitudes: a permutation of 1..n scaled, random signs
+    deltas = torch.stack([torch.randperm(n, generator=gen) + 1.0 for _ in range(R)]) / n
+    deltas *= torch.randint(0, 2, (R, n), generator=gen) * 2 - 1
+    errors = torch.zeros(R, n)
+    outer = OuterConfig(compress="topk", block=T * T, tile=T, topk_fraction=k / (T * T), error_feedback=True)
+    blocks = Blocks(tuple(math.prod(s) for s in shapes), T * T)
+    order = tile_order(shapes, T)
+    active = torch.tensor([True] * R)
+    got = compressed_mean(outer, deltas, errors, active, blocks, ReplicaGroups(R), order=order).wait()
+
+    def reference(row: torch.Tensor) -> torch.Tensor:
+        x = row.double()
+        matrix, vector = x[:96].view(8, 12), x[96:]
+        out = torch.zeros_like(x)
+        out_matrix, out_vector = out[:96].view(8, 12), out[96:]
+        for i in range(0, 8, T):
+            for j in range(0, 12, T):
+                tile = matrix[i : i + T, j : j + T]
+                keep = tile.abs().reshape(-1).topk(k).indices
+                kept = torch.zeros(T * T, dtype=torch.float64)
+                kept[keep] = tile.reshape(-1)[keep]
+                out_matrix[i : i + T, j : j + T] = kept.view(T, T)
+        for start in range(0, 20, T * T):
+            piece = vector[start : start + T * T]
+            kk = math.ceil(k / (T * T) * piece.numel())
+            keep = piece.abs().topk(kk).indices
+            out_vector[start + keep] = piece[keep]
+        return out
+
+    sent = torch.stack([reference(row) for row in deltas])
+    assert torch.equal(errors.double(), deltas.double() - sent)  # what was not sent, exactly, in place
+    want = sent.mean(0)
+    assert float((got.mean.double() - want).abs().max()) <= 2.0**-24 * float(want.abs().max())
+    flat = OuterConfig(compress="topk", block=T * T, topk_fraction=k / (T * T), error_feedback=True)
+    plain = compressed_mean(flat, deltas, torch.zeros(R, n), active, blocks, ReplicaGroups(R)).wait()
+    assert not torch.equal(plain.mean, got.mean)  # the flat blocks choose other values

@@ -18,6 +18,7 @@ from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.pending import Reduced, Reduction
+from hypertrain.diloco.tiles import from_tiles, to_tiles
 from hypertrain.distributed.groups import Collectives, InFlight
 from hypertrain.failures import NonFiniteError
 
@@ -120,8 +121,9 @@ class CompressedMean:
     replicas that took part (gather), or that mean per block decoded, re-encoded and decoded again
     (two_phase), the same numbers on every process and in the simulation."""
 
-    def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups):
-        self.outer, self.blocks, self.groups = outer, blocks, groups
+    def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups, order=None):
+        """`x` in the blocks' order (`tiles.to_tiles` by `order`); the mean comes back in parameter order."""
+        self.outer, self.blocks, self.groups, self.order = outer, blocks, groups, order
         self.replicas, self.result, self.done = groups.total_replicas, None, False
         codec, fraction, transform = outer.compress, topk(outer), outer.transform
         if outer.reduce == "gather":
@@ -184,7 +186,7 @@ class CompressedMean:
             )
             sent = int(2 * (R - 1) / R * self.b)  # each payload shard out, each mean shard back
         taken = [e if a else None for a, e in zip(active, errors, strict=True)]
-        self.result = Reduced(mean, sum(active), sent, self.b, taken)
+        self.result = Reduced(from_tiles(mean, self.order), sum(active), sent, self.b, taken)
         return self.result
 
 
@@ -201,6 +203,7 @@ def compressed_mean(
     blocks: Blocks,
     groups: Collectives,
     update: int | None = None,
+    order: Tensor | None = None,
 ) -> CompressedMean:
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
@@ -211,7 +214,9 @@ def compressed_mean(
     in the parameter domain (as DeMo's momentum residual), and two_phase's shard means are summed there and
     re-transformed. Returns the started `CompressedMean`; raises NonFiniteError (every process, agreed)
     when a pseudo-gradient that would be sent is not finite, before anything is sent, naming the replica
-    (the highest-numbered, when several are) and the sync's `update`."""
+    (the highest-numbered, when several are) and the sync's `update`. `order` (outer.tile): the blocks'
+    order, `tiles.tile_order` (None: the parameters' own); the buffers and the mean stay in parameter
+    order."""
     if errors is None:
         x = deltas
     elif outer.error_decay == 1.0:
@@ -227,13 +232,13 @@ def compressed_mean(
             f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
         )
     codec, fraction, transform = outer.compress, topk(outer), outer.transform
-    decoded = codecs.decode(
-        codec, codecs.encode(codec, x, blocks, fraction, transform), blocks, fraction, transform
-    )
+    x_tiled = to_tiles(x, order)
+    code = codecs.encode(codec, x_tiled, blocks, fraction, transform)
+    decoded = from_tiles(codecs.decode(codec, code, blocks, fraction, transform), order)
     norms = deltas.double().norm(dim=1)
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:
         errors.copy_(torch.where(active[:, None], x - decoded, errors))
-    reduction = CompressedMean(outer, x, blocks, active, error.float(), groups)
+    reduction = CompressedMean(outer, x_tiled, blocks, active, error.float(), groups, order)
     reduction.own = torch.where(active[:, None], decoded, 0.0)  # each replica's d_m (outer.overlap=eager)
     return reduction

@@ -30,6 +30,7 @@ from hypertrain.diloco.outer import (
     weights_norm,
 )
 from hypertrain.diloco.pending import Pending, Reduced, Reduction
+from hypertrain.diloco.tiles import tile_order
 from hypertrain.distributed import decided
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
@@ -88,13 +89,16 @@ class CodecReducer:
     """outer.compress=a codec: each replica's payload, with its error-feedback buffer, reduced by
     outer.reduce (`communication.compressed_mean`); one participant sends what the codec reports."""
 
-    def __init__(self, outer: OuterConfig, blocks: Blocks):
-        self.outer, self.blocks = outer, blocks
+    def __init__(self, outer: OuterConfig, blocks: Blocks, order=None):
+        """`order`: the blocks' order over the fragment's parameters (outer.tile; None: their own)."""
+        self.outer, self.blocks, self.order = outer, blocks, order
 
     def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
         errors = sync.flat_errors()
         deltas = pseudo_gradients(sync.theta, replica_params)
-        reduction = compressed_mean(self.outer, deltas, errors, active, self.blocks, groups, count)
+        reduction = compressed_mean(
+            self.outer, deltas, errors, active, self.blocks, groups, count, self.order
+        )
         if errors is not None:
             sync.store_errors(errors)
         return reduction
@@ -102,7 +106,9 @@ class CodecReducer:
     def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
         """outer.overlap: as `start`, from the flat pseudo-gradients taken and the error buffers before
         the take (updated in place); each replica's own contribution is its decoded payload."""
-        reduction = compressed_mean(self.outer, deltas, errors, active, self.blocks, groups, count)
+        reduction = compressed_mean(
+            self.outer, deltas, errors, active, self.blocks, groups, count, self.order
+        )
         return reduction, reduction.own
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
@@ -181,7 +187,8 @@ class FragmentSync:
             self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank_rank))
         else:
             blocks = Blocks(tuple(t.numel() for t in self.theta.values()), cfg.outer.block)
-            self.reducer = CodecReducer(cfg.outer, blocks)
+            order = tile_order([tuple(t.shape) for t in self.theta.values()], cfg.outer.tile)
+            self.reducer = CodecReducer(cfg.outer, blocks, order)
 
     def flat_errors(self):
         """This fragment's part of each local replica's error buffer, flat: [R_local, n]; None without

@@ -97,20 +97,21 @@ def _config_1_to_2(resolved: dict) -> dict:
 
 
 # The codecs' fields of issue 37: the settings that send what such a run sent (int32 indices, fp32 values,
-# undecayed buffers, no transform; the low-rank rank, unread by its codecs, at its default), whatever
-# today's defaults are
+# undecayed buffers, no transform, flat blocks; the low-rank rank, unread by its codecs, at its default),
+# whatever today's defaults are
 BEFORE_ISSUE_37 = {
     "error_decay": 1.0,
     "index_bits": 32,
     "topk_values": "fp32",
     "transform": "none",
+    "tile": 0,
     "lowrank_rank": 4,
 }
 
 
 def _config_2_to_3(resolved: dict) -> dict:
     """Version 2: before issue 37's codec fields (`outer.error_decay`, `index_bits`, `topk_values`,
-    `transform`, `lowrank_rank`): the run sent int32 indices and fp32 values, transformed nothing and
+    `transform`, `tile`, `lowrank_rank`): the run sent int32 indices and fp32 values, transformed nothing and
     never decayed its buffers, so it resumes with its own bytes."""
     outer = resolved.get("outer")
     if isinstance(outer, dict):
