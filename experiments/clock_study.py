@@ -27,6 +27,8 @@ from hypertrain.rundir.records import METRICS_FILE, read_metrics
 SETTINGS = (("outer.fragments", "P"), ("outer.delay", "tau"), ("outer.merge_alpha", "alpha"))
 SETTINGS += (("outer.compress", "compress"), ("outer.error_feedback", "error feedback"))
 SETTINGS += (("outer.overlap", "overlap"), ("outer.lr", "outer lr"))
+SETTINGS += (("outer.transform", "transform"), ("outer.topk_fraction", "k"), ("outer.lowrank_rank", "rank"))
+SETTINGS += (("outer.name", "outer"),)
 PLAIN = {"outer.fragments": 1, "outer.delay": 0, "outer.merge_alpha": 0.0, "outer.compress": "none"}
 PLAIN |= {"outer.overlap": "none"}
 
@@ -40,7 +42,16 @@ def label(values: dict) -> str:
     parts = [f"P={values['outer.fragments']}", f"tau={values['outer.delay']}"]
     parts.append(f"alpha={values['outer.merge_alpha']}")
     if values["outer.compress"] not in (None, "none"):
-        parts.append(values["outer.compress"] + (" +EF" if values["outer.error_feedback"] else ""))
+        codec = values["outer.compress"]
+        if values.get("outer.transform") not in (None, "none"):  # docs/compression.md, issue 37
+            codec = f"{values['outer.transform']} {codec}"
+        if codec.endswith("topk") and values.get("outer.topk_fraction") not in (None, 0.01):
+            codec += f" {values['outer.topk_fraction']:g}"
+        if codec.endswith("lowrank"):
+            codec += f" r={values['outer.lowrank_rank']}"
+        parts.append(codec + (" +EF" if values["outer.error_feedback"] else ""))
+    if values.get("outer.name") not in (None, "nesterov", "average"):  # a preset: outer=sparseloco
+        parts.append(f"({values['outer.name']})")
     if values["outer.overlap"] not in (None, "none"):  # docs/overlap.md
         parts.append(f"{values['outer.overlap']} outer lr={values['outer.lr']}")
     return " ".join(parts)

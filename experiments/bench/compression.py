@@ -1,18 +1,22 @@
-"""Encode + decode seconds per sync of each codec (hypertrain/diloco/codecs.py) against a round's compute.
+"""Encode + decode seconds per sync of each codec setting against a round's compute (issue 37's target: at
+most 5% of a round at H = 30 for 16 replicas of model=base).
 
 For the default model (ModelConfig(), 133,440 parameters, whose norm weights make ragged blocks) and
-model=base (4,484,352, every tensor a multiple of 128), R = 16 stacked replicas, outer.block 128, top-k at
-its default fraction (1%): the seconds of `encode` of x [16, n] (every replica's payload, as the sync
-encodes them) and of `decode` of those 16 payloads (what a gather's receiver decodes), medians of
-interleaved repeats, beside the compute of one stacked round of H = 5 updates (forward, backward, AdamW)
-of the same 16 replicas at the default workload's global batch (256 windows of 64 tokens: 16 rows per
-replica): measured for the default model; for base one update takes ~20 s on 2 CPU cores, so its round
-is 5 x one measured update (the second of two, the first paying one-time costs). The ratios are printed
-side by side, never asserted (the issue aims at <= 5% of a round). `--sizes` prints the default model's
-payload bytes and their ratio to fp32 only, nothing timed: the machine-independent cells of
-docs/performance.md's table, which experiments/check_docs.py compares.
+model=base (4,484,352, every tensor a multiple of 128), R = 16 stacked replicas: each block codec at
+outer.block 128 (top-k at its default fraction, 1%), SparseLoCo's recipe (`outer=sparseloco`: k 64 of
+4096 in 64 x 64 tiles, two_bit values, 12-bit indices; and its 3% variant, k 128), top-k after the DCT,
+and PowerSGD's low rank at r = 1 and 4. A block codec's seconds are `encode` of x [16, n] (every replica's
+payload, as the sync encodes them, in the tiles' order where it has tiles) and `decode` of those 16
+payloads (what a gather's receiver decodes); low rank's are its whole stage in one process
+(`lowrank_mean(...).wait()`: both factors of all 16, both gathers, the orthogonalization, P Q^T), as
+"encode" with no separate decode. Medians of interleaved repeats, beside one round: H (default 30) x the
+median of single stacked updates (forward, backward, AdamW) of the same 16 replicas at the default
+workload's global batch (256 windows of 64 tokens: 16 rows per replica), after a warm-up update. The
+ratios are printed side by side, never asserted. `--sizes` prints the default model's payload bytes and
+their ratio to fp32 only, nothing timed: the machine-independent cells of docs/performance.md's table,
+which experiments/check_docs.py compares.
 
-    .venv/bin/python experiments/bench/compression.py [--repeats 3] [--sizes]
+    .venv/bin/python experiments/bench/compression.py [--repeats 3] [--H 30] [--sizes]
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ import time
 import torch
 
 from hypertrain.config import InnerConfig, ModelConfig, OuterConfig, PhaseConfig
-from hypertrain.diloco.codecs import CODECS, Blocks, decode, encode, payload_size
+from hypertrain.diloco.codecs import Blocks, decode, encode, payload_size
+from hypertrain.diloco.communication import topk
+from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
+from hypertrain.diloco.tiles import tile_order, to_tiles
+from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.model.shapes import count_params, param_roles, param_shapes
 from hypertrain.model.transformer import forward as model_forward
 from hypertrain.model.transformer import init_params
@@ -66,75 +74,111 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def round_seconds(m: ModelConfig, H: int, rows: int, repeats: int, measured: bool) -> float:
-    """Seconds of H updates: the median of `repeats` measured rounds after a warm-up update, or (not
-    measured) H x the second of two single updates."""
+def round_seconds(m: ModelConfig, H: int, rows: int, repeats: int) -> float:
+    """Seconds of H updates: H x the median of `repeats` single updates after a warm-up one."""
     update = make_update(m, rows)
-    if not measured:
-        update()
-        return H * seconds(update)
     update()
-    return statistics.median(seconds(lambda: [update() for _ in range(H)]) for _ in range(repeats))
+    return H * statistics.median(seconds(update) for _ in range(repeats))
 
 
-def codec_seconds(m: ModelConfig, outer: OuterConfig, repeats: int) -> dict[str, tuple[float, float]]:
-    """Per codec, median (encode, decode) seconds of R rows, codecs interleaved, after one warm-up each."""
-    blocks = Blocks(tuple(math.prod(s) for s in param_shapes(m).values()), outer.block)
-    x = torch.randn(R, blocks.numel, generator=torch.Generator().manual_seed(1)) * 1e-3
-    times: dict[str, list[tuple[float, float]]] = {c: [] for c in CODECS}
+# The settings, each an OuterConfig (the block codecs at block 128; SparseLoCo's at its preset's).
+SPARSELOCO = dict(compress="topk", block=4096, tile=64, topk_values="two_bit", index_bits=12)
+SETTINGS = {
+    **{c: OuterConfig(compress=c) for c in ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0")},
+    "topk": OuterConfig(compress="topk"),
+    "sparseloco": OuterConfig(**SPARSELOCO, topk_fraction=64 / 4096),
+    "sparseloco-3%": OuterConfig(**SPARSELOCO, topk_fraction=128 / 4096),
+    "dct-topk": OuterConfig(compress="topk", transform="dct"),
+    "lowrank-r1": OuterConfig(compress="lowrank", lowrank_rank=1),
+    "lowrank-r4": OuterConfig(compress="lowrank", lowrank_rank=4),
+}
+
+
+def _shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(s) for n, s in param_shapes(m).items()}
+
+
+def payload_bytes(m: ModelConfig, outer: OuterConfig) -> int:
+    """One replica's payload of `outer`'s setting for model `m`."""
+    shapes = _shapes(m)
+    if outer.compress == "lowrank":
+        return Factors.of(shapes, outer.lowrank_rank).payload_bytes
+    blocks = Blocks(tuple(math.prod(s) for s in shapes.values()), outer.block)
+    return payload_size(str(outer.compress), blocks, topk(outer))
+
+
+def stage(m: ModelConfig, outer: OuterConfig, x: torch.Tensor):
+    """The setting's work for x [R, n] as a pair of thunks (encode, decode; low rank: its stage, None)."""
+    shapes = _shapes(m)
+    if outer.compress == "lowrank":
+        factors = Factors.of(shapes, outer.lowrank_rank)
+        theta = {n: torch.zeros(s) for n, s in shapes.items()}
+        q = initial_q(theta, outer.lowrank_rank, 0)
+        active = torch.ones(R, dtype=torch.bool)
+        return (lambda: lowrank_mean(factors, x, None, active, q, ReplicaGroups(R)).wait()), None
+    blocks = Blocks(tuple(math.prod(s) for s in shapes.values()), outer.block)
+    order = tile_order(list(shapes.values()), outer.tile)
+    codec, spec, transform = str(outer.compress), topk(outer), str(outer.transform)
+    held = {}
+
+    def enc():
+        held["payload"] = encode(codec, to_tiles(x, order), blocks, spec, transform)
+
+    def dec():
+        decode(codec, held.pop("payload"), blocks, spec, transform)
+
+    return enc, dec
+
+
+def codec_seconds(m: ModelConfig, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per setting, median (encode, decode) seconds of R rows, settings interleaved, after a warm-up."""
+    n = sum(math.prod(s) for s in _shapes(m).values())
+    x = torch.randn(R, n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
     for repeat in range(repeats + 1):
-        for codec in CODECS:
-            start = time.perf_counter()
-            payload = encode(codec, x, blocks, outer.topk_fraction)
-            middle = time.perf_counter()
-            decode(codec, payload, blocks, outer.topk_fraction)
-            if repeat:  # the first pass builds the index maps and warms the allocator
-                times[codec].append((middle - start, time.perf_counter() - middle))
-            del payload
+        for name, outer in SETTINGS.items():
+            enc, dec = stage(m, outer, x)
+            a = seconds(enc)
+            b = 0.0 if dec is None else seconds(dec)
+            if repeat:  # the first pass builds the index maps and the DCT matrices, warms the allocator
+                times[name].append((a, b))
     return {
         c: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for c, v in times.items()
     }
 
 
-def print_sizes(m: ModelConfig, outer: OuterConfig) -> None:
-    blocks = Blocks(tuple(math.prod(s) for s in param_shapes(m).values()), outer.block)
-    print(
-        f"model {m.name}: {count_params(m):,} parameters, block {outer.block}, "
-        f"topk fraction {outer.topk_fraction}"
-    )
-    print("codec      payload B/replica  x vs fp32")
-    for codec in CODECS:
-        size = payload_size(codec, blocks, outer.topk_fraction)
-        print(f"{codec:<10} {size:>17,}  {4 * blocks.numel / size:9.2f}")
+def print_sizes(m: ModelConfig) -> None:
+    print(f"model {m.name}: {count_params(m):,} parameters")
+    print("codec          payload B/replica  x vs fp32")
+    for name, outer in SETTINGS.items():
+        size = payload_bytes(m, outer)
+        print(f"{name:<14} {size:>17,}  {4 * count_params(m) / size:9.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--H", type=int, default=30, help="the round's inner updates")
     parser.add_argument("--sizes", action="store_true", help="the default model's payload bytes only")
     args = parser.parse_args()
-    outer, H = OuterConfig(), InnerConfig().H
     if args.sizes:
-        print_sizes(MODELS["default"], outer)
+        print_sizes(MODELS["default"])
         return
     keep_freed_memory()  # as the trainer does (hypertrain/run/runtime.py)
     rows = PhaseConfig().global_batch // R
     print(
-        f"R = {R}, block {outer.block}, topk fraction {outer.topk_fraction}, round: H = {H} stacked updates "
-        f"of {R} x {rows} rows x {SEQ} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"R = {R}, round: H = {args.H} x one stacked update of {R} x {rows} rows x {SEQ} tokens; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     for name, m in MODELS.items():
-        measured = name == "default"
-        round_s = round_seconds(m, H, rows, args.repeats, measured)
-        blocks = Blocks(tuple(math.prod(s) for s in param_shapes(m).values()), outer.block)
-        fp32 = 4 * blocks.numel
-        how = "measured" if measured else f"{H} x one measured update"
-        print(f"\nmodel {name}: {count_params(m):,} parameters, round {round_s:.2f} s ({how})")
-        print("codec      payload B/replica  x vs fp32  encode s  decode s  enc+dec s  % of round")
-        for codec, (enc, dec) in codec_seconds(m, outer, args.repeats).items():
-            size = payload_size(codec, blocks, outer.topk_fraction)
+        round_s = round_seconds(m, args.H, rows, args.repeats)
+        fp32 = 4 * count_params(m)
+        print(f"\nmodel {name}: {count_params(m):,} parameters, round {round_s:.2f} s")
+        print("codec          payload B/replica  x vs fp32  encode s  decode s  enc+dec s  % of round")
+        for setting, (enc, dec) in codec_seconds(m, args.repeats).items():
+            size = payload_bytes(m, SETTINGS[setting])
             print(
-                f"{codec:<10} {size:>17,}  {fp32 / size:9.2f}  {enc:8.3f}  {dec:8.3f}  {enc + dec:9.3f}  "
+                f"{setting:<14} {size:>17,}  {fp32 / size:9.2f}  {enc:8.3f}  {dec:8.3f}  {enc + dec:9.3f}  "
                 f"{100 * (enc + dec) / round_s:9.1f}%"
             )
 
