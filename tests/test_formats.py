@@ -28,8 +28,8 @@ NEWER = SCHEMA_VERSION + 1
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_2_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 2
+def test_today_is_schema_3_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 3
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -93,6 +93,7 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
             "churn_late": 0,
             "replica_steps_reached": 0,
             "contributed_sha256": "",
+            "comm_outer_bits": None,  # what each replica sent before it is not in the checkpoint
         },
     }
     if clock:  # the next update starts a round: no replica ahead
@@ -118,8 +119,21 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
-    assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None}
-    assert got["config"]["outer"] == {**outer, "overlap": "none"} and got["schema_version"] == 2
+    totals = {**older["state"]["totals"], "comm_outer_bits": None}
+    assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None, "totals": totals}
+    assert got["config"]["outer"] == {**outer, "overlap": "none"} and got["schema_version"] == 3
+
+
+def test_a_version_2_checkpoint_has_no_running_bits_and_its_config_reads_as_it_is():
+    """Schema 2 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
+    bits but no running total); the config of version 2 is today's."""
+    outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0, "overlap": "eager"}
+    assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": outer}
+    older = {**_older_payload(clock=False), "schema_version": 2}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
+    got = upgrade_checkpoint(older)
+    assert got["state"]["totals"] == {**older["state"]["totals"], "comm_outer_bits": None}
+    assert "comm_outer_bits" not in older["state"]["totals"] and got["schema_version"] == 3
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():
