@@ -232,3 +232,29 @@ def test_a_run_of_today_reads_its_recorded_total(tmp_path):
     syncs = run.of_kind("sync")
     assert source == RECORDED and total == max(syncs[-1].bits_total)
     assert total == sum(round(32 * r.params) for r in syncs) and math.isclose(total / syncs[0].params, 64)
+
+
+REAL = [
+    *QUICK,
+    "logger=none",
+    "world=4",
+    "replicas=4",
+    "inner.H=2",
+    "phase.updates=4",
+    "churn.events=[1:1:miss]",
+]
+
+
+def test_real_processes_record_the_simulations_bits(tmp_path):
+    """fp32 with replica 1 missing round 1: under 2 processes of 2 replicas its flag comes from process 0
+    alone (the sum holds only the count), yet every row names the same replicas as the simulation."""
+    rows = {}
+    for name, extra in (("simulation", []), ("processes", ["processes=dist", "processes.nproc=2"])):
+        done = entry([*REAL, *extra, f"hydra.run.dir={tmp_path / name}"], tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows[name] = [
+            (r["bits_per_param"], r["bits_total"])
+            for r in _syncs(read_metrics(tmp_path / name / "metrics.jsonl"))
+        ]
+    assert rows["processes"] == rows["simulation"]
+    assert rows["simulation"][0][0] == [32.0, None, 32.0, 32.0]
