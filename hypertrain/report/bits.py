@@ -139,7 +139,7 @@ def bits_section(
     runs: list[Run], names: list[str], keys: list[str], flags: list[str], bits: list[dict], out_dir: Path
 ) -> Section:
     """The Pareto table (the front's runs, fewest bits first), a bullet per run left out of it, and the
-    plot (`bits_plot`)."""
+    plot (`bits_plot`; none when no run sent bits)."""
     front = sorted(
         (i for i, b in enumerate(bits) if b["pareto"]),
         key=lambda i: (bits[i]["outer_bits"], bits[i]["heldout_final"]),
@@ -156,9 +156,12 @@ def bits_section(
         for b in bits
         if b["pareto"] is None
     ]
-    plot = bits_plot(runs, names, keys, flags, bits, out_dir)
+    if any(b["outer_bits"] and b["heldout_final"] is not None for b in bits):
+        plots = [bits_plot(runs, names, keys, flags, bits, out_dir)]
+    else:
+        plots, bullets = [], [*bullets, "no plot: no run sent outer bits (R = 1 runs send none)"]
     return Section(
-        "Held-out loss against outer bits (Pareto front)", [PARETO_NOTE], (titles, body), [], bullets, [plot]
+        "Held-out loss against outer bits (Pareto front)", [PARETO_NOTE], (titles, body), [], bullets, plots
     )
 
 
