@@ -13,6 +13,7 @@ import math
 
 import pytest
 from helpers import BASE, QUICK, entry, killed_beside_uninterrupted, resumed, run_losses, small_cfg
+from matplotlib.image import imread
 from omegaconf import OmegaConf
 
 from hypertrain.config import ChurnConfig, OuterConfig
@@ -220,7 +221,9 @@ def test_the_report_lists_the_front_and_leaves_the_beaten_runs_out(tmp_path):
     table = page[page.index("## Held-out loss against outer bits") :].split("\n\n")[2].splitlines()[2:]
     assert [line.split("|")[1].strip() for line in table] == ["a", "old", "b", "c"]  # fewest bits first
     assert not any(name in "".join(table) for name in ("beaten-by-b", "tied-loss-more-bits", "tied-bits"))
-    assert "heldout-bits.png" in [p["file"] for p in record["plots"]]
+    (plot,) = [p for p in record["plots"] if p["file"] == "heldout-bits.png"]
+    assert imread(tmp_path / "out" / plot["file"]).shape[:2] == (plot["height"], plot["width"])
+    assert set(plot["series"]) == {*FRONT, "old", "Pareto front"}  # every run placed, one point each
 
 
 def test_a_run_of_today_reads_its_recorded_total(tmp_path):

@@ -126,9 +126,11 @@ class CodecReducer:
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return result.sent_bytes
 
-    def took_part(self, result: Reduced, stepped: list[bool], groups: Collectives) -> list[bool]:
+    def took_part(self, result: Reduced, stepped: list[bool], groups: Collectives) -> list[bool] | None:
         """Every replica's flag, from the messages' headers (its compression error: None where it did
-        not take part)."""
+        not take part); None for a sync in flight read from a checkpoint that kept no errors."""
+        if result.compress_error is None:
+            return None
         return [error is not None for error in result.compress_error]
 
 
@@ -279,7 +281,8 @@ class FragmentSync:
             outer.compress, outer.reduce, self.cfg.replicas, self.params, communicated.payload_bytes
         )
         took_part = self.reducer.took_part(communicated, stepped, groups)
-        landing.bits = [bits if took else None for took in took_part]
+        if took_part is not None:
+            landing.bits = [bits if took else None for took in took_part]
 
     def _sync_inner(self, inner: list[OptState], stepped: list[bool], groups: Collectives) -> None:
         """The inner state policy on this fragment's parameters of the replicas that `stepped`."""

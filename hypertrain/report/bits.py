@@ -130,7 +130,7 @@ PARETO_NOTE = (
     "The Pareto front of final held-out loss against outer bits per replica: a run is on it when no other "
     "run has a held-out loss as low or lower with as few bits or fewer (and less of one); ordered by bits. "
     "Going down the table each run buys a lower loss with more bits; a run not listed is beaten on both "
-    "by one that is. outer bits: recorded (the run's summary), or summed from its sync rows (a run written "
+    "by one that is. bits from: recorded (the run's summary), or summed from its sync rows (a run written "
     "before the bits, derived from its parameters and payload bytes)."
 )
 
@@ -144,7 +144,7 @@ def bits_section(
         (i for i, b in enumerate(bits) if b["pareto"]),
         key=lambda i: (bits[i]["outer_bits"], bits[i]["heldout_final"]),
     )
-    titles = ["run", "held-out final", "outer bits/replica", "bits/parameter/replica-sync", "outer bits"]
+    titles = ["run", "held-out final", "outer bits/replica", "bits/parameter/replica-sync", "bits from"]
     body = [
         [b["run"], f"{b['heldout_final']:.4f}", f"{b['outer_bits']:,}", _per_param(runs[i]), b["bits_source"]]
         for i in front

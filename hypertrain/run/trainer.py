@@ -81,6 +81,8 @@ def sync_rows(
                 totals.comm_outer_bits = [
                     total + (bits or 0) for total, bits in zip(totals.comm_outer_bits, sync.bits, strict=True)
                 ]
+        elif outer:  # sent, by replicas no record names (an old checkpoint's sync in flight): total unknown
+            totals.comm_outer_bits = None
         row = SyncRow(
             update=count,
             round=rnd.index,
