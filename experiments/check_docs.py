@@ -370,6 +370,24 @@ def clock_study_compression() -> Table:
     return clock_study("compression", compression_study(), settings)
 
 
+def overlap_study() -> Table:
+    """docs/overlap.md's study: experiments/overlap_study.py trains its 24 runs into one folder and
+    prints the clock's replay of them (experiments/clock_study.py's table)."""
+    commands = {"overlap-study": ("script:experiments/overlap_study.py", "{overlap-study-runs}")}
+    plain = "P=1 tau=0 alpha=0.0"
+    settings = [plain, *(f"{plain} {scheme} outer lr={lr}" for scheme, lr in OVERLAP_SETTINGS)]
+    cells: dict[tuple[str, str], Cell] = {}
+    for sweep in (f"r{R}-h{H}" for R in (2, 4) for H in (4, 8, 16)):
+        for setting in settings:
+            key = f"{sweep} | {setting}"
+            cells |= {(key, c): markdown_cell("overlap-study", key, c) for c in CLOCK_COLUMNS}
+    header = "| " + " | ".join(["sweep", "setting", *CLOCK_COLUMNS]) + " |"
+    return Table("overlap-study", "docs/overlap.md", header, commands, cells, key_columns=2, cheap=False)
+
+
+OVERLAP_SETTINGS = (("delayed", "0.7"), ("eager", "0.7"), ("delayed", "0.35"))  # overlap_study.py's runs
+
+
 def compression_sizes() -> Table:
     """docs/performance.md's codec table: its byte counts only (its seconds are timings: MEASURED)."""
     commands = {"compression-sizes": ("script:experiments/bench/compression.py", "--sizes")}
@@ -531,6 +549,7 @@ TABLES = {
         clock_study_streaming(),
         compression_study(),
         clock_study_compression(),
+        overlap_study(),
         compression_sizes(),
         distributed_bytes(),
         performance_dist_bytes(),

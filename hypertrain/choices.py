@@ -76,7 +76,25 @@ class Compressor(Choice):
     fp8_e4m3 = "fp8_e4m3"
     fp8_e5m2 = "fp8_e5m2"
     fp4_e2m1 = "fp4_e2m1"
+    e3m0 = "e3m0"
     topk = "topk"
+
+
+class Transform(Choice):
+    """outer.transform: what each block of a pseudo-gradient becomes before the codec (and after the
+    decoder, inverted): itself, or its orthonormal DCT-II coefficients (hypertrain.diloco.codecs)."""
+
+    none = "none"
+    dct = "dct"
+
+
+class TopkValues(Choice):
+    """outer.topk_values: how top-k's kept values travel (hypertrain.diloco.codecs.TopK)."""
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    int8 = "int8"
+    two_bit = "two_bit"
 
 
 class Reduction(Choice):

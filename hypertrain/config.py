@@ -40,6 +40,8 @@ from hypertrain.choices import (
     RejoinState,
     StatePolicy,
     TokenDtype,
+    TopkValues,
+    Transform,
     WandbMode,
 )
 
@@ -164,6 +166,15 @@ class InnerConfig:
             raise UserError(f"inner.min_lr_ratio={self.min_lr_ratio!r} is out of range; valid: [0, 1]")
 
 
+def topk_kept(fraction: float, length: int) -> int:
+    """Entries top-k keeps of a block of `length` values: ceil(fraction * length), at least 1.
+
+    The product is rounded to 9 decimals before the ceiling, so a fraction written in decimal keeps
+    what it says (0.07 of 100 keeps 7, not the 8 that 0.07's binary excess would give).
+    """
+    return max(1, math.ceil(round(fraction * length, 9)))
+
+
 @dataclass
 class OuterConfig:
     name: str = "nesterov"
@@ -184,9 +195,10 @@ class OuterConfig:
     # (layer i in fragment i mod P, the embeddings in fragment 0, the final norm and head in P-1).
     assignment: list[str] = field(default_factory=list)
     # Compressed pseudo-gradients (docs/compression.md): what each replica sends at a sync. none (fp32,
-    # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1 (one fp32 scale per
-    # block), or topk (the largest-magnitude outer.topk_fraction of each block, fp32 values and int32
-    # indices). Each replica's contribution is its own decoded payload.
+    # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0 (a sign and a power
+    # of two in 4 bits; these with one fp32 scale per block), or topk (the largest-magnitude
+    # outer.topk_fraction of each block, fp32 values and int32 indices). Each replica's contribution is its
+    # own decoded payload.
     compress: Compressor = Compressor.none
     block: int = 128  # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk
     # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
@@ -194,8 +206,21 @@ class OuterConfig:
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
     reduce: Reduction = Reduction.gather
     topk_fraction: float = 0.01  # compress=topk: the fraction of each block sent, in (0, 1]
+    # What each block becomes before the codec: none (itself) or dct (its orthonormal DCT-II coefficients,
+    # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
+    # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
+    transform: Transform = Transform.none
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
+    # SparseLoCo's decay beta of the error buffers (Sarfi et al. 2025; docs/compression.md): a replica
+    # compresses u = beta * e + delta and keeps e <- u - decoded; 1.0 = plain error feedback, in [0, 1].
+    error_decay: float = 1.0
+    # compress=topk: 32 (int32 indices in the vector) or 12 (each index within its block, two in three
+    # bytes; outer.block <= 4096 and an even k of a whole block).
+    index_bits: int = 32
+    # compress=topk: how the kept values travel: fp32, fp16, int8 (one fp32 scale per block) or two_bit
+    # (templar's: per tensor an fp32 shift and four fp32 reconstruction values, then 2 bits a value).
+    topk_values: TopkValues = TopkValues.fp32
     # An outer step overlapping a whole round (docs/overlap.md): none (today's sync), delayed (the
     # reduction started at the end of round t is applied at the end of round t+1, while round t+1
     # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
@@ -218,6 +243,12 @@ class OuterConfig:
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
             )
+        if self.transform != "none" and self.compress == "none":
+            raise UserError(
+                f"outer.transform={self.transform} with outer.compress=none: the fp32 all-reduce sends no "
+                "blocks to transform; valid: a compressor, or outer.transform=none"
+            )
+        self.check_sparseloco()
         if self.overlap != "none" and self.delay:
             raise UserError(
                 f"outer.delay={self.delay} with outer.overlap={self.overlap}: the reduction already overlaps "
@@ -232,6 +263,40 @@ class OuterConfig:
             raise UserError(
                 "outer.compress=topk with outer.reduce=two_phase: top-k payloads cannot be summed shard by "
                 "shard; valid: outer.reduce=gather"
+            )
+
+    def check_sparseloco(self) -> None:
+        """error_decay, index_bits and topk_values (SparseLoCo's pieces)."""
+        if not 0.0 <= self.error_decay <= 1.0:
+            raise UserError(f"outer.error_decay={self.error_decay!r} is out of range; valid: [0, 1]")
+        if self.error_decay != 1.0 and not self.error_feedback:
+            raise UserError(
+                f"outer.error_decay={self.error_decay!r} without error feedback decays no buffer; valid: "
+                "outer.error_feedback=true, or outer.error_decay=1.0"
+            )
+        if self.index_bits not in (32, 12):
+            raise UserError(f"outer.index_bits={self.index_bits!r} is not valid; valid: 32 or 12")
+        if self.compress != "topk" and (self.index_bits != 32 or self.topk_values != "fp32"):
+            raise UserError(
+                f"outer.index_bits={self.index_bits} outer.topk_values={self.topk_values} with "
+                f"outer.compress={self.compress}: they shape top-k's payload only; valid: "
+                "outer.compress=topk, or outer.index_bits=32 outer.topk_values=fp32"
+            )
+        if self.index_bits != 12:
+            return
+        if self.block > 4096:
+            raise UserError(
+                f"outer.index_bits=12 with outer.block={self.block}: 12 bits index a block of at most 4096; "
+                "valid: outer.block <= 4096, or outer.index_bits=32"
+            )
+        k = topk_kept(self.topk_fraction, self.block)
+        if k % 2:
+            even = k + 1 if k < self.block else k - 1
+            raise UserError(
+                f"outer.index_bits=12 with outer.topk_fraction={self.topk_fraction!r} keeps k = {k} of a "
+                f"{self.block}-value block, an odd number (12-bit indices pack two in three bytes); valid: "
+                f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
+                "outer.index_bits=32"
             )
 
 

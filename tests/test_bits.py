@@ -45,6 +45,16 @@ CASES = {  # name: the outer config, and the bits of one replica's contribution 
         OuterConfig(compress="int8"),
         lambda sizes, R, block: 8 * (codecs.payload_size("int8", codecs.Blocks(sizes, block)) + HEADER_BYTES),
     ),
+    "topk-12-bit-two-bit": (  # SparseLoCo's packing: the bits follow the payload the codec packs
+        OuterConfig(compress="topk", topk_fraction=0.0625, index_bits=12, topk_values="two_bit"),
+        lambda sizes, R, block: (
+            8
+            * (
+                codecs.payload_size("topk", codecs.Blocks(sizes, block), codecs.TopK(0.0625, 12, "two_bit"))
+                + HEADER_BYTES
+            )
+        ),
+    ),
     "fp4-two-phase": (  # one message per shard, each its own header
         OuterConfig(compress="fp4_e2m1", reduce="two_phase"),
         lambda sizes, R, block: (

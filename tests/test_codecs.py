@@ -1,6 +1,8 @@
 """The pseudo-gradient codecs (hypertrain/diloco/codecs.py) against float64 references written here from each
 format's definition, never by calling the code under test: exact codes and values on hand-picked inputs,
-exact bytes and the grid's error bound on random ones, top-k's tie rule, payload sizes, shards."""
+exact bytes and the grid's error bound on random ones, top-k's tie rule, payload sizes, shards; the DCT
+transform against a float64 matrix DCT-II written here. A deliberately broken variant (a wrong e3m0 bias, an
+unnormalized DCT) is shown to fail the same checks."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import CODECS, Blocks, decode, encode, payload_size, topk_kept
 
-QUANTIZERS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+QUANTIZERS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0")
 EPS = 2.0**-24  # fp32's unit roundoff: |fl(a op b) - a op b| <= EPS * |a op b| for normal results
 
 
@@ -40,13 +43,20 @@ def grid(exponent_bits: int, mantissa_bits: int, bias: int, reserved: int) -> np
     return np.array(values[: len(values) - reserved])
 
 
+def e3m0_grid(bias: int = 7) -> np.ndarray:
+    """e3m0's magnitudes by code (the sign apart): code 0 is zero, code e >= 1 is 2^(e - bias)."""
+    return np.array([0.0] + [2.0 ** (e - bias) for e in range(1, 8)])
+
+
 # format: (values by index, mantissa bits, smallest normal exponent, code bits)
 FORMATS = {
     "fp8_e4m3": (grid(4, 3, 7, reserved=1), 3, -6, 8),  # e4m3fn: only S.1111.111 is NaN, no infinity
     "fp8_e5m2": (grid(5, 2, 15, reserved=4), 2, -14, 8),  # e5m2: exponent 11111 is inf / NaN
     "fp4_e2m1": (grid(2, 1, 1, reserved=0), 1, 0, 4),
+    # no mantissa: in [2^e, 2^(e+1)) the spacing is 2^e; below 2^-6 (the least power) it is 2^-6, to zero
+    "e3m0": (e3m0_grid(), 0, -6, 4),
 }
-LARGEST = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "fp4_e2m1": 6.0}
+LARGEST = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "fp4_e2m1": 6.0, "e3m0": 1.0}
 
 
 def round_to_grid(y: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -281,6 +291,74 @@ def test_fp4_e2m1_eight_magnitudes_ties_to_even_and_nibble_order():
     assert_matches_reference("fp4_e2m1", values)
 
 
+def check_e3m0_value_set_rounding_zero_and_sign():
+    """e3m0's chosen definition on hand-picked values (codecs.py: code 0 is zero, code e is 2^(e - 7), the
+    scale amax / 1, nearest in the linear domain, ties to the even code, the sign bit kept)."""
+    magnitudes = [0.0] + [2.0 ** (e - 7) for e in range(1, 8)]  # 0, 1/64, 1/32, ..., 1/2, 1
+    ties = [2.0**-7] + [0.75 * 2.0 ** (e - 7) for e in range(2, 8)]  # halfway: 1/128, 3/128, ..., 3/4
+    tie_codes = [0, 2, 2, 4, 4, 6, 6]  # to the even code
+    # Linear, not logarithmic: 0.72 lies above 2^-0.5 (the geometric midpoint of 1/2 and 1) but below 3/4,
+    # so it goes to 1/2; 0.76 to 1; 0.01 (above 1/128) to 1/64; 0.007 (below) to zero, -0.005 to -0.
+    chosen = [0.72, 0.76, 0.01, 0.007, -0.005, -0.0]
+    chosen_codes = [6, 7, 1, 0, 8, 8]
+    chosen_decoded = [0.5, 1.0, 2.0**-6, 0.0, -0.0, -0.0]
+    # amax 1: scale exactly 1, so the values are the grid's own.
+    values = magnitudes + [-m for m in magnitudes[1:]] + ties + chosen
+    codes = list(range(8)) + [8 + e for e in range(1, 8)] + tie_codes + chosen_codes
+    decoded_values = (
+        magnitudes + [-m for m in magnitudes[1:]] + [magnitudes[c] for c in tie_codes] + chosen_decoded
+    )
+    payload, decoded = roundtrip("e3m0", values)
+    assert payload[:4].tobytes() == raw(1.0, np.float32)
+    padded = codes + [0] * (len(codes) % 2)  # element 2i in the low nibble, 2i + 1 in the high one
+    np.testing.assert_array_equal(
+        payload[4:], [lo | hi << 4 for lo, hi in zip(padded[0::2], padded[1::2], strict=True)]
+    )
+    np.testing.assert_array_equal(decoded, decoded_values)
+    assert list(np.signbit(decoded[-2:])) == [True, True]  # -0.005 and -0.0 come back as -0.0
+    # amax 3: scale 3; 2.25 / 3 = 3/4 exactly, a tie to 1/2 (code 6); 0.75 / 3 = 1/4 (code 5).
+    payload, decoded = roundtrip("e3m0", [3.0, -1.5, 2.25, 0.75, 0.0])
+    assert payload[:4].tobytes() == raw(3.0, np.float32)
+    np.testing.assert_array_equal(payload[4:], [7 | (8 + 6) << 4, 6 | 5 << 4, 0])
+    np.testing.assert_array_equal(decoded, [3.0, -1.5, 1.5, 0.75, 0.0])
+    assert_matches_reference("e3m0", values)
+
+
+def test_e3m0_value_set_nearest_linear_rounding_ties_zero_sign_and_nibble_order():
+    check_e3m0_value_set_rounding_zero_and_sign()
+
+
+def _midpoints(grid_values, middle) -> tuple:
+    return tuple(
+        (middle(a, b), i % 2 == 1)
+        for i, (a, b) in enumerate(zip(grid_values[:-1], grid_values[1:], strict=True))
+    )
+
+
+E3M0_BROKEN = {  # deliberately broken variants of the codec: each must fail the hand-picked check
+    # exponent bias 6 (magnitudes up to 2, scale amax / 2): the codes agree, the scale bytes do not
+    "bias-6": tuple(e3m0_grid(bias=6)),
+    # no zero code: code 0 is 2^-7, so nothing rounds to zero
+    "no-zero": (2.0**-7,) + tuple(e3m0_grid()[1:]),
+    # nearest in the log domain: a tie at the geometric midpoint (0.72 would go to 1)
+    "log-rounding": "log",
+}
+
+
+@pytest.mark.parametrize("variant", list(E3M0_BROKEN))
+def test_a_broken_e3m0_variant_fails_the_check(monkeypatch, variant):
+    broken = E3M0_BROKEN[variant]
+    if broken == "log":
+        grid_values = codecs._E3M0
+        middle = lambda a, b: math.sqrt(a * b) if a > 0 else b / 2  # noqa: E731
+    else:
+        grid_values, middle = broken, lambda a, b: (a + b) / 2  # noqa: E731
+    monkeypatch.setattr(codecs, "_E3M0", grid_values)
+    monkeypatch.setattr(codecs, "_E3M0_MIDPOINTS", _midpoints(grid_values, middle))
+    with pytest.raises(AssertionError):
+        check_e3m0_value_set_rounding_zero_and_sign()
+
+
 @pytest.mark.parametrize("codec", QUANTIZERS)
 def test_all_zero_block_encodes_to_zero_bytes_and_decodes_to_zeros(codec):
     x = torch.zeros(2, 64 + 50)
@@ -397,6 +475,7 @@ def expected_size(codec, sizes, block, fraction) -> int:
         "fp8_e4m3": n + 4 * count,
         "fp8_e5m2": n + 4 * count,
         "fp4_e2m1": sum(math.ceil(length / 2) for length in lengths) + 4 * count,  # packed per block
+        "e3m0": sum(math.ceil(length / 2) for length in lengths) + 4 * count,  # as fp4_e2m1
         "topk": 8 * sum(max(1, math.ceil(round(fraction * length, 9))) for length in lengths),
     }[codec]
 
@@ -420,6 +499,7 @@ def test_compression_ratios_against_fp32():
     assert fp32 / payload_size("fp8_e4m3", blocks) == 512 / 132
     assert fp32 / payload_size("uint8", blocks) == 512 / 136  # 3.76 >= 3.5
     assert fp32 / payload_size("fp4_e2m1", blocks) == 512 / 68  # 7.53 >= 7
+    assert fp32 / payload_size("e3m0", blocks) == 512 / 68
     assert min(512 / 132, 512 / 136) >= 3.5 and 512 / 68 >= 7
     # Top-k sends 8 bytes per kept entry: block / (2 ceil(f block)). At f = 1% of 128, ceil keeps 2,
     # so 32x, not 1 / (2f) = 50x; 1 / (2f) holds exactly when f * block is whole (f = 1/128: 64x).
@@ -503,3 +583,167 @@ def test_bad_arguments_are_refused_in_one_line():
         encode("int8", x.double(), blocks)
     with pytest.raises(ValueError, match=r"valid: uint8 \[R, 22\]"):
         decode("int8", torch.zeros(1, 21, dtype=torch.uint8), blocks)
+
+
+# --- the DCT transform (outer.transform=dct) ----------------------------------------------------------
+
+DCT_SIZES, DCT_BLOCK = (300, 128, 77, 5, 1), 64  # ragged last blocks: 44, 13, 5, 1 (each its own length)
+
+
+def dct_matrix64(length: int) -> np.ndarray:
+    """The orthonormal DCT-II from its definition, float64: X_k = s_k sum_j x_j cos(pi (2j + 1) k / (2N)),
+    s_0 = sqrt(1/N), s_k = sqrt(2/N)."""
+    j = np.arange(length)
+    k = j[:, None]
+    s = np.where(k == 0, math.sqrt(1 / length), math.sqrt(2 / length))
+    return s * np.cos(math.pi * (2 * j[None, :] + 1) * k / (2 * length))
+
+
+def dct_reference(x: np.ndarray, sizes, block) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of fp32 values [R, n] (as float64) -> (their blocks' float64 DCT-II coefficients, per coefficient
+    the largest error an fp32 evaluation may make).
+
+    Bound: the code multiplies by the matrix rounded to fp32 (each entry within EPS of D's) and sums L
+    products in fp32 in any order (with or without fused multiply-adds): |error| <= (gamma_L (1 + EPS) +
+    EPS) sum_j |D_kj x_j| <= (L + 1) EPS sum_j |D_kj x_j| (1 + 2^-10), gamma_L = L EPS / (1 - L EPS)."""
+    coefficients, bound = np.zeros_like(x), np.zeros_like(x)
+    for a, b in block_slices(sizes, block):
+        matrix = dct_matrix64(b - a)
+        coefficients[:, a:b] = x[:, a:b] @ matrix.T
+        bound[:, a:b] = (b - a + 1) * EPS * (np.abs(x[:, a:b]) @ np.abs(matrix).T) * (1 + 2.0**-10)
+    return coefficients, bound
+
+
+def dct_check(x: torch.Tensor, sizes, block) -> tuple[float, float]:
+    """(the largest coefficient error over its bound, the largest per-block round-trip error
+    ||inverse(forward(x)) - x|| over its bound) of the code under test.
+
+    Round-trip bound per block of L: the forward error e1 has ||e1|| <= (L + 1) EPS || |D| |x| || <=
+    (L + 1) EPS ||D||_F ||x|| = (L + 1) EPS sqrt(L) ||x|| (orthonormal D: ||D||_F = sqrt(L)); the inverse
+    maps it unchanged in norm and adds its own (L + 1) EPS sqrt(L) ||y'||, ||y'|| <= ||x|| + ||e1||: in
+    all 2 (L + 1) EPS sqrt(L) ||x|| (1 + 2^-10)."""
+    blocks = Blocks(sizes, block)
+    forward = codecs._dct(x, blocks, inverse=False).double().numpy()
+    back = codecs._dct(codecs._dct(x, blocks, inverse=False), blocks, inverse=True).double().numpy()
+    x64 = x.double().numpy()
+    want, bound = dct_reference(x64, sizes, block)
+    coefficient = float((np.abs(forward - want) / np.maximum(bound, 1e-300)).max())
+    trip = 0.0
+    for a, b in block_slices(sizes, block):
+        length = b - a
+        allowed = 2 * (length + 1) * EPS * math.sqrt(length) * np.linalg.norm(x64[:, a:b], axis=1)
+        error = np.linalg.norm(back[:, a:b] - x64[:, a:b], axis=1)
+        trip = max(trip, float((error / np.maximum(allowed * (1 + 2.0**-10), 1e-300)).max()))
+    return coefficient, trip
+
+
+def test_dct_equals_the_float64_matrix_dct_ii_and_inverts_within_the_fp32_bound():
+    x = wide_range_values(3, DCT_SIZES, DCT_BLOCK, seed=7)
+    coefficient, trip = dct_check(x, DCT_SIZES, DCT_BLOCK)
+    print(f"coefficient error {coefficient:.3g} of its bound, round trip {trip:.3g} of its bound")
+    assert coefficient <= 1 and trip <= 1
+    # a block of one value is itself; the DC coefficient of a constant block of L is sqrt(L) times it
+    blocks = Blocks((64, 1), 64)
+    y = codecs._dct(torch.tensor([[2.0] * 64 + [-3.0]]), blocks, inverse=False)[0]
+    assert y[64] == -3.0 and abs(y[0].item() - 16.0) <= 65 * EPS * 16 and y[1:64].abs().max() <= 65 * EPS * 16
+
+
+def unnormalized_dct_matrix(length: int, device: torch.device) -> torch.Tensor:
+    """A common mistake: the DCT-II without its orthonormal scaling (2 sum_j x_j cos(...), scipy's
+    norm=None), whose transpose is not its inverse."""
+    j = torch.arange(length, dtype=torch.float64)
+    return (2 * torch.cos(math.pi * (2 * j[None, :] + 1) * j[:, None] / (2 * length))).float().to(device)
+
+
+def sqrt2_dc_dct_matrix(length: int, device: torch.device) -> torch.Tensor:
+    """Another: every row scaled by sqrt(2/N), s_0 included (the DC row is sqrt(2) too large)."""
+    j = torch.arange(length, dtype=torch.float64)
+    matrix = math.sqrt(2 / length) * torch.cos(math.pi * (2 * j[None, :] + 1) * j[:, None] / (2 * length))
+    return matrix.float().to(device)
+
+
+@pytest.mark.parametrize("broken", [unnormalized_dct_matrix, sqrt2_dc_dct_matrix])
+def test_a_broken_dct_fails_both_checks(monkeypatch, broken):
+    monkeypatch.setattr(codecs, "_dct_matrix", broken)
+    x = wide_range_values(2, DCT_SIZES, DCT_BLOCK, seed=8)
+    coefficient, trip = dct_check(x, DCT_SIZES, DCT_BLOCK)
+    assert coefficient > 1 and trip > 1, (coefficient, trip)
+
+
+def test_topk_after_the_dct_keeps_the_largest_frequency_components():
+    # One block of 64: 2 x basis 3 - 1 x basis 10 (+ a small ripple): top-2 keeps frequencies 3 then 10.
+    basis = dct_matrix64(64)
+    signal = 2 * basis[3] - basis[10] + 1e-3 * np.sin(np.arange(64))
+    x = torch.tensor(signal[None], dtype=torch.float32)
+    blocks = Blocks((64,), 64)
+    payload = encode("topk", x, blocks, 2 / 64, "dct")
+    (values,), (indices,) = parse_topk(payload[0].numpy(), [2])
+    np.testing.assert_array_equal(indices, [3, 10])
+    want, bound = dct_reference(x.double().numpy(), (64,), 64)
+    assert (np.abs(values - want[0, [3, 10]]) <= bound[0, [3, 10]]).all()
+    # Random blocks: the kept indices are the reference's k largest |X_k| (by magnitude, then index),
+    # wherever the k-th and (k+1)-th magnitudes are further apart than their bounds allow a swap.
+    fraction = 0.1
+    x = wide_range_values(3, DCT_SIZES, DCT_BLOCK, seed=9)
+    payload = encode("topk", x, Blocks(DCT_SIZES, DCT_BLOCK), fraction, "dct")
+    want, bound = dct_reference(x.double().numpy(), DCT_SIZES, DCT_BLOCK)
+    slices = block_slices(DCT_SIZES, DCT_BLOCK)
+    kept = [max(1, math.ceil(round(fraction * (b - a), 9))) for a, b in slices]
+    compared = 0
+    for row in range(3):
+        values, indices = parse_topk(payload[row].numpy(), kept)
+        for (a, b), k, v, i in zip(slices, kept, values, indices, strict=True):
+            order = sorted(range(a, b), key=lambda j: (-abs(want[row, j]), j))
+            if k < b - a:
+                gap = abs(want[row, order[k - 1]]) - abs(want[row, order[k]])
+                if gap <= bound[row, order[k - 1]] + bound[row, order[k]]:
+                    continue  # within rounding of a swap: not decided by the reference
+            assert sorted(i.tolist()) == sorted(order[:k]), (row, a)
+            assert (np.abs(v - want[row, i]) <= bound[row, i]).all(), (row, a)
+            compared += 1
+    assert compared >= 0.9 * 3 * len(slices), compared
+    # decoded: the inverse of the kept coefficients (zeros elsewhere), within the inverse's bound
+    decoded = decode("topk", payload, Blocks(DCT_SIZES, DCT_BLOCK), fraction, "dct").double().numpy()
+    sparse = decode("topk", payload, Blocks(DCT_SIZES, DCT_BLOCK), fraction).double().numpy()
+    for a, b in slices:
+        matrix = dct_matrix64(b - a)
+        back = sparse[:, a:b] @ matrix  # x = D^T X, as rows
+        allowed = (b - a + 1) * EPS * (np.abs(sparse[:, a:b]) @ np.abs(matrix)) * (1 + 2.0**-10)
+        assert (np.abs(decoded[:, a:b] - back) <= allowed).all(), a
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_dct_wraps_every_codec_with_its_bytes_and_rows_unchanged(codec):
+    """transform=dct is the codec applied to the blocks' coefficients and the inverse applied to what it
+    decodes, exactly; the payload size is the codec's; a row's bytes do not depend on the rows beside it
+    (each process encodes its own replicas: the simulation's bytes). transform=none is the codec alone."""
+    blocks = Blocks(DCT_SIZES, DCT_BLOCK)
+    x = wide_range_values(4, DCT_SIZES, DCT_BLOCK, seed=10)
+    payload = encode(codec, x, blocks, 0.05, "dct")
+    coefficients = codecs._dct(x, blocks, inverse=False)
+    assert torch.equal(payload, encode(codec, coefficients, blocks, 0.05))
+    assert payload.shape == (4, payload_size(codec, blocks, 0.05))
+    decoded = decode(codec, payload, blocks, 0.05, "dct")
+    assert torch.equal(decoded, codecs._dct(decode(codec, payload, blocks, 0.05), blocks, inverse=True))
+    for row in range(4):
+        assert torch.equal(encode(codec, x[row : row + 1], blocks, 0.05, "dct"), payload[row : row + 1])
+        assert torch.equal(decode(codec, payload[row : row + 1], blocks, 0.05, "dct"), decoded[row : row + 1])
+    assert torch.equal(encode(codec, x, blocks, 0.05, "none"), encode(codec, x, blocks, 0.05))
+    with pytest.raises(ValueError, match="transform='fft' is not valid; valid: none, dct"):
+        encode(codec, x, blocks, 0.05, "fft")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_dct_is_within_the_float64_bound_and_its_rows_are_independent():
+    """On a GPU the products round in another order than on the CPU (so no bitwise claim across devices),
+    within the same bound; a row's bytes still do not depend on the rows beside it (one product per row)."""
+    blocks = Blocks(DCT_SIZES, DCT_BLOCK)
+    x = wide_range_values(3, DCT_SIZES, DCT_BLOCK, seed=11)
+    want, bound = dct_reference(x.double().numpy(), DCT_SIZES, DCT_BLOCK)
+    forward = codecs._dct(x.cuda(), blocks, inverse=False).cpu().double().numpy()
+    assert (np.abs(forward - want) <= bound).all()
+    payload = encode("topk", x.cuda(), blocks, 0.1, "dct")
+    for row in range(3):
+        assert torch.equal(
+            encode("topk", x[row : row + 1].cuda(), blocks, 0.1, "dct"), payload[row : row + 1]
+        )

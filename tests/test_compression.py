@@ -36,7 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,7 +69,7 @@ from references import U32
 from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, WorldConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean
+from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.failures import NonFiniteError, RankFailed
@@ -78,7 +78,7 @@ from hypertrain.rundir.checkpoint import seal
 from hypertrain.rundir.records import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-QUANTIZERS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+QUANTIZERS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0")
 
 
 # -- the stage in one process, and what it hands to the collectives ---------------------------------------
@@ -103,8 +103,22 @@ class Spy(ReplicaGroups):
         return super().start_exchange_shards(local)
 
 
-def outer_cfg(codec: str, reduce: str = "gather", block: int = 4, fraction: float = 0.5, ef: bool = False):
-    return OuterConfig(compress=codec, reduce=reduce, block=block, topk_fraction=fraction, error_feedback=ef)
+def outer_cfg(
+    codec: str,
+    reduce: str = "gather",
+    block: int = 4,
+    fraction: float = 0.5,
+    ef: bool = False,
+    transform: str = "none",
+):
+    return OuterConfig(
+        compress=codec,
+        reduce=reduce,
+        block=block,
+        topk_fraction=fraction,
+        error_feedback=ef,
+        transform=transform,
+    )
 
 
 def block_lengths(blocks: Blocks) -> list[int]:
@@ -281,19 +295,24 @@ def test_a_replica_that_did_not_step_keeps_its_buffer_and_is_left_out(codec):
     assert error[1] is None and all(e > 0 for e in (error[0], error[2]))
 
 
-CODEC_REDUCTIONS = [(c, r) for c in QUANTIZERS for r in ("gather", "two_phase")] + [("topk", "gather")]
+CODEC_REDUCTIONS = [(c, r, "none") for c in QUANTIZERS for r in ("gather", "two_phase")] + [
+    ("topk", "gather", "none"),
+    ("topk", "gather", "dct"),
+    ("e3m0", "two_phase", "dct"),
+]
 
 
-@pytest.mark.parametrize("codec,reduce", CODEC_REDUCTIONS)
-def test_an_all_zero_pseudo_gradient_gives_zeros(codec, reduce):
-    """Every compressor and reduction, R = 2, error feedback on with zero buffers, pseudo-gradients all
-    zero: the mean is zeros (no NaN from a zero scale), the buffers stay zero, both compression errors
-    are 0 and, for the quantizers, every byte sent is zero (an all-zero block encodes to zeros)."""
+@pytest.mark.parametrize("codec,reduce,transform", CODEC_REDUCTIONS)
+def test_an_all_zero_pseudo_gradient_gives_zeros(codec, reduce, transform):
+    """Every compressor and reduction (and the DCT before top-k and e3m0), R = 2, error feedback on with
+    zero buffers, pseudo-gradients all zero: the mean is zeros (no NaN from a zero scale), the buffers
+    stay zero, both compression errors are 0 and, for the quantizers, every byte sent is zero (an
+    all-zero block encodes to zeros)."""
     R = 2
     errors = torch.zeros(R, TINY.numel)
     spy = Spy(R)
     result = compressed_mean(
-        outer_cfg(codec, reduce, ef=True),
+        outer_cfg(codec, reduce, ef=True, transform=transform),
         torch.zeros(R, TINY.numel),
         errors,
         torch.tensor([True] * R),
@@ -372,16 +391,22 @@ class StageCase:
     reduce: str
     ef: bool
     active: tuple[bool, ...]
+    transform: str = "none"
+    sparseloco: bool = False  # top-k's SparseLoCo settings: two_bit values, 12-bit indices, decay 0.9
 
     @property
     def name(self) -> str:
         stepped = "".join("T" if a else "F" for a in self.active)
         where = f"{self.layout}-w{self.world}-r{self.replicas}"
-        return f"{where}-{self.codec}-{self.reduce}-ef{int(self.ef)}-{stepped}"
+        extra = "-sparseloco" if self.sparseloco else ""
+        return f"{where}-{self.codec}-{self.transform}-{self.reduce}-ef{int(self.ef)}-{stepped}{extra}"
 
     @property
     def outer(self) -> OuterConfig:
-        return outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef)
+        outer = outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef, self.transform)
+        if self.sparseloco:  # k = 4 of a whole block of 32 (even); ragged ones keep 1 or 2
+            outer = replace(outer, error_decay=0.9, index_bits=12, topk_values="two_bit")
+        return outer
 
 
 def _cases(layout: str, world: int, R: int) -> list[StageCase]:
@@ -395,12 +420,19 @@ def _cases(layout: str, world: int, R: int) -> list[StageCase]:
         StageCase(layout, world, R, "topk", "gather", True, every),
         StageCase(layout, world, R, "uint8", "gather", True, some),  # a minimum and a scale per block
         StageCase(layout, world, R, "fp8_e4m3", "two_phase", False, every),  # float8 sent as bytes
+        StageCase(layout, world, R, "e3m0", "two_phase", True, some),
+        StageCase(layout, world, R, "topk", "gather", True, every, "dct"),  # DeMo's chunked DCT, top-k
+        StageCase(
+            layout, world, R, "fp4_e2m1", "two_phase", False, some, "dct"
+        ),  # shard means re-transformed
     ]
 
 
 STAGE_CASES = {
-    # P = 2: one replica per process; two stacked replicas per process
-    2: _cases("replicas", 2, 2) + _cases("replicas", 4, 4),
+    # P = 2: one replica per process; two stacked replicas per process; SparseLoCo's top-k once (issue 37)
+    2: _cases("replicas", 2, 2)
+    + _cases("replicas", 4, 4)
+    + [StageCase("replicas", 2, 2, "topk", "gather", True, (True, True), sparseloco=True)],
     # P = 4: one replica per process; the benchmark layout W = 4, R = 2 (L = 2: each of a replica's two
     # ranks exchanges the whole payload in its own cross-replica group)
     4: _cases("replicas", 4, 4) + _cases("benchmark", 4, 2),
@@ -481,7 +513,8 @@ def test_the_stage_on_real_processes_equals_the_simulation_bitwise(tmp_path, wor
     generator; ragged blocks of 32 in tensors of 300, 64, 1000 and 7, so two_phase's shards are uneven;
     a replica that did not step in some cases; error feedback in some) and the simulation
     (`ReplicaGroups`, all replicas here) runs it on all rows. For int8 and fp4_e2m1 with gather and
-    two_phase, top-k with gather, uint8 with gather and fp8_e4m3 with two_phase, under the replicas
+    two_phase, top-k with gather, uint8 with gather, fp8_e4m3 and e3m0 with two_phase, top-k with gather and
+    fp4_e2m1 with two_phase after the DCT (outer.transform=dct), under the replicas
     layout (P = 2: R = 2 and R = 4 with two replicas per process; P = 4: R = 4) and the benchmark
     layout W = 4, R = 2 (L = 2): every rank's decoded mean,
     count, figures (per-replica compression errors, payload bytes, the formula's bytes) and error
@@ -524,6 +557,7 @@ def test_the_stage_on_real_processes_equals_the_simulation_bitwise(tmp_path, wor
             if case.ef:
                 assert torch.equal(bits(have["errors"]), bits(want["errors"][mine])), where
             b = want["figures"]["payload_bytes"]
+            assert b == codecs.payload_size(case.codec, STAGE_BLOCKS, topk(case.outer)), where
             if case.reduce == "gather":
                 handed = len(mine) * (HEADER_BYTES + b)
             else:
@@ -607,6 +641,31 @@ def test_stacked_and_loop_flip_int8_codes_only_where_their_pseudo_gradients_stra
     )
 
 
+ENGINE_CASES = {
+    "e3m0": outer_cfg("e3m0", block=32),
+    "dct-topk-ef": outer_cfg("topk", block=32, fraction=0.125, ef=True, transform="dct"),
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINE_CASES))
+def test_loop_and_stacked_are_bitwise_equal_with_e3m0_and_the_dct(name):
+    """Invariant 6 with e3m0 and with the DCT before top-k (error feedback on): small_cfg's fixed windows
+    give both engines bitwise-equal pseudo-gradients (see the int8 test above), and the compressed sync is
+    the same function on the same numbers, so the loop and the stacked engine end equal, == (3 syncs of
+    R = 2); not vacuously: the run ends on other weights than the uncompressed one."""
+    cfg = small_cfg(outer=ENGINE_CASES[name], phase=replace_updates(6))
+    looped, looped_theta = run_rounds(cfg, loop.train_replicas)
+    stacked_losses, stacked_theta = run_rounds(cfg, stacked.train_replicas)
+    assert looped == stacked_losses
+    assert all(torch.equal(looped_theta[k], stacked_theta[k]) for k in looped_theta)
+    _, plain = run_rounds(small_cfg(phase=replace_updates(6)), loop.train_replicas)
+    assert any(not torch.equal(plain[k], looped_theta[k]) for k in plain)
+
+
+def replace_updates(updates: int) -> PhaseConfig:
+    return PhaseConfig(name="t", kind="strong", offset=0, global_batch=24, updates=updates, timing_warmup=0)
+
+
 # Whole runs, real processes against the simulation, through the entry. W = R = 2 under the benchmark
 # layout: one replica per process, L = 1 (each rank trains its replica's whole share, `world` = 1 in the
 # channel weights, as the simulation does); the loop engine in both computes a replica with the same
@@ -616,7 +675,23 @@ def test_stacked_and_loop_flip_int8_codes_only_where_their_pseudo_gradients_stra
 WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2"]
 WHOLE_CASES = {
     "fp4-gather": ["outer.compress=fp4_e2m1"],
+    # SparseLoCo's pieces (issue 37): k = 8 of a block of 128, two_bit values, 12-bit indices, decay 0.9
+    "topk-sparseloco": [
+        "outer.compress=topk",
+        "outer.topk_fraction=0.0625",
+        "outer.error_feedback=true",
+        "outer.error_decay=0.9",
+        "outer.index_bits=12",
+        "outer.topk_values=two_bit",
+    ],
     "fp4-two_phase": ["outer.compress=fp4_e2m1", "outer.reduce=two_phase"],
+    "e3m0-gather": ["outer.compress=e3m0"],
+    "dct-topk-ef": [
+        "outer.compress=topk",
+        "outer.transform=dct",
+        "outer.topk_fraction=0.05",
+        "outer.error_feedback=true",
+    ],
     # fragments: H = 4, P = 2 (a fragment every 2 updates), taken one update early (in flight meanwhile)
     "int8-fragments2-delay1": [
         "outer.compress=int8",
@@ -643,7 +718,9 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     pseudo-gradient through the same stages, the gather in flight over the delayed update).
 
     The bytes the gather handed to the collective at a sync (`comm_measured_outer_bytes`, without
-    fragments: one exchange per row) are the compressed message, its 8 header bytes and the payload."""
+    fragments: one exchange per row) are the compressed message, its 8 header bytes and the payload, and
+    that payload is the formats' count for the model's tensors (`payload_formula`; the DCT changes no
+    byte)."""
     extra = WHOLE_CASES[name]
     runs = {"sim": [*WHOLE, *extra], "dist": [*WHOLE, *extra, "processes=dist"]}
     procs = {k: start_entry([*args, f"hydra.run.dir={tmp_path / k}"], tmp_path) for k, args in runs.items()}
@@ -657,8 +734,18 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
     syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
     assert syncs and all(r["payload_bytes"] > 0 and len(r["compress_error"]) == 2 for r in syncs)
+    outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
+    weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=False)
+    blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
+    spec = codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+    assert all(r["payload_bytes"] == codecs.payload_size(str(outer.compress), blocks, spec) for r in syncs)
     if "outer.reduce=two_phase" not in extra:
         assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
+    outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
+    weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=True)
+    blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
+    b = payload_formula(outer.compress, blocks, outer.topk_fraction)
+    assert all(r["payload_bytes"] == b for r in syncs), (b, syncs)
 
 
 # -- 5. killed mid-round with error buffers, resumed: bit-identical ---------------------------------------
@@ -679,6 +766,8 @@ KILL_RUN = [
 KILL_ENGINES = {
     "stacked": ([], "0:4:kill:after", KILLED),
     "dist": (["processes=dist", "world=2", "replicas=2"], "1:4:kill:after", RankFailed.exit_code),
+    # DeMo's chunked DCT before the top-k: the buffers hold what was not sent, in the parameter domain
+    "stacked-dct": (["outer.transform=dct"], "0:4:kill:after", KILLED),
 }
 
 
@@ -688,10 +777,11 @@ def buffers(path: Path) -> list[dict]:
 
 # The quick loop's case is the stacked one: a killed rank of real processes resumes in test_dist.py and
 # test_streaming_engines.py, and the buffers' checkpoint is the same object on every engine.
-@pytest.mark.parametrize("engine", ["stacked", pytest.param("dist", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("engine", ["stacked", pytest.param("dist", marks=pytest.mark.slow), "stacked-dct"])
 def test_killed_with_error_buffers_resumes_bit_identically(tmp_path, engine):
     """Invariant 9 with error feedback: top-k (5%) with error feedback, SIGKILL after update 4's inner
-    step (under processes=dist rank 1 dies and the run fails); the newest checkpoint is the mid-round one
+    step (under processes=dist rank 1 dies and the run fails; stacked-dct: the top-k of each block's DCT
+    coefficients, outer.transform=dct); the newest checkpoint is the mid-round one
     at 3, whose `state['errors']` holds every replica's non-zero buffer (what the sync at 2 did not
     send). `resume=true` goes on from it and equals an uninterrupted run exactly (`assert_identical_but`:
     update rows, sync rows with their payload bytes and compression errors, held-out losses, summary,
@@ -741,23 +831,25 @@ def fp32_ring_bytes(params: int, n: int) -> float:
 
 def payload_formula(codec: str, blocks: Blocks, fraction: float) -> int:
     """One replica's payload from the formats' definitions (docs/compression.md): int8 one byte per value
-    and an fp32 scale per block; fp4_e2m1 two values per byte, packed per block, and a scale; top-k an
-    fp32 value and an int32 index for each of ceil(f x L) entries of a block of L."""
+    and an fp32 scale per block; fp4_e2m1 and e3m0 two values per byte, packed per block, and a scale;
+    top-k an fp32 value and an int32 index for each of ceil(f x L) entries of a block of L."""
     lengths = block_lengths(blocks)
     if codec == "int8":
         return sum(lengths) + 4 * len(lengths)
-    if codec == "fp4_e2m1":
+    if codec in ("fp4_e2m1", "e3m0"):
         return sum(-(-length // 2) for length in lengths) + 4 * len(lengths)
     return sum(8 * kept(fraction, length) for length in lengths)
 
 
 BYTES_CASES = {
-    # (replicas n, compress, reduce, block, topk_fraction, the least ratio the issue asks)
-    "n2-int8-gather": (2, "int8", "gather", 128, 0.01, 3.5),
-    "n2-fp4-gather": (2, "fp4_e2m1", "gather", 128, 0.01, 7.0),
-    "n2-topk-1/64-gather": (2, "topk", "gather", 64, 1 / 64, 32.0),
-    "n4-int8-two_phase": (4, "int8", "two_phase", 128, 0.01, 3.5),
-    "n4-fp4-two_phase": (4, "fp4_e2m1", "two_phase", 128, 0.01, 7.0),
+    # (replicas n, compress, reduce, block, topk_fraction, the least ratio the issue asks, transform)
+    "n2-int8-gather": (2, "int8", "gather", 128, 0.01, 3.5, "none"),
+    "n2-fp4-gather": (2, "fp4_e2m1", "gather", 128, 0.01, 7.0, "none"),
+    "n2-topk-1/64-gather": (2, "topk", "gather", 64, 1 / 64, 32.0, "none"),
+    "n4-int8-two_phase": (4, "int8", "two_phase", 128, 0.01, 3.5, "none"),
+    "n4-fp4-two_phase": (4, "fp4_e2m1", "two_phase", 128, 0.01, 7.0, "none"),
+    "n4-e3m0-two_phase": (4, "e3m0", "two_phase", 128, 0.01, 7.0, "none"),
+    "n2-dct-topk-1/64-gather": (2, "topk", "gather", 64, 1 / 64, 32.0, "dct"),  # the DCT adds no byte
 }
 
 
@@ -772,7 +864,7 @@ def test_compressed_bytes_against_the_fp32_ring_from_the_runs_records(tmp_path, 
     factor above it: 3.5 (8-bit: 4 bytes / (1 + 4/128)), 7 (4-bit: 4 / (1/2 + 4/128)); top-k at
     f = 1/64 with fp32 values and int32 indices 1 / (2f) = 32, exactly, since every block of 64 is full
     (ragged blocks would keep ceil(f x L) of fewer values)."""
-    n, codec, reduce, block, fraction, least = BYTES_CASES[name]
+    n, codec, reduce, block, fraction, least, transform = BYTES_CASES[name]
     model = ModelConfig()
     sizes = tuple(t.numel() for t in init_params(model, seed=0).values())
     assert all(s % 64 == 0 for s in sizes), sizes
@@ -794,7 +886,7 @@ def test_compressed_bytes_against_the_fp32_ring_from_the_runs_records(tmp_path, 
     (tmp_path / "compressed").mkdir()
     plain = sync_row(OuterConfig(), tmp_path / "none")
     assert plain["comm_outer_bytes"] == int(fp32_ring_bytes(params, n))
-    row = sync_row(outer_cfg(codec, reduce, block, fraction), tmp_path / "compressed")
+    row = sync_row(outer_cfg(codec, reduce, block, fraction, transform=transform), tmp_path / "compressed")
     blocks = Blocks(sizes, block)
     b = payload_formula(codec, blocks, fraction)
     assert row["payload_bytes"] == b
@@ -813,7 +905,7 @@ BAD = {
     "unknown-compressor": (
         ["outer.compress=int4"],
         "outer.compress='int4' is not valid; valid: 'none', 'int8', 'uint8', 'fp8_e4m3', 'fp8_e5m2', "
-        "'fp4_e2m1', 'topk'",
+        "'fp4_e2m1', 'e3m0', 'topk'",
     ),
     "unknown-reduction": (["outer.compress=int8", "outer.reduce=ring"], "outer.reduce='ring' is not valid"),
     "block-0": (["outer.compress=int8", "outer.block=0"], "outer.block=0 is too small; valid: >= 1"),
@@ -834,8 +926,18 @@ BAD = {
         ["outer.compress=topk", "outer.reduce=two_phase"],
         "outer.compress=topk with outer.reduce=two_phase",
     ),
+    "unknown-transform": (
+        ["outer.compress=topk", "outer.transform=fft"],
+        "outer.transform='fft' is not valid",
+    ),
+    "transform-with-none": (
+        ["outer.transform=dct"],
+        "outer.transform=dct with outer.compress=none: the fp32 all-reduce sends no blocks to transform; "
+        "valid: a compressor, or outer.transform=none",
+    ),
 }
-SLOW_BAD = {"unknown-reduction", "fraction-0"}  # the same checks as unknown-compressor and fraction-1.5
+# the same checks as unknown-compressor and fraction-1.5; both transforms' also in test_bad_input.py
+SLOW_BAD = {"unknown-reduction", "fraction-0", "unknown-transform", "transform-with-none"}
 
 
 @pytest.mark.parametrize(
@@ -870,6 +972,7 @@ def test_compress_none_spelled_out_is_the_default_run_bitwise(tmp_path):
         "outer.reduce=gather",
         "outer.block=128",
         "outer.topk_fraction=0.01",
+        "outer.transform=none",
         "outer.error_feedback=false",
     ]
     runs = {"plain": ReferenceRuns.beside(tmp_path)(plain), "spelled": tmp_path / "spelled"}

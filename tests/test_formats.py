@@ -28,8 +28,8 @@ NEWER = SCHEMA_VERSION + 1
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_3_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 3
+def test_today_is_schema_4_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 4
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -115,25 +115,42 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     """Schema 1 knew no whole-round overlap: its config reads as outer.overlap=none, its checkpoint as
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
-    assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": {**outer, "overlap": "none"}}
+    then = {**outer, "overlap": "none", **formats.BEFORE_SPARSELOCO}  # and schema 2's step after it
+    assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
-    totals = {**older["state"]["totals"], "comm_outer_bits": None}
+    totals = {**older["state"]["totals"], "comm_outer_bits": None}  # and schema 3's step
     assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None, "totals": totals}
-    assert got["config"]["outer"] == {**outer, "overlap": "none"} and got["schema_version"] == 3
+    assert got["config"]["outer"] == then and got["schema_version"] == SCHEMA_VERSION
 
 
-def test_a_version_2_checkpoint_has_no_running_bits_and_its_config_reads_as_it_is():
-    """Schema 2 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
-    bits but no running total); the config of version 2 is today's."""
-    outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0, "overlap": "eager"}
-    assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": outer}
+def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undecayed():
+    """Schema 2 knew no SparseLoCo pieces: its config reads as outer.error_decay=1.0, index_bits=32,
+    topk_values=fp32 (the bytes it sent, so it resumes with them), its checkpoint's state unchanged
+    (but for schema 3's step: no running bits)."""
+    outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
+    want = {**outer, "error_decay": 1.0, "index_bits": 32, "topk_values": "fp32"}
+    assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
+    older["config"] = {**older["config"], "outer": outer}
+    got = upgrade_checkpoint(older)
+    totals = {**older["state"]["totals"], "comm_outer_bits": None}
+    assert got["state"] == {**older["state"], "totals": totals} and got["config"]["outer"] == want
+    assert got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_is():
+    """Schema 3 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
+    bits but no running total); the config of version 3 is today's."""
+    outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **formats.BEFORE_SPARSELOCO}
+    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer}
+    older = {**_older_payload(clock=False), "schema_version": 3}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
+    older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
     assert got["state"]["totals"] == {**older["state"]["totals"], "comm_outer_bits": None}
-    assert "comm_outer_bits" not in older["state"]["totals"] and got["schema_version"] == 3
+    assert "comm_outer_bits" not in older["state"]["totals"] and got["schema_version"] == 4
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():

@@ -378,3 +378,17 @@ def test_real_processes_equal_the_simulation(tmp_path, layout, overlap):
     assert losses[0] == pytest.approx(losses[1], rel=relative * 10)
     if layout == "replicas":
         assert got == {n: t for n, t in got.items() if torch.equal(t, want[n])}  # the same sums: exact
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_a_mixture_of_experts_follows_the_algorithm(overlap):
+    """The overlap composes with the stacked mixture of experts (issue 36): every sync of a run of
+    model.is_moe=true (4 experts, top-2, the router and the experts synced as any parameter) within the
+    reference's bound; P = 2 puts the router and the experts of each layer in its layer's fragment."""
+    cfg = overlap_cfg(overlap, 2)
+    cfg = replace(cfg, model=replace(cfg.model, is_moe=True, n_experts=4, top_k=2, expert_ffn=32))
+    syncs, _ = run_syncs(cfg)
+    assert len(syncs) == 8
+    assert any("router" in n for n in syncs[0][2]["theta"]), "not a mixture"
+    checked = reference_errors(cfg, syncs)
+    assert checked and all(err <= bound for err, bound in checked), checked

@@ -3,13 +3,18 @@ payload whose size depends only on the blocks (runs of `block` values that never
 and decoded back. Pure tensor functions: deterministic, vectorised over rows and blocks, on any device.
 
 Every payload is block-major: block after block, each block's bytes are its header (fp32 scale, or fp32
-minimum then fp32 scale; none for top-k) then its body, with fp32/int32 fields as native-endian raw bytes.
-So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads.
+minimum then fp32 scale; top-k's: `_encode_topk`) then its body, with fp32/int32 fields as native-endian raw
+bytes. So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads
+(but top-k's two_bit values, whose statistics are per tensor).
+
+A transform (`transform="dct"`) is applied around any codec: each block is replaced by its orthonormal
+DCT-II coefficients before encoding and decoded values are inverted blockwise (DCT-III), bytes unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -17,7 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk")
+from hypertrain.config import topk_kept  # one rule for k, which the config's checks need too
+
+CODECS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0", "topk")
+TRANSFORMS = ("none", "dct")
+TOPK_VALUES = ("fp32", "fp16", "int8", "two_bit")  # how top-k's kept values travel (TopK.values)
+TOPK_INDEX_BITS = (32, 12)  # int32 indices in the vector, or 12-bit indices within the block
+TWO_BIT_SIGMAS = 6.0  # two_bit's 4 bins span 6 standard deviations: templar's quantization_range=6
+TWO_BIT_HEADER = 20  # two_bit's per-tensor header: fp32 shift, then the four fp32 reconstruction values
 _FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 # fp4 e2m1: code = sign << 3 | index, index = exponent << 1 | mantissa = the magnitude's place here.
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -31,6 +43,14 @@ _E2M1_MIDPOINTS = (
     (2.5, False),
     (3.5, True),
     (5.0, False),
+)
+# e3m0 (Streaming DiLoCo's 4-bit format, eXmY with no mantissa): code = sign << 3 | e, e in 0..7; e = 0 is
+# zero and e >= 1 is 2^(e - 7), so the magnitudes are 0, 1/64, ..., 1/2, 1 and the block's amax is 1.
+_E3M0 = (0.0,) + tuple(2.0 ** (e - 7) for e in range(1, 8))
+# Nearest in the linear domain (the midpoint of two neighbours, 3/4 of the upper above 2^-6), ties to the
+# even code, as e2m1's: a tie goes up where the lower neighbour's code is odd.
+_E3M0_MIDPOINTS = tuple(
+    ((a + b) / 2, i % 2 == 1) for i, (a, b) in enumerate(zip(_E3M0[:-1], _E3M0[1:], strict=True))
 )
 
 
@@ -92,26 +112,32 @@ class Blocks:
         return start, end, Blocks(tuple(sizes), self.block)
 
 
-def topk_kept(fraction: float, length: int) -> int:
-    """Entries top-k keeps of a block of `length` values: ceil(fraction * length), at least 1.
+@dataclass(frozen=True)
+class TopK:
+    """Top-k's settings, given where a fraction goes (a bare fraction means TopK(fraction): today's fp32
+    values and int32 indices): the fraction of each block kept, the index width (32: int32 index in the
+    vector; 12: the index within its block, two per three bytes, blocks of at most 4096) and how the
+    kept values travel (fp32, fp16, int8 with one fp32 scale per block, two_bit: templar's per tensor)."""
 
-    The product is rounded to 9 decimals before the ceiling, so a fraction written in decimal keeps
-    what it says (0.07 of 100 keeps 7, not the 8 that 0.07's binary excess would give).
-    """
-    return max(1, math.ceil(round(fraction * length, 9)))
+    fraction: float
+    index_bits: int = 32
+    values: str = "fp32"
 
 
 def payload_size(codec: str, blocks: Blocks, fraction: float = 1.0) -> int:
     """Bytes of one replica's payload (codes, scales, minimums, indices: everything sent).
 
     With L_b the length of block b and C = blocks.count: int8, fp8_*: n + 4C; uint8: n + 8C;
-    fp4_e2m1: sum_b ceil(L_b / 2) + 4C (codes packed per block); topk: 8 * sum_b topk_kept(fraction, L_b).
+    fp4_e2m1, e3m0: sum_b ceil(L_b / 2) + 4C (codes packed per block); topk, with k_b =
+    topk_kept(fraction, L_b): sum_b (V(k_b) + I(k_b)), values V(k) = 4k (fp32), 2k (fp16), 4 + k (int8: the
+    block's scale), ceil(k / 4) (two_bit, plus 20 bytes per non-empty tensor: its header); indices
+    I(k) = 4k (32 bits), ceil(3k / 2) (12). A transform changes no byte count.
     """
     fraction = _check(codec, blocks, fraction)
     return sum(int(length.sum()) for _, length in _fields(codec, blocks, fraction))
 
 
-def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tensor:
+def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transform: str = "none") -> Tensor:
     """x float32 [R, n] (n = blocks.numel) -> uint8 [R, payload_size]: each row encoded on its own.
 
     Per block (scale = amax / M, amax the block's largest magnitude; a zero scale divides as 1, so an
@@ -122,16 +148,24 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tens
     - fp4_e2m1: M = 6, codes sign << 3 | index of the magnitude in (0, .5, 1, 1.5, 2, 3, 4, 6), nearest,
       ties to the even index; two per byte, element 2i of the block in the low nibble, 2i + 1 in the high
       one (an odd block's last high nibble is 0);
+    - e3m0: M = 1 (scale = amax), codes sign << 3 | e, the magnitude's nearest of 0 (e = 0) and 2^(e - 7)
+      (e = 1..7: 1/64 .. 1) in the linear domain, ties to the even e (so |x| / scale <= 2^-7 is 0, and 3/4 of
+      a power of two goes to the even of its two neighbours); packed as fp4_e2m1. Sign bit kept for zeros;
     - topk: the topk_kept(fraction, L_b) largest magnitudes of each block, in order of magnitude
-      (descending, ties by ascending index): their fp32 values, then their int32 indices in the vector.
+      (descending, ties by ascending index): their values, then their indices (`fraction` a TopK: see
+      `_encode_topk`; a bare fraction: fp32 values, then int32 indices in the vector).
+
+    transform="dct" encodes each block's orthonormal DCT-II coefficients in its place (`_dct`).
     """
-    fraction = _check(codec, blocks, fraction)
+    fraction = _check(codec, blocks, fraction, transform)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocks.numel:
         raise ValueError(
             f"x {x.dtype} {tuple(x.shape)} is not valid; valid: float32 [R, {blocks.numel}] (R rows, numel)"
         )
     if blocks.count == 0:
         return torch.zeros(x.shape[0], 0, dtype=torch.uint8, device=x.device)
+    if transform == "dct":
+        x = _dct(x, blocks, inverse=False)
     values = _spread(x, blocks)
     if codec == "topk":
         fields = _encode_topk(values, blocks, fraction)
@@ -141,18 +175,28 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tens
         fields = _encode_uint8(values)
     elif codec == "fp4_e2m1":
         fields = _encode_fp4(values, blocks)
+    elif codec == "e3m0":
+        fields = _encode_e3m0(values, blocks)
     else:
         fields = _encode_fp8(values, *_FP8[codec])
     return _pack(fields, codec, blocks, fraction)
 
 
-def decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0) -> Tensor:
+def decode(
+    codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0, transform: str = "none"
+) -> Tensor:
     """uint8 [R, payload_size] -> float32 [R, n]: the dequantized values (top-k: zeros but the kept).
 
-    int8, fp8_*, fp4_e2m1: code value * scale; uint8: minimum + code * scale (two fp32 roundings, so a
-    block's minimum and a constant block come back exactly).
+    int8, fp8_*, fp4_e2m1, e3m0: code value * scale; uint8: minimum + code * scale (two fp32 roundings, so a
+    block's minimum and a constant block come back exactly). transform="dct": those values are each block's
+    DCT-II coefficients, and their inverse (DCT-III) is returned.
     """
-    fraction = _check(codec, blocks, fraction)
+    decoded = _decode(codec, payload, blocks, fraction, transform)
+    return decoded if transform == "none" else _dct(decoded, blocks, inverse=True)
+
+
+def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transform: str) -> Tensor:
+    fraction = _check(codec, blocks, fraction, transform)
     size = payload_size(codec, blocks, fraction)
     if payload.dtype != torch.uint8 or payload.dim() != 2 or payload.shape[1] != size:
         raise ValueError(
@@ -170,6 +214,8 @@ def decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float = 1.0) -
         values = codes.view(torch.int8).float()
     elif codec == "fp4_e2m1":
         values = _decode_fp4_codes(codes, blocks.block)
+    elif codec == "e3m0":
+        values = _decode_nibbles(codes, blocks.block, _E3M0)
     else:
         values = codes.view(_FP8[codec][0]).float()
     return _unspread(values.mul_(_floats(header)), blocks)
@@ -221,14 +267,27 @@ def _encode_fp8(values: Tensor, dtype: torch.dtype, largest: float) -> list[Tens
 
 
 def _encode_fp4(values: Tensor, blocks: Blocks) -> list[Tensor]:
-    scale = _amax(values) / _E2M1[-1]
+    return _encode_nibbles(values, blocks, _E2M1, _E2M1_MIDPOINTS)
+
+
+def _encode_e3m0(values: Tensor, blocks: Blocks) -> list[Tensor]:
+    return _encode_nibbles(values, blocks, _E3M0, _E3M0_MIDPOINTS)
+
+
+def _encode_nibbles(
+    values: Tensor, blocks: Blocks, magnitudes: tuple[float, ...], midpoints: tuple[tuple[float, bool], ...]
+) -> list[Tensor]:
+    """A 4-bit format of 8 `magnitudes` (ascending, the last the largest) and a sign: scale = amax / largest,
+    codes sign << 3 | the nearest magnitude's index (`midpoints`: each with whether its tie goes up), two per
+    byte."""
+    scale = _amax(values) / magnitudes[-1]
     magnitude = (values / _divisor(scale)).abs_()
-    # The index is the number of midpoints below the magnitude, a tie counted when it goes up (so above 6,
-    # reachable only through an inexact subnormal scale, saturates to 6). Comparisons, not torch.bucketize:
-    # a few vectorised passes into one reused bool buffer are several times faster on CPU.
+    # The index is the number of midpoints below the magnitude, a tie counted when it goes up (so above the
+    # largest, reachable only through an inexact subnormal scale, saturates). Comparisons, not
+    # torch.bucketize: a few vectorised passes into one reused bool buffer are several times faster on CPU.
     hit = torch.empty_like(magnitude, dtype=torch.bool)
     codes = torch.zeros_like(magnitude, dtype=torch.uint8)
-    for midpoint, tie_up in _E2M1_MIDPOINTS:
+    for midpoint, tie_up in midpoints:
         (torch.ge if tie_up else torch.gt)(magnitude, midpoint, out=hit)
         codes += hit.view(torch.uint8)
     torch.signbit(values, out=hit)  # x / scale has x's sign bit
@@ -243,19 +302,32 @@ def _encode_fp4(values: Tensor, blocks: Blocks) -> list[Tensor]:
 
 
 @functools.lru_cache(maxsize=8)
-def _fp4_pairs(device: torch.device) -> Tensor:
+def _nibble_pairs(magnitudes: tuple[float, ...], device: torch.device) -> Tensor:
     """[256, 2] fp32: a packed byte's two values at scale 1, the low nibble's first."""
-    signed = _E2M1 + tuple(-m for m in _E2M1)
+    signed = magnitudes + tuple(-m for m in magnitudes)
     return torch.tensor([[signed[byte & 15], signed[byte >> 4]] for byte in range(256)], device=device)
 
 
 def _decode_fp4_codes(packed: Tensor, block: int) -> Tensor:
+    return _decode_nibbles(packed, block, _E2M1)
+
+
+def _decode_nibbles(packed: Tensor, block: int, magnitudes: tuple[float, ...]) -> Tensor:
     """[R, C, ceil(B / 2)] packed codes -> [R, C, B] their values at scale 1 (one table row per byte)."""
-    pairs = torch.nn.functional.embedding(packed.int(), _fp4_pairs(packed.device))  # [R, C, B / 2, 2]
-    return pairs.flatten(-2)[..., :block]
+    pairs = torch.nn.functional.embedding(packed.int(), _nibble_pairs(magnitudes, packed.device))
+    return pairs.flatten(-2)[..., :block]  # [R, C, B / 2, 2] flattened
 
 
-def _encode_topk(values: Tensor, blocks: Blocks, fraction: float) -> list[Tensor]:
+def _encode_topk(values: Tensor, blocks: Blocks, spec: TopK) -> list[Tensor]:
+    """Per block, the k_b largest magnitudes (descending, ties by ascending index), then:
+
+    - values: fp32; fp16 (round to nearest even, saturating at +-65504); int8 (an fp32 scale = the kept
+      values' amax / 127, then round-half-even(v / scale) in [-127, 127]); two_bit (`_two_bit`: per tensor a
+      20-byte header before its first block's codes, then 2-bit codes, four a byte, value 4i + j in bits
+      2j, 2j + 1 of byte i);
+    - indices: int32 in the vector (32), or 12-bit within the block (12): indices 2i and 2i + 1 as three
+      bytes a & 255, a >> 8 | (b & 15) << 4, b >> 4 (an odd k's last index in two bytes, b = 0).
+    """
     rows, count, block = values.shape
     layout = _layout(blocks, values.device)
     # One int64 key per entry, unique within its block: magnitude's bits (monotonic for magnitudes >= 0),
@@ -265,18 +337,166 @@ def _encode_topk(values: Tensor, blocks: Blocks, fraction: float) -> list[Tensor
     keys += torch.arange(block - 1, -1, -1, device=values.device)
     if layout.pad_slots is not None:
         keys.flatten(1).index_fill_(1, layout.pad_slots, -1)  # below every real key: never kept
-    position = keys.topk(topk_kept(fraction, block), dim=-1, sorted=True).indices
+    position = keys.topk(topk_kept(spec.fraction, block), dim=-1, sorted=True).indices
     kept = values.gather(-1, position)
-    index = (position + layout.starts.view(1, count, 1)).to(torch.int32)
-    return [_bytes(kept), _bytes(index)]
+    # a shorter block keeps fewer: its slots from k_b on hold padding, left out of every statistic
+    real = _topk_real(blocks, spec.fraction, values.device)  # [C, kmax]
+    if spec.values == "fp32":
+        fields = [_bytes(kept)]
+    elif spec.values == "fp16":
+        fields = [_bytes(kept.clamp(-65504.0, 65504.0).to(torch.float16))]
+    elif spec.values == "int8":
+        scale = _amax(torch.where(real, kept, 0.0)) / 127
+        codes = (kept / _divisor(scale)).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        fields = [_bytes(scale), codes]
+    else:
+        header, codes = _two_bit(kept, real, blocks)
+        codes = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % 4))
+        packed = codes[..., 0::4] | codes[..., 1::4] << 2 | codes[..., 2::4] << 4 | codes[..., 3::4] << 6
+        fields = [header, packed]
+    if spec.index_bits == 32:
+        return [*fields, _bytes((position + layout.starts.view(1, count, 1)).to(torch.int32))]
+    index = torch.nn.functional.pad(position, (0, position.shape[-1] % 2))
+    a, b = index[..., 0::2], index[..., 1::2]
+    triples = torch.stack([a & 255, (a >> 8) | ((b & 15) << 4), b >> 4], dim=-1)
+    return [*fields, triples.flatten(-2).to(torch.uint8)]
 
 
-def _decode_topk(payload: Tensor, blocks: Blocks, fraction: float) -> Tensor:
-    packing = _packing("topk", blocks, fraction, payload.device)
-    kept = payload.index_select(1, packing.field_bytes[0]).view(torch.float32)
-    index = payload.index_select(1, packing.field_bytes[1]).view(torch.int32).long()
-    out = torch.zeros(payload.shape[0], blocks.numel, dtype=torch.float32, device=payload.device)
-    return out.scatter_(1, index, kept)  # indices are distinct within a row: no order to decide
+def _two_bit(kept: Tensor, real: Tensor, blocks: Blocks) -> tuple[Tensor, Tensor]:
+    """templar's `_quantize_values` with 4 bins, per tensor over its kept values v (n of them): shift =
+    mean(v), c = v - shift, scale = 6 std / 4 (std = ||c|| / sqrt(n - 1), 0 for n = 1; a zero scale is 1),
+    code = round-half-even(c / scale + 2) in [0, 3], reconstruction value r_q = the mean of the c coded q
+    (0 for an empty bin: such a code decodes to the shift). Computed in float64, sent as fp32: the header
+    (shift, r_0..r_3) [R, C, 20] (meaningful at each tensor's first block) and the codes [R, C, kmax]."""
+    rows, count, width = kept.shape
+    header = kept.new_zeros(rows, count, 5)
+    codes = torch.zeros(rows, count, width, dtype=torch.uint8, device=kept.device)
+    first = 0
+    for blocks_here in _tensor_blocks(blocks):
+        part = slice(first, first + blocks_here)
+        mask = real[part]  # [b, kmax]
+        v = kept[:, part][:, mask].double()  # [R, n], the tensor's kept values in block order
+        shift = v.mean(dim=1, keepdim=True)
+        centred = v - shift
+        n = v.shape[1]
+        std = centred.norm(dim=1, keepdim=True) / math.sqrt(n - 1) if n > 1 else torch.zeros_like(shift)
+        scale = TWO_BIT_SIGMAS * std / 4
+        scale = torch.where(scale > 0, scale, 1.0)
+        code = (centred / scale + 2).round_().clamp_(0, 3).long()
+        reconstruction = torch.stack(
+            [torch.where(code == q, centred, 0.0).sum(dim=1) for q in range(4)], dim=1
+        ) / torch.stack([(code == q).sum(dim=1) for q in range(4)], dim=1).clamp_(min=1)
+        header[:, first] = torch.cat([shift, reconstruction], dim=1).float()
+        codes[:, part][:, mask] = code.to(torch.uint8)
+        first += blocks_here
+    return _bytes(header), codes
+
+
+def _decode_topk(payload: Tensor, blocks: Blocks, spec: TopK) -> Tensor:
+    rows, count = payload.shape[0], blocks.count
+    fields = _unpack(payload, "topk", blocks, spec)  # [R, C, width] each, junk past each block's bytes
+    width = topk_kept(spec.fraction, blocks.block)
+    if spec.values == "fp32":
+        kept = _floats(fields[0])
+    elif spec.values == "fp16":
+        kept = fields[0].contiguous().view(torch.float16).float()
+    elif spec.values == "int8":
+        kept = fields[1].contiguous().view(torch.int8).float().mul_(_floats(fields[0]))
+    else:
+        first = _tensor_first_block(blocks, payload.device)  # [C] the first block of each block's tensor
+        header = _floats(fields[0]).index_select(1, first)  # [R, C, 5]: shift, r_0..r_3
+        codes = (fields[1][..., None] >> torch.tensor([0, 2, 4, 6], device=payload.device)) & 3
+        codes = codes.flatten(-2)[..., :width].long()
+        kept = header[..., 1:].gather(-1, codes).add_(header[..., :1])
+    index = fields[-1]
+    if spec.index_bits == 32:
+        index = _floats(index).view(torch.int32).long()
+    else:
+        triples = index.long().view(rows, count, -1, 3)
+        a = triples[..., 0] | (triples[..., 1] & 15) << 8
+        b = triples[..., 1] >> 4 | triples[..., 2] << 4
+        index = torch.stack([a, b], dim=-1).flatten(-2)[..., :width]
+        index = index + _layout(blocks, payload.device).starts.view(1, count, 1)
+    # slots past a block's k_b hold junk: they write to a spare last element, dropped
+    real = _topk_real(blocks, spec.fraction, payload.device)
+    index = torch.where(real, index, blocks.numel)
+    out = torch.zeros(rows, blocks.numel + 1, dtype=torch.float32, device=payload.device)
+    out.scatter_(1, index.flatten(1), kept.flatten(1))  # real indices are distinct within a row
+    return out[:, : blocks.numel]
+
+
+@functools.lru_cache(maxsize=64)
+def _topk_real(blocks: Blocks, fraction: float, device: torch.device) -> Tensor:
+    """[C, kmax] bool: the slots of each block that hold one of its k_b kept values."""
+    lengths = _lengths(blocks)
+    kept = torch.tensor([topk_kept(fraction, int(length)) for length in lengths], dtype=torch.int64)
+    slots = torch.arange(topk_kept(fraction, blocks.block))
+    return (slots[None, :] < kept[:, None]).to(device)
+
+
+def _tensor_blocks(blocks: Blocks) -> list[int]:
+    """The number of blocks of each non-empty tensor, in order."""
+    return [-(-size // blocks.block) for size in blocks.sizes if size]
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_first_block(blocks: Blocks, device: torch.device) -> Tensor:
+    """[C] int64: for each block, the first block of its tensor."""
+    firsts, start = [], 0
+    for blocks_here in _tensor_blocks(blocks):
+        firsts += [start] * blocks_here
+        start += blocks_here
+    return torch.tensor(firsts, dtype=torch.int64, device=device)
+
+
+# --- the transform: each block <-> its orthonormal DCT-II coefficients ----------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _dct_matrix(length: int, device: torch.device) -> Tensor:
+    """[L, L] fp32, the orthonormal DCT-II: row k is s_k cos(pi (2j + 1) k / (2L)) over j, s_0 = sqrt(1/L),
+    s_k = sqrt(2/L); its transpose is its inverse (the DCT-III). Made in float64 on the CPU and rounded once,
+    so every device multiplies by the same numbers."""
+    j = torch.arange(length, dtype=torch.float64)
+    matrix = torch.cos(math.pi * (2 * j[None, :] + 1) * j[:, None] / (2 * length))
+    matrix[0] *= math.sqrt(1 / length)
+    matrix[1:] *= math.sqrt(2 / length)
+    return matrix.float().to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _length_groups(blocks: Blocks) -> tuple[tuple[int, Tensor | None], ...]:
+    """(length, the blocks of that length [k] on the CPU) per distinct length; (block, None) when every
+    block is full."""
+    lengths = _lengths(blocks)
+    distinct = sorted(set(lengths.tolist()), reverse=True)
+    if distinct == [blocks.block]:
+        return ((blocks.block, None),)
+    return tuple((length, (lengths == length).nonzero().squeeze(1)) for length in distinct)
+
+
+def _dct(x: Tensor, blocks: Blocks, inverse: bool) -> Tensor:
+    """[R, n] -> [R, n]: each block of x replaced by its DCT-II coefficients y = D x (inverse: by D^T y), D
+    the orthonormal matrix of the block's own length (a tensor's shorter last block uses its length's: no
+    padding, so the coefficients are as many as the values and decoding is exact up to rounding).
+
+    One matrix product per row and block length: a row's result never depends on how many rows share the
+    call, so each process and the simulation compute the same bits (one process holds some replicas)."""
+    if blocks.count == 0:
+        return x
+    values = _spread(x, blocks)  # [R, C, block]
+    out = torch.empty_like(values)
+    for length, which in _length_groups(blocks):
+        matrix = _dct_matrix(length, x.device)
+        matrix = matrix if inverse else matrix.T  # row vectors: y = x D^T, x = y D
+        if which is None:
+            for row in range(values.shape[0]):
+                torch.matmul(values[row], matrix, out=out[row])
+            continue
+        which = which.to(x.device)
+        for row in range(values.shape[0]):
+            out[row, which, :length] = values[row].index_select(0, which)[:, :length] @ matrix
+    return _unspread(out, blocks)
 
 
 # --- layouts: the vector <-> padded blocks, and per-block fields <-> the payload ------------------------
@@ -344,10 +564,22 @@ def _fields(codec: str, blocks: Blocks, fraction: float) -> list[tuple[int, Tens
     headers = {"uint8": 8}.get(codec, 4)
     if codec == "topk":
         distinct, which = torch.unique(lengths, return_inverse=True)
-        kept = torch.tensor([topk_kept(fraction, int(length)) for length in distinct], dtype=torch.int64)
-        width = 4 * topk_kept(fraction, blocks.block)
-        return [(width, 4 * kept[which]), (width, 4 * kept[which])]
-    if codec == "fp4_e2m1":
+        kept = torch.tensor([topk_kept(fraction.fraction, int(n)) for n in distinct], dtype=torch.int64)
+        kept, most = kept[which], topk_kept(fraction.fraction, blocks.block)
+        if fraction.values == "two_bit":  # a tensor's header before its first block's codes
+            first = torch.zeros_like(lengths)
+            starts = [0, *itertools.accumulate(_tensor_blocks(blocks))][:-1]
+            first[torch.tensor(starts, dtype=torch.int64)] = 1
+            values = [(TWO_BIT_HEADER, TWO_BIT_HEADER * first), ((most + 3) // 4, (kept + 3) // 4)]
+        elif fraction.values == "int8":
+            values = [(4, torch.full_like(lengths, 4)), (most, kept)]
+        else:
+            each = 4 if fraction.values == "fp32" else 2
+            values = [(each * most, each * kept)]
+        if fraction.index_bits == 32:
+            return [*values, (4 * most, 4 * kept)]
+        return [*values, (3 * ((most + 1) // 2), (3 * kept + 1) // 2)]
+    if codec in ("fp4_e2m1", "e3m0"):
         return [(4, torch.full_like(lengths, 4)), ((blocks.block + 1) // 2, (lengths + 1) // 2)]
     return [(headers, torch.full_like(lengths, headers)), (blocks.block, lengths)]
 
@@ -406,12 +638,24 @@ def _whole(name: str, value, least: int) -> int:
     return whole
 
 
-def _check(codec: str, blocks: Blocks, fraction: float) -> float:
-    """Refuse a bad argument in one line; the fraction that matters (1.0 for every codec but top-k)."""
+def _check(codec: str, blocks: Blocks, fraction: float | TopK, transform: str = "none") -> float | TopK:
+    """Refuse a bad argument in one line; what matters of `fraction` (1.0 for every codec but top-k; top-k's
+    TopK, a bare fraction given as TopK(fraction))."""
     if codec not in CODECS:
         raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}")
+    if transform not in TRANSFORMS:
+        raise ValueError(f"transform={transform!r} is not valid; valid: {', '.join(TRANSFORMS)}")
     if not isinstance(blocks, Blocks):
         raise ValueError(f"blocks={blocks!r} is not valid; valid: a Blocks")
-    if codec == "topk" and not 0 < fraction <= 1:
-        raise ValueError(f"fraction={fraction!r} is not valid; valid: 0 < fraction <= 1")
-    return float(fraction) if codec == "topk" else 1.0
+    if codec != "topk":
+        return 1.0
+    spec = fraction if isinstance(fraction, TopK) else TopK(fraction)
+    if not 0 < spec.fraction <= 1:
+        raise ValueError(f"fraction={spec.fraction!r} is not valid; valid: 0 < fraction <= 1")
+    if spec.index_bits not in TOPK_INDEX_BITS:
+        raise ValueError(f"index_bits={spec.index_bits!r} is not valid; valid: 32 or 12")
+    if spec.values not in TOPK_VALUES:
+        raise ValueError(f"values={spec.values!r} is not valid; valid: {', '.join(TOPK_VALUES)}")
+    if spec.index_bits == 12 and blocks.block > 4096:
+        raise ValueError(f"index_bits=12 with block={blocks.block} is not valid; valid: block <= 4096")
+    return TopK(float(spec.fraction), spec.index_bits, str(spec.values))

@@ -140,15 +140,15 @@ class CompressedMean:
     def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups):
         self.outer, self.blocks, self.groups = outer, blocks, groups
         self.replicas, self.result, self.done = groups.total_replicas, None, False
-        codec, fraction = outer.compress, outer.topk_fraction
+        codec, fraction, transform = outer.compress, topk(outer), outer.transform
         if outer.reduce == "gather":
-            payload = codecs.encode(codec, x, blocks, fraction)
+            payload = codecs.encode(codec, x, blocks, fraction, transform)
             self.b = payload.shape[1]
             self.flight = groups.start_all_gather_replicas(_message(payload, active, errors))
             return
         # two_phase: shard j (blocks dealt in order) goes to the replica of index j
         self.shards = blocks.shards(self.replicas)
-        parts = [codecs.encode(codec, x[:, a:z], own, fraction) for a, z, own in self.shards]
+        parts = [codecs.encode(codec, x[:, a:z], own, fraction, transform) for a, z, own in self.shards]
         self.b = sum(part.shape[1] for part in parts)
         self.width = max(part.shape[1] for part in parts) + HEADER_BYTES
         messages = _padded([_message(part, active, errors) for part in parts], self.width)
@@ -161,14 +161,17 @@ class CompressedMean:
         if self.done:
             return self.result
         self.done = True
-        codec, fraction, R = self.outer.compress, self.outer.topk_fraction, self.replicas
+        codec, fraction, R = self.outer.compress, topk(self.outer), self.replicas
+        transform = self.outer.transform
         if self.outer.reduce == "gather":
             rows = self.flight.wait()  # [R, header + b] in replica order
             active, errors = _header(rows)
             if not any(active):
                 return None
             payloads = rows[:, HEADER_BYTES:].contiguous()
-            mean = _mean_in_replica_order(codecs.decode(codec, payloads, self.blocks, fraction), active)
+            mean = _mean_in_replica_order(
+                codecs.decode(codec, payloads, self.blocks, fraction, transform), active
+            )
             sent = (R - 1) * self.b  # received per participant, (n - 1) * b
         else:
             rows = self.flight.wait()  # [R senders, this process's shards, width]
@@ -179,17 +182,20 @@ class CompressedMean:
             for i, j in enumerate(self.groups.replicas):  # the shards this process owns
                 _, _, own = self.shards[j]
                 size = codecs.payload_size(codec, own, fraction)
-                decoded = codecs.decode(
-                    codec, rows[:, i, HEADER_BYTES : HEADER_BYTES + size].contiguous(), own, fraction
-                )
+                received = rows[:, i, HEADER_BYTES : HEADER_BYTES + size].contiguous()
+                decoded = codecs.decode(codec, received, own, fraction, transform)
                 means.append(
-                    codecs.encode(codec, _mean_in_replica_order(decoded, active)[None], own, fraction)
+                    codecs.encode(
+                        codec, _mean_in_replica_order(decoded, active)[None], own, fraction, transform
+                    )
                 )
             widths = [codecs.payload_size(codec, own, fraction) for _, _, own in self.shards]
             gathered = self.groups.start_all_gather_replicas(_padded(means, max(widths))[0]).wait()
             mean = torch.cat(
                 [
-                    codecs.decode(codec, gathered[j : j + 1, : widths[j]].contiguous(), own, fraction)[0]
+                    codecs.decode(
+                        codec, gathered[j : j + 1, : widths[j]].contiguous(), own, fraction, transform
+                    )[0]
                     for j, (_, _, own) in enumerate(self.shards)
                 ]
             )
@@ -197,6 +203,11 @@ class CompressedMean:
         taken = [e if a else None for a, e in zip(active, errors, strict=True)]
         self.result = Reduced(mean, sum(active), sent, self.b, taken)
         return self.result
+
+
+def topk(outer: OuterConfig) -> codecs.TopK:
+    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it)."""
+    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
 
 
 def compressed_mean(
@@ -211,11 +222,19 @@ def compressed_mean(
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
     contribution is its own decoded payload (PCCL's self-quantize rule): d_m = decode(encode(x_m)),
-    x_m = delta_m + e_m; then e_m <- x_m - d_m for the replicas that took part (error feedback), the
-    others keep theirs. Returns the started `CompressedMean`; raises NonFiniteError (every process,
-    agreed) when a pseudo-gradient that would be sent is not finite, before anything is sent, naming
-    the replica (the highest-numbered, when several are) and the sync's `update`."""
-    x = deltas if errors is None else deltas + errors
+    x_m = delta_m + beta * e_m (beta = outer.error_decay; at 1, delta_m + e_m); then e_m <- x_m - d_m for
+    the replicas that took part (error feedback), the others keep theirs, undecayed. With
+    outer.transform=dct the codec sees each block's DCT coefficients and d_m is their inverse, so e_m stays
+    in the parameter domain (as DeMo's momentum residual), and two_phase's shard means are summed there and
+    re-transformed. Returns the started `CompressedMean`; raises NonFiniteError (every process, agreed)
+    when a pseudo-gradient that would be sent is not finite, before anything is sent, naming the replica
+    (the highest-numbered, when several are) and the sync's `update`."""
+    if errors is None:
+        x = deltas
+    elif outer.error_decay == 1.0:
+        x = deltas + errors  # today's expression: plain error feedback, bitwise
+    else:
+        x = deltas + errors * outer.error_decay  # SparseLoCo: u = beta * e + delta
     finite = torch.isfinite(x).all(dim=1) | ~active
     local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
     bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
@@ -224,11 +243,9 @@ def compressed_mean(
         raise NonFiniteError(
             f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
         )
+    codec, fraction, transform = outer.compress, topk(outer), outer.transform
     decoded = codecs.decode(
-        outer.compress,
-        codecs.encode(outer.compress, x, blocks, outer.topk_fraction),
-        blocks,
-        outer.topk_fraction,
+        codec, codecs.encode(codec, x, blocks, fraction, transform), blocks, fraction, transform
     )
     norms = deltas.double().norm(dim=1)
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)

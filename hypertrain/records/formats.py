@@ -21,7 +21,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 VERSION_KEY = "schema_version"
 
 
@@ -97,12 +97,31 @@ def _config_1_to_2(resolved: dict) -> dict:
     return resolved
 
 
+# SparseLoCo's pieces (issue 37): the settings that send what such a run sent (int32 indices, fp32 values,
+# undecayed buffers), whatever today's defaults are
+BEFORE_SPARSELOCO = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32"}
+
+
 def _config_2_to_3(resolved: dict) -> dict:
-    """Version 2: the config is today's (version 3 changed a checkpoint's totals only)."""
+    """Version 2: before SparseLoCo's pieces (`outer.error_decay`, `index_bits`, `topk_values`): the run
+    sent int32 indices and fp32 values and never decayed its buffers, so it resumes with its own bytes."""
+    outer = resolved.get("outer")
+    if isinstance(outer, dict):
+        resolved = {**resolved, "outer": BEFORE_SPARSELOCO | outer}
     return resolved
 
 
-CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1, _config_1_to_2, _config_2_to_3)
+def _config_3_to_4(resolved: dict) -> dict:
+    """Version 3: the config is today's (version 4 changed a checkpoint's totals only)."""
+    return resolved
+
+
+CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
+    _config_0_to_1,
+    _config_1_to_2,
+    _config_2_to_3,
+    _config_3_to_4,
+)
 
 
 def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
@@ -176,7 +195,12 @@ def _checkpoint_1_to_2(saved: dict) -> dict:
 
 
 def _checkpoint_2_to_3(saved: dict) -> dict:
-    """Version 2: before the totals held each replica's outer bits (`comm_outer_bits`): None, so the
+    """Version 2: the payload is today's (only its config gained fields: `_config_2_to_3`)."""
+    return saved
+
+
+def _checkpoint_3_to_4(saved: dict) -> dict:
+    """Version 3: before the totals held each replica's outer bits (`comm_outer_bits`): None, so the
     resumed run's rows hold each sync's bits but no running total and its summary no total bits (the
     report sums its rows instead: `sync_bits`). Nothing in the checkpoint says what each replica sent
     at the syncs before it (metrics.jsonl does)."""
@@ -190,6 +214,7 @@ CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
     _checkpoint_2_to_3,
+    _checkpoint_3_to_4,
 )
 
 
