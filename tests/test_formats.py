@@ -28,8 +28,8 @@ NEWER = SCHEMA_VERSION + 1
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_3_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 3
+def test_today_is_schema_4_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 4
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -93,6 +93,7 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
             "churn_late": 0,
             "replica_steps_reached": 0,
             "contributed_sha256": "",
+            "comm_outer_bits": None,  # what each replica sent before it is not in the checkpoint
         },
     }
     if clock:  # the next update starts a round: no replica ahead
@@ -125,22 +126,37 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
-    assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None}
+    totals = {**older["state"]["totals"], "comm_outer_bits": None}  # and schema 3's step
+    assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None, "totals": totals}
     assert got["config"]["outer"] == then and got["schema_version"] == SCHEMA_VERSION
 
 
 def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undecayed():
     """Schema 2 knew none of issue 37's codec fields: its config reads as outer.error_decay=1.0,
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
-    checkpoint's state unchanged."""
+    checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
     want = {**outer, **BEFORE_ISSUE_37}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
-    assert got["state"] == older["state"] and got["config"]["outer"] == want
+    totals = {**older["state"]["totals"], "comm_outer_bits": None}
+    assert got["state"] == {**older["state"], "totals": totals} and got["config"]["outer"] == want
     assert got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_is():
+    """Schema 3 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
+    bits but no running total); the config of version 3 is today's."""
+    outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **BEFORE_ISSUE_37}
+    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer}
+    older = {**_older_payload(clock=False), "schema_version": 3}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
+    older["config"] = {**older["config"], "outer": outer}
+    got = upgrade_checkpoint(older)
+    assert got["state"]["totals"] == {**older["state"]["totals"], "comm_outer_bits": None}
+    assert "comm_outer_bits" not in older["state"]["totals"] and got["schema_version"] == 4
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():

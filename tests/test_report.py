@@ -693,8 +693,13 @@ def _fragment_params(model: dict, P: int) -> list[int]:
 
 
 def _table_cells(out: Path) -> dict[str, dict[str, str]]:
-    """report.md's runs table: run name -> column title -> cell."""
-    lines = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")]
+    """report.md's runs table (its first; the Pareto table follows): run name -> column title -> cell."""
+    text = (out / "report.md").read_text()
+    lines = [
+        line
+        for line in text[: text.index("\n## ", text.index("## Runs"))].splitlines()
+        if line.startswith("| ")
+    ]
     titles = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])
     return {row[0]: dict(zip(titles, row, strict=True)) for row in rows}

@@ -86,7 +86,10 @@ def _report(argv: list[str]) -> tuple[int, str, str]:
 
 def _table(markdown: str) -> dict[str, dict[str, str]]:
     """The first markdown table's rows: run name -> column title -> cell."""
-    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    first = markdown[markdown.index("\n| ") + 1 :]
+    lines = [
+        line for line in first[: first.find("\n\n")].splitlines() if line.startswith("| ")
+    ]  # to a blank line
     titles = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])
     return {row[0]: dict(zip(titles, row, strict=True)) for row in rows}

@@ -30,6 +30,7 @@ from hypertrain.diloco.codecs import Blocks, TopK, decode, encode, payload_size
 from hypertrain.diloco.communication import compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
+from hypertrain.records import formats
 from hypertrain.rundir.checkpoint import seal
 
 VALUES = ("fp32", "fp16", "int8", "two_bit")
@@ -462,7 +463,7 @@ OLD_TOPK = [
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
 ]
-NEW_FIELDS = ("error_decay", "index_bits", "topk_values")
+NEW_FIELDS = ("error_decay", "index_bits", "topk_values", "transform", "tile", "lowrank_rank")  # issue 37's
 
 
 def as_schema_2(run_dir) -> None:
@@ -470,7 +471,7 @@ def as_schema_2(run_dir) -> None:
     SparseLoCo's fields, under schema_version 2 (each checkpoint resealed: a whole, older file)."""
     config = run_dir / "config.yaml"
     lines = config.read_text().splitlines(keepends=True)
-    assert lines[0] == "schema_version: 3\n"
+    assert lines[0] == f"schema_version: {formats.SCHEMA_VERSION}\n"
     kept_lines = [x for x in lines[1:] if x.strip().split(":")[0] not in NEW_FIELDS]
     assert len(kept_lines) == len(lines) - 1 - len(NEW_FIELDS)
     config.write_text("schema_version: 2\n" + "".join(kept_lines))

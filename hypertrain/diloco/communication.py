@@ -85,6 +85,23 @@ def round_bytes(
 HEADER_BYTES = 8  # per replica message: whether it took part and its compression error, two fp32
 
 
+def contribution_bits(
+    compress: str, reduce: str, replicas: int, params: int, payload_bytes: int | None
+) -> int:
+    """The bits one replica's contribution to a sync of `params` parameters puts on the wire
+    (docs/compression.md, "Bits"): fp32 (`compress` none) 32 a parameter; a codec its messages, each
+    HEADER_BYTES and its payload (`payload_bytes`, the whole pseudo-gradient's): one message under
+    `gather`, one per shard (`replicas` of them) under `two_phase`. 0 with one replica: nothing leaves
+    it. The exchange's zero padding and two_phase's way back (the re-encoded mean) are the reduction's,
+    not a contribution's: `comm_outer_bytes` counts them."""
+    if replicas <= 1:
+        return 0
+    if compress == "none":
+        return 32 * params
+    messages = 1 if reduce == "gather" else replicas
+    return 8 * (int(payload_bytes) + messages * HEADER_BYTES)
+
+
 def _message(payload: Tensor, active: Tensor, errors: Tensor) -> Tensor:
     """uint8 [R_local, HEADER_BYTES + b]: each replica's header, then its payload."""
     header = torch.stack([active.float(), errors.float()], dim=1).contiguous().view(torch.uint8)

@@ -60,6 +60,9 @@ class Totals:
     comm_inner_bytes: int = 0  # the ideal ring's bytes per participant (communication.inner_bytes)
     comm_outer_bytes: int = 0
     comm_outer_peak: int = 0  # the most one sync sent (the ideal ring's bytes per participant)
+    # the bits each replica's contributions sent (`communication.contribution_bits`), per replica; None
+    # for the rest of a run resumed from a checkpoint written before them (the report sums its rows)
+    comm_outer_bits: list[int] | None = None
     # churn (docs/churn.md): replica-rounds that missed their sync, that were absent; syncs skipped below
     # the quorum; replica-steps whose pseudo-gradients reached the global weights (counted once per
     # fragment sync they reached: P times with P fragments); the running sha256 of
@@ -154,6 +157,7 @@ class RunState:
         shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
         clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
         state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
+        state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
         if cfg.outer.compress == "lowrank":
             state.lowrank_q = initial_q(state.theta, cfg.outer.lowrank_rank, cfg.seed)
@@ -237,7 +241,7 @@ class RunState:
             "replicas": replicas,
             "next_update": self.next_update,
             "rounds_done": self.rounds_done,
-            "totals": vars(self.totals).copy(),
+            "totals": dataclasses.asdict(self.totals),
             "round_first": self.round_first,
             "round_params": [r["params"] for r in records] if mid else None,
             "round_stepped": [r["stepped"] for r in records] if mid else None,
@@ -268,6 +272,8 @@ class RunState:
             state.step.copy_(kept["step"])
         self.next_update, self.rounds_done = int(saved["next_update"]), int(saved["rounds_done"])
         self.totals = Totals(**saved["totals"])
+        if self.totals.comm_outer_bits is not None:
+            self.totals.comm_outer_bits = list(self.totals.comm_outer_bits)
         self.round_first = int(saved["round_first"])
         self.round_params = self.round_stepped = self.pending = None
         device = next(iter(self.theta.values())).device

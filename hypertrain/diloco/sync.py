@@ -19,7 +19,12 @@ import torch
 from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco.churn import RoundFacts
 from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import compressed_mean, exact_mean, ring_allreduce_bytes
+from hypertrain.diloco.communication import (
+    compressed_mean,
+    contribution_bits,
+    exact_mean,
+    ring_allreduce_bytes,
+)
 from hypertrain.diloco.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.outer import (
     OuterState,
@@ -42,8 +47,10 @@ class Landing:
     """A landed sync, typed: its fragment, the update count its pseudo-gradient was taken at, the
     fragment's parameter count, the replicas that took part, the mean pseudo-gradient's norm, the norm
     of the fragment's global weights before the outer step, the bytes one participant sent for it
-    (the fp32 ring's, or a codec's), a codec's payload bytes and errors, what real processes measured
-    since the previous landing, and churn's facts (who contributed, was absent, missed; skipped)."""
+    (the fp32 ring's, or a codec's), a codec's payload bytes and errors, the bits each replica's
+    contribution sent (`communication.contribution_bits`; None for one that did not take part), what
+    real processes measured since the previous landing, and churn's facts (who contributed, was
+    absent, missed; skipped)."""
 
     fragment: int
     taken_at: int
@@ -54,6 +61,7 @@ class Landing:
     outer_bytes: int = 0
     payload_bytes: int | None = None
     compress_error: list[float | None] | None = None
+    bits: list[int | None] | None = None
     measured: dict = field(default_factory=dict)
     churn: RoundFacts | None = None
     # outer.overlap=eager: the largest relative distance ||theta_m - mean|| / ||mean|| of a replica's
@@ -83,6 +91,17 @@ class ExactReducer:
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return ring_allreduce_bytes(sync.cfg.replicas, sync.params)
+
+    def took_part(self, result: Reduced, stepped: list[bool], groups: Collectives) -> list[bool]:
+        """Every replica's flag, in replica order: whether its pseudo-gradient is in the mean. The sum
+        holds only their count, so when some did not take part each process's flags are combined (one
+        all-reduce of R numbers, on every process at the same landing: the count is the same on all)."""
+        R = groups.total_replicas
+        if result.synced == R:
+            return [True] * R
+        flags = torch.zeros(R, device=result.mean.device)
+        flags[groups.replicas] = torch.tensor(stepped, dtype=flags.dtype, device=flags.device)
+        return [bool(x) for x in groups.max_over_replicas(flags).tolist()]
 
 
 class CodecReducer:
@@ -114,6 +133,13 @@ class CodecReducer:
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return result.sent_bytes
 
+    def took_part(self, result: Reduced, stepped: list[bool], groups: Collectives) -> list[bool] | None:
+        """Every replica's flag, from the messages' headers (its compression error: None where it did
+        not take part); None for a sync in flight read from a checkpoint that kept no errors."""
+        if result.compress_error is None:
+            return None
+        return [error is not None for error in result.compress_error]
+
 
 class LowRankReducer:
     """outer.compress=lowrank: PowerSGD's rank-r factors of each matrix, warm-started from the fragment's
@@ -135,6 +161,8 @@ class LowRankReducer:
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return result.sent_bytes
+
+    took_part = CodecReducer.took_part  # the second gather's headers: each one's error, None if absent
 
 
 class FragmentSync:
@@ -268,7 +296,7 @@ class FragmentSync:
         landing = Landing(pending.fragment, pending.taken_at, self.params, churn=pending.churn)
         communicated = pending.reduction.wait()
         if communicated is not None:  # None: nobody stepped, and momentum must not move theta
-            self._record(landing, communicated)
+            self._record(landing, communicated, pending.stepped, groups)
             outer_step(cfg.outer, self.theta, unflatten(communicated.mean, self.theta), self.outer)
         if params is not None:
             merge(self.theta, params, cfg.outer.merge_alpha)
@@ -276,15 +304,24 @@ class FragmentSync:
             self._sync_inner(inner, pending.stepped, groups)
         return landing
 
-    def _record(self, landing: Landing, communicated: Reduced) -> None:
-        """The landed reduction's figures on `landing`, the weights' norm taken before the outer step
-        changes them in place."""
+    def _record(
+        self, landing: Landing, communicated: Reduced, stepped: list[bool], groups: Collectives
+    ) -> None:
+        """The landed reduction's figures on `landing` (`stepped`: this process's replicas' flags at the
+        take), the weights' norm taken before the outer step changes them in place."""
         landing.synced = communicated.synced
         landing.theta_norm = weights_norm(self.theta)
         landing.delta_norm = math.sqrt(float(communicated.mean.double().pow(2).sum()))
         landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
         landing.payload_bytes = communicated.payload_bytes
         landing.compress_error = communicated.compress_error
+        outer = self.cfg.outer
+        bits = contribution_bits(
+            outer.compress, outer.reduce, self.cfg.replicas, self.params, communicated.payload_bytes
+        )
+        took_part = self.reducer.took_part(communicated, stepped, groups)
+        if took_part is not None:
+            landing.bits = [bits if took else None for took in took_part]
 
     def _sync_inner(self, inner: list[OptState], stepped: list[bool], groups: Collectives) -> None:
         """The inner state policy on this fragment's parameters of the replicas that `stepped`."""
@@ -321,7 +358,7 @@ class FragmentSync:
             landing.churn = landed.churn
             communicated = landed.reduction.wait()
         if communicated is not None:
-            self._record(landing, communicated)
+            self._record(landing, communicated, landed.stepped, groups)
         if self.replica_theta is not None:
             if communicated is not None or not last:
                 stale = None if communicated is None else landed.own

@@ -1,6 +1,7 @@
 """Every upgrade of what a run writes and reads back later, in one place, keyed by `SCHEMA_VERSION`:
 the resolved config (config.yaml, a checkpoint's `config`), a checkpoint's payload, a sync row written
-before it held its take and size, and the command line's older spellings. A file of a newer schema
+before it held its take and size, sync rows written before they held their bits, and the command
+line's older spellings. A file of a newer schema
 than this code reads is refused in one line.
 
 `SCHEMA_VERSION` is written into config.yaml (`schema_version: N`, its first line) and every
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 VERSION_KEY = "schema_version"
 
 
@@ -119,7 +120,17 @@ def _config_2_to_3(resolved: dict) -> dict:
     return resolved
 
 
-CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (_config_0_to_1, _config_1_to_2, _config_2_to_3)
+def _config_3_to_4(resolved: dict) -> dict:
+    """Version 3: the config is today's (version 4 changed a checkpoint's totals only)."""
+    return resolved
+
+
+CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
+    _config_0_to_1,
+    _config_1_to_2,
+    _config_2_to_3,
+    _config_3_to_4,
+)
 
 
 def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
@@ -197,10 +208,22 @@ def _checkpoint_2_to_3(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_3_to_4(saved: dict) -> dict:
+    """Version 3: before the totals held each replica's outer bits (`comm_outer_bits`): None, so the
+    resumed run's rows hold each sync's bits but no running total and its summary no total bits (the
+    report sums its rows instead: `sync_bits`). Nothing in the checkpoint says what each replica sent
+    at the syncs before it (metrics.jsonl does)."""
+    saved = {**saved}
+    state = saved["state"] = {**saved["state"]}
+    state["totals"] = {"comm_outer_bits": None} | state["totals"]
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
     _checkpoint_2_to_3,
+    _checkpoint_3_to_4,
 )
 
 
@@ -254,6 +277,65 @@ def upgrade_sync_row(row: SyncRow, resolved: dict, run_params: int) -> SyncRow:
         params = round(row.comm_outer_bytes * R / (2 * (R - 1)) / 4)  # `_ring_bytes` inverted
     taken = streaming_take(int(row.update), row.fragment or 0, H, P, tau)
     return dataclasses.replace(row, taken_at=taken, params=params)
+
+
+HEADER_BYTES = 8  # a compressed message's header (`diloco.communication.HEADER_BYTES`; tests/test_bits.py)
+
+
+def _contribution_bits(outer: dict, replicas: int, params: int, payload_bytes: int | None) -> int:
+    """`diloco.communication.contribution_bits`, which this layer cannot import (tests/test_bits.py checks
+    they agree)."""
+    if replicas <= 1:
+        return 0
+    if str(outer["compress"]) == "none":
+        return 32 * params
+    messages = 1 if str(outer.get("reduce", "gather")) == "gather" else replicas
+    return 8 * (int(payload_bytes) + messages * HEADER_BYTES)
+
+
+def _took_part(row: SyncRow, replicas: int) -> list[bool] | None:
+    """Each replica's flag in a sync row that does not hold its bits: a codec's compression errors (None
+    where it did not take part), churn's contributors, or every replica when all took part; None when the
+    row does not say who (an fp32 sync some replicas sat out, without churn)."""
+    errors, contributors = row.figures.get("compress_error"), row.figures.get("contributors")
+    if isinstance(errors, list) and len(errors) == replicas:
+        return [error is not None for error in errors]
+    if isinstance(contributors, list):
+        return [m in contributors for m in range(replicas)]
+    if row.replicas_synced == replicas:
+        return [True] * replicas
+    return None
+
+
+def sync_bits(rows: list[SyncRow], resolved: dict) -> list[SyncRow]:
+    """A run's sync rows (in order, each given `taken_at` and `params` by `upgrade_sync_row`) with their
+    bits: a row written before it held `bits_per_param` gets them from its parameters and payload bytes
+    (`_contribution_bits`, for the replicas `_took_part` names), and every row without `bits_total` (a
+    run written before it, or resumed from a checkpoint written before it) the running sum of the rows'
+    bits. A row whose bits cannot be told (no parameter count, or no word of who took part) keeps none,
+    and the rows after it no running total. Today's rows are returned as they are."""
+    replicas, outer = int(resolved["replicas"]), resolved["outer"]
+    totals: list[int] | None = [0] * replicas
+    out = []
+    for row in rows:
+        per_param = row.bits_per_param
+        if per_param is None and row.params and row.comm_outer_bytes is not None:
+            took = _took_part(row, replicas)
+            payload = row.figures.get("payload_bytes")
+            if took is not None and (payload is not None or str(outer["compress"]) == "none"):
+                bits = _contribution_bits(outer, replicas, row.params, payload)
+                per_param = [bits / row.params if t else None for t in took]
+        if row.bits_total is not None:
+            totals = list(row.bits_total)
+        elif totals is not None and per_param is not None:
+            sent = [0 if x is None else round(x * row.params) for x in per_param]
+            totals = [total + bits for total, bits in zip(totals, sent, strict=True)]
+        elif row.comm_outer_bytes:  # bits sent that no row says: the running total is unknown from here
+            totals = None
+        if (per_param, row.bits_total) != (row.bits_per_param, totals):
+            row = dataclasses.replace(row, bits_per_param=per_param, bits_total=totals)
+        out.append(row)
+    return out
 
 
 # -- the command line -----------------------------------------------------------------------------

@@ -261,6 +261,13 @@ class SyncRow(Row):
     comm_outer_bytes: int | None = _maybe("outer bytes per replica of this sync (a codec's payload)")
     comm_inner_total: int | None = _maybe("running inner bytes")
     comm_outer_total: int | None = _maybe("running outer bytes")
+    bits_per_param: list[float | None] | None = _maybe(
+        "per replica: the bits its contribution sent over `params` (32 for fp32; a codec's 8 * (payload +"
+        ' header bytes) / params: docs/compression.md, "Bits"); None (null): it did not take part'
+    )
+    bits_total: list[int] | None = _maybe(
+        "per replica: the bits it sent in the run so far, this sync's included"
+    )
     outer_spread: float | None = _maybe(
         "outer.overlap=eager: the largest relative distance of a replica's outer weights from their mean"
     )

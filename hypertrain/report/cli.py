@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hypertrain.records.rows import EndRow
 from hypertrain.report import phases
+from hypertrain.report.bits import bits_figures, bits_section
 from hypertrain.report.clocks import parse_target, run_clock, target_loss
 from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, heldout_plot, phases_plot, spread_plot
@@ -214,6 +215,8 @@ def build(
         where = f"each run's own cluster ({', '.join(clusters)})"
         timed = clock_plot(runs, names, plot_keys, flags, list(clocks), target, where, out, groups=groups)
         sections.append(Section("Held-out loss against simulated seconds", plots=[timed]))
+    bits = bits_figures(runs, rows)
+    sections.append(bits_section(runs, names, keys, flags, bits, out))
     spreads = [
         spread_plot(run, name, i, out)
         for i, (run, name) in enumerate(zip(runs, names, strict=True))
@@ -234,6 +237,7 @@ def build(
         ],
         "seed_keys": list(SEED_KEYS),
         "groups": group_table,
+        "bits": bits,
         "plots": [asdict(plot) for section in sections for plot in section.plots],
         "phases": phase_tables,
     }

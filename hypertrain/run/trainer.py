@@ -59,7 +59,9 @@ def sync_rows(
     """The rows of the syncs that landed after `rnd`, advancing `totals`: the pseudo-gradient norm, the
     replicas that took part, the formula's bytes (inner: the updates since the previous sync, on the
     first row; outer: what the landing's reducer sent) and what real processes
-    measured since the previous landing (the first row's includes the updates' gradient all-reduces).
+    measured since the previous landing (the first row's includes the updates' gradient all-reduces),
+    the bits per parameter each replica's contribution sent and each replica's running total of bits
+    (`Landing.bits`; the total left out of a run resumed from a checkpoint written before it).
     DiLoCo's one sync row also holds the held-out loss (`eval_loss`) and `extra` (a multistream
     model's per-channel held-out losses); with fragments each row names its fragment and the held-out
     loss has its own row. With `clock` each row gets its simulated seconds (`Clock.sync`)."""
@@ -72,6 +74,15 @@ def sync_rows(
         totals.comm_inner_bytes += inner
         totals.comm_outer_bytes += outer
         totals.comm_outer_peak = max(totals.comm_outer_peak, outer)
+        per_param = None
+        if sync.bits is not None:
+            per_param = [None if bits is None else bits / sync.params for bits in sync.bits]
+            if totals.comm_outer_bits is not None:
+                totals.comm_outer_bits = [
+                    total + (bits or 0) for total, bits in zip(totals.comm_outer_bits, sync.bits, strict=True)
+                ]
+        elif outer:  # sent, by replicas no record names (an old checkpoint's sync in flight): total unknown
+            totals.comm_outer_bits = None
         row = SyncRow(
             update=count,
             round=rnd.index,
@@ -85,6 +96,8 @@ def sync_rows(
             comm_outer_bytes=outer,
             comm_inner_total=totals.comm_inner_bytes,
             comm_outer_total=totals.comm_outer_bytes,
+            bits_per_param=per_param,
+            bits_total=None if totals.comm_outer_bits is None else list(totals.comm_outer_bits),
             outer_spread=sync.outer_spread,
             figures=sync.codec_figures() | sync.measured | extra,
         )
@@ -104,6 +117,18 @@ def sync_rows(
                 clock.heldout(row.eval_loss)
         rows.append(row)
     return rows
+
+
+def bits_summary(totals) -> dict:
+    """The run's outer bits (docs/compression.md, "Bits"): `comm/outer_total_bits`, the most one replica
+    sent (every replica's alike without churn), and `comm/outer_replica_bits`, each replica's; none for a
+    run resumed from a checkpoint written before they were counted."""
+    if totals.comm_outer_bits is None:
+        return {}
+    return {
+        "comm/outer_total_bits": max(totals.comm_outer_bits, default=0),
+        "comm/outer_replica_bits": list(totals.comm_outer_bits),
+    }
 
 
 def churn_summary(totals, fragments: int) -> dict:
@@ -312,6 +337,7 @@ def train(
             "comm/outer_peak_bytes": totals.comm_outer_peak,
             "run/restarts": restarts.count(),  # by torch's agent, in the launch that finished the run
         }
+        | bits_summary(totals)
         | throughput.window(end)
         | throughput.summary()
         | (clock.summary() if clock is not None else {})
