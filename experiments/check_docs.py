@@ -388,12 +388,17 @@ def overlap_study() -> Table:
 OVERLAP_SETTINGS = (("delayed", "0.7"), ("eager", "0.7"), ("delayed", "0.35"))  # overlap_study.py's runs
 
 
+# experiments/bench/compression.py's settings, the rows of docs/performance.md's codec table
+COMPRESSION_SETTINGS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0", "topk", "sparseloco")
+COMPRESSION_SETTINGS += ("sparseloco-3%", "dct-topk", "lowrank-r1", "lowrank-r4")
+
+
 def compression_sizes() -> Table:
     """docs/performance.md's codec table: its byte counts only (its seconds are timings: MEASURED)."""
     commands = {"compression-sizes": ("script:experiments/bench/compression.py", "--sizes")}
     cells: dict[tuple[str, str], Cell] = {}
-    for codec in ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "topk"):
-        line = rf"(?m)^{codec} +([\d,]+) +([\d.]+)"
+    for codec in COMPRESSION_SETTINGS:
+        line = rf"(?m)^{re.escape(codec)} +([\d,]+) +([\d.]+)"
         cells[codec, "payload B/replica (default)"] = script_figure("compression-sizes", line)
         cells[codec, "x below fp32"] = script_figure(
             "compression-sizes", line.replace("([\\d,]+)", "[\\d,]+")
