@@ -385,6 +385,22 @@ def overlap_study() -> Table:
     return Table("overlap-study", "docs/overlap.md", header, commands, cells, key_columns=2, cheap=False)
 
 
+def codec_study() -> Table:
+    """docs/compression.md's study of loss against bits: experiments/codec_study.py trains its 20 runs
+    and prints its table (then the clock's replay, a second table, not compared here)."""
+    commands = {"codec-study": ("script:experiments/codec_study.py", "{codec-study-runs}")}
+    settings = ("none", "int8", "fp4_e2m1", "e3m0", "topk 1% +EF", "sparseloco 1.6%", "sparseloco 3.1%")
+    settings += ("dct topk 1% +EF", "lowrank r1 +EF", "lowrank r4 +EF")
+    columns = ("held-out final", "bits/replica", "x below fp32")  # Pareto follows from them
+    cells: dict[tuple[str, str], Cell] = {}
+    for H in (8, 30):
+        for setting in settings:
+            key = f"{H} | {setting}"
+            cells |= {(key, c): markdown_cell("codec-study", key, c) for c in columns}
+    header = "| H | setting | held-out final | bits/replica | x below fp32 | Pareto |"
+    return Table("codec-study", "docs/compression.md", header, commands, cells, key_columns=2, cheap=False)
+
+
 OVERLAP_SETTINGS = (("delayed", "0.7"), ("eager", "0.7"), ("delayed", "0.35"))  # overlap_study.py's runs
 
 
@@ -555,6 +571,7 @@ TABLES = {
         compression_study(),
         clock_study_compression(),
         overlap_study(),
+        codec_study(),
         compression_sizes(),
         distributed_bytes(),
         performance_dist_bytes(),
