@@ -115,7 +115,7 @@ def _config_2_to_3(resolved: dict) -> dict:
     `transform`, `tile`, `lowrank_rank`): the run sent int32 indices and fp32 values, transformed nothing and
     never decayed its buffers, so it resumes with its own bytes."""
     outer = resolved.get("outer")
-    if isinstance(outer, dict):
+    if isinstance(outer, dict) and any(key not in outer for key in BEFORE_ISSUE_37):
         resolved = {**resolved, "outer": BEFORE_ISSUE_37 | outer}
     return resolved
 
