@@ -154,6 +154,10 @@ def check_sync(
     took = [m for m in range(R) if active[m]]
     mean = result.mean.double().numpy()
     bounds_d = {}
+    delta64 = deltas.double().numpy()
+    # each replica's compression error ||P Q_m^T - delta_m|| / ||delta_m|| (its own contribution's
+    # residual): the float64 squares and the bound of the fp32 one, summed over the matrices
+    residual2, residual_bound = [0.0] * R, [0.0] * R
     for name, (start, rows, cols) in matrices(shapes).items():
         ms = [x64[m, start : start + rows * cols].reshape(rows, cols) for m in range(R)]
         q0 = q_before[name].double().numpy()
@@ -181,6 +185,18 @@ def check_sync(
         got_d = mean[start : start + rows * cols].reshape(rows, cols)
         assert np.linalg.norm(got_d - d64) <= dd, (name, "PQ^T", np.linalg.norm(got_d - d64), dd)
         bounds_d[name] = (d64, dd)
+        for m in took:  # Q_m = M_m^T P and P Q_m^T - delta_m: the bounds above for one replica, and the
+            q_m = ms[m].T @ p_hat64  # fp32 subtraction's rounding (U32 of the residual)
+            own = p_hat64 @ q_m.T - delta64[m, start : start + rows * cols].reshape(rows, cols)
+            residual2[m] += float(np.linalg.norm(own)) ** 2
+            abs_mp = np.abs(ms[m]).T @ np.abs(p_hat64)
+            dq_m = np.linalg.norm(ms[m]) * dp + gamma(rows) * np.linalg.norm(abs_mp)
+            residual_bound[m] += (
+                dp * np.linalg.norm(q_m)
+                + (1 + dp) * dq_m
+                + gamma(r) * np.linalg.norm(np.abs(p_hat64) @ np.abs(q_m).T)
+                + U32 * np.linalg.norm(own)
+            )
     # the 1-D tensors: sent exact, their mean added in replica order and divided, in fp32 (bitwise)
     x32 = deltas if errors_before is None else deltas + errors_before
     for a, n in exact_spans(shapes):
@@ -189,6 +205,17 @@ def check_sync(
             total = total + x32[m, a : a + n]
         assert torch.equal(result.mean[a : a + n], total / len(took)), ("1-D", a)
     assert result.synced == len(took)
+    for m in range(R):  # the 1-D tensors' residual: x - delta (e, or 0), one fp32 rounding of |x| each
+        if not active[m]:
+            assert result.compress_error[m] is None, ("error of one not there", m)
+            continue
+        for a, n in exact_spans(shapes):
+            residual2[m] += float(np.linalg.norm(x64[m, a : a + n] - delta64[m, a : a + n])) ** 2
+            residual_bound[m] += U32 * float(np.linalg.norm(x64[m, a : a + n]))
+        norm = float(np.linalg.norm(delta64[m]))
+        want = math.sqrt(residual2[m]) / norm
+        bound = residual_bound[m] / norm + 2 * U32 * want  # and the header's fp32 rounding of it
+        assert abs(result.compress_error[m] - want) <= bound, ("compress error", m, want, bound)
     if errors_after is None:
         return
     # e_m <- M_m - P Q^T (the shared approximation) for the replicas that took part; 1-D buffers 0

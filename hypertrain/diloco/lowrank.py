@@ -141,10 +141,12 @@ class LowRankMean:
         self.q, self.errors, self.store, self.groups = q, errors, store, groups
         self.result, self.done = None, False
         rows = []
+        # each local replica's matrices, copied once: both products of the power iteration read them
+        self.mats = [{mat.name: _matrix(x, m, mat) for mat in factors.matrices} for m in range(x.shape[0])]
         for m in range(x.shape[0]):
             parts = [active[m : m + 1].to(x.dtype)]
             for mat in factors.matrices:
-                parts.append((_matrix(x, m, mat) @ q[mat.name]).reshape(-1))
+                parts.append((self.mats[m][mat.name] @ q[mat.name]).reshape(-1))
             parts += [x[m, a : a + n] for a, n in factors.exact]
             row = torch.cat(parts)
             rows.append(torch.where(active[m], row, 0.0).contiguous().view(torch.uint8))
@@ -173,19 +175,23 @@ class LowRankMean:
         # each local replica's Q_m and its own contribution's error ||P Q_m^T - delta_m|| / ||delta_m||
         rows = []
         for m in range(x.shape[0]):
-            q_parts, own = [], torch.zeros(factors.numel, dtype=torch.float64, device=x.device)
+            q_parts, square = [], torch.zeros((), dtype=torch.float64, device=x.device)
+            delta = self.deltas[m]
             for mat in factors.matrices:
-                q_m = _matrix(x, m, mat).t() @ p_hat[mat.name]
+                q_m = self.mats[m][mat.name].t() @ p_hat[mat.name]
                 q_parts.append(q_m.reshape(-1))
-                span = slice(mat.start, mat.start + mat.rows * mat.cols)
-                own[span] = (p_hat[mat.name].double() @ q_m.double().t()).reshape(-1)
+                # ||P Q_m^T - delta_m|| of the matrix: its own contribution's residual, in fp32 (the
+                # header carries the error in fp32), its square summed in float64
+                d = delta[mat.start : mat.start + mat.rows * mat.cols].view(mat.rows, mat.cols)
+                square += torch.linalg.vector_norm(p_hat[mat.name] @ q_m.t() - d, dtype=torch.float64) ** 2
             for a, n in factors.exact:
-                own[a : a + n] = x[m, a : a + n].double()
-            delta = self.deltas[m].double()
-            norm = delta.norm()
-            error = (own - delta).norm() / torch.where(norm > 0, norm, 1.0)
+                exact_residual = x[m, a : a + n] - delta[a : a + n]
+                square += torch.linalg.vector_norm(exact_residual, dtype=torch.float64) ** 2
+            norm = torch.linalg.vector_norm(delta, dtype=torch.float64)
+            error = square.sqrt() / torch.where(norm > 0, norm, 1.0)
             row = torch.cat([error.to(x.dtype).reshape(1), *q_parts])
             rows.append(torch.where(self.active[m], row, 0.0).contiguous().view(torch.uint8))
+        self.mats = None  # the copies served both products
         second = self.groups.start_all_gather_replicas(torch.stack(rows)).wait().view(x.dtype)
         errors = second[:, 0].tolist()
         q_mean = _mean_in_replica_order(second[:, 1:], active)
