@@ -615,3 +615,52 @@ if __name__ == "__main__":  # the stage test's ranks: `python tests/test_lowrank
     torch.set_num_threads(1)
     world = int(sys.argv[2])
     fork_ranks(world, lambda rank: stage_worker(rank, world, Path(sys.argv[3])))
+
+
+def test_the_clock_gathers_p_at_the_take_and_q_at_the_landing(tmp_path):
+    """The network clock (docs/clock.md) times low rank as its two dependent gathers: P and the 1-D
+    tensors started at the take (hidden by the compute since, here one update: tau = 1), Q's factors
+    (`landing_bytes` = 4 x the fragment's sum of cols x r) at the landing, exposed whole. On a link slow
+    enough that both show: hidden = min(compute, gather(P)), exposed = the rest of gather(P) + gather(Q);
+    one gather of the whole payload, the clock's rule for a codec, would lack Q's latency and hide it."""
+    from helpers import compose_cfg, entry
+    from omegaconf import OmegaConf
+
+    from hypertrain.clock.formulas import Link, all_gather_s
+    from hypertrain.clock.replay import clock_of
+    from hypertrain.config import ClusterConfig, LinkConfig
+    from hypertrain.diloco.fragments import members
+    from hypertrain.model.shapes import param_shapes
+    from hypertrain.rundir.records import read_metrics
+
+    args = [*WHOLE, "inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1", "cluster=h100"]
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    resolved = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"), resolve=True)
+    cfg = compose_cfg([a for a in args if not a.startswith("logger")])
+    shapes = param_shapes(cfg.model)
+    q_bytes = [
+        4
+        * sum(
+            math.prod(shapes[n][1:]) * min(2, shapes[n][0], math.prod(shapes[n][1:]))
+            for n in names
+            if len(shapes[n]) >= 2
+        )
+        for names in members(cfg)
+    ]
+    slow = LinkConfig("slow", bandwidth_gbit=1e-4, latency_us=1000.0)
+    cluster = ClusterConfig(name="test", compute="modelled", peak_tflops=1e-3, mfu=0.5, inter=slow)
+    cluster.check()
+    link = Link.of(slow)
+    clock = clock_of(rows, resolved, cluster)
+    syncs = [r for r in rows if r.get("kind") == "sync"]
+    assert len(syncs) == len(clock["syncs"]) == 5
+    for row, sync in zip(syncs, clock["syncs"], strict=True):
+        q = row["landing_bytes"]
+        assert q == q_bytes[row["fragment"]], (row["fragment"], q)
+        first, second = all_gather_s(row["payload_bytes"] - q, 2, link), all_gather_s(q, 2, link)
+        hidden = sync["clock_outer_hidden_s"]
+        assert 0.0 <= hidden <= first
+        assert sync["clock_outer_exposed_s"] == pytest.approx(first - hidden + second, rel=1e-12)
+    assert any(s["clock_outer_hidden_s"] > 0 for s in clock["syncs"])  # tau = 1: some of P hides

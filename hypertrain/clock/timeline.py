@@ -132,8 +132,9 @@ class Clock:
         """A `sync` row (`update`, `taken_at`, `params`, `comm_outer_bytes`, `payload_bytes`: what the
         landing recorded, never re-derived here): the outer exchange among the R replicas over the inter
         link by scheme (fp32 ring all-reduce of the synced parameters; a compressed payload's
-        all-gather, or two_phase's all-to-all then the all-gather of shard means at the landing), the
-        part started at the take hidden by the compute of the updates since. Returns the row's clock
+        all-gather, or two_phase's all-to-all then the all-gather of shard means at the landing; low
+        rank's gather of P and the 1-D tensors, then its gather of Q, `landing_bytes`, at the landing),
+        the part started at the take hidden by the compute of the updates since. Returns the row's clock
         fields: the compute and inner seconds since the previous landing (on the first row of an
         update), outer exposed and hidden seconds, and `clock_s`."""
         shape = self.shape
@@ -146,6 +147,10 @@ class Clock:
         elif shape.reduce == "two_phase" and shape.compress != "topk":
             b = row.figures["payload_bytes"] * self.scale
             hideable = at_landing = all_to_all_s(b, R, self.inter)
+        elif row.figures.get("landing_bytes"):  # low rank: P's gather at the take, Q's at the landing
+            second = row.figures["landing_bytes"] * self.scale
+            hideable = all_gather_s(row.figures["payload_bytes"] * self.scale - second, R, self.inter)
+            at_landing = all_gather_s(second, R, self.inter)
         else:
             hideable = all_gather_s(row.figures["payload_bytes"] * self.scale, R, self.inter)
         since = range(row.taken_at + 1, u + 1)

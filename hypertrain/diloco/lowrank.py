@@ -225,7 +225,8 @@ class LowRankMean:
             self.store(self.errors)
         b = factors.payload_bytes
         taken = [e if a else None for a, e in zip(active, errors, strict=True)]
-        self.result = Reduced(mean, count, (self.groups.total_replicas - 1) * b, b, taken)
+        landing = 4 * factors.q_numel  # the second gather's factors: exchanged at the landing
+        self.result = Reduced(mean, count, (self.groups.total_replicas - 1) * b, b, taken, landing)
         return self.result
 
 

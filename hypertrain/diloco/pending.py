@@ -30,18 +30,21 @@ class Reduced:
     sent_bytes: int | None = None
     payload_bytes: int | None = None
     compress_error: list[float | None] | None = None
+    # of `payload_bytes`, what is exchanged only at the landing (low rank's second gather: its Q factors)
+    landing_bytes: int | None = None
 
     @property
     def figures(self) -> dict:
         """The codec's facts as a checkpoint stores them (`comm_outer_bytes`, `payload_bytes`,
-        `compress_error`; empty for fp32)."""
+        `compress_error`, low rank's `landing_bytes`; empty for fp32)."""
         if self.sent_bytes is None:
             return {}
-        return {
+        figures = {
             "comm_outer_bytes": self.sent_bytes,
             "payload_bytes": self.payload_bytes,
             "compress_error": self.compress_error,
         }
+        return figures if self.landing_bytes is None else figures | {"landing_bytes": self.landing_bytes}
 
     @classmethod
     def of(cls, mean: Tensor, synced: int, figures: dict) -> Reduced:
@@ -52,6 +55,7 @@ class Reduced:
             figures.get("comm_outer_bytes"),
             figures.get("payload_bytes"),
             figures.get("compress_error"),
+            figures.get("landing_bytes"),
         )
 
 

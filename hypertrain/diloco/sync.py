@@ -67,12 +67,16 @@ class Landing:
     # outer.overlap=eager: the largest relative distance ||theta_m - mean|| / ||mean|| of a replica's
     # outer weights of the fragment from their mean over replicas, after this landing; None otherwise
     outer_spread: float | None = None
+    # of `payload_bytes`, the part exchanged at the landing (low rank's Q factors); None otherwise
+    landing_bytes: int | None = None
 
     def codec_figures(self) -> dict:
-        """A codec's fields of the sync row (`payload_bytes`, `compress_error`); none for fp32."""
+        """A codec's fields of the sync row (`payload_bytes`, `compress_error`, low rank's
+        `landing_bytes`); none for fp32."""
         if self.payload_bytes is None:
             return {}
-        return {"payload_bytes": self.payload_bytes, "compress_error": self.compress_error}
+        figures = {"payload_bytes": self.payload_bytes, "compress_error": self.compress_error}
+        return figures if self.landing_bytes is None else figures | {"landing_bytes": self.landing_bytes}
 
 
 class ExactReducer:
@@ -315,6 +319,7 @@ class FragmentSync:
         landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
         landing.payload_bytes = communicated.payload_bytes
         landing.compress_error = communicated.compress_error
+        landing.landing_bytes = communicated.landing_bytes
         outer = self.cfg.outer
         bits = contribution_bits(
             outer.compress, outer.reduce, self.cfg.replicas, self.params, communicated.payload_bytes

@@ -272,7 +272,8 @@ class SyncRow(Row):
         "outer.overlap=eager: the largest relative distance of a replica's outer weights from their mean"
     )
     figures: dict = _open(
-        "a codec's (`payload_bytes`, its errors), real processes' measured bytes and seconds, a"
+        "a codec's (`payload_bytes`, its errors; low rank's `landing_bytes`, the part exchanged at the"
+        " landing), real processes' measured bytes and seconds, a"
         " multistream model's held-out losses, churn's facts, the clock's split (`clock_*`)"
     )
 
