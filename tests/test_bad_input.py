@@ -358,12 +358,6 @@ CASES = {
         "outer.compress=lowrank with outer.transform=dct: low rank sends factors of matrices",
         "outer.transform=none",
     ),
-    "lowrank-with-churn": Case(
-        "low rank with churn",
-        ["outer.compress=lowrank", "churn.p_miss=0.1"],
-        "outer.compress=lowrank with churn is not built",
-        "another outer.compress, or churn off",
-    ),
     "negative-restarts": Case(
         "a negative number of restarts",
         ["processes=dist", "processes.max_restarts=-1"],

@@ -379,14 +379,18 @@ def test_a_non_finite_pseudo_gradient_stops_the_sync_before_anything_is_sent(bad
 # -- whole runs ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ef", [False, True])
-def test_loop_equals_stacked(ef):
+@pytest.mark.parametrize("ef, churn", [(False, False), (True, False), (True, True)])
+def test_loop_equals_stacked(ef, churn):
     """Invariant 6 with low rank: the stacked engine and the loop, each against the float64 run of the
     same code (`assert_engines_agree`: losses and final weights within twice the loop's own error or its
-    rounding floor), R = 2, H = 2, two syncs at rank 2, with and without error feedback. The stage itself
-    is the same function whatever engine made the pseudo-gradients."""
+    rounding floor), R = 2, H = 2, two syncs at rank 2, with and without error feedback, and with churn
+    (replica 1 misses round 2: the second sync is replica 0's alone). The stage itself is the same
+    function whatever engine made the pseudo-gradients."""
     outer = OuterConfig(compress="lowrank", lowrank_rank=2, error_feedback=ef)
-    assert_engines_agree(replace(cfg_for(2, 2), outer=outer))
+    cfg = replace(cfg_for(2, 2), outer=outer)
+    if churn:
+        cfg = replace(cfg, churn=replace(cfg.churn, events=["2:1:miss"]))
+    assert_engines_agree(cfg)
 
 
 # -- real processes ---------------------------------------------------------------------------------------
@@ -522,8 +526,13 @@ MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
         pytest.param(
             ["inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"], marks=pytest.mark.slow
         ),
+        # churn: replica 1 misses round 2 (its flag 0 in both gathers: the sync at 4 is replica 0's alone)
+        pytest.param(
+            ["outer.error_feedback=true", "inner.H=2", "phase.updates=6", "churn.events=[2:1:miss]"],
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["ef", "fragments2-delay1"],
+    ids=["ef", "fragments2-delay1", "churn-miss"],
 )
 def test_real_processes_equal_the_simulation_exactly_in_whole_runs(tmp_path, extra):
     """`processes=dist` (two self-launched gloo workers) against the simulation of the same overrides,
@@ -542,6 +551,10 @@ def test_real_processes_equal_the_simulation_exactly_in_whole_runs(tmp_path, ext
     assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
     syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
     assert syncs and all(len(r["compress_error"]) == 2 for r in syncs)
+    if any("churn" in a for a in extra):  # the miss: one contributor, its error alone, its bits alone
+        missed = [r for r in syncs if r["update"] == 4]
+        assert missed and missed[0]["replicas_synced"] == 1 and missed[0]["compress_error"][1] is None
+        assert missed[0]["bits_per_param"][1] is None
     assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
 
 
@@ -580,10 +593,19 @@ KILL_FRAGMENTS = [
 KILL_CASES = {
     "mid-round": (KILL_RUN, "0:4:kill:after"),
     "fragments-in-flight": (KILL_FRAGMENTS, "0:4:kill:after"),
+    # churn: replica 1 misses round 2 (updates 3-4), the round the kill falls in
+    "churn-miss": ([*KILL_RUN, "churn.events=[2:1:miss]"], "0:4:kill:after"),
 }
 
 
-@pytest.mark.parametrize("name", ["mid-round", pytest.param("fragments-in-flight", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mid-round",
+        pytest.param("fragments-in-flight", marks=pytest.mark.slow),
+        pytest.param("churn-miss", marks=pytest.mark.slow),
+    ],
+)
 def test_killed_with_warm_starts_and_error_buffers_resumes_bit_identically(tmp_path, name):
     """Invariant 9 with low rank: SIGKILL after an inner step; the newest checkpoint (at 3) holds every
     matrix's warm start Q (moved from the seeded initial one by the syncs before it) and every replica's

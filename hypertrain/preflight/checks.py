@@ -97,14 +97,6 @@ def check_overlap(cfg: TrainConfig) -> None:
         )
 
 
-def check_lowrank(cfg: TrainConfig) -> None:
-    """outer.compress=lowrank is not built with churn (docs/compression.md): refused."""
-    if cfg.outer.compress == "lowrank" and cfg.churn.enabled:
-        raise UserError(
-            "outer.compress=lowrank with churn is not built; valid: another outer.compress, or churn off"
-        )
-
-
 def check_layout(cfg: TrainConfig) -> Decided:
     """What the config decides (`decided.decide`); UserError when processes=dist fits no process layout
     for its processes (the launcher's, or processes.nproc), W and R."""
@@ -124,7 +116,6 @@ def validate(cfg: TrainConfig) -> Decided:
     check_fragments(cfg)
     check_deadline(cfg)
     check_overlap(cfg)
-    check_lowrank(cfg)
     return decided
 
 
