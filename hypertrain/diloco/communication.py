@@ -114,7 +114,7 @@ def _header(rows: Tensor) -> tuple[list[bool], list[float]]:
     return [bool(x) for x in header[:, 0].tolist()], header[:, 1].tolist()
 
 
-def _mean_in_replica_order(decoded: Tensor, active: list[bool]) -> Tensor:
+def mean_in_replica_order(decoded: Tensor, active: list[bool]) -> Tensor:
     """The sum of the rows that took part, added in replica order (the same additions on every
     process and in the simulation), over their count."""
     total = torch.zeros_like(decoded[0])
@@ -171,7 +171,7 @@ class CompressedMean:
             if not any(active):
                 return None
             payloads = rows[:, HEADER_BYTES:].contiguous()
-            mean = _mean_in_replica_order(
+            mean = mean_in_replica_order(
                 codecs.decode(codec, payloads, self.blocks, fraction, transform), active
             )
             sent = (R - 1) * self.b  # received per participant, (n - 1) * b
@@ -188,7 +188,7 @@ class CompressedMean:
                 decoded = codecs.decode(codec, received, own, fraction, transform)
                 means.append(
                     codecs.encode(
-                        codec, _mean_in_replica_order(decoded, active)[None], own, fraction, transform
+                        codec, mean_in_replica_order(decoded, active)[None], own, fraction, transform
                     )
                 )
             widths = [codecs.payload_size(codec, own, fraction) for _, _, own in self.shards]
@@ -210,6 +210,29 @@ class CompressedMean:
 def topk(outer: OuterConfig) -> codecs.TopK:
     """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it)."""
     return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+
+
+def fed_back(deltas: Tensor, errors: Tensor | None, decay: float) -> Tensor:
+    """What a replica compresses: its pseudo-gradient plus its error buffer decayed by `decay` (beta,
+    outer.error_decay; SparseLoCo's u = beta * e + delta), the pseudo-gradient alone without feedback."""
+    if errors is None:
+        return deltas
+    if decay == 1.0:
+        return deltas + errors  # plain error feedback's expression, bitwise
+    return deltas + errors * decay
+
+
+def refuse_non_finite(x: Tensor, active: Tensor, groups: Collectives, update: int | None) -> None:
+    """NonFiniteError on every process (agreed) when a row of `x` that would be sent is not finite,
+    naming the replica (the highest-numbered, when several are) and the sync's `update`."""
+    finite = torch.isfinite(x).all(dim=1) | ~active
+    local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
+    bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
+    if bad:
+        at = "" if update is None else f" at the sync at update {update}"
+        raise NonFiniteError(
+            f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
+        )
 
 
 def compressed_mean(
@@ -234,20 +257,8 @@ def compressed_mean(
     (the highest-numbered, when several are) and the sync's `update`. `order` (outer.tile): the blocks'
     order, `tiles.tile_order` (None: the parameters' own); the buffers and the mean stay in parameter
     order."""
-    if errors is None:
-        x = deltas
-    elif outer.error_decay == 1.0:
-        x = deltas + errors  # today's expression: plain error feedback, bitwise
-    else:
-        x = deltas + errors * outer.error_decay  # SparseLoCo: u = beta * e + delta
-    finite = torch.isfinite(x).all(dim=1) | ~active
-    local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
-    bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
-    if bad:
-        at = "" if update is None else f" at the sync at update {update}"
-        raise NonFiniteError(
-            f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
-        )
+    x = fed_back(deltas, errors, outer.error_decay)
+    refuse_non_finite(x, active, groups, update)
     codec, fraction, transform = outer.compress, topk(outer), outer.transform
     x_tiled = to_tiles(x, order)
     code = codecs.encode(codec, x_tiled, blocks, fraction, transform)

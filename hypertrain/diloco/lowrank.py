@@ -14,10 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hypertrain.diloco.communication import HEADER_BYTES, _mean_in_replica_order
+from hypertrain.diloco.communication import HEADER_BYTES, fed_back, mean_in_replica_order, refuse_non_finite
 from hypertrain.diloco.pending import Reduced
 from hypertrain.distributed.groups import Collectives
-from hypertrain.failures import NonFiniteError
 
 FLAG_BYTES = HEADER_BYTES // 2  # the first message's header (took part), the second's (its error): fp32
 
@@ -165,8 +164,8 @@ class LowRankMean:
         if not any(active):
             return None
         count = sum(active)
-        p_sums = _mean_in_replica_order(first[:, 1 : 1 + factors.p_numel], active)
-        exact = _mean_in_replica_order(first[:, 1 + factors.p_numel :], active)
+        p_sums = mean_in_replica_order(first[:, 1 : 1 + factors.p_numel], active)
+        exact = mean_in_replica_order(first[:, 1 + factors.p_numel :], active)
         p_hat, at = {}, 0
         for mat in factors.matrices:
             size = mat.rows * mat.rank
@@ -194,7 +193,7 @@ class LowRankMean:
         self.mats = None  # the copies served both products
         second = self.groups.start_all_gather_replicas(torch.stack(rows)).wait().view(x.dtype)
         errors = second[:, 0].tolist()
-        q_mean = _mean_in_replica_order(second[:, 1:], active)
+        q_mean = mean_in_replica_order(second[:, 1:], active)
         mean = torch.empty(factors.numel, dtype=x.dtype, device=x.device)
         at = 0
         for mat in factors.matrices:
@@ -239,19 +238,14 @@ def lowrank_mean(
     groups: Collectives,
     store: Callable[[Tensor], None] | None = None,
     update: int | None = None,
+    decay: float = 1.0,
 ) -> LowRankMean:
     """Start a low-rank sync of this process's replicas' pseudo-gradients `deltas` [R_local, n] (with
-    error feedback, `errors` [R_local, n] is added first and, once the sync is waited for, updated in
-    place and handed to `store`), warm-started from `q` (each matrix's [cols, r], updated in place at
-    the wait). Raises NonFiniteError (every process, agreed) when an input that would be sent is not
-    finite, before anything is sent, naming the replica (the highest-numbered) and the sync's `update`."""
-    x = deltas if errors is None else deltas + errors
-    finite = torch.isfinite(x).all(dim=1) | ~active
-    local_bad = [m for m, ok in zip(groups.replicas, finite.tolist(), strict=True) if not ok]
-    bad = groups.max_over_processes(max(local_bad, default=-1) + 1)
-    if bad:
-        at = "" if update is None else f" at the sync at update {update}"
-        raise NonFiniteError(
-            f"the pseudo-gradient of replica {bad - 1}{at} is not finite; the run stops before sending it"
-        )
+    error feedback, `errors` [R_local, n], decayed by `decay` (outer.error_decay), is added first and,
+    once the sync is waited for, updated in place and handed to `store`), warm-started from `q` (each
+    matrix's [cols, r], updated in place at the wait). Raises NonFiniteError (every process, agreed)
+    when an input that would be sent is not finite, before anything is sent, naming the replica (the
+    highest-numbered) and the sync's `update`."""
+    x = fed_back(deltas, errors, decay)
+    refuse_non_finite(x, active, groups, update)
     return LowRankMean(factors, x, deltas, active, q, errors, store or (lambda _: None), groups)

@@ -158,7 +158,8 @@ class LowRankReducer:
         deltas = pseudo_gradients(sync.theta, replica_params)
         errors = sync.flat_errors()
         store = None if errors is None else sync.store_errors
-        return lowrank_mean(self.factors, deltas, errors, active, sync.lowrank_q, groups, store, count)
+        decay = sync.cfg.outer.error_decay
+        return lowrank_mean(self.factors, deltas, errors, active, sync.lowrank_q, groups, store, count, decay)
 
     def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
         raise NotImplementedError("outer.compress=lowrank with outer.overlap is refused by OuterConfig.check")
