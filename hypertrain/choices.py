@@ -127,6 +127,7 @@ class DataName(Choice):
     stdlib = "stdlib"
     text_files = "text_files"
     token_bin = "token_bin"
+    prepared = "prepared"
     speech = "speech"
 
 
@@ -142,6 +143,14 @@ class Examples(Choice):
 
     windows = "windows"
     documents = "documents"
+
+
+class ReplicaSplit(Choice):
+    """data.replica_split: every replica samples the whole stream (iid), or replica m only the prepared
+    corpus's source m mod S (by_source; docs/data.md)."""
+
+    iid = "iid"
+    by_source = "by_source"
 
 
 class EngineName(Choice):

@@ -38,6 +38,7 @@ from hypertrain.choices import (
     ProgressLine,
     Reduction,
     RejoinState,
+    ReplicaSplit,
     StatePolicy,
     TokenDtype,
     TopkValues,
@@ -365,8 +366,9 @@ class WorldConfig:
 
 @dataclass
 class DataConfig:
-    name: DataName = DataName.stdlib  # stdlib (embedded), text_files, token_bin, speech (docs/audio.md)
-    # text_files: a glob of the user's files; token_bin: the token file; speech: a glob of the text to
+    name: DataName = DataName.stdlib  # stdlib (embedded), text_files, token_bin, prepared, speech
+    # text_files: a glob of the user's files; token_bin: the token file; prepared: the directory
+    # `python -m hypertrain.data prepare` wrote (docs/data.md); speech: a glob of the text to
     # speak ("" = the stdlib's docstrings and comments; a glob ending in .py reads the docstrings and
     # comments of those files, any other glob plain text)
     path: str = ""
@@ -375,6 +377,12 @@ class DataConfig:
     seq_len: int = 64  # windows: tokens the model reads per row (each row holds seq_len + 1 ids)
     max_len: int = 256  # documents: a paragraph is cut at max_len + 1 ids (max_len targets)
     heldout: int = 256  # the last ids of the stream, never trained on, for the held-out loss
+    # prepared: windows may run from one document into the next (true, the eod between them) or stay
+    # inside one document, its eod included (false)
+    window_across_documents: bool = True
+    # prepared: iid (every replica samples every source) or by_source (replica m trains only on source
+    # m mod S of the corpus's S sources; S must divide replicas)
+    replica_split: ReplicaSplit = ReplicaSplit.iid
     max_padded_tokens: int = 12000  # documents, speech: bound on rows * longest row in one microbatch
     max_examples: int = 16  # documents, speech: bound on rows in one microbatch
     shuffle_seed: int = 0  # order of windows / documents / utterances in the stream
