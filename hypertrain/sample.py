@@ -123,10 +123,13 @@ def read_run(run_dir: Path) -> tuple[ModelConfig, DataConfig, set[str]]:
 def codec(model: ModelConfig, data: DataConfig, run_dir: Path) -> TextCodec:
     """The run's tokenizer: UTF-8 bytes for byte-level data, the corpus's own for data=prepared;
     UserError for data that has none or is not text."""
-    if model.arch != "decoder" or data.name == "speech":
+    valid = "valid: a decoder run on data=stdlib, text_files or prepared"
+    if data.name == "speech":
+        raise UserError(f"{run_dir} trained on data=speech, text and audio channels, not text alone; {valid}")
+    if model.arch != "decoder":
         raise UserError(
-            f"{run_dir} trained a multistream model on data={data.name} (text and audio channels), "
-            "which this command cannot continue; valid: a decoder run on data=stdlib, text_files or prepared"
+            f"{run_dir} trained a model.arch={model.arch} model, several token channels per position, not "
+            f"text alone; {valid}"
         )
     if data.name in BYTE_DATA:
         return TextCodec(
@@ -147,8 +150,7 @@ def codec(model: ModelConfig, data: DataConfig, run_dir: Path) -> TextCodec:
             ) from None
         return TextCodec(tokenizer.encode, tokenizer.decode, vocab=min(meta.vocab, model.vocab), eod=meta.eod)
     raise UserError(
-        f"{run_dir} trained on data={data.name}, whose ids have no tokenizer to read them as text; valid: "
-        "a run on data=stdlib, text_files or prepared"
+        f"{run_dir} trained on data={data.name}, whose ids have no tokenizer to read them as text; {valid}"
     )
 
 
