@@ -106,8 +106,8 @@ def read_run(run_dir: Path) -> tuple[ModelConfig, DataConfig, set[str]]:
     runs (its `start` rows); UserError when `run_dir` is no run."""
     if not (run_dir / CONFIG).is_file():
         raise UserError(
-            f"RUN_DIR={run_dir} is not a run directory (no {CONFIG}); valid: a directory "
-            "`python -m hypertrain.train` wrote (hydra.run.dir)"
+            f"RUN_DIR={run_dir} is not a run directory (no {CONFIG}); valid: the directory a training run "
+            "wrote (its hydra.run.dir)"
         )
     try:
         run = load_run(run_dir, need_plan=False)
