@@ -123,6 +123,21 @@ def test_a_checkpoint_gives_its_own_weights_continuation(run):
     assert final_out != out
 
 
+def test_an_eager_overlap_runs_last_checkpoint_continues_as_its_final_weights(tmp_path):
+    """outer.overlap=eager keeps one outer copy per replica; the checkpoint's global weights are their
+    mean, the weights.pt of the run's end."""
+    done = entry([*RUN, "outer.overlap=eager", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-u*.pt"))[-1]
+    saved = torch.load(last, weights_only=True)["state"]
+    mean = {
+        n: torch.stack([r["theta"][n][0] for r in saved["outer_replicas"]]).mean(0) for n in saved["theta"]
+    }
+    assert all(torch.allclose(mean[n], saved["theta"][n], atol=1e-7) for n in mean)
+    args = [str(tmp_path / "run"), "--prompt", PROMPT, "--tokens", "16", "--temperature", "0.7"]
+    assert command(*args, "--checkpoint", str(last))[1] == command(*args)[1]
+
+
 def test_sampling_stops_at_the_eod(run):
     theta, model = torch.load(run / "weights.pt", weights_only=True), model_of(run)
     free = sample.continuation(model, theta, list(b"class "), tokens=20, context=CONTEXT, vocab=256)
