@@ -98,6 +98,12 @@ def test_the_context_is_the_last_training_length_of_tokens(run):
     )
 
 
+def test_the_context_is_what_the_model_read_in_training():
+    """A window of seq_len + 1 ids trains seq_len inputs; a document cut at max_len + 1 ids, max_len."""
+    assert sample.context_length(DataConfig(seq_len=32)) == 32
+    assert sample.context_length(DataConfig(examples="documents", seq_len=32, max_len=48)) == 48
+
+
 def test_the_same_seed_gives_the_same_sample_and_another_seed_another(run):
     def sampled(seed: int) -> str:
         code, out, err = command(
