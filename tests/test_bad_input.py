@@ -13,18 +13,22 @@ it, and `test_the_errors_page_is_the_catalogue` fails when the page and the case
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, entry, tree
+import yaml
+from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, entry, entry_env, tree
 
 from hypertrain.failures import EXIT_CODES
 from hypertrain.rundir.checkpoint import seal
@@ -53,6 +57,9 @@ class Case:
     hydra: bool = False  # Hydra's own wording
     setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
     env: dict[str, str] = field(default_factory=dict)  # the entry's environment ({cwd} as in args)
+    # the command: "train" (args after BASE) or "sample" (`python -m hypertrain.sample ARGS`, its line
+    # `hypertrain.sample: error: ...`)
+    command: str = "train"
 
 
 def copy_of_earlier(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
@@ -107,6 +114,17 @@ def _stopped_before_its_first_checkpoint(earlier: Path, cwd: Path) -> None:
     (cwd / "run").mkdir()
     for name in ("config.yaml", "plan.json"):
         shutil.copy(earlier / name, cwd / "run" / name)
+
+
+def _trained_on(data: str) -> Callable[[Path], None]:
+    """A change: the run's config.yaml says it trained on `data` (its weights stay as they are)."""
+
+    def change(run: Path) -> None:
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["data"]["name"] = data
+        (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    return change
 
 
 def token_file(largest: int, n: int = 20000) -> bytes:
@@ -436,6 +454,81 @@ CASES = {
         ["-m", "model.d_model=32,1000000", "hydra.sweep.dir=sweep"],
         "model.d_model=1000000, model.n_layers=2, model.vocab=256, replicas=2 need about 2.5 PB",
         "values that fit; no job runs and no sweep directory is left",
+    ),
+    # issue 38: sample. `python -m hypertrain.sample RUN_DIR --prompt TEXT` on a run that is none, has no
+    # weights to read, or has no text; or given a value out of range. It never writes.
+    "sample-not-a-run": Case(
+        "`python -m hypertrain.sample` given a directory that holds no run",
+        ["{cwd}", "--prompt", "def "],
+        "RUN_DIR={cwd} is not a run directory (no config.yaml); valid: the directory a training run wrote "
+        "(its hydra.run.dir)",
+        "the run's directory (hydra.run.dir)",
+        command="sample",
+    ),
+    "sample-run-without-weights": Case(
+        "`python -m hypertrain.sample` on a run that has not finished (no weights.pt) without --checkpoint",
+        ["run", "--prompt", "def "],
+        "run has no weights.pt yet (the run has not finished); valid: --checkpoint "
+        "run/checkpoints/ckpt-u0000006.pt (its newest checkpoint)",
+        "name one of its checkpoints with --checkpoint, or wait for the run to finish",
+        setup=copy_of_earlier(_without("weights.pt")),
+        command="sample",
+    ),
+    "sample-unknown-checkpoint": Case(
+        "`python -m hypertrain.sample --checkpoint` naming no file",
+        ["{earlier}", "--prompt", "def ", "--checkpoint", "{earlier}/checkpoints/ckpt-u9999999.pt"],
+        "--checkpoint={earlier}/checkpoints/ckpt-u9999999.pt is not a file; valid: a checkpoint of "
+        "{earlier} ({earlier}/checkpoints/ckpt-u*.pt)",
+        "one of the run's checkpoints",
+        command="sample",
+    ),
+    "sample-checkpoint-of-another-run": Case(
+        "`python -m hypertrain.sample --checkpoint` naming a checkpoint of another run",
+        ["run", "--prompt", "def ", "--checkpoint", "run/checkpoints/ckpt-u0000006.pt"],
+        "--checkpoint=run/checkpoints/ckpt-u0000006.pt is of run 00000000000000000000000000000000, "
+        "not of run",
+        "a checkpoint of RUN_DIR's own run",
+        setup=copy_of_earlier(_checkpoint_of_another_run),
+        command="sample",
+    ),
+    "sample-no-tokens": Case(
+        "`python -m hypertrain.sample --tokens` below 1",
+        ["{earlier}", "--prompt", "def ", "--tokens", "0"],
+        "--tokens=0 is too small; valid: a whole number >= 1",
+        "at least one token",
+        command="sample",
+    ),
+    "sample-negative-temperature": Case(
+        "`python -m hypertrain.sample --temperature` below 0",
+        ["{earlier}", "--prompt", "def ", "--temperature", "-0.5"],
+        "--temperature=-0.5 is not valid; valid: 0 (greedy) or a finite number > 0",
+        "0 for the likeliest token each step, or a positive temperature to sample",
+        command="sample",
+    ),
+    "sample-empty-prompt": Case(
+        "`python -m hypertrain.sample --prompt ''`",
+        ["{earlier}", "--prompt", ""],
+        "--prompt='' is empty; valid: some text for the model to continue",
+        "some text",
+        command="sample",
+    ),
+    "sample-token-bin-run": Case(
+        "`python -m hypertrain.sample` on a run trained on data=token_bin (ids without a tokenizer)",
+        ["run", "--prompt", "def "],
+        "run trained on data=token_bin, whose ids have no tokenizer to read them as text; valid: a decoder "
+        "run on data=stdlib, text_files or prepared",
+        "a run on text: data=prepared keeps its tokenizer beside its ids",
+        setup=copy_of_earlier(_trained_on("token_bin")),
+        command="sample",
+    ),
+    "sample-speech-run": Case(
+        "`python -m hypertrain.sample` on a run trained on data=speech (text and audio channels)",
+        ["run", "--prompt", "def "],
+        "run trained on data=speech, text and audio channels, not text alone; valid: a decoder run on "
+        "data=stdlib, text_files or prepared",
+        "a run on text",
+        setup=copy_of_earlier(_trained_on("speech")),
+        command="sample",
     ),
     "int-beyond-int64": Case(
         "an integer beyond 64 bits (any int field)",
@@ -903,15 +996,38 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
         case.setup(earlier, cwd)
     before, earlier_before = tree(cwd), tree(earlier)
     env = {key: fill(value, earlier, cwd) for key, value in case.env.items()}
-    done = entry([*BASE, *(fill(a, earlier, cwd) for a in case.args)], cwd, env=env, process=process)
+    args = [fill(a, earlier, cwd) for a in case.args]
+    if case.command == "sample":
+        done = sample_command(args, cwd, process)
+    else:
+        done = entry([*BASE, *args], cwd, env=env, process=process)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("hypertrain: error: " + fill(case.says, earlier, cwd)), lines[0]
+    prefix = "hypertrain.sample: error: " if case.command == "sample" else "hypertrain: error: "
+    assert lines[0].startswith(prefix + fill(case.says, earlier, cwd)), lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert tree(cwd) == before, "a rejected run created or changed files"
     assert tree(earlier) == earlier_before, "a rejected run touched the earlier run"
     return [line.replace(str(cwd), "<cwd>") for line in lines]
+
+
+def sample_command(args: list[str], cwd: Path, process: bool | None) -> subprocess.CompletedProcess:
+    """`python -m hypertrain.sample ARGS` in `cwd`: on the command line with `process`, else its `cli`
+    in this process, stdout and stderr captured."""
+    if process:
+        command = [sys.executable, "-m", "hypertrain.sample", *args]
+        return subprocess.run(command, cwd=cwd, env=entry_env(), capture_output=True, text=True, timeout=120)
+    from hypertrain.sample import cli
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli(args)
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(["hypertrain.sample", *args], code, out.getvalue(), err.getvalue())
 
 
 def quick_every(names: list[str], step: int) -> list:
@@ -963,8 +1079,6 @@ def test_a_sweep_stops_at_its_invalid_second_job_and_keeps_the_first(tmp_path):
 def test_the_plan_command_refuses_a_world_beyond_any_machine_at_once(tmp_path):
     """`python -m hypertrain.plan show|check` with a huge world: one line, exit 2, in seconds (it went
     over every rank: a billion of them)."""
-    import subprocess
-
     for args in (
         ["show", "--world", "1000000000", "--replicas", "1"],
         ["check", "--worlds", "8", "1000000000"],
@@ -993,6 +1107,8 @@ def render() -> str:
         "written, with one line on stderr (`hypertrain: error: ...`) and exit code 2; an earlier run's",
         "files are never touched. Lines marked Hydra keep Hydra's own wording (its first line, with the",
         "options or the cause). `<cwd>` is the working directory, `<run>` an earlier run's directory.",
+        "The rows of `python -m hypertrain.sample` are that command's: its line begins",
+        "`hypertrain.sample: error:`, and it writes nothing, ever.",
         "",
         "| mistake | the line begins | what to do |",
         "|---|---|---|",

@@ -33,6 +33,7 @@ LAYERS = (
     "run",  # the training session: rounds with records, held-out losses, checkpoints, the stop
     "launchers",  # real processes (torch's agent, the worker) and what Hydra loads to launch sweeps
     "report",  # reading and comparing runs, on the measured and the simulated clock
+    "sample",  # python -m hypertrain.sample: text from a run's weights (an entry)
     "train",  # the entries: hypertrain.train and every package's __main__ (python -m ...)
 )
 # Third-party packages a layer must not load (the plan is numpy only; the model needs no Hydra).

@@ -116,11 +116,13 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
 
 
-def load(path: Path) -> dict:
+def load(path: Path, weights_only: bool = False) -> dict:
     """A checkpoint's payload; UserError naming it when its bytes differ from the digest written with
     it, or it is truncated or not a checkpoint. A checkpoint from before digests (no `.sha256` beside
     it, and none promised in its payload) loads unchecked. The payload is in today's form
-    (`records.formats.upgrade_checkpoint`); one of a newer schema is refused (`formats.NewerSchema`)."""
+    (`records.formats.upgrade_checkpoint`); one of a newer schema is refused (`formats.NewerSchema`).
+    `weights_only`: torch's safe unpickler (tensors, containers and numbers only: a reader such as
+    `python -m hypertrain.sample` runs no code a file names)."""
     import torch  # only to read one: a refusal made from the config alone never imports it
 
     digest = digest_path(path)
@@ -132,7 +134,7 @@ def load(path: Path) -> dict:
                 f"from {digest.name}'s {want[:16]}...); valid: a checkpoint whose bytes match its digest"
             )
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
         raise UserError(
             f"checkpoint {path} cannot be read ({type(e).__name__}); valid: a whole checkpoint"
