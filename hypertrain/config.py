@@ -422,6 +422,21 @@ class DataConfig:
             self.check_speech()
         if self.name in ("text_files", "token_bin") and not self.path:
             raise UserError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
+        if self.name == "prepared" and not self.path:
+            raise UserError(
+                "data.path is empty; data=prepared needs the directory that `hypertrain.data prepare` wrote"
+            )
+        # the prepared corpus's options would silently do nothing with any other data
+        if self.name != "prepared" and self.replica_split != "iid":
+            raise UserError(
+                f"data.replica_split={self.replica_split} needs a prepared corpus's sources, not "
+                f"data={self.name}; valid: data=prepared, or data.replica_split=iid"
+            )
+        if self.name != "prepared" and not self.window_across_documents:
+            raise UserError(
+                f"data.window_across_documents=false needs a prepared corpus's documents, not "
+                f"data={self.name}; valid: data=prepared, or data.window_across_documents=true"
+            )
         if self.name == "token_bin" and self.examples != "windows":
             raise UserError("data.examples='documents' needs text; data=token_bin gives windows only")
         _at_least("data.shuffle_seed", self.shuffle_seed, 0)  # numpy's seeds are non-negative

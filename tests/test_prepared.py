@@ -1,0 +1,125 @@
+"""data=prepared: examples from a prepared corpus's documents, whole held-out documents of every source,
+and replica_split=by_source giving each replica its own source's ids (docs/data.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hypertrain.config import DataConfig, UserError
+from hypertrain.data import corpus
+from hypertrain.data.datasets import build_dataset
+from hypertrain.data.prepared import heldout_per_source
+
+
+def write_corpus(directory: Path, documents: list[list[int]], seed: int = 0) -> corpus.Meta:
+    """A `bytes` corpus whose source s holds documents[s] documents of random lengths (a byte's value
+    names its source: s * 50 + something, so a window's source can be read off its tokens)."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    per_source, sources = [], []
+    for s, (count, low, high) in enumerate(documents):
+        lengths = rng.integers(low, high, count)
+        per_source.append([(s * 50 + rng.integers(1, 50, n)).astype(np.int64) for n in lengths])
+        sources.append(corpus.SourceMeta(f"source{s}", 1, 0, 0, f"{s:064x}"))
+    return corpus.write(
+        directory,
+        per_source,
+        sources,
+        vocab=corpus.BYTES_VOCAB,
+        eod=corpus.BYTES_EOD,
+        tokenizer="bytes",
+        tokenizer_json=None,
+        request="0" * 64,
+    )
+
+
+def prepared(path: Path, **fields) -> DataConfig:
+    return DataConfig(name="prepared", path=str(path), **({"seq_len": 8, "heldout": 12} | fields))
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("two")
+    write_corpus(path, [(60, 1, 40), (90, 1, 30)])
+    return path
+
+
+def document_of(starts: np.ndarray, position: int) -> int:
+    return int(np.searchsorted(starts, position, side="right")) - 1
+
+
+def example_ranges(dataset, ids) -> list[tuple[int, int]]:
+    index = np.asarray(list(ids), dtype=np.int64)
+    starts = dataset._starts[index]
+    return list(zip(starts.tolist(), (starts + dataset.lengths(index)).tolist(), strict=True))
+
+
+@pytest.mark.parametrize("examples", ["windows", "documents"])
+def test_examples_inside_documents_never_cross_one(two_sources, examples):
+    written = corpus.read(two_sources)
+    data = build_dataset(prepared(two_sources, examples=examples, window_across_documents=False, max_len=16))
+    for i, (begin, end) in enumerate(example_ranges(data, range(data.n_total))):
+        d = document_of(written.starts, begin)
+        assert written.starts[d] <= begin and end <= written.starts[d + 1], f"id {i} crosses document {d}"
+        assert np.array_equal(data.get(i), written.tokens[begin:end])
+        if examples == "documents":
+            assert begin == written.starts[d] and end - begin == min(written.starts[d + 1] - begin, 17)
+
+
+def test_windows_across_documents_stay_in_their_source_and_share_one_token(two_sources):
+    written = corpus.read(two_sources)
+    data = build_dataset(prepared(two_sources))
+    bounds = written.starts[written.meta.source_documents]
+    sources = data.example_sources(range(data.n_total))
+    crossing = 0
+    for s, (begin, end) in zip(sources.tolist(), example_ranges(data, range(data.n_total)), strict=True):
+        assert end - begin == 9 and bounds[s] <= begin and end <= bounds[s + 1]
+        crossing += document_of(written.starts, begin) != document_of(written.starts, end - 1)
+    assert crossing > 0  # windows do run from one document into the next
+
+
+@pytest.mark.parametrize("across", [True, False])
+@pytest.mark.parametrize("split", ["iid", "by_source"])
+def test_heldout_documents_never_occur_in_training(two_sources, across, split):
+    written = corpus.read(two_sources)
+    cfg = prepared(two_sources, window_across_documents=across, replica_split=split, heldout=13)
+    data = build_dataset(cfg)
+    N = data.n_total - cfg.heldout
+    ranges = example_ranges(data, range(data.n_total))
+    held_docs = {document_of(written.starts, b) for b, _ in ranges[N:]}
+    for b, e in ranges[N:]:  # a held-out window lies inside one document
+        assert document_of(written.starts, b) == document_of(written.starts, e - 1)
+    for b, e in ranges[:N]:
+        touched = range(document_of(written.starts, b), document_of(written.starts, e - 1) + 1)
+        assert not held_docs & set(touched)
+    # held-out id N + j is source j mod S's
+    assert data.example_sources(range(N, data.n_total)).tolist() == [j % 2 for j in range(13)]
+    assert heldout_per_source(13, 2) == [7, 6]
+
+
+def test_by_source_interleaves_the_sources_and_drops_the_excess(two_sources):
+    data = build_dataset(prepared(two_sources, replica_split="by_source"))
+    iid = build_dataset(prepared(two_sources))
+    N = data.n_total - 12
+    assert N % 2 == 0 and data.example_sources(range(N)).tolist() == [i % 2 for i in range(N)]
+    per_source = np.bincount(iid.example_sources(range(iid.n_total - 12)))
+    assert N == 2 * per_source.min()
+    assert data.fingerprint != iid.fingerprint and data.duplicates == 0
+
+
+def test_one_source_gives_one_stream_for_iid_and_by_source(tmp_path):
+    write_corpus(tmp_path, [(40, 1, 60)])
+    a = build_dataset(prepared(tmp_path))
+    b = build_dataset(prepared(tmp_path, replica_split="by_source"))
+    assert a.fingerprint == b.fingerprint and a.n_total == b.n_total
+    assert np.array_equal(a._starts, b._starts)
+
+
+def test_a_source_short_of_its_heldout_share_is_one_line(tmp_path):
+    write_corpus(tmp_path, [(40, 20, 30), (1, 10, 12)])
+    with pytest.raises(UserError, match=r"source 1 .*source1.* fewer than the 6 held-out") as error:
+        build_dataset(prepared(tmp_path))
+    assert "\n" not in str(error.value)
