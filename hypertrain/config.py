@@ -73,7 +73,9 @@ class ModelConfig:
     top_k: int = 2  # experts per token, 1..n_experts
     expert_ffn: int = 0  # each expert's SwiGLU hidden width; at least 1 with is_moe (0: no experts)
     router_aux_weight: float = 0.001  # the load-balancing loss's weight in the objective (Mixtral's)
-    vocab: int = 256  # decoder: byte-level tokens for the embedded corpus
+    # decoder: every token id is below it (256: byte-level tokens for the embedded corpus); 0 = the data's,
+    # filled in at start-up (data=prepared sets 0: its corpus's vocabulary; another is refused)
+    vocab: int = 256
     # multistream: each channel's vocabulary, in the data's channel order; [] = the data's, filled
     # in at start-up (a list that differs from the data's is refused)
     channel_vocabs: list[int] = field(default_factory=list)
@@ -91,7 +93,8 @@ class ModelConfig:
         if self.is_moe:
             self.check_experts()
         _at_least("model.expert_ffn", self.expert_ffn, 0)
-        for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+        _at_least("model.vocab", self.vocab, 0)  # 0: the data's
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
             _at_least(f"model.{name}", getattr(self, name), 1)
         _at_least("model.d_ff", self.d_ff, 0)
         for name in ("rope_theta", "init_std"):
@@ -884,7 +887,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 # Fields filled in at start-up from others (preflight.with_layout, preflight/prepare.py): the process count
 # and layout from processes=dist, world.size and replicas, the decay from phase.updates, the fragments'
-# parameters from outer.fragments and the model, the channel vocabularies from the data. Where one
+# parameters from outer.fragments and the model, the vocabularies from the data. Where one
 # differs, what it is derived from differs too: `changed_fields` names that first (the user set it).
 DERIVED = (
     "processes.nproc",
@@ -892,6 +895,7 @@ DERIVED = (
     "inner.decay_steps",
     "outer.assignment",
     "model.channel_vocabs",
+    "model.vocab",
 )
 
 

@@ -26,14 +26,21 @@ logger = logging.getLogger("hypertrain")
 
 
 def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
-    """The model config with what the data decides filled in (a multistream model's channel
-    vocabularies); UserError when model and data do not go together."""
+    """The model config with what the data decides filled in (a decoder's vocabulary where model.vocab
+    is 0, a multistream model's channel vocabularies); UserError when model and data do not go together."""
     model = cfg.model
     if not is_multistream(dataset):
         if model.arch == "multistream":
             raise UserError(
                 f"model.arch=multistream needs data with several token channels, not data.name="
                 f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
+            )
+        if model.vocab == 0:
+            return replace(model, vocab=int(dataset.vocab))
+        if cfg.data.name == "prepared" and model.vocab != dataset.vocab:
+            raise UserError(
+                f"model.vocab={model.vocab} differs from the prepared corpus's vocabulary ({dataset.vocab}, "
+                f"its meta.json); valid: 0 or {dataset.vocab} (data=prepared takes the corpus's)"
             )
         return model
     vocabs = [int(v) for v in dataset.channel_vocabs]
