@@ -17,6 +17,8 @@ from hypertrain.data import corpus
 from hypertrain.data.datasets import build_dataset
 from hypertrain.data.prepared import heldout_per_source
 from hypertrain.records.files import merged_summary, read_metrics
+from hypertrain.report.runs import load_run
+from hypertrain.report.sources import data_section
 
 
 def write_corpus(directory: Path, documents: list[list[int]], seed: int = 0) -> corpus.Meta:
@@ -179,6 +181,10 @@ def test_by_source_gives_every_replica_its_own_sources_ids(run_corpus, tmp_path)
     summary = merged_summary(rows)
     assert summary["eval/final_loss_sources"] == held[-1]["eval_loss_sources"]
     assert "tokenizer bytes (vocab 257)" in summary["data/corpus"]
+    section, table = data_section([load_run(run_dir)], ["run"])  # the report's Data section
+    assert section.table[0] == ["run", "replica", "tokens", "source0", "source1"]
+    assert [cells[3:] for cells in section.table[1]] == [["100.0%", "0.0%"], ["0.0%", "100.0%"]] * 2
+    assert [row["tokens"] for row in table] == tokens.sum(axis=1).tolist()
 
 
 def test_one_source_by_source_is_iid_bitwise_through_a_run(tmp_path):
