@@ -427,7 +427,8 @@ class DataConfig:
             raise UserError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
         if self.name == "prepared" and not self.path:
             raise UserError(
-                "data.path is empty; data=prepared needs the directory that `hypertrain.data prepare` wrote"
+                "data.path is empty; data=prepared needs a corpus's directory "
+                "(python -m hypertrain.data prepare)"
             )
         # the prepared corpus's options would silently do nothing with any other data
         if self.name != "prepared" and self.replica_split != "iid":

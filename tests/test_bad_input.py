@@ -130,7 +130,7 @@ CASES = {
     "prepared-without-path": Case(
         "a prepared corpus without its directory",
         ["data=prepared"],
-        "data.path is empty; data=prepared needs the directory that `hypertrain.data prepare` wrote",
+        "data.path is empty; data=prepared needs a corpus's directory (python -m hypertrain.data prepare)",
         "data.path=DIR, the directory `python -m hypertrain.data prepare ... --out DIR` wrote",
     ),
     "prepared-not-a-corpus": Case(
