@@ -178,6 +178,8 @@ def test_by_source_gives_every_replica_its_own_sources_ids(run_corpus, tmp_path)
     rows = read_metrics(run_dir / "metrics.jsonl")
     held = [r for r in rows if r.get("eval_loss") is not None]
     assert held and all(len(r["eval_loss_sources"]) == 2 for r in held)
+    for r in held:  # 32 held-out windows of each source: the held-out loss is the mean of the two
+        assert r["eval_loss"] == pytest.approx(sum(r["eval_loss_sources"]) / 2, rel=1e-6)
     summary = merged_summary(rows)
     assert summary["eval/final_loss_sources"] == held[-1]["eval_loss_sources"]
     assert "tokenizer bytes (vocab 257)" in summary["data/corpus"]
