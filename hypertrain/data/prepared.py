@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,16 +51,18 @@ def _window_starts(begin: np.ndarray, counts: np.ndarray, seq_len: int) -> np.nd
     return first + within * seq_len
 
 
-class _Examples:
+class _Examples(NamedTuple):
     """Examples as parallel int64 arrays: where each starts, its length, its source."""
 
-    def __init__(self, starts, lengths, sources):
-        self.starts, self.lengths, self.sources = starts, lengths, sources
+    starts: np.ndarray
+    lengths: np.ndarray
+    sources: np.ndarray
 
 
 def _cut(cfg: DataConfig, starts: np.ndarray, docs: np.ndarray, alone: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Starts and lengths of the examples of documents `docs` (increasing, one source), in order.
-    `alone`: each document is its own run (held-out documents, or window_across_documents=false)."""
+    """Starts and lengths of the examples of documents `docs` (one source's), in the order of `docs`.
+    `alone`: each document is its own run (held-out documents, or window_across_documents=false);
+    otherwise `docs` are increasing and each range of consecutive ones is a run."""
     if len(docs) == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     begin, end = starts[docs], starts[docs + 1]
@@ -84,12 +87,12 @@ def _examples_per_document(cfg: DataConfig, starts: np.ndarray, docs: np.ndarray
     return _windows_in(np.zeros_like(lengths), lengths, cfg.seq_len)
 
 
-def _split(cfg: DataConfig, meta: corpus_format.Meta, starts: np.ndarray, rng) -> tuple[list, list, list]:
-    """Per source: its training examples (starts, lengths) in corpus order, its held-out examples in
-    the held-out order, and its held-out document indices."""
+def _split(cfg: DataConfig, meta: corpus_format.Meta, starts: np.ndarray, rng) -> tuple[list, list]:
+    """Per source: its training examples (starts, lengths) in corpus order, and its held-out examples
+    (the first h_s of its held-out documents', in the permutation's order)."""
     bounds = meta.source_documents
     need = heldout_per_source(cfg.heldout, len(meta.sources))
-    training, heldout, held_docs = [], [], []
+    training, heldout = [], []
     for s, source in enumerate(meta.sources):
         docs = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
         order = docs[rng.permutation(len(docs))]
@@ -104,11 +107,11 @@ def _split(cfg: DataConfig, meta: corpus_format.Meta, starts: np.ndarray, rng) -
         prefix = int(np.searchsorted(have, need[s])) + 1 if need[s] else 0
         out = order[:prefix]
         held_starts, held_lengths = _cut(cfg, starts, out, alone=True)  # in the permutation's order
-        kept = np.setdiff1d(docs, out, assume_unique=True)
-        training.append(_cut(cfg, starts, kept, alone=not cfg.window_across_documents))
+        trained = np.ones(len(docs), dtype=bool)
+        trained[out - bounds[s]] = False
+        training.append(_cut(cfg, starts, docs[trained], alone=not cfg.window_across_documents))
         heldout.append((held_starts[: need[s]], held_lengths[: need[s]]))
-        held_docs.append(np.sort(out))
-    return training, heldout, held_docs
+    return training, heldout
 
 
 def _stream(cfg: DataConfig, training: list, rng) -> tuple[_Examples, str]:
@@ -140,7 +143,7 @@ def prepared_dataset(cfg: DataConfig) -> TextDataset:
     if S == 0 or meta.documents == 0:
         raise UserError(f"data.path={cfg.path!r} holds no documents; valid: a corpus prepared from some text")
     rng = np.random.default_rng(cfg.shuffle_seed)
-    training, heldout, _ = _split(cfg, meta, corpus.starts, rng)
+    training, heldout = _split(cfg, meta, corpus.starts, rng)
     stream, note = _stream(cfg, training, rng)
     if len(stream.starts) == 0:
         raise UserError(
