@@ -175,6 +175,7 @@ def test_by_source_gives_every_replica_its_own_sources_ids(run_corpus, tmp_path)
             assert len(ids) and ((bounds[m % 2] <= begin) & (begin + 33 <= bounds[m % 2 + 1])).all()
             tokens[m, m % 2] += 32 * len(ids)
     assert facts["data/source_tokens"] == tokens.tolist() and facts["data/sources"] == ["source0", "source1"]
+    assert "replica 3 trains on source0 0.0%, source1 100.0% of its" in (run_dir / "train.log").read_text()
     rows = read_metrics(run_dir / "metrics.jsonl")
     held = [r for r in rows if r.get("eval_loss") is not None]
     assert held and all(len(r["eval_loss_sources"]) == 2 for r in held)

@@ -130,7 +130,8 @@ def heldout_batch(dataset, ids: np.ndarray, data) -> tuple[ReplicaBatch, list[in
 def source_facts(cfg: TrainConfig, dataset, phase, samples: int, updates: int) -> dict:
     """For data of several sources: `data/sources` (their names) and `data/source_tokens`, per replica
     the target tokens of each source among the ids the plan gives it in the updates run (the share of
-    each source in what every replica trains on); logged once. {} for data of one source."""
+    each source in what every replica trains on; logged at start: `source_shares`). {} for data of one
+    source."""
     names = list(getattr(dataset, "source_names", ()))
     if len(names) < 2:
         return {}
@@ -144,11 +145,18 @@ def source_facts(cfg: TrainConfig, dataset, phase, samples: int, updates: int) -
         replica = (ids - phase.offset) % G % R
         cell = replica * S + dataset.example_sources(ids)
         tokens += np.bincount(cell, weights=dataset.lengths(ids) - 1, minlength=R * S).astype(np.int64)
-    tokens = tokens.reshape(R, S)
-    for m, row in enumerate(tokens.tolist()):
+    return {"data/sources": names, "data/source_tokens": tokens.reshape(R, S).tolist()}
+
+
+def source_shares(facts: dict) -> list[str]:
+    """A line per replica saying each source's share of the target tokens it trains on (`source_facts`);
+    none for data of one source."""
+    names, tokens = facts.get("data/sources"), facts.get("data/source_tokens")
+    lines = []
+    for m, row in enumerate(tokens or []):
         shares = ", ".join(f"{n} {t / max(1, sum(row)):.1%}" for n, t in zip(names, row, strict=True))
-        logger.info("replica %d trains on %s of its %s target tokens", m, shares, f"{sum(row):,}")
-    return {"data/sources": names, "data/source_tokens": tokens.tolist()}
+        lines.append(f"replica {m} trains on {shares} of its {sum(row):,} target tokens")
+    return lines
 
 
 def initial_weights(run: PreparedRun) -> Params:
