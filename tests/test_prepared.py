@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import RUN, assert_identical, entry, killed_beside_uninterrupted, resumed
+from helpers import RUN, assert_identical, compose_cfg, entry, killed_beside_uninterrupted, resumed
 from omegaconf import OmegaConf
 
 from hypertrain import plan
@@ -16,9 +16,12 @@ from hypertrain.config import DataConfig, UserError
 from hypertrain.data import corpus
 from hypertrain.data.datasets import build_dataset
 from hypertrain.data.prepared import heldout_per_source
+from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import merged_summary, read_metrics
+from hypertrain.records.rows import EvalRow
 from hypertrain.report.runs import load_run
 from hypertrain.report.sources import data_section
+from hypertrain.run.evaluation import heldout_eval
 
 
 def write_corpus(directory: Path, documents: list[list[int]], seed: int = 0) -> corpus.Meta:
@@ -123,6 +126,85 @@ def test_one_source_gives_one_stream_for_iid_and_by_source(tmp_path):
     b = build_dataset(prepared(tmp_path, replica_split="by_source"))
     assert a.fingerprint == b.fingerprint and a.n_total == b.n_total
     assert np.array_equal(a._starts, b._starts)
+
+
+def reference_stream(cfg: DataConfig, written: corpus.Corpus) -> list[tuple[int, int]]:
+    """The spec (docs/data-prepared.md) written plainly, document by document: every stream id's
+    (start, length), the held-out ids last."""
+    rng, S = np.random.default_rng(cfg.shuffle_seed), len(written.meta.sources)
+    bounds, starts = written.meta.source_documents.tolist(), written.starts.tolist()
+
+    def examples(begin: int, end: int) -> list[tuple[int, int]]:
+        if cfg.examples == "documents":
+            length = min(end - begin, cfg.max_len + 1)
+            return [(begin, length)] if length >= 2 else []
+        return [(begin + w * cfg.seq_len, cfg.seq_len + 1) for w in range((end - begin - 1) // cfg.seq_len)]
+
+    held, training = [], []
+    for s in range(S):
+        docs = list(range(bounds[s], bounds[s + 1]))
+        out, mine, need = [], [], len(range(s, cfg.heldout, S))
+        for d in (docs[i] for i in rng.permutation(len(docs))):
+            if len(mine) >= need:
+                break
+            out.append(d)
+            mine += examples(starts[d], starts[d + 1])
+        held.append(mine[:need])
+        runs = []  # [first, last] documents of each run
+        for d in (d for d in docs if d not in out):
+            across = cfg.window_across_documents and cfg.examples == "windows"
+            if runs and across and runs[-1][1] == d - 1:
+                runs[-1][1] = d
+            else:
+                runs.append([d, d])
+        training.append([e for a, b in runs for e in examples(starts[a], starts[b + 1])])
+    if cfg.replica_split == "iid":
+        pooled = [e for t in training for e in t]
+        stream = [pooled[i] for i in rng.permutation(len(pooled))]
+    else:
+        fewest = min(len(t) for t in training)
+        orders = [rng.permutation(len(t)) for t in training]
+        stream = [training[i % S][orders[i % S][i // S]] for i in range(S * fewest)]
+    return stream + [held[j % S][j // S] for j in range(cfg.heldout)]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"replica_split": "by_source", "shuffle_seed": 3},
+        {"window_across_documents": False, "heldout": 5},
+        {"examples": "documents", "max_len": 20, "replica_split": "by_source"},
+    ],
+)
+def test_the_stream_is_the_specs_written_plainly(two_sources, fields):
+    cfg = prepared(two_sources, **fields)
+    data = build_dataset(cfg)
+    got = list(zip(data._starts.tolist(), data.lengths(range(data.n_total)).tolist(), strict=True))
+    assert got == reference_stream(cfg, corpus.read(two_sources))
+
+
+def test_a_source_may_owe_no_heldout_example(tmp_path):
+    """S = 3 and heldout = 2: sources 0 and 1 give one held-out window each, source 2 none (and keeps
+    every document for training)."""
+    write_corpus(tmp_path, [(30, 1, 40), (30, 1, 40), (30, 1, 40)])
+    cfg = prepared(tmp_path, heldout=2, replica_split="by_source")
+    data = build_dataset(cfg)
+    assert data.example_sources(range(data.n_total - 2, data.n_total)).tolist() == [0, 1]
+    got = list(zip(data._starts.tolist(), data.lengths(range(data.n_total)).tolist(), strict=True))
+    assert got == reference_stream(cfg, corpus.read(tmp_path))
+
+
+def test_a_source_without_heldout_examples_has_no_heldout_loss(tmp_path):
+    """Its entry is None (null), the others' recombine to the held-out loss, and W&B gets only theirs."""
+    write_corpus(tmp_path, [(30, 1, 40), (30, 1, 40), (30, 1, 40)])
+    cfg = compose_cfg(run_args(tmp_path, "data.heldout=2", "data.seq_len=8"))
+    run = prepare(cfg)
+    loss, figures = heldout_eval(run, initial_weights(run))
+    first, second, third = figures["eval_loss_sources"]
+    assert third is None and loss == pytest.approx((first + second) / 2, rel=1e-6)
+    row = EvalRow(update=0, round=0, eval_loss=loss, eval_loss_sources=[first, second, third])
+    assert set(row.wandb()) == {"update", "round", "eval/loss", "eval/loss/source_0", "eval/loss/source_1"}
 
 
 def test_a_source_short_of_its_heldout_share_is_one_line(tmp_path):
