@@ -118,6 +118,7 @@ def test_by_source_interleaves_the_sources_and_drops_the_excess(two_sources):
     per_source = np.bincount(iid.example_sources(range(iid.n_total - 12)))
     assert N == 2 * per_source.min()
     assert data.fingerprint != iid.fingerprint and data.duplicates == 0
+    assert np.array_equal(data._starts[N:], iid._starts[iid.n_total - 12 :])  # the same held-out slice
 
 
 def test_one_source_gives_one_stream_for_iid_and_by_source(tmp_path):
