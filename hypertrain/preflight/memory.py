@@ -428,6 +428,8 @@ def check(cfg: TrainConfig, longest: int | None = None, decided: Decided | None 
     available: the host's, and on a GPU each worker's device's; a tensor beyond what torch can index
     is refused even with guard.memory_check=false. Returns the estimate. `decided`: as `estimate`'s."""
     decided = decide(cfg) if decided is None else decided
+    if cfg.model.arch != "multistream" and cfg.model.vocab == 0:  # the data's: named as it will be
+        cfg = replace(cfg, model=model_with_vocabs(cfg))
     est = estimate(cfg, longest, decided)
     check_indexable(cfg, est)
     if not cfg.guard.memory_check:
