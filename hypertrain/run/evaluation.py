@@ -27,9 +27,9 @@ def heldout_eval(run: PreparedRun, theta: Params) -> tuple[float, dict]:
         sums = sums + channel.double()
         counts = counts + mb.channel_counts.to(channel.device)
         if run.heldout_sources:
-            per_source[run.heldout_sources[i]] += float(loss.double())
+            per_source[run.heldout_sources[i]] += loss.double()  # a tensor: no sync per microbatch
     if run.heldout_sources:
-        return float(total), {"eval_loss_sources": source_means(run, per_source)}
+        return float(total), {"eval_loss_sources": source_means(run, [float(x) for x in per_source])}
     if not loss_channels(run.cfg.model):
         return float(total), {}
     means = channel_means(sums, counts).tolist()
