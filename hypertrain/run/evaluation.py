@@ -1,5 +1,6 @@
 """The held-out loss of the global weights: the token mean over the last data.heldout ids, weighted as
-the training loss is (and, for a multistream model, its text and mean audio channels).
+the training loss is (and, for a multistream model, its text and mean audio channels; for a prepared
+corpus of several sources, each source's).
 """
 
 from __future__ import annotations
