@@ -73,7 +73,9 @@ class ModelConfig:
     top_k: int = 2  # experts per token, 1..n_experts
     expert_ffn: int = 0  # each expert's SwiGLU hidden width; at least 1 with is_moe (0: no experts)
     router_aux_weight: float = 0.001  # the load-balancing loss's weight in the objective (Mixtral's)
-    vocab: int = 256  # decoder: byte-level tokens for the embedded corpus
+    # decoder: every token id is below it (256: byte-level tokens for the embedded corpus); 0 = the data's,
+    # filled in at start-up (data=prepared sets 0: its corpus's vocabulary; another is refused)
+    vocab: int = 256
     # multistream: each channel's vocabulary, in the data's channel order; [] = the data's, filled
     # in at start-up (a list that differs from the data's is refused)
     channel_vocabs: list[int] = field(default_factory=list)
@@ -91,7 +93,8 @@ class ModelConfig:
         if self.is_moe:
             self.check_experts()
         _at_least("model.expert_ffn", self.expert_ffn, 0)
-        for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+        _at_least("model.vocab", self.vocab, 0)  # 0: the data's
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
             _at_least(f"model.{name}", getattr(self, name), 1)
         _at_least("model.d_ff", self.d_ff, 0)
         for name in ("rope_theta", "init_std"):
@@ -422,6 +425,22 @@ class DataConfig:
             self.check_speech()
         if self.name in ("text_files", "token_bin") and not self.path:
             raise UserError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
+        if self.name == "prepared" and not self.path:
+            raise UserError(
+                "data.path is empty; data=prepared needs a corpus's directory "
+                "(python -m hypertrain.data prepare)"
+            )
+        # the prepared corpus's options would silently do nothing with any other data
+        if self.name != "prepared" and self.replica_split != "iid":
+            raise UserError(
+                f"data.replica_split={self.replica_split} needs a prepared corpus's sources, not "
+                f"data={self.name}; valid: data=prepared, or data.replica_split=iid"
+            )
+        if self.name != "prepared" and not self.window_across_documents:
+            raise UserError(
+                f"data.window_across_documents=false needs a prepared corpus's documents, not "
+                f"data={self.name}; valid: data=prepared, or data.window_across_documents=true"
+            )
         if self.name == "token_bin" and self.examples != "windows":
             raise UserError("data.examples='documents' needs text; data=token_bin gives windows only")
         _at_least("data.shuffle_seed", self.shuffle_seed, 0)  # numpy's seeds are non-negative
@@ -869,7 +888,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 # Fields filled in at start-up from others (preflight.with_layout, preflight/prepare.py): the process count
 # and layout from processes=dist, world.size and replicas, the decay from phase.updates, the fragments'
-# parameters from outer.fragments and the model, the channel vocabularies from the data. Where one
+# parameters from outer.fragments and the model, the vocabularies from the data. Where one
 # differs, what it is derived from differs too: `changed_fields` names that first (the user set it).
 DERIVED = (
     "processes.nproc",
@@ -877,6 +896,7 @@ DERIVED = (
     "inner.decay_steps",
     "outer.assignment",
     "model.channel_vocabs",
+    "model.vocab",
 )
 
 

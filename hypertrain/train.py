@@ -259,6 +259,10 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
     write_whole(run_dir / "config.yaml", config_yaml)
     write_whole(run_dir / "plan.json", json.dumps(run.plan_facts, indent=2) + "\n")
     logger.info("run %s: %s", identity["name"], run.dataset.description)
+    from hypertrain.preflight.prepare import source_shares  # imported by the preflight already
+
+    for line in source_shares(run.plan_facts):  # a prepared corpus of several sources
+        logger.info("%s", line)
     if run.cfg.processes.name == "dist":
         processes = run.cfg.processes
         logger.info(

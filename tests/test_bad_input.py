@@ -29,6 +29,7 @@ import pytest
 import torch
 import yaml
 from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, entry, entry_env, tree
+from test_prepared import write_corpus
 
 from hypertrain.failures import EXIT_CODES
 from hypertrain.rundir.checkpoint import seal
@@ -134,7 +135,77 @@ def token_file(largest: int, n: int = 20000) -> bytes:
     return ids.astype("<u2").tobytes()
 
 
+def _corpus(*sources: tuple[int, int, int]) -> Callable[[Path, Path], None]:
+    """A setup: a `bytes` corpus in cwd/corpus whose sources hold (documents, shortest, longest + 1)."""
+    return lambda earlier, cwd: write_corpus(cwd / "corpus", list(sources))
+
+
+TWO_SOURCES = _corpus((200, 1, 80), (300, 1, 60))
+
+
 CASES = {
+    # issue 38: data=prepared
+    "prepared-without-path": Case(
+        "a prepared corpus without its directory",
+        ["data=prepared"],
+        "data.path is empty; data=prepared needs a corpus's directory (python -m hypertrain.data prepare)",
+        "data.path=DIR, the directory `python -m hypertrain.data prepare ... --out DIR` wrote",
+    ),
+    "prepared-not-a-corpus": Case(
+        "a directory that holds no prepared corpus",
+        ["data=prepared", "data.path=notes"],
+        "data.path='notes' holds no prepared corpus (no meta.json)",
+        "prepare it first: `python -m hypertrain.data prepare INPUT ... --out DIR`",
+        files={"notes/a.txt": b"some text"},
+    ),
+    "prepared-vocab-differs": Case(
+        "a model vocabulary other than the prepared corpus's",
+        ["data=prepared", "data.path=corpus", "model.vocab=300"],
+        "model.vocab=300 differs from the prepared corpus's vocabulary (257, its meta.json)",
+        "leave model.vocab unset with data=prepared (0: the corpus's)",
+        setup=TWO_SOURCES,
+    ),
+    "prepared-source-short-of-heldout": Case(
+        "a source too short for its share of the held-out examples",
+        ["data=prepared", "data.path=corpus"],
+        "source 1 of data.path='corpus' (source1) holds 1 windows, fewer than the 32 held-out ones it owes",
+        "a smaller data.heldout, or more text in that source",
+        setup=_corpus((200, 1, 80), (1, 40, 41)),
+    ),
+    "by-source-sources-do-not-divide-replicas": Case(
+        "replica_split=by_source with a number of sources that does not divide the replicas",
+        ["data=prepared", "data.path=corpus", "data.replica_split=by_source"],
+        "data.replica_split=by_source gives replica m the corpus's source m mod S, and its S=3 sources do "
+        "not divide replicas=2",
+        "replicas a multiple of the corpus's sources, or data.replica_split=iid",
+        setup=_corpus((100, 1, 80), (100, 1, 80), (100, 1, 80)),
+    ),
+    "by-source-global-batch": Case(
+        "replica_split=by_source with a global batch the sources do not divide",
+        ["data=prepared", "data.path=corpus", "data.replica_split=by_source", "phase.global_batch=33"],
+        "data.replica_split=by_source needs phase global_batch=33 to be a multiple of the corpus's S=2",
+        "a global batch (weak: base_world * per_rank_batch) that is a multiple of the sources",
+        setup=TWO_SOURCES,
+    ),
+    "by-source-offset": Case(
+        "replica_split=by_source with a phase offset the sources do not divide",
+        ["data=prepared", "data.path=corpus", "data.replica_split=by_source", "phase.offset=3"],
+        "data.replica_split=by_source needs phase.offset=3 to be a multiple of the corpus's S=2 sources",
+        "a phase offset that is a multiple of the sources",
+        setup=TWO_SOURCES,
+    ),
+    "by-source-without-prepared": Case(
+        "replica_split=by_source with data other than a prepared corpus",
+        ["data.replica_split=by_source"],
+        "data.replica_split=by_source needs a prepared corpus's sources, not data=stdlib",
+        "data=prepared data.path=DIR",
+    ),
+    "windows-inside-documents-without-prepared": Case(
+        "window_across_documents=false with data other than a prepared corpus",
+        ["data.window_across_documents=false"],
+        "data.window_across_documents=false needs a prepared corpus's documents, not data=stdlib",
+        "data=prepared data.path=DIR",
+    ),
     "unknown-group-option": Case(
         "an option a group does not have",
         ["model=huge"],

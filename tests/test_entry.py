@@ -184,7 +184,7 @@ def test_every_config_option_composes_and_validates(override):
     cfg = compose_train([override, *model, "replicas=1"])
     typed: TrainConfig = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
-    if override == "data=text_files" or override == "data=token_bin":
+    if override in ("data=text_files", "data=token_bin", "data=prepared"):  # each needs its data.path
         with pytest.raises(UserError, match="data.path"):
             validate(typed)
     else:

@@ -29,7 +29,7 @@ REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up
 
 
 def test_today_is_schema_4_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 4
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 5
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -156,7 +156,23 @@ def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_i
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
     assert got["state"]["totals"] == {**older["state"]["totals"], "comm_outer_bits": None}
-    assert "comm_outer_bits" not in older["state"]["totals"] and got["schema_version"] == 4
+    assert "comm_outer_bits" not in older["state"]["totals"] and got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_4_config_cut_windows_across_the_stream_for_every_replica_alike():
+    """Schema 4 knew no prepared corpus's options: its config reads as data.window_across_documents=true
+    and data.replica_split=iid (what every such run did), its checkpoint's payload as it is."""
+    data = {"name": "stdlib", "examples": "windows", "seq_len": 64, "heldout": 256}
+    want = {**data, "window_across_documents": True, "replica_split": "iid"}
+    assert upgrade_config({"data": data, "schema_version": 4}) == {"data": want}
+    assert upgrade_config({"data": want, "schema_version": 4}) == {"data": want}
+    older = {**_older_payload(clock=False), "schema_version": 4}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
+    older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
+    older["config"] = {**older["config"], "data": data}
+    got = upgrade_checkpoint(older)
+    assert got["state"] == older["state"] and got["config"]["data"] == want
+    assert got["schema_version"] == SCHEMA_VERSION
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():

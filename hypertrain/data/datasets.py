@@ -1,5 +1,6 @@
 """What every dataset offers (`Dataset`, and `MultistreamDataset` for examples of several token
-channels) and the one a `DataConfig` names: text (`text.py`: windows or documents) or speech (`speech/`).
+channels) and the one a `DataConfig` names: text (`text.py`: windows or documents), a prepared corpus
+(`prepared.py`, a `text.TextDataset` too) or speech (`speech/`).
 Every kind gives `n_total` examples in a seeded stream order; the last `data.heldout` ids are held out.
 """
 
@@ -11,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from hypertrain.config import DataConfig
+from hypertrain.data.prepared import prepared_dataset
 from hypertrain.data.speech.dataset import speech_dataset
 from hypertrain.data.text import text_dataset
 
@@ -55,4 +57,6 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     """The dataset `cfg` describes; UserError (one line) for a missing or too short source."""
     if cfg.name == "speech":  # multistream examples from a built cache (docs/audio.md)
         return speech_dataset(cfg)
+    if cfg.name == "prepared":  # a corpus `python -m hypertrain.data prepare` wrote (docs/data.md)
+        return prepared_dataset(cfg)
     return text_dataset(cfg)

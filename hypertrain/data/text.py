@@ -57,6 +57,11 @@ class TextDataset:
     _tokens: np.ndarray = field(repr=False)  # the whole token stream (uint8, or a uint16/32 memmap)
     _starts: np.ndarray = field(repr=False)  # int64 [n_total]: where stream id i starts in _tokens
     _lengths: np.ndarray | None = field(repr=False)  # int64 [n_total]; None when fixed_length
+    # data=prepared: the corpus's sources, its one-line description, and each stream id's source
+    # (int32 [n_total]; None: every example is source 0's)
+    source_names: tuple[str, ...] = ()
+    corpus: str = ""
+    _sources: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.n_total
@@ -82,6 +87,13 @@ class TextDataset:
         if self._lengths is None:
             return np.full(len(index), self.max_length, dtype=np.int64)
         return self._lengths[index].copy()
+
+    def example_sources(self, ids: Iterable[int]) -> np.ndarray:
+        """The source (an index into `source_names`) of each of examples `ids`, as int64."""
+        index = self._checked(ids)
+        if self._sources is None:
+            return np.zeros(len(index), dtype=np.int64)
+        return self._sources[index].astype(np.int64)
 
     def _checked(self, ids: Iterable[int]) -> np.ndarray:
         return stream_indices(ids, self.n_total)

@@ -49,6 +49,14 @@ class PreparedRun:
     plan_facts: dict  # union hash, data-order digest, rank digest, data fingerprint
     heldout: ReplicaBatch  # the held-out ids (the last data.heldout), read and cut once
     decided: Decided  # the preflight's (a dist worker's: its own device, `Decided.on_rank`)
+    # a prepared corpus of several sources: the source of each of `heldout`'s microbatches (each holds
+    # one source's examples); [] otherwise
+    heldout_sources: list[int] = field(default_factory=list)
+
+    @property
+    def sources(self) -> int:
+        """The data's sources the held-out loss is split by (0: not split)."""
+        return len(getattr(self.dataset, "source_names", ())) if self.heldout_sources else 0
 
 
 @dataclass

@@ -10,8 +10,11 @@ built or written; what needs the data (the stream's length, the vocabulary) is c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypertrain.choices import PhaseKind
 from hypertrain.config import PhaseConfig, TrainConfig, UserError
+from hypertrain.data.corpus import read_meta
 from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import LayoutError
@@ -65,6 +68,29 @@ def check_data_for_model(cfg: TrainConfig) -> None:
         )
 
 
+def check_sources(cfg: TrainConfig) -> None:
+    """data.replica_split=by_source: stream id i is source i mod S's and replica m gets the ids
+    offset + u*G + m + k*R, so replica m trains on source m mod S alone when S divides R, G (weak: B*b)
+    and phase.offset (docs/data.md, "Data that differs across replicas"). Reads the corpus's meta only."""
+    if cfg.data.name != "prepared" or cfg.data.replica_split != "by_source":
+        return
+    S = len(read_meta(Path(cfg.data.path).expanduser()).sources)
+    if cfg.replicas % S:
+        raise UserError(
+            f"data.replica_split=by_source gives replica m the corpus's source m mod S, and its S={S} "
+            f"sources do not divide replicas={cfg.replicas}; valid: replicas a multiple of {S}, or "
+            "data.replica_split=iid"
+        )
+    phase = plan_phase(cfg.phase)
+    batch = "the weak phase's base_world * per_rank_batch" if isinstance(phase, WeakPhase) else "global_batch"
+    for what, value in ((f"phase {batch}", phase.update_size), ("phase.offset", phase.offset)):
+        if value % S:
+            raise UserError(
+                f"data.replica_split=by_source needs {what}={value} to be a multiple of the corpus's "
+                f"S={S} sources, so that every replica's ids stay in its source; valid: a multiple of {S}"
+            )
+
+
 def check_fragments(cfg: TrainConfig) -> None:
     """Streaming DiLoCo: outer.fragments divides inner.H and the model's layers fill every fragment,
     outer.delay is below H/P; outer.assignment is derived (a run's own, or empty)."""
@@ -112,6 +138,7 @@ def validate(cfg: TrainConfig) -> Decided:
     cfg.check()
     check_world(cfg)
     check_data_for_model(cfg)
+    check_sources(cfg)
     decided = check_layout(cfg)
     check_fragments(cfg)
     check_deadline(cfg)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, TrainConfig, UserError
+from hypertrain.data.corpus import read_meta
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
@@ -75,6 +76,8 @@ def model_with_vocabs(cfg: TrainConfig) -> ModelConfig:
     """The model config with a multistream model's channel vocabularies as the data will fill them
     in (speech: the text vocabulary, then one codebook's per audio channel; trainer.model_for_data)."""
     m, d = cfg.model, cfg.data
+    if m.arch != "multistream" and m.vocab == 0:  # the data's: a prepared corpus's meta says it
+        return replace(m, vocab=read_meta(Path(d.path).expanduser()).vocab if d.name == "prepared" else 256)
     if m.arch != "multistream" or m.channel_vocabs:
         return m
     if d.name == "speech":
@@ -425,6 +428,8 @@ def check(cfg: TrainConfig, longest: int | None = None, decided: Decided | None 
     available: the host's, and on a GPU each worker's device's; a tensor beyond what torch can index
     is refused even with guard.memory_check=false. Returns the estimate. `decided`: as `estimate`'s."""
     decided = decide(cfg) if decided is None else decided
+    if cfg.model.arch != "multistream" and cfg.model.vocab == 0:  # the data's: named as it will be
+        cfg = replace(cfg, model=model_with_vocabs(cfg))
     est = estimate(cfg, longest, decided)
     check_indexable(cfg, est)
     if not cfg.guard.memory_check:

@@ -13,7 +13,7 @@ import torch
 
 from hypertrain import plan
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, ModelConfig, TrainConfig, UserError
-from hypertrain.data.batches import is_multistream, replica_batch
+from hypertrain.data.batches import ReplicaBatch, is_multistream, replica_batch
 from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
@@ -23,17 +23,25 @@ from hypertrain.plan.check import verify_phase
 from hypertrain.preflight.checks import plan_phase
 
 logger = logging.getLogger("hypertrain")
+SOURCE_CHUNK = 1 << 20  # ids counted at once for the sources' shares
 
 
 def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
-    """The model config with what the data decides filled in (a multistream model's channel
-    vocabularies); UserError when model and data do not go together."""
+    """The model config with what the data decides filled in (a decoder's vocabulary where model.vocab
+    is 0, a multistream model's channel vocabularies); UserError when model and data do not go together."""
     model = cfg.model
     if not is_multistream(dataset):
         if model.arch == "multistream":
             raise UserError(
                 f"model.arch=multistream needs data with several token channels, not data.name="
                 f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
+            )
+        if model.vocab == 0:
+            return replace(model, vocab=int(dataset.vocab))
+        if cfg.data.name == "prepared" and model.vocab != dataset.vocab:
+            raise UserError(
+                f"model.vocab={model.vocab} differs from the prepared corpus's vocabulary ({dataset.vocab}, "
+                f"its meta.json); valid: 0 or {dataset.vocab} (data=prepared takes the corpus's)"
             )
         return model
     vocabs = [int(v) for v in dataset.channel_vocabs]
@@ -96,9 +104,59 @@ def prepare(cfg: TrainConfig, decided: Decided | None = None) -> PreparedRun:
         "data/heldout": cfg.data.heldout,
         "plan/updates_run": updates,
     }
-    heldout_ids = np.arange(samples, dataset.n_total, dtype=np.int64)
-    heldout = replica_batch(dataset, heldout_ids, cfg.data, HELDOUT_ROWS_PER_PASS)
-    return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout, decided)
+    if getattr(dataset, "corpus", ""):  # a prepared corpus: its tokenizer, vocabulary, sizes, sources
+        facts["data/corpus"] = dataset.corpus
+    heldout, heldout_sources = heldout_batch(dataset, np.arange(samples, dataset.n_total), cfg.data)
+    facts |= source_facts(cfg, dataset, phase, samples, updates)
+    return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout, decided, heldout_sources)
+
+
+def heldout_batch(dataset, ids: np.ndarray, data) -> tuple[ReplicaBatch, list[int]]:
+    """The held-out ids read and cut once, and, for data of several sources, the source of each
+    microbatch: each source's ids are cut on their own (weighted over all the held-out targets, so
+    the sum is the held-out loss as ever), which gives every source's loss from the same passes."""
+    names = getattr(dataset, "source_names", ())
+    if len(names) < 2:
+        return replica_batch(dataset, ids, data, HELDOUT_ROWS_PER_PASS), []
+    of = dataset.example_sources(ids)
+    micro, sources = [], []
+    for s in range(len(names)):
+        part = replica_batch(dataset, ids[of == s], data, HELDOUT_ROWS_PER_PASS, replica_ids=ids)
+        micro += part.microbatches
+        sources += [s] * len(part.microbatches)
+    return ReplicaBatch(micro, sum(mb.targets for mb in micro)), sources
+
+
+def source_facts(cfg: TrainConfig, dataset, phase, samples: int, updates: int) -> dict:
+    """For data of several sources: `data/sources` (their names) and `data/source_tokens`, per replica
+    the target tokens of each source among the ids the plan gives it in the updates run (the share of
+    each source in what every replica trains on; logged at start: `source_shares`). {} for data of one
+    source."""
+    names = list(getattr(dataset, "source_names", ()))
+    if len(names) < 2:
+        return {}
+    # Update u's ids are [offset + u*G, ...) and replica m takes U[m::R] (docs/design.md): an id's
+    # replica is its place in its update mod R. Counted in chunks of ids, so memory stays bounded.
+    G, R, S = phase.update_size, cfg.replicas, len(names)
+    tokens = np.zeros(R * S, dtype=np.int64)
+    end = min(samples, phase.offset + updates * G)
+    for first in range(phase.offset, end, SOURCE_CHUNK):
+        ids = np.arange(first, min(end, first + SOURCE_CHUNK), dtype=np.int64)
+        replica = (ids - phase.offset) % G % R
+        cell = replica * S + dataset.example_sources(ids)
+        tokens += np.bincount(cell, weights=dataset.lengths(ids) - 1, minlength=R * S).astype(np.int64)
+    return {"data/sources": names, "data/source_tokens": tokens.reshape(R, S).tolist()}
+
+
+def source_shares(facts: dict) -> list[str]:
+    """A line per replica saying each source's share of the target tokens it trains on (`source_facts`);
+    none for data of one source."""
+    names, tokens = facts.get("data/sources"), facts.get("data/source_tokens")
+    lines = []
+    for m, row in enumerate(tokens or []):
+        shares = ", ".join(f"{n} {t / max(1, sum(row)):.1%}" for n, t in zip(names, row, strict=True))
+        lines.append(f"replica {m} trains on {shares} of its {sum(row):,} target tokens")
+    return lines
 
 
 def initial_weights(run: PreparedRun) -> Params:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 VERSION_KEY = "schema_version"
 
 
@@ -125,11 +125,25 @@ def _config_3_to_4(resolved: dict) -> dict:
     return resolved
 
 
+# The data fields of issue 38 (a prepared corpus's options): what every run before them did
+BEFORE_ISSUE_38 = {"window_across_documents": True, "replica_split": "iid"}
+
+
+def _config_4_to_5(resolved: dict) -> dict:
+    """Version 4: before issue 38's data fields (`data.window_across_documents`, `data.replica_split`):
+    such a run cut its windows across the whole stream and gave every replica every source."""
+    data = resolved.get("data")
+    if isinstance(data, dict) and any(key not in data for key in BEFORE_ISSUE_38):
+        resolved = {**resolved, "data": BEFORE_ISSUE_38 | data}
+    return resolved
+
+
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_0_to_1,
     _config_1_to_2,
     _config_2_to_3,
     _config_3_to_4,
+    _config_4_to_5,
 )
 
 
@@ -219,11 +233,17 @@ def _checkpoint_3_to_4(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_4_to_5(saved: dict) -> dict:
+    """Version 4: the payload is today's (only its config gained fields: `_config_4_to_5`)."""
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
     _checkpoint_2_to_3,
     _checkpoint_3_to_4,
+    _checkpoint_4_to_5,
 )
 
 

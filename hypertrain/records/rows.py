@@ -81,6 +81,17 @@ def wandb_scalars(extra: dict, prefix: str) -> dict:
     return out
 
 
+SOURCES_DOC = (
+    "data=prepared of S > 1 sources: each source's held-out loss (held-out id N + j is source j mod S's); "
+    "None (null) for a source with no held-out example"
+)
+
+
+def source_losses(losses: list[float | None] | None) -> dict:
+    """A row's per-source held-out losses under their W&B keys, `eval/loss/source_<s>`."""
+    return {f"eval/loss/source_{s}": x for s, x in enumerate(losses or ()) if x is not None}
+
+
 def loss_mean(losses: list[float | None]) -> float | None:
     """Mean of the replicas that stepped (None entries left out); None when no replica stepped."""
     stepped = [float(loss) for loss in losses if loss is not None]
@@ -157,11 +168,16 @@ class EvalRow(Row):
     """A held-out loss in its own row: the starting weights', and with fragments after every round."""
 
     kind: ClassVar[str] = "eval"
-    wandb_keys: ClassVar[dict[str, str]] = {"eval_loss": "eval/loss", "clock_s": "clock/seconds"}
+    wandb_keys: ClassVar[dict[str, str]] = {
+        "eval_loss": "eval/loss",
+        "eval_loss_sources": "eval/loss/source_<s>",
+        "clock_s": "clock/seconds",
+    }
     wandb_prefix: ClassVar[str] = "eval/"
     update: int = _maybe("updates done before it")
     round: int = _maybe("rounds done before it", 0)
     eval_loss: float = _maybe("the global weights' held-out loss")
+    eval_loss_sources: list[float | None] | None = _maybe(SOURCES_DOC)
     comm_inner_total: int | None = _maybe("with fragments: the running inner bytes")
     comm_outer_total: int | None = _maybe("with fragments: the running outer bytes")
     clock_s: float | None = _maybe("with fragments: the network clock now (docs/clock.md)")
@@ -173,8 +189,9 @@ class EvalRow(Row):
 
     def wandb(self) -> dict:
         data = {"update": self.update, "round": self.round, "eval/loss": self.eval_loss}
-        extra = {k: v for k, v in self.to_json().items() if k not in ("kind", "update", "round", "eval_loss")}
-        return data | wandb_scalars(extra, self.wandb_prefix)
+        skip = ("kind", "update", "round", "eval_loss", "eval_loss_sources")
+        extra = {k: v for k, v in self.to_json().items() if k not in skip}
+        return data | source_losses(self.eval_loss_sources) | wandb_scalars(extra, self.wandb_prefix)
 
 
 @dataclass
@@ -242,6 +259,7 @@ class SyncRow(Row):
     kind: ClassVar[str] = "sync"
     wandb_keys: ClassVar[dict[str, str]] = {
         "eval_loss": "eval/loss",
+        "eval_loss_sources": "eval/loss/source_<s>",
         "pseudo_grad_norm": "sync/pseudo_grad_norm",
         "comm_inner_bytes": "comm/inner_bytes",
         "comm_outer_bytes": "comm/outer_bytes",
@@ -255,6 +273,7 @@ class SyncRow(Row):
     taken_at: int | None = _maybe("updates done when its pseudo-gradient was taken (`update` less the delay)")
     params: int | None = _maybe("the parameters synced (the fragment's, with fragments)")
     eval_loss: float | None = _maybe("without fragments: the new global weights' held-out loss")
+    eval_loss_sources: list[float | None] | None = _maybe(f"without fragments: {SOURCES_DOC}")
     pseudo_grad_norm: float | None = _maybe("the norm of the mean pseudo-gradient")
     replicas_synced: int | None = _maybe("the replicas that took part")
     comm_inner_bytes: int | None = _maybe("inner bytes per rank since the previous sync (the ring's)")
@@ -280,7 +299,10 @@ class SyncRow(Row):
     def wandb(self) -> dict:
         row = self.to_json()
         data: dict[str, Any] = {"update": self.update, "round": self.round}
-        data.update({key: row[name] for name, key in self.wandb_keys.items() if name in row})
+        data.update(
+            {key: row[n] for n, key in self.wandb_keys.items() if n in row and n != "eval_loss_sources"}
+        )
+        data |= source_losses(self.eval_loss_sources)
         skip = ("kind", "update", "round", *self.wandb_keys)
         return data | wandb_scalars({k: v for k, v in row.items() if k not in skip}, self.wandb_prefix)
 

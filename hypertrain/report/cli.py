@@ -26,6 +26,7 @@ from hypertrain.report.plots import clock_plot, heldout_plot, phases_plot, sprea
 from hypertrain.report.render import Section, html, markdown
 from hypertrain.report.runs import VALID_PATH, ReportInputError, Run, find_runs, load_run
 from hypertrain.report.seeds import SEED_KEYS, SPREAD, group_columns, group_rows, grouped, seed_groups
+from hypertrain.report.sources import data_section
 from hypertrain.report.table import (
     DIFFERENT_DATA,
     OTHER_ORDER,
@@ -215,6 +216,9 @@ def build(
         where = f"each run's own cluster ({', '.join(clusters)})"
         timed = clock_plot(runs, names, plot_keys, flags, list(clocks), target, where, out, groups=groups)
         sections.append(Section("Held-out loss against simulated seconds", plots=[timed]))
+    data, source_table = data_section(runs, names)
+    if data is not None:  # runs on a prepared corpus: its description and the sources' shares
+        sections.append(data)
     bits = bits_figures(runs, rows)
     sections.append(bits_section(runs, names, keys, flags, bits, out))
     spreads = [
@@ -240,6 +244,7 @@ def build(
         "bits": bits,
         "plots": [asdict(plot) for section in sections for plot in section.plots],
         "phases": phase_tables,
+        "sources": source_table,
     }
     terminal = "\n".join(phases.markdown_table(*table, pad=True))
     if grouped(groups):

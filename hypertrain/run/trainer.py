@@ -174,21 +174,25 @@ def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
 
 def after_syncs(
     run: PreparedRun, state: RunState, rnd: Segment, groups, log, progress, checkpointer, n_params: int
-) -> float | None:
+) -> tuple[float, list | None] | None:
     """After the syncs that landed at the end of `rnd`: their rows, and at a round's end the held-out
     loss of the new global weights (the writer) and the checkpoint it asks for. Returns the held-out
-    loss (NaN off the writer; None when no round ended). Before the checkpoint every process agrees the
+    loss (NaN off the writer) and each source's (a prepared corpus of several sources, else None);
+    None when no round ended. Before the checkpoint every process agrees the
     verdict (`sync_verdict`): a non-finite held-out loss or a divergence stops them all here, the
     writer's rows holding finite figures."""
     cfg = run.cfg
     eval_loss, channels = math.nan, {}
     if groups.is_writer and rnd.ends_round:
         eval_loss, channels = heldout_eval(run, state.theta)
+    sources = channels.pop("eval_loss_sources", None)
     verdict, why = sync_verdict(run, rnd, eval_loss if groups.is_writer and rnd.ends_round else None)
     streaming = cfg.outer.fragments > 1
     extra = {} if streaming else channels
     clock = state.clock if groups.is_writer else None
     rows = sync_rows(cfg, rnd, eval_loss if rnd.ends_round else None, state.totals, n_params, extra, clock)
+    for row in rows:  # the rows that hold the held-out loss hold each source's beside it
+        row.eval_loss_sources = sources if row.eval_loss is not None else None
     if groups.is_writer:
         if verdict != HELDOUT_NON_FINITE or streaming:
             for row in rows:
@@ -201,6 +205,7 @@ def after_syncs(
                         update=rnd.updates[-1] + 1,
                         round=rnd.index,
                         eval_loss=eval_loss,
+                        eval_loss_sources=sources,
                         comm_inner_total=rows[-1].comm_inner_total,
                         comm_outer_total=rows[-1].comm_outer_total,
                         clock_s=None if clock is None else clock.heldout(eval_loss),
@@ -213,7 +218,7 @@ def after_syncs(
             checkpointer.after_sync(state, last=state.next_update >= run.updates)
         else:
             checkpointer.after_update(state)
-    return eval_loss if rnd.ends_round else None
+    return (eval_loss, sources) if rnd.ends_round else None
 
 
 def stop_here(
@@ -272,11 +277,13 @@ def train(
     }
     log.write(SummaryRow(values=run.plan_facts | facts))
     eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
+    sources = channels.pop("eval_loss_sources", None)
     clock = state.clock if writer else None  # the writer's: fed the rows it writes
     if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
         if clock is not None:
             clock.heldout(eval_loss)
-        log.write(EvalRow(update=0, round=0, eval_loss=eval_loss, figures=channels))
+        first = EvalRow(update=0, round=0, eval_loss=eval_loss, eval_loss_sources=sources, figures=channels)
+        log.write(first)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
@@ -320,7 +327,7 @@ def train(
             progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
         if rnd.syncs or rnd.ends_round:
             evaluated = after_syncs(run, state, rnd, groups, log, progress, checkpointer, n_params)
-            eval_loss = eval_loss if evaluated is None else evaluated
+            eval_loss, sources = (eval_loss, sources) if evaluated is None else evaluated
         elif checkpointer is not None:
             checkpointer.after_update(state)
         if stop.signum:
@@ -331,6 +338,7 @@ def train(
     summary = (
         {
             "eval/final_loss": eval_loss,
+            **({"eval/final_loss_sources": sources} if sources is not None else {}),
             "train/tokens_total": totals.tokens,
             "train/wall_s": end - start,
             "comm/outer_total_bytes": totals.comm_outer_bytes,
