@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"hypertrain: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the temporary directory is gone already (prepare's own cleanup)
+        print(f"hypertrain: prepare interrupted: {args.out} not written", file=sys.stderr)
+        return 130
     if not args.quiet:
         print(summary(prepared, args.out))
     return 0
