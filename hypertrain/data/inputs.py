@@ -84,30 +84,28 @@ def kind_of(path: str) -> str:
 def check_field(source: Input, field: str) -> None:
     """UserError naming the fields that exist when a record input's first record lacks `field`."""
     if source.dataset is not None:
-        names = load_dataset(source.dataset).column_names
-        where = f"input {source.name!r}"
+        names, where = load_dataset(source.dataset).column_names, f"input {source.name!r}"
     else:
-        structured = [(name, path) for name, path in source.entries if kind_of(path) != "text"]
-        if not structured:
+        records = (path for _, path in source.entries if kind_of(path) != "text")
+        named = ((path, field_names(path)) for path in records)
+        where, names = next(((path, names) for path, names in named if names is not None), (None, None))
+        if names is None:  # no record: an empty source, refused once its documents are counted
             return
-        path = structured[0][1]
-        names, where = field_names(path), f"{path}"
     if field not in names:
         raise UserError(
             f"--field {field!r} is not a field of {where}; valid: one of {sorted(names)} (--field NAME)"
         )
 
 
-def field_names(path: str) -> list[str]:
-    """The fields of a record file: the keys of a JSONL file's first record, a table's columns."""
-    kind = kind_of(path)
-    if kind == "jsonl":
+def field_names(path: str) -> list[str] | None:
+    """The fields of a record file: the keys of a JSONL file's first record (None: it has none), a
+    table's columns."""
+    if kind_of(path) == "jsonl":
         with open(path, "rb") as file:
             for number, line in enumerate(file, 1):
                 if line.strip():
-                    record = json_record(line, path, number)
-                    return list(record)
-        raise UserError(f"input {path!r} holds no record; valid: JSONL with one JSON object a line")
+                    return list(json_record(line, path, number))
+        return None
     return list(table_schema(path).names)
 
 
