@@ -246,21 +246,24 @@ class Reader:
                     f"valid: one of {sorted(table.schema.names)}"
                 )
             batches, rows = table.select([self.field]).to_batches(), table.num_rows
-        size = os.path.getsize(path)
+        size, first = os.path.getsize(path), 0
         for batch in batches:
-            yield from self.column_texts(batch.column(0).to_pylist(), path)
+            yield from self.column_texts(batch.column(0).to_pylist(), path, first)
             self.on_bytes(size * batch.num_rows // max(rows, 1))
+            first += batch.num_rows
 
     def dataset_documents(self) -> Iterator[str]:
         dataset = load_dataset(self.source.dataset).select_columns([self.field]).with_format("arrow")
-        size = sum(os.path.getsize(p) for _, p in self.source.entries)
+        size, first = sum(os.path.getsize(p) for _, p in self.source.entries), 0
         for table in dataset.iter(batch_size=8192):
-            yield from self.column_texts(table.column(0).to_pylist(), self.source.name)
+            yield from self.column_texts(table.column(0).to_pylist(), self.source.name, first)
             self.on_bytes(size * table.num_rows // max(len(dataset), 1))
+            first += table.num_rows
 
-    def column_texts(self, values: list, where: str) -> Iterator[str]:
-        for row, value in enumerate(values):
-            yield self.text(value, f"{where} (a row of column {self.field!r}, the {row}th of its batch)")
+    def column_texts(self, values: list, where: str, first: int) -> Iterator[str]:
+        """The texts of a column's `values`, rows `first`, `first` + 1, ... of `where`."""
+        for row, value in enumerate(values, first):
+            yield self.text(value, f"{where} row {row}")
 
     def text(self, value, where: str) -> str:
         if isinstance(value, str):
