@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,7 +87,7 @@ def sha256_file(path: Path) -> str:
 
 def write(
     directory: Path,
-    documents_per_source: Sequence[Sequence[np.ndarray]],
+    documents_per_source: Sequence[Iterable[np.ndarray]],
     sources: Sequence[SourceMeta],
     *,
     vocab: int,
@@ -96,8 +96,9 @@ def write(
     tokenizer_json: bytes | None,
     request: str,
 ) -> Meta:
-    """Write a corpus of the given documents (token id arrays without their eod, per source, in order)
-    into `directory` (existing, empty). `sources`' documents and tokens are recounted here."""
+    """Write a corpus of the given documents (token id arrays without their eod, per source, in order;
+    each source's an iterable read once, as it is written: a generator streams) into `directory`
+    (existing, empty). `sources`' documents and tokens are recounted here."""
     if vocab > UINT32_VOCAB:
         raise UserError(
             f"a vocabulary of {vocab} tokens does not fit uint32 token ids; valid: <= {UINT32_VOCAB}"
@@ -107,7 +108,7 @@ def write(
     lengths, counted = [], []
     with open(directory / TOKENS, "wb") as out:
         for docs, source in zip(documents_per_source, sources, strict=True):
-            tokens = 0
+            tokens, documents = 0, 0
             for doc in docs:
                 row = np.empty(len(doc) + 1, dtype=dtype)
                 row[:-1] = doc
@@ -115,7 +116,8 @@ def write(
                 out.write(row.tobytes())
                 lengths.append(len(row))
                 tokens += len(row)
-            counted.append(SourceMeta(source.name, source.files, len(docs), tokens, source.sha256))
+                documents += 1
+            counted.append(SourceMeta(source.name, source.files, documents, tokens, source.sha256))
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
     (directory / DOCUMENTS).write_bytes(starts.tobytes())
     if tokenizer_json is not None:

@@ -224,31 +224,33 @@ def prepare(
 def write(
     directory: Path, sources: Sequence[Input], field: str, tokenizer: Tokenizer, request: str, bar
 ) -> tuple[corpus.Meta, int]:
-    """Every source encoded and written into `directory` (corpus.write); UserError for an empty source."""
+    """Every source encoded and written into `directory` (corpus.write), a batch of documents at a time;
+    UserError for an empty source."""
     vocab, eod = tokenizer.vocab_and_eod()
     dtype = np.dtype(corpus.dtype_for(vocab))
-    per_source, metas, undecodable = [], [], 0
-    for source in sources:
-        reader = Reader(source, field, bar.update)
-        documents = [ids for batch in reader for ids in encode(tokenizer, batch, dtype)]
-        if not documents:
-            raise UserError(
-                f"input {source.name!r} holds no documents; valid: at least one document in every input"
-            )
-        undecodable += reader.undecodable
-        per_source.append(documents)
-        metas.append(corpus.SourceMeta(source.name, len(source.entries), 0, 0, source.sha256))
+    readers = [Reader(source, field, bar.update) for source in sources]
     meta = corpus.write(
         directory,
-        per_source,
-        metas,
+        [encoded(reader, tokenizer, dtype) for reader in readers],
+        [corpus.SourceMeta(s.name, len(s.entries), 0, 0, s.sha256) for s in sources],
         vocab=vocab,
         eod=eod,
         tokenizer=tokenizer.spec,
         tokenizer_json=tokenizer.json,
         request=request,
     )
-    return meta, undecodable
+    return meta, sum(reader.undecodable for reader in readers)
+
+
+def encoded(reader: Reader, tokenizer: Tokenizer, dtype: np.dtype) -> Iterator[np.ndarray]:
+    """The ids of each document `reader` yields, in order; UserError when it yields none."""
+    empty = True
+    for batch in reader:
+        yield from encode(tokenizer, batch, dtype)
+        empty = False
+    if empty:
+        name = reader.source.name
+        raise UserError(f"input {name!r} holds no documents; valid: at least one document in every input")
 
 
 def summary(prepared: Prepared, out: Path) -> str:
