@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -105,7 +106,7 @@ def write(
         )
     directory = Path(directory)
     dtype = np.dtype("<u2" if dtype_for(vocab) == "uint16" else "<u4")
-    lengths, counted = [], []
+    lengths, counted = array("q"), []  # 8 bytes a document, however many
     with open(directory / TOKENS, "wb") as out:
         for docs, source in zip(documents_per_source, sources, strict=True):
             tokens, documents = 0, 0
@@ -118,7 +119,7 @@ def write(
                 tokens += len(row)
                 documents += 1
             counted.append(SourceMeta(source.name, source.files, documents, tokens, source.sha256))
-    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
+    starts = np.concatenate([[0], np.cumsum(np.frombuffer(lengths, dtype=np.int64))]).astype("<i8")
     (directory / DOCUMENTS).write_bytes(starts.tobytes())
     if tokenizer_json is not None:
         (directory / TOKENIZER).write_bytes(tokenizer_json)
