@@ -907,7 +907,7 @@ CASES = {
     ),
     "prepare-empty-input": Case(
         "prepare: an INPUT with no documents (an empty JSONL file, a table of no rows)",
-        ["prepare", "docs.txt", "empty.jsonl", "--out", "corpus"],
+        ["prepare", "docs.txt", "empty.jsonl", "--out", "corpora/mine"],
         "input 'empty.jsonl' holds no documents; valid: at least one document in every input",
         "leave the empty input out",
         files={"docs.txt": b"a document", "empty.jsonl": b"\n"},

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from hypertrain.config import UserError
 from hypertrain.data import corpus
 from hypertrain.data.__main__ import main
 from hypertrain.data.prepare import prepare, private_hf_home
@@ -58,6 +60,8 @@ def write_inputs(root: Path, documents: list[str]) -> dict[str, str]:
     pa.parquet.write_table(table, root / "docs.parquet", row_group_size=7)  # several row groups
     with pa.ipc.new_file(root / "docs.arrow", table.schema) as writer:
         writer.write_table(table, max_chunksize=5)
+    with pa.ipc.new_stream(root / "stream.arrow", table.schema) as writer:  # as datasets writes them
+        writer.write_table(table, max_chunksize=5)
     pa.feather.write_feather(table, root / "docs.feather")
     with private_hf_home():  # datasets' caches in a temporary folder, as prepare has them
         import datasets
@@ -70,6 +74,7 @@ def write_inputs(root: Path, documents: list[str]) -> dict[str, str]:
         "jsonl": str(root / "*.jsonl"),
         "parquet": str(root / "docs.parquet"),
         "arrow": str(root / "docs.arrow"),
+        "arrow-stream": str(root / "stream.arrow"),
         "feather": str(root / "docs.feather"),
         "save_to_disk": str(root / "saved"),
     }
@@ -118,7 +123,9 @@ def own_encoding(directory: Path, documents: list[str]) -> list[list[int]]:
     return [e.ids for e in loaded.encode_batch(documents, add_special_tokens=False)]
 
 
-@pytest.mark.parametrize("kind", ["text", "jsonl", "parquet", "arrow", "feather", "save_to_disk"])
+@pytest.mark.parametrize(
+    "kind", ["text", "jsonl", "parquet", "arrow", "arrow-stream", "feather", "save_to_disk"]
+)
 @pytest.mark.parametrize("tokenizer", ["bytes", "train:300", "file", "file-with-eos"])
 def test_the_stream_is_the_documents_each_ended_by_the_eod(
     tmp_path, inputs, tokenizer_files, kind, tokenizer
@@ -216,43 +223,78 @@ def test_an_empty_output_directory_is_filled(tmp_path, inputs):
 
 
 # A prepare in its own process that ends where `stop` says: SIGKILL after the corpus is written into
-# the temporary directory but before its rename, or Ctrl-C (KeyboardInterrupt) in the middle of encoding.
+# the temporary directory but before its rename, Ctrl-C (KeyboardInterrupt) or SIGTERM while encoding.
 INTERRUPTED = """
 import os, signal, sys
 from hypertrain.data import __main__ as command, corpus, prepare
 
-stop, written = sys.argv[1], corpus.write
+stop, written, encoded = sys.argv[1], corpus.write, prepare.encode
 if stop == "kill-before-rename":
     def write(*args, **kwargs):
         written(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGKILL)
     corpus.write = write
 else:
-    encoded = prepare.encode
     def encode(*args):
         encoded(*args)
-        raise KeyboardInterrupt
+        if stop == "sigterm-while-encoding":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            raise KeyboardInterrupt
     prepare.encode = encode
 sys.exit(command.main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("stop", ["kill-before-rename", "ctrl-c-while-encoding"])
-def test_an_interrupted_prepare_leaves_no_corpus(tmp_path, inputs, stop):
+@pytest.mark.parametrize(
+    "stop, code",
+    [
+        ("kill-before-rename", -signal.SIGKILL),
+        ("ctrl-c-while-encoding", 130),
+        ("sigterm-while-encoding", 128 + signal.SIGTERM),
+    ],
+)
+def test_an_interrupted_prepare_leaves_no_corpus(tmp_path, inputs, stop, code):
     out = tmp_path / "corpus"
     args = ["prepare", inputs["jsonl"], "--out", str(out), "--tokenizer", "train:300", "--quiet"]
     done = subprocess.run(
         [sys.executable, "-c", INTERRUPTED, stop, *args], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == (-9 if stop == "kill-before-rename" else 130), done.stderr
+    assert done.returncode == code, done.stderr
     assert not out.exists()
     if stop == "ctrl-c-while-encoding":
         assert done.stderr == f"hypertrain: prepare interrupted: {out} not written\n"
     left = [p.name for p in tmp_path.iterdir()]
-    assert left == ([".corpus.partial"] if stop == "kill-before-rename" else []), left
+    assert left == ([".corpus.partial"] if stop == "kill-before-rename" else []), left  # the rest cleaned
     assert main(args) == 0  # the next prepare removes what a killed one left, and writes the corpus
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
     assert corpus.read(out).meta.documents == len(DOCUMENTS)
+
+
+def test_the_progress_bar_goes_to_stderr_and_the_folders_made_for_a_refused_corpus_go_too(
+    tmp_path, inputs, capsys
+):
+    out = tmp_path / "new" / "deeper" / "corpus"
+    prepare([inputs["text"]], out, "train:300", "text", progress=True)
+    said = capsys.readouterr()
+    assert "training BPE" in said.err and "tokenizing" in said.err and said.out == ""
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(UserError, match="'.*empty.jsonl' holds no documents"):
+        prepare([inputs["text"], str(tmp_path / "empty.jsonl")], tmp_path / "a" / "b", "bytes", "text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "new"]
+
+
+def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path):
+    with private_hf_home():
+        import datasets
+
+        split = datasets.Dataset.from_dict({"text": ["a document"]})
+        datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(
+        UserError, match=r"is a DatasetDict of splits \['train', 'test'\]; valid: one split's"
+    ):
+        prepare([str(tmp_path / "saved")], tmp_path / "corpus", "bytes", "text")
+    assert not (tmp_path / "corpus").exists()
 
 
 def word_level_file(path: Path, words: int) -> Path:

@@ -19,6 +19,7 @@ from hypertrain.data.sources import expand_glob
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
 DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its .arrow files
+DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits' folders
 BATCH_CHARS = 1 << 22  # characters per batch of documents: big enough for encode_batch's threads
 _HASH_CHUNK = 1 << 24
 VALID_INPUT = (
@@ -40,7 +41,8 @@ def open_input(text: str, field: str) -> Input:
     matches nothing or has no such field."""
     path = Path(text).expanduser()
     if path.is_dir():
-        if not all((path / name).is_file() for name in DATASET_FILES):
+        saved = all((path / name).is_file() for name in DATASET_FILES) or (path / DATASET_DICT).is_file()
+        if not saved:
             raise UserError(
                 f"input {text!r} is a directory but not a dataset saved with datasets' save_to_disk "
                 f"(no {' and '.join(DATASET_FILES)}); valid: {VALID_INPUT}, "

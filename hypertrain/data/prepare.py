@@ -184,8 +184,6 @@ def prepare(
 ) -> Prepared:
     """Prepare `inputs` into `out` (see the module's docstring); `progress`: a bar on stderr (None: only
     when stderr is a terminal)."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
     out = Path(out).expanduser().absolute()
     tokenizer = parse_tokenizer(tokenizer_spec)
@@ -200,25 +198,45 @@ def prepare(
                     "valid: a new or empty directory, or the inputs and options that prepared it"
                 )
             return Prepared(found, False, time.perf_counter() - started, 0)
-        total = sum(os.path.getsize(path) for s in sources for _, path in s.entries)
-        partial = partial_of(out)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        try:
-            disable = None if progress is None else not progress  # None: tqdm's own test, a terminal
-            with tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, disable=disable) as bar:
-                if tokenizer.trained_vocab:
-                    train(tokenizer, sources, field, bar)
-                    bar.reset(total=total)
-                bar.set_description("tokenizing")
-                meta, undecodable = write(partial, sources, field, tokenizer, request, bar)
-            if out.exists():
-                out.rmdir()  # empty (`existing`): the rename needs it gone
-            os.rename(partial, out)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+        meta, undecodable = build(out, sources, field, tokenizer, request, progress)
     return Prepared(meta, True, time.perf_counter() - started, undecodable)
+
+
+def build(
+    out: Path, sources: Sequence[Input], field: str, tokenizer: Tokenizer, request: str, progress: bool | None
+) -> tuple[corpus.Meta, int]:
+    """The corpus written into `partial_of(out)`, then renamed to `out`. On any exception (a refusal,
+    Ctrl-C, SIGTERM's exit) the partial directory and the folders made for it are removed."""
+    from tqdm import tqdm
+
+    partial = partial_of(out)
+    shutil.rmtree(partial, ignore_errors=True)
+    made = first_missing(partial.parent) or partial
+    partial.mkdir(parents=True)
+    total = sum(os.path.getsize(path) for s in sources for _, path in s.entries)
+    disable = None if progress is None else not progress  # None: tqdm's own test, a terminal
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, disable=disable) as bar:
+            if tokenizer.trained_vocab:
+                train(tokenizer, sources, field, bar)
+                bar.reset(total=total)
+            bar.set_description("tokenizing")
+            written = write(partial, sources, field, tokenizer, request, bar)
+        if out.exists():
+            out.rmdir()  # empty (`existing`): the rename needs it gone
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
+    return written
+
+
+def first_missing(directory: Path) -> Path | None:
+    """The outermost of `directory` and its parents that does not exist: what mkdir(parents=True) makes."""
+    missing = None
+    while not directory.exists():
+        missing, directory = directory, directory.parent
+    return missing
 
 
 def write(
