@@ -42,6 +42,7 @@ def make_documents(count: int, seed: int) -> list[str]:
 
 
 DOCUMENTS = make_documents(24, seed=0)
+DOCUMENTS[5] += " a special token's spelling is text: <|endoftext|> </s> <eos>"
 OTHER = make_documents(9, seed=1)
 
 
@@ -118,8 +119,10 @@ def documents_of(directory: Path) -> list[np.ndarray]:
 
 
 def own_encoding(directory: Path, documents: list[str]) -> list[list[int]]:
-    """What tokenizers' own encode_batch gives for `documents` with the corpus's tokenizer.json."""
+    """What tokenizers' own encode_batch gives for `documents` with the corpus's tokenizer.json (special
+    tokens' spellings encoded as text)."""
     loaded = tokenizers.Tokenizer.from_file(str(directory / corpus.TOKENIZER))
+    loaded.encode_special_tokens = True
     return [e.ids for e in loaded.encode_batch(documents, add_special_tokens=False)]
 
 
@@ -138,6 +141,7 @@ def test_the_stream_is_the_documents_each_ended_by_the_eod(
     assert all(ids[-1] == meta.eod and meta.eod not in ids[:-1] for ids in stored)
     said = corpus.Tokenizer(out, meta)
     assert [said.decode(ids) for ids in stored] == DOCUMENTS
+    assert [said.encode(d) for d in DOCUMENTS] == [ids[:-1].tolist() for ids in stored]
     if tokenizer == "bytes":
         assert not (out / corpus.TOKENIZER).exists()
         assert [ids[:-1].tolist() for ids in stored] == [list(d.encode()) for d in DOCUMENTS]

@@ -80,6 +80,7 @@ def bench_prepare(root: Path, documents: list[str], tokenizer: Path, repeats: in
     from hypertrain.data.inputs import BATCH_CHARS
 
     loaded = tokenizers.Tokenizer.from_file(str(tokenizer))
+    loaded.encode_special_tokens = True  # as prepare encodes
     batches, batch, chars = [], [], 0
     for document in documents:  # the batches prepare's reader makes
         batch.append(document)

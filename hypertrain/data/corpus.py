@@ -188,6 +188,7 @@ class Tokenizer:
             import tokenizers  # a dependency of hypertrain; imported here so `bytes` corpora need nothing
 
             self._hf = tokenizers.Tokenizer.from_file(str(Path(directory) / TOKENIZER))
+            self._hf.encode_special_tokens = True  # as prepare encoded: "<|endoftext|>" in a text is text
 
     def encode(self, text: str) -> list[int]:
         if self._hf is None:
