@@ -246,9 +246,7 @@ def write(
     UserError for an empty source."""
     vocab, eod = tokenizer.vocab_and_eod()
     dtype = np.dtype(corpus.dtype_for(vocab))
-    if (
-        tokenizer.hf is not None
-    ):  # a special token's spelling in a document is text: the eod ends documents only
+    if tokenizer.hf is not None:  # a special token's spelling in a document is text: eods end documents only
         tokenizer.hf.encode_special_tokens = True
     readers = [Reader(source, field, bar.update) for source in sources]
     meta = corpus.write(
