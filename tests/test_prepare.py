@@ -219,6 +219,25 @@ def test_the_same_request_again_writes_nothing(tmp_path, inputs, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
+def test_bad_utf8_bytes_are_replaced_and_counted(tmp_path, capsys):
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 ok")  # Latin-1, not UTF-8
+    (tmp_path / "b.txt").write_bytes("café ok".encode())
+    out = tmp_path / "corpus"
+    assert main(["prepare", str(tmp_path / "*.txt"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("; 1 document had bad UTF-8 bytes, replaced by U+FFFD")
+    said = corpus.Tokenizer(out, corpus.read(out).meta)
+    assert [said.decode(ids) for ids in documents_of(out)] == ["caf\ufffd ok", "café ok"]
+
+
+def test_the_command_explains_itself(capsys):
+    for args in (["--help"], ["prepare", "--help"]):
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        assert exited.value.code == 0
+    said = capsys.readouterr().out
+    assert "prepare" in said and "--tokenizer" in said and "train:V" in said and "save_to_disk" in said
+
+
 def test_an_empty_output_directory_is_filled(tmp_path, inputs):
     out = tmp_path / "corpus"
     out.mkdir()
