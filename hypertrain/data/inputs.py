@@ -48,16 +48,13 @@ def open_input(text: str, field: str) -> Input:
                 f"(no {' and '.join(DATASET_FILES)}); valid: {VALID_INPUT}, "
                 f"e.g. '{text.rstrip('/')}/**/*.txt'"
             )
-        entries = tuple(
-            (p.relative_to(path).as_posix(), str(p)) for p in sorted(path.rglob("*")) if p.is_file()
-        )
-        source = Input(text, entries, str(path), digest(entries))
-        check_field(source, field)
-        return source
-    entries = tuple(expand_glob(text))
-    if not entries:
-        raise UserError(f"input {text!r} matches no files; valid: {VALID_INPUT}")
-    source = Input(text, entries, None, digest(entries))
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        entries, dataset = tuple((p.relative_to(path).as_posix(), str(p)) for p in files), str(path)
+    else:
+        entries, dataset = tuple(expand_glob(text)), None
+        if not entries:
+            raise UserError(f"input {text!r} matches no files; valid: {VALID_INPUT}")
+    source = Input(text, entries, dataset, digest(entries))
     check_field(source, field)
     return source
 
