@@ -229,6 +229,32 @@ def test_bad_utf8_bytes_are_replaced_and_counted(tmp_path, capsys):
     assert [said.decode(ids) for ids in documents_of(out)] == ["caf\ufffd ok", "café ok"]
 
 
+def test_compressed_text_and_jsonl_are_read_through_their_suffix(tmp_path):
+    import bz2
+    import gzip
+    import lzma
+
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(DOCUMENTS[0].encode()))
+    (tmp_path / "b.txt.xz").write_bytes(lzma.compress(DOCUMENTS[1].encode()))
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCUMENTS[2:5])
+    (tmp_path / "c.jsonl.bz2").write_bytes(bz2.compress(lines.encode()))
+    out = tmp_path / "corpus"
+    meta = prepare([str(tmp_path / "*.*")], out, "bytes", "text", progress=False).meta
+    said = corpus.Tokenizer(out, meta)
+    assert [said.decode(ids) for ids in documents_of(out)] == DOCUMENTS[:5]
+
+
+def test_a_glob_over_the_output_directory_leaves_the_corpus_out(tmp_path):
+    """`prepare 'data/**/*' --out data/corpus` twice: the second finds its corpus (whose files the glob
+    now matches) and has nothing to do."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text(DOCUMENTS[0])
+    args = [str(tmp_path / "data" / "**" / "*")], tmp_path / "data" / "corpus", "bytes", "text"
+    first = prepare(*args, progress=False)
+    again = prepare(*args, progress=False)
+    assert first.written and not again.written and again.meta == first.meta and first.meta.documents == 1
+
+
 def test_the_command_explains_itself(capsys):
     for args in (["--help"], ["prepare", "--help"]):
         with pytest.raises(SystemExit) as exited:

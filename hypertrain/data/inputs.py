@@ -7,8 +7,11 @@ directory saved by Hugging Face `datasets`' `save_to_disk`), checks its `field` 
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
 import json
+import lzma
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from hypertrain.config import UserError
 from hypertrain.data.sources import expand_glob
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # text and JSONL files read through them
 DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its .arrow files
 DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits' folders
 BATCH_CHARS = 1 << 22  # characters per batch of documents: big enough for encode_batch's threads
@@ -36,9 +40,10 @@ class Input:
     sha256: str  # of its files' names and bytes, in order
 
 
-def open_input(text: str, field: str) -> Input:
+def open_input(text: str, field: str, skipped: tuple[Path, ...] = ()) -> Input:
     """The input `text` names, its `field` checked where its documents are records; UserError when it
-    matches nothing or has no such field."""
+    matches nothing or has no such field. Files under a folder of `skipped` (prepare's own output)
+    are not part of it."""
     path = Path(text).expanduser()
     if path.is_dir():
         saved = all((path / name).is_file() for name in DATASET_FILES) or (path / DATASET_DICT).is_file()
@@ -51,7 +56,7 @@ def open_input(text: str, field: str) -> Input:
         files = sorted(p for p in path.rglob("*") if p.is_file())
         entries, dataset = tuple((p.relative_to(path).as_posix(), str(p)) for p in files), str(path)
     else:
-        entries, dataset = tuple(expand_glob(text)), None
+        entries, dataset = tuple(expand_glob(text, skipped)), None
         if not entries:
             raise UserError(f"input {text!r} matches no files; valid: {VALID_INPUT}")
     source = Input(text, entries, dataset, digest(entries))
@@ -71,8 +76,12 @@ def digest(entries: tuple[tuple[str, str], ...]) -> str:
 
 
 def kind_of(path: str) -> str:
-    """How a file's documents are read: "jsonl", "parquet", "arrow" or "text" (one document a file)."""
-    suffix = Path(path).suffix.lower()
+    """How a file's documents are read: "jsonl", "parquet", "arrow" or "text" (one document a file), by
+    its suffix (the one before .gz, .bz2 or .xz)."""
+    name = Path(path)
+    suffix = name.suffix.lower()
+    if suffix in COMPRESSED:
+        suffix = name.with_suffix("").suffix.lower()
     if suffix == ".jsonl":
         return "jsonl"
     if suffix == ".parquet":
@@ -100,12 +109,17 @@ def field_names(path: str) -> list[str] | None:
     """The fields of a record file: the keys of a JSONL file's first record (None: it has none), a
     table's columns."""
     if kind_of(path) == "jsonl":
-        with open(path, "rb") as file:
+        with open_text(path) as file:
             for number, line in enumerate(file, 1):
                 if line.strip():
                     return list(json_record(line, path, number))
         return None
     return list(table_schema(path).names)
+
+
+def open_text(path: str):
+    """A text or JSONL file opened for reading bytes, decompressed when its suffix says so."""
+    return COMPRESSED.get(Path(path).suffix.lower(), open)(path, "rb")
 
 
 def json_record(line: bytes, path: str, number: int) -> dict:
@@ -198,7 +212,7 @@ class Reader:
         for _, path in self.source.entries:
             kind = kind_of(path)
             if kind == "text":
-                with open(path, "rb") as file:
+                with open_text(path) as file:
                     data = file.read()
                 yield self.decode(data)
                 self.on_bytes(len(data))
@@ -215,7 +229,7 @@ class Reader:
             return data.decode("utf-8", errors="replace")
 
     def jsonl_documents(self, path: str) -> Iterator[str]:
-        with open(path, "rb") as file:
+        with open_text(path) as file:
             for number, line in enumerate(file, 1):
                 self.on_bytes(len(line))
                 if not line.strip():

@@ -189,7 +189,8 @@ def prepare(
     tokenizer = parse_tokenizer(tokenizer_spec)
     found = existing(out)
     with private_hf_home():
-        sources = [open_input(text, field) for text in inputs]
+        own = (out, partial_of(out))  # an earlier corpus in DIR is never an input of the next prepare
+        sources = [open_input(text, field, own) for text in inputs]
         request = request_of(sources, field, tokenizer)
         if found is not None:
             if found.request != request:

@@ -59,11 +59,13 @@ def text_files_source(pattern: str) -> Source:
     return replace(source, label=f"text_files {pattern}: {len(entries)} files, {megabytes(source)}")
 
 
-def expand_glob(pattern: str) -> list[tuple[str, str]]:
-    """The files `pattern` matches (`~` expanded, `**` recursive) as sorted (name, absolute path) pairs,
-    each name relative to the files' common folder, so a fingerprint does not depend on where they live."""
+def expand_glob(pattern: str, skipped: tuple[Path, ...] = ()) -> list[tuple[str, str]]:
+    """The files `pattern` matches (`~` expanded, `**` recursive; none under a folder of `skipped`) as
+    sorted (name, absolute path) pairs, each name relative to the files' common folder, so a fingerprint
+    does not depend on where they live."""
     expanded = os.path.expanduser(pattern)
     paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
+    paths = [p for p in paths if not any(Path(p).is_relative_to(folder) for folder in skipped)]
     if not paths:
         return []
     base = os.path.commonpath(paths)
