@@ -159,10 +159,13 @@ def needs_a_process(args: list[str], fault: str | None, torchrun: int) -> bool:
     return bool(fault or torchrun) or any(part in a for a in args for part in STARTS_PROCESSES)
 
 
-def in_process(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m hypertrain.train ARGS` as `hypertrain.train.cli(ARGS)` in this process, in `cwd` with
-    the entry's environment (`entry_env`), its stdout and stderr captured; what a process would have
-    ended with: an exception that escapes the entry is its traceback on stderr and exit 1."""
+def in_process(
+    args: list[str], cwd: Path, env: dict | None = None, main=cli, module: str = "hypertrain.train"
+) -> subprocess.CompletedProcess:
+    """`python -m hypertrain.train ARGS` as `hypertrain.train.cli(ARGS)` in this process (or `module`'s
+    `main`), in `cwd` with the entry's environment (`entry_env`), its stdout and stderr captured; what a
+    process would have ended with: an exception that escapes the entry is its traceback on stderr and
+    exit 1."""
     before_env, before_cwd = dict(os.environ), os.getcwd()
     out, err = io.StringIO(), io.StringIO()
     os.environ.clear()
@@ -171,7 +174,7 @@ def in_process(args: list[str], cwd: Path, env: dict | None = None) -> subproces
         os.chdir(cwd)
         with redirect_stdout(out), redirect_stderr(err):
             try:
-                code = cli(list(args))
+                code = main(list(args))
             except Exception:
                 traceback.print_exc()
                 code = 1
@@ -179,7 +182,7 @@ def in_process(args: list[str], cwd: Path, env: dict | None = None) -> subproces
         os.chdir(before_cwd)
         os.environ.clear()
         os.environ.update(before_env)
-    return subprocess.CompletedProcess(["hypertrain.train", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
 
 
 def finish(proc: subprocess.Popen, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
@@ -212,6 +215,20 @@ def entry(
         return in_process(args, cwd, env)
     extra = (env or {}) | ({FAULT_ENV: fault} if fault else {})
     return finish(start_entry(args, cwd, extra, torchrun), timeout)
+
+
+def data_command(
+    args: list[str], cwd: Path, *, env: dict | None = None, process: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m hypertrain.data ARGS` in `cwd` with the entry's environment, to its end: in this process
+    (its `main`), or as a real command line with `process`."""
+    if not process:
+        from hypertrain.data.__main__ import main
+
+        return in_process(args, cwd, env, main=main, module="hypertrain.data")
+    command = [sys.executable, "-m", "hypertrain.data", *args]
+    env = entry_env(env)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def compose_cfg(overrides: list[str]) -> TrainConfig:

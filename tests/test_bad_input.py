@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, entry, entry_env, tree
+from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, data_command, entry, entry_env, tree
 from test_prepared import write_corpus
 
 from hypertrain.failures import EXIT_CODES
@@ -58,8 +58,8 @@ class Case:
     hydra: bool = False  # Hydra's own wording
     setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
     env: dict[str, str] = field(default_factory=dict)  # the entry's environment ({cwd} as in args)
-    # the command: "train" (args after BASE) or "sample" (`python -m hypertrain.sample ARGS`, its line
-    # `hypertrain.sample: error: ...`)
+    # the command: "train" (args after BASE), "sample" (`python -m hypertrain.sample ARGS`, its line
+    # `hypertrain.sample: error: ...`) or "data" (`python -m hypertrain.data ARGS`, no BASE before them)
     command: str = "train"
 
 
@@ -126,6 +126,31 @@ def _trained_on(data: str) -> Callable[[Path], None]:
         (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
     return change
+
+
+# A sitecustomize that makes the modules named in HIDDEN_MODULES not installed, as far as an import can tell.
+HIDE_MODULES = """
+import importlib.abc, os, sys
+
+hidden = os.environ["HIDDEN_MODULES"].split(",")
+
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == h or name.startswith(h + ".") for h in hidden):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+def prepared_corpus(earlier: Path, cwd: Path) -> None:
+    """A setup: cwd/corpus holds the corpus prepared from cwd/docs.txt with the bytes tokenizer."""
+    from hypertrain.data.prepare import prepare
+
+    prepare([str(cwd / "docs.txt")], cwd / "corpus", "bytes", "text", progress=False)
 
 
 def token_file(largest: int, n: int = 20000) -> bytes:
@@ -1027,6 +1052,98 @@ CASES = {
         "cluster.straggler.sigma=1000000.0 is out of range; valid: [0, 10]",
         "a sigma of at most 10 (already a factor of e^10 for one replica in six)",
     ),
+    # issue 38: prepare (`python -m hypertrain.data prepare INPUT ... --out DIR`; docs/data.md)
+    "prepare-input-matching-nothing": Case(
+        "prepare: an INPUT that is missing, or a glob that matches no file",
+        ["prepare", "texts/**/*.txt", "--out", "corpus"],
+        "input 'texts/**/*.txt' matches no files; valid: a glob of text files ('docs/**/*.txt'), JSONL",
+        "name existing files: a glob (quoted, `**` recursive), JSONL, Parquet/Arrow files or a saved dataset",
+        command="data",
+    ),
+    "prepare-directory-not-a-dataset": Case(
+        "prepare: a directory as INPUT that `datasets`' save_to_disk did not write",
+        ["prepare", "texts", "--out", "corpus"],
+        "input 'texts' is a directory but not a dataset saved with datasets' save_to_disk",
+        "a glob of its files (`'texts/**/*.txt'`), or the directory save_to_disk wrote",
+        files={"texts/a.txt": b"a document"},
+        command="data",
+    ),
+    "prepare-empty-input": Case(
+        "prepare: an INPUT with no documents (an empty JSONL file, a table of no rows)",
+        ["prepare", "docs.txt", "empty.jsonl", "--out", "corpora/mine"],
+        "input 'empty.jsonl' holds no documents; valid: at least one document in every input",
+        "leave the empty input out",
+        files={"docs.txt": b"a document", "empty.jsonl": b"\n"},
+        command="data",
+    ),
+    "prepare-unknown-field": Case(
+        "prepare: a `--field` the JSONL records (or the table's columns) do not have",
+        ["prepare", "docs.jsonl", "--out", "corpus", "--field", "text"],
+        "--field 'text' is not a field of {cwd}/docs.jsonl; valid: one of ['body', 'id'] (--field NAME)",
+        "`--field` one of the fields the line names",
+        files={"docs.jsonl": b'{"id": 1, "body": "a document"}\n'},
+        command="data",
+    ),
+    "prepare-line-not-json": Case(
+        "prepare: a JSONL line that is not a JSON object",
+        ["prepare", "docs.jsonl", "--out", "corpus"],
+        "{cwd}/docs.jsonl:2 is not JSON (Expecting value: line 1 column 1 (char 0)); valid: one JSON object",
+        "fix the line the error names (file:line)",
+        files={"docs.jsonl": b'{"text": "a document"}\nnot json\n'},
+        command="data",
+    ),
+    "prepare-tokenizer-that-does-not-load": Case(
+        "prepare: a `--tokenizer` file that is not a Hugging Face tokenizer.json",
+        ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", "tokenizer.json"],
+        "--tokenizer 'tokenizer.json' does not load (",
+        "a tokenizer.json saved by `tokenizers` (or `transformers`' save_pretrained), bytes, or train:V",
+        files={"docs.txt": b"a document", "tokenizer.json": b"{}"},
+        command="data",
+    ),
+    **{
+        f"prepare-trained-vocabulary-{name}": Case(
+            f"prepare: `--tokenizer train:V` with V {what}",
+            ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", f"train:{value}"],
+            f"--tokenizer 'train:{value}': V='{value}' is not a vocabulary a byte-level BPE can have; "
+            "valid: train:V with V an integer 258..4294967296",
+            "V an integer from 258 (the 256 bytes, the eod and one merge) to 2^32 (uint32 token ids)",
+            files={"docs.txt": b"a document"},
+            command="data",
+        )
+        for name, value, what in (
+            ("too-small", "256", "below 258"),
+            ("not-an-integer", "4k", "not an integer"),
+            ("over-uint32", "4294967297", "over 2^32 (the ids would not fit uint32)"),
+        )
+    },
+    "prepare-into-another-corpus": Case(
+        "prepare: `--out` a directory holding a corpus prepared from other inputs or options",
+        ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", "train:300"],
+        "--out '{cwd}/corpus' holds another corpus (tokenizer bytes (vocab 257), 1 documents, 11 tokens",
+        "a new or empty `--out`, or remove the old corpus; the same inputs and options say nothing to do",
+        files={"docs.txt": b"a document"},
+        setup=prepared_corpus,
+        command="data",
+    ),
+    "prepare-into-other-files": Case(
+        "prepare: `--out` a directory holding other files",
+        ["prepare", "docs.txt", "--out", "corpus"],
+        "--out '{cwd}/corpus' holds other files (no prepared corpus); valid: a new or empty directory",
+        "a new or empty `--out`",
+        files={"docs.txt": b"a document", "corpus/notes.txt": b"mine"},
+        command="data",
+    ),
+    "prepare-without-the-data-extra": Case(
+        "prepare: a Parquet, Arrow or save_to_disk INPUT without the `data` extra (pyarrow, datasets; here "
+        "hidden by a sitecustomize)",
+        ["prepare", "docs.parquet", "--out", "corpus"],
+        "Parquet, Arrow and save_to_disk inputs need pyarrow and datasets, which are not installed; "
+        "valid: pip install 'hypertrain[data]'",
+        "pip install 'hypertrain[data]' (scripts/setup --dev installs it)",
+        files={"docs.parquet": b"PAR1", "hide/sitecustomize.py": HIDE_MODULES.encode()},
+        env={"PYTHONPATH": f"{{cwd}}/hide{os.pathsep}{REPO}", "HIDDEN_MODULES": "pyarrow,datasets"},
+        command="data",
+    ),
 }
 
 
@@ -1070,6 +1187,9 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
     args = [fill(a, earlier, cwd) for a in case.args]
     if case.command == "sample":
         done = sample_command(args, cwd, process)
+    elif case.command == "data":
+        hidden = "hide/sitecustomize.py" in case.files  # works at an interpreter's start only
+        done = data_command(args, cwd, env=env, process=bool(process or hidden))
     else:
         done = entry([*BASE, *args], cwd, env=env, process=process)
     assert done.returncode == 2, done.stderr

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def sha256_file(path: Path) -> str:
 
 def write(
     directory: Path,
-    documents_per_source: Sequence[Sequence[np.ndarray]],
+    documents_per_source: Sequence[Iterable[np.ndarray]],
     sources: Sequence[SourceMeta],
     *,
     vocab: int,
@@ -96,18 +97,19 @@ def write(
     tokenizer_json: bytes | None,
     request: str,
 ) -> Meta:
-    """Write a corpus of the given documents (token id arrays without their eod, per source, in order)
-    into `directory` (existing, empty). `sources`' documents and tokens are recounted here."""
+    """Write a corpus of the given documents (token id arrays without their eod, per source, in order;
+    each source's an iterable read once, as it is written: a generator streams) into `directory`
+    (existing, empty). `sources`' documents and tokens are recounted here."""
     if vocab > UINT32_VOCAB:
         raise UserError(
             f"a vocabulary of {vocab} tokens does not fit uint32 token ids; valid: <= {UINT32_VOCAB}"
         )
     directory = Path(directory)
     dtype = np.dtype("<u2" if dtype_for(vocab) == "uint16" else "<u4")
-    lengths, counted = [], []
+    lengths, counted = array("q"), []  # 8 bytes a document, however many
     with open(directory / TOKENS, "wb") as out:
         for docs, source in zip(documents_per_source, sources, strict=True):
-            tokens = 0
+            tokens, documents = 0, 0
             for doc in docs:
                 row = np.empty(len(doc) + 1, dtype=dtype)
                 row[:-1] = doc
@@ -115,8 +117,9 @@ def write(
                 out.write(row.tobytes())
                 lengths.append(len(row))
                 tokens += len(row)
-            counted.append(SourceMeta(source.name, source.files, len(docs), tokens, source.sha256))
-    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
+                documents += 1
+            counted.append(SourceMeta(source.name, source.files, documents, tokens, source.sha256))
+    starts = np.concatenate([[0], np.cumsum(np.frombuffer(lengths, dtype=np.int64))]).astype("<i8")
     (directory / DOCUMENTS).write_bytes(starts.tobytes())
     if tokenizer_json is not None:
         (directory / TOKENIZER).write_bytes(tokenizer_json)
@@ -185,6 +188,7 @@ class Tokenizer:
             import tokenizers  # a dependency of hypertrain; imported here so `bytes` corpora need nothing
 
             self._hf = tokenizers.Tokenizer.from_file(str(Path(directory) / TOKENIZER))
+            self._hf.encode_special_tokens = True  # as prepare encoded: "<|endoftext|>" in a text is text
 
     def encode(self, text: str) -> list[int]:
         if self._hf is None:

@@ -1,7 +1,7 @@
 """Where a text dataset's tokens come from, read in sorted path order, files concatenated.
 
 - `stdlib_source()`: the running Python's standard-library `.py` files, byte-level (vocab 256), no download.
-- `text_files_source(glob)`: the files a glob matches (`**` recursive), byte-level (vocab 256).
+- `text_files_source(glob)`: the files a glob matches (`**` recursive, `expand_glob`), byte-level (vocab 256).
 - `token_bin_source(path, dtype)`: a flat little-endian uint16/uint32 token file, memory-mapped.
 """
 
@@ -50,18 +50,27 @@ def stdlib_source() -> Source:
 
 
 def text_files_source(pattern: str) -> Source:
-    expanded = os.path.expanduser(pattern)
-    paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
-    if not paths:
+    entries = expand_glob(pattern)
+    if not entries:
         raise UserError(
             f"data.path={pattern!r} matches no files; valid: a glob of text files, e.g. 'docs/**/*.txt'"
         )
-    # Names relative to the files' common folder, so the fingerprint does not depend on where they live.
+    source = read_files([p for _, p in entries], [name for name, _ in entries])
+    return replace(source, label=f"text_files {pattern}: {len(entries)} files, {megabytes(source)}")
+
+
+def expand_glob(pattern: str, skipped: tuple[Path, ...] = ()) -> list[tuple[str, str]]:
+    """The files `pattern` matches (`~` expanded, `**` recursive; none under a folder of `skipped`) as
+    sorted (name, absolute path) pairs, each name relative to the files' common folder, so a fingerprint
+    does not depend on where they live."""
+    expanded = os.path.expanduser(pattern)
+    paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
+    paths = [p for p in paths if not any(Path(p).is_relative_to(folder) for folder in skipped)]
+    if not paths:
+        return []
     base = os.path.commonpath(paths)
     base = os.path.dirname(base) if len(paths) == 1 else base
-    entries = sorted((Path(os.path.relpath(p, base)).as_posix(), p) for p in paths)
-    source = read_files([p for _, p in entries], [name for name, _ in entries])
-    return replace(source, label=f"text_files {pattern}: {len(paths)} files, {megabytes(source)}")
+    return sorted((Path(os.path.relpath(p, base)).as_posix(), p) for p in paths)
 
 
 def read_files(paths: list[str], names: list[str]) -> Source:

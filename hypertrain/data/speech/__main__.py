@@ -7,13 +7,13 @@ what it built or found ("The default build, measured"). A user mistake or a miss
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 from dataclasses import fields
 
 from hypertrain.choices import choice_error
 from hypertrain.config import DataConfig, UserError
+from hypertrain.data.command import Parser, exit_on_sigterm
 
 
 def parse_config(assignments: list[str]) -> DataConfig:
@@ -43,20 +43,8 @@ def parse_config(assignments: list[str]) -> DataConfig:
     return cfg
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        usage = self.format_usage().strip().removeprefix("usage: ")
-        self.exit(2, f"hypertrain: error: {message}; valid: {usage}\n")
-
-
-def _exit_on_sigterm(signum: int, frame) -> None:
-    """SIGTERM (a scheduler, `kill`) ends the build as Ctrl-C does: through Python's exit, so the
-    build lock removes its file and a half-built temporary directory is cleaned up."""
-    sys.exit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m hypertrain.data.speech", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m hypertrain.data.speech", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["build"])
     parser.add_argument("fields", nargs="*", help="DataConfig fields, e.g. codebooks=8 speech_sentences=500")
     parser.add_argument(
@@ -65,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         help="no summary, and a user mistake's line on stdout (for a caller that reports it: training)",
     )
     args = parser.parse_intermixed_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         from hypertrain.data.speech import build, cache
 

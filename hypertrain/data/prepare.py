@@ -1,0 +1,285 @@
+"""`prepare(inputs, out, tokenizer, field)`: tokenize the inputs (each one source, stored in order) into
+the prepared corpus `out` (corpus.py's format), written whole or not at all: a sibling temporary
+directory renamed into place. The same request on an existing `out` writes nothing; any other content
+in `out`, and every bad input, is refused with one line (UserError) before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hypertrain.config import UserError
+from hypertrain.data import corpus
+from hypertrain.data.inputs import Input, Reader, open_input
+
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # an existing special token among these ends documents
+TRAINED_EOD = "<|endoftext|>"
+MIN_TRAINED_VOCAB = corpus.BYTES_VOCAB + 1  # the 256 bytes, the eod and one merge at least
+VALID_TOKENIZER = (
+    "bytes, PATH/tokenizer.json (a Hugging Face tokenizer) or train:V (a byte-level BPE of V tokens)"
+)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    meta: corpus.Meta
+    written: bool  # False: `out` already held this request's corpus
+    seconds: float
+    undecodable: int  # documents whose bad UTF-8 bytes were replaced
+
+
+@dataclass
+class Tokenizer:
+    spec: str  # as asked: "bytes", "train:V" or the tokenizer.json path
+    hf: object | None = None  # a tokenizers.Tokenizer; None for bytes (and for train:V until trained)
+    json: bytes | None = None  # tokenizer.json's bytes: the file given, byte for byte, or the trained one's
+    trained_vocab: int = 0  # V of train:V
+
+    @property
+    def file_sha256(self) -> str:
+        """sha256 of the tokenizer.json given (part of the request); "" for bytes and train:V."""
+        given = self.json is not None and not self.trained_vocab
+        return hashlib.sha256(self.json).hexdigest() if given else ""
+
+    def vocab_and_eod(self) -> tuple[int, int]:
+        """The vocabulary (every id below it) and the eod: an existing special token of EOD_TOKENS, else
+        a new id after the tokenizer's own."""
+        if self.hf is None:
+            return corpus.BYTES_VOCAB, corpus.BYTES_EOD
+        largest = max(self.hf.get_vocab(with_added_tokens=True).values())
+        for token in EOD_TOKENS:
+            if (found := self.hf.token_to_id(token)) is not None:
+                return largest + 1, found
+        return largest + 2, largest + 1
+
+
+def parse_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer `--tokenizer` names (a file loaded, train:V checked); UserError when it cannot serve."""
+    if spec == "bytes":
+        return Tokenizer(spec)
+    if spec.startswith("train:"):
+        text = spec.removeprefix("train:")
+        try:
+            vocab = int(text)
+        except ValueError:
+            vocab = None
+        if vocab is None or not MIN_TRAINED_VOCAB <= vocab <= corpus.UINT32_VOCAB:
+            raise UserError(
+                f"--tokenizer {spec!r}: V={text!r} is not a vocabulary a byte-level BPE can have; valid: "
+                f"train:V with V an integer {MIN_TRAINED_VOCAB}..{corpus.UINT32_VOCAB} "
+                f"(the 256 bytes, the eod, one merge at least; uint32 ids at most)"
+            )
+        return Tokenizer(spec, trained_vocab=vocab)
+    import tokenizers
+
+    path = Path(spec).expanduser()
+    try:
+        data = path.read_bytes()
+        hf = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as error:  # tokenizers raises its own Exception with serde's message
+        said = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(f"--tokenizer {spec!r} does not load ({said}); valid: {VALID_TOKENIZER}") from None
+    return Tokenizer(spec, hf, data)
+
+
+def train(tokenizer: Tokenizer, sources: Sequence[Input], field: str, bar) -> None:
+    """A byte-level BPE of `tokenizer.trained_vocab` tokens fitted on every document of `sources`
+    (tokenizers' BpeTrainer: deterministic for the same documents), `TRAINED_EOD` its special token."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=tokenizer.trained_vocab,
+        special_tokens=[TRAINED_EOD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bar.set_description("training BPE")
+    documents = (d for s in sources for batch in Reader(s, field, bar.update) for d in batch)
+    hf.train_from_iterator(documents, trainer)
+    tokenizer.hf, tokenizer.json = hf, hf.to_str().encode()
+
+
+def encode(tokenizer: Tokenizer, documents: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    """Each document's ids (no eod): tokenizers' encode_batch (its threads) or the UTF-8 bytes."""
+    if tokenizer.hf is None:
+        return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(dtype) for d in documents]
+    encodings = tokenizer.hf.encode_batch(documents, add_special_tokens=False)
+    return [np.array(e.ids, dtype=dtype) for e in encodings]
+
+
+def request_of(sources: Sequence[Input], field: str, tokenizer: Tokenizer) -> str:
+    """sha256 hex of what was asked: the format, each source's content, the field and the tokenizer."""
+    asked = {
+        "format": corpus.FORMAT,
+        "sources": [s.sha256 for s in sources],
+        "field": field,
+        "tokenizer": tokenizer.spec,
+        "tokenizer_sha256": tokenizer.file_sha256,
+    }
+    return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
+
+
+def existing(out: Path) -> corpus.Meta | None:
+    """The corpus `out` holds, None when it is absent or an empty directory; UserError for anything else."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a file; valid: a new or empty directory")
+    if not any(out.iterdir()):
+        return None
+    if not (out / corpus.META).is_file():
+        raise UserError(
+            f"--out {str(out)!r} holds other files (no prepared corpus); valid: a new or empty directory"
+        )
+    return corpus.read_meta(out)
+
+
+def partial_of(out: Path) -> Path:
+    """Where `out` is written before it is renamed into place (removed first: a killed run's remains)."""
+    return out.parent / f".{out.name}.partial"
+
+
+@contextmanager
+def private_hf_home() -> Iterator[None]:
+    """Hugging Face's caches (datasets imports them) in a temporary directory removed afterwards, and no
+    network: prepare writes nothing but its output."""
+    names = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    before = {name: os.environ.get(name) for name in names}
+    home = tempfile.mkdtemp(prefix="hypertrain-prepare-hf-")
+    os.environ.update(
+        HF_HOME=home,
+        HF_DATASETS_CACHE=os.path.join(home, "datasets"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def prepare(
+    inputs: Sequence[str], out: Path, tokenizer_spec: str, field: str, progress: bool | None = None
+) -> Prepared:
+    """Prepare `inputs` into `out` (see the module's docstring); `progress`: a bar on stderr (None: only
+    when stderr is a terminal)."""
+    started = time.perf_counter()
+    out = Path(out).expanduser().absolute()
+    tokenizer = parse_tokenizer(tokenizer_spec)
+    found = existing(out)
+    with private_hf_home():
+        own = (out, partial_of(out))  # an earlier corpus in DIR is never an input of the next prepare
+        sources = [open_input(text, field, own) for text in inputs]
+        request = request_of(sources, field, tokenizer)
+        if found is not None:
+            if found.request != request:
+                raise UserError(
+                    f"--out {str(out)!r} holds another corpus ({found.describe()}); "
+                    "valid: a new or empty directory, or the inputs and options that prepared it"
+                )
+            return Prepared(found, False, time.perf_counter() - started, 0)
+        meta, undecodable = build(out, sources, field, tokenizer, request, progress)
+    return Prepared(meta, True, time.perf_counter() - started, undecodable)
+
+
+def build(
+    out: Path, sources: Sequence[Input], field: str, tokenizer: Tokenizer, request: str, progress: bool | None
+) -> tuple[corpus.Meta, int]:
+    """The corpus written into `partial_of(out)`, then renamed to `out`. On any exception (a refusal,
+    Ctrl-C, SIGTERM's exit) the partial directory and the folders made for it are removed."""
+    from tqdm import tqdm
+
+    partial = partial_of(out)
+    shutil.rmtree(partial, ignore_errors=True)
+    made = first_missing(partial.parent) or partial
+    partial.mkdir(parents=True)
+    total = sum(os.path.getsize(path) for s in sources for _, path in s.entries)
+    disable = None if progress is None else not progress  # None: tqdm's own test, a terminal
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, disable=disable) as bar:
+            if tokenizer.trained_vocab:
+                train(tokenizer, sources, field, bar)
+                bar.reset(total=total)
+            bar.set_description("tokenizing")
+            written = write(partial, sources, field, tokenizer, request, bar)
+        if out.exists():
+            out.rmdir()  # empty (`existing`): the rename needs it gone
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
+    return written
+
+
+def first_missing(directory: Path) -> Path | None:
+    """The outermost of `directory` and its parents that does not exist: what mkdir(parents=True) makes."""
+    missing = None
+    while not directory.exists():
+        missing, directory = directory, directory.parent
+    return missing
+
+
+def write(
+    directory: Path, sources: Sequence[Input], field: str, tokenizer: Tokenizer, request: str, bar
+) -> tuple[corpus.Meta, int]:
+    """Every source encoded and written into `directory` (corpus.write), a batch of documents at a time;
+    UserError for an empty source."""
+    vocab, eod = tokenizer.vocab_and_eod()
+    dtype = np.dtype(corpus.dtype_for(vocab))
+    if tokenizer.hf is not None:  # a special token's spelling in a document is text: eods end documents only
+        tokenizer.hf.encode_special_tokens = True
+    readers = [Reader(source, field, bar.update) for source in sources]
+    meta = corpus.write(
+        directory,
+        [encoded(reader, tokenizer, dtype) for reader in readers],
+        [corpus.SourceMeta(s.name, len(s.entries), 0, 0, s.sha256) for s in sources],
+        vocab=vocab,
+        eod=eod,
+        tokenizer=tokenizer.spec,
+        tokenizer_json=tokenizer.json,
+        request=request,
+    )
+    return meta, sum(reader.undecodable for reader in readers)
+
+
+def encoded(reader: Reader, tokenizer: Tokenizer, dtype: np.dtype) -> Iterator[np.ndarray]:
+    """The ids of each document `reader` yields, in order; UserError when it yields none."""
+    empty = True
+    for batch in reader:
+        yield from encode(tokenizer, batch, dtype)
+        empty = False
+    if empty:
+        name = reader.source.name
+        raise UserError(f"input {name!r} holds no documents; valid: at least one document in every input")
+
+
+def summary(prepared: Prepared, out: Path) -> str:
+    """One line: what `out` holds and how fast it was made (or that it was there already)."""
+    meta = prepared.meta
+    if not prepared.written:
+        return f"{out} already prepared ({meta.describe()}): nothing to do"
+    rate = meta.tokens / max(prepared.seconds, 1e-9)
+    bad = prepared.undecodable
+    replaced = f"; {bad} document{'s' * (bad > 1)} had bad UTF-8 bytes, replaced by U+FFFD" if bad else ""
+    return f"prepared {out}: {meta.describe()} in {prepared.seconds:.1f} s ({rate:,.0f} tokens/s){replaced}"
