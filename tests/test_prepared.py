@@ -130,7 +130,7 @@ def test_one_source_gives_one_stream_for_iid_and_by_source(tmp_path):
 
 
 def reference_stream(cfg: DataConfig, written: corpus.Corpus) -> list[tuple[int, int]]:
-    """The spec (docs/data-prepared.md) written plainly, document by document: every stream id's
+    """The spec (docs/data.md) written plainly, document by document: every stream id's
     (start, length), the held-out ids last."""
     rng, S = np.random.default_rng(cfg.shuffle_seed), len(written.meta.sources)
     bounds, starts = written.meta.source_documents.tolist(), written.starts.tolist()
