@@ -22,6 +22,7 @@ import numpy as np
 
 from hypertrain.config import UserError
 from hypertrain.data import corpus
+from hypertrain.data.bpe import byte_level_bpe
 from hypertrain.data.inputs import Input, Reader, open_input
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # an existing special token among these ends documents
@@ -97,21 +98,9 @@ def parse_tokenizer(spec: str) -> Tokenizer:
 def train(tokenizer: Tokenizer, sources: Sequence[Input], field: str, bar) -> None:
     """A byte-level BPE of `tokenizer.trained_vocab` tokens fitted on every document of `sources`
     (tokenizers' BpeTrainer: deterministic for the same documents), `TRAINED_EOD` its special token."""
-    from tokenizers import Tokenizer as HfTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    hf = HfTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=tokenizer.trained_vocab,
-        special_tokens=[TRAINED_EOD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     bar.set_description("training BPE")
     documents = (d for s in sources for batch in Reader(s, field, bar.update) for d in batch)
-    hf.train_from_iterator(documents, trainer)
+    hf = byte_level_bpe(documents, tokenizer.trained_vocab, [TRAINED_EOD])
     tokenizer.hf, tokenizer.json = hf, hf.to_str().encode()
 
 

@@ -8,25 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypertrain.data.bpe import byte_level_bpe
+
 PAD, END = 0, 1
 SPECIALS = ["<pad>", "<end>"]
 
 
 def fit(sentences: list[str], vocab_size: int):
-    """A byte-level BPE of `vocab_size` ids (specials included) fitted on `sentences`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((" " + s for s in sentences), trainer=trainer)
-    return tokenizer
+    """A byte-level BPE of `vocab_size` ids (specials included) fitted on `sentences`, each with its
+    leading space."""
+    return byte_level_bpe((" " + s for s in sentences), vocab_size, SPECIALS)
 
 
 def load(path: Path):
