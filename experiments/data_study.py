@@ -4,15 +4,14 @@ both sources (`data.replica_split=iid`) against each replica trained on one sour
 replicas 0 and 2 on prose, 1 and 3 on code), at H = 5 and H = 20 on a phase of 240 updates (12 rounds at
 H = 20). Source 0 (prose) is the docstrings (`ast.get_docstring` of each module, class and function) of
 the stdlib's .py files, one document per distinct docstring; source 1 (code) is the source text of every
-STRIDE-th of those files (sorted), one document per file, about the prose's size; the two use disjoint
-files, so no text is in both. They are written as JSONL into OUT/ and prepared once into OUT/corpus
-(`python -m hypertrain.data prepare ... --tokenizer train:1024`); the runs train the default model at
-`phase.global_batch=64` (each source holds about 0.85 M tokens: the default 256 ids of 65 tokens per update
-would need 2 M per source for 240 updates) and `data.heldout=1024` (512 windows of each source, whole
-documents: a code file is about 7 k tokens, so the default 128 per source would be one or two files),
-`logger=none`. Prints one markdown table: per (H, split),
-the held-out loss on each source and their mean after updates 20, 60, 120 and 240 (round ends at both
-H, where the held-out loss is evaluated).
+14th of those files (sorted), one document per file, about the prose's size; the two come from disjoint
+files. They are written as JSONL into OUT/ and prepared once into OUT/corpus (`python -m hypertrain.data
+prepare ... --tokenizer train:1024`). The runs train the default model at `phase.global_batch=64` (each
+source holds about 0.85 M tokens: the default 256 windows of 65 tokens per update would need 2 M per
+source for 240 updates) and `data.heldout=1024` (512 windows of each source, whole documents: a code file
+is about 7 k tokens, so the default 128 per source would be one or two files), `logger=none`. Prints one
+markdown table: per (H, split), the held-out loss on each source and their mean after updates 20, 60,
+120 and 240 (round ends at both H, where the held-out loss is evaluated).
 
     python experiments/data_study.py OUT [--dry-run] [EXTRA OVERRIDES ...]
 
