@@ -15,7 +15,8 @@ markdown table: per (H, split), the held-out loss on each source and their mean 
 
     python experiments/data_study.py OUT [--dry-run] [EXTRA OVERRIDES ...]
 
-OUT/h{H}_{split}/ holds a run. A failing run is reported, the others go on.
+OUT/h{H}_{split}/ holds a run. A failing run is reported, the others go on. The same command again keeps
+what OUT holds (the sources, the corpus, the finished runs: `resume=auto`) and prints the table again.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ SPLITS = ("iid", "by_source")
 POINTS = (20, 60, 120, 240)  # updates after which both H's evaluate (multiples of 20)
 SOURCES = ("prose", "code")
 STRIDE = 14  # every 14th stdlib file is code (about the prose's characters), the rest give the prose
+# resume=auto: a run that finished in OUT is kept (nothing run), one that was stopped goes on
 TRAIN = ["phase.global_batch=64", f"phase.updates={UPDATES}", "data.heldout=1024", "logger=none"]
+TRAIN.append("resume=auto")
 
 
 def stdlib_files() -> list[Path]:
