@@ -409,6 +409,20 @@ COMPRESSION_SETTINGS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3
 COMPRESSION_SETTINGS += ("sparseloco-3%", "dct-topk", "lowrank-r1", "lowrank-r4")
 
 
+def data_study() -> Table:
+    """docs/data.md's study of replicas on different data: experiments/data_study.py prepares its corpus,
+    trains its 4 runs (iid and by_source at H = 5 and 20) and prints the held-out loss per source."""
+    commands = {"data-study": ("script:experiments/data_study.py", "{data-study-runs}")}
+    columns = [f"{what} @{u}" for u in (20, 60, 120, 240) for what in ("prose", "code", "mean")]
+    cells: dict[tuple[str, str], Cell] = {}
+    for H in (5, 20):
+        for split in ("iid", "by_source"):
+            key = f"{H} | {split}"
+            cells |= {(key, c): markdown_cell("data-study", key, c) for c in columns}
+    header = "| H | split | " + " | ".join(columns) + " |"
+    return Table("data-study", "docs/data.md", header, commands, cells, key_columns=2, cheap=False)
+
+
 def compression_sizes() -> Table:
     """docs/performance.md's codec table: its byte counts only (its seconds are timings: MEASURED)."""
     commands = {"compression-sizes": ("script:experiments/bench/compression.py", "--sizes")}
@@ -572,6 +586,7 @@ TABLES = {
         clock_study_compression(),
         overlap_study(),
         codec_study(),
+        data_study(),
         compression_sizes(),
         distributed_bytes(),
         performance_dist_bytes(),
