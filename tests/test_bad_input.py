@@ -362,6 +362,55 @@ CASES = {
         "churn.deadline=0.5 needs modelled compute, not cluster.compute='measured'",
         "cluster.compute=modelled (a cluster preset such as h100), or churn.deadline=0",
     ),
+    "async-measured": Case(
+        "asynchronous replicas on measured compute (docs/async.md: the clock decides the weights)",
+        ["outer.schedule=async"],
+        "outer.schedule=async needs modelled compute, not cluster.compute='measured'",
+        "cluster.compute=modelled (a cluster preset such as h100)",
+    ),
+    "async-with-overlap": Case(
+        "asynchronous replicas with a whole-round overlap (not built)",
+        ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
+        "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs, churn and "
+        "processes=dist likewise)",
+    ),
+    "async-speeds-length": Case(
+        "a speed list whose length is not R",
+        ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,1,0.5]"],
+        "cluster.replica_speeds=[1.0, 1.0, 0.5] has 3 speeds; valid: one per replica (2), or []",
+        "one speed per replica",
+    ),
+    "async-speed-zero": Case(
+        "a replica speed that is not a finite positive number",
+        ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,0]"],
+        "cluster.replica_speeds=[1.0, 0.0] is not valid; valid: finite positive numbers",
+        "finite positive speeds (1 = the cluster's step time)",
+    ),
+    "async-speeds-and-sigma": Case(
+        "speeds both given and drawn",
+        ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,2]", "cluster.speed_sigma=0.5"],
+        "cluster.replica_speeds with cluster.speed_sigma=0.5: the speeds are given or drawn, not both",
+        "one of the two",
+    ),
+    "async-dn-activation": Case(
+        "a delayed Nesterov momentum activation above 1/N",
+        ["outer.schedule=async", "cluster=h100", "outer.dn_activation=0.9"],
+        "outer.dn_activation=0.9 is out of range; valid: [0, 1/N] = [0, 0.5] (N = outer.dn_buffer = 2)",
+        "c in [0, 1/N]",
+    ),
+    "async-field-with-rounds": Case(
+        "an asynchronous field in a synchronous run",
+        ["outer.dylu=true"],
+        "outer.dylu=True with outer.schedule=rounds is not built",
+        "outer.schedule=async, or leave it unset",
+    ),
+    "async-grace-negative": Case(
+        "a negative grace window",
+        ["outer.grace_s=-1"],
+        "outer.grace_s=-1.0 is too small; valid: >= 0.0",
+        ">= 0 seconds",
+    ),
     "overlap-unknown": Case(
         "an outer overlap that does not exist (docs/overlap.md)",
         ["outer.overlap=late"],

@@ -71,8 +71,11 @@ def run_cluster(resolved: dict) -> ClusterConfig:
 
 def decided_by_clock(resolved: dict) -> str | None:
     """The setting with which the run's own clock decided its numbers (`churn.deadline`: which replicas
-    were late, so which pseudo-gradients its weights hold), as `key=value`; None for a run whose
-    numbers no clock touched. Such a run timed on another cluster or size is a clock that never was."""
+    were late, so which pseudo-gradients its weights hold; `outer.schedule=async`: the order its
+    pseudo-gradients arrived in), as `key=value`; None for a run whose numbers no clock touched. Such a
+    run timed on another cluster or size is a clock that never was."""
+    if (resolved.get("outer") or {}).get("schedule") == "async":
+        return "outer.schedule=async"
     deadline = (resolved.get("churn") or {}).get("deadline") or 0.0
     return f"churn.deadline={deadline:g}" if deadline > 0 else None
 

@@ -163,7 +163,8 @@ class RunState:
         if cfg.outer.error_feedback:
             errors = [{n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()} for _ in local]
         shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
-        clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
+        n, timed = count_params(model), cfg.cluster.model_params or None  # the size the clock times
+        clock = Clock(shape, cfg.cluster, n, timed, active_params=active_params(model))
         state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
         state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
@@ -259,6 +260,7 @@ class RunState:
             "in_flight": _in_flight_out(self.in_flight, records) if self.overlapped else None,
             "outer_replicas": [r["outer"] for r in records] if self.outer_replicas is not None else None,
             "lowrank_q": self.lowrank_q,
+            "async": None,  # outer.schedule=async saves its own run state (`diloco.asynchronous`)
         }
 
     @torch.no_grad()
