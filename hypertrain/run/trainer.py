@@ -27,6 +27,7 @@ from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
 from hypertrain.preflight.prepare import initial_weights
 from hypertrain.records.rows import EvalRow, SummaryRow, SyncRow, UpdateRow
+from hypertrain.run.asynchronous import train_async
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.progress import Progress
 from hypertrain.run.runtime import keep_freed_memory
@@ -294,7 +295,14 @@ def train(
     throughput = Throughput(groups.size, warmup, start)
     stop = StopCheck(groups)
     every_updates = checkpointer.every_updates if checkpointer is not None else 0
-    for rnd in rounds(run, state, groups=groups, stop=stop, every_updates=every_updates):
+    asynchronous = {}
+    if cfg.outer.is_async:  # docs/async.md: server updates in place of rounds
+        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss)
+    for rnd in (
+        []
+        if cfg.outer.is_async
+        else rounds(run, state, groups=groups, stop=stop, every_updates=every_updates)
+    ):
         throughput.add(
             rnd.updates,
             rnd.ranks,
@@ -350,6 +358,7 @@ def train(
         | throughput.summary()
         | (clock.summary() if clock is not None else {})
         | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled else {})
+        | asynchronous
     )
     log.write(SummaryRow(values=summary))
     return summary, state

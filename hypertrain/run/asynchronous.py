@@ -1,0 +1,53 @@
+"""`train_async(run, state, log, checkpointer)`: an asynchronous run's server updates
+(`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
+server's weights every outer.async_eval_every updates (and after the last), the checkpoints asked for.
+Returns the last held-out loss and the run's `async/` summary.
+"""
+
+from __future__ import annotations
+
+from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.records.rows import ArrivalRow
+from hypertrain.run.evaluation import heldout_eval
+
+
+def last_loss(losses: list[float | None]) -> float | None:
+    """A job's training loss at its last step that trained (None: no step did)."""
+    return next((x for x in reversed(losses) if x is not None), None)
+
+
+def train_async(run: PreparedRun, state: RunState, log, checkpointer, eval_loss: float) -> tuple[float, dict]:
+    cfg = run.cfg
+    every = cfg.outer.async_eval_every or cfg.replicas
+    clock_s = 0.0
+    for applied in server_updates(run, state):
+        update = applied.update
+        stale = update.staleness
+        row = ArrivalRow(
+            update=update.index,
+            replicas=[job.replica for job in update.jobs],
+            steps=[job.steps for job in update.jobs],
+            first=[job.first for job in update.jobs],
+            tokens=[job.tokens for job in update.jobs],
+            staleness=stale,
+            loss=[last_loss(losses) for losses in applied.losses],
+            staleness_mean=sum(stale) / len(stale),
+            clock_s=update.clock_s,
+        )
+        clock_s = update.clock_s
+        if update.index % every == 0 or applied.last:
+            eval_loss = heldout_eval(run, state.theta)[0]
+            row.eval_loss = eval_loss
+        log.write(row)
+        if checkpointer is not None:
+            checkpointer.after_sync(state, last=applied.last)
+    totals = state.totals
+    summary = {
+        "async/server_updates": state.next_update,
+        "async/arrivals": totals.async_jobs,
+        "async/staleness_mean": totals.async_staleness_sum / totals.async_jobs if totals.async_jobs else 0.0,
+        "async/staleness_max": totals.async_staleness_max,
+        "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
+    }
+    return eval_loss, summary
