@@ -18,6 +18,7 @@ from hypertrain.diloco.outer import pseudo_gradients
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Assignment, Engine
+from hypertrain.failures import fault_points
 
 
 @dataclass
@@ -90,6 +91,7 @@ def server_updates(run: PreparedRun, state: RunState, engine: Engine | None = No
     if now.applied == 0 and not now.flying:
         run_jobs(run, state, starts.get(0, []), engine)
     for update in updates[now.applied :]:
+        fault_points.act(0, "round", range(update.index - 1, update.index))  # tests: a kill here
         arrived = [now.flying.pop(job.replica) for job in update.jobs]
         deltas = torch.stack([job["delta"] for job in arrived])
         now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
