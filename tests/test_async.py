@@ -306,6 +306,16 @@ def test_a_run_killed_between_server_updates_resumes_to_the_uninterrupted_one(tm
     assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
 
 
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_checkpoints_and_resumes_to_the_uninterrupted_one(tmp_path):
+    """SIGTERM before server update 7: the run stops after update 7 with a checkpoint (exit 143);
+    resume=true ends where the uninterrupted run does."""
+    run_dir, reference = killed_beside_uninterrupted(ASYNC, tmp_path, "0:7:term", killed_rc=143)
+    resumed(ASYNC, run_dir, tmp_path)
+    assert arrivals(run_dir) == arrivals(reference)
+    assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
+
+
 def test_a_run_records_an_arrival_per_server_update_and_the_async_summary(tmp_path):
     run_dir = ReferenceRuns.beside(tmp_path)(ASYNC)
     rows = arrivals(run_dir)

@@ -6,8 +6,11 @@ Returns the last held-out loss and the run's `async/` summary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.failures import signals
 from hypertrain.records.rows import ArrivalRow
 from hypertrain.run.evaluation import heldout_eval
 
@@ -17,7 +20,16 @@ def last_loss(losses: list[float | None]) -> float | None:
     return next((x for x in reversed(losses) if x is not None), None)
 
 
-def train_async(run: PreparedRun, state: RunState, log, checkpointer, eval_loss: float) -> tuple[float, dict]:
+def train_async(
+    run: PreparedRun,
+    state: RunState,
+    log,
+    checkpointer,
+    eval_loss: float,
+    on_stop: Callable[[int, bool], None],
+) -> tuple[float, dict]:
+    """The server updates from `state` on; after each, a stop signal calls `on_stop(signum, last)` (a
+    checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far."""
     cfg = run.cfg
     every = cfg.outer.async_eval_every or cfg.replicas
     clock_s = 0.0
@@ -42,6 +54,9 @@ def train_async(run: PreparedRun, state: RunState, log, checkpointer, eval_loss:
         log.write(row)
         if checkpointer is not None:
             checkpointer.after_sync(state, last=applied.last)
+        signum = signals.requested()
+        if signum:
+            on_stop(signum, applied.last)
     totals = state.totals
     summary = {
         "async/server_updates": state.next_update,

@@ -223,12 +223,17 @@ def after_syncs(
 
 
 def stop_here(
-    run: PreparedRun, state: RunState, signum: int, checkpointer: Checkpointer | None, groups: Collectives
+    run: PreparedRun,
+    state: RunState,
+    signum: int,
+    checkpointer: Checkpointer | None,
+    groups: Collectives,
+    finished: bool | None = None,
 ) -> None:
     """Every process stops after the same update: a checkpoint of this point (unless one was just
     written), then `Preempted`, which closes the records with a `preempted` end row. A stop after the
-    last update is no stop: the run has finished."""
-    if state.next_update >= run.updates:
+    last update (`finished`; by default the phase's last) is no stop: the run has finished."""
+    if state.next_update >= run.updates if finished is None else finished:
         return
     name, where = signal.Signals(signum).name, f"after update {state.next_update}"
     if checkpointer is None or not (checkpointer.every or checkpointer.every_updates):
@@ -297,7 +302,11 @@ def train(
     every_updates = checkpointer.every_updates if checkpointer is not None else 0
     asynchronous = {}
     if cfg.outer.is_async:  # docs/async.md: server updates in place of rounds
-        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss)
+
+        def on_stop(signum: int, last: bool) -> None:
+            stop_here(run, state, signum, checkpointer, groups, finished=last)
+
+        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss, on_stop)
     for rnd in (
         []
         if cfg.outer.is_async
