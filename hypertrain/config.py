@@ -679,9 +679,10 @@ class ClusterConfig:
     intra: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["infiniband"]))
     inter: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["datacenter_100g"]))
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    # outer.schedule=async (docs/async.md): each replica's persistent speed v_m (a job of h steps takes
-    # h / v_m times a step's modelled seconds): this list (R positive numbers), or, when it is empty,
-    # drawn once as exp(speed_sigma * z), z standard normals from numpy's default_rng(speed_seed)
+    # Each replica's persistent speed v_m (docs/async.md; a step takes 1 / v_m times its seconds, on top of
+    # the stragglers): this list (R positive numbers), or, when it is empty, drawn once as
+    # exp(speed_sigma * z), z standard normals from numpy's default_rng(speed_seed). Under rounds they
+    # time the clock only (a sync waits for the slowest); under outer.schedule=async they order arrivals.
     replica_speeds: list[float] = field(default_factory=list)
     speed_sigma: float = 0.0
     speed_seed: int = 0

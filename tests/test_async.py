@@ -332,3 +332,32 @@ def test_a_run_records_an_arrival_per_server_update_and_the_async_summary(tmp_pa
     stale = [s for r in rows for s in r["staleness"]]
     assert summary["async/arrivals"] == 12 and summary["async/staleness_max"] == max(stale)
     assert summary["async/staleness_mean"] == sum(stale) / 12
+
+
+def test_arrivals_applied_together_are_one_mean_uniform_or_weighted_by_tokens():
+    """g = sum_i w_i delta_i / sum_i w_i, and S = k g: worked out by hand on exact numbers."""
+    from hypertrain.diloco.server import contribution
+
+    deltas = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    total, mean = contribution(deltas, [1, 3], "uniform")
+    assert total.tolist() == [4.0, 6.0] and mean.tolist() == [2.0, 3.0]
+    total, mean = contribution(deltas, [1, 3], "tokens")
+    assert mean.tolist() == [2.5, 3.5] and total.tolist() == [5.0, 7.0]
+
+
+def test_under_rounds_a_slow_replica_slows_the_clock_and_changes_no_weight():
+    """Speeds (1, 0.5) in rounds: every update waits for the slow replica (twice the step's seconds)."""
+    from hypertrain.clock.timeline import Clock, Shape
+    from hypertrain.config import ClusterConfig
+    from hypertrain.records.rows import UpdateRow
+
+    cluster = ClusterConfig(compute="modelled", replica_speeds=[1.0, 0.5])
+    shape = Shape(2, 1, 2, 1, 0, "none", "gather")
+    slow, even = Clock(shape, cluster, 1000), Clock(shape, replace(cluster, replica_speeds=[]), 1000)
+    row = UpdateRow(update=1, round=1, loss=[1.0, 1.0], tokens=64, rank_seconds=[0.0])
+    assert slow.update(row) == 2 * even.update(row) > 0
+    base = async_cfg()
+    rounds_cfg = replace(base, outer=replace(base.outer, schedule=Schedule["rounds"]))
+    want = trained(replace(rounds_cfg, cluster=replace(base.cluster, replica_speeds=[])))
+    got = trained(rounds_cfg)
+    assert all(torch.equal(got[n], t) for n, t in want.items())

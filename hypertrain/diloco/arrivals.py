@@ -10,23 +10,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from hypertrain.clock.formulas import modelled_compute_s
-from hypertrain.clock.timeline import FP32_BYTES, straggler_factors
+from hypertrain.clock.timeline import FP32_BYTES, replica_speeds, straggler_factors
 from hypertrain.config import ClusterConfig, OuterConfig, TrainConfig
 from hypertrain.model.shapes import active_params, count_params
-
-
-def replica_speeds(cluster: ClusterConfig, replicas: int) -> list[float]:
-    """Each replica's persistent speed v_m: `cluster.replica_speeds`, or `exp(speed_sigma * z)` with z
-    R standard normals from numpy's `default_rng(speed_seed)` in replica order (1.0 each at sigma 0)."""
-    if cluster.replica_speeds:
-        return [float(v) for v in cluster.replica_speeds]
-    if cluster.speed_sigma == 0:
-        return [1.0] * replicas
-    z = np.random.default_rng(cluster.speed_seed).standard_normal(replicas)
-    return [float(v) for v in np.exp(cluster.speed_sigma * z)]
 
 
 def job_steps(outer: OuterConfig, H: int, speeds: list[float]) -> list[int]:

@@ -125,17 +125,31 @@ def check_overlap(cfg: TrainConfig) -> None:
 
 def check_async(cfg: TrainConfig) -> None:
     """outer.schedule=async (docs/async.md): the clock decides its weights, so its compute is modelled;
-    what it is not built with is refused; its speeds, buffer and activation fit R; the async fields
-    are refused under rounds, which would ignore them."""
+    what it is not built with is refused; its buffer and activation fit R; the server's fields are
+    refused under rounds, which would ignore them. The speeds fit R (under rounds they time the clock)."""
     outer, cluster, R = cfg.outer, cfg.cluster, cfg.replicas
+    if cluster.replica_speeds and len(cluster.replica_speeds) != R:
+        raise UserError(
+            f"cluster.replica_speeds={cluster.replica_speeds!r} has {len(cluster.replica_speeds)} speeds; "
+            f"valid: one per replica ({R}), or []"
+        )
+    if cluster.replica_speeds and cluster.speed_sigma:
+        raise UserError(
+            f"cluster.replica_speeds with cluster.speed_sigma={cluster.speed_sigma!r}: the speeds are given "
+            "or drawn, not both; valid: cluster.speed_sigma=0, or cluster.replica_speeds=[]"
+        )
+    slowed = cluster.replica_speeds or cluster.speed_sigma
+    if slowed and cfg.churn.deadline:
+        raise UserError(
+            "cluster.replica_speeds or speed_sigma with churn.deadline is not built (the deadline reads the "
+            "stragglers only); valid: equal speeds, or churn.deadline=0"
+        )
     if not outer.is_async:
         used = [
             f"{name}={value!r}"
             for name, value, neutral in (
                 ("outer.dylu", outer.dylu, False),
                 ("outer.mean_weights", outer.mean_weights, "uniform"),
-                ("cluster.replica_speeds", cluster.replica_speeds, []),
-                ("cluster.speed_sigma", cluster.speed_sigma, 0.0),
             )
             if value != neutral
         ]
@@ -166,16 +180,6 @@ def check_async(cfg: TrainConfig) -> None:
                 f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
                 f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
             )
-    if cluster.replica_speeds and len(cluster.replica_speeds) != R:
-        raise UserError(
-            f"cluster.replica_speeds={cluster.replica_speeds!r} has {len(cluster.replica_speeds)} speeds; "
-            f"valid: one per replica ({R}), or []"
-        )
-    if cluster.replica_speeds and cluster.speed_sigma:
-        raise UserError(
-            f"cluster.replica_speeds with cluster.speed_sigma={cluster.speed_sigma!r}: the speeds are given "
-            "or drawn, not both; valid: cluster.speed_sigma=0, or cluster.replica_speeds=[]"
-        )
     N = outer.dn_buffer or R
     if not 0.0 <= outer.dn_activation <= 1.0 / N:
         raise UserError(
