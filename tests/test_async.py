@@ -361,3 +361,71 @@ def test_under_rounds_a_slow_replica_slows_the_clock_and_changes_no_weight():
     want = trained(replace(rounds_cfg, cluster=replace(base.cluster, replica_speeds=[])))
     got = trained(rounds_cfg)
     assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_the_clock_command_refuses_to_retime_an_async_run_on_another_cluster_or_size(tmp_path):
+    """Its own clock chose the arrival order, so its weights are its cluster's: one line naming
+    outer.schedule=async, exit 2, nothing written."""
+    import contextlib
+    import io
+
+    from helpers import tree
+
+    from hypertrain.report import retime
+
+    run = ReferenceRuns.beside(tmp_path)(ASYNC)
+    before = tree(run)
+    for other in (
+        ["cluster=a100"],
+        ["cluster=h100", "cluster/inter=internet_1g"],
+        ["--model-params", "1000000"],
+    ):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = retime.main([str(run), *other])
+        assert (code, out.getvalue()) == (2, ""), (other, err.getvalue())
+        line = err.getvalue()
+        assert len(line.splitlines()) == 1 and "outer.schedule=async" in line and "arrived in" in line
+        assert tree(run) == before
+
+
+def test_the_clock_command_reads_an_async_runs_own_clock_back(tmp_path):
+    """On its own cluster the replay is the run's own arrival clock: the held-out curve at the arrival
+    rows' clocks (from 0 at the first eval), the total the last arrival's, the size cluster.model_params."""
+    from hypertrain.clock.replay import clock_of
+    from hypertrain.records.files import read_metrics
+
+    run = ReferenceRuns.beside(tmp_path)([*ASYNC, "cluster.model_params=1000000000"])
+    rows = arrivals(run)
+    resolved = yaml_config(run)
+    from hypertrain.clock.replay import run_cluster
+
+    got = clock_of(read_metrics(run / "metrics.jsonl"), resolved, run_cluster(resolved))
+    assert got["total_s"] == rows[-1]["clock_s"] and got["params"] == 1_000_000_000
+    assert [p["clock_s"] for p in got["heldout"][1:]] == [r["clock_s"] for r in rows if "eval_loss" in r]
+    assert got["heldout"][0]["clock_s"] == 0.0
+
+
+def test_a_rounds_run_timed_at_cluster_model_params_replays_to_its_own_clock(tmp_path):
+    from hypertrain.clock.replay import clock_of, run_cluster
+    from hypertrain.records.files import read_metrics
+
+    args = [*QUICK, "logger=none", "cluster=h100", "cluster.model_params=1000000000"]
+    run = ReferenceRuns.beside(tmp_path)(args)
+    resolved = yaml_config(run)
+    rows = read_metrics(run / "metrics.jsonl")
+    trained = {}
+    for row in rows:
+        if row["kind"] == "summary":
+            trained |= row
+    got = clock_of(rows, resolved, run_cluster(resolved))
+    assert trained["clock/params"] == got["params"] == 1_000_000_000
+    assert trained["clock/total_s"] == got["total_s"] > 0
+
+
+def yaml_config(run) -> dict:
+    from omegaconf import OmegaConf
+
+    from hypertrain.records import formats
+
+    return formats.upgrade_config(OmegaConf.to_container(OmegaConf.load(run / "config.yaml")))
