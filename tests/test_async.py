@@ -429,3 +429,44 @@ def yaml_config(run) -> dict:
     from hypertrain.records import formats
 
     return formats.upgrade_config(OmegaConf.to_container(OmegaConf.load(run / "config.yaml")))
+
+
+def test_a_jobs_seconds_are_the_modelled_steps_over_its_speed_times_its_jobs_straggler_factor():
+    """Timing.of(cfg): a step of t tokens takes 6 N t / (peak * mfu) / v_m * exp(sigma z), z the
+    standard normals of default_rng([seed, j]) for the replica's j-th job; a message alpha + 4 N / beta."""
+    import numpy as np
+
+    from hypertrain.diloco.arrivals import Timing
+    from hypertrain.model.shapes import count_params
+
+    base = async_cfg()
+    cfg = replace(
+        base, cluster=replace(base.cluster, straggler=replace(base.cluster.straggler, sigma=0.5, seed=7))
+    )
+    timing = Timing.of(cfg)
+    N = count_params(cfg.model)
+    z = np.random.default_rng([7, 3]).standard_normal(2)
+    want = 6 * N * 100 / (989e12 * 0.4) / 0.5 * float(np.exp(0.5 * z[1]))
+    assert timing.step_s(100, 1, 3) == pytest.approx(want, rel=1e-12)
+    link = cfg.cluster.inter
+    assert timing.message_s == pytest.approx(link.latency_us * 1e-6 + 4 * N / (link.bandwidth_gbit * 1e9 / 8))
+
+
+def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_heldout_loss_diverged(tmp_path):
+    from helpers import entry
+
+    from hypertrain.failures import Diverged
+
+    run_dir = tmp_path / "run"
+    args = [
+        *ASYNC,
+        "outer.async_rule=naive",
+        "outer.lr=20",
+        "guard.heldout_margin=0",
+        "outer.async_eval_every=1",
+    ]
+    done = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == Diverged.exit_code, done.stderr
+    assert "diverged: the held-out loss of the global weights after server update " in done.stderr
+    last = arrivals(run_dir)[-1]
+    assert last["eval_loss"] > 5.5452  # ln 256, the margin 0

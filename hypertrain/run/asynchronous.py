@@ -1,6 +1,7 @@
 """`train_async(run, state, log, checkpointer)`: an asynchronous run's server updates
 (`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
-server's weights every outer.async_eval_every updates (and after the last), the checkpoints asked for.
+server's weights every outer.async_eval_every updates (and after the last), under the divergence
+guard's held-out verdict (`guard.heldout_verdict`), the checkpoints asked for.
 Returns the last held-out loss and the run's `async/` summary.
 """
 
@@ -9,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict
 from hypertrain.diloco.state import PreparedRun, RunState
-from hypertrain.failures import signals
+from hypertrain.failures import Diverged, NonFiniteError, signals
 from hypertrain.records.rows import ArrivalRow
 from hypertrain.run.evaluation import heldout_eval
 
@@ -51,7 +53,11 @@ def train_async(
         if update.index % every == 0 or applied.last:
             eval_loss = heldout_eval(run, state.theta)[0]
             row.eval_loss = eval_loss
-        log.write(row)
+        verdict, why = heldout_verdict(run, row.eval_loss, f"server update {update.index}")
+        if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
+            log.write(row)
+        if verdict:
+            raise (NonFiniteError if verdict == HELDOUT_NON_FINITE else Diverged)(why)
         if checkpointer is not None:
             checkpointer.after_sync(state, last=applied.last)
         signum = signals.requested()
