@@ -255,7 +255,9 @@ class OuterConfig:
     grace_s: float = 0.0
     # async: dynamic local updates (Liu et al. Eq. 6): replica m's job is H_m = max(1, floor(v_m / max v * H))
     dylu: bool = False
-    async_eval_every: int = 0  # async: the held-out loss after every this many arrivals; 0 = replicas (R)
+    # async: the held-out loss after the server update at which the jobs applied reach each multiple of
+    # this many (and after the last); 0 = replicas (R): with ties of all R, every update
+    async_eval_every: int = 0
     # async: contributions applied together averaged uniformly or weighted by the tokens each trained on
     mean_weights: MeanWeights = MeanWeights.uniform
 

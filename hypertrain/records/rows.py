@@ -326,7 +326,7 @@ class ArrivalRow(Row):
     loss: list[float] = _maybe("each job's training loss at its last step")
     staleness_mean: float = _maybe("the mean of `staleness`")
     clock_s: float = _maybe("the network clock at the update (docs/async.md)")
-    eval_loss: float | None = _maybe("every outer.async_eval_every updates: the new weights' held-out loss")
+    eval_loss: float | None = _maybe("every outer.async_eval_every arrivals: the new weights' held-out loss")
     figures: dict = _open("none yet")
 
     def wandb(self) -> dict:

@@ -1,7 +1,7 @@
 """`train_async(run, state, log, checkpointer)`: an asynchronous run's server updates
 (`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
-server's weights every outer.async_eval_every updates (and after the last), under the divergence
-guard's held-out verdict (`guard.heldout_verdict`), the checkpoints asked for.
+server's weights whenever the jobs applied reach a multiple of outer.async_eval_every (and after the
+last), under the divergence guard's held-out verdict (`guard.heldout_verdict`), the checkpoints asked for.
 Returns the last held-out loss and the run's `async/` summary.
 """
 
@@ -50,7 +50,8 @@ def train_async(
             clock_s=update.clock_s,
         )
         clock_s = update.clock_s
-        if update.index % every == 0 or applied.last:
+        jobs = state.totals.async_jobs  # applied so far, this update's included
+        if jobs // every > (jobs - len(stale)) // every or applied.last:
             eval_loss = heldout_eval(run, state.theta)[0]
             row.eval_loss = eval_loss
         verdict, why = heldout_verdict(run, row.eval_loss, f"server update {update.index}")
