@@ -7,6 +7,7 @@ Returns the last held-out loss and the run's `async/` summary.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hypertrain.diloco.asynchronous import server_updates
@@ -34,7 +35,7 @@ def train_async(
     checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far."""
     cfg = run.cfg
     every = cfg.outer.async_eval_every or cfg.replicas
-    clock_s = 0.0
+    clock_s, start, steps = 0.0, time.perf_counter(), 0
     for applied in server_updates(run, state):
         update = applied.update
         stale = update.staleness
@@ -50,6 +51,7 @@ def train_async(
             clock_s=update.clock_s,
         )
         clock_s = update.clock_s
+        steps += sum(job.steps for job in update.jobs)
         jobs = state.totals.async_jobs  # applied so far, this update's included
         if jobs // every > (jobs - len(stale)) // every or applied.last:
             eval_loss = heldout_eval(run, state.theta)[0]
@@ -64,8 +66,12 @@ def train_async(
         signum = signals.requested()
         if signum:
             on_stop(signum, applied.last)
-    totals = state.totals
+    totals, seconds = state.totals, time.perf_counter() - start
     summary = {
+        # this session's inner steps (jobs are computed when pulled, so counted at their arrival) over its
+        # seconds: the rounds' window figures have no updates to time here
+        "train/replica_steps_per_s": steps / seconds if seconds else 0.0,
+        "train/timed_s": seconds,
         "async/server_updates": state.next_update,
         "async/arrivals": totals.async_jobs,
         "async/staleness_mean": totals.async_staleness_sum / totals.async_jobs if totals.async_jobs else 0.0,
