@@ -470,3 +470,36 @@ def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_held
     assert "diverged: the held-out loss of the global weights after server update " in done.stderr
     last = arrivals(run_dir)[-1]
     assert last["eval_loss"] > 5.5452  # ln 256, the margin 0
+
+
+def test_documents_of_unequal_length_weigh_each_job_by_the_tokens_it_trained_on():
+    """Equal speeds on documents: the replicas' jobs differ in tokens, so in seconds; a grace window
+    gathers each pair. The tokens the server weighs are the targets each job's batches held, and the
+    token-weighted run differs from the uniform one."""
+    from hypertrain.data.batches import update_batch
+
+    base = async_cfg(speeds=(), grace_s=1.0, mean_weights="tokens")
+    cfg = replace(base, data=replace(base.data, examples="documents", max_len=48, max_examples=4))
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    seen, apply = [], state.asynchronous.server.apply
+    state.asynchronous.server.apply = lambda theta, deltas, tokens: (
+        seen.append(tokens),
+        apply(theta, deltas, tokens),
+    )
+    updates = [applied.update for applied in server_updates(run, state)]
+    assert [len(u.jobs) for u in updates] == [2] * 4
+
+    def targets(job) -> int:
+        batches = [
+            update_batch(
+                run.phase, run.samples, run.dataset, cfg.data, cfg.inner.micro_batch, 2, k, job.replica
+            )
+            for k in range(job.first, job.first + job.steps)
+        ]
+        return sum(b.replica_total for b in batches)
+
+    assert seen == [[targets(job) for job in u.jobs] for u in updates]
+    assert any(len(set(tokens)) > 1 for tokens in seen), seen  # unequal: the weights matter
+    uniform = trained(replace(cfg, outer=replace(cfg.outer, mean_weights="uniform")))
+    assert any(not torch.equal(state.theta[n], t) for n, t in uniform.items())
