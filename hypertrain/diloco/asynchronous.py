@@ -95,7 +95,8 @@ def server_updates(run: PreparedRun, state: RunState, engine: Engine | None = No
         arrived = [now.flying.pop(job.replica) for job in update.jobs]
         deltas = torch.stack([job["delta"] for job in arrived])
         now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
-        now.applied = state.next_update = state.rounds_done = update.index
+        # every server update is a boundary: no replica's weights beside the global ones to save
+        now.applied = state.next_update = state.rounds_done = state.round_first = update.index
         state.totals.tokens += sum(job.tokens for job in update.jobs)
         state.totals.replica_steps += sum(job.steps for job in update.jobs)
         run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine)
