@@ -9,7 +9,9 @@ from the global ones (`round_params`: in the middle of a round, or always with f
 alpha), whether each has stepped since each fragment's last sync (`round_stepped`), and a fragment's
 sync in flight (`pending`, its result stored). Nothing in training draws random numbers after the
 initial weights (the plan and the data order are pure functions of the config), so there is no RNG
-state to carry. The network clock (`clock`) is the writer's running sum of simulated seconds.
+state to carry. The network clock (`clock`) is the writer's running sum of simulated seconds. Under
+outer.schedule=async, `asynchronous` holds the server's buffer and each replica's job in flight, and
+`next_update` counts server updates (docs/async.md).
 `state_dict()` gives plain tensors and numbers; `load_state_dict` puts them back.
 """
 
