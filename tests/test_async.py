@@ -503,3 +503,24 @@ def test_documents_of_unequal_length_weigh_each_job_by_the_tokens_it_trained_on(
     assert any(len(set(tokens)) > 1 for tokens in seen), seen  # unequal: the weights matter
     uniform = trained(replace(cfg, outer=replace(cfg.outer, mean_weights="uniform")))
     assert any(not torch.equal(state.theta[n], t) for n, t in uniform.items())
+
+
+@pytest.mark.parametrize("engine", ["stacked", "loop"])
+def test_jobs_pulled_together_from_different_steps_run_apart_and_as_the_loop_engine_runs_them(engine):
+    """Two jobs of one length pulled at one update, at different steps of their replicas (their lr
+    differs): the stacked engine stacks only replicas at one step, so they run in two calls, each as the
+    loop engine runs it."""
+    from hypertrain.diloco.arrivals import Job
+    from hypertrain.diloco.asynchronous import run_jobs
+    from hypertrain.engines import engine_for
+
+    def deltas(name: str) -> list[torch.Tensor]:
+        cfg = async_cfg(engine=name)
+        run = prepare(cfg)
+        state = RunState.start(run.cfg, initial_weights(run))
+        jobs = [Job(0, 1, 0, 2, 32, 0, 0.0, 1.0), Job(1, 1, 2, 2, 32, 0, 0.0, 1.0)]
+        run_jobs(run, state, jobs, engine_for(name))
+        return [state.asynchronous.flying[m]["delta"] for m in (0, 1)]
+
+    got, want = deltas(engine), deltas("loop")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

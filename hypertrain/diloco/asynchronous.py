@@ -42,11 +42,12 @@ def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
 
 
 def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine) -> None:
-    """Run `jobs` (replicas that pulled the global weights `state.theta` now) on the engine, every job of
-    the same length in one call (the stacked engine stacks them), and keep each one's pseudo-gradient."""
+    """Run `jobs` (replicas that pulled the global weights `state.theta` now) on the engine, the jobs of
+    the same first step and length in one call (the stacked engine stacks them: its replicas share the
+    lr schedule's steps), and keep each one's pseudo-gradient."""
     cfg = run.cfg
-    for steps in sorted({job.steps for job in jobs}):
-        todo = [job for job in jobs if job.steps == steps]
+    for span in sorted({(job.first, job.steps) for job in jobs}):
+        todo = [job for job in jobs if (job.first, job.steps) == span]
         assigns = [
             Assignment(
                 job.replica,
