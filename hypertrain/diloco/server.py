@@ -17,9 +17,10 @@ from hypertrain.model.transformer import Params
 def contribution(deltas: Tensor, tokens: list[int], weights: str) -> tuple[Tensor, Tensor]:
     """(S, g): the k pseudo-gradients `deltas` [k, n] applied together as k arrivals' worth, S = k * g,
     and their mean g: uniform, `S = sum_i delta_i` and `g = S / k` (DiLoCo's sum and division); tokens,
-    `g = sum_i w_i delta_i / sum_i w_i` with w_i a job's training tokens, and `S = k * g`."""
+    `g = sum_i w_i delta_i / sum_i w_i` with w_i a job's training tokens (uniform when they sum to 0), and
+    `S = k * g`."""
     k = len(deltas)
-    if weights == "uniform":
+    if weights == "uniform" or not sum(tokens):  # no tokens to weigh by (every job empty): uniform
         total = deltas.sum(0)
         return total, total / torch.tensor(float(k), dtype=total.dtype)
     w = torch.tensor(tokens, dtype=torch.float64)
