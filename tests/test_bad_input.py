@@ -59,8 +59,16 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
     env: dict[str, str] = field(default_factory=dict)  # the entry's environment ({cwd} as in args)
     # the command: "train" (args after BASE), "sample" (`python -m hypertrain.sample ARGS`, its line
-    # `hypertrain.sample: error: ...`) or "data" (`python -m hypertrain.data ARGS`, no BASE before them)
+    # `hypertrain.sample: error: ...`), "data" (`python -m hypertrain.data ARGS`, no BASE before them) or
+    # "clock" (`python -m hypertrain.clock ARGS`, its line `hypertrain.clock: error: ...`)
     command: str = "train"
+
+
+def trained_async(earlier: Path, cwd: Path) -> None:
+    """A setup: a finished outer.schedule=async run (the session's reference) copied to cwd/run."""
+    from test_async import ASYNC
+
+    shutil.copytree(ReferenceRuns.beside(cwd.parent)(ASYNC), cwd / "run")
 
 
 def copy_of_earlier(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
@@ -410,6 +418,15 @@ CASES = {
         ["outer.grace_s=-1"],
         "outer.grace_s=-1.0 is too small; valid: >= 0.0",
         ">= 0 seconds",
+    ),
+    "clock-retimes-async": Case(
+        "the clock command timing an asynchronous run on another cluster (its clock chose the arrivals)",
+        ["run", "cluster=a100"],
+        "run was trained with outer.schedule=async: its own clock chose the order its replicas "
+        "arrived in, so its weights are that cluster's",
+        "its own cluster and size (no cluster overrides or --model-params), or a run trained on that cluster",
+        setup=trained_async,
+        command="clock",
     ),
     "overlap-unknown": Case(
         "an outer overlap that does not exist (docs/overlap.md)",
@@ -1239,12 +1256,16 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
     elif case.command == "data":
         hidden = "hide/sitecustomize.py" in case.files  # works at an interpreter's start only
         done = data_command(args, cwd, env=env, process=bool(process or hidden))
+    elif case.command == "clock":
+        done = module_command("hypertrain.clock", "hypertrain.report.retime", "main", args, cwd, process)
     else:
         done = entry([*BASE, *args], cwd, env=env, process=process)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
-    prefix = "hypertrain.sample: error: " if case.command == "sample" else "hypertrain: error: "
+    prefix = {"sample": "hypertrain.sample: error: ", "clock": "hypertrain.clock: error: "}.get(
+        case.command, "hypertrain: error: "
+    )
     assert lines[0].startswith(prefix + fill(case.says, earlier, cwd)), lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert tree(cwd) == before, "a rejected run created or changed files"
@@ -1255,19 +1276,28 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
 def sample_command(args: list[str], cwd: Path, process: bool | None) -> subprocess.CompletedProcess:
     """`python -m hypertrain.sample ARGS` in `cwd`: on the command line with `process`, else its `cli`
     in this process, stdout and stderr captured."""
-    if process:
-        command = [sys.executable, "-m", "hypertrain.sample", *args]
-        return subprocess.run(command, cwd=cwd, env=entry_env(), capture_output=True, text=True, timeout=120)
-    from hypertrain.sample import cli
+    return module_command("hypertrain.sample", "hypertrain.sample", "cli", args, cwd, process)
 
+
+def module_command(
+    name: str, module: str, function: str, args: list[str], cwd: Path, process: bool | None
+) -> subprocess.CompletedProcess:
+    """`python -m NAME ARGS` in `cwd`: on the command line with `process`, else `module.function(args)`
+    in this process, stdout and stderr captured."""
+    if process:
+        command = [sys.executable, "-m", name, *args]
+        return subprocess.run(command, cwd=cwd, env=entry_env(), capture_output=True, text=True, timeout=120)
+    import importlib
+
+    entry_point = getattr(importlib.import_module(module), function)
     out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
     try:
         os.chdir(cwd)
         with redirect_stdout(out), redirect_stderr(err):
-            code = cli(args)
+            code = entry_point(args)
     finally:
         os.chdir(before)
-    return subprocess.CompletedProcess(["hypertrain.sample", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([name, *args], code, out.getvalue(), err.getvalue())
 
 
 def quick_every(names: list[str], step: int) -> list:
@@ -1348,7 +1378,8 @@ def render() -> str:
         "files are never touched. Lines marked Hydra keep Hydra's own wording (its first line, with the",
         "options or the cause). `<cwd>` is the working directory, `<run>` an earlier run's directory.",
         "The rows of `python -m hypertrain.sample` are that command's: its line begins",
-        "`hypertrain.sample: error:`, and it writes nothing, ever.",
+        "`hypertrain.sample: error:`, and it writes nothing, ever; those of `python -m hypertrain.clock`",
+        "begin `hypertrain.clock: error:`.",
         "",
         "| mistake | the line begins | what to do |",
         "|---|---|---|",
