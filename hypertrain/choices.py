@@ -114,6 +114,26 @@ class Overlap(Choice):
     eager = "eager"
 
 
+# outer.schedule: rounds (today's: every replica syncs at a round's end) or async (docs/async.md: each
+# replica's pseudo-gradient is applied when it arrives); `async` is a keyword, so the functional form
+Schedule = Choice("Schedule", [("rounds", "rounds"), ("async", "async")])
+Schedule.__doc__ = "outer.schedule: synchronous rounds, or asynchronous replicas (docs/async.md)."
+
+
+class AsyncRule(Choice):
+    """outer.async_rule: the server's step on an arrival (docs/async.md)."""
+
+    naive = "naive"
+    delayed_nesterov = "delayed_nesterov"
+
+
+class MeanWeights(Choice):
+    """outer.mean_weights: how contributions applied together are averaged (docs/async.md)."""
+
+    uniform = "uniform"
+    tokens = "tokens"
+
+
 class PhaseKind(Choice):
     """phase.kind: strong (a global batch) or weak (a base world's streams, replicated) scaling."""
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from hypertrain.choices import (
     Arch,
+    AsyncRule,
     Backend,
     Compressor,
     Compute,
@@ -30,6 +31,7 @@ from hypertrain.choices import (
     Examples,
     InnerName,
     LoggerName,
+    MeanWeights,
     Overlap,
     PhaseKind,
     Precision,
@@ -39,6 +41,7 @@ from hypertrain.choices import (
     Reduction,
     RejoinState,
     ReplicaSplit,
+    Schedule,
     StatePolicy,
     TokenDtype,
     TopkValues,
@@ -238,6 +241,29 @@ class OuterConfig:
     # Q [cols, r] (a tensor of more dims is [shape[0], rest]; r is cut to min(rows, cols)); 1-D tensors
     # are sent exact in fp32.
     lowrank_rank: int = 4
+    # Asynchronous replicas (docs/async.md): rounds (every replica syncs at a round's end) or async (a
+    # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
+    # the network clock says it arrives; no barrier).
+    schedule: Schedule = Schedule["rounds"]
+    # async: the server's step on an arrival: naive (the outer Nesterov step on it) or delayed_nesterov
+    # (Liu et al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals).
+    async_rule: AsyncRule = AsyncRule.delayed_nesterov
+    dn_buffer: int = 0  # delayed_nesterov: N, the arrivals per momentum update; 0 = replicas (R)
+    dn_activation: float = 0.0  # delayed_nesterov: c in [0, 1/N], the momentum applied between updates
+    # async: arrivals within grace_s seconds of a group's first are applied together, as one mean
+    # (Decoupled DiLoCo's grace window); 0 = only exact ties.
+    grace_s: float = 0.0
+    # async: dynamic local updates (Liu et al. Eq. 6): replica m's job is H_m = max(1, floor(v_m / max v * H))
+    dylu: bool = False
+    # async: the held-out loss after the server update at which the jobs applied reach each multiple of
+    # this many (and after the last); 0 = replicas (R): with ties of all R, every update
+    async_eval_every: int = 0
+    # async: contributions applied together averaged uniformly or weighted by the tokens each trained on
+    mean_weights: MeanWeights = MeanWeights.uniform
+
+    @property
+    def is_async(self) -> bool:
+        return self.schedule == "async"
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
@@ -288,6 +314,9 @@ class OuterConfig:
                 "shard; valid: outer.reduce=gather"
             )
         self.check_lowrank()
+        _at_least("outer.dn_buffer", self.dn_buffer, 0)
+        _at_least("outer.grace_s", self.grace_s, 0.0)
+        _at_least("outer.async_eval_every", self.async_eval_every, 0)
 
     def check_lowrank(self) -> None:
         """compress=lowrank: its rank, and the combinations it is not built for."""
@@ -652,6 +681,16 @@ class ClusterConfig:
     intra: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["infiniband"]))
     inter: LinkConfig = field(default_factory=lambda: dataclasses.replace(LINKS["datacenter_100g"]))
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    # Each replica's persistent speed v_m (docs/async.md; a step takes 1 / v_m times its seconds, on top of
+    # the stragglers): this list (R positive numbers), or, when it is empty, drawn once as
+    # exp(speed_sigma * z), z standard normals from numpy's default_rng(speed_seed). Under rounds they
+    # time the clock only (a sync waits for the slowest); under outer.schedule=async they order arrivals.
+    replica_speeds: list[float] = field(default_factory=list)
+    speed_sigma: float = 0.0
+    speed_seed: int = 0
+    # N, the parameters the clock times while training (bytes and modelled compute scaled by N / the
+    # trained model's, as the clock command's model_params); 0 = the trained model's
+    model_params: int = 0
 
     @property
     def peak_flops(self) -> float:
@@ -672,6 +711,17 @@ class ClusterConfig:
         self.intra.check("cluster.intra")
         self.inter.check("cluster.inter")
         self.straggler.check()
+        if not all(0 < speed < math.inf for speed in self.replica_speeds):
+            raise UserError(
+                f"cluster.replica_speeds={self.replica_speeds!r} is not valid; valid: finite positive numbers"
+            )
+        if not 0 <= self.speed_sigma <= MAX_STRAGGLER_SIGMA:
+            raise UserError(
+                f"cluster.speed_sigma={self.speed_sigma!r} is out of range; valid: "
+                f"[0, {MAX_STRAGGLER_SIGMA:g}]"
+            )
+        _at_least("cluster.speed_seed", self.speed_seed, 0)  # numpy's seeds are non-negative
+        _at_least("cluster.model_params", self.model_params, 0)
 
 
 CHURN_EVENTS = ("miss", "leave", "rejoin")

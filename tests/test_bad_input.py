@@ -59,8 +59,16 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
     env: dict[str, str] = field(default_factory=dict)  # the entry's environment ({cwd} as in args)
     # the command: "train" (args after BASE), "sample" (`python -m hypertrain.sample ARGS`, its line
-    # `hypertrain.sample: error: ...`) or "data" (`python -m hypertrain.data ARGS`, no BASE before them)
+    # `hypertrain.sample: error: ...`), "data" (`python -m hypertrain.data ARGS`, no BASE before them) or
+    # "clock" (`python -m hypertrain.clock ARGS`, its line `hypertrain.clock: error: ...`)
     command: str = "train"
+
+
+def trained_async(earlier: Path, cwd: Path) -> None:
+    """A setup: a finished outer.schedule=async run (the session's reference) copied to cwd/run."""
+    from test_async import ASYNC
+
+    shutil.copytree(ReferenceRuns.beside(cwd.parent)(ASYNC), cwd / "run")
 
 
 def copy_of_earlier(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
@@ -361,6 +369,64 @@ CASES = {
         ["churn.deadline=0.5"],
         "churn.deadline=0.5 needs modelled compute, not cluster.compute='measured'",
         "cluster.compute=modelled (a cluster preset such as h100), or churn.deadline=0",
+    ),
+    "async-measured": Case(
+        "asynchronous replicas on measured compute (docs/async.md: the clock decides the weights)",
+        ["outer.schedule=async"],
+        "outer.schedule=async needs modelled compute, not cluster.compute='measured'",
+        "cluster.compute=modelled (a cluster preset such as h100)",
+    ),
+    "async-with-overlap": Case(
+        "asynchronous replicas with a whole-round overlap (not built)",
+        ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
+        "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs, churn and "
+        "processes=dist likewise)",
+    ),
+    "async-speeds-length": Case(
+        "a speed list whose length is not R",
+        ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,1,0.5]"],
+        "cluster.replica_speeds=[1.0, 1.0, 0.5] has 3 speeds; valid: one per replica (2), or []",
+        "one speed per replica",
+    ),
+    "async-speed-zero": Case(
+        "a replica speed that is not a finite positive number",
+        ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,0]"],
+        "cluster.replica_speeds=[1.0, 0.0] is not valid; valid: finite positive numbers",
+        "finite positive speeds (1 = the cluster's step time)",
+    ),
+    "async-speeds-and-sigma": Case(
+        "speeds both given and drawn",
+        ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,2]", "cluster.speed_sigma=0.5"],
+        "cluster.replica_speeds with cluster.speed_sigma=0.5: the speeds are given or drawn, not both",
+        "one of the two",
+    ),
+    "async-dn-activation": Case(
+        "a delayed Nesterov momentum activation above 1/N",
+        ["outer.schedule=async", "cluster=h100", "outer.dn_activation=0.9"],
+        "outer.dn_activation=0.9 is out of range; valid: [0, 1/N] = [0, 0.5] (N = outer.dn_buffer = 2)",
+        "c in [0, 1/N]",
+    ),
+    "async-field-with-rounds": Case(
+        "an asynchronous field in a synchronous run",
+        ["outer.dylu=true"],
+        "outer.dylu=True with outer.schedule=rounds is not built",
+        "outer.schedule=async, or leave it unset",
+    ),
+    "async-grace-negative": Case(
+        "a negative grace window",
+        ["outer.grace_s=-1"],
+        "outer.grace_s=-1.0 is too small; valid: >= 0.0",
+        ">= 0 seconds",
+    ),
+    "clock-retimes-async": Case(
+        "the clock command timing an asynchronous run on another cluster (its clock chose the arrivals)",
+        ["run", "cluster=a100"],
+        "run was trained with outer.schedule=async: its own clock chose the order its replicas "
+        "arrived in, so its weights are that cluster's",
+        "its own cluster and size (no cluster overrides or --model-params), or a run trained on that cluster",
+        setup=trained_async,
+        command="clock",
     ),
     "overlap-unknown": Case(
         "an outer overlap that does not exist (docs/overlap.md)",
@@ -1190,12 +1256,16 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
     elif case.command == "data":
         hidden = "hide/sitecustomize.py" in case.files  # works at an interpreter's start only
         done = data_command(args, cwd, env=env, process=bool(process or hidden))
+    elif case.command == "clock":
+        done = module_command("hypertrain.clock", "hypertrain.report.retime", "main", args, cwd, process)
     else:
         done = entry([*BASE, *args], cwd, env=env, process=process)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
-    prefix = "hypertrain.sample: error: " if case.command == "sample" else "hypertrain: error: "
+    prefix = {"sample": "hypertrain.sample: error: ", "clock": "hypertrain.clock: error: "}.get(
+        case.command, "hypertrain: error: "
+    )
     assert lines[0].startswith(prefix + fill(case.says, earlier, cwd)), lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert tree(cwd) == before, "a rejected run created or changed files"
@@ -1206,19 +1276,28 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
 def sample_command(args: list[str], cwd: Path, process: bool | None) -> subprocess.CompletedProcess:
     """`python -m hypertrain.sample ARGS` in `cwd`: on the command line with `process`, else its `cli`
     in this process, stdout and stderr captured."""
-    if process:
-        command = [sys.executable, "-m", "hypertrain.sample", *args]
-        return subprocess.run(command, cwd=cwd, env=entry_env(), capture_output=True, text=True, timeout=120)
-    from hypertrain.sample import cli
+    return module_command("hypertrain.sample", "hypertrain.sample", "cli", args, cwd, process)
 
+
+def module_command(
+    name: str, module: str, function: str, args: list[str], cwd: Path, process: bool | None
+) -> subprocess.CompletedProcess:
+    """`python -m NAME ARGS` in `cwd`: on the command line with `process`, else `module.function(args)`
+    in this process, stdout and stderr captured."""
+    if process:
+        command = [sys.executable, "-m", name, *args]
+        return subprocess.run(command, cwd=cwd, env=entry_env(), capture_output=True, text=True, timeout=120)
+    import importlib
+
+    entry_point = getattr(importlib.import_module(module), function)
     out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
     try:
         os.chdir(cwd)
         with redirect_stdout(out), redirect_stderr(err):
-            code = cli(args)
+            code = entry_point(args)
     finally:
         os.chdir(before)
-    return subprocess.CompletedProcess(["hypertrain.sample", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([name, *args], code, out.getvalue(), err.getvalue())
 
 
 def quick_every(names: list[str], step: int) -> list:
@@ -1299,7 +1378,8 @@ def render() -> str:
         "files are never touched. Lines marked Hydra keep Hydra's own wording (its first line, with the",
         "options or the cause). `<cwd>` is the working directory, `<run>` an earlier run's directory.",
         "The rows of `python -m hypertrain.sample` are that command's: its line begins",
-        "`hypertrain.sample: error:`, and it writes nothing, ever.",
+        "`hypertrain.sample: error:`, and it writes nothing, ever; those of `python -m hypertrain.clock`",
+        "begin `hypertrain.clock: error:`.",
         "",
         "| mistake | the line begins | what to do |",
         "|---|---|---|",

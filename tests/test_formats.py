@@ -25,11 +25,22 @@ from hypertrain.rundir import checkpoint
 
 ABOUT = json.loads((FIXTURE / "reference.json").read_text())
 NEWER = SCHEMA_VERSION + 1
+# issue 39's outer fields as every run before them had them (schema 5's step, written out here)
+ASYNC_NEUTRAL = {
+    "schedule": "rounds",
+    "async_rule": "delayed_nesterov",
+    "dn_buffer": 0,
+    "dn_activation": 0.0,
+    "grace_s": 0.0,
+    "dylu": False,
+    "async_eval_every": 0,
+    "mean_weights": "uniform",
+}
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_4_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 5
+def test_today_is_schema_6_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 6
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -83,6 +94,7 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
         "clock": None,
         "in_flight": None,
         "outer_replicas": None,
+        "async": None,
         "comm_measured": {},
         "totals": {
             **older["state"]["totals"],
@@ -121,13 +133,14 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     """Schema 1 knew no whole-round overlap: its config reads as outer.overlap=none, its checkpoint as
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
-    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37}  # and schema 2's step after it
+    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}  # and schemas 2's and 5's steps
     assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
     totals = {**older["state"]["totals"], "comm_outer_bits": None}  # and schema 3's step
-    assert got["state"] == {**older["state"], "in_flight": None, "outer_replicas": None, "totals": totals}
+    want = {**older["state"], "in_flight": None, "outer_replicas": None, "totals": totals, "async": None}
+    assert got["state"] == want
     assert got["config"]["outer"] == then and got["schema_version"] == SCHEMA_VERSION
 
 
@@ -136,20 +149,21 @@ def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undeca
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
     checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, **BEFORE_ISSUE_37}
+    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
     totals = {**older["state"]["totals"], "comm_outer_bits": None}
-    assert got["state"] == {**older["state"], "totals": totals} and got["config"]["outer"] == want
+    assert got["state"] == {**older["state"], "totals": totals, "async": None}
+    assert got["config"]["outer"] == want
     assert got["schema_version"] == SCHEMA_VERSION
 
 
 def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_is():
     """Schema 3 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
     bits but no running total); the config of version 3 is today's."""
-    outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **BEFORE_ISSUE_37}
+    outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer}
     older = {**_older_payload(clock=False), "schema_version": 3}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
@@ -171,7 +185,26 @@ def test_a_version_4_config_cut_windows_across_the_stream_for_every_replica_alik
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
     older["config"] = {**older["config"], "data": data}
     got = upgrade_checkpoint(older)
-    assert got["state"] == older["state"] and got["config"]["data"] == want
+    assert got["state"] == {**older["state"], "async": None} and got["config"]["data"] == want
+    assert got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_checkpoint_has_no_async():
+    """Schema 5 knew no asynchronous replicas: its config reads as outer.schedule=rounds with the server's
+    fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
+    outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
+    cluster = {"name": "cpu_here", "compute": "measured"}
+    want_outer = outer | ASYNC_NEUTRAL
+    want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
+    got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
+    assert got == {"outer": want_outer, "cluster": want_cluster}
+    today = {"outer": want_outer, "cluster": want_cluster}
+    assert upgrade_config({**today, "schema_version": 5}) == today
+    older = {**_older_payload(clock=False), "schema_version": 5}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
+    older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
+    got = upgrade_checkpoint(older)
+    assert got["state"] == {**older["state"], "async": None}
     assert got["schema_version"] == SCHEMA_VERSION
 
 

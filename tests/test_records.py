@@ -55,6 +55,9 @@ WRITTEN = [
     {"kind": "summary", "plan/union_sha256": "bb", "model/params": 10},
     {"kind": "end", "time": 2.5, "status": "finished"},
     {"kind": "end", "time": 2.5, "status": "failed", "error": "boom", "exit_code": 1},
+    {"kind": "arrival", "update": 2, "replicas": [0, 1], "steps": [3, 1], "first": [3, 0],
+     "tokens": [96, 32], "staleness": [1, 0], "loss": [5.0, 5.5], "staleness_mean": 0.5, "clock_s": 2.5,
+     "eval_loss": 5.25},
 ]  # fmt: skip
 
 
@@ -67,7 +70,8 @@ def test_every_kind_reads_back_as_the_row_it_was_written_from(row):
 
 
 def test_every_kind_a_run_writes_has_a_type():
-    kinds = ("start", "eval", "update", "sync", "checkpoint", "resume", "restart", "summary", "end")
+    kinds = ("start", "eval", "update", "sync", "arrival", "checkpoint", "resume", "restart", "summary")
+    kinds += ("end",)
     assert set(ROWS) == set(kinds)
     assert {row["kind"] for row in WRITTEN} == set(ROWS)
 
@@ -104,6 +108,9 @@ def test_w_and_b_gets_each_rows_numbers_under_its_keys():
         "checkpoint/bytes": 9,
         "checkpoint/seconds": 0.1,
     }
+    assert parse(WRITTEN[-1]).wandb() == {
+        "update": 2, "async/staleness": 0.5, "clock/seconds": 2.5, "eval/loss": 5.25,
+    }  # fmt: skip
     for kind in (StartRow, ResumeRow, RestartRow, SummaryRow, EndRow):
         assert kind.wandb(parse(next(r for r in WRITTEN if r["kind"] == kind.kind))) is None
 

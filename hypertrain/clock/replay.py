@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import ClusterConfig, UserError
 from hypertrain.records import formats
-from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
+from hypertrain.records.rows import ArrivalRow, EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
 
 _ORDER = {UpdateRow.kind: 0, SyncRow.kind: 1, EvalRow.kind: 2}  # within one update, as training writes them
 
@@ -71,8 +71,11 @@ def run_cluster(resolved: dict) -> ClusterConfig:
 
 def decided_by_clock(resolved: dict) -> str | None:
     """The setting with which the run's own clock decided its numbers (`churn.deadline`: which replicas
-    were late, so which pseudo-gradients its weights hold), as `key=value`; None for a run whose
-    numbers no clock touched. Such a run timed on another cluster or size is a clock that never was."""
+    were late, so which pseudo-gradients its weights hold; `outer.schedule=async`: the order its
+    pseudo-gradients arrived in), as `key=value`; None for a run whose numbers no clock touched. Such a
+    run timed on another cluster or size is a clock that never was."""
+    if (resolved.get("outer") or {}).get("schedule") == "async":
+        return "outer.schedule=async"
     deadline = (resolved.get("churn") or {}).get("deadline") or 0.0
     return f"churn.deadline={deadline:g}" if deadline > 0 else None
 
@@ -81,13 +84,18 @@ def clock_of(
     rows: list[Row | dict], resolved: dict, cluster: ClusterConfig, model_params: int | None = None
 ) -> dict:
     """The simulated clock of a run (its `metrics.jsonl` rows, its resolved config) on `cluster`,
-    `model_params` N rescaling as `Clock` says.
+    `model_params` N rescaling as `Clock` says (None: the size the run's own clock timed,
+    `cluster.model_params`, else its model's); an outer.schedule=async run's own clock (`arrival_clock`).
 
     Returns `updates` ({update, clock_s}: the clock at the end of each update, before the syncs
     landing after it), `syncs` (per sync row: update, fragment and `Clock.sync`'s split), `heldout`
     ({update, clock_s, eval_loss}: the held-out curve, from eval rows and DiLoCo's sync rows, each at
     the clock after the syncs of its update) and `Clock.summary`'s totals without their `clock/`."""
     resolved = formats.upgrade_config(resolved)
+    if (resolved.get("outer") or {}).get("schedule") == "async":
+        return arrival_clock(rows, cluster, resolved)
+    if model_params is None:  # the size the run's own clock timed (cluster.model_params), else its model's
+        model_params = int((resolved.get("cluster") or {}).get("model_params") or 0) or None
     shape, params = Shape.of(resolved), run_params(rows)
     clock = Clock(shape, cluster, params, model_params, run_active_params(rows))
     updates, syncs, heldout = [], [], []
@@ -103,6 +111,34 @@ def clock_of(
             heldout.append({"update": u, "clock_s": clock.heldout(row.eval_loss), "eval_loss": row.eval_loss})
     totals = {key.removeprefix("clock/"): value for key, value in clock.summary().items()}
     return totals | {"updates": updates, "syncs": syncs, "heldout": heldout}
+
+
+def arrival_clock(rows: list[Row | dict], cluster: ClusterConfig, resolved: dict) -> dict:
+    """An outer.schedule=async run's own clock (docs/async.md), which decided its arrivals and is only
+    read back here (`check_clock_decided` refuses another cluster): the held-out curve from its first
+    eval row (clock 0) and its arrival rows (each the last written: a resumed run writes some again), the
+    total the last arrival's clock. Compute and communication overlap across replicas there, so no split
+    of the total is given (None)."""
+    parsed = [row for row in map(parse, rows) if row is not None]
+    first = next((row for row in parsed if isinstance(row, EvalRow) and row.update == 0), None)
+    arrivals = {row.update: row for row in parsed if isinstance(row, ArrivalRow)}
+    heldout = [] if first is None else [{"update": 0, "clock_s": 0.0, "eval_loss": first.eval_loss}]
+    heldout += [
+        {"update": u, "clock_s": row.clock_s, "eval_loss": row.eval_loss}
+        for u, row in sorted(arrivals.items())
+        if row.eval_loss is not None
+    ]
+    finite = [p for p in heldout if p["eval_loss"] is not None and p["eval_loss"] == p["eval_loss"]]
+    best = min(finite, key=lambda p: p["eval_loss"], default=None)
+    total = arrivals[max(arrivals)].clock_s if arrivals else 0.0
+    size = int((resolved.get("cluster") or {}).get("model_params") or 0) or run_params(rows)
+    totals = {"cluster": cluster.name, "params": size, "total_s": total, "compute_s": None, "inner_s": None}
+    totals |= {"outer_exposed_s": None, "outer_hidden_s": None, "compute_utilization": None}
+    totals |= {
+        "best_heldout_loss": None if best is None else best["eval_loss"],
+        "time_to_best_s": None if best is None else best["clock_s"],
+    }
+    return totals | {"updates": [], "syncs": [], "heldout": heldout}
 
 
 def time_to_loss(heldout: list[dict], target: float) -> float | None:

@@ -35,6 +35,17 @@ def straggler_factors(straggler: StragglerConfig, round_index: int, replicas: in
     return np.exp(straggler.sigma * z)
 
 
+def replica_speeds(cluster: ClusterConfig, replicas: int) -> list[float]:
+    """Each replica's persistent speed v_m: `cluster.replica_speeds`, or `exp(speed_sigma * z)` with z
+    R standard normals from numpy's `default_rng(speed_seed)` in replica order (1.0 each at sigma 0)."""
+    if cluster.replica_speeds:
+        return [float(v) for v in cluster.replica_speeds]
+    if cluster.speed_sigma == 0:
+        return [1.0] * replicas
+    z = np.random.default_rng(cluster.speed_seed).standard_normal(replicas)
+    return [float(v) for v in np.exp(cluster.speed_sigma * z)]
+
+
 @dataclass(frozen=True)
 class Shape:
     """What of a run's config the clock reads: R, the L ranks of a replica, H, the fragments, their
@@ -92,12 +103,14 @@ class Clock:
         self.recent: dict[int, float] = {}  # the compute seconds of the last H updates, by update count
         self.best: tuple[float, float] | None = None  # the lowest held-out loss and the clock at it
         self.round, self.ahead = 0, [0.0] * shape.replicas  # each replica's compute seconds in the round
+        self.speeds = replica_speeds(cluster, shape.replicas)  # a step of replica m takes 1 / v_m as long
 
     def update(self, row: UpdateRow) -> float:
         """An `update` row (`update`, `round`, `loss`, `tokens`, `rank_seconds`): its compute, then the
         inner ring all-reduce of the fp32 gradient among a replica's L ranks. Replicas run on their own
         between syncs: each stepping replica's step (modelled from its tokens, or the slowest process's
-        measured seconds) times its straggler factor adds to its seconds since the round's start, and the
+        measured seconds) times its straggler factor over its speed (`replica_speeds`) adds to its seconds
+        since the round's start, and the
         update's compute is how far the slowest of them moved on (with every replica stepping, the round's
         largest factor times the step). Returns the clock at its end (`clock_s`), before any sync
         landing after it."""
@@ -114,7 +127,7 @@ class Clock:
         factors = straggler_factors(cluster.straggler, self.round, shape.replicas)
         for m, did in enumerate(stepped):
             if did:
-                self.ahead[m] += seconds * float(factors[m])
+                self.ahead[m] += seconds * float(factors[m]) / self.speeds[m]
         compute = max(self.ahead) - before
         inner = ring_allreduce_s(FP32_BYTES * self.params, shape.ranks_per_replica, self.intra)
         u = int(row.update)

@@ -31,27 +31,35 @@ def uniform_loss(run: PreparedRun) -> tuple[float, str]:
 PSEUDO_GRAD, HELDOUT_ABOVE_UNIFORM, HELDOUT_NON_FINITE = 1, 2, 3
 
 
+def heldout_verdict(run: PreparedRun, eval_loss: float | None, after: str) -> tuple[int, str]:
+    """The verdict on a held-out loss of the global weights (None: none taken) measured after `after`
+    (a sync, or an asynchronous server update): non-finite, or (guard on) above the uniform
+    prediction's by more than guard.heldout_margin; 0 and "" to train on."""
+    guard = run.cfg.guard
+    if eval_loss is not None and not math.isfinite(eval_loss):
+        return HELDOUT_NON_FINITE, (
+            f"the held-out loss of the global weights after {after} is {eval_loss}; the run stops"
+        )
+    if guard.enabled and eval_loss is not None:
+        uniform, how = uniform_loss(run)
+        if eval_loss > uniform + guard.heldout_margin:
+            return HELDOUT_ABOVE_UNIFORM, (
+                f"diverged: the held-out loss of the global weights after {after} is "
+                f"{eval_loss:.4f}, more than guard.heldout_margin={guard.heldout_margin:g} nats above the "
+                f"uniform prediction's {uniform:.4f} ({how}); the run stops"
+            )
+    return 0, ""
+
+
 def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tuple[int, str]:
     """This process's verdict on the syncs of `rnd` and its reason: the held-out loss (the writer's at a
     round's end, None elsewhere) non-finite or above the uniform prediction's by more than
     guard.heldout_margin, or a sync's pseudo-gradient norm (the same on every process) beyond
     guard.pseudo_grad_ratio x its global weights' (a fragment's, with fragments)."""
     guard, update = run.cfg.guard, rnd.updates[-1] + 1
-    if eval_loss is not None and not math.isfinite(eval_loss):
-        return HELDOUT_NON_FINITE, (
-            f"the held-out loss of the global weights after the sync at update {update} is {eval_loss}; "
-            "the run stops"
-        )
-    if not guard.enabled:
-        return 0, ""
-    if eval_loss is not None:
-        uniform, how = uniform_loss(run)
-        if eval_loss > uniform + guard.heldout_margin:
-            return HELDOUT_ABOVE_UNIFORM, (
-                f"diverged: the held-out loss of the global weights after the sync at update {update} is "
-                f"{eval_loss:.4f}, more than guard.heldout_margin={guard.heldout_margin:g} nats above the "
-                f"uniform prediction's {uniform:.4f} ({how}); the run stops"
-            )
+    verdict = heldout_verdict(run, eval_loss, f"the sync at update {update}")
+    if verdict[0] or not guard.enabled:
+        return verdict
     for sync in rnd.syncs:
         if sync.synced and not sync.delta_norm <= guard.pseudo_grad_ratio * sync.theta_norm:
             what = "" if run.cfg.outer.fragments == 1 else f" of fragment {sync.fragment}"

@@ -9,7 +9,9 @@ from the global ones (`round_params`: in the middle of a round, or always with f
 alpha), whether each has stepped since each fragment's last sync (`round_stepped`), and a fragment's
 sync in flight (`pending`, its result stored). Nothing in training draws random numbers after the
 initial weights (the plan and the data order are pure functions of the config), so there is no RNG
-state to carry. The network clock (`clock`) is the writer's running sum of simulated seconds.
+state to carry. The network clock (`clock`) is the writer's running sum of simulated seconds. Under
+outer.schedule=async, `asynchronous` holds the server's buffer and each replica's job in flight, and
+`next_update` counts server updates (docs/async.md).
 `state_dict()` gives plain tensors and numbers; `load_state_dict` puts them back.
 """
 
@@ -29,6 +31,7 @@ from hypertrain.diloco.fragments import fragment_of, members
 from hypertrain.diloco.lowrank import initial_q
 from hypertrain.diloco.outer import OuterState, init_outer_state
 from hypertrain.diloco.pending import Pending
+from hypertrain.diloco.server import AsyncServer, AsyncState
 from hypertrain.diloco.sync import FragmentSync
 from hypertrain.distributed.decided import Decided
 from hypertrain.model.shapes import active_params, count_params, param_roles
@@ -81,6 +84,10 @@ class Totals:
     churn_late: int = 0  # replica-rounds the deadline stopped before the round's last update
     replica_steps_reached: int = 0
     contributed_sha256: str = ""
+    # outer.schedule=async: the jobs applied, and the sum and largest of their staleness
+    async_jobs: int = 0
+    async_staleness_sum: int = 0
+    async_staleness_max: int = 0
 
 
 @dataclass
@@ -113,6 +120,9 @@ class RunState:
     # outer.compress=lowrank: each matrix's warm start Q [cols, r] fp32 (PowerSGD's), the same on every
     # process: drawn from the run's seed, then the Q of every sync
     lowrank_q: Params | None = None
+    # outer.schedule=async: the server's buffer and each replica's job in flight (`server.AsyncState`);
+    # `next_update` and `rounds_done` then count server updates
+    asynchronous: AsyncState | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -163,8 +173,12 @@ class RunState:
         if cfg.outer.error_feedback:
             errors = [{n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()} for _ in local]
         shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
-        clock = Clock(shape, cfg.cluster, count_params(model), active_params=active_params(model))
+        n, timed = count_params(model), cfg.cluster.model_params or None  # the size the clock times
+        clock = Clock(shape, cfg.cluster, n, timed, active_params=active_params(model))
         state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
+        if cfg.outer.is_async:
+            server = AsyncServer(cfg.outer, cfg.replicas, state.outer, sum(t.numel() for t in theta.values()))
+            state.asynchronous = AsyncState(server)
         state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
         if cfg.outer.compress == "lowrank":
@@ -259,6 +273,7 @@ class RunState:
             "in_flight": _in_flight_out(self.in_flight, records) if self.overlapped else None,
             "outer_replicas": [r["outer"] for r in records] if self.outer_replicas is not None else None,
             "lowrank_q": self.lowrank_q,
+            "async": None if self.asynchronous is None else self.asynchronous.state_dict(),
         }
 
     @torch.no_grad()
@@ -311,6 +326,8 @@ class RunState:
         if self.lowrank_q is not None and saved.get("lowrank_q") is not None:
             for name, t in self.lowrank_q.items():
                 t.copy_(saved["lowrank_q"][name])
+        if self.asynchronous is not None:
+            self.asynchronous.load_state_dict(saved["async"])
         for s in self.syncs:
             s.due = None
         for taken in saved["in_flight"] or []:

@@ -123,6 +123,71 @@ def check_overlap(cfg: TrainConfig) -> None:
         )
 
 
+def check_async(cfg: TrainConfig) -> None:
+    """outer.schedule=async (docs/async.md): the clock decides its weights, so its compute is modelled;
+    what it is not built with is refused; its buffer and activation fit R; the server's fields are
+    refused under rounds, which would ignore them. The speeds fit R (under rounds they time the clock)."""
+    outer, cluster, R = cfg.outer, cfg.cluster, cfg.replicas
+    if cluster.replica_speeds and len(cluster.replica_speeds) != R:
+        raise UserError(
+            f"cluster.replica_speeds={cluster.replica_speeds!r} has {len(cluster.replica_speeds)} speeds; "
+            f"valid: one per replica ({R}), or []"
+        )
+    if cluster.replica_speeds and cluster.speed_sigma:
+        raise UserError(
+            f"cluster.replica_speeds with cluster.speed_sigma={cluster.speed_sigma!r}: the speeds are given "
+            "or drawn, not both; valid: cluster.speed_sigma=0, or cluster.replica_speeds=[]"
+        )
+    slowed = cluster.replica_speeds or cluster.speed_sigma
+    if slowed and cfg.churn.deadline:
+        raise UserError(
+            "cluster.replica_speeds or speed_sigma with churn.deadline is not built (the deadline reads the "
+            "stragglers only); valid: equal speeds, or churn.deadline=0"
+        )
+    if not outer.is_async:
+        used = [
+            f"{name}={value!r}"
+            for name, value, neutral in (
+                ("outer.dylu", outer.dylu, False),
+                ("outer.mean_weights", outer.mean_weights, "uniform"),
+            )
+            if value != neutral
+        ]
+        if used:
+            raise UserError(
+                f"{used[0]} with outer.schedule=rounds is not built (it shapes asynchronous replicas); "
+                "valid: outer.schedule=async, or leave it unset"
+            )
+        return
+    if cluster.compute != "modelled":
+        raise UserError(
+            f"outer.schedule=async needs modelled compute, not cluster.compute={cluster.compute!r} (the "
+            "clock decides the weights); valid: cluster.compute=modelled (e.g. cluster=h100)"
+        )
+    unbuilt = [
+        (outer.fragments > 1, f"outer.fragments={outer.fragments}"),
+        (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
+        (bool(outer.delay), f"outer.delay={outer.delay}"),
+        (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
+        (outer.compress != "none", f"outer.compress={outer.compress}"),
+        (cfg.churn.enabled, "churn"),
+        (cfg.processes.name != "one", f"processes={cfg.processes.name}"),
+        (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
+    ]
+    for refused, what in unbuilt:
+        if refused:
+            raise UserError(
+                f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
+                f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
+            )
+    N = outer.dn_buffer or R
+    if not 0.0 <= outer.dn_activation <= 1.0 / N:
+        raise UserError(
+            f"outer.dn_activation={outer.dn_activation!r} is out of range; valid: [0, 1/N] = "
+            f"[0, {1.0 / N:g}] (N = outer.dn_buffer = {N})"
+        )
+
+
 def check_layout(cfg: TrainConfig) -> Decided:
     """What the config decides (`decided.decide`); UserError when processes=dist fits no process layout
     for its processes (the launcher's, or processes.nproc), W and R."""
@@ -143,6 +208,7 @@ def validate(cfg: TrainConfig) -> Decided:
     check_fragments(cfg)
     check_deadline(cfg)
     check_overlap(cfg)
+    check_async(cfg)
     return decided
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 VERSION_KEY = "schema_version"
 
 
@@ -138,12 +138,38 @@ def _config_4_to_5(resolved: dict) -> dict:
     return resolved
 
 
+# The fields of issue 39 (asynchronous replicas, docs/async.md): what every run before them did (rounds,
+# no per-replica speed, the clock timing the trained model), whatever today's defaults are
+BEFORE_ISSUE_39_OUTER = {
+    "schedule": "rounds",
+    "async_rule": "delayed_nesterov",
+    "dn_buffer": 0,
+    "dn_activation": 0.0,
+    "grace_s": 0.0,
+    "dylu": False,
+    "async_eval_every": 0,
+    "mean_weights": "uniform",
+}
+BEFORE_ISSUE_39_CLUSTER = {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
+
+
+def _config_5_to_6(resolved: dict) -> dict:
+    """Version 5: before issue 39's fields (`outer.schedule` and the asynchronous server's, the cluster's
+    speeds and `cluster.model_params`): such a run synced in rounds and its clock timed its own model."""
+    for name, before in (("outer", BEFORE_ISSUE_39_OUTER), ("cluster", BEFORE_ISSUE_39_CLUSTER)):
+        section = resolved.get(name)
+        if isinstance(section, dict) and any(key not in section for key in before):
+            resolved = {**resolved, name: before | section}
+    return resolved
+
+
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_0_to_1,
     _config_1_to_2,
     _config_2_to_3,
     _config_3_to_4,
     _config_4_to_5,
+    _config_5_to_6,
 )
 
 
@@ -238,12 +264,20 @@ def _checkpoint_4_to_5(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_5_to_6(saved: dict) -> dict:
+    """Version 5: before asynchronous replicas: no asynchronous run state (`async`: None)."""
+    saved = {**saved}
+    saved["state"] = {"async": None} | saved["state"]
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
     _checkpoint_2_to_3,
     _checkpoint_3_to_4,
     _checkpoint_4_to_5,
+    _checkpoint_5_to_6,
 )
 
 

@@ -308,6 +308,33 @@ class SyncRow(Row):
 
 
 @dataclass
+class ArrivalRow(Row):
+    """outer.schedule=async (docs/async.md): one server update, the jobs it applied together."""
+
+    kind: ClassVar[str] = "arrival"
+    wandb_keys: ClassVar[dict[str, str]] = {
+        "eval_loss": "eval/loss",
+        "staleness_mean": "async/staleness",
+        "clock_s": "clock/seconds",
+    }
+    update: int = _maybe("server updates applied, this one included (W&B's step)")
+    replicas: list[int] = _maybe("the replicas whose jobs it applied, in replica order")
+    steps: list[int] = _maybe("each job's inner steps")
+    first: list[int] = _maybe("each job's first inner step (the replica's own count, 0-based)")
+    tokens: list[int] = _maybe("each job's training tokens")
+    staleness: list[int] = _maybe("each job's server updates applied since it pulled its weights")
+    loss: list[float] = _maybe("each job's training loss at its last step")
+    staleness_mean: float = _maybe("the mean of `staleness`")
+    clock_s: float = _maybe("the network clock at the update (docs/async.md)")
+    eval_loss: float | None = _maybe("every outer.async_eval_every arrivals: the new weights' held-out loss")
+    figures: dict = _open("none yet")
+
+    def wandb(self) -> dict:
+        data = {"update": self.update, "async/staleness": self.staleness_mean, "clock/seconds": self.clock_s}
+        return data | ({} if self.eval_loss is None else {"eval/loss": self.eval_loss})
+
+
+@dataclass
 class CheckpointRow(Row):
     """A checkpoint written."""
 
@@ -383,6 +410,7 @@ ROWS: dict[str, type[Row]] = {
         EvalRow,
         UpdateRow,
         SyncRow,
+        ArrivalRow,
         CheckpointRow,
         ResumeRow,
         RestartRow,

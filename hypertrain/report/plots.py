@@ -202,10 +202,13 @@ def heldout_plot(
     series = labels(runs, names, keys, flags, groups)
     for group, label, style in zip(groups, series, lines, strict=True):
         evals = [runs[i].heldout() for i in group]
-        # the eval row before training has no outer bytes: 0
+        # the eval row before training has no outer bytes: 0; nor has an arrival row (async: no ring)
         by_count = band([[(row.update, row.update, row.eval_loss) for row in run] for run in evals])
         by_sent = band(
-            [[(row.update, row.comm_outer_total or 0, row.eval_loss) for row in run] for run in evals]
+            [
+                [(row.update, getattr(row, "comm_outer_total", None) or 0, row.eval_loss) for row in run]
+                for run in evals
+            ]
         )
         line = style | dict(markersize=3)
         by_update.plot(by_count[0], by_count[1], label=label, **line)

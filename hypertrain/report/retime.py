@@ -156,8 +156,8 @@ def cells(results: list[tuple[Path, dict]], target: float | None) -> tuple[list[
                 c["cluster"],
                 f"{c['params']:,}",
                 f"{c['total_s']:.4g}",
-                f"{c['compute_utilization']:.3f}",
-                f"{c['outer_exposed_s']:.4g}",
+                "-" if c["compute_utilization"] is None else f"{c['compute_utilization']:.3f}",
+                "-" if c["outer_exposed_s"] is None else f"{c['outer_exposed_s']:.4g}",
                 best,
                 to_best,
                 "-" if reached is None else f"{reached:.4g}",
@@ -234,11 +234,13 @@ def check_clock_decided(path: Path, run: Run, cluster: ClusterConfig, own: Clust
     if cluster != own:
         changed = " with other values" if cluster.name == own.name else ""
         other.append(f"cluster {cluster.name}{changed} (its own: {own.name})")
-    if params is not None and params != run_params(run.rows):
-        other.append(f"--model-params {params:,} (its own {run_params(run.rows):,})")
+    size = own.model_params or run_params(run.rows)  # cluster.model_params: the size its clock timed
+    if params is not None and params != size:
+        other.append(f"--model-params {params:,} (its own {size:,})")
     if other:
+        why = "the order its replicas arrived in" if "async" in decided else "which replicas were late"
         raise UserError(
-            f"{path} was trained with {decided}: its own clock chose which replicas were late, so its "
+            f"{path} was trained with {decided}: its own clock chose {why}, so its "
             f"weights are that cluster's; timed on {' and '.join(other)} it would be a run that never "
             "happened; valid: its own cluster and size (no cluster overrides or --model-params), or a "
             "run trained on that cluster"

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hypertrain.config import UserError, flatten
 from hypertrain.records import formats
 from hypertrain.records.files import json_row, merged_summary
-from hypertrain.records.rows import EndRow, EvalRow, Row, StartRow, SyncRow, parse
+from hypertrain.records.rows import ArrivalRow, EndRow, EvalRow, Row, StartRow, SyncRow, parse
 from hypertrain.rundir.directory import REPORT_FOLDER
 from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
@@ -68,14 +68,17 @@ class Run:
         """The last session's summary rows merged (a resumed run: what it ran last; {} without any)."""
         return merged_summary((self.sessions() or [[]])[-1])
 
-    def heldout(self) -> list[EvalRow | SyncRow]:
+    def heldout(self) -> list[EvalRow | SyncRow | ArrivalRow]:
         """The held-out curve of the global weights, in order: every `eval` row (the one before
         training; with fragments, one after every round of H updates and at the end) and every `sync`
-        row that holds an `eval_loss` (DiLoCo's one sync per round; a fragment's sync holds none)."""
+        or `arrival` row that holds an `eval_loss` (DiLoCo's one sync per round; a fragment's sync holds
+        none; outer.schedule=async: every outer.async_eval_every arrivals, `update` counting server
+        updates)."""
         return [
             row
             for row in self.rows
-            if isinstance(row, EvalRow) or (isinstance(row, SyncRow) and row.eval_loss is not None)
+            if isinstance(row, EvalRow)
+            or (isinstance(row, SyncRow | ArrivalRow) and row.eval_loss is not None)
         ]
 
     def outer_total_bytes(self) -> int:

@@ -27,6 +27,7 @@ from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
 from hypertrain.preflight.prepare import initial_weights
 from hypertrain.records.rows import EvalRow, SummaryRow, SyncRow, UpdateRow
+from hypertrain.run.asynchronous import train_async
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.progress import Progress
 from hypertrain.run.runtime import keep_freed_memory
@@ -222,12 +223,17 @@ def after_syncs(
 
 
 def stop_here(
-    run: PreparedRun, state: RunState, signum: int, checkpointer: Checkpointer | None, groups: Collectives
+    run: PreparedRun,
+    state: RunState,
+    signum: int,
+    checkpointer: Checkpointer | None,
+    groups: Collectives,
+    finished: bool | None = None,
 ) -> None:
     """Every process stops after the same update: a checkpoint of this point (unless one was just
     written), then `Preempted`, which closes the records with a `preempted` end row. A stop after the
-    last update is no stop: the run has finished."""
-    if state.next_update >= run.updates:
+    last update (`finished`; by default the phase's last) is no stop: the run has finished."""
+    if state.next_update >= run.updates if finished is None else finished:
         return
     name, where = signal.Signals(signum).name, f"after update {state.next_update}"
     if checkpointer is None or not (checkpointer.every or checkpointer.every_updates):
@@ -294,7 +300,18 @@ def train(
     throughput = Throughput(groups.size, warmup, start)
     stop = StopCheck(groups)
     every_updates = checkpointer.every_updates if checkpointer is not None else 0
-    for rnd in rounds(run, state, groups=groups, stop=stop, every_updates=every_updates):
+    asynchronous = {}
+    if cfg.outer.is_async:  # docs/async.md: server updates in place of rounds
+
+        def on_stop(signum: int, last: bool) -> None:
+            stop_here(run, state, signum, checkpointer, groups, finished=last)
+
+        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss, on_stop)
+    for rnd in (
+        []
+        if cfg.outer.is_async
+        else rounds(run, state, groups=groups, stop=stop, every_updates=every_updates)
+    ):
         throughput.add(
             rnd.updates,
             rnd.ranks,
@@ -350,6 +367,7 @@ def train(
         | throughput.summary()
         | (clock.summary() if clock is not None else {})
         | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled else {})
+        | asynchronous
     )
     log.write(SummaryRow(values=summary))
     return summary, state

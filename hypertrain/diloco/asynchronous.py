@@ -1,0 +1,108 @@
+"""The asynchronous run loop (outer.schedule=async, docs/async.md): `server_updates(run, state)` walks the
+arrival schedule (`diloco.arrivals`), applies each server update (`diloco.server`) and runs the next job
+of every replica that pulled, on the engine, from the weights it pulled; it yields an `Applied` per update,
+`state` advanced past it (its `asynchronous` part: `server.AsyncState`, what a checkpoint saves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from hypertrain import plan
+from hypertrain.data.batches import targets_of, update_batch
+from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
+from hypertrain.diloco.outer import pseudo_gradients
+from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.engines import engine_for
+from hypertrain.engines.contract import Assignment, Engine
+from hypertrain.failures import fault_points
+
+
+@dataclass
+class Applied:
+    """One server update (`arrivals.ServerUpdate`) as applied: each job's losses, in its order."""
+
+    update: ServerUpdate
+    losses: list[list[float | None]]
+    last: bool  # the phase's last server update
+
+
+def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
+    """The run's server updates (`arrivals.schedule`): a replica's step k trains the plan's ids of
+    update k for it, and its tokens are their targets."""
+    cfg = run.cfg
+
+    def targets(k: int, m: int) -> int:
+        return targets_of(run.dataset, plan.replica_ids(run.phase, k, m, cfg.replicas, run.samples))
+
+    return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets)
+
+
+def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine) -> None:
+    """Run `jobs` (replicas that pulled the global weights `state.theta` now) on the engine, the jobs of
+    the same first step and length in one call (the stacked engine stacks them: its replicas share the
+    lr schedule's steps), and keep each one's pseudo-gradient."""
+    cfg = run.cfg
+    for span in sorted({(job.first, job.steps) for job in jobs}):
+        todo = [job for job in jobs if (job.first, job.steps) == span]
+        assigns = [
+            Assignment(
+                job.replica,
+                job.first,
+                [
+                    update_batch(
+                        run.phase,
+                        run.samples,
+                        run.dataset,
+                        cfg.data,
+                        cfg.inner.micro_batch,
+                        cfg.replicas,
+                        k,
+                        job.replica,
+                    )
+                    for k in range(job.first, job.first + job.steps)
+                ],
+            )
+            for job in todo
+        ]
+        states = [state.inner[job.replica] for job in todo]
+        results = engine(cfg, state.theta, assigns, states)
+        for job, res in zip(todo, results, strict=True):
+            state.inner[job.replica] = res.state
+            state.asynchronous.flying[job.replica] = {
+                "delta": pseudo_gradients(state.theta, res.params)[0],
+                "losses": list(res.losses),
+            }
+
+
+def server_updates(run: PreparedRun, state: RunState, engine: Engine | None = None) -> Iterator[Applied]:
+    """The phase's server updates from `state.asynchronous.applied` on (the first jobs first, on a fresh
+    state); `state.theta` is stepped in place and `state` advanced before each is yielded."""
+    cfg = run.cfg
+    engine = engine or engine_for(cfg.engine.name)
+    updates = arrival_schedule(run)
+    starts: dict[int, list[Job]] = {}  # the jobs started after each server update (0: at the start)
+    for update in updates:
+        for job in update.jobs:
+            starts.setdefault(job.pulled, []).append(job)
+    now = state.asynchronous
+    if now.applied == 0 and not now.flying:
+        run_jobs(run, state, starts.get(0, []), engine)
+    for update in updates[now.applied :]:
+        fault_points.act(0, "round", range(update.index - 1, update.index))  # tests: a kill here
+        arrived = [now.flying.pop(job.replica) for job in update.jobs]
+        deltas = torch.stack([job["delta"] for job in arrived])
+        now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
+        # every server update is a boundary: no replica's weights beside the global ones to save
+        now.applied = state.next_update = state.rounds_done = state.round_first = update.index
+        state.totals.tokens += sum(job.tokens for job in update.jobs)
+        state.totals.replica_steps += sum(job.steps for job in update.jobs)
+        run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine)
+        stale = update.staleness
+        state.totals.async_jobs += len(stale)
+        state.totals.async_staleness_sum += sum(stale)
+        state.totals.async_staleness_max = max(state.totals.async_staleness_max, *stale)
+        yield Applied(update, [job["losses"] for job in arrived], update.index == len(updates))

@@ -1,0 +1,81 @@
+"""`train_async(run, state, log, checkpointer)`: an asynchronous run's server updates
+(`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
+server's weights whenever the jobs applied reach a multiple of outer.async_eval_every (and after the
+last), under the divergence guard's held-out verdict (`guard.heldout_verdict`), the checkpoints asked for.
+Returns the last held-out loss and the run's `async/` summary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict
+from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.failures import Diverged, NonFiniteError, signals
+from hypertrain.records.rows import ArrivalRow
+from hypertrain.run.evaluation import heldout_eval
+
+
+def last_loss(losses: list[float | None]) -> float | None:
+    """A job's training loss at its last step that trained (None: no step did)."""
+    return next((x for x in reversed(losses) if x is not None), None)
+
+
+def train_async(
+    run: PreparedRun,
+    state: RunState,
+    log,
+    checkpointer,
+    eval_loss: float,
+    on_stop: Callable[[int, bool], None],
+) -> tuple[float, dict]:
+    """The server updates from `state` on; after each, a stop signal calls `on_stop(signum, last)` (a
+    checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far."""
+    cfg = run.cfg
+    every = cfg.outer.async_eval_every or cfg.replicas
+    clock_s, start, steps = 0.0, time.perf_counter(), 0
+    for applied in server_updates(run, state):
+        update = applied.update
+        stale = update.staleness
+        row = ArrivalRow(
+            update=update.index,
+            replicas=[job.replica for job in update.jobs],
+            steps=[job.steps for job in update.jobs],
+            first=[job.first for job in update.jobs],
+            tokens=[job.tokens for job in update.jobs],
+            staleness=stale,
+            loss=[last_loss(losses) for losses in applied.losses],
+            staleness_mean=sum(stale) / len(stale),
+            clock_s=update.clock_s,
+        )
+        clock_s = update.clock_s
+        steps += sum(job.steps for job in update.jobs)
+        jobs = state.totals.async_jobs  # applied so far, this update's included
+        if jobs // every > (jobs - len(stale)) // every or applied.last:
+            eval_loss = heldout_eval(run, state.theta)[0]
+            row.eval_loss = eval_loss
+        verdict, why = heldout_verdict(run, row.eval_loss, f"server update {update.index}")
+        if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
+            log.write(row)
+        if verdict:
+            raise (NonFiniteError if verdict == HELDOUT_NON_FINITE else Diverged)(why)
+        if checkpointer is not None:
+            checkpointer.after_sync(state, last=applied.last)
+        signum = signals.requested()
+        if signum:
+            on_stop(signum, applied.last)
+    totals, seconds = state.totals, time.perf_counter() - start
+    summary = {
+        # this session's inner steps (jobs are computed when pulled, so counted at their arrival) over its
+        # seconds: the rounds' window figures have no updates to time here
+        "train/replica_steps_per_s": steps / seconds if seconds else 0.0,
+        "train/timed_s": seconds,
+        "async/server_updates": state.next_update,
+        "async/arrivals": totals.async_jobs,
+        "async/staleness_mean": totals.async_staleness_sum / totals.async_jobs if totals.async_jobs else 0.0,
+        "async/staleness_max": totals.async_staleness_max,
+        "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
+    }
+    return eval_loss, summary
