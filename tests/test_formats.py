@@ -25,7 +25,7 @@ from hypertrain.rundir import checkpoint
 
 ABOUT = json.loads((FIXTURE / "reference.json").read_text())
 NEWER = SCHEMA_VERSION + 1
-# issue 39's outer fields as every run before them had them (schema 5's step, written out here)
+# issue 39's outer fields as every run before them had them (schema 6's step, written out here)
 ASYNC_NEUTRAL = {
     "schedule": "rounds",
     "async_rule": "delayed_nesterov",
