@@ -22,6 +22,8 @@ from hypertrain.diloco.state import RunState
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records
 from hypertrain.records.rows import ArrivalRow
+from hypertrain.report.runs import load_run
+from hypertrain.report.table import async_steps_done, figures
 
 U = 2.0**-24  # fp32's unit roundoff
 
@@ -332,6 +334,15 @@ def test_a_run_records_an_arrival_per_server_update_and_the_async_summary(tmp_pa
     stale = [s for r in rows for s in r["staleness"]]
     assert summary["async/arrivals"] == 12 and summary["async/staleness_max"] == max(stale)
     assert summary["async/staleness_mean"] == sum(stale) / 12
+    # the report's updates done: the slowest replica's inner steps whose jobs arrived (12/12 at the end),
+    # checked against each prefix of the rows as the sum of each replica's jobs' steps
+    run = load_run(run_dir)
+    assert figures(run)["updates"] == "12/12"
+    typed = run.of_kind("arrival")
+    for k in range(len(rows) + 1):
+        jobs = [(m, s) for r in rows[:k] for m, s in zip(r["replicas"], r["steps"], strict=True)]
+        sums = [sum(s for m, s in jobs if m == i) for i in (0, 1)]
+        assert async_steps_done(typed[:k], 2) == min(sums)
 
 
 def test_arrivals_applied_together_are_one_mean_uniform_or_weighted_by_tokens():

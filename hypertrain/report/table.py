@@ -112,12 +112,24 @@ def session_seconds(session: list[Row]) -> float:
     return float(wall or 0.0)
 
 
+def async_steps_done(arrivals: list, replicas: int) -> int:
+    """outer.schedule=async (docs/async.md): the updates a run has done are the inner steps of its
+    slowest replica, counted from the jobs its arrival rows applied (a job ends at its replica's step
+    `first + steps`); a replica none of whose jobs arrived yet has done 0."""
+    reached = dict.fromkeys(range(replicas), 0)
+    for row in arrivals:
+        for replica, first, steps in zip(row.replicas, row.first, row.steps, strict=True):
+            reached[replica] = max(reached.get(replica, 0), first + steps)
+    return min(reached.values())
+
+
 def figures(run: Run) -> dict:
     """One run's figures from its metrics.jsonl (see docs/report.md for each one's definition)."""
     evals = [row.eval_loss for row in run.heldout()]
     syncs, updates = run.of_kind("sync"), run.of_kind("update")
     summary = run.summary()  # the last session's (a resumed run: what it ran last)
-    done = len({row.update for row in updates})
+    arrivals = run.of_kind("arrival")
+    done = async_steps_done(arrivals, run.replicas) if arrivals else len({row.update for row in updates})
     planned = run.plan.get("plan/updates_run")
     return {
         "heldout_final": evals[-1] if evals else None,
