@@ -380,8 +380,15 @@ CASES = {
         "asynchronous replicas with a whole-round overlap (not built)",
         ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs, churn and "
-        "processes=dist likewise)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs and churn likewise)",
+    ),
+    "async-benchmark-layout": Case(
+        "asynchronous replicas on real processes several of which share a replica (not built)",
+        ["outer.schedule=async", "cluster=h100", "processes=dist", "world.size=4", "replicas=2"],
+        "outer.schedule=async with processes=dist's benchmark layout of 2 processes per replica is not "
+        "built (docs/async.md: a process trains whole replicas)",
+        "processes.layout=replicas with processes dividing replicas (e.g. processes.nproc=2), or "
+        "world.size=replicas (one process per replica)",
     ),
     "async-speeds-length": Case(
         "a speed list whose length is not R",

@@ -82,6 +82,8 @@ class Collectives(Protocol):
 
     def max_over_processes(self, value: int) -> int: ...
 
+    def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]: ...
+
     def check_replicas_identical(self, params: Params) -> None: ...
 
     def before_round(self, updates: range) -> None: ...
@@ -165,6 +167,13 @@ class ReplicaGroups:
         """The largest of every process's `value` (every process asks at the same point): whether,
         and by which signal, some process was asked to stop."""
         return value
+
+    def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]:
+        """outer.schedule=async: an arriving job of `replica` (its flat fp32 pseudo-gradient and its
+        losses, float64, NaN where a step trained nothing) from the process that trained it to every
+        process, bit for bit; the others pass tensors of the same shapes, overwritten (one process: the
+        job's own)."""
+        return delta, losses
 
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
