@@ -86,19 +86,21 @@ def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine)
             }
 
 
-def arrived(job: Job, flying: dict[int, dict], groups: Collectives, theta: torch.Tensor) -> dict:
+def arrived(job: Job, flying: dict[int, dict], groups: Collectives, theta: dict[str, torch.Tensor]) -> dict:
     """The arriving `job`'s pseudo-gradient and losses, taken from `flying` by the process that trained
     it and shared with every process (`Collectives.share_arrival`; one process: as it is)."""
     mine = flying.pop(job.replica, None)
     if groups.size == 1:
         return mine
+    device = next(iter(theta.values())).device
     if mine is None:
-        delta = torch.empty_like(theta)
-        losses = torch.empty(job.steps, dtype=torch.float64, device=theta.device)
+        numel = sum(t.numel() for t in theta.values())
+        delta = torch.empty(numel, dtype=torch.float32, device=device)
+        losses = torch.empty(job.steps, dtype=torch.float64, device=device)
     else:
-        delta = mine["delta"]
+        delta = mine["delta"].to(device)
         losses = torch.tensor([math.nan if x is None else x for x in mine["losses"]], dtype=torch.float64)
-        losses = losses.to(theta.device)
+        losses = losses.to(device)
     delta, losses = groups.share_arrival(job.replica, delta, losses)
     return {"delta": delta, "losses": [None if math.isnan(x) else x for x in losses.tolist()]}
 
@@ -124,7 +126,7 @@ def server_updates(
         run_jobs(run, state, starts.get(0, []), engine)
     for update in updates[now.applied :]:
         fault_points.act(groups.rank, "round", range(update.index - 1, update.index))  # tests: a kill here
-        shared = [arrived(job, now.flying, groups, state.asynchronous.server.buffer) for job in update.jobs]
+        shared = [arrived(job, now.flying, groups, state.theta) for job in update.jobs]
         deltas = torch.stack([job["delta"] for job in shared])
         now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
         # every server update is a boundary: no replica's weights beside the global ones to save
