@@ -1,12 +1,14 @@
 """Asynchronous replicas on real processes (outer.schedule=async with processes=dist, docs/async.md "Real
 processes"): every process walks the same arrival schedule and holds the server's state, runs its own
 replicas' jobs, and receives each arrival by a broadcast from its replica's process, so the run equals the
-one-process simulation bit for bit: every arrival row and weights.pt, for both server rules and both
-layouts it is built for (whole replicas per process: the replicas layout with two replicas a process, the
-benchmark layout with one process per replica); a run stopped by SIGTERM on rank 1 resumes to it.
+one-process simulation bit for bit: every arrival row and weights.pt, for both server rules where a
+process trains whole replicas (the replicas layout with two replicas a process, the benchmark layout with
+one process per replica); a run stopped by SIGTERM on rank 1 resumes to it. Under the benchmark layout of
+two processes a replica (each trains half of every step, their gradients averaged, as in rounds) the run
+equals the simulation within rounding, and a run stopped on rank 3 resumes to it bitwise.
 
-Every test here starts several processes (torchrun's agent and 2 workers, and the simulation beside them)
-on the machine's 2 cores, one torch thread each: each is slow (over 5 s).
+Every test here starts several processes (torchrun's agent and 2 or 4 workers, and the simulation beside
+them) on the machine's 2 cores, one torch thread each: each is slow (over 5 s).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import QUICK, assert_same_weights, entry, resumed
+from references import ROUNDING_FACTOR, U32
 from test_async import arrivals
 
 SLOW = ["logger=none", "outer.schedule=async", "cluster=h100", "phase.updates=12", "inner.H=2"]
@@ -76,3 +79,34 @@ def test_a_dist_run_stopped_by_sigterm_on_rank_1_resumes_to_the_simulation(tmp_p
     assert saved["applied"] == 7 and len(saved["flying"]) == 4  # every replica's job, from both processes
     resumed(dist_args, run_dir, tmp_path)
     assert_equal_runs(run_dir, sim, 12)
+
+
+@pytest.mark.slow
+def test_two_processes_a_replica_equal_the_simulation_within_rounding_and_resume_bitwise(tmp_path):
+    """The benchmark layout with W = 4, R = 2 (L = 2 processes a replica, torchrun's 4 workers): the
+    arrival schedule (replicas, steps, first steps, tokens, staleness, clock) exactly, the losses and
+    weights within rounding: each step's gradient is the mean of the 2 ranks' halves, not the whole
+    batch's. Bound: both paths' rounding (x 2), each at most one U32 per weight relative to its norm
+    per inner step (12 a replica, 2 replicas) and per server update (12), x ROUNDING_FACTOR. Then the
+    same run on the local launcher's 4 processes, stopped by SIGTERM on rank 3 (the slow replica's
+    second rank) before server update 7, resumes to the torchrun run bitwise."""
+    args = [*QUICK, *SLOW, "world.size=4", "replicas=2", "cluster.replica_speeds=[1,0.5]"]
+    sim, real = both(args, tmp_path, torchrun=4)
+    got, want = arrivals(real), arrivals(sim)
+    schedule = ("update", "replicas", "steps", "first", "tokens", "staleness", "staleness_mean", "clock_s")
+    assert [[r[k] for k in schedule] for r in got] == [[r[k] for k in schedule] for r in want]
+    relative = 2 * ROUNDING_FACTOR * (2 * 12 + 12) * U32
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=relative * 10)
+        assert ("eval_loss" in a) == ("eval_loss" in b)
+        if "eval_loss" in b:
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=relative * 10)
+    weights, reference = torch.load(real / "weights.pt"), torch.load(sim / "weights.pt")
+    for n, t in reference.items():
+        assert float((weights[n].double() - t.double()).norm()) <= relative * float(t.norm()), n
+    dist_args = [*args, "processes=dist"]
+    run_dir = tmp_path / "run"
+    stopped = entry([*dist_args, f"hydra.run.dir={run_dir}"], tmp_path, "3:7:term")
+    assert stopped.returncode == 143, stopped.stderr
+    resumed(dist_args, run_dir, tmp_path)
+    assert_equal_runs(run_dir, real, 12)

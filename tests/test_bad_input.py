@@ -382,14 +382,6 @@ CASES = {
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
         "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs and churn likewise)",
     ),
-    "async-benchmark-layout": Case(
-        "asynchronous replicas on real processes several of which share a replica (not built)",
-        ["outer.schedule=async", "cluster=h100", "processes=dist", "world.size=4", "replicas=2"],
-        "outer.schedule=async with processes=dist's benchmark layout of 2 processes per replica is not "
-        "built (docs/async.md: a process trains whole replicas)",
-        "processes.layout=replicas with processes dividing replicas (e.g. processes.nproc=2), or "
-        "world.size=replicas (one process per replica)",
-    ),
     "async-speeds-length": Case(
         "a speed list whose length is not R",
         ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,1,0.5]"],

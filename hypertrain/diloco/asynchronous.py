@@ -48,11 +48,18 @@ def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
     return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets)
 
 
-def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine) -> None:
+def run_jobs(
+    run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine, groups: Collectives | None = None
+) -> None:
     """Run `jobs` (replicas that pulled the global weights `state.theta` now) on the engine, the jobs of
     the same first step and length in one call (the stacked engine stacks them: its replicas share the
-    lr schedule's steps), and keep each one's pseudo-gradient."""
+    lr schedule's steps), and keep each one's pseudo-gradient. Under the benchmark layout of L > 1
+    processes per replica (`groups`) this process trains its share of each step, its replica's ranks
+    averaging their gradients (as in rounds): every rank of a replica holds the same job."""
     cfg = run.cfg
+    share = groups.rank_share() if groups is not None else None
+    share = share if share is not None and share[2] > 1 else None  # L = 1: the replica's whole batch
+    average = groups.average_in_replica if share is not None else None
     for span in sorted({(job.first, job.steps) for job in jobs}):
         todo = [job for job in jobs if (job.first, job.steps) == span]
         assigns = [
@@ -69,6 +76,7 @@ def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine)
                         cfg.replicas,
                         k,
                         job.replica,
+                        share,
                     )
                     for k in range(job.first, job.first + job.steps)
                 ],
@@ -77,7 +85,7 @@ def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine)
         ]
         local = {m: i for i, m in enumerate(state.replicas)}  # a replica's index in `state.inner`
         states = [state.inner[local[job.replica]] for job in todo]
-        results = engine(cfg, state.theta, assigns, states)
+        results = engine(cfg, state.theta, assigns, states, average)
         for job, res in zip(todo, results, strict=True):
             state.inner[local[job.replica]] = res.state
             state.asynchronous.flying[job.replica] = {
@@ -123,7 +131,7 @@ def server_updates(
                 starts.setdefault(job.pulled, []).append(job)
     now = state.asynchronous
     if now.applied == 0 and not now.flying:
-        run_jobs(run, state, starts.get(0, []), engine)
+        run_jobs(run, state, starts.get(0, []), engine, groups)
     for update in updates[now.applied :]:
         fault_points.act(groups.rank, "round", range(update.index - 1, update.index))  # tests: a kill here
         shared = [arrived(job, now.flying, groups, state.theta) for job in update.jobs]
@@ -133,7 +141,7 @@ def server_updates(
         now.applied = state.next_update = state.rounds_done = state.round_first = update.index
         state.totals.tokens += sum(job.tokens for job in update.jobs)
         state.totals.replica_steps += sum(job.steps for job in update.jobs)
-        run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine)
+        run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine, groups)
         stale = update.staleness
         state.totals.async_jobs += len(stale)
         state.totals.async_staleness_sum += sum(stale)

@@ -123,7 +123,7 @@ def check_overlap(cfg: TrainConfig) -> None:
         )
 
 
-def check_async(cfg: TrainConfig, decided: Decided | None = None) -> None:
+def check_async(cfg: TrainConfig) -> None:
     """outer.schedule=async (docs/async.md): the clock decides its weights, so its compute is modelled;
     what it is not built with is refused; its buffer and activation fit R; the server's fields are
     refused under rounds, which would ignore them. The speeds fit R (under rounds they time the clock)."""
@@ -179,14 +179,6 @@ def check_async(cfg: TrainConfig, decided: Decided | None = None) -> None:
                 f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
                 f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
             )
-    layout = decided.layout if decided is not None else None
-    if layout is not None and layout.ranks_per_replica > 1:
-        L = layout.ranks_per_replica
-        raise UserError(
-            f"outer.schedule=async with processes=dist's benchmark layout of {L} processes per replica is "
-            f"not built (docs/async.md: a process trains whole replicas); valid: processes.layout=replicas "
-            f"with processes dividing replicas={R}, or world.size=replicas={R}"
-        )
     N = outer.dn_buffer or R
     if not 0.0 <= outer.dn_activation <= 1.0 / N:
         raise UserError(
@@ -215,7 +207,7 @@ def validate(cfg: TrainConfig) -> Decided:
     check_fragments(cfg)
     check_deadline(cfg)
     check_overlap(cfg)
-    check_async(cfg, decided)
+    check_async(cfg)
     return decided
 
 
