@@ -380,8 +380,7 @@ CASES = {
         "asynchronous replicas with a whole-round overlap (not built)",
         ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs, churn and "
-        "processes=dist likewise)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, codecs and churn likewise)",
     ),
     "async-speeds-length": Case(
         "a speed list whose length is not R",

@@ -2,10 +2,16 @@
 arrival schedule (`diloco.arrivals`), applies each server update (`diloco.server`) and runs the next job
 of every replica that pulled, on the engine, from the weights it pulled; it yields an `Applied` per update,
 `state` advanced past it (its `asynchronous` part: `server.AsyncState`, what a checkpoint saves).
+
+On real processes (`processes=dist`, docs/async.md "Real processes") every process walks the same schedule
+and holds the server's state; it runs the jobs of its own replicas only, and each arrival reaches every
+process from its replica's (`Collectives.share_arrival`, a broadcast), so every process applies the same
+server update to the same bits as the simulation.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +22,7 @@ from hypertrain.data.batches import targets_of, update_batch
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
 from hypertrain.diloco.outer import pseudo_gradients
 from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Assignment, Engine
 from hypertrain.failures import fault_points
@@ -41,11 +48,18 @@ def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
     return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets)
 
 
-def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine) -> None:
+def run_jobs(
+    run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine, groups: Collectives | None = None
+) -> None:
     """Run `jobs` (replicas that pulled the global weights `state.theta` now) on the engine, the jobs of
     the same first step and length in one call (the stacked engine stacks them: its replicas share the
-    lr schedule's steps), and keep each one's pseudo-gradient."""
+    lr schedule's steps), and keep each one's pseudo-gradient. Under the benchmark layout of L > 1
+    processes per replica (`groups`) this process trains its share of each step, its replica's ranks
+    averaging their gradients (as in rounds): every rank of a replica holds the same job."""
     cfg = run.cfg
+    share = groups.rank_share() if groups is not None else None
+    share = share if share is not None and share[2] > 1 else None  # L = 1: the replica's whole batch
+    average = groups.average_in_replica if share is not None else None
     for span in sorted({(job.first, job.steps) for job in jobs}):
         todo = [job for job in jobs if (job.first, job.steps) == span]
         assigns = [
@@ -62,47 +76,74 @@ def run_jobs(run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine)
                         cfg.replicas,
                         k,
                         job.replica,
+                        share,
                     )
                     for k in range(job.first, job.first + job.steps)
                 ],
             )
             for job in todo
         ]
-        states = [state.inner[job.replica] for job in todo]
-        results = engine(cfg, state.theta, assigns, states)
+        local = {m: i for i, m in enumerate(state.replicas)}  # a replica's index in `state.inner`
+        states = [state.inner[local[job.replica]] for job in todo]
+        results = engine(cfg, state.theta, assigns, states, average)
         for job, res in zip(todo, results, strict=True):
-            state.inner[job.replica] = res.state
+            state.inner[local[job.replica]] = res.state
             state.asynchronous.flying[job.replica] = {
                 "delta": pseudo_gradients(state.theta, res.params)[0],
                 "losses": list(res.losses),
             }
 
 
-def server_updates(run: PreparedRun, state: RunState, engine: Engine | None = None) -> Iterator[Applied]:
+def arrived(job: Job, flying: dict[int, dict], groups: Collectives, theta: dict[str, torch.Tensor]) -> dict:
+    """The arriving `job`'s pseudo-gradient and losses, taken from `flying` by the process that trained
+    it and shared with every process (`Collectives.share_arrival`; one process: as it is)."""
+    mine = flying.pop(job.replica, None)
+    if groups.size == 1:
+        return mine
+    device = next(iter(theta.values())).device
+    if mine is None:
+        numel = sum(t.numel() for t in theta.values())
+        delta = torch.empty(numel, dtype=torch.float32, device=device)
+        losses = torch.empty(job.steps, dtype=torch.float64, device=device)
+    else:
+        delta = mine["delta"].to(device)
+        losses = torch.tensor([math.nan if x is None else x for x in mine["losses"]], dtype=torch.float64)
+        losses = losses.to(device)
+    delta, losses = groups.share_arrival(job.replica, delta, losses)
+    return {"delta": delta, "losses": [None if math.isnan(x) else x for x in losses.tolist()]}
+
+
+def server_updates(
+    run: PreparedRun, state: RunState, engine: Engine | None = None, groups: Collectives | None = None
+) -> Iterator[Applied]:
     """The phase's server updates from `state.asynchronous.applied` on (the first jobs first, on a fresh
-    state); `state.theta` is stepped in place and `state` advanced before each is yielded."""
+    state); `state.theta` is stepped in place and `state` advanced before each is yielded. With `groups`
+    (real processes) this process runs its replicas' jobs only."""
     cfg = run.cfg
     engine = engine or engine_for(cfg.engine.name)
+    groups = groups or ReplicaGroups(cfg.replicas)
+    ours = set(groups.replicas)
     updates = arrival_schedule(run)
     starts: dict[int, list[Job]] = {}  # the jobs started after each server update (0: at the start)
     for update in updates:
         for job in update.jobs:
-            starts.setdefault(job.pulled, []).append(job)
+            if job.replica in ours:
+                starts.setdefault(job.pulled, []).append(job)
     now = state.asynchronous
     if now.applied == 0 and not now.flying:
-        run_jobs(run, state, starts.get(0, []), engine)
+        run_jobs(run, state, starts.get(0, []), engine, groups)
     for update in updates[now.applied :]:
-        fault_points.act(0, "round", range(update.index - 1, update.index))  # tests: a kill here
-        arrived = [now.flying.pop(job.replica) for job in update.jobs]
-        deltas = torch.stack([job["delta"] for job in arrived])
+        fault_points.act(groups.rank, "round", range(update.index - 1, update.index))  # tests: a kill here
+        shared = [arrived(job, now.flying, groups, state.theta) for job in update.jobs]
+        deltas = torch.stack([job["delta"] for job in shared])
         now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
         # every server update is a boundary: no replica's weights beside the global ones to save
         now.applied = state.next_update = state.rounds_done = state.round_first = update.index
         state.totals.tokens += sum(job.tokens for job in update.jobs)
         state.totals.replica_steps += sum(job.steps for job in update.jobs)
-        run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine)
+        run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine, groups)
         stale = update.staleness
         state.totals.async_jobs += len(stale)
         state.totals.async_staleness_sum += sum(stale)
         state.totals.async_staleness_max = max(state.totals.async_staleness_max, *stale)
-        yield Applied(update, [job["losses"] for job in arrived], update.index == len(updates))
+        yield Applied(update, [job["losses"] for job in shared], update.index == len(updates))

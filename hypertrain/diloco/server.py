@@ -95,11 +95,15 @@ class AsyncState:
         self.server, self.applied = server, 0
         self.flying: dict[int, dict] = {}
 
-    def state_dict(self) -> dict:
-        flying = [{"replica": m, **job} for m, job in sorted(self.flying.items())]
+    def state_dict(self, flying: dict[int, dict] | None = None) -> dict:
+        """With `flying` (every replica's job in flight, gathered from the processes that ran them) it
+        holds the run's jobs, else this process's."""
+        flying = self.flying if flying is None else flying
+        flying = [{"replica": m, **job} for m, job in sorted(flying.items())]
         return {"server": self.server.state_dict(), "applied": self.applied, "flying": flying}
 
-    def load_state_dict(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict, replicas: list[int] | None = None) -> None:
+        """`saved` in place; with `replicas`, the jobs in flight of those only (this process's)."""
         self.server.load_state_dict(saved["server"])
         self.applied = int(saved["applied"])
         self.flying = {
@@ -108,4 +112,5 @@ class AsyncState:
                 "losses": list(job["losses"]),
             }
             for job in saved["flying"]
+            if replicas is None or int(job["replica"]) in replicas
         }

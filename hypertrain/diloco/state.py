@@ -243,6 +243,8 @@ class RunState:
                 "stepped": _flags_out(self.round_stepped[i]) if kept and self.round_stepped else None,
                 "pending_stepped": self.pending.stepped[i] if self.pending is not None else None,
                 "errors": self.errors[i] if self.errors is not None else None,
+                # outer.schedule=async: the replica's job in flight (this process ran it)
+                "flying": self.asynchronous.flying.get(self.replicas[i]) if self.asynchronous else None,
             }
             for i, s in enumerate(self.inner)
         ]
@@ -273,7 +275,11 @@ class RunState:
             "in_flight": _in_flight_out(self.in_flight, records) if self.overlapped else None,
             "outer_replicas": [r["outer"] for r in records] if self.outer_replicas is not None else None,
             "lowrank_q": self.lowrank_q,
-            "async": None if self.asynchronous is None else self.asynchronous.state_dict(),
+            "async": None
+            if self.asynchronous is None
+            else self.asynchronous.state_dict(
+                {m: r["flying"] for m, r in zip(replicas, records, strict=True) if r["flying"] is not None}
+            ),
         }
 
     @torch.no_grad()
@@ -327,7 +333,7 @@ class RunState:
             for name, t in self.lowrank_q.items():
                 t.copy_(saved["lowrank_q"][name])
         if self.asynchronous is not None:
-            self.asynchronous.load_state_dict(saved["async"])
+            self.asynchronous.load_state_dict(saved["async"], self.replicas)
         for s in self.syncs:
             s.due = None
         for taken in saved["in_flight"] or []:

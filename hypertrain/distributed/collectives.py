@@ -34,6 +34,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _WHAT = {
     "inner": "the replica's gradient all-reduce",
     "outer": "the sync's all-reduce across replicas",
+    "arrival": "the arrival's broadcast from its replica's process",
 }
 
 
@@ -113,12 +114,14 @@ class DistReplicaGroups(ReplicaGroups):
                 if j == self.local_rank:
                     self.cross_group = group
         self._stats = dict.fromkeys(("inner_bytes", "inner_s", "outer_bytes", "outer_s"), 0.0)
+        # outer.schedule=async: the process that sends each replica's arrivals (its replica group's first)
+        self.owners = {m: r for r in reversed(range(layout.processes)) for m in layout.replicas_of(r)}
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _timed(self, kind: str, payload: Tensor, op) -> None:
+    def _timed(self, kind: str, payload: Tensor, op, what: str | None = None) -> None:
         start = time.perf_counter()
-        with collective(_WHAT[kind]):
+        with collective(_WHAT[what or kind]):
             op()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -240,6 +243,17 @@ class DistReplicaGroups(ReplicaGroups):
         self._stats["outer_s"] += time.perf_counter() - start
         self._stats["outer_bytes"] += payload.numel() * payload.element_size()
         return work
+
+    def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]:
+        """Two broadcasts on the default group from the replica's process (its replica group's first
+        rank): the pseudo-gradient, counted as the outer bytes and seconds, then its losses; a broadcast
+        copies the bits, so every process applies the same numbers (docs/async.md, "Real processes")."""
+        owner = self.owners[replica]
+        delta, losses = delta.contiguous(), losses.contiguous()
+        self._timed("outer", delta, lambda: dist.broadcast(delta, src=owner), "arrival")
+        with collective(_WHAT["arrival"]):
+            dist.broadcast(losses, src=owner)
+        return delta, losses
 
     def max_over_replicas(self, value: Tensor) -> Tensor:
         out = value.clone()

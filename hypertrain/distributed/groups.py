@@ -9,7 +9,8 @@ it is (`rank_share`); averaging a replica's gradients and loss over its ranks ev
 returns an `InFlight` to wait for); every replica's per-update records on the writer
 once per round (`gather_round`); whether some process was asked to stop (`max_over_processes`), and
 every replica's state for a checkpoint (`gather_replicas`); and whether this process writes the
-run (`is_writer`).
+run (`is_writer`). An asynchronous run (`diloco.asynchronous`) asks besides for each arrival, from
+its replica's process to every process (`share_arrival`).
 `ReplicaGroups` is the one-process case, where every collective is the identity; the real
 processes of `processes=dist` (`distributed.collectives`) subclass it with torch.distributed collectives.
 """
@@ -81,6 +82,8 @@ class Collectives(Protocol):
     def gather_replicas(self, records: list) -> list | None: ...
 
     def max_over_processes(self, value: int) -> int: ...
+
+    def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def check_replicas_identical(self, params: Params) -> None: ...
 
@@ -165,6 +168,13 @@ class ReplicaGroups:
         """The largest of every process's `value` (every process asks at the same point): whether,
         and by which signal, some process was asked to stop."""
         return value
+
+    def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]:
+        """outer.schedule=async: an arriving job of `replica` (its flat fp32 pseudo-gradient and its
+        losses, float64, NaN where a step trained nothing) from the process that trained it to every
+        process, bit for bit; the others pass tensors of the same shapes, overwritten (one process: the
+        job's own)."""
+        return delta, losses
 
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""

@@ -171,7 +171,6 @@ def check_async(cfg: TrainConfig) -> None:
         (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
         (outer.compress != "none", f"outer.compress={outer.compress}"),
         (cfg.churn.enabled, "churn"),
-        (cfg.processes.name != "one", f"processes={cfg.processes.name}"),
         (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
     ]
     for refused, what in unbuilt:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict
 from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import Diverged, NonFiniteError, signals
 from hypertrain.records.rows import ArrivalRow
 from hypertrain.run.evaluation import heldout_eval
@@ -30,13 +31,16 @@ def train_async(
     checkpointer,
     eval_loss: float,
     on_stop: Callable[[int, bool], None],
+    groups: Collectives | None = None,
 ) -> tuple[float, dict]:
     """The server updates from `state` on; after each, a stop signal calls `on_stop(signum, last)` (a
-    checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far."""
+    checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far. On real processes (`groups`)
+    the writer evaluates and writes; every process agrees the guard's verdict and a stop."""
     cfg = run.cfg
+    groups = groups or ReplicaGroups(cfg.replicas)
     every = cfg.outer.async_eval_every or cfg.replicas
     clock_s, start, steps = 0.0, time.perf_counter(), 0
-    for applied in server_updates(run, state):
+    for applied in server_updates(run, state, groups=groups):
         update = applied.update
         stale = update.staleness
         row = ArrivalRow(
@@ -53,17 +57,24 @@ def train_async(
         clock_s = update.clock_s
         steps += sum(job.steps for job in update.jobs)
         jobs = state.totals.async_jobs  # applied so far, this update's included
-        if jobs // every > (jobs - len(stale)) // every or applied.last:
+        if (jobs // every > (jobs - len(stale)) // every or applied.last) and groups.is_writer:
             eval_loss = heldout_eval(run, state.theta)[0]
             row.eval_loss = eval_loss
-        verdict, why = heldout_verdict(run, row.eval_loss, f"server update {update.index}")
+        after = f"server update {update.index}"
+        verdict, why = heldout_verdict(run, row.eval_loss, after)
         if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
             log.write(row)
-        if verdict:
-            raise (NonFiniteError if verdict == HELDOUT_NON_FINITE else Diverged)(why)
+        agreed = groups.max_over_processes(verdict) if groups.size > 1 else verdict
+        if agreed:
+            if agreed != verdict:  # not the writer: its line and end row hold the figure
+                how = "is non-finite" if agreed == HELDOUT_NON_FINITE else "diverged"
+                why = f"the held-out loss of the global weights after {after} {how} on rank 0; the run stops"
+            raise (NonFiniteError if agreed == HELDOUT_NON_FINITE else Diverged)(why)
         if checkpointer is not None:
             checkpointer.after_sync(state, last=applied.last)
-        signum = signals.requested()
+        signum = signals.requested() or 0
+        if groups.size > 1:
+            signum = groups.max_over_processes(signum)
         if signum:
             on_stop(signum, applied.last)
     totals, seconds = state.totals, time.perf_counter() - start

@@ -306,7 +306,7 @@ def train(
         def on_stop(signum: int, last: bool) -> None:
             stop_here(run, state, signum, checkpointer, groups, finished=last)
 
-        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss, on_stop)
+        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss, on_stop, groups)
     for rnd in (
         []
         if cfg.outer.is_async
