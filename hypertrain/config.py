@@ -258,7 +258,7 @@ class OuterConfig:
     # async: the held-out loss after the server update at which the jobs applied reach each multiple of
     # this many (and after the last); 0 = replicas (R): with ties of all R, every update
     async_eval_every: int = 0
-    # async: contributions applied together averaged uniformly or weighted by the tokens each trained on
+    # pseudo-gradients averaged uniformly or weighted by the tokens each trained on (docs/async.md)
     mean_weights: MeanWeights = MeanWeights.uniform
 
     @property

@@ -412,6 +412,12 @@ CASES = {
         "outer.dylu=True with outer.schedule=rounds is not built",
         "outer.schedule=async, or leave it unset",
     ),
+    "tokens-weights-with-fragments": Case(
+        "token-weighted means of synchronous rounds with a scheme they are not built for",
+        ["outer.mean_weights=tokens", "outer.fragments=3"],
+        "outer.mean_weights=tokens with outer.fragments=3 under outer.schedule=rounds is not built",
+        "outer.mean_weights=uniform, or one fragment, no overlap, no codec",
+    ),
     "async-grace-negative": Case(
         "a negative grace window",
         ["outer.grace_s=-1"],

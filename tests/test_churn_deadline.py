@@ -131,13 +131,15 @@ def test_stacked_equals_the_loop_with_a_deadline():
 
 
 @pytest.mark.slow  # the quick loop's churn kill: tests/test_churn.py's fragment in flight mid-absence
-def test_killed_mid_round_with_a_deadline_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("weights", ["uniform", "tokens"])
+def test_killed_mid_round_with_a_deadline_resumes_bit_identically(tmp_path, weights):
     """SIGKILL after update 7 (round 2, whose replicas 0 and 3 stop after 3 steps), the newest checkpoint
     at 6, mid-round: resume=true equals an uninterrupted run exactly, every row's clock included (each
-    replica's seconds since the round's start are in the checkpoint)."""
+    replica's seconds since the round's start are in the checkpoint); with outer.mean_weights=tokens too
+    (the weights are recomputed from the plan at the take, nothing of them in the checkpoint)."""
     args = [*QUICK, "logger=none", "replicas=4", "inner.H=4", "phase.updates=12",
             "checkpoint.every_updates=2", "cluster=h100", "cluster.straggler.sigma=0.5",
-            "cluster.straggler.seed=3", "churn.deadline=6e-7"]  # fmt: skip
+            "cluster.straggler.seed=3", "churn.deadline=6e-7", f"outer.mean_weights={weights}"]  # fmt: skip
     run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:7:kill:after")
     assert ckpt(run_dir, 6).exists()
     resumed(args, run_dir, tmp_path)

@@ -161,6 +161,24 @@ CASES = {
         "replicas",
         2,
     ),
+    # the same with outer.mean_weights=tokens (docs/async.md, "Weighted mean"): each process weighs its
+    # replicas by the tokens all R trained on (the deadline's unequal steps), one all-reduce of the sums.
+    "tokens-churn-replicas-p2-r4": Case(
+        [
+            "world=4",
+            "replicas=4",
+            "processes.nproc=2",
+            "inner.H=2",
+            "phase.updates=8",
+            "churn.events=[2:1:leave,4:1:rejoin,3:2:miss]",
+            "cluster=h100",
+            "cluster.straggler.sigma=0.5",
+            "churn.deadline=3e-7",
+            "outer.mean_weights=tokens",
+        ],  # fmt: skip
+        "replicas",
+        2,
+    ),
     # churn, benchmark layout (W 4, R 2, L 2): replica 0's two ranks idle through round 2, replica 1
     # misses round 3.
     "churn-benchmark-w4-r2": Case(
@@ -195,6 +213,7 @@ SLOW_CASES = {
     "churn-replicas-p2-r4",  # churn on real processes: the fragments-delay-churn case below
     "w2-r1-weak-k2",  # the weak phase's ids: the plan's and the simulation's tests
     "churn-benchmark-w4-r2",
+    "tokens-churn-replicas-p2-r4",  # outer.mean_weights=tokens on real processes
     "w4-r2-adamw-documents-tail",
     "w4-r2-weak-k2",
     "stacked-p2-r4-muon-tail",

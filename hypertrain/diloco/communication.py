@@ -25,17 +25,20 @@ from hypertrain.failures import NonFiniteError
 
 class ExactMean:
     """The mean pseudo-gradient over every replica that stepped, flat, and their count; None when
-    none did. Every process gets the same numbers (one all-reduce of the sums and the count)."""
+    none did. Every process gets the same numbers (one all-reduce of the sums and the count).
+    `weighted` (outer.mean_weights=tokens): the sums are already weighted by weights that sum to 1 over
+    the replicas that stepped (`server.token_weights`), so their sum is the mean, not divided by the count."""
 
-    def __init__(self, total: InFlight):
-        self.total, self.result = total, None
+    def __init__(self, total: InFlight, weighted: bool = False):
+        self.total, self.result, self.weighted = total, None, weighted
         self.done = False
 
     def wait(self) -> Reduced | None:
         if not self.done:
             total = self.total.wait()
             synced = int(total[-1])
-            self.result = None if synced == 0 else Reduced(total[:-1] / total[-1], synced)
+            mean = total[:-1] if self.weighted else total[:-1] / total[-1]
+            self.result = None if synced == 0 else Reduced(mean, synced)
             self.done = True
         return self.result
 
@@ -43,9 +46,10 @@ class ExactMean:
         return self.done or self.total.is_completed()
 
 
-def exact_mean(local_sum: Tensor, groups: Collectives) -> Reduction:
-    """Start the sum over all processes of `local_sum` ([n_params + 1], the count last)."""
-    return ExactMean(groups.start_sum_over_replicas(local_sum))
+def exact_mean(local_sum: Tensor, groups: Collectives, weighted: bool = False) -> Reduction:
+    """Start the sum over all processes of `local_sum` ([n_params + 1], the count last); `weighted`: the
+    sums are weighted by weights summing to 1 (`ExactMean`)."""
+    return ExactMean(groups.start_sum_over_replicas(local_sum), weighted)
 
 
 def ring_allreduce_bytes(participants: int, params: int, bytes_per_element: int = 4) -> int:

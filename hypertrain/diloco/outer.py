@@ -32,13 +32,18 @@ def init_outer_state(global_params: Params) -> OuterState:
 
 
 def pseudo_gradient_sum(
-    global_params: Params, replica_params: Params | list[Params], active: Tensor | None = None
+    global_params: Params,
+    replica_params: Params | list[Params],
+    active: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """sum over active replicas of (theta_global - theta_m), fp32, flat in `global_params` order, with
     the number of active replicas appended: [n_params + 1]. What a sync sums over processes.
 
     `replica_params` is one Params with a leading replica axis [R, ...] or a list of them (concatenated
-    in order); `active` bool [R] over all those rows (None = all). Always freshly allocated.
+    in order); `active` bool [R] over all those rows (None = all). `weights` fp32 [R] (None = all 1):
+    each row's weight in the sum, `server.token_weights` (outer.mean_weights=tokens). Always freshly
+    allocated.
     """
     stacked = replica_params if isinstance(replica_params, dict) else _concat(replica_params)
     parts = []
@@ -48,6 +53,8 @@ def pseudo_gradient_sum(
         if active is not None:
             # where, not a 0/1 weight: a skipped replica's rows never leak in, even non-finite ones
             delta = torch.where(per_replica(active, delta), delta, 0.0)
+        if weights is not None:
+            delta = per_replica(weights, delta) * delta
         parts.append(delta.sum(0).reshape(-1))
     count = len(next(iter(stacked.values()))) if active is None else active.sum()
     parts.append(torch.as_tensor(count, dtype=torch.float32, device=parts[0].device).reshape(1))

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hypertrain.data.batches import ReplicaBatch, update_batch
-from hypertrain.diloco import churn
+from hypertrain import plan
+from hypertrain.data.batches import ReplicaBatch, targets_of, update_batch
+from hypertrain.diloco import churn, server
 from hypertrain.diloco.fragments import FLUSH, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.diloco.sync import Landing
@@ -194,7 +195,10 @@ def rounds(
                     facts = churned.facts(part.index, window, p)
                     contributors = facts.contributors
                     stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
-                state.syncs[p].take(params, stepped, count, groups, facts)
+                weights = None
+                if cfg.outer.mean_weights == "tokens":
+                    weights = token_weights(run, schedule.window(p, count), facts, groups.replicas)
+                state.syncs[p].take(params, stepped, count, groups, facts, weights)
             else:  # LAND, or FLUSH (outer.overlap: the phase's last reduction)
                 sync = state.syncs[p]
                 # outer.overlap: a landing lands the sync taken a period earlier (`due`)
@@ -217,6 +221,24 @@ def rounds(
         if restart and part.syncs:
             state.round_params = state.round_stepped = None
         yield part
+
+
+def token_weights(run: PreparedRun, window: range, facts, replicas: list[int]) -> list[float] | None:
+    """outer.mean_weights=tokens (docs/async.md, "Weighted mean"): the weights of the local `replicas`'
+    pseudo-gradients in a sync whose pseudo-gradients hold the updates `window`, by the rule of the
+    asynchronous server (`server.token_weights`): w_m = the target tokens replica m trained on in the
+    window (with churn, `facts`: its ids there, 0 for a non-contributor), normalized over all R
+    replicas. Every process computes the same from the plan and the data's lengths. None: uniform."""
+    R = run.cfg.replicas
+
+    def ids(m: int) -> list:
+        if facts is not None:
+            return facts.ids.get(m, [])
+        return [plan.replica_ids(run.phase, u, m, R, run.samples) for u in window]
+
+    tokens = [sum(targets_of(run.dataset, x) for x in ids(m)) for m in range(R)]
+    w = server.token_weights(tokens, "tokens", torch.float32)
+    return None if w is None else w[replicas].tolist()
 
 
 class StopCheck:

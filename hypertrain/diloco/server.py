@@ -20,13 +20,23 @@ def contribution(deltas: Tensor, tokens: list[int], weights: str) -> tuple[Tenso
     `g = sum_i w_i delta_i / sum_i w_i` with w_i a job's training tokens (uniform when they sum to 0), and
     `S = k * g`."""
     k = len(deltas)
-    if weights == "uniform" or not sum(tokens):  # no tokens to weigh by (every job empty): uniform
+    w = token_weights(tokens, weights, deltas.dtype)
+    if w is None:
         total = deltas.sum(0)
         return total, total / torch.tensor(float(k), dtype=total.dtype)
-    w = torch.tensor(tokens, dtype=torch.float64)
-    w = (w / w.sum()).to(deltas.dtype)
     mean = (w[:, None] * deltas).sum(0)
     return mean * k, mean
+
+
+def token_weights(tokens: list[int], weights: str, dtype: torch.dtype) -> Tensor | None:
+    """outer.mean_weights' weights of the pseudo-gradients whose trainers trained on `tokens`:
+    `w_i / sum_j w_j` (formed in float64, then `dtype`) with w_i the tokens, so `g = sum_i w_i delta_i`;
+    None for uniform (outer.mean_weights=uniform, or no tokens to weigh by: every one empty). The one
+    rule of asynchronous updates (`contribution`) and of synchronous rounds (`diloco.sync`)."""
+    if weights == "uniform" or not sum(tokens):
+        return None
+    w = torch.tensor(tokens, dtype=torch.float64)
+    return (w / w.sum()).to(dtype)
 
 
 class AsyncServer:

@@ -83,8 +83,14 @@ class ExactReducer:
     """outer.compress=none: the fp32 sum of the pseudo-gradients and their count, one all-reduce
     (`communication.exact_mean`); one participant sends the ideal ring's bytes."""
 
-    def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
-        return exact_mean(pseudo_gradient_sum(sync.theta, replica_params, active), groups)
+    def start(
+        self, sync: FragmentSync, replica_params: Params, active, count: int, groups, weights=None
+    ) -> Reduction:
+        """`weights` (outer.mean_weights=tokens): this process's replicas' `server.token_weights`, fp32
+        [R_local], which sum to 1 over every process's replicas that stepped: one all-reduce of
+        [sum_m w_m delta_m, count] gives the weighted mean itself (None: the plain sum and count)."""
+        local = pseudo_gradient_sum(sync.theta, replica_params, active, weights)
+        return exact_mean(local, groups, weighted=weights is not None)
 
     def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
         """outer.overlap: the reduction of the flat pseudo-gradients `deltas` [R_local, n] that were
@@ -243,16 +249,24 @@ class FragmentSync:
         count: int,
         groups: Collectives,
         churn: RoundFacts | None = None,
+        weights: list[float] | None = None,
     ) -> Pending:
         """Start this fragment's sync at update count `count` (its `pending`): this process's replicas'
         pseudo-gradients (theta - theta_m over the replicas that `stepped`) handed to the reducer,
-        which starts their mean over every process's replicas. `churn`: the facts of the sync."""
+        which starts their mean over every process's replicas. `churn`: the facts of the sync.
+        `weights`: outer.mean_weights=tokens' weights of this process's replicas (the exact reducer
+        only, one fragment, no overlap: the preflight refuses the rest); None: uniform."""
         device = next(iter(self.theta.values())).device
         active = torch.tensor(stepped, device=device)
         replica_params = {n: torch.cat([p[n] for p in params]) for n in self.names}
+        assert weights is None or (isinstance(self.reducer, ExactReducer) and self.overlap == "none")
         if self.overlap != "none":
             return self._take_overlapped(replica_params, stepped, count, groups, churn)
-        reduction = self.reducer.start(self, replica_params, active, count, groups)
+        if weights is None:
+            reduction = self.reducer.start(self, replica_params, active, count, groups)
+        else:
+            w = torch.tensor(weights, dtype=torch.float32, device=device)
+            reduction = self.reducer.start(self, replica_params, active, count, groups, w)
         self.pending = Pending(self.index, count, list(stepped), reduction, churn)
         return self.pending
 

@@ -145,18 +145,22 @@ def check_async(cfg: TrainConfig) -> None:
             "stragglers only); valid: equal speeds, or churn.deadline=0"
         )
     if not outer.is_async:
-        used = [
-            f"{name}={value!r}"
-            for name, value, neutral in (
-                ("outer.dylu", outer.dylu, False),
-                ("outer.mean_weights", outer.mean_weights, "uniform"),
-            )
-            if value != neutral
-        ]
-        if used:
+        if outer.dylu:
             raise UserError(
-                f"{used[0]} with outer.schedule=rounds is not built (it shapes asynchronous replicas); "
-                "valid: outer.schedule=async, or leave it unset"
+                f"outer.dylu={outer.dylu!r} with outer.schedule=rounds is not built (it shapes asynchronous "
+                "replicas); valid: outer.schedule=async, or leave it unset"
+            )
+        unweighted = [
+            (outer.fragments > 1, f"outer.fragments={outer.fragments}"),
+            (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
+            (outer.compress != "none", f"outer.compress={outer.compress}"),
+        ]
+        used = [name for on, name in unweighted if on]
+        if outer.mean_weights == "tokens" and used:
+            raise UserError(
+                f"outer.mean_weights=tokens with {used[0]} under outer.schedule=rounds is not built (the "
+                "weighted mean rides the plain fp32 sum of one fragment); valid: outer.mean_weights=uniform, "
+                "or outer.fragments=1, outer.overlap=none, outer.compress=none"
             )
         return
     if cluster.compute != "modelled":
