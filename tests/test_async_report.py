@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 
+import pytest
 from helpers import ReferenceRuns
 from test_async import ASYNC
 
@@ -33,7 +34,10 @@ def _summary(rows: list[dict]) -> dict:
     return merged
 
 
-def _report(tmp_path):
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """One report over the async run and the rounds run, each copied from the session's references."""
+    tmp_path = tmp_path_factory.mktemp("async-report")
     runs = ReferenceRuns.beside(tmp_path)
     folder = tmp_path / "runs"
     ignore = shutil.ignore_patterns("checkpoints", "report", "weights.pt")
@@ -48,8 +52,8 @@ def _report(tmp_path):
     return folder, by_name, (folder / "report" / "report.md").read_text()
 
 
-def test_the_report_reads_an_async_run_from_its_arrival_rows(tmp_path):
-    folder, rows, text = _report(tmp_path)
+def test_the_report_reads_an_async_run_from_its_arrival_rows(made):
+    folder, rows, text = made
     metrics = _rows(folder / "async")
     arrivals = [row for row in metrics if row["kind"] == "arrival"]
     summary = _summary(metrics)
@@ -80,8 +84,8 @@ def test_the_report_reads_an_async_run_from_its_arrival_rows(tmp_path):
     assert update_axis(runs) == "update (async runs: server update)"
 
 
-def test_a_rounds_run_beside_an_async_run_keeps_its_figures(tmp_path):
-    folder, rows, _ = _report(tmp_path)
+def test_a_rounds_run_beside_an_async_run_keeps_its_figures(made, tmp_path):
+    folder, rows, _ = made
     metrics = _rows(folder / "rounds")
     summary = _summary(metrics)
     got = rows["rounds"]
