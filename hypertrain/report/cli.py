@@ -69,6 +69,16 @@ NOTES = [
     "its total simulated seconds, and compute / total.",
 ]
 
+ASYNC_NOTE = (
+    "outer.schedule=async runs (docs/async.md; their rows are arrival rows): updates, the slowest "
+    "replica's inner steps; the held-out curve's x axis counts server updates; replica-steps/s: the last "
+    "session's inner steps over its seconds; tokens/s: the tokens of the jobs that arrived in the last "
+    "session over its wall seconds; outer bytes/replica: the most one replica moved, 8 N bytes per job "
+    "(one fp32 upload of its pseudo-gradient and one download of the weights, N the model's parameters); "
+    "outer peak bytes/sync: one job's 8 N; arrivals: jobs applied; server updates; staleness mean and max "
+    "over the jobs; async clock s: the network clock at the last server update (all from the arrival rows)."
+)
+
 
 def clock_notes(target: float | None, rule: str, clusters: list[str]) -> list[str]:
     """The notes on the clock's columns: the target `time to target s` was timed to, and why."""
@@ -206,7 +216,8 @@ def build(
     ]
     differ = ", ".join(f"`{key}`" for key in keys) or "nothing"
     intro = f"{len(runs)} runs, made by `{command}`. Config values that differ between them: {differ}."
-    notes = [*NOTES, *clock_notes(target, rule, clusters), data_note(runs, flags), *failures, *cannot]
+    notes = [*NOTES, *([ASYNC_NOTE] if any(run.of_kind("arrival") for run in runs) else [])]
+    notes += [*clock_notes(target, rule, clusters), data_note(runs, flags), *failures, *cannot]
     sections = [Section("Runs", [intro], table, marked, notes)]
     if grouped(groups):
         sections.append(seeds_section(group_table))

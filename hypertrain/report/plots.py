@@ -19,6 +19,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
+from hypertrain.records.rows import ArrivalRow
 from hypertrain.report.runs import Run
 from hypertrain.report.seeds import band
 
@@ -182,6 +183,23 @@ def _band(ax, curve: tuple[list, list, list, list], colour: str) -> None:
         ax.fill_between(xs, low, high, color=colour, alpha=BAND_ALPHA, linewidth=0)
 
 
+def update_axis(runs: list[Run]) -> str:
+    """The held-out curve's x axis: updates (rounds), server updates (outer.schedule=async: arrival
+    rows), or both named where the runs mix them."""
+    asynchronous = [bool(run.of_kind("arrival")) for run in runs]
+    if all(asynchronous) and runs:
+        return "server update (async)"
+    return "update (async runs: server update)" if any(asynchronous) else "update"
+
+
+def _sent(row, bytes_at: dict[int, int]) -> int:
+    """The outer bytes one replica had sent at a held-out row: a sync's running total, an arrival's
+    bytes moved (`Run.async_bytes`), 0 before training."""
+    if isinstance(row, ArrivalRow):
+        return bytes_at.get(row.update, 0)
+    return getattr(row, "comm_outer_total", None) or 0
+
+
 def heldout_plot(
     runs: list[Run],
     names: list[str],
@@ -202,12 +220,13 @@ def heldout_plot(
     series = labels(runs, names, keys, flags, groups)
     for group, label, style in zip(groups, series, lines, strict=True):
         evals = [runs[i].heldout() for i in group]
-        # the eval row before training has no outer bytes: 0; nor has an arrival row (async: no ring)
+        # the eval row before training has no outer bytes: 0; an arrival row (async): the bytes moved
         by_count = band([[(row.update, row.update, row.eval_loss) for row in run] for run in evals])
+        moved = [runs[i].async_bytes() for i in group]
         by_sent = band(
             [
-                [(row.update, getattr(row, "comm_outer_total", None) or 0, row.eval_loss) for row in run]
-                for run in evals
+                [(row.update, _sent(row, bytes_at), row.eval_loss) for row in run]
+                for run, bytes_at in zip(evals, moved, strict=True)
             ]
         )
         line = style | dict(markersize=3)
@@ -226,10 +245,11 @@ def heldout_plot(
                 markersize=7,
                 capsize=4,
             )
-    by_update.set_xlabel("update")
+    by_update.set_xlabel(update_axis(runs))
     by_update.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_update.set_ylabel(f"held-out loss of the global weights ({LOSS_UNIT})")
     most = max((row.comm_outer_total or 0 for run in runs for row in run.of_kind("sync")), default=0)
+    most = max([most, *(run.outer_total_bytes() for run in runs if run.of_kind("arrival"))])
     _bytes_axis(by_bytes, most, "outer (cross-replica) bytes sent per replica, cumulative")
     peak = max((run.outer_peak_bytes() for run in runs), default=0)
     _bytes_axis(by_peak, peak, "peak outer bytes per sync and replica (last held-out loss)")

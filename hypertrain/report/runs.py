@@ -81,10 +81,34 @@ class Run:
             or (isinstance(row, SyncRow | ArrivalRow) and row.eval_loss is not None)
         ]
 
+    def params(self) -> int | None:
+        """The trained model's parameters (the summary's `model/params`, from any session; None without)."""
+        given = [row.values.get("model/params") for row in self.rows if row.kind == "summary"]
+        given = [value for value in given if value is not None]
+        return given[-1] if given else None
+
+    def async_bytes(self) -> dict[int, int]:
+        """outer.schedule=async (docs/async.md, "The schedule"): per server update (each arrival row's
+        `update`), the outer bytes moved so far by the replica that moved most. Each job applied is one
+        upload of its pseudo-gradient and one download of the weights, each one fp32 message of the
+        trained model's N parameters: 8 N bytes per job. {} for a run without arrival rows."""
+        per_job = 8 * (self.params() or 0)
+        jobs: dict[int, int] = {}
+        moved = {}
+        for row in self.of_kind("arrival"):
+            for replica in row.replicas:
+                jobs[replica] = jobs.get(replica, 0) + 1
+            moved[row.update] = per_job * max(jobs.values(), default=0)
+        return moved
+
     def outer_total_bytes(self) -> int:
         """Outer bytes one replica sent in all its syncs (the ideal ring all-reduce's): the summary's
         `comm/outer_total_bytes`, or, in a run without it (written before it, or with no final summary),
-        the last sync row's running total `comm_outer_total` (0 before the first sync)."""
+        the last sync row's running total `comm_outer_total` (0 before the first sync). An async run
+        (arrival rows): the most one replica moved, uploads and downloads (`async_bytes`)."""
+        moved = self.async_bytes()
+        if moved:
+            return list(moved.values())[-1]
         total = self.summary().get("comm/outer_total_bytes")
         if total is not None:
             return total
@@ -94,7 +118,10 @@ class Run:
     def outer_peak_bytes(self) -> int:
         """The most outer bytes one replica sent in one sync (a fragment's sync with fragments): the
         summary's `comm/outer_peak_bytes`, or, in a run without it, the largest `comm_outer_bytes` of
-        its sync rows (0 before the first sync)."""
+        its sync rows (0 before the first sync). An async run: the most one replica moved in one server
+        update, one job's upload and download (8 N bytes)."""
+        if self.of_kind("arrival"):
+            return 8 * (self.params() or 0)
         peak = self.summary().get("comm/outer_peak_bytes")
         if peak is not None:
             return peak

@@ -32,6 +32,11 @@ FIGURES = (
     ("comm_inner_bytes", "inner bytes/rank", "{:,}"),
     ("comm_outer_bytes", "outer bytes/replica", "{:,}"),
     ("comm_outer_peak_bytes", "outer peak bytes/sync", "{:,}"),
+    ("arrivals", "arrivals", "{}"),
+    ("server_updates", "server updates", "{}"),
+    ("staleness_mean", "staleness mean", "{:.2f}"),
+    ("staleness_max", "staleness max", "{}"),
+    ("async_clock_s", "async clock s", "{:.4g}"),
     ("wall_s", "wall s", "{:.2f}"),
     ("simulated_s", "simulated s", "{:.4g}"),
     ("compute_util", "compute util", "{:.3f}"),
@@ -123,6 +128,31 @@ def async_steps_done(arrivals: list, replicas: int) -> int:
     return min(reached.values())
 
 
+def async_figures(run: Run) -> dict:
+    """outer.schedule=async (docs/report.md, "Async runs"): from the arrival rows, the jobs applied
+    (`arrivals`), the server updates, the staleness's mean and max over the jobs and the clock at the
+    last update; `tokens_per_s`: the jobs' tokens arrived in the last session over its seconds. A run
+    without arrival rows: all None, its `tokens_per_s` left as the summary gives it."""
+    arrivals = run.of_kind("arrival")
+    if not arrivals:
+        return dict.fromkeys(ASYNC_COLUMNS)
+    staleness = [value for row in arrivals for value in row.staleness]
+    last = [row for row in run.sessions()[-1] if row.kind == "arrival"]
+    seconds = session_seconds(run.sessions()[-1])
+    tokens = sum(sum(row.tokens) for row in last)
+    return {
+        "arrivals": len(staleness),
+        "server_updates": arrivals[-1].update,
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
+        "async_clock_s": arrivals[-1].clock_s,
+        "tokens_per_s": tokens / seconds if seconds else None,
+    }
+
+
+ASYNC_COLUMNS = ("arrivals", "server_updates", "staleness_mean", "staleness_max", "async_clock_s")
+
+
 def figures(run: Run) -> dict:
     """One run's figures from its metrics.jsonl (see docs/report.md for each one's definition)."""
     evals = [row.eval_loss for row in run.heldout()]
@@ -147,7 +177,7 @@ def figures(run: Run) -> dict:
         "goodput": summary.get("churn/goodput"),  # with churn: replica-steps that reached a sync, a fraction
         "status": run.status,
         "resumed": run.resumed,
-    }
+    } | async_figures(run)
 
 
 def clock_figures(clock: dict | None, target: float | None) -> dict:
@@ -183,7 +213,8 @@ def table_rows(
     return rows
 
 
-OPTIONAL = {"goodput"}  # figures shown only when some run has them (churn's)
+# figures shown only when some run has them (churn's; async's)
+OPTIONAL = {"goodput", *ASYNC_COLUMNS}
 
 
 def columns(keys: list[str], rows: list[dict] | None = None) -> tuple:
