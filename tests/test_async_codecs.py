@@ -1,9 +1,10 @@
 """Asynchronous replicas with codecs (outer.schedule=async with outer.compress, docs/async.md "Codecs"):
-every arriving job's pseudo-gradient is the decoded payload its replica sent, checked against float64
-references of the codecs' documented equations (int8, fp4_e2m1, e3m0: each block's nearest grid value;
-top-k: each block's largest magnitudes) applied to the run's own pseudo-gradients, and a wrong scale or a
-missing buffer falls outside them; top-k's error feedback follows e <- e + delta - C(e + delta) at every
-arrival of a replica; the payload bits are recorded; loop = stacked bitwise; a SIGKILL resumes bitwise.
+every arriving job's pseudo-gradient is the decoded payload its replica sent, checked against
+references of the codecs' documented equations written here (int8, fp4_e2m1, e3m0: each block's nearest
+grid value; uint8, fp8_*: their scale and cast; top-k: each block's largest magnitudes) applied to the
+run's own pseudo-gradients, and a wrong scale or a missing buffer falls outside them; top-k's error
+feedback follows e <- e + delta - C(e + delta) at every arrival of a replica; the payload bits are
+recorded; loop = stacked bitwise; a SIGKILL resumes bitwise.
 """
 
 from __future__ import annotations
@@ -124,6 +125,41 @@ def test_each_arrival_applies_its_replicas_payload_the_codecs_grid_and_a_wrong_s
         assert not torch.equal(got, delta)
         wrong = grid_reference(codec, delta, sizes, divisor_scale=1.25)
         assert (got.double() - wrong).abs().max() > 100 * bound
+
+
+FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+
+
+def other_reference(codec, x, sizes):
+    """uint8: each block's minimum + round-half-even((x - min) / scale) * scale, scale = (max - min) / 255;
+    fp8_*: (x / scale) cast to the format times scale, scale = amax / M (448, 57344); fp32 scales."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for b in blocks_of(x, sizes):
+        v = x[b].float()
+        if codec == "uint8":
+            low = v.min()
+            scale = (v.max() - low) / 255
+            step = scale if scale != 0 else torch.ones_like(scale)
+            out[b] = (low + torch.round((v - low) / step).clamp(0, 255) * scale).double()
+        else:
+            dtype, M = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}[
+                codec
+            ]
+            scale = v.abs().max() / M
+            step = scale if scale != 0 else torch.ones_like(scale)
+            out[b] = ((v / step).clamp(-M, M).to(dtype).float() * scale).double()
+    return out
+
+
+@pytest.mark.parametrize("codec", ["uint8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_other_elementwise_codecs_apply_their_documented_values(codec):
+    sizes, calls, applied, _ = observed(codec_cfg(codec))
+    flat_applied = [d for deltas in applied for d in deltas]
+    assert len(calls) == len(flat_applied) == 8
+    for (delta, _, decoded, _), got in zip(calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded) and not torch.equal(got, delta)
+        bound = 4 * 2.0**-24 * delta.abs().max().double()
+        assert (got.double() - other_reference(codec, delta, sizes)).abs().max() <= bound
 
 
 def test_topk_with_error_feedback_follows_the_buffer_recursion_at_every_arrival_of_a_replica():
