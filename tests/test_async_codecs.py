@@ -254,3 +254,16 @@ def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resume
     want = arrivals(reference)
     assert len(want) == 12 and arrivals(run_dir) == want
     assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
+
+
+def test_a_non_finite_pseudo_gradient_reaches_the_server_as_it_is_and_leaves_the_buffer():
+    """A codec's bytes would hide a NaN from the held-out guard: it is applied as an uncompressed one is."""
+    outer = codec_cfg("int8", error_feedback=True).outer
+    delta = torch.arange(64, dtype=torch.float32)
+    delta[5] = float("nan")
+    errors = torch.full((1, 64), 0.25)
+    got = asynchronous.compress_arrival(outer, delta, errors, (64,))
+    assert got.isnan()[5] and torch.equal(errors, torch.full((1, 64), 0.25))
+    delta[5] = 1.0
+    assert torch.isfinite(asynchronous.compress_arrival(outer, delta, errors, (64,))).all()
+    assert not torch.equal(errors, torch.full((1, 64), 0.25))

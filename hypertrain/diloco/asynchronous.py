@@ -59,9 +59,13 @@ def compress_arrival(
     """One replica's arriving pseudo-gradient `delta` [n] as the server applies it: its decoded payload
     d = decode(encode(x)), x = delta + beta * e (`communication.fed_back`, beta = outer.error_decay; the
     pseudo-gradient alone without feedback), the rule of a round's `compressed_mean`; with error feedback
-    its buffer `errors` [1, n] becomes x - d in place."""
+    its buffer `errors` [1, n] becomes x - d in place. A non-finite x is returned as it is, the buffer
+    unchanged: the server applies it as it applies an uncompressed one, and the held-out guard stops the
+    run on every process (a codec's bytes would hide it)."""
     codec, fraction, blocks = outer.compress, topk(outer), codecs.Blocks(sizes, outer.block)
     x = fed_back(delta[None], errors, outer.error_decay)
+    if not torch.isfinite(x).all():
+        return x[0]
     decoded = codecs.decode(codec, codecs.encode(codec, x, blocks, fraction), blocks, fraction)
     if errors is not None:
         errors.copy_(x - decoded)
