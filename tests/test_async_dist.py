@@ -3,7 +3,8 @@ processes"): every process walks the same arrival schedule and holds the server'
 replicas' jobs, and receives each arrival by a broadcast from its replica's process, so the run equals the
 one-process simulation bit for bit: every arrival row and weights.pt, for both server rules where a
 process trains whole replicas (the replicas layout with two replicas a process, the benchmark layout with
-one process per replica); a run stopped by SIGTERM on rank 1 resumes to it. Under the benchmark layout of
+one process per replica), and with top-k and error feedback; a run stopped by SIGTERM on rank 1 resumes
+to it. Under the benchmark layout of
 two processes a replica (each trains half of every step, their gradients averaged, as in rounds) the run
 equals the simulation within rounding, and a run stopped on rank 3 resumes to it bitwise.
 
@@ -111,3 +112,35 @@ def test_two_processes_a_replica_equal_the_simulation_within_rounding_and_resume
     assert stopped.returncode == 143, stopped.stderr
     resumed(dist_args, run_dir, tmp_path)
     assert_equal_runs(run_dir, real, 12)
+
+
+@pytest.mark.slow
+def test_real_processes_with_topk_and_error_feedback_equal_the_simulation_bitwise(tmp_path):
+    """docs/async.md "Codecs": torchrun, 2 processes of two replicas each (their error buffers on their
+    own process), top-k with error feedback: every arrival row (payload bits included) and the final
+    weights equal the one-process simulation's exactly (the broadcast carries the decoded payload)."""
+    codec = ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"]
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *codec, "outer.block=32"]
+    sim, real = both(args, tmp_path)
+    assert_equal_runs(real, sim, updates=12)
+    n = sum(t.numel() for t in torch.load(sim / "weights.pt").values())
+    assert all(0 < bits < 32 * n for r in arrivals(sim) for bits in r["payload_bits"])  # compressed
+
+
+@pytest.mark.slow
+def test_a_dist_run_with_error_feedback_stopped_on_rank_1_resumes_to_the_simulation(tmp_path):
+    """Top-k with error feedback, the replicas layout on the local launcher's 2 processes, SIGTERM to
+    rank 1 before server update 7: the checkpoint holds all four replicas' error buffers, gathered from
+    both processes, and resume=true ends with the simulation's arrival rows and weights, exactly."""
+    codec = ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"]
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *codec, "outer.block=32"]
+    sim = tmp_path / "sim"
+    assert entry([*args, f"hydra.run.dir={sim}"], tmp_path).returncode == 0
+    dist_args = [*args, "processes=dist", "processes.nproc=2"]
+    run_dir = tmp_path / "run"
+    stopped = entry([*dist_args, f"hydra.run.dir={run_dir}"], tmp_path, "1:7:term")
+    assert stopped.returncode == 143, stopped.stderr
+    saved = torch.load(run_dir / "checkpoints" / "ckpt-u0000007.pt", weights_only=False)["state"]
+    assert len(saved["errors"]) == 4 and all(any(t.any() for t in e.values()) for e in saved["errors"])
+    resumed(dist_args, run_dir, tmp_path)
+    assert_equal_runs(run_dir, sim, 12)

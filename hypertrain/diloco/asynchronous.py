@@ -7,6 +7,10 @@ On real processes (`processes=dist`, docs/async.md "Real processes") every proce
 and holds the server's state; it runs the jobs of its own replicas only, and each arrival reaches every
 process from its replica's (`Collectives.share_arrival`, a broadcast), so every process applies the same
 server update to the same bits as the simulation.
+
+With a codec (outer.compress, docs/async.md "Codecs") an arriving job's pseudo-gradient is compressed by
+its replica's process as a round compresses it (`compress_arrival`: its error-feedback buffer added first
+and updated), and what is applied and broadcast is the decoded payload, the same bits everywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 
 from hypertrain import plan
 from hypertrain.data.batches import targets_of, update_batch
+from hypertrain.diloco import codecs
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
+from hypertrain.diloco.communication import fed_back, topk
 from hypertrain.diloco.outer import pseudo_gradients
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
@@ -35,6 +41,59 @@ class Applied:
     update: ServerUpdate
     losses: list[list[float | None]]
     last: bool  # the phase's last server update
+    bits: list[int]  # each job's payload bits (`payload_bits`)
+
+
+def payload_bits(outer, sizes: tuple[int, ...]) -> int:
+    """The bits one arrival's payload puts on the wire, a pseudo-gradient of tensors of `sizes` elements:
+    fp32 (outer.compress=none) 32 a parameter; a codec its payload's (`codecs.payload_size`), as a round's
+    contribution under `gather` less the round's 8-byte header (an arrival sends no header)."""
+    if outer.compress == "none":
+        return 32 * sum(sizes)
+    return 8 * codecs.payload_size(outer.compress, codecs.Blocks(sizes, outer.block), topk(outer))
+
+
+def compress_arrival(
+    outer, delta: torch.Tensor, errors: torch.Tensor | None, sizes: tuple[int, ...]
+) -> torch.Tensor:
+    """One replica's arriving pseudo-gradient `delta` [n] as the server applies it: its decoded payload
+    d = decode(encode(x)), x = delta + beta * e (`communication.fed_back`, beta = outer.error_decay; the
+    pseudo-gradient alone without feedback), the rule of a round's `compressed_mean`; with error feedback
+    its buffer `errors` [1, n] becomes x - d in place. A non-finite x is returned as it is, the buffer
+    unchanged: the server applies it as it applies an uncompressed one, and the held-out guard stops the
+    run on every process (a codec's bytes would hide it)."""
+    codec, fraction, blocks = outer.compress, topk(outer), codecs.Blocks(sizes, outer.block)
+    x = fed_back(delta[None], errors, outer.error_decay)
+    if not torch.isfinite(x).all():
+        return x[0]
+    decoded = codecs.decode(codec, codecs.encode(codec, x, blocks, fraction), blocks, fraction)
+    if errors is not None:
+        errors.copy_(x - decoded)
+    return decoded[0]
+
+
+def compressor(run: PreparedRun, state: RunState):
+    """`(replica, delta) -> the decoded delta` for this process's replicas, their error buffers (the run
+    state's `errors`, per parameter) updated; None with outer.compress=none."""
+    outer = run.cfg.outer
+    if outer.compress == "none":
+        return None
+    sizes = tuple(t.numel() for t in state.theta.values())
+    local = {m: i for i, m in enumerate(state.replicas)}
+
+    def compress(replica: int, delta: torch.Tensor) -> torch.Tensor:
+        if state.errors is None:
+            return compress_arrival(outer, delta, None, sizes)
+        buffers = state.errors[local[replica]]
+        flat = torch.cat([t.reshape(1, -1).float() for t in buffers.values()], dim=1)
+        decoded = compress_arrival(outer, delta, flat, sizes)
+        start = 0
+        for t in buffers.values():
+            t.copy_(flat[0, start : start + t.numel()].view(t.shape))
+            start += t.numel()
+        return decoded
+
+    return compress
 
 
 def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
@@ -94,10 +153,15 @@ def run_jobs(
             }
 
 
-def arrived(job: Job, flying: dict[int, dict], groups: Collectives, theta: dict[str, torch.Tensor]) -> dict:
+def arrived(
+    job: Job, flying: dict[int, dict], groups: Collectives, theta: dict[str, torch.Tensor], compress=None
+) -> dict:
     """The arriving `job`'s pseudo-gradient and losses, taken from `flying` by the process that trained
-    it and shared with every process (`Collectives.share_arrival`; one process: as it is)."""
+    it (decoded from its payload by `compress` there, `compressor`'s) and shared with every process
+    (`Collectives.share_arrival`; one process: as it is)."""
     mine = flying.pop(job.replica, None)
+    if mine is not None and compress is not None:
+        mine = {**mine, "delta": compress(job.replica, mine["delta"])}
     if groups.size == 1:
         return mine
     device = next(iter(theta.values())).device
@@ -130,11 +194,13 @@ def server_updates(
             if job.replica in ours:
                 starts.setdefault(job.pulled, []).append(job)
     now = state.asynchronous
+    compress = compressor(run, state)
+    bits = payload_bits(cfg.outer, tuple(t.numel() for t in state.theta.values()))
     if now.applied == 0 and not now.flying:
         run_jobs(run, state, starts.get(0, []), engine, groups)
     for update in updates[now.applied :]:
         fault_points.act(groups.rank, "round", range(update.index - 1, update.index))  # tests: a kill here
-        shared = [arrived(job, now.flying, groups, state.theta) for job in update.jobs]
+        shared = [arrived(job, now.flying, groups, state.theta, compress) for job in update.jobs]
         deltas = torch.stack([job["delta"] for job in shared])
         now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
         # every server update is a boundary: no replica's weights beside the global ones to save
@@ -146,4 +212,6 @@ def server_updates(
         state.totals.async_jobs += len(stale)
         state.totals.async_staleness_sum += sum(stale)
         state.totals.async_staleness_max = max(state.totals.async_staleness_max, *stale)
-        yield Applied(update, [job["losses"] for job in shared], update.index == len(updates))
+        state.totals.async_payload_bits += bits * len(update.jobs)
+        losses = [job["losses"] for job in shared]
+        yield Applied(update, losses, update.index == len(updates), [bits] * len(update.jobs))

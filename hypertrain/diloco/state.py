@@ -88,6 +88,7 @@ class Totals:
     async_jobs: int = 0
     async_staleness_sum: int = 0
     async_staleness_max: int = 0
+    async_payload_bits: int = 0  # the bits of the payloads applied (`asynchronous.payload_bits`)
 
 
 @dataclass

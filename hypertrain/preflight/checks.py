@@ -173,7 +173,9 @@ def check_async(cfg: TrainConfig) -> None:
         (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
         (bool(outer.delay), f"outer.delay={outer.delay}"),
         (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
-        (outer.compress != "none", f"outer.compress={outer.compress}"),
+        (outer.compress == "lowrank", f"outer.compress={outer.compress}"),
+        (outer.transform != "none", f"outer.transform={outer.transform}"),
+        (bool(outer.tile), f"outer.tile={outer.tile}"),
         (cfg.churn.enabled, "churn"),
         (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
     ]

@@ -324,6 +324,9 @@ class ArrivalRow(Row):
     tokens: list[int] = _maybe("each job's training tokens")
     staleness: list[int] = _maybe("each job's server updates applied since it pulled its weights")
     loss: list[float] = _maybe("each job's training loss at its last step")
+    payload_bits: list[int] = _maybe(
+        "each job's payload bits: 32 a parameter (fp32), or its codec's payload (docs/async.md, Codecs)"
+    )
     staleness_mean: float = _maybe("the mean of `staleness`")
     clock_s: float = _maybe("the network clock at the update (docs/async.md)")
     eval_loss: float | None = _maybe("every outer.async_eval_every arrivals: the new weights' held-out loss")

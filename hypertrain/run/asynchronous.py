@@ -51,6 +51,7 @@ def train_async(
             tokens=[job.tokens for job in update.jobs],
             staleness=stale,
             loss=[last_loss(losses) for losses in applied.losses],
+            payload_bits=applied.bits,
             staleness_mean=sum(stale) / len(stale),
             clock_s=update.clock_s,
         )
@@ -87,6 +88,7 @@ def train_async(
         "async/arrivals": totals.async_jobs,
         "async/staleness_mean": totals.async_staleness_sum / totals.async_jobs if totals.async_jobs else 0.0,
         "async/staleness_max": totals.async_staleness_max,
+        "async/payload_bits": totals.async_payload_bits,  # the phase's arrivals', all sessions
         "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
     }
     return eval_loss, summary

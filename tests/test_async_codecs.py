@@ -1,0 +1,269 @@
+"""Asynchronous replicas with codecs (outer.schedule=async with outer.compress, docs/async.md "Codecs"):
+every arriving job's pseudo-gradient is the decoded payload its replica sent, checked against
+references of the codecs' documented equations written here (int8, fp4_e2m1, e3m0: each block's nearest
+grid value; uint8, fp8_*: their scale and cast; top-k: each block's largest magnitudes) applied to the
+run's own pseudo-gradients, and a wrong scale or a missing buffer falls outside them; top-k's error
+feedback follows e <- e + delta - C(e + delta) at every arrival of a replica; the payload bits are
+recorded; loop = stacked bitwise; a SIGKILL resumes bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import ReferenceRuns, assert_same_weights, killed_beside_uninterrupted, resumed
+from test_async import arrivals, async_cfg
+
+import hypertrain.diloco.asynchronous as asynchronous
+from hypertrain.choices import Compressor
+from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.state import RunState
+from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.records.files import read_records
+
+BLOCK = 32
+GRIDS = {  # the magnitudes over the block's scale, and the scale's divisor M (docs/compression.md)
+    "int8": (None, 127.0),
+    "fp4_e2m1": ((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), 6.0),
+    "e3m0": ((0.0,) + tuple(2.0 ** (e - 7) for e in range(1, 8)), 1.0),
+}
+
+
+def codec_cfg(compress, engine="stacked", **outer):
+    return async_cfg(engine=engine, compress=Compressor[compress], block=BLOCK, **outer)
+
+
+def observed(cfg):
+    """Run `cfg`; returns the sizes of its tensors, every compressed arrival's (delta, buffer before,
+    decoded, buffer after) in order, and every server update's applied deltas [k, n]."""
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    calls, applied = [], []
+    encode, apply = asynchronous.compress_arrival, state.asynchronous.server.apply
+
+    def recording_compress(outer, delta, errors, sizes):
+        before = None if errors is None else errors.clone()
+        decoded = encode(outer, delta, errors, sizes)
+        calls.append((delta.clone(), before, decoded.clone(), None if errors is None else errors.clone()))
+        return decoded
+
+    def recording_apply(theta, deltas, tokens):
+        applied.append(deltas.clone())
+        apply(theta, deltas, tokens)
+
+    asynchronous.compress_arrival = recording_compress
+    state.asynchronous.server.apply = recording_apply
+    try:
+        for _ in server_updates(run, state):
+            pass
+    finally:
+        asynchronous.compress_arrival = encode
+    sizes = tuple(t.numel() for t in state.theta.values())
+    return sizes, calls, applied, state
+
+
+def blocks_of(x, sizes):
+    """The blocks of the flat vector `x` (outer.block values, never across a tensor): slices."""
+    out, start = [], 0
+    for size in sizes:
+        for a in range(0, size, BLOCK):
+            out.append(slice(start + a, start + min(a + BLOCK, size)))
+        start += size
+    return out
+
+
+def grid_reference(codec, x, sizes, divisor_scale=1.0):
+    """Each block's values as the nearest of the codec's grid (chosen in float64, an exact tie to the
+    even index; int8: round half even, clamped) times its scale amax / M, the scale and x / scale in fp32 as
+    the codec documents them (`divisor_scale` scales M: a wrong scale for the negative control)."""
+    grid, M = GRIDS[codec]
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for b in blocks_of(x, sizes):
+        v = x[b].float()
+        scale = v.abs().max() / torch.tensor(M * divisor_scale, dtype=torch.float32)
+        if scale == 0:
+            continue
+        r = (v / scale).double()
+        if grid is None:
+            q = torch.round(r).clamp(-127, 127)
+        else:
+            g = torch.tensor(grid, dtype=torch.float64)
+            d = (r.abs()[:, None] - g[None]).abs()
+            nearest = d == d.min(1, keepdim=True).values
+            even = nearest & (torch.arange(len(grid)) % 2 == 0)[None]
+            index = torch.where(nearest.sum(1) > 1, even.float().argmax(1), d.argmin(1))
+            q = torch.sign(r) * g[index]
+        out[b] = (q.float() * scale).double()
+    return out
+
+
+def topk_reference(x, sizes, fraction):
+    """float64: each block's ceil(fraction * L) largest magnitudes kept, the rest zero."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for b in blocks_of(x, sizes):
+        v = x[b].double()
+        k = max(1, math.ceil(fraction * len(v)))
+        keep = v.abs().topk(k).indices
+        out[b.start + keep] = v[keep]
+    return out
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp4_e2m1", "e3m0"])
+def test_each_arrival_applies_its_replicas_payload_the_codecs_grid_and_a_wrong_scale_is_not(codec):
+    sizes, calls, applied, _ = observed(codec_cfg(codec))
+    assert len(calls) == 8 and len(applied) == 8
+    flat_applied = [d for deltas in applied for d in deltas]
+    for (delta, before, decoded, after), got in zip(calls, flat_applied, strict=True):
+        assert before is None and after is None
+        assert torch.equal(got, decoded)  # the server applies what was decoded
+        want = grid_reference(codec, delta, sizes)
+        bound = 4 * 2.0**-24 * delta.abs().max().double()
+        assert (got.double() - want).abs().max() <= bound
+        assert not torch.equal(got, delta)
+        wrong = grid_reference(codec, delta, sizes, divisor_scale=1.25)
+        assert (got.double() - wrong).abs().max() > 100 * bound
+
+
+FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+
+
+def other_reference(codec, x, sizes):
+    """uint8: each block's minimum + round-half-even((x - min) / scale) * scale, scale = (max - min) / 255;
+    fp8_*: (x / scale) cast to the format times scale, scale = amax / M (448, 57344); fp32 scales."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for b in blocks_of(x, sizes):
+        v = x[b].float()
+        if codec == "uint8":
+            low = v.min()
+            scale = (v.max() - low) / 255
+            step = scale if scale != 0 else torch.ones_like(scale)
+            out[b] = (low + torch.round((v - low) / step).clamp(0, 255) * scale).double()
+        else:
+            dtype, M = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}[
+                codec
+            ]
+            scale = v.abs().max() / M
+            step = scale if scale != 0 else torch.ones_like(scale)
+            out[b] = ((v / step).clamp(-M, M).to(dtype).float() * scale).double()
+    return out
+
+
+@pytest.mark.parametrize("codec", ["uint8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_other_elementwise_codecs_apply_their_documented_values(codec):
+    sizes, calls, applied, _ = observed(codec_cfg(codec))
+    flat_applied = [d for deltas in applied for d in deltas]
+    assert len(calls) == len(flat_applied) == 8
+    for (delta, _, decoded, _), got in zip(calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded) and not torch.equal(got, delta)
+        bound = 4 * 2.0**-24 * delta.abs().max().double()
+        assert (got.double() - other_reference(codec, delta, sizes)).abs().max() <= bound
+
+
+def test_topk_with_error_feedback_follows_the_buffer_recursion_at_every_arrival_of_a_replica():
+    fraction = 0.125
+    cfg = codec_cfg("topk", topk_fraction=fraction, error_feedback=True)
+    sizes, calls, applied, state = observed(cfg)
+    flat_applied = [d for deltas in applied for d in deltas]
+    e = torch.zeros(sum(sizes), dtype=torch.float64)
+    # replica 0 is the fast one: the calls alternate by arrival order; follow each replica's own buffer
+    buffers = {}
+    order = [m for update in _replica_order(cfg) for m in update]
+    assert len(order) == len(calls)
+    for m, (delta, before, decoded, after), got in zip(order, calls, flat_applied, strict=True):
+        e = buffers.get(m, torch.zeros(sum(sizes), dtype=torch.float64))
+        assert torch.equal(before[0].double(), e)  # the buffer carried from this replica's last arrival
+        x = (before[0] + delta).double()  # fp32's sum, as a round forms it (communication.fed_back)
+        c = topk_reference(x, sizes, fraction)
+        assert torch.equal(decoded.double(), c) and torch.equal(got, decoded)
+        buffers[m] = x - c  # exact: the kept entries leave 0, the rest leave x
+        assert torch.equal(after[0].double(), buffers[m])
+    # the buffers the run state holds (what a checkpoint saves) are the last ones
+    for m, own in enumerate(state.errors):
+        assert torch.equal(torch.cat([t.reshape(-1) for t in own.values()]).double(), buffers[m])
+    # negative control: without its buffer, a later arrival's payload differs
+    late = len(calls) - 1
+    assert not torch.equal(topk_reference(calls[late][0], sizes, fraction), calls[late][2].double())
+
+
+def _replica_order(cfg):
+    run = prepare(cfg)
+    return [[job.replica for job in u.jobs] for u in asynchronous.arrival_schedule(run)]
+
+
+def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback():
+    """Four replicas, one half as fast, with DyLU (the three fast ones' jobs stacked in one call): the
+    weights and every error buffer equal the loop engine's."""
+    got = []
+    for engine in ("stacked", "loop"):
+        base = codec_cfg("topk", engine=engine, topk_fraction=0.125, error_feedback=True, dylu=True)
+        cfg = replace(
+            base,
+            cluster=replace(base.cluster, replica_speeds=[1.0, 1.0, 1.0, 0.5]),
+            replicas=4,
+            inner=replace(base.inner, H=4),
+            phase=replace(base.phase, updates=8, global_batch=32),
+        )
+        got.append(observed(cfg)[3])
+    for name, t in got[1].theta.items():
+        assert torch.equal(got[0].theta[name], t), name
+    assert len(got[0].errors) == 4
+    for a, b in zip(got[0].errors, got[1].errors, strict=True):
+        assert any(t.any() for t in a.values())
+        for name, t in a.items():
+            assert torch.equal(b[name], t), name
+
+
+CODEC = ["outer.compress=int8", f"outer.block={BLOCK}"]
+TOPK_EF = [
+    "outer.compress=topk",
+    "outer.topk_fraction=0.125",
+    "outer.error_feedback=true",
+    f"outer.block={BLOCK}",
+]
+
+
+def test_an_async_run_records_each_arrivals_payload_bits_and_their_total(tmp_path):
+    from test_async import ASYNC
+
+    run_dir = ReferenceRuns.beside(tmp_path)([*ASYNC, *CODEC])
+    rows = arrivals(run_dir)
+    sizes = [t.numel() for t in torch.load(run_dir / "weights.pt").values()]
+    n, C = sum(sizes), sum(-(-s // BLOCK) for s in sizes)  # int8: n + 4C bytes (docs/compression.md)
+    assert all(r["payload_bits"] == [8 * (n + 4 * C)] * len(r["replicas"]) for r in rows)
+    summary = {}
+    for r in read_records(run_dir / "metrics.jsonl"):
+        if r.kind == "summary":
+            summary |= r.values
+    assert summary["async/payload_bits"] == sum(sum(r["payload_bits"]) for r in rows) == 12 * 8 * (n + 4 * C)
+    fp32 = arrivals(ReferenceRuns.beside(tmp_path)(ASYNC))
+    assert all(r["payload_bits"] == [32 * n] * len(r["replicas"]) for r in fp32)
+
+
+@pytest.mark.slow
+def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resumes_bitwise(tmp_path):
+    """SIGKILL before server update 6: the error buffers are in the checkpoint; every arrival row and
+    the weights equal the uninterrupted run's."""
+    from test_async import ASYNC
+
+    args = [*ASYNC, *TOPK_EF]
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:6:kill")
+    resumed(args, run_dir, tmp_path)
+    want = arrivals(reference)
+    assert len(want) == 12 and arrivals(run_dir) == want
+    assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
+
+
+def test_a_non_finite_pseudo_gradient_reaches_the_server_as_it_is_and_leaves_the_buffer():
+    """A codec's bytes would hide a NaN from the held-out guard: it is applied as an uncompressed one is."""
+    outer = codec_cfg("int8", error_feedback=True).outer
+    delta = torch.arange(64, dtype=torch.float32)
+    delta[5] = float("nan")
+    errors = torch.full((1, 64), 0.25)
+    got = asynchronous.compress_arrival(outer, delta, errors, (64,))
+    assert got.isnan()[5] and torch.equal(errors, torch.full((1, 64), 0.25))
+    delta[5] = 1.0
+    assert torch.isfinite(asynchronous.compress_arrival(outer, delta, errors, (64,))).all()
+    assert not torch.equal(errors, torch.full((1, 64), 0.25))
