@@ -23,6 +23,7 @@ from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import RunState
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records
+from hypertrain.report.runs import load_run
 
 BLOCK = 32
 GRIDS = {  # the magnitudes over the block's scale, and the scale's divisor M (docs/compression.md)
@@ -240,6 +241,13 @@ def test_an_async_run_records_each_arrivals_payload_bits_and_their_total(tmp_pat
     assert summary["async/payload_bits"] == sum(sum(r["payload_bits"]) for r in rows) == 12 * 8 * (n + 4 * C)
     fp32 = arrivals(ReferenceRuns.beside(tmp_path)(ASYNC))
     assert all(r["payload_bits"] == [32 * n] * len(r["replicas"]) for r in fp32)
+    # the report's outer bytes: per job the int8 payload's upload (n + 4C bytes) and an fp32 download (4n);
+    # each of the 2 replicas applied 6 jobs (12 arrivals), so the most one moved is 6 jobs' worth
+    run = load_run(run_dir)
+    per_replica = [sum(1 for r in rows if m in r["replicas"]) for m in (0, 1)]
+    assert per_replica == [6, 6]
+    assert run.outer_total_bytes() == 6 * ((n + 4 * C) + 4 * n)
+    assert run.outer_peak_bytes() == (n + 4 * C) + 4 * n < 8 * n  # below the fp32 job's 8n
 
 
 @pytest.mark.slow

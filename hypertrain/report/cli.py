@@ -73,10 +73,11 @@ ASYNC_NOTE = (
     "outer.schedule=async runs (docs/async.md; their rows are arrival rows): updates, the slowest "
     "replica's inner steps; the held-out curve's x axis counts server updates; replica-steps/s: the last "
     "session's inner steps over its seconds; tokens/s: the tokens of the jobs that arrived in the last "
-    "session over its wall seconds; outer bytes/replica: the most one replica moved, 8 N bytes per job "
-    "(one fp32 upload of its pseudo-gradient and one download of the weights, N the model's parameters); "
-    "outer peak bytes/sync: one job's 8 N; arrivals: jobs applied; server updates; staleness mean and max "
-    "over the jobs; async clock s: the network clock at the last server update (all from the arrival rows)."
+    "session over its wall seconds; outer bytes/replica: the most one replica moved, per job its "
+    "pseudo-gradient's upload (its payload_bits / 8: 4 N without a codec) and one fp32 download of the "
+    "weights (4 N, N the model's parameters); outer peak bytes/sync: the most one job moved; arrivals: "
+    "jobs applied; server updates; staleness mean and max over the jobs; async clock s: the network "
+    "clock at the last server update (all from the arrival rows)."
 )
 
 

@@ -87,18 +87,28 @@ class Run:
         given = [value for value in given if value is not None]
         return given[-1] if given else None
 
-    def async_bytes(self) -> dict[int, int]:
-        """outer.schedule=async (docs/async.md, "The schedule"): per server update (each arrival row's
-        `update`), the outer bytes moved so far by the replica that moved most. Each job applied is one
-        upload of its pseudo-gradient and one download of the weights, each one fp32 message of the
-        trained model's N parameters: 8 N bytes per job. {} for a run without arrival rows."""
-        per_job = 8 * (self.params() or 0)
-        jobs: dict[int, int] = {}
-        moved = {}
+    def async_jobs_bytes(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """outer.schedule=async (docs/async.md, "The schedule" and "Codecs"): per arrival row, its `update`
+        and each job's (replica, bytes moved): the upload of its pseudo-gradient, `payload_bits / 8`
+        (a codec's payload; rows without the field: one fp32 message of the trained model's N
+        parameters, 4 N), and the download of the weights, 4 N."""
+        n = self.params() or 0
+        out = []
         for row in self.of_kind("arrival"):
-            for replica in row.replicas:
-                jobs[replica] = jobs.get(replica, 0) + 1
-            moved[row.update] = per_job * max(jobs.values(), default=0)
+            bits = row.payload_bits or [32 * n] * len(row.replicas)
+            jobs = [(m, b // 8 + 4 * n) for m, b in zip(row.replicas, bits, strict=True)]
+            out.append((row.update, jobs))
+        return out
+
+    def async_bytes(self) -> dict[int, int]:
+        """Per server update (each arrival row's `update`), the outer bytes moved so far by the replica
+        that moved most (`async_jobs_bytes`). {} for a run without arrival rows."""
+        moved: dict[int, int] = {}
+        by_replica: dict[int, int] = {}
+        for update, jobs in self.async_jobs_bytes():
+            for replica, sent in jobs:
+                by_replica[replica] = by_replica.get(replica, 0) + sent
+            moved[update] = max(by_replica.values(), default=0)
         return moved
 
     def outer_total_bytes(self) -> int:
@@ -118,10 +128,11 @@ class Run:
     def outer_peak_bytes(self) -> int:
         """The most outer bytes one replica sent in one sync (a fragment's sync with fragments): the
         summary's `comm/outer_peak_bytes`, or, in a run without it, the largest `comm_outer_bytes` of
-        its sync rows (0 before the first sync). An async run: the most one replica moved in one server
-        update, one job's upload and download (8 N bytes)."""
-        if self.of_kind("arrival"):
-            return 8 * (self.params() or 0)
+        its sync rows (0 before the first sync). An async run: the most one job moved, its upload and
+        download (`async_jobs_bytes`: 8 N bytes without a codec)."""
+        jobs = self.async_jobs_bytes()
+        if jobs:
+            return max(sent for _, moved in jobs for _, sent in moved)
         peak = self.summary().get("comm/outer_peak_bytes")
         if peak is not None:
             return peak
