@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hypertrain import plan
-from hypertrain.data.batches import targets_of, update_batch
+from hypertrain.data.batches import targets_of
 from hypertrain.diloco import codecs
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
 from hypertrain.diloco.communication import fed_back, topk
@@ -102,9 +101,14 @@ def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
     cfg = run.cfg
 
     def targets(k: int, m: int) -> int:
-        return targets_of(run.dataset, plan.replica_ids(run.phase, k, m, cfg.replicas, run.samples))
+        return targets_of(run.dataset, run.replica_ids(k, m))
 
     return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets)
+
+
+def job_updates(job: Job) -> range:
+    """The updates whose plan ids `job` trains: its replica's steps `first .. first + steps - 1`."""
+    return range(job.first, job.first + job.steps)
 
 
 def run_jobs(
@@ -122,24 +126,7 @@ def run_jobs(
     for span in sorted({(job.first, job.steps) for job in jobs}):
         todo = [job for job in jobs if (job.first, job.steps) == span]
         assigns = [
-            Assignment(
-                job.replica,
-                job.first,
-                [
-                    update_batch(
-                        run.phase,
-                        run.samples,
-                        run.dataset,
-                        cfg.data,
-                        cfg.inner.micro_batch,
-                        cfg.replicas,
-                        k,
-                        job.replica,
-                        share,
-                    )
-                    for k in range(job.first, job.first + job.steps)
-                ],
-            )
+            Assignment(job.replica, job.first, [run.batch(k, job.replica, share) for k in job_updates(job)])
             for job in todo
         ]
         local = {m: i for i, m in enumerate(state.replicas)}  # a replica's index in `state.inner`

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hypertrain import plan
-from hypertrain.data.batches import ReplicaBatch, targets_of, update_batch
+from hypertrain.data.batches import ReplicaBatch, targets_of
 from hypertrain.diloco import churn, server
 from hypertrain.diloco.fragments import FLUSH, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
@@ -51,18 +50,7 @@ def assignments(
     share = groups.rank_share()
 
     def batch(u: int, m: int) -> ReplicaBatch:
-        return update_batch(
-            run.phase,
-            run.samples,
-            run.dataset,
-            cfg.data,
-            cfg.inner.micro_batch,
-            cfg.replicas,
-            u,
-            m,
-            share,
-            idle=(u, m) in idle,
-        )
+        return run.batch(u, m, share, idle=(u, m) in idle)
 
     if cfg.outer.fragments > 1:  # each fragment's step counted from its own last sync
         since: int | tuple[int, ...] = Schedule.of(cfg, run.updates).since_land(updates[0])
@@ -234,7 +222,7 @@ def token_weights(run: PreparedRun, window: range, facts, replicas: list[int]) -
     def ids(m: int) -> list:
         if facts is not None:
             return facts.ids.get(m, [])
-        return [plan.replica_ids(run.phase, u, m, R, run.samples) for u in window]
+        return [run.replica_ids(u, m) for u in window]
 
     tokens = [sum(targets_of(run.dataset, x) for x in ids(m)) for m in range(R)]
     w = server.token_weights(tokens, "tokens", torch.float32)

@@ -25,7 +25,7 @@ import torch
 from hypertrain import plan
 from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import TrainConfig
-from hypertrain.data.batches import ReplicaBatch
+from hypertrain.data.batches import ReplicaBatch, update_batch
 from hypertrain.data.datasets import Dataset
 from hypertrain.diloco.fragments import fragment_of, members
 from hypertrain.diloco.lowrank import initial_q
@@ -60,6 +60,27 @@ class PreparedRun:
     def sources(self) -> int:
         """The data's sources the held-out loss is split by (0: not split)."""
         return len(getattr(self.dataset, "source_names", ())) if self.heldout_sources else 0
+
+    def replica_ids(self, update: int, replica: int):
+        """The plan's ids of `replica` at `update` (`plan.replica_ids` of this run's phase and stream)."""
+        return plan.replica_ids(self.phase, update, replica, self.cfg.replicas, self.samples)
+
+    def batch(self, update: int, replica: int, share=None, idle: bool = False) -> ReplicaBatch:
+        """Replica `replica`'s batch at `update` (`batches.update_batch`): its whole share, or with
+        `share` (the benchmark layout) this rank's; none with `idle` (churn)."""
+        cfg = self.cfg
+        return update_batch(
+            self.phase,
+            self.samples,
+            self.dataset,
+            cfg.data,
+            cfg.inner.micro_batch,
+            cfg.replicas,
+            update,
+            replica,
+            share,
+            idle=idle,
+        )
 
 
 @dataclass
