@@ -233,7 +233,9 @@ def stop_here(
     """Every process stops after the same update: a checkpoint of this point (unless one was just
     written), then `Preempted`, which closes the records with a `preempted` end row. A stop after the
     last update (`finished`; by default the phase's last) is no stop: the run has finished."""
-    if state.next_update >= run.updates if finished is None else finished:
+    if finished is None:
+        finished = state.next_update >= run.updates
+    if finished:
         return
     name, where = signal.Signals(signum).name, f"after update {state.next_update}"
     if checkpointer is None or not (checkpointer.every or checkpointer.every_updates):
