@@ -82,6 +82,21 @@ class Case:
     torchrun: int = 0  # > 0: started by torchrun with this many processes, else self-launched
 
 
+# churn (docs/churn.md), replicas layout: 2 processes of 2 replicas each; replica 1 absent in rounds 2-3
+# (its process idles through them, contributing nothing), replica 2 missing round 3, replica 1 rejoining
+# in round 4 with a fresh inner state; a deadline (modelled compute, stragglers) stops replicas after 1
+# of the round's 2 steps in every round (replica 0 in rounds 1 and 4, ...).
+CHURN_P2_R4 = [
+    "world=4",
+    "replicas=4",
+    "processes.nproc=2",
+    "inner.H=2",
+    "phase.updates=8",
+    "churn.events=[2:1:leave,4:1:rejoin,3:2:miss]",
+    "cluster=h100",
+    "cluster.straggler.sigma=0.5",
+    "churn.deadline=3e-7",
+]
 CASES = {
     # benchmark, L = 2 ranks average every update; R = 1, so the sync is the replica's all-gather alone.
     "w2-r1-adamw-torchrun": Case(["world=2", "replicas=1"], "benchmark", 2, torchrun=2),
@@ -142,43 +157,11 @@ CASES = {
     "loop-w2-r1": Case(
         ["engine=loop", "world=2", "replicas=1", "inner.H=2", "phase.updates=4"], "benchmark", 2
     ),
-    # churn (docs/churn.md), replicas layout: 2 processes of 2 replicas each; replica 1 absent in rounds
-    # 2-3 (its process idles through them, contributing nothing), replica 2 missing round 3, replica 1
-    # rejoining in round 4 with a fresh inner state; a deadline (modelled compute, stragglers) stops
-    # replicas after 1 of the round's 2 steps in every round (replica 0 in rounds 1 and 4, ...).
-    "churn-replicas-p2-r4": Case(
-        [
-            "world=4",
-            "replicas=4",
-            "processes.nproc=2",
-            "inner.H=2",
-            "phase.updates=8",
-            "churn.events=[2:1:leave,4:1:rejoin,3:2:miss]",
-            "cluster=h100",
-            "cluster.straggler.sigma=0.5",
-            "churn.deadline=3e-7",
-        ],  # fmt: skip
-        "replicas",
-        2,
-    ),
+    # churn, replicas layout (CHURN_P2_R4)
+    "churn-replicas-p2-r4": Case(CHURN_P2_R4, "replicas", 2),
     # the same with outer.mean_weights=tokens (docs/async.md, "Weighted mean"): each process weighs its
     # replicas by the tokens all R trained on (the deadline's unequal steps), one all-reduce of the sums.
-    "tokens-churn-replicas-p2-r4": Case(
-        [
-            "world=4",
-            "replicas=4",
-            "processes.nproc=2",
-            "inner.H=2",
-            "phase.updates=8",
-            "churn.events=[2:1:leave,4:1:rejoin,3:2:miss]",
-            "cluster=h100",
-            "cluster.straggler.sigma=0.5",
-            "churn.deadline=3e-7",
-            "outer.mean_weights=tokens",
-        ],  # fmt: skip
-        "replicas",
-        2,
-    ),
+    "tokens-churn-replicas-p2-r4": Case([*CHURN_P2_R4, "outer.mean_weights=tokens"], "replicas", 2),
     # churn, benchmark layout (W 4, R 2, L 2): replica 0's two ranks idle through round 2, replica 1
     # misses round 3.
     "churn-benchmark-w4-r2": Case(
