@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pytest
 import torch
 from helpers import QUICK, ReferenceRuns, assert_same_weights, killed_beside_uninterrupted, resumed, small_cfg
@@ -54,9 +55,10 @@ def trained(cfg, record: list | None = None) -> dict[str, torch.Tensor]:
     apply = server.apply
 
     def recording(theta, deltas, tokens):
-        apply(theta, deltas, tokens)
+        mean = apply(theta, deltas, tokens)
         flat = torch.cat([t.reshape(-1) for t in theta.values()])
         record.append((deltas.clone(), flat.clone()))
+        return mean
 
     if record is not None:
         record.append((None, torch.cat([t.reshape(-1) for t in state.theta.values()]).clone()))
@@ -96,7 +98,6 @@ def test_dylu_gives_each_replica_its_share_of_h_by_its_speed_eq_6():
 
 def test_drawn_speeds_are_a_seeded_lognormal_drawn_once():
     cluster = replace(async_cfg().cluster, replica_speeds=[], speed_sigma=0.5, speed_seed=3)
-    import numpy as np
 
     z = np.random.default_rng(3).standard_normal(4)
     assert replica_speeds(cluster, 4) == [float(x) for x in np.exp(0.5 * z)]
@@ -445,7 +446,6 @@ def yaml_config(run) -> dict:
 def test_a_jobs_seconds_are_the_modelled_steps_over_its_speed_times_its_jobs_straggler_factor():
     """Timing.of(cfg): a step of t tokens takes 6 N t / (peak * mfu) / v_m * exp(sigma z), z the
     standard normals of default_rng([seed, j]) for the replica's j-th job; a message alpha + 4 N / beta."""
-    import numpy as np
 
     from hypertrain.diloco.arrivals import Timing
     from hypertrain.model.shapes import count_params
@@ -483,6 +483,40 @@ def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_held
     assert last["eval_loss"] > 5.5452  # ln 256, the margin 0
 
 
+def test_the_divergence_guard_stops_an_async_run_whose_pseudo_gradient_outgrows_the_weights(tmp_path):
+    """guard.pseudo_grad_ratio under async: the applied pseudo-gradient's norm (the jobs' mean) against
+    the global weights' before it. A ratio of 1e-9 trips at server update 1 (a job of two Adam steps
+    moves the weights by far more than 1e-9 of their norm); the row of that update is written first."""
+    from helpers import entry
+
+    from hypertrain.failures import Diverged
+
+    run_dir = tmp_path / "run"
+    done = entry([*ASYNC, "guard.pseudo_grad_ratio=1e-9", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == Diverged.exit_code, done.stderr
+    assert "diverged: the pseudo-gradient norm at server update 1 is " in done.stderr
+    assert "guard.pseudo_grad_ratio=1e-09 times the global weights' norm" in done.stderr
+    rows = arrivals(run_dir)
+    assert [r["update"] for r in rows] == [1] and rows[0]["pseudo_grad_norm"] > 0
+
+
+def test_an_arrival_rows_pseudo_gradient_norm_is_the_applied_means(naive_record):
+    """Each server update's `Applied.delta_norm` (an arrival row's `pseudo_grad_norm`) against the norm
+    of the pseudo-gradient the server was handed, taken here in numpy's float64: one arrival an update,
+    so the mean is the delta itself; the two float64 sums of n squares differ by at most n ulps of
+    float64 (2^-53 each, relative), the bound below."""
+    cfg = async_cfg(async_rule="naive", updates=12)
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    got = [(applied.delta_norm, applied.theta_norm) for applied in server_updates(run, state)]
+    deltas = [d[0].double().numpy() for d, _ in naive_record[1:]]
+    weights = [w.double().numpy() for _, w in naive_record[:-1]]
+    n = deltas[0].size
+    for (delta_norm, theta_norm), delta, theta in zip(got, deltas, weights, strict=True):
+        assert delta_norm == pytest.approx(float(np.linalg.norm(delta)), rel=n * 2.0**-53)
+        assert theta_norm == pytest.approx(float(np.linalg.norm(theta)), rel=n * 2.0**-53)
+
+
 def test_documents_of_unequal_length_weigh_each_job_by_the_tokens_it_trained_on():
     """Equal speeds on documents: the replicas' jobs differ in tokens, so in seconds; a grace window
     gathers each pair. The tokens the server weighs are the targets each job's batches held, and the
@@ -497,7 +531,7 @@ def test_documents_of_unequal_length_weigh_each_job_by_the_tokens_it_trained_on(
     state.asynchronous.server.apply = lambda theta, deltas, tokens: (
         seen.append(tokens),
         apply(theta, deltas, tokens),
-    )
+    )[1]
     updates = [applied.update for applied in server_updates(run, state)]
     assert [len(u.jobs) for u in updates] == [2] * 4
 

@@ -53,7 +53,7 @@ def observed(cfg):
 
     def recording_apply(theta, deltas, tokens):
         applied.append(deltas.clone())
-        apply(theta, deltas, tokens)
+        return apply(theta, deltas, tokens)
 
     asynchronous.compress_arrival = recording_compress
     state.asynchronous.server.apply = recording_apply

@@ -68,6 +68,10 @@ def test_the_report_reads_an_async_run_from_its_arrival_rows(made):
     assert len(jobs) == 2
     assert got["comm_outer_bytes"] == 2 * 4 * n * max(jobs.values()) > 0
     assert got["comm_outer_peak_bytes"] == 2 * 4 * n
+    # the run counts the same bytes as it goes (run.asynchronous.moved_bytes): its summary agrees
+    assert summary["comm/outer_total_bytes"] == 2 * 4 * n * max(jobs.values())
+    assert summary["comm/outer_peak_bytes"] == 2 * 4 * n
+    assert summary["comm/outer_replica_bits"] == [32 * n * jobs[m] for m in (0, 1)]
     assert got["arrivals"] == len(staleness) == summary["async/arrivals"]
     assert got["server_updates"] == arrivals[-1]["update"] == summary["async/server_updates"]
     assert got["staleness_mean"] == sum(staleness) / len(staleness)

@@ -25,7 +25,7 @@ from hypertrain.data.batches import targets_of
 from hypertrain.diloco import codecs
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
 from hypertrain.diloco.communication import fed_back, topk
-from hypertrain.diloco.outer import pseudo_gradients
+from hypertrain.diloco.outer import pseudo_gradients, weights_norm
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
@@ -41,6 +41,8 @@ class Applied:
     losses: list[list[float | None]]
     last: bool  # the phase's last server update
     bits: list[int]  # each job's payload bits (`payload_bits`)
+    delta_norm: float  # the norm of the pseudo-gradient applied (the jobs' mean, `server.contribution`)
+    theta_norm: float  # the global weights' norm before it was applied
 
 
 def payload_bits(outer, sizes: tuple[int, ...]) -> int:
@@ -189,7 +191,9 @@ def server_updates(
         fault_points.act(groups.rank, "round", range(update.index - 1, update.index))  # tests: a kill here
         shared = [arrived(job, now.flying, groups, state.theta, compress) for job in update.jobs]
         deltas = torch.stack([job["delta"] for job in shared])
-        now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
+        theta_norm = weights_norm(state.theta)
+        mean = now.server.apply(state.theta, deltas, [job.tokens for job in update.jobs])
+        delta_norm = math.sqrt(float(mean.double().pow(2).sum()))
         # every server update is a boundary: no replica's weights beside the global ones to save
         now.applied = state.next_update = state.rounds_done = state.round_first = update.index
         state.totals.tokens += sum(job.tokens for job in update.jobs)
@@ -201,4 +205,5 @@ def server_updates(
         state.totals.async_staleness_max = max(state.totals.async_staleness_max, *stale)
         state.totals.async_payload_bits += bits * len(update.jobs)
         losses = [job["losses"] for job in shared]
-        yield Applied(update, losses, update.index == len(updates), [bits] * len(update.jobs))
+        last = update.index == len(updates)
+        yield Applied(update, losses, last, [bits] * len(update.jobs), delta_norm, theta_norm)

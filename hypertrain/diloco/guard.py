@@ -61,15 +61,31 @@ def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tup
     if verdict[0] or not guard.enabled:
         return verdict
     for sync in rnd.syncs:
-        if sync.synced and not sync.delta_norm <= guard.pseudo_grad_ratio * sync.theta_norm:
+        if sync.synced:
             what = "" if run.cfg.outer.fragments == 1 else f" of fragment {sync.fragment}"
             weights = "global weights'" if run.cfg.outer.fragments == 1 else "fragment's global weights'"
-            return PSEUDO_GRAD, (
-                f"diverged: the pseudo-gradient norm at the sync{what} at update {update} is "
-                f"{sync.delta_norm:.4g}, more than guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times "
-                f"the {weights} norm {sync.theta_norm:.4g}; the run stops"
+            verdict = pseudo_grad_verdict(
+                run, sync.delta_norm, sync.theta_norm, f"the sync{what} at update {update}", weights
             )
+            if verdict[0]:
+                return verdict
     return 0, ""
+
+
+def pseudo_grad_verdict(
+    run: PreparedRun, delta_norm: float, theta_norm: float, where: str, weights: str = "global weights'"
+) -> tuple[int, str]:
+    """The guard's verdict on one applied pseudo-gradient (a sync's mean, or an asynchronous server
+    update's): its norm beyond guard.pseudo_grad_ratio x the norm of the weights it steps (`weights`,
+    taken before the step), or not finite; 0 and "" to train on (and with the guard off)."""
+    guard = run.cfg.guard
+    if not guard.enabled or delta_norm <= guard.pseudo_grad_ratio * theta_norm:
+        return 0, ""
+    return PSEUDO_GRAD, (
+        f"diverged: the pseudo-gradient norm at {where} is {delta_norm:.4g}, more than "
+        f"guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times the {weights} norm {theta_norm:.4g}; "
+        "the run stops"
+    )
 
 
 def stop_on_verdict(agreed: int, mine: int, why: str, rnd: Segment) -> None:

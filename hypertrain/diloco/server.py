@@ -51,8 +51,9 @@ class AsyncServer:
         self.count = 0
 
     @torch.no_grad()
-    def apply(self, theta: Params, deltas: Tensor, tokens: list[int]) -> None:
-        """One server update of k = len(deltas) arrivals applied together (docs/async.md).
+    def apply(self, theta: Params, deltas: Tensor, tokens: list[int]) -> Tensor:
+        """One server update of k = len(deltas) arrivals applied together (docs/async.md); returns their
+        mean g (`contribution`), the pseudo-gradient the divergence guard weighs.
 
         naive: the outer Nesterov step (`outer.outer_step`) on their mean g.
 
@@ -67,7 +68,7 @@ class AsyncServer:
         total, mean = contribution(deltas, tokens, self.cfg.mean_weights)
         if self.cfg.async_rule == "naive":
             outer_step(self.cfg, theta, unflatten(mean, theta), self.outer)
-            return
+            return mean
         k, before = len(deltas), self.count
         beta, c, lr = self.cfg.momentum, self.cfg.dn_activation, self.cfg.lr
         self.buffer.add_(total)
@@ -87,6 +88,7 @@ class AsyncServer:
         if full:
             self.buffer.zero_()
             self.count = 0
+        return mean
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer, "count": self.count}

@@ -110,6 +110,9 @@ class Totals:
     async_staleness_sum: int = 0
     async_staleness_max: int = 0
     async_payload_bits: int = 0  # the bits of the payloads applied (`asynchronous.payload_bits`)
+    # each replica's uploads and downloads in bytes (`run.asynchronous.moved_bytes`); None for a run
+    # resumed from a checkpoint written before them (the report sums its rows)
+    async_moved_bytes: list[int] | None = None
 
 
 @dataclass
@@ -201,6 +204,7 @@ class RunState:
         if cfg.outer.is_async:
             server = AsyncServer(cfg.outer, cfg.replicas, state.outer, sum(t.numel() for t in theta.values()))
             state.asynchronous = AsyncState(server)
+            state.totals.async_moved_bytes = [0] * cfg.replicas
         state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
         if cfg.outer.compress == "lowrank":
@@ -325,6 +329,8 @@ class RunState:
         self.totals = Totals(**saved["totals"])
         if self.totals.comm_outer_bits is not None:
             self.totals.comm_outer_bits = list(self.totals.comm_outer_bits)
+        if self.totals.async_moved_bytes is not None:
+            self.totals.async_moved_bytes = list(self.totals.async_moved_bytes)
         self.round_first = int(saved["round_first"])
         self.round_params = self.round_stepped = self.pending = None
         device = next(iter(self.theta.values())).device

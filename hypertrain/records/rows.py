@@ -328,6 +328,7 @@ class ArrivalRow(Row):
         "each job's payload bits: 32 a parameter (fp32), or its codec's payload (docs/async.md, Codecs)"
     )
     staleness_mean: float = _maybe("the mean of `staleness`")
+    pseudo_grad_norm: float | None = _maybe("the norm of the pseudo-gradient applied (the jobs' mean)")
     clock_s: float = _maybe("the network clock at the update (docs/async.md)")
     eval_loss: float | None = _maybe("every outer.async_eval_every arrivals: the new weights' held-out loss")
     figures: dict = _open("none yet")

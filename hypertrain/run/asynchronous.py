@@ -1,18 +1,21 @@
 """`train_async(run, state, log, checkpointer)`: an asynchronous run's server updates
 (`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
 server's weights whenever the jobs applied reach a multiple of outer.async_eval_every (and after the
-last), under the divergence guard's held-out verdict (`guard.heldout_verdict`), the checkpoints asked for.
+last), under the divergence guard (its held-out verdict, then the applied pseudo-gradient's ratio to the
+weights), the outer bytes counted (`moved_bytes`), the checkpoints asked for.
 Returns the last held-out loss and the run's `async/` summary.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
-from hypertrain.diloco.asynchronous import server_updates
-from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict
-from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.clock.timeline import FP32_BYTES
+from hypertrain.diloco.asynchronous import Applied, server_updates
+from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict
+from hypertrain.diloco.state import PreparedRun, RunState, Totals
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import Diverged, NonFiniteError, signals
 from hypertrain.records.rows import ArrivalRow
@@ -22,6 +25,22 @@ from hypertrain.run.evaluation import heldout_eval
 def last_loss(losses: list[float | None]) -> float | None:
     """A job's training loss at its last step that trained (None: no step did)."""
     return next((x for x in reversed(losses) if x is not None), None)
+
+
+def moved_bytes(totals: Totals, applied: Applied, n_params: int) -> None:
+    """Count `applied`'s jobs' outer bytes into `totals` (docs/async.md "Records and checkpoints"): a job
+    moves its upload, `payload_bits / 8`, and its replica's download of the new weights, 4 N bytes (N
+    fp32 parameters); `comm_outer_bits` takes each replica's uploads, `async_moved_bytes` its uploads
+    and downloads, `comm_outer_bytes` the most one replica moved, `comm_outer_peak` the most one job moved
+    (the report's `Run.outer_total_bytes` and `outer_peak_bytes`, from the rows)."""
+    for job, bits in zip(applied.update.jobs, applied.bits, strict=True):
+        moved = bits // 8 + FP32_BYTES * n_params
+        if totals.comm_outer_bits is not None:
+            totals.comm_outer_bits[job.replica] += bits
+        if totals.async_moved_bytes is not None:
+            totals.async_moved_bytes[job.replica] += moved
+            totals.comm_outer_bytes = max(totals.async_moved_bytes)
+        totals.comm_outer_peak = max(totals.comm_outer_peak, moved)
 
 
 def train_async(
@@ -40,6 +59,7 @@ def train_async(
     groups = groups or ReplicaGroups(cfg.replicas)
     every = cfg.outer.async_eval_every or cfg.replicas
     clock_s, start, steps = 0.0, time.perf_counter(), 0
+    n_params = sum(t.numel() for t in state.theta.values())
     for applied in server_updates(run, state, groups=groups):
         update = applied.update
         stale = update.staleness
@@ -52,6 +72,7 @@ def train_async(
             staleness=stale,
             loss=[last_loss(losses) for losses in applied.losses],
             payload_bits=applied.bits,
+            pseudo_grad_norm=applied.delta_norm if math.isfinite(applied.delta_norm) else None,
             staleness_mean=sum(stale) / len(stale),
             clock_s=update.clock_s,
         )
@@ -63,6 +84,9 @@ def train_async(
             row.eval_loss = eval_loss
         after = f"server update {update.index}"
         verdict, why = heldout_verdict(run, row.eval_loss, after)
+        if not verdict:  # the same figures on every process: their verdicts agree
+            verdict, why = pseudo_grad_verdict(run, applied.delta_norm, applied.theta_norm, after)
+        moved_bytes(state.totals, applied, n_params)
         if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
             log.write(row)
         agreed = groups.max_over_processes(verdict) if groups.size > 1 else verdict
