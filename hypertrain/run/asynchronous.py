@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from hypertrain.diloco.arrivals import Job, ServerUpdate
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict
 from hypertrain.diloco.state import PreparedRun, RunState
@@ -22,6 +23,28 @@ from hypertrain.run.evaluation import heldout_eval
 def last_loss(losses: list[float | None]) -> float | None:
     """A job's training loss at its last step that trained (None: no step did)."""
     return next((x for x in reversed(losses) if x is not None), None)
+
+
+def away_fields(update: ServerUpdate) -> tuple[list[dict], list[dict]]:
+    """The arrival row's `absent` and `dropped`: the update's jobs that did not arrive, each its replica,
+    job number (1-based), first step and steps."""
+
+    def of(job: Job) -> dict:
+        return {"replica": job.replica, "job": job.index, "first": job.first, "steps": job.steps}
+
+    return [of(j) for j in update.away if j.absent], [of(j) for j in update.away if j.dropped]
+
+
+def churn_summary(totals) -> dict:
+    """An asynchronous run's churn figures (docs/async.md, "Churn with async"): its absent and dropped
+    jobs, goodput (replica-steps that reached the server / replica-steps computed: a dropped job's were
+    computed and thrown away, an absent job's never computed) and the sha256 of the ids that reached it."""
+    return {
+        "async/absent_jobs": totals.churn_absent,
+        "async/dropped_jobs": totals.churn_missed,
+        "churn/goodput": totals.replica_steps_reached / totals.replica_steps if totals.replica_steps else 1.0,
+        "churn/contributed_ids_sha256": totals.contributed_sha256,
+    }
 
 
 def train_async(
@@ -55,6 +78,8 @@ def train_async(
             staleness_mean=sum(stale) / len(stale),
             clock_s=update.clock_s,
         )
+        if cfg.churn.enabled:
+            row.absent, row.dropped = away_fields(update)
         clock_s = update.clock_s
         steps += sum(job.steps for job in update.jobs)
         jobs = state.totals.async_jobs  # applied so far, this update's included
@@ -91,4 +116,6 @@ def train_async(
         "async/payload_bits": totals.async_payload_bits,  # the phase's arrivals', all sessions
         "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
     }
+    if cfg.churn.enabled:
+        summary |= churn_summary(totals)
     return eval_loss, summary
