@@ -337,6 +337,11 @@ def test_the_rows_list_each_absence_and_drop_and_the_summary_counts_them(tmp_pat
                 h.update(np.asarray(run.replica_ids(k, m), dtype=np.int64).tobytes() + b"|")
         digest = h.hexdigest()
     assert summary["churn/contributed_ids_sha256"] == digest
+    # the report's updates done count the absent and dropped jobs' steps as taken: every replica its 12
+    from hypertrain.report.runs import load_run
+    from hypertrain.report.table import figures
+
+    assert figures(load_run(run_dir))["updates"] == "12/12"
 
 
 @pytest.mark.slow
@@ -370,3 +375,17 @@ def test_the_churn_draws_cover_every_replicas_jobs():
 
     outer = replace(async_cfg().outer, dylu=True)
     assert job_steps(outer, 4, [1.0, 0.5]) == [4, 2] and jobs_per_replica(outer, 4, 10, [1.0, 0.5]) == 5
+
+
+def test_the_reports_updates_done_count_a_jobs_steps_absent_or_dropped_as_taken():
+    """A replica whose last job was away has taken its steps all the same (the phase ends after every
+    replica's phase.updates): replica 1's only job absent, replica 2's dropped, both at step 2."""
+    from hypertrain.records.rows import ArrivalRow
+    from hypertrain.report.table import async_steps_done
+
+    def away(m):
+        return [{"replica": m, "job": 1, "first": 0, "steps": 2}]
+
+    row = ArrivalRow(update=1, replicas=[0], first=[0], steps=[2], absent=away(1), dropped=away(2))
+    assert async_steps_done([row], 3) == 2
+    assert async_steps_done([replace(row, absent=None, dropped=None)], 3) == 0
