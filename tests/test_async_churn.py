@@ -346,11 +346,12 @@ def test_the_rows_list_each_absence_and_drop_and_the_summary_counts_them(tmp_pat
 
 @pytest.mark.slow
 def test_a_run_killed_while_a_replica_is_away_resumes_to_the_uninterrupted_one(tmp_path):
-    """SIGKILL before server update 4, replica 1 away (its job 3 in progress), resume=true: every row and
-    the weights equal the uninterrupted run's."""
+    """SIGKILL before server update 4, replica 1 away (its absent job 3 started after update 3 and
+    returns after update 4: listed on update 5's row), resume=true: every row and the weights equal
+    the uninterrupted run's."""
     rows = arrivals(ReferenceRuns.beside(tmp_path)(CHURN))
-    away = [a["job"] for r in rows[3:] for a in r["absent"]]  # listed on update 4 or later: away at the kill
-    assert 3 in away
+    assert [(a["replica"], a["job"]) for a in rows[3]["absent"]] == [(1, 2)]
+    assert [(a["replica"], a["job"]) for a in rows[4]["absent"]] == [(1, 3)]
     run_dir, reference = killed_beside_uninterrupted(CHURN, tmp_path, "0:4:kill")
     resumed(CHURN, run_dir, tmp_path)
     assert arrivals(run_dir) == arrivals(reference)
