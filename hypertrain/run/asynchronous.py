@@ -35,7 +35,7 @@ def away_fields(update: ServerUpdate) -> tuple[list[dict], list[dict]]:
     return [of(j) for j in update.away if j.absent], [of(j) for j in update.away if j.dropped]
 
 
-def churn_summary(totals) -> dict:
+def churn_figures(totals) -> dict:
     """An asynchronous run's churn figures (docs/async.md, "Churn with async"): its absent and dropped
     jobs, goodput (replica-steps that reached the server / replica-steps computed: a dropped job's were
     computed and thrown away, an absent job's never computed) and the sha256 of the ids that reached it."""
@@ -117,5 +117,5 @@ def train_async(
         "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
     }
     if cfg.churn.enabled:
-        summary |= churn_summary(totals)
+        summary |= churn_figures(totals)
     return eval_loss, summary
