@@ -380,7 +380,19 @@ CASES = {
         "asynchronous replicas with a whole-round overlap (not built)",
         ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, lowrank, churn likewise)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, lowrank likewise)",
+    ),
+    "async-churn-quorum": Case(
+        "asynchronous replicas with a churn quorum (no sync to skip: docs/async.md, Churn with async)",
+        ["outer.schedule=async", "cluster=h100", "churn.min_quorum=2"],
+        "outer.schedule=async with churn.min_quorum=2 is not built (it needs a sync to skip",
+        "churn.min_quorum=1, or outer.schedule=rounds",
+    ),
+    "async-churn-deadline": Case(
+        "asynchronous replicas with a churn deadline (no round to cut: docs/async.md, Churn with async)",
+        ["outer.schedule=async", "cluster=h100", "churn.deadline=0.5"],
+        "outer.schedule=async with churn.deadline=0.5 is not built (it needs a round to cut",
+        "churn.deadline=0, or outer.schedule=rounds",
     ),
     "async-with-lowrank": Case(
         "asynchronous replicas with low-rank compression (not built: docs/async.md, Codecs)",

@@ -23,7 +23,8 @@ import torch
 
 from hypertrain.data.batches import targets_of
 from hypertrain.diloco import codecs
-from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
+from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, jobs_per_replica, schedule
+from hypertrain.diloco.churn import Schedule, count_arrivals, reset_inner_state
 from hypertrain.diloco.communication import fed_back, topk
 from hypertrain.diloco.outer import pseudo_gradients, weights_norm
 from hypertrain.diloco.state import PreparedRun, RunState
@@ -97,15 +98,25 @@ def compressor(run: PreparedRun, state: RunState):
     return compress
 
 
-def arrival_schedule(run: PreparedRun) -> list[ServerUpdate]:
-    """The run's server updates (`arrivals.schedule`): a replica's step k trains the plan's ids of
-    update k for it, and its tokens are their targets."""
+def statuses(run: PreparedRun) -> Schedule | None:
+    """Churn's statuses keyed by job number (docs/async.md, "Churn with async"): replica m's j-th job
+    has round j's status of `churn.Schedule`, over the most jobs a replica takes; None without churn."""
+    cfg = run.cfg
+    if not cfg.churn.enabled:
+        return None
+    jobs = jobs_per_replica(cfg.outer, cfg.inner.H, run.updates, list(Timing.of(cfg).speeds))
+    return Schedule.of(cfg.churn, cfg.replicas, jobs)
+
+
+def arrival_schedule(run: PreparedRun, churn: Schedule | None = None) -> list[ServerUpdate]:
+    """The run's server updates (`arrivals.schedule`, with `churn`'s statuses): a replica's step k
+    trains the plan's ids of update k for it, and its tokens are their targets."""
     cfg = run.cfg
 
     def targets(k: int, m: int) -> int:
         return targets_of(run.dataset, run.replica_ids(k, m))
 
-    return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets)
+    return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets, churn)
 
 
 def job_updates(job: Job) -> range:
@@ -114,24 +125,43 @@ def job_updates(job: Job) -> range:
 
 
 def run_jobs(
-    run: PreparedRun, state: RunState, jobs: list[Job], engine: Engine, groups: Collectives | None = None
+    run: PreparedRun,
+    state: RunState,
+    jobs: list[Job],
+    engine: Engine,
+    groups: Collectives | None = None,
+    churn: Schedule | None = None,
 ) -> None:
     """Run `jobs` (replicas that pulled the global weights `state.theta` now) on the engine, the jobs of
     the same first step and length in one call (the stacked engine stacks them: its replicas share the
     lr schedule's steps), and keep each one's pseudo-gradient. Under the benchmark layout of L > 1
     processes per replica (`groups`) this process trains its share of each step, its replica's ranks
-    averaging their gradients (as in rounds): every rank of a replica holds the same job."""
+    averaging their gradients (as in rounds): every rank of a replica holds the same job.
+
+    With churn (docs/async.md, "Churn with async"): an absent job trains nothing (its replica's job
+    before it, a dropped one, leaves `flying`); a job rejoining after an absent one (`churn`'s
+    `rejoining`, by job number) starts from a zero inner state with churn.rejoin_state=reset. One
+    replica's jobs pulled at one update (after absent ones) run in job order."""
     cfg = run.cfg
     share = groups.rank_share() if groups is not None else None
     share = share if share is not None and share[2] > 1 else None  # L = 1: the replica's whole batch
     average = groups.average_in_replica if share is not None else None
+    local = {m: i for i, m in enumerate(state.replicas)}  # a replica's index in `state.inner`
+    reset = churn is not None and cfg.churn.rejoin_state == "reset"
     for span in sorted({(job.first, job.steps) for job in jobs}):
         todo = [job for job in jobs if (job.first, job.steps) == span]
+        for job in todo:
+            if job.absent:
+                state.asynchronous.flying.pop(job.replica, None)
+            elif reset and churn.rejoining(job.index, job.replica):
+                reset_inner_state(state.inner[local[job.replica]])
+        todo = [job for job in todo if not job.absent]
+        if not todo:
+            continue
         assigns = [
             Assignment(job.replica, job.first, [run.batch(k, job.replica, share) for k in job_updates(job)])
             for job in todo
         ]
-        local = {m: i for i, m in enumerate(state.replicas)}  # a replica's index in `state.inner`
         states = [state.inner[local[job.replica]] for job in todo]
         results = engine(cfg, state.theta, assigns, states, average)
         for job, res in zip(todo, results, strict=True):
@@ -176,17 +206,18 @@ def server_updates(
     engine = engine or engine_for(cfg.engine.name)
     groups = groups or ReplicaGroups(cfg.replicas)
     ours = set(groups.replicas)
-    updates = arrival_schedule(run)
+    churn = statuses(run)
+    updates = arrival_schedule(run, churn)
     starts: dict[int, list[Job]] = {}  # the jobs started after each server update (0: at the start)
     for update in updates:
-        for job in update.jobs:
+        for job in (*update.jobs, *update.away):
             if job.replica in ours:
                 starts.setdefault(job.pulled, []).append(job)
     now = state.asynchronous
     compress = compressor(run, state)
     bits = payload_bits(cfg.outer, tuple(t.numel() for t in state.theta.values()))
     if now.applied == 0 and not now.flying:
-        run_jobs(run, state, starts.get(0, []), engine, groups)
+        run_jobs(run, state, starts.get(0, []), engine, groups, churn)
     for update in updates[now.applied :]:
         fault_points.act(groups.rank, "round", range(update.index - 1, update.index))  # tests: a kill here
         shared = [arrived(job, now.flying, groups, state.theta, compress) for job in update.jobs]
@@ -198,7 +229,10 @@ def server_updates(
         now.applied = state.next_update = state.rounds_done = state.round_first = update.index
         state.totals.tokens += sum(job.tokens for job in update.jobs)
         state.totals.replica_steps += sum(job.steps for job in update.jobs)
-        run_jobs(run, state, sorted(starts.get(update.index, []), key=lambda j: j.replica), engine, groups)
+        if churn is not None:
+            count_arrivals(state.totals, update, run.replica_ids)
+        mine = sorted(starts.get(update.index, []), key=lambda j: j.replica)
+        run_jobs(run, state, mine, engine, groups, churn)
         stale = update.staleness
         state.totals.async_jobs += len(stale)
         state.totals.async_staleness_sum += sum(stale)

@@ -97,15 +97,38 @@ def chain_digest(previous: str, facts: RoundFacts, fragments: int = 1) -> str:
     """The running sha256 of the ids whose pseudo-gradients reached a sync: the previous digest, the
     round (and with several fragments the fragment) and, per contributing replica in order, its index
     and its ids (int64) at each update of the sync's window."""
+    head = f"round {facts.k}" + (f"fragment {facts.fragment}" if fragments > 1 else "")
+    return ids_digest(previous, head, facts.ids)
+
+
+def ids_digest(previous: str, head: str, ids: dict[int, list[np.ndarray]]) -> str:
+    """sha256 over the previous digest, `head`, and per replica in order its index and its ids (int64)
+    at each of its steps (`chain_digest`'s, and an asynchronous server update's)."""
     h = hashlib.sha256(previous.encode())
-    h.update(f"round {facts.k}".encode())
-    if fragments > 1:
-        h.update(f"fragment {facts.fragment}".encode())
-    for m in sorted(facts.ids):
+    h.update(head.encode())
+    for m in sorted(ids):
         h.update(f"replica {m}".encode())
-        for ids in facts.ids[m]:
-            h.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
+        for step in ids[m]:
+            h.update(np.asarray(step, dtype=np.int64).tobytes() + b"|")
     return h.hexdigest()
+
+
+def count_arrivals(totals, update, replica_ids) -> None:
+    """Churn's figures of an asynchronous server update (`arrivals.ServerUpdate`, docs/async.md "Churn
+    with async") added to the run's `totals`: its absent and dropped jobs (`churn_absent`,
+    `churn_missed`), a dropped job's steps and tokens as computed (`replica_steps`, `tokens`: its
+    arrivals' are counted already), the arrivals' steps as reached (`replica_steps_reached`), and the ids
+    digest chained over the update's index and each arrival's ids (`replica_ids(k, m)`: the plan's ids of
+    replica m's step k)."""
+    dropped = [job for job in update.away if job.dropped]
+    totals.churn_absent += sum(job.absent for job in update.away)
+    totals.churn_missed += len(dropped)
+    totals.replica_steps += sum(job.steps for job in dropped)
+    totals.tokens += sum(job.tokens for job in dropped)
+    totals.replica_steps_reached += sum(job.steps for job in update.jobs)
+    ids = {job.replica: [replica_ids(k, job.replica) for k in range(job.first, job.first + job.steps)]
+           for job in update.jobs}  # fmt: skip
+    totals.contributed_sha256 = ids_digest(totals.contributed_sha256, f"update {update.index}", ids)
 
 
 @dataclass

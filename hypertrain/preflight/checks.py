@@ -176,7 +176,6 @@ def check_async(cfg: TrainConfig) -> None:
         (outer.compress == "lowrank", f"outer.compress={outer.compress}"),
         (outer.transform != "none", f"outer.transform={outer.transform}"),
         (bool(outer.tile), f"outer.tile={outer.tile}"),
-        (cfg.churn.enabled, "churn"),
         (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
     ]
     for refused, what in unbuilt:
@@ -184,6 +183,17 @@ def check_async(cfg: TrainConfig) -> None:
             raise UserError(
                 f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
                 f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
+            )
+    # churn's round-bound fields: a quorum skips a sync, a deadline cuts a round; async has neither
+    roundly = [
+        (cfg.churn.min_quorum > 1, f"churn.min_quorum={cfg.churn.min_quorum}", "a sync to skip", "1"),
+        (bool(cfg.churn.deadline), f"churn.deadline={cfg.churn.deadline!r}", "a round to cut", "0"),
+    ]
+    for refused, what, needs, default in roundly:
+        if refused:
+            raise UserError(
+                f"outer.schedule=async with {what} is not built (it needs {needs}: docs/async.md, "
+                f"'Churn with async'); valid: {what.split('=')[0]}={default}, or outer.schedule=rounds"
             )
     N = outer.dn_buffer or R
     if not 0.0 <= outer.dn_activation <= 1.0 / N:

@@ -120,10 +120,13 @@ def session_seconds(session: list[Row]) -> float:
 def async_steps_done(arrivals: list, replicas: int) -> int:
     """outer.schedule=async (docs/async.md): the updates a run has done are the inner steps of its
     slowest replica, counted from the jobs its arrival rows applied (a job ends at its replica's step
-    `first + steps`); a replica none of whose jobs arrived yet has done 0."""
+    `first + steps`), and with churn the jobs they list absent or dropped (their steps are taken too);
+    a replica none of whose jobs arrived yet has done 0."""
     reached = dict.fromkeys(range(replicas), 0)
     for row in arrivals:
-        for replica, first, steps in zip(row.replicas, row.first, row.steps, strict=True):
+        jobs = list(zip(row.replicas, row.first, row.steps, strict=True))
+        jobs += [(j["replica"], j["first"], j["steps"]) for j in (row.absent or []) + (row.dropped or [])]
+        for replica, first, steps in jobs:
             reached[replica] = max(reached.get(replica, 0), first + steps)
     return min(reached.values())
 

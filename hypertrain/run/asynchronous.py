@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from hypertrain.clock.timeline import FP32_BYTES
+from hypertrain.diloco.arrivals import Job, ServerUpdate
 from hypertrain.diloco.asynchronous import Applied, server_updates
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict
 from hypertrain.diloco.state import PreparedRun, RunState, Totals
@@ -30,8 +31,9 @@ def last_loss(losses: list[float | None]) -> float | None:
 def moved_bytes(totals: Totals, applied: Applied, n_params: int) -> None:
     """Count `applied`'s jobs' outer bytes into `totals` (docs/async.md "Records and checkpoints"): a job
     moves its upload, `payload_bits / 8`, and its replica's download of the new weights, 4 N bytes (N
-    fp32 parameters); `comm_outer_bits` takes each replica's uploads, `async_moved_bytes` its uploads
-    and downloads, `comm_outer_bytes` the most one replica moved, `comm_outer_peak` the most one job moved
+    fp32 parameters); a job that did not arrive (churn: absent or dropped) its download alone.
+    `comm_outer_bits` takes each replica's uploads applied, `async_moved_bytes` its uploads and
+    downloads, `comm_outer_bytes` the most one replica moved, `comm_outer_peak` the most one job moved
     (the report's `Run.outer_total_bytes` and `outer_peak_bytes`, from the rows)."""
     for job, bits in zip(applied.update.jobs, applied.bits, strict=True):
         moved = bits // 8 + FP32_BYTES * n_params
@@ -39,8 +41,33 @@ def moved_bytes(totals: Totals, applied: Applied, n_params: int) -> None:
             totals.comm_outer_bits[job.replica] += bits
         if totals.async_moved_bytes is not None:
             totals.async_moved_bytes[job.replica] += moved
-            totals.comm_outer_bytes = max(totals.async_moved_bytes)
         totals.comm_outer_peak = max(totals.comm_outer_peak, moved)
+    if totals.async_moved_bytes is not None:
+        for job in applied.update.away:  # absent or dropped: its replica's pull at its return
+            totals.async_moved_bytes[job.replica] += FP32_BYTES * n_params
+        totals.comm_outer_bytes = max(totals.async_moved_bytes)
+
+
+def away_fields(update: ServerUpdate) -> tuple[list[dict], list[dict]]:
+    """The arrival row's `absent` and `dropped`: the update's jobs that did not arrive, each its replica,
+    job number (1-based), first step and steps."""
+
+    def of(job: Job) -> dict:
+        return {"replica": job.replica, "job": job.index, "first": job.first, "steps": job.steps}
+
+    return [of(j) for j in update.away if j.absent], [of(j) for j in update.away if j.dropped]
+
+
+def churn_figures(totals) -> dict:
+    """An asynchronous run's churn figures (docs/async.md, "Churn with async"): its absent and dropped
+    jobs, goodput (replica-steps that reached the server / replica-steps computed: a dropped job's were
+    computed and thrown away, an absent job's never computed) and the sha256 of the ids that reached it."""
+    return {
+        "async/absent_jobs": totals.churn_absent,
+        "async/dropped_jobs": totals.churn_missed,
+        "churn/goodput": totals.replica_steps_reached / totals.replica_steps if totals.replica_steps else 1.0,
+        "churn/contributed_ids_sha256": totals.contributed_sha256,
+    }
 
 
 def train_async(
@@ -76,6 +103,8 @@ def train_async(
             staleness_mean=sum(stale) / len(stale),
             clock_s=update.clock_s,
         )
+        if cfg.churn.enabled:
+            row.absent, row.dropped = away_fields(update)
         clock_s = update.clock_s
         steps += sum(job.steps for job in update.jobs)
         jobs = state.totals.async_jobs  # applied so far, this update's included
@@ -115,4 +144,6 @@ def train_async(
         "async/payload_bits": totals.async_payload_bits,  # the phase's arrivals', all sessions
         "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
     }
+    if cfg.churn.enabled:
+        summary |= churn_figures(totals)
     return eval_loss, summary

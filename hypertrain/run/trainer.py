@@ -368,7 +368,7 @@ def train(
         | throughput.window(end)
         | throughput.summary()
         | (clock.summary() if clock is not None else {})
-        | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled else {})
+        | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled and not cfg.outer.is_async else {})
         | asynchronous
     )
     log.write(SummaryRow(values=summary))
