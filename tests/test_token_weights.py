@@ -97,9 +97,9 @@ def test_without_a_deadline_documents_of_unequal_length_weigh_and_fixed_text_wei
                 targets[u // 2][m] += int(total)
     assert any(a != b for a, b in targets), targets
     for i, tokens in enumerate(targets):
-        got = token_weights(run, range(2 * i, 2 * i + 2), None, [0, 1])
+        got = token_weights(run, range(2 * i, 2 * i + 2), None)
         assert got == rule(tokens, "tokens", torch.float32).tolist()
     uniform = final(replace(cfg, outer=replace(cfg.outer, mean_weights="uniform")))
     assert any(not torch.equal(state.theta[n], t) for n, t in uniform.items())
     text = weighted(cfg_for(R=2, H=2))
-    assert token_weights(prepare(text), range(0, 2), None, [0, 1]) == [0.5, 0.5]
+    assert token_weights(prepare(text), range(0, 2), None) == [0.5, 0.5]

@@ -1,0 +1,250 @@
+"""outer.mean_weights=tokens in synchronous rounds with codecs, Streaming DiLoCo's fragments and
+overlap (issue 39, docs/async.md "Weighted mean"): at every sync the run's outer step is the float64
+step on g = sum_m v_m d_m, v_m = T_m / sum_j T_j with T_m the target tokens replica m trained on in the
+sync's own window (worked out here from the plan's ids and the documents' lengths: since the fragment's
+last sync; with overlap, the window the reduction took) and d_m replica m's contribution: its
+pseudo-gradient (fp32), the codec's grid of it (int8, written in tests/test_async_codecs.py), or the
+largest magnitudes of x_m = delta_m + e_m (top-k, its error buffer e_m <- x_m - C(x_m) followed here
+exactly); the uniform mean is not it (negative control); loop = stacked bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import cfg_for
+from references import U32
+from test_async_codecs import BLOCK, blocks_of, grid_reference
+
+from hypertrain.diloco.fragments import fragment_of
+from hypertrain.diloco.rounds import rounds
+from hypertrain.diloco.state import RunState
+from hypertrain.engines import loop
+from hypertrain.preflight.checks import validate
+from hypertrain.preflight.prepare import initial_weights, prepare
+
+R, H, FRACTION = 3, 4, 0.25
+
+
+def documents_cfg(engine: str = "stacked", **outer):
+    """R = 3 replicas, H = 4, 8 updates on documents of unequal length (their tokens differ per replica
+    and window), one layer (two fragments at most), token-weighted; `outer` on top."""
+    base = cfg_for(R=R, H=H)
+    outer = {"mean_weights": "tokens", "block": BLOCK, "topk_fraction": FRACTION} | outer
+    cfg = replace(
+        base,
+        data=replace(base.data, examples="documents", max_len=48, max_examples=4),
+        outer=replace(base.outer, **outer),
+        engine=replace(base.engine, name=engine),
+    )
+    validate(cfg)
+    return cfg
+
+
+def observed(cfg):
+    """Run `cfg` by the loop engine cut after every update: per update count, every replica's weights
+    before its events, and after them the global weights, the outer momentum and every error buffer."""
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    before: dict[int, list[dict]] = {}
+
+    def recording(cfg, theta, assigns, states, average=None, stop=None):
+        results = loop.train_replicas(cfg, theta, assigns, states, average, stop)
+        count = assigns[0].global_step0 + len(results[0].losses)
+        before[count] = [{n: t[0].clone() for n, t in r.params.items()} for r in results]
+        return results
+
+    def snapshot():
+        errors = (
+            None if state.errors is None else [{n: t.clone() for n, t in e.items()} for e in state.errors]
+        )
+        theta = {n: t.clone() for n, t in state.theta.items()}
+        return theta, {n: t.clone() for n, t in state.outer.momentum.items()}, errors
+
+    after = {0: snapshot()}
+    for part in rounds(run, state, recording, every_updates=1):
+        after[part.updates.stop] = snapshot()
+    return run, before, after
+
+
+def tokens_in(run, window: range) -> torch.Tensor:
+    """float64 [R]: the target tokens each replica trained on in `window`: every document of the plan's
+    ids has one target fewer than its tokens."""
+    return torch.tensor(
+        [
+            sum(len(run.dataset.get(int(x))) - 1 for u in window for x in run.replica_ids(u, m))
+            for m in range(R)
+        ],
+        dtype=torch.float64,
+    )
+
+
+def flat(params: dict, names: list[str]) -> torch.Tensor:
+    return torch.cat([params[n].reshape(-1) for n in names])
+
+
+def syncs(cfg) -> list[tuple[int, int, int]]:
+    """Every sync as (fragment, take count, landing count), in landing order, from Streaming DiLoCo's
+    schedule: fragment p lands at counts k H + (p + 1) H / P and is taken tau counts before; the phase's
+    end lands one in flight with what it took, and takes and lands any other fragment not just landed."""
+    P, U, tau = cfg.outer.fragments, cfg.phase.updates, cfg.outer.delay
+    out = []
+    for p in range(P):
+        last = 0
+        for k in range(U // H + 1):
+            land = k * H + (p + 1) * H // P
+            take = land - tau
+            if take >= U:  # not taken before the end: the flush takes and lands it
+                if last < U:
+                    out.append((p, U, U))
+                break
+            out.append((p, take, min(land, U)))
+            last = min(land, U)
+            if last == U:
+                break
+    return sorted(out, key=lambda sync: (sync[2], sync[0]))
+
+
+def float64_step(outer, theta, buf, g):
+    """DiLoCo's outer step (SGD with Nesterov momentum) in float64."""
+    new_buf = outer.momentum * buf + g
+    return theta - outer.lr * (g + outer.momentum * new_buf if outer.nesterov else new_buf), new_buf
+
+
+def topk_of(x, left, sizes):
+    """float64: the top-k payload the run's buffers `left` say each row of `x` sent, d = x - left, after
+    checking it is one: every entry x's own or 0, and per block min(k, x's nonzeros) of them kept,
+    k = ceil(FRACTION * L), none smaller in magnitude than one dropped (which of two equal magnitudes
+    at the cut is kept, the codec's choice, is left open)."""
+    d = x - left  # exact: left is x or 0 entrywise
+    assert ((d == x) | (d == 0)).all()
+    for row_x, row_d in zip(x, d, strict=True):
+        for b in blocks_of(row_x, sizes):
+            v, kept = row_x[b].abs(), row_d[b] != 0
+            k = math.ceil(FRACTION * len(v))
+            assert int(kept.sum()) == min(k, int((v > 0).sum())), b
+            if kept.any() and (~kept).any():
+                assert v[kept].min() >= v[~kept].max(), b
+    return d.double()
+
+
+def contributions(cfg, deltas, errors, left):
+    """Each replica's d_m (float64 [R, n]), its codec's error bound per entry and the buffers it leaves;
+    `left`: the run's buffers after the sync (top-k: which of a tie it kept)."""
+    sizes = errors["sizes"]
+    if cfg.outer.compress == "none":
+        return deltas.double(), torch.zeros(len(deltas)), None
+    if cfg.outer.compress == "int8":
+        # tests/test_async_codecs.py's bound for the grid's fp32 scale and product: 4 U32 amax
+        d = torch.stack([grid_reference("int8", x, sizes) for x in deltas])
+        return d, 4 * U32 * deltas.abs().amax(1).double(), None
+    x = deltas + errors["e"]  # fp32, as the run adds them (outer.error_decay = 1), from the test's buffers
+    d = topk_of(x, left, sizes)
+    return d, torch.zeros(len(deltas)), x - d.float()  # the kept values are x's own: exact
+
+
+def check_every_sync(cfg) -> int:
+    """Every sync of `cfg` against the float64 token-weighted step (and not the uniform one); returns the
+    syncs checked. Bound per entry of the weights (the run forms g in fp32: each delta_m one rounding,
+    v_m one, each product and add one: 3R + 1 roundings of at most U32 sum_m v_m |d_m|, `spread`; then
+    the step's as `references.assert_outer_step`), plus sum_m v_m codec_m (the codec's bound; times
+    lr (1 + mu) in the weights); an overlapped
+    flush chains two steps: the first's error carries into the second (theta's, and lr mu^2 of buf's)."""
+    run, before, after = observed(cfg)
+    where = fragment_of(run.cfg)
+    names = [[n for n, f in where.items() if f == p] for p in range(cfg.outer.fragments)]
+    outer, mu, lr = cfg.outer, cfg.outer.momentum, cfg.outer.lr
+    last = [0] * cfg.outer.fragments
+    errors = {p: None for p in range(cfg.outer.fragments)}
+    in_flight: dict[int, tuple] = {}
+    checked = 0
+    for p, take, land in syncs(cfg):
+        keys = names[p]
+        theta_take, errors_run = after[take - 1][0], after[take][2]
+        sizes = tuple(theta_take[n].numel() for n in keys)
+        if errors[p] is None and cfg.outer.error_feedback:
+            errors[p] = torch.zeros(R, sum(sizes))
+        window, last[p] = range(last[p], take), land
+        T = tokens_in(run, window)
+        assert len(set(T.tolist())) > 1, T  # unequal: the weights are not uniform
+        v = T / T.sum()
+        origin = flat(theta_take, keys).float()
+        deltas = torch.stack([origin - flat(before[take][m], keys).float() for m in range(R)])
+        run_left = None if errors_run is None else torch.stack([flat(e, keys) for e in errors_run])
+        d, codec, left = contributions(cfg, deltas, {"sizes": sizes, "e": errors[p]}, run_left)
+        if left is not None:
+            assert torch.equal(run_left, left), (take, p)
+            errors[p] = left
+        g = (v[:, None] * d).sum(0)
+        spread, codec_term = (v[:, None] * d.abs()).sum(0), float((v * codec).sum())
+        steps = [(g, spread, codec_term, d.mean(0))]
+        if outer.overlap != "none":  # the reduction lands a period later, and the last at the end
+            steps = [in_flight[p]] if p in in_flight else []
+            in_flight[p] = (g, spread, codec_term, d.mean(0))
+            if land == cfg.phase.updates:
+                steps.append(in_flight.pop(p))
+        theta_pre, buf_pre, _ = after[land - 1]
+        theta_run, buf_run, _ = after[land]
+        theta, buf = flat(theta_pre, keys).double(), flat(buf_pre, keys).double()
+        err_theta = err_buf = torch.zeros_like(theta)
+        uniform = (theta, buf)
+        for g_i, spread_i, codec_i, mean_i in steps:
+            scale = spread_i + mu * buf.abs()
+            carried_theta = err_theta + lr * mu * mu * err_buf
+            theta, buf = float64_step(outer, theta, buf, g_i)
+            uniform = float64_step(outer, *uniform, mean_i)
+            err_buf = mu * err_buf + (3 * R + 3) * U32 * scale + codec_i
+            rounding = (3 * R + 6) * U32 * scale + codec_i
+            err_theta = carried_theta + 2 * U32 * theta.abs() + lr * (1 + mu) * rounding
+            checked += 1
+        assert ((flat(buf_run, keys).double() - buf).abs() <= err_buf).all(), (land, p)
+        got = flat(theta_run, keys).double()
+        assert ((got - theta).abs() <= err_theta).all(), (land, p)
+        if steps:  # negative control: the uniform mean's step is not the run's
+            assert not ((got - uniform[0]).abs() <= err_theta).all(), (land, p)
+    return checked
+
+
+COMBINATIONS = {
+    "int8": {"compress": "int8"},
+    "topk-feedback": {"compress": "topk", "error_feedback": True},
+    "fragments": {"fragments": 2},
+    "fragments-delay-merge-int8": {"fragments": 2, "delay": 1, "merge_alpha": 0.5, "compress": "int8"},
+    "overlap": {"overlap": "delayed"},
+    "fragments-overlap-topk-feedback": {
+        "fragments": 2,
+        "overlap": "delayed",
+        "compress": "topk",
+        "error_feedback": True,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_every_sync_is_the_float64_token_weighted_step_of_its_window(name):
+    cfg = documents_cfg(**COMBINATIONS[name])
+    assert check_every_sync(cfg) >= 2
+
+
+def final(cfg):
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    for _ in rounds(run, state):
+        pass
+    return state
+
+
+@pytest.mark.parametrize("name", ["topk-feedback", "fragments-overlap-topk-feedback"])
+def test_stacked_equals_the_loop_bitwise(name):
+    got, want = (
+        final(documents_cfg("stacked", **COMBINATIONS[name])),
+        final(documents_cfg("loop", **COMBINATIONS[name])),
+    )
+    for n, t in want.theta.items():
+        assert torch.equal(got.theta[n], t), n
+        assert torch.equal(got.outer.momentum[n], want.outer.momentum[n]), n
+    for e_got, e_want in zip(got.errors, want.errors, strict=True):
+        assert all(torch.equal(e_got[n], t) for n, t in e_want.items())
