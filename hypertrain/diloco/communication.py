@@ -147,7 +147,15 @@ class CompressedMean:
     and decoded (two_phase)."""
 
     def __init__(
-        self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups, order=None, weights=None
+        self,
+        outer,
+        x: Tensor,
+        blocks: Blocks,
+        active: Tensor,
+        errors: Tensor,
+        groups,
+        order=None,
+        weights=None,
     ):
         """`x` in the blocks' order (`tiles.to_tiles` by `order`); the mean comes back in parameter order.
         `weights`: every replica's token weight, fp32 [R] (None: uniform)."""

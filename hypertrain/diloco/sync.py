@@ -276,7 +276,9 @@ class FragmentSync:
         self.pending = Pending(self.index, count, list(stepped), reduction, churn)
         return self.pending
 
-    def _take_overlapped(self, replica_params: Params, stepped, count: int, groups, churn, weights) -> Pending:
+    def _take_overlapped(
+        self, replica_params: Params, stepped, count: int, groups, churn, weights
+    ) -> Pending:
         """outer.overlap: the pseudo-gradients from the weights each replica started the period from
         (the global weights, or eager's own outer weights), their reduction started and left in flight
         for a whole period, weighted by `weights` (those of the window it took; None: uniform); the
