@@ -13,15 +13,22 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from helpers import cfg_for
 from references import U32
 from test_async_codecs import BLOCK, blocks_of, grid_reference
+from test_lowrank import RANK, SHAPES, gamma, matrices, power_iteration64, warm_starts
+from test_lowrank import inputs as lowrank_inputs
 
+from hypertrain.diloco.codecs import Blocks
+from hypertrain.diloco.communication import compressed_mean
 from hypertrain.diloco.fragments import fragment_of
+from hypertrain.diloco.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
+from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop
 from hypertrain.preflight.checks import validate
 from hypertrain.preflight.prepare import initial_weights, prepare
@@ -237,14 +244,98 @@ def final(cfg):
     return state
 
 
-@pytest.mark.parametrize("name", ["topk-feedback", "fragments-overlap-topk-feedback"])
+COMBINATIONS_BUILT_ELSEWHERE = {  # the stage tests below check their weighted sums
+    "lowrank-fragments-feedback": {"compress": "lowrank", "fragments": 2, "error_feedback": True},
+    "two-phase-int8-dct": {"compress": "int8", "reduce": "two_phase", "transform": "dct"},
+}
+
+
+@pytest.mark.parametrize(
+    "name", ["topk-feedback", "fragments-overlap-topk-feedback", *COMBINATIONS_BUILT_ELSEWHERE]
+)
 def test_stacked_equals_the_loop_bitwise(name):
-    got, want = (
-        final(documents_cfg("stacked", **COMBINATIONS[name])),
-        final(documents_cfg("loop", **COMBINATIONS[name])),
-    )
+    outer = (COMBINATIONS | COMBINATIONS_BUILT_ELSEWHERE)[name]
+    got, want = final(documents_cfg("stacked", **outer)), final(documents_cfg("loop", **outer))
     for n, t in want.theta.items():
         assert torch.equal(got.theta[n], t), n
         assert torch.equal(got.outer.momentum[n], want.outer.momentum[n]), n
-    for e_got, e_want in zip(got.errors, want.errors, strict=True):
+    for e_got, e_want in zip(got.errors or [], want.errors or [], strict=True):
         assert all(torch.equal(e_got[n], t) for n, t in e_want.items())
+
+
+# -- the reductions' weighted sums, stage by stage -------------------------------------------------------
+
+WEIGHTS = torch.tensor([0.5, 0.125, 0.375])  # exact in fp32: T = (4, 1, 3) / 8
+
+
+def test_two_phase_re_encodes_the_weighted_sum_of_the_decoded_shards():
+    """outer.reduce=two_phase with int8: each block's mean is grid(sum_m w_m d_m) with d_m the grid of
+    x_m (tests/test_async_codecs.py's reference), the sum formed in fp32 in replica order as documented,
+    so the second quantization sees the same fp32 numbers (bound: the grid's 4 U32 amax); the uniform
+    mean's grid is not it."""
+    outer = documents_cfg(compress="int8", reduce="two_phase").outer
+    sizes = (70, 33, 64)
+    x = torch.randn(R, sum(sizes), generator=torch.Generator().manual_seed(3))
+    x[1] *= 8  # a replica of larger steps: the weights move the mean
+    everyone, blocks = torch.ones(R, dtype=torch.bool), Blocks(sizes, BLOCK)
+    got = compressed_mean(outer, x.clone(), None, everyone, blocks, ReplicaGroups(R), weights=WEIGHTS).wait()
+    total = torch.zeros(sum(sizes))
+    for m in range(R):
+        total = total + WEIGHTS[m] * grid_reference("int8", x[m], sizes).float()
+    want = grid_reference("int8", total, sizes)
+    assert (got.mean.double() - want).abs().max() <= 4 * U32 * total.abs().max()
+    uniform = grid_reference(
+        "int8", sum(grid_reference("int8", x[m], sizes) for m in range(R)).float() / R, sizes
+    )
+    assert (got.mean.double() - uniform).abs().max() > 1e3 * U32 * total.abs().max()
+
+
+def test_low_rank_weighs_both_factors_and_the_exact_tensors():
+    """outer.compress=lowrank with weights: P = orth(sum_m w_m M_m Q0), Q = sum_m w_m M_m^T P, the mean
+    P Q^T (= sum_m w_m P Q_m^T) and the 1-D tensors' sum_m w_m x_m: PowerSGD's float64 Algorithm 1 on
+    R w_m M_m (tests/test_lowrank.py's `power_iteration64`, whose mean over R then is the weighted sum),
+    within test_lowrank's bounds with the weighted sum's 2R roundings in place of R + 1; the uniform
+    mean is not it."""
+    deltas, _ = lowrank_inputs(R, 5, ef=False)
+    deltas[2] *= 4
+    q = warm_starts(SHAPES, RANK)
+    q0 = {n: t.clone() for n, t in q.items()}
+    everyone, factors = torch.ones(R, dtype=torch.bool), Factors.of(SHAPES, RANK)
+    reduction = lowrank_mean(factors, deltas, None, everyone, q, ReplicaGroups(R), weights=WEIGHTS)
+    mean = reduction.wait().mean.double().numpy()
+    x64, w = deltas.double().numpy(), WEIGHTS.double().numpy()
+    for name, (start, rows, cols) in matrices(SHAPES).items():
+        ms = [R * w[m] * x64[m, start : start + rows * cols].reshape(rows, cols) for m in range(R)]
+        p64, p_hat64, q64, d64 = power_iteration64(ms, q0[name].double().numpy(), [True] * R)
+        r = q64.shape[1]
+        abs_p = sum(np.abs(m) @ np.abs(q0[name].double().numpy()) for m in ms) / R
+        dp_input = float(np.linalg.norm(gamma(cols + 2 * R + 2) * abs_p))
+        a_plus = 1 / np.linalg.svd(p64, compute_uv=False)[-1]
+        dp = 2 * math.sqrt(2) * a_plus * (dp_input + gamma(2 * rows * r) * np.linalg.norm(p64))
+        got_p = reduction.p_hat[name].double().numpy()
+        assert np.linalg.norm(got_p - p_hat64) <= dp, name
+        dq = (
+            sum(
+                np.linalg.norm(m) * dp
+                + gamma(rows + 2 * R + 2) * np.linalg.norm(np.abs(m).T @ np.abs(p_hat64))
+                for m in ms
+            )
+            / R
+        )
+        dd = (
+            dp * np.linalg.norm(q64)
+            + (1 + dp) * dq
+            + gamma(r) * np.linalg.norm(np.abs(p_hat64) @ np.abs(q64).T)
+        )
+        got_d = mean[start : start + rows * cols].reshape(rows, cols)
+        assert np.linalg.norm(got_d - d64) <= dd, name
+        plain = [x64[m, start : start + rows * cols].reshape(rows, cols) for m in range(R)]
+        uniform = power_iteration64(plain, q0[name].double().numpy(), [True] * R)[3]
+        assert np.linalg.norm(got_d - uniform) > 100 * dd, name
+    exact = [
+        i
+        for i in range(mean.shape[0])
+        if not any(s <= i < s + a * b for s, a, b in matrices(SHAPES).values())
+    ]
+    want = (w[:, None] * x64[:, exact]).sum(0)
+    assert np.abs(mean[exact] - want).max() <= 2 * R * U32 * (w[:, None] * np.abs(x64[:, exact])).sum(0).max()
