@@ -16,7 +16,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import cfg_for
+from helpers import (
+    DOCUMENTS,
+    QUICK,
+    assert_identical_streaming,
+    cfg_for,
+    ckpt,
+    entry,
+    killed_beside_uninterrupted,
+    resumed,
+)
+from omegaconf import OmegaConf
 from references import U32
 from test_async_codecs import BLOCK, blocks_of, grid_reference
 from test_lowrank import RANK, SHAPES, gamma, matrices, power_iteration64, warm_starts
@@ -339,3 +349,42 @@ def test_low_rank_weighs_both_factors_and_the_exact_tensors():
     ]
     want = (w[:, None] * x64[:, exact]).sum(0)
     assert np.abs(mean[exact] - want).max() <= 2 * R * U32 * (w[:, None] * np.abs(x64[:, exact])).sum(0).max()
+
+
+# -- real processes and resume (slow: each starts the entry) ----------------------------------------------
+
+# R = 4 on documents, H = 4 with two fragments (a sync every 2 updates), each reduction in flight a whole
+# period (delayed), top-k with error feedback, token-weighted
+WHOLE = [*QUICK, "logger=none", *DOCUMENTS, "replicas=4", "inner.H=4", "phase.updates=12",
+         "outer.mean_weights=tokens", "outer.fragments=2", "outer.overlap=delayed", "outer.compress=topk",
+         "outer.topk_fraction=0.25", "outer.error_feedback=true"]  # fmt: skip
+MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_the_simulation_bitwise(tmp_path):
+    """torchrun, 2 processes of two replicas each (the replicas layout), against the one-process
+    simulation: every process decodes every payload and sums them weighted in replica order, with the
+    weights every process computes from the plan, so every update and sync row (but the bytes only real
+    processes measure), the held-out losses, the summary and weights.pt are the same, exactly."""
+    sim, real = tmp_path / "sim", tmp_path / "dist"
+    done = entry([*WHOLE, f"hydra.run.dir={sim}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = entry([*WHOLE, "processes=dist", f"hydra.run.dir={real}"], tmp_path, torchrun=2)
+    assert done.returncode == 0, done.stderr
+    assert OmegaConf.load(real / "config.yaml").processes.layout == "replicas"
+    assert_identical_streaming(real, sim, skip=MEASURED)
+
+
+@pytest.mark.slow
+def test_killed_mid_round_with_reductions_in_flight_resumes_bit_identically(tmp_path):
+    """SIGKILL after update 7, the newest checkpoint at 6 (mid-round; fragment 0's reduction taken at 6
+    and fragment 1's at 4 in flight, stored as taken with their windows' token weights): resume=true
+    equals the uninterrupted run exactly."""
+    args = [*WHOLE, "checkpoint.every_updates=3"]
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:7:kill:after")
+    saved = torch.load(ckpt(run_dir, 6), weights_only=False)["state"]["in_flight"]
+    assert sorted(x["taken_at"] for x in saved) == [4, 6]
+    assert all(x["weights"].sum() == pytest.approx(1.0) for x in saved)
+    resumed(args, run_dir, tmp_path)
+    assert_identical_streaming(run_dir, reference)
