@@ -240,7 +240,14 @@ COMBINATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(COMBINATIONS))
+# the quick loop keeps the combinations that hold the others (int8 and top-k with feedback each with
+# fragments); each codec alone is slow
+ALONE = {"int8", "topk-feedback"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow if n in ALONE else ()) for n in COMBINATIONS]
+)
 def test_every_sync_is_the_float64_token_weighted_step_of_its_window(name):
     cfg = documents_cfg(**COMBINATIONS[name])
     assert check_every_sync(cfg) >= 2
@@ -261,7 +268,12 @@ COMBINATIONS_BUILT_ELSEWHERE = {  # the stage tests below check their weighted s
 
 
 @pytest.mark.parametrize(
-    "name", ["topk-feedback", "fragments-overlap-topk-feedback", *COMBINATIONS_BUILT_ELSEWHERE]
+    "name",
+    [
+        "fragments-overlap-topk-feedback",
+        "lowrank-fragments-feedback",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ["topk-feedback", "two-phase-int8-dct"]),
+    ],
 )
 def test_stacked_equals_the_loop_bitwise(name):
     outer = (COMBINATIONS | COMBINATIONS_BUILT_ELSEWHERE)[name]
