@@ -5,7 +5,8 @@ reducer's weighted sum is the server's `contribution` bitwise; with churn.deadli
 after unequal steps) every sync equals the float64 weighted step from the tokens written out from the
 deadline rule, and differs from the uniform mean; loop = stacked; without a deadline, documents of
 unequal length weigh too (tokens from the plan differ), and fixed-length text weighs every replica
-alike. The schemes it is not built for are one line, exit 2 (tests/test_bad_input.py).
+alike. Codecs, fragments and overlap: tests/test_token_weights_schemes.py; eager overlap, not built, is
+one line, exit 2 (tests/test_bad_input.py).
 """
 
 from __future__ import annotations
