@@ -264,6 +264,7 @@ def final(cfg):
 COMBINATIONS_BUILT_ELSEWHERE = {  # the stage tests below check their weighted sums
     "lowrank-fragments-feedback": {"compress": "lowrank", "fragments": 2, "error_feedback": True},
     "two-phase-int8-dct": {"compress": "int8", "reduce": "two_phase", "transform": "dct"},
+    "topk-tiles-feedback": {"compress": "topk", "tile": 4, "block": 16, "error_feedback": True},
 }
 
 
@@ -272,7 +273,10 @@ COMBINATIONS_BUILT_ELSEWHERE = {  # the stage tests below check their weighted s
     [
         "fragments-overlap-topk-feedback",
         "lowrank-fragments-feedback",
-        *(pytest.param(n, marks=pytest.mark.slow) for n in ["topk-feedback", "two-phase-int8-dct"]),
+        *(
+            pytest.param(n, marks=pytest.mark.slow)
+            for n in ["topk-feedback", "two-phase-int8-dct", "topk-tiles-feedback"]
+        ),
     ],
 )
 def test_stacked_equals_the_loop_bitwise(name):
