@@ -436,11 +436,11 @@ CASES = {
         "outer.dylu=True with outer.schedule=rounds is not built",
         "outer.schedule=async, or leave it unset",
     ),
-    "tokens-weights-with-fragments": Case(
-        "token-weighted means of synchronous rounds with a scheme they are not built for",
-        ["outer.mean_weights=tokens", "outer.fragments=3"],
-        "outer.mean_weights=tokens with outer.fragments=3 under outer.schedule=rounds is not built",
-        "outer.mean_weights=uniform, or one fragment, no overlap, no codec",
+    "tokens-weights-with-eager": Case(
+        "token-weighted means of synchronous rounds with eager overlap (each replica's own terms)",
+        ["outer.mean_weights=tokens", "outer.overlap=eager"],
+        "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built",
+        "outer.mean_weights=uniform, or outer.overlap=none or delayed",
     ),
     "async-grace-negative": Case(
         "a negative grace window",

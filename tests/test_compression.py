@@ -603,9 +603,9 @@ def test_stacked_and_loop_flip_int8_codes_only_where_their_pseudo_gradients_stra
     real = compressed_mean
 
     def capture(into):
-        def stage(outer, deltas, errors, active, blocks, groups, update=None, order=None):
+        def stage(outer, deltas, errors, active, blocks, groups, update=None, order=None, weights=None):
             into.append(((deltas if errors is None else deltas + errors).clone(), blocks))
-            return real(outer, deltas, errors, active, blocks, groups, update, order)
+            return real(outer, deltas, errors, active, blocks, groups, update, order, weights)
 
         return stage
 

@@ -5,7 +5,8 @@ reducer's weighted sum is the server's `contribution` bitwise; with churn.deadli
 after unequal steps) every sync equals the float64 weighted step from the tokens written out from the
 deadline rule, and differs from the uniform mean; loop = stacked; without a deadline, documents of
 unequal length weigh too (tokens from the plan differ), and fixed-length text weighs every replica
-alike. The schemes it is not built for are one line, exit 2 (tests/test_bad_input.py).
+alike. Codecs, fragments and overlap: tests/test_token_weights_schemes.py; eager overlap, not built, is
+one line, exit 2 (tests/test_bad_input.py).
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ def test_without_a_deadline_documents_of_unequal_length_weigh_and_fixed_text_wei
                 targets[u // 2][m] += int(total)
     assert any(a != b for a, b in targets), targets
     for i, tokens in enumerate(targets):
-        got = token_weights(run, range(2 * i, 2 * i + 2), None, [0, 1])
+        got = token_weights(run, range(2 * i, 2 * i + 2), None)
         assert got == rule(tokens, "tokens", torch.float32).tolist()
     uniform = final(replace(cfg, outer=replace(cfg.outer, mean_weights="uniform")))
     assert any(not torch.equal(state.theta[n], t) for n, t in uniform.items())
     text = weighted(cfg_for(R=2, H=2))
-    assert token_weights(prepare(text), range(0, 2), None, [0, 1]) == [0.5, 0.5]
+    assert token_weights(prepare(text), range(0, 2), None) == [0.5, 0.5]

@@ -118,14 +118,16 @@ def _header(rows: Tensor) -> tuple[list[bool], list[float]]:
     return [bool(x) for x in header[:, 0].tolist()], header[:, 1].tolist()
 
 
-def mean_in_replica_order(decoded: Tensor, active: list[bool]) -> Tensor:
+def mean_in_replica_order(decoded: Tensor, active: list[bool], weights: Tensor | None = None) -> Tensor:
     """The sum of the rows that took part, added in replica order (the same additions on every
-    process and in the simulation), over their count."""
+    process and in the simulation), over their count; with `weights` (fp32 [R], outer.mean_weights=
+    tokens' `server.token_weights`, summing to 1 over the rows that took part) `sum_m w_m row_m` in
+    replica order instead, not divided."""
     total = torch.zeros_like(decoded[0])
-    for row, took_part in zip(decoded, active, strict=True):
+    for m, (row, took_part) in enumerate(zip(decoded, active, strict=True)):
         if took_part:
-            total = total + row
-    return total / sum(active)
+            total = total + (row if weights is None else weights[m] * row)
+    return total if weights is not None else total / sum(active)
 
 
 def _padded(parts: list[Tensor], width: int) -> Tensor:
@@ -140,11 +142,25 @@ class CompressedMean:
     """Compressed pseudo-gradients, reduced by `gather` or `two_phase` (docs/compression.md): every
     process encodes its replicas' contributions x_m; `wait()` gives the mean of the decoded ones of the
     replicas that took part (gather), or that mean per block decoded, re-encoded and decoded again
-    (two_phase), the same numbers on every process and in the simulation."""
+    (two_phase), the same numbers on every process and in the simulation. With token weights the mean is
+    their weighted sum (`mean_in_replica_order`): `sum_m w_m d_m` (gather), that per block re-encoded
+    and decoded (two_phase)."""
 
-    def __init__(self, outer, x: Tensor, blocks: Blocks, active: Tensor, errors: Tensor, groups, order=None):
-        """`x` in the blocks' order (`tiles.to_tiles` by `order`); the mean comes back in parameter order."""
+    def __init__(
+        self,
+        outer,
+        x: Tensor,
+        blocks: Blocks,
+        active: Tensor,
+        errors: Tensor,
+        groups,
+        order=None,
+        weights=None,
+    ):
+        """`x` in the blocks' order (`tiles.to_tiles` by `order`); the mean comes back in parameter order.
+        `weights`: every replica's token weight, fp32 [R] (None: uniform)."""
         self.outer, self.blocks, self.groups, self.order = outer, blocks, groups, order
+        self.weights = weights
         self.replicas, self.result, self.done = groups.total_replicas, None, False
         codec, fraction, transform = outer.compress, topk(outer), outer.transform
         if outer.reduce == "gather":
@@ -176,7 +192,7 @@ class CompressedMean:
                 return None
             payloads = rows[:, HEADER_BYTES:].contiguous()
             mean = mean_in_replica_order(
-                codecs.decode(codec, payloads, self.blocks, fraction, transform), active
+                codecs.decode(codec, payloads, self.blocks, fraction, transform), active, self.weights
             )
             sent = (R - 1) * self.b  # received per participant, (n - 1) * b
         else:
@@ -192,7 +208,11 @@ class CompressedMean:
                 decoded = codecs.decode(codec, received, own, fraction, transform)
                 means.append(
                     codecs.encode(
-                        codec, mean_in_replica_order(decoded, active)[None], own, fraction, transform
+                        codec,
+                        mean_in_replica_order(decoded, active, self.weights)[None],
+                        own,
+                        fraction,
+                        transform,
                     )
                 )
             widths = [codecs.payload_size(codec, own, fraction) for _, _, own in self.shards]
@@ -248,6 +268,7 @@ def compressed_mean(
     groups: Collectives,
     update: int | None = None,
     order: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> CompressedMean:
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
@@ -260,7 +281,8 @@ def compressed_mean(
     when a pseudo-gradient that would be sent is not finite, before anything is sent, naming the replica
     (the highest-numbered, when several are) and the sync's `update`. `order` (outer.tile): the blocks'
     order, `tiles.tile_order` (None: the parameters' own); the buffers and the mean stay in parameter
-    order."""
+    order. `weights` (outer.mean_weights=tokens): every replica's token weight, fp32 [R]: the mean is
+    `sum_m w_m d_m`; the buffers stay each replica's own, unweighted (e_m <- x_m - d_m)."""
     x = fed_back(deltas, errors, outer.error_decay)
     refuse_non_finite(x, active, groups, update)
     codec, fraction, transform = outer.compress, topk(outer), outer.transform
@@ -271,6 +293,6 @@ def compressed_mean(
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:
         errors.copy_(torch.where(active[:, None], x - decoded, errors))
-    reduction = CompressedMean(outer, x_tiled, blocks, active, error.float(), groups, order)
+    reduction = CompressedMean(outer, x_tiled, blocks, active, error.float(), groups, order, weights)
     reduction.own = torch.where(active[:, None], decoded, 0.0)  # each replica's d_m (outer.overlap=eager)
     return reduction

@@ -135,10 +135,11 @@ class LowRankMean:
         errors: Tensor | None,
         store: Callable[[Tensor], None],
         groups: Collectives,
+        weights: Tensor | None = None,
     ):
         self.factors, self.x, self.deltas, self.active = factors, x, deltas, active
         self.q, self.errors, self.store, self.groups = q, errors, store, groups
-        self.result, self.done = None, False
+        self.result, self.done, self.weights = None, False, weights
         rows = []
         # each local replica's matrices, copied once: both products of the power iteration read them
         self.mats = [{mat.name: _matrix(x, m, mat) for mat in factors.matrices} for m in range(x.shape[0])]
@@ -164,8 +165,8 @@ class LowRankMean:
         if not any(active):
             return None
         count = sum(active)
-        p_sums = mean_in_replica_order(first[:, 1 : 1 + factors.p_numel], active)
-        exact = mean_in_replica_order(first[:, 1 + factors.p_numel :], active)
+        p_sums = mean_in_replica_order(first[:, 1 : 1 + factors.p_numel], active, self.weights)
+        exact = mean_in_replica_order(first[:, 1 + factors.p_numel :], active, self.weights)
         p_hat, at = {}, 0
         for mat in factors.matrices:
             size = mat.rows * mat.rank
@@ -193,7 +194,7 @@ class LowRankMean:
         self.mats = None  # the copies served both products
         second = self.groups.start_all_gather_replicas(torch.stack(rows)).wait().view(x.dtype)
         errors = second[:, 0].tolist()
-        q_mean = mean_in_replica_order(second[:, 1:], active)
+        q_mean = mean_in_replica_order(second[:, 1:], active, self.weights)
         mean = torch.empty(factors.numel, dtype=x.dtype, device=x.device)
         at = 0
         for mat in factors.matrices:
@@ -239,13 +240,18 @@ def lowrank_mean(
     store: Callable[[Tensor], None] | None = None,
     update: int | None = None,
     decay: float = 1.0,
+    weights: Tensor | None = None,
 ) -> LowRankMean:
     """Start a low-rank sync of this process's replicas' pseudo-gradients `deltas` [R_local, n] (with
     error feedback, `errors` [R_local, n], decayed by `decay` (outer.error_decay), is added first and,
     once the sync is waited for, updated in place and handed to `store`), warm-started from `q` (each
     matrix's [cols, r], updated in place at the wait). Raises NonFiniteError (every process, agreed)
     when an input that would be sent is not finite, before anything is sent, naming the replica (the
-    highest-numbered) and the sync's `update`."""
+    highest-numbered) and the sync's `update`. `weights` (outer.mean_weights=tokens, every replica's,
+    fp32 [R]): both factors' means and the 1-D tensors' become weighted sums in replica order, so the
+    mean is `P (sum_m w_m Q_m)^T = sum_m w_m P Q_m^T`, P the power iteration of `sum_m w_m x_m`
+    (linear in each replica's factors: exact); the buffers stay each replica's own, x_m - P Q^T."""
     x = fed_back(deltas, errors, decay)
     refuse_non_finite(x, active, groups, update)
-    return LowRankMean(factors, x, deltas, active, q, errors, store or (lambda _: None), groups)
+    store = store or (lambda _: None)
+    return LowRankMean(factors, x, deltas, active, q, errors, store, groups, weights)

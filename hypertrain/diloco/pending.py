@@ -97,6 +97,9 @@ class Pending:
     taken: Tensor | None = None
     errors_before: Tensor | None = None
     own: Tensor | None = None
+    # outer.mean_weights=tokens with outer.overlap: every replica's token weight of the window it took,
+    # fp32 [R] (None: uniform), which the checkpoint stores beside what was taken
+    weights: Tensor | None = None
 
     def settle(self) -> None:
         """Wait for the reduction (every process, at the same point) and keep its result."""
@@ -128,20 +131,22 @@ class Pending:
 
     def taken_state(self, stepped: list[bool], taken: list[Tensor], errors: list[Tensor] | None) -> dict:
         """outer.overlap: what was taken, not waited for: every replica's flag, pseudo-gradient and error
-        buffer before the take (gathered from all processes, in replica order)."""
-        return {
+        buffer before the take (gathered from all processes, in replica order), and the token weights
+        (every replica's, the same on every process) where it has them."""
+        saved = {
             "fragment": self.fragment,
             "taken_at": self.taken_at,
             "stepped": list(stepped),
             "taken": list(taken),
             "errors_before": None if errors is None else list(errors),
         }
+        return saved if self.weights is None else saved | {"weights": self.weights.cpu()}
 
     @classmethod
     def from_taken(cls, saved: dict, rows: list[int], device: torch.device) -> Pending:
         """This process's part of `taken_state` (`rows`: its replicas'), its reduction not issued yet
         (`diloco.sync.FragmentSync.issue`)."""
-        errors = saved["errors_before"]
+        errors, weights = saved["errors_before"], saved.get("weights")
         return cls(
             int(saved["fragment"]),
             int(saved["taken_at"]),
@@ -149,4 +154,5 @@ class Pending:
             Landed(None),
             taken=torch.stack([saved["taken"][i] for i in rows]).to(device),
             errors_before=None if errors is None else torch.stack([errors[i] for i in rows]).to(device),
+            weights=None if weights is None else weights.to(device),
         )

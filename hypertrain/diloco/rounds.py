@@ -185,7 +185,7 @@ def rounds(
                     stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
                 weights = None
                 if cfg.outer.mean_weights == "tokens":
-                    weights = token_weights(run, schedule.window(p, count), facts, groups.replicas)
+                    weights = token_weights(run, schedule.window(p, count), facts)
                 state.syncs[p].take(params, stepped, count, groups, facts, weights)
             else:  # LAND, or FLUSH (outer.overlap: the phase's last reduction)
                 sync = state.syncs[p]
@@ -211,12 +211,13 @@ def rounds(
         yield part
 
 
-def token_weights(run: PreparedRun, window: range, facts, replicas: list[int]) -> list[float] | None:
-    """outer.mean_weights=tokens (docs/async.md, "Weighted mean"): the weights of the local `replicas`'
-    pseudo-gradients in a sync whose pseudo-gradients hold the updates `window`, by the rule of the
-    asynchronous server (`server.token_weights`): w_m = the target tokens replica m trained on in the
-    window (with churn, `facts`: its ids there, 0 for a non-contributor), normalized over all R
-    replicas. Every process computes the same from the plan and the data's lengths. None: uniform."""
+def token_weights(run: PreparedRun, window: range, facts) -> list[float] | None:
+    """outer.mean_weights=tokens (docs/async.md, "Weighted mean"): the weights of every replica's
+    pseudo-gradient in a sync whose pseudo-gradients hold the updates `window` (a fragment's own, since
+    its last landing: `fragments.Schedule.window`), by the rule of the asynchronous server
+    (`server.token_weights`): w_m = the target tokens replica m trained on in the window (with churn,
+    `facts`: its ids there, 0 for a non-contributor), normalized over all R replicas. Every process
+    computes the same R from the plan and the data's lengths. None: uniform."""
     R = run.cfg.replicas
 
     def ids(m: int) -> list:
@@ -226,7 +227,7 @@ def token_weights(run: PreparedRun, window: range, facts, replicas: list[int]) -
 
     tokens = [sum(targets_of(run.dataset, x) for x in ids(m)) for m in range(R)]
     w = server.token_weights(tokens, "tokens", torch.float32)
-    return None if w is None else w[replicas].tolist()
+    return None if w is None else w.tolist()
 
 
 class StopCheck:

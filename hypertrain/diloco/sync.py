@@ -86,18 +86,21 @@ class ExactReducer:
     def start(
         self, sync: FragmentSync, replica_params: Params, active, count: int, groups, weights=None
     ) -> Reduction:
-        """`weights` (outer.mean_weights=tokens): this process's replicas' `server.token_weights`, fp32
-        [R_local], which sum to 1 over every process's replicas that stepped: one all-reduce of
+        """`weights` (outer.mean_weights=tokens): every replica's `server.token_weights`, fp32 [R],
+        which sum to 1 over the replicas that stepped: one all-reduce of this process's
         [sum_m w_m delta_m, count] gives the weighted mean itself (None: the plain sum and count)."""
-        local = pseudo_gradient_sum(sync.theta, replica_params, active, weights)
+        local_weights = None if weights is None else weights[groups.replicas]
+        local = pseudo_gradient_sum(sync.theta, replica_params, active, local_weights)
         return exact_mean(local, groups, weighted=weights is not None)
 
-    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups, weights=None):
         """outer.overlap: the reduction of the flat pseudo-gradients `deltas` [R_local, n] that were
-        taken, and each replica's own contribution (its pseudo-gradient, 0 where it did not step)."""
+        taken (weighted as `start`), and each replica's own contribution (its pseudo-gradient, 0 where
+        it did not step)."""
         own = torch.where(active[:, None], deltas, 0.0)
-        local = torch.cat([own.sum(0), active.sum().to(own.dtype).reshape(1)])
-        return exact_mean(local, groups), own
+        summed = own if weights is None else weights[groups.replicas][:, None] * own
+        local = torch.cat([summed.sum(0), active.sum().to(own.dtype).reshape(1)])
+        return exact_mean(local, groups, weighted=weights is not None), own
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
         return ring_allreduce_bytes(sync.cfg.replicas, sync.params)
@@ -122,21 +125,25 @@ class CodecReducer:
         """`order`: the blocks' order over the fragment's parameters (outer.tile; None: their own)."""
         self.outer, self.blocks, self.order = outer, blocks, order
 
-    def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
+    def start(
+        self, sync: FragmentSync, replica_params: Params, active, count: int, groups, weights=None
+    ) -> Reduction:
+        """`weights`: every replica's token weight, fp32 [R]: the mean is `sum_m w_m d_m` of the
+        decoded payloads (`communication.compressed_mean`); None: uniform."""
         errors = sync.flat_errors()
         deltas = pseudo_gradients(sync.theta, replica_params)
         reduction = compressed_mean(
-            self.outer, deltas, errors, active, self.blocks, groups, count, self.order
+            self.outer, deltas, errors, active, self.blocks, groups, count, self.order, weights
         )
         if errors is not None:
             sync.store_errors(errors)
         return reduction
 
-    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups, weights=None):
         """outer.overlap: as `start`, from the flat pseudo-gradients taken and the error buffers before
         the take (updated in place); each replica's own contribution is its decoded payload."""
         reduction = compressed_mean(
-            self.outer, deltas, errors, active, self.blocks, groups, count, self.order
+            self.outer, deltas, errors, active, self.blocks, groups, count, self.order, weights
         )
         return reduction, reduction.own
 
@@ -160,14 +167,17 @@ class LowRankReducer:
     def __init__(self, factors: Factors):
         self.factors = factors
 
-    def start(self, sync: FragmentSync, replica_params: Params, active, count: int, groups) -> Reduction:
+    def start(
+        self, sync: FragmentSync, replica_params: Params, active, count: int, groups, weights=None
+    ) -> Reduction:
+        """`weights`: every replica's token weight, fp32 [R] (`lowrank.lowrank_mean`); None: uniform."""
         deltas = pseudo_gradients(sync.theta, replica_params)
         errors = sync.flat_errors()
         store = None if errors is None else sync.store_errors
-        decay = sync.cfg.outer.error_decay
-        return lowrank_mean(self.factors, deltas, errors, active, sync.lowrank_q, groups, store, count, decay)
+        decay, q = sync.cfg.outer.error_decay, sync.lowrank_q
+        return lowrank_mean(self.factors, deltas, errors, active, q, groups, store, count, decay, weights)
 
-    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups):
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups, weights=None):
         raise NotImplementedError("outer.compress=lowrank with outer.overlap is refused by OuterConfig.check")
 
     def sent_bytes(self, result: Reduced, sync: FragmentSync) -> int:
@@ -254,26 +264,25 @@ class FragmentSync:
         """Start this fragment's sync at update count `count` (its `pending`): this process's replicas'
         pseudo-gradients (theta - theta_m over the replicas that `stepped`) handed to the reducer,
         which starts their mean over every process's replicas. `churn`: the facts of the sync.
-        `weights`: outer.mean_weights=tokens' weights of this process's replicas (the exact reducer
-        only, one fragment, no overlap: the preflight refuses the rest); None: uniform."""
+        `weights`: outer.mean_weights=tokens' weights of every replica (R of them, summing to 1 over
+        those that stepped; `diloco.rounds.token_weights`), the same on every process; None: uniform."""
         device = next(iter(self.theta.values())).device
         active = torch.tensor(stepped, device=device)
         replica_params = {n: torch.cat([p[n] for p in params]) for n in self.names}
-        assert weights is None or (isinstance(self.reducer, ExactReducer) and self.overlap == "none")
+        w = None if weights is None else torch.tensor(weights, dtype=torch.float32, device=device)
         if self.overlap != "none":
-            return self._take_overlapped(replica_params, stepped, count, groups, churn)
-        if weights is None:
-            reduction = self.reducer.start(self, replica_params, active, count, groups)
-        else:
-            w = torch.tensor(weights, dtype=torch.float32, device=device)
-            reduction = self.reducer.start(self, replica_params, active, count, groups, w)
+            return self._take_overlapped(replica_params, stepped, count, groups, churn, w)
+        reduction = self.reducer.start(self, replica_params, active, count, groups, w)
         self.pending = Pending(self.index, count, list(stepped), reduction, churn)
         return self.pending
 
-    def _take_overlapped(self, replica_params: Params, stepped, count: int, groups, churn) -> Pending:
+    def _take_overlapped(
+        self, replica_params: Params, stepped, count: int, groups, churn, weights
+    ) -> Pending:
         """outer.overlap: the pseudo-gradients from the weights each replica started the period from
         (the global weights, or eager's own outer weights), their reduction started and left in flight
-        for a whole period; the sync taken a period earlier becomes `due`."""
+        for a whole period, weighted by `weights` (those of the window it took; None: uniform); the
+        sync taken a period earlier becomes `due`."""
         origin = self.theta
         if self.replica_theta is not None:
             origin = {n: torch.cat([o[n] for o in self.replica_theta]) for n in self.names}
@@ -286,6 +295,7 @@ class FragmentSync:
             churn,
             taken=pseudo_gradients(origin, replica_params),
             errors_before=None if errors is None else errors.clone(),
+            weights=weights,
         )
         self.issue(taken, groups, store=True)
         self.due, self.pending = self.pending, taken
@@ -297,7 +307,7 @@ class FragmentSync:
         active = torch.tensor(pending.stepped, device=pending.taken.device)
         errors = None if pending.errors_before is None else pending.errors_before.clone()
         pending.reduction, pending.own = self.reducer.start_taken(
-            self, pending.taken, errors, active, pending.taken_at, groups
+            self, pending.taken, errors, active, pending.taken_at, groups, pending.weights
         )
         if store and errors is not None:
             self.store_errors(errors)

@@ -150,17 +150,11 @@ def check_async(cfg: TrainConfig) -> None:
                 f"outer.dylu={outer.dylu!r} with outer.schedule=rounds is not built (it shapes asynchronous "
                 "replicas); valid: outer.schedule=async, or leave it unset"
             )
-        unweighted = [
-            (outer.fragments > 1, f"outer.fragments={outer.fragments}"),
-            (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
-            (outer.compress != "none", f"outer.compress={outer.compress}"),
-        ]
-        used = [name for on, name in unweighted if on]
-        if outer.mean_weights == "tokens" and used:
+        if outer.mean_weights == "tokens" and outer.overlap == "eager":
             raise UserError(
-                f"outer.mean_weights=tokens with {used[0]} under outer.schedule=rounds is not built (the "
-                "weighted mean rides the plain fp32 sum of one fragment); valid: outer.mean_weights=uniform, "
-                "or outer.fragments=1, outer.overlap=none, outer.compress=none"
+                "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built "
+                "(its own fresh and stale terms are weighted 1/R); valid: outer.mean_weights=uniform, or "
+                "outer.overlap=none|delayed"
             )
         return
     if cluster.compute != "modelled":
