@@ -216,6 +216,17 @@ def topk(outer: OuterConfig) -> codecs.TopK:
     return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
 
 
+def self_decoded(
+    outer: OuterConfig, x_tiled: Tensor, blocks: Blocks, order: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Rows `x_tiled` [R, n] in the blocks' order (`tiles.to_tiles` by `order`) -> (their payloads, uint8
+    [R, b]; each row's decoded payload in parameter order): decode(encode(x)) with outer's codec and
+    transform (PCCL's self-quantize rule), what a replica's contribution to a round, or an arrival, is."""
+    codec, fraction, transform = outer.compress, topk(outer), outer.transform
+    payload = codecs.encode(codec, x_tiled, blocks, fraction, transform)
+    return payload, from_tiles(codecs.decode(codec, payload, blocks, fraction, transform), order)
+
+
 def fed_back(deltas: Tensor, errors: Tensor | None, decay: float) -> Tensor:
     """What a replica compresses: its pseudo-gradient plus its error buffer decayed by `decay` (beta,
     outer.error_decay; SparseLoCo's u = beta * e + delta), the pseudo-gradient alone without feedback."""
@@ -263,10 +274,8 @@ def compressed_mean(
     order."""
     x = fed_back(deltas, errors, outer.error_decay)
     refuse_non_finite(x, active, groups, update)
-    codec, fraction, transform = outer.compress, topk(outer), outer.transform
     x_tiled = to_tiles(x, order)
-    code = codecs.encode(codec, x_tiled, blocks, fraction, transform)
-    decoded = from_tiles(codecs.decode(codec, code, blocks, fraction, transform), order)
+    _, decoded = self_decoded(outer, x_tiled, blocks, order)
     norms = deltas.double().norm(dim=1)
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:
