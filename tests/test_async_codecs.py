@@ -45,9 +45,9 @@ def observed(cfg):
     calls, applied = [], []
     encode, apply = asynchronous.compress_arrival, state.asynchronous.server.apply
 
-    def recording_compress(outer, delta, errors, sizes):
+    def recording_compress(outer, delta, errors, shapes):
         before = None if errors is None else errors.clone()
-        decoded = encode(outer, delta, errors, sizes)
+        decoded = encode(outer, delta, errors, shapes)
         calls.append((delta.clone(), before, decoded.clone(), None if errors is None else errors.clone()))
         return decoded
 
@@ -270,8 +270,155 @@ def test_a_non_finite_pseudo_gradient_reaches_the_server_as_it_is_and_leaves_the
     delta = torch.arange(64, dtype=torch.float32)
     delta[5] = float("nan")
     errors = torch.full((1, 64), 0.25)
-    got = asynchronous.compress_arrival(outer, delta, errors, (64,))
+    got = asynchronous.compress_arrival(outer, delta, errors, ((64,),))
     assert got.isnan()[5] and torch.equal(errors, torch.full((1, 64), 0.25))
     delta[5] = 1.0
-    assert torch.isfinite(asynchronous.compress_arrival(outer, delta, errors, (64,))).all()
+    assert torch.isfinite(asynchronous.compress_arrival(outer, delta, errors, ((64,),))).all()
     assert not torch.equal(errors, torch.full((1, 64), 0.25))
+
+
+# -- the DCT transform and tiles (outer.transform=dct, outer.tile) ------------------------------------------
+
+U = 2.0**-24  # fp32's unit roundoff
+
+
+def dct_matrix(L):
+    """float64 [L, L], written from the DCT-II's definition: row k is sqrt(2 / L) cos(pi (2i + 1) k / 2L)
+    over i, row 0 scaled to sqrt(1 / L) (orthonormal: its inverse is its transpose)."""
+    i = torch.arange(L, dtype=torch.float64)
+    c = torch.cos(math.pi * (2 * i[None] + 1) * i[:, None] / (2 * L)) * math.sqrt(2 / L)
+    c[0] /= math.sqrt(2)
+    return c
+
+
+def dct_tolerance(x_block):
+    """What fp32 may move a coefficient by, against float64: the codec's forward DCT (a dot product of
+    L terms with an orthonormal row: at most L u ||x||_2), the scale's own rounding (|k| <= 127 steps of
+    an amax known to L u ||x||_2 over M) and the inverse DCT of the decoded block (again L u ||d||_2,
+    ||d|| <= ||x|| + the quantization); 4 L u ||x||_2 covers their sum with room for the fp32 casts."""
+    L = len(x_block)
+    return 4 * L * U * x_block.double().norm() * (1 + math.sqrt(L))
+
+
+def test_int8_with_the_dct_quantizes_each_blocks_cosine_coefficients_on_its_grid():
+    """Each arrival's applied pseudo-gradient, taken back to coefficients by the cosine matrix written
+    here, lies on int8's grid of its block's coefficients (k amax / 127, k = round-half-even(c / scale)
+    of the float64 coefficients c) within `dct_tolerance`; the int8 of the parameters themselves (no
+    transform) does not (negative control)."""
+    sizes, calls, applied, _ = observed(codec_cfg("int8", transform="dct"))
+    C = dct_matrix(BLOCK)
+    flat_applied = [d for deltas in applied for d in deltas]
+    assert len(calls) == len(flat_applied) == 8
+    checked = 0
+    for (delta, _, decoded, _), got in zip(calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded)
+        plain = grid_reference("int8", delta, sizes)
+        blocks, plain_fails = blocks_of(delta, sizes), 0
+        for b in blocks:
+            assert b.stop - b.start == BLOCK  # every tensor here is a multiple of 32
+            c = C @ delta[b].double()
+            scale = c.abs().max() / 127
+            tol = dct_tolerance(delta[b])
+            k = torch.round(c / scale)
+            # away from a rounding tie, the applied coefficient is k scale (within what fp32 moves)
+            clear = ((c / scale - torch.floor(c / scale) - 0.5).abs() * scale) > 2 * tol
+            assert ((C @ got[b].double() - k * scale).abs()[clear] <= 2 * tol).all()
+            checked += int(clear.sum())
+            plain_fails += bool(((C @ plain[b] - k * scale).abs()[clear] > 2 * tol).any())
+        assert plain_fails > 0.9 * len(blocks)  # the parameters' own grid is not the DCT's
+    assert checked > 0.9 * 8 * sum(sizes)  # the few near a tie (within 2 tol of one) are not judged
+
+
+def test_topk_with_the_dct_and_error_feedback_keeps_each_blocks_largest_coefficients_at_every_arrival():
+    """x = e + delta at every arrival of a replica (its buffer the one its last arrival left); the applied
+    block is C^T of x's cosine coefficients C x with all but the ceil(f L) largest magnitudes zeroed, within
+    `dct_tolerance`; the buffer left is x - C(x), in the parameter domain (DeMo's residual). A replica
+    without its buffer would send another payload (negative control)."""
+    fraction = 0.125
+    cfg = codec_cfg("topk", topk_fraction=fraction, error_feedback=True, transform="dct")
+    sizes, calls, applied, state = observed(cfg)
+    C, keep = dct_matrix(BLOCK), math.ceil(fraction * BLOCK)
+    flat_applied = [d for deltas in applied for d in deltas]
+    order = [m for update in _replica_order(cfg) for m in update]
+    buffers, judged = {}, 0
+    for m, (delta, before, decoded, after), got in zip(order, calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded)
+        assert torch.equal(before[0], buffers.get(m, torch.zeros(sum(sizes))))
+        x = before[0] + delta  # fp32's sum, as a round forms it (communication.fed_back)
+        for b in blocks_of(x, sizes):
+            c = C @ x[b].double()
+            top = c.abs().sort(descending=True).values
+            if top[keep - 1] - top[keep] <= 2 * dct_tolerance(x[b]):
+                continue  # the k-th and next magnitudes too close for fp32 to order as float64 does
+            judged += 1
+            kept = torch.where(c.abs() >= top[keep - 1], c, 0.0)
+            assert (got[b].double() - C.t() @ kept).abs().max() <= dct_tolerance(x[b])
+        assert torch.equal(after[0], x - decoded)  # e' = x - C(x), the fp32 difference
+        buffers[m] = after[0]
+    assert judged > 0.9 * len(calls) * len(blocks_of(x, sizes))
+    for m, own in enumerate(state.errors):
+        assert torch.equal(torch.cat([t.reshape(-1) for t in own.values()]), buffers[m])
+    late = calls[-1]
+    alone = late[0]  # the last arrival's delta without its buffer
+    b = blocks_of(alone, sizes)[0]
+    c = C @ alone[b].double()
+    top = c.abs().sort(descending=True).values
+    without = C.t() @ torch.where(c.abs() >= top[keep - 1], c, 0.0)
+    assert (late[2][b].double() - without).abs().max() > 100 * dct_tolerance(alone[b])
+
+
+TILE = 4
+
+
+def tile_topk_reference(x, shapes, fraction):
+    """float64 top-k over tiles: a matrix whose sides are multiples of TILE keeps each TILE x TILE tile's
+    ceil(f T^2) largest magnitudes (SparseLoCo's chunks); any other tensor its blocks of T^2 in its order."""
+    out, start, k = torch.zeros_like(x, dtype=torch.float64), 0, math.ceil(fraction * TILE * TILE)
+    for shape in shapes:
+        n = math.prod(shape)
+        v = x[start : start + n].double()
+        o = torch.zeros_like(v)
+        if len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % TILE == 0:
+            grid = v.view(shape[0] // TILE, TILE, shape[1] // TILE, TILE)
+            og = o.view(shape[0] // TILE, TILE, shape[1] // TILE, TILE)
+            for i in range(shape[0] // TILE):
+                for j in range(shape[1] // TILE):
+                    t = grid[i, :, j, :].reshape(-1)
+                    keep = t.abs().topk(k).indices
+                    flat = torch.zeros(TILE * TILE, dtype=torch.float64)
+                    flat[keep] = t[keep]
+                    og[i, :, j, :] = flat.view(TILE, TILE)
+        else:
+            for a in range(0, n, TILE * TILE):
+                t = v[a : a + TILE * TILE]
+                keep = t.abs().topk(min(k, len(t))).indices
+                o[a + keep] = t[keep]
+        out[start : start + n] = o
+        start += n
+    return out
+
+
+def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_every_arrival():
+    """outer.tile=4 (blocks of 16 = 4 x 4 tiles): every arrival's payload is each tile's largest magnitudes
+    of x = e + delta, exactly (top-k moves values, no arithmetic), and the buffer left is x - C(x); the
+    same top-k over blocks of 16 in the parameters' own order is not (negative control)."""
+    fraction = 0.125
+    cfg = async_cfg(
+        compress=Compressor.topk, topk_fraction=fraction, error_feedback=True, tile=TILE, block=16
+    )
+    run = prepare(cfg)
+    shapes = [tuple(t.shape) for t in initial_weights(run).values()]
+    _, calls, applied, _ = observed(cfg)
+    order = [m for update in _replica_order(cfg) for m in update]
+    flat_applied = [d for deltas in applied for d in deltas]
+    buffers, differs = {}, 0
+    for m, (delta, before, decoded, after), got in zip(order, calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded)
+        assert torch.equal(before[0], buffers.get(m, torch.zeros_like(delta)))
+        x = before[0] + delta
+        assert torch.equal(got.double(), tile_topk_reference(x, shapes, fraction))
+        assert torch.equal(after[0], x - decoded)
+        buffers[m] = after[0]
+        untiled = tile_topk_reference(x, [(math.prod(s),) for s in shapes], fraction)
+        differs += not torch.equal(got.double(), untiled)
+    assert differs == len(calls)

@@ -380,19 +380,19 @@ CASES = {
         "asynchronous replicas with a whole-round overlap (not built)",
         ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, lowrank, churn likewise)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, churn likewise)",
     ),
-    "async-with-lowrank": Case(
-        "asynchronous replicas with low-rank compression (not built: docs/async.md, Codecs)",
-        ["outer.schedule=async", "cluster=h100", "outer.compress=lowrank"],
-        "outer.schedule=async with outer.compress=lowrank is not built (docs/async.md)",
-        "outer.schedule=rounds, or an elementwise codec (int8, ..., topk) or outer.compress=none",
-    ),
-    "async-with-dct": Case(
-        "asynchronous replicas with a codec's DCT transform (not built: docs/async.md, Codecs)",
-        ["outer.schedule=async", "cluster=h100", "outer.compress=int8", "outer.transform=dct"],
-        "outer.schedule=async with outer.transform=dct is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.transform=none (outer.tile likewise)",
+    "async-lowrank-dist": Case(
+        "asynchronous replicas with low-rank compression on real processes (not built: docs/async.md)",
+        [
+            "outer.schedule=async",
+            "cluster=h100",
+            "outer.compress=lowrank",
+            "processes=dist",
+            "processes.nproc=2",
+        ],
+        "outer.schedule=async with outer.compress=lowrank under processes=dist is not built",
+        "processes=one, or another outer.compress",
     ),
     "async-speeds-length": Case(
         "a speed list whose length is not R",

@@ -9,8 +9,9 @@ process from its replica's (`Collectives.share_arrival`, a broadcast), so every 
 server update to the same bits as the simulation.
 
 With a codec (outer.compress, docs/async.md "Codecs") an arriving job's pseudo-gradient is compressed by
-its replica's process as a round compresses it (`compress_arrival`: its error-feedback buffer added first
-and updated), and what is applied and broadcast is the decoded payload, the same bits everywhere.
+its replica's process as a round compresses it (`compress_arrival`, with the transform and tiles;
+`lowrank_arrival`, one power iteration from the server's Q: its error-feedback buffer added first and
+updated), and what is applied and broadcast is the decoded payload, the same bits everywhere.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch
 from hypertrain.data.batches import targets_of
 from hypertrain.diloco import codecs
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, schedule
-from hypertrain.diloco.communication import fed_back, topk
+from hypertrain.diloco.communication import fed_back, self_decoded, topk
+from hypertrain.diloco.lowrank import Factors, LowRankMean
 from hypertrain.diloco.outer import pseudo_gradients
 from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.diloco.tiles import tile_order, to_tiles
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Assignment, Engine
@@ -43,49 +46,90 @@ class Applied:
     bits: list[int]  # each job's payload bits (`payload_bits`)
 
 
-def payload_bits(outer, sizes: tuple[int, ...]) -> int:
-    """The bits one arrival's payload puts on the wire, a pseudo-gradient of tensors of `sizes` elements:
-    fp32 (outer.compress=none) 32 a parameter; a codec its payload's (`codecs.payload_size`), as a round's
-    contribution under `gather` less the round's 8-byte header (an arrival sends no header)."""
+def payload_bits(outer, shapes: tuple[tuple[int, ...], ...]) -> int:
+    """The bits one arrival's payload puts on the wire, a pseudo-gradient of tensors of `shapes`: fp32
+    (outer.compress=none) 32 a parameter; lowrank its factors P and Q and its 1-D tensors in fp32
+    (`lowrank.Factors.payload_bytes`, a round's replica's payload); a codec its payload's
+    (`codecs.payload_size`, which neither the transform nor the tiles change), as a round's contribution
+    under `gather`, less the round's header bytes (an arrival sends no header)."""
+    sizes = tuple(math.prod(shape) for shape in shapes)
     if outer.compress == "none":
         return 32 * sum(sizes)
+    if outer.compress == "lowrank":
+        return 8 * arrival_factors(outer, shapes).payload_bytes
     return 8 * codecs.payload_size(outer.compress, codecs.Blocks(sizes, outer.block), topk(outer))
 
 
+def arrival_factors(outer, shapes: tuple[tuple[int, ...], ...]) -> Factors:
+    """outer.compress=lowrank: which of the tensors of `shapes` (the model's, in order) are matrices."""
+    return Factors.of({str(i): shape for i, shape in enumerate(shapes)}, outer.lowrank_rank)
+
+
 def compress_arrival(
-    outer, delta: torch.Tensor, errors: torch.Tensor | None, sizes: tuple[int, ...]
+    outer, delta: torch.Tensor, errors: torch.Tensor | None, shapes: tuple[tuple[int, ...], ...]
 ) -> torch.Tensor:
-    """One replica's arriving pseudo-gradient `delta` [n] as the server applies it: its decoded payload
-    d = decode(encode(x)), x = delta + beta * e (`communication.fed_back`, beta = outer.error_decay; the
-    pseudo-gradient alone without feedback), the rule of a round's `compressed_mean`; with error feedback
-    its buffer `errors` [1, n] becomes x - d in place. A non-finite x is returned as it is, the buffer
-    unchanged: the server applies it as it applies an uncompressed one, and the held-out guard stops the
-    run on every process (a codec's bytes would hide it)."""
-    codec, fraction, blocks = outer.compress, topk(outer), codecs.Blocks(sizes, outer.block)
+    """One replica's arriving pseudo-gradient `delta` [n] (the tensors of `shapes`, flat) as the server
+    applies it: its decoded payload d = decode(encode(x)), x = delta + beta * e (`communication.fed_back`,
+    beta = outer.error_decay; the pseudo-gradient alone without feedback), a round's contribution's
+    rule (`communication.self_decoded`: with outer.tile the blocks read in tiles, with outer.transform=dct
+    the codec sees each block's DCT coefficients and d is their inverse); with error feedback its buffer
+    `errors` [1, n] becomes x - d in place. A non-finite x is returned as it is, the buffer unchanged:
+    the server applies it as it applies an uncompressed one, and the held-out guard stops the run on
+    every process (a codec's bytes would hide it)."""
+    blocks = codecs.Blocks(tuple(math.prod(shape) for shape in shapes), outer.block)
     x = fed_back(delta[None], errors, outer.error_decay)
     if not torch.isfinite(x).all():
         return x[0]
-    decoded = codecs.decode(codec, codecs.encode(codec, x, blocks, fraction), blocks, fraction)
+    order = tile_order(list(shapes), outer.tile)
+    _, decoded = self_decoded(outer, to_tiles(x, order), blocks, order)
     if errors is not None:
         errors.copy_(x - decoded)
     return decoded[0]
 
 
+def lowrank_arrival(
+    outer, delta: torch.Tensor, errors: torch.Tensor | None, q: dict[str, torch.Tensor], factors: Factors
+) -> torch.Tensor:
+    """outer.compress=lowrank: one replica's arriving `delta` [n] as the server applies it, PowerSGD's
+    Algorithm 1 (Vogels et al. 2019) with one worker, warm-started from the server's Q (`q`, each
+    matrix's [cols, r] keyed as `factors` names it, updated in place): x = delta + beta * e; per matrix
+    M of x, P = orthogonalize(M Q), Q' = M^T P, d = P Q'^T; the 1-D tensors exact; Q <- Q' (a column of
+    Q' all zero keeps Q's); with error feedback e <- x - d in place. It is a round's `LowRankMean` over
+    this one replica (its means over one row are the row), so the rule is the rounds' code. A non-finite
+    x is returned as it is, Q and the buffer unchanged (`compress_arrival`)."""
+    x = fed_back(delta[None], errors, outer.error_decay)
+    if not torch.isfinite(x).all():
+        return x[0]
+    one = torch.ones(1, dtype=torch.bool, device=x.device)
+    reduction = LowRankMean(factors, x, delta[None], one, q, errors, lambda _: None, ReplicaGroups(1))
+    return reduction.wait().mean
+
+
 def compressor(run: PreparedRun, state: RunState):
     """`(replica, delta) -> the decoded delta` for this process's replicas, their error buffers (the run
-    state's `errors`, per parameter) updated; None with outer.compress=none."""
+    state's `errors`, per parameter) updated, and with lowrank the server's warm start (the run state's
+    `lowrank_q`); None with outer.compress=none."""
     outer = run.cfg.outer
     if outer.compress == "none":
         return None
-    sizes = tuple(t.numel() for t in state.theta.values())
+    shapes = tuple(tuple(t.shape) for t in state.theta.values())
     local = {m: i for i, m in enumerate(state.replicas)}
+    if outer.compress == "lowrank":
+        factors = Factors.of({n: tuple(t.shape) for n, t in state.theta.items()}, outer.lowrank_rank)
+
+        def encode(delta, flat):
+            return lowrank_arrival(outer, delta, flat, state.lowrank_q, factors)
+    else:
+
+        def encode(delta, flat):
+            return compress_arrival(outer, delta, flat, shapes)
 
     def compress(replica: int, delta: torch.Tensor) -> torch.Tensor:
         if state.errors is None:
-            return compress_arrival(outer, delta, None, sizes)
+            return encode(delta, None)
         buffers = state.errors[local[replica]]
         flat = torch.cat([t.reshape(1, -1).float() for t in buffers.values()], dim=1)
-        decoded = compress_arrival(outer, delta, flat, sizes)
+        decoded = encode(delta, flat)
         start = 0
         for t in buffers.values():
             t.copy_(flat[0, start : start + t.numel()].view(t.shape))
@@ -182,7 +226,7 @@ def server_updates(
                 starts.setdefault(job.pulled, []).append(job)
     now = state.asynchronous
     compress = compressor(run, state)
-    bits = payload_bits(cfg.outer, tuple(t.numel() for t in state.theta.values()))
+    bits = payload_bits(cfg.outer, tuple(tuple(t.shape) for t in state.theta.values()))
     if now.applied == 0 and not now.flying:
         run_jobs(run, state, starts.get(0, []), engine, groups)
     for update in updates[now.applied :]:
