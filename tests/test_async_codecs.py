@@ -19,8 +19,10 @@ from test_async import arrivals, async_cfg
 
 import hypertrain.diloco.asynchronous as asynchronous
 from hypertrain.choices import Compressor
+from hypertrain.diloco.arrivals import Job
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import RunState
+from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records
 from hypertrain.report.runs import load_run
@@ -38,30 +40,37 @@ def codec_cfg(compress, engine="stacked", **outer):
 
 
 def observed(cfg):
-    """Run `cfg`; returns the sizes of its tensors, every compressed arrival's (delta, buffer before,
-    decoded, buffer after) in order, and every server update's applied deltas [k, n]."""
+    """Run `cfg`; returns the sizes of its tensors, every arrival's (delta, buffer before, decoded, buffer
+    after) in order (the buffers [1, n], None without error feedback), recorded around
+    `asynchronous.arrived` (the owner's encode, the broadcast, every process's decode), and every server
+    update's applied deltas [k, n]."""
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     calls, applied = [], []
-    encode, apply = asynchronous.compress_arrival, state.asynchronous.server.apply
+    arrive, apply = asynchronous.arrived, state.asynchronous.server.apply
 
-    def recording_compress(outer, delta, errors, shapes):
-        before = None if errors is None else errors.clone()
-        decoded = encode(outer, delta, errors, shapes)
-        calls.append((delta.clone(), before, decoded.clone(), None if errors is None else errors.clone()))
-        return decoded
+    def buffer(m):
+        if state.errors is None:
+            return None
+        return torch.cat([t.reshape(-1) for t in state.errors[m].values()])[None].clone()
+
+    def recording_arrived(job, flying, groups, theta, wire=None):
+        delta, before = flying[job.replica]["delta"].clone(), buffer(job.replica)
+        out = arrive(job, flying, groups, theta, wire)
+        calls.append((delta, before, out["delta"].clone(), buffer(job.replica)))
+        return out
 
     def recording_apply(theta, deltas, tokens):
         applied.append(deltas.clone())
         apply(theta, deltas, tokens)
 
-    asynchronous.compress_arrival = recording_compress
+    asynchronous.arrived = recording_arrived
     state.asynchronous.server.apply = recording_apply
     try:
         for _ in server_updates(run, state):
             pass
     finally:
-        asynchronous.compress_arrival = encode
+        asynchronous.arrived = arrive
     sizes = tuple(t.numel() for t in state.theta.values())
     return sizes, calls, applied, state
 
@@ -264,17 +273,23 @@ def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resume
     assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
 
 
-def test_a_non_finite_pseudo_gradient_reaches_the_server_as_it_is_and_leaves_the_buffer():
-    """A codec's bytes would hide a NaN from the held-out guard: it is applied as an uncompressed one is."""
+def test_a_non_finite_pseudo_gradient_reaches_the_server_as_nan_and_leaves_the_buffer():
+    """A codec's bytes would hide a NaN from the held-out guard: the arrival's flag says x is not finite
+    and every process applies NaN, the buffer unchanged; a finite x is encoded and moves the buffer."""
     outer = codec_cfg("int8", error_feedback=True).outer
+    theta = {"w": torch.zeros(64)}
+    errors = [{"w": torch.full((64,), 0.25)}]
+    wire = asynchronous.Wire(outer, theta, errors, [0])
+    job = Job(0, 1, 0, 1, 4, 0, 0.0, 1.0)
     delta = torch.arange(64, dtype=torch.float32)
     delta[5] = float("nan")
-    errors = torch.full((1, 64), 0.25)
-    got = asynchronous.compress_arrival(outer, delta, errors, ((64,),))
-    assert got.isnan()[5] and torch.equal(errors, torch.full((1, 64), 0.25))
+    got = asynchronous.arrived(job, {0: {"delta": delta, "losses": [1.0]}}, ReplicaGroups(1), theta, wire)
+    assert got["delta"].isnan().all() and got["losses"] == [1.0]
+    assert torch.equal(errors[0]["w"], torch.full((64,), 0.25))
     delta[5] = 1.0
-    assert torch.isfinite(asynchronous.compress_arrival(outer, delta, errors, ((64,),))).all()
-    assert not torch.equal(errors, torch.full((1, 64), 0.25))
+    got = asynchronous.arrived(job, {0: {"delta": delta, "losses": [1.0]}}, ReplicaGroups(1), theta, wire)
+    assert torch.isfinite(got["delta"]).all()
+    assert not torch.equal(errors[0]["w"], torch.full((64,), 0.25))
 
 
 # -- the DCT transform and tiles (outer.transform=dct, outer.tile) ------------------------------------------
@@ -422,3 +437,62 @@ def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_e
         untiled = tile_topk_reference(x, [(math.prod(s),) for s in shapes], fraction)
         differs += not torch.equal(got.double(), untiled)
     assert differs == len(calls)
+
+
+class CountingGroups(ReplicaGroups):
+    """One process whose arrival broadcast records each tensor handed to it: (dtype, bytes)."""
+
+    def __init__(self, replicas):
+        super().__init__(replicas)
+        self.sent = []
+
+    def share_arrival(self, replica, delta, losses):
+        self.sent.append((delta.dtype, delta.numel() * delta.element_size()))
+        return super().share_arrival(replica, delta, losses)
+
+
+def expected_bytes(compress, shapes):
+    """An arrival's payload bytes from docs/compression.md, written here: fp32 4 n; int8 n + 4 C (a byte
+    a value, an fp32 scale a block of 32); lowrank 4 (sum over matrices of (rows + cols) r + the 1-D
+    tensors' elements), r = min(2, rows, cols); None where the test takes the row's own count."""
+    n = sum(math.prod(s) for s in shapes)
+    if compress == "none":
+        return 4 * n
+    if compress == "int8":
+        return n + 4 * sum(-(-math.prod(s) // BLOCK) for s in shapes)
+    if compress == "lowrank":
+        total = 0
+        for s in shapes:
+            rows, cols = s[0], math.prod(s) // s[0]
+            total += (rows + cols) * min(2, rows, cols) if len(s) >= 2 else math.prod(s)
+        return 4 * total
+    return None
+
+
+@pytest.mark.parametrize(
+    ("compress", "outer"),
+    [
+        ("none", {}),
+        ("int8", {}),
+        ("int8", {"transform": "dct"}),
+        ("topk", {"topk_fraction": 0.125, "error_feedback": True}),
+        ("lowrank", {"lowrank_rank": 2, "error_feedback": True}),
+    ],
+    ids=["fp32", "int8", "int8-dct", "topk-ef", "lowrank-ef"],
+)
+def test_an_arrivals_broadcast_carries_exactly_its_payload_bits(compress, outer):
+    """The tensor handed to `share_arrival` (under processes=dist, the broadcast) is the payload's bytes,
+    uint8, exactly payload_bits / 8 of the arrival's row (and the count written above where it has one);
+    fp32 without a codec."""
+    cfg = async_cfg(compress=Compressor[compress], block=BLOCK, **outer)
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    shapes = [tuple(t.shape) for t in state.theta.values()]
+    groups = CountingGroups(cfg.replicas)
+    bits = [b for update in server_updates(run, state, groups=groups) for b in update.bits]
+    assert len(groups.sent) == len(bits) == 8 and all(b % 8 == 0 for b in bits)
+    assert [nbytes for _, nbytes in groups.sent] == [b // 8 for b in bits]
+    want = expected_bytes(compress, shapes)
+    assert want is None or all(nbytes == want for _, nbytes in groups.sent)
+    dtype = torch.float32 if compress == "none" else torch.uint8
+    assert all(d == dtype for d, _ in groups.sent)

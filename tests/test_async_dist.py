@@ -114,13 +114,22 @@ def test_two_processes_a_replica_equal_the_simulation_within_rounding_and_resume
     assert_equal_runs(run_dir, real, 12)
 
 
+CODECS = {
+    "int8": ["outer.compress=int8"],
+    "topk-ef": ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"],
+    "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank_rank=2", "outer.error_feedback=true"],
+}
+
+
 @pytest.mark.slow
-def test_real_processes_with_topk_and_error_feedback_equal_the_simulation_bitwise(tmp_path):
+@pytest.mark.parametrize("codec", CODECS)
+def test_real_processes_with_a_codec_equal_the_simulation_bitwise(tmp_path, codec):
     """docs/async.md "Codecs": torchrun, 2 processes of two replicas each (their error buffers on their
-    own process), top-k with error feedback: every arrival row (payload bits included) and the final
-    weights equal the one-process simulation's exactly (the broadcast carries the decoded payload)."""
-    codec = ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"]
-    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *codec, "outer.block=32"]
+    own process), int8, top-k with error feedback, low rank with error feedback (the server's Q on
+    every process, moved by each arrival's decode): every arrival row (payload bits included) and the
+    final weights equal the one-process simulation's exactly (the broadcast carries the payload's bytes,
+    which every process decodes)."""
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec], "outer.block=32"]
     sim, real = both(args, tmp_path)
     assert_equal_runs(real, sim, updates=12)
     n = sum(t.numel() for t in torch.load(sim / "weights.pt").values())

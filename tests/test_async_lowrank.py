@@ -33,33 +33,42 @@ def lowrank_cfg(engine="stacked", speeds=(1.0, 0.5), **outer):
 
 def observed(cfg):
     """Run `cfg`; returns the weights' shapes, every arrival's (delta, buffer before, Q before, decoded,
-    buffer after, Q after) in order, every server update's applied deltas [k, n], and the final state."""
+    buffer after, Q after) in order, recorded around `asynchronous.arrived` (the owner's encode, the
+    broadcast, every process's decode), every server update's applied deltas [k, n], and the final state."""
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     calls, applied = [], []
-    encode, apply = asynchronous.lowrank_arrival, state.asynchronous.server.apply
+    arrive, apply = asynchronous.arrived, state.asynchronous.server.apply
+
+    def buffer(m):
+        return torch.cat([t.reshape(-1) for t in state.errors[m].values()]).clone()
 
     def clone(q):
         return {n: t.clone() for n, t in q.items()}
 
-    def recording(outer, delta, errors, q, factors):
-        before, q_before = None if errors is None else errors[0].clone(), clone(q)
-        decoded = encode(outer, delta, errors, q, factors)
-        after = None if errors is None else errors[0].clone()
-        calls.append((delta.clone(), before, q_before, decoded.clone(), after, clone(q)))
-        return decoded
+    def recording(job, flying, groups, theta, wire=None):
+        delta, before, q_before = (
+            flying[job.replica]["delta"].clone(),
+            buffer(job.replica),
+            clone(state.lowrank_q),
+        )
+        out = arrive(job, flying, groups, theta, wire)
+        calls.append(
+            (delta, before, q_before, out["delta"].clone(), buffer(job.replica), clone(state.lowrank_q))
+        )
+        return out
 
     def recording_apply(theta, deltas, tokens):
         applied.append(deltas.clone())
         apply(theta, deltas, tokens)
 
-    asynchronous.lowrank_arrival = recording
+    asynchronous.arrived = recording
     state.asynchronous.server.apply = recording_apply
     try:
         for _ in server_updates(run, state):
             pass
     finally:
-        asynchronous.lowrank_arrival = encode
+        asynchronous.arrived = arrive
     shapes = {n: tuple(t.shape) for n, t in state.theta.items()}
     return shapes, calls, applied, state
 

@@ -382,18 +382,6 @@ CASES = {
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
         "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, churn likewise)",
     ),
-    "async-lowrank-dist": Case(
-        "asynchronous replicas with low-rank compression on real processes (not built: docs/async.md)",
-        [
-            "outer.schedule=async",
-            "cluster=h100",
-            "outer.compress=lowrank",
-            "processes=dist",
-            "processes.nproc=2",
-        ],
-        "outer.schedule=async with outer.compress=lowrank under processes=dist is not built",
-        "processes=one, or another outer.compress",
-    ),
     "async-speeds-length": Case(
         "a speed list whose length is not R",
         ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,1,0.5]"],

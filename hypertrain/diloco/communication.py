@@ -222,9 +222,18 @@ def self_decoded(
     """Rows `x_tiled` [R, n] in the blocks' order (`tiles.to_tiles` by `order`) -> (their payloads, uint8
     [R, b]; each row's decoded payload in parameter order): decode(encode(x)) with outer's codec and
     transform (PCCL's self-quantize rule), what a replica's contribution to a round, or an arrival, is."""
-    codec, fraction, transform = outer.compress, topk(outer), outer.transform
-    payload = codecs.encode(codec, x_tiled, blocks, fraction, transform)
-    return payload, from_tiles(codecs.decode(codec, payload, blocks, fraction, transform), order)
+    payload = contribution_payload(outer, x_tiled, blocks)
+    return payload, payload_decoded(outer, payload, blocks, order)
+
+
+def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) -> Tensor:
+    """Rows [R, n] in the blocks' order -> their payloads, uint8 [R, b] (outer's codec and transform)."""
+    return codecs.encode(outer.compress, x_tiled, blocks, topk(outer), outer.transform)
+
+
+def payload_decoded(outer: OuterConfig, payload: Tensor, blocks: Blocks, order: Tensor | None) -> Tensor:
+    """Payloads uint8 [R, b] -> each one decoded, in parameter order (the inverse of `tiles.to_tiles`)."""
+    return from_tiles(codecs.decode(outer.compress, payload, blocks, topk(outer), outer.transform), order)
 
 
 def fed_back(deltas: Tensor, errors: Tensor | None, decay: float) -> Tensor:

@@ -182,12 +182,6 @@ def check_async(cfg: TrainConfig) -> None:
                 f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
                 f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
             )
-    if outer.compress == "lowrank" and cfg.processes.name == "dist":
-        raise UserError(
-            "outer.schedule=async with outer.compress=lowrank under processes=dist is not built (the "
-            "server's warm start would move on the arriving replica's process only; docs/async.md); valid: "
-            "processes=one, or another outer.compress"
-        )
     N = outer.dn_buffer or R
     if not 0.0 <= outer.dn_activation <= 1.0 / N:
         raise UserError(
