@@ -216,18 +216,10 @@ def topk(outer: OuterConfig) -> codecs.TopK:
     return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
 
 
-def self_decoded(
-    outer: OuterConfig, x_tiled: Tensor, blocks: Blocks, order: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """Rows `x_tiled` [R, n] in the blocks' order (`tiles.to_tiles` by `order`) -> (their payloads, uint8
-    [R, b]; each row's decoded payload in parameter order): decode(encode(x)) with outer's codec and
-    transform (PCCL's self-quantize rule), what a replica's contribution to a round, or an arrival, is."""
-    payload = contribution_payload(outer, x_tiled, blocks)
-    return payload, payload_decoded(outer, payload, blocks, order)
-
-
 def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) -> Tensor:
-    """Rows [R, n] in the blocks' order -> their payloads, uint8 [R, b] (outer's codec and transform)."""
+    """Rows [R, n] in the blocks' order (`tiles.to_tiles`) -> their payloads, uint8 [R, b] (outer's codec
+    and transform): what a replica's contribution to a round, or an arrival, encodes to; `payload_decoded`
+    gives back d, the value the sender keeps (PCCL's self-quantize rule: d = decode(encode(x)))."""
     return codecs.encode(outer.compress, x_tiled, blocks, topk(outer), outer.transform)
 
 
@@ -284,7 +276,7 @@ def compressed_mean(
     x = fed_back(deltas, errors, outer.error_decay)
     refuse_non_finite(x, active, groups, update)
     x_tiled = to_tiles(x, order)
-    _, decoded = self_decoded(outer, x_tiled, blocks, order)
+    decoded = payload_decoded(outer, contribution_payload(outer, x_tiled, blocks), blocks, order)
     norms = deltas.double().norm(dim=1)
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:

@@ -3,6 +3,8 @@ Jaggi 2019, arXiv 1905.13727, Algorithm 1; docs/compression.md): per matrix, one
 started from the previous Q, its two factors all-gathered and summed in replica order, so every process
 and the simulation compute the same numbers from the same numbers. `Factors` says which tensors are
 matrices and what one replica sends; `initial_q` draws the warm start; `lowrank_mean` starts a sync.
+`power_step` and `from_power_step` are one worker's step and its decode (an asynchronous arrival,
+docs/async.md "Codecs"), sharing `orthogonalize` and `warm_start` with the sync.
 """
 
 from __future__ import annotations
