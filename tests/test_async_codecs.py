@@ -203,12 +203,18 @@ def _replica_order(cfg):
     return [[job.replica for job in u.jobs] for u in asynchronous.arrival_schedule(run)]
 
 
-def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback():
+@pytest.mark.parametrize(
+    "extra",
+    [{"block": BLOCK}, {"block": BLOCK, "transform": "dct"}, {"block": 16, "tile": 4}],
+    ids=["", "dct", "tile"],
+)
+def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback(extra):
     """Four replicas, one half as fast, with DyLU (the three fast ones' jobs stacked in one call): the
-    weights and every error buffer equal the loop engine's."""
+    weights and every error buffer equal the loop engine's; with the DCT transform and with tiles too."""
     got = []
     for engine in ("stacked", "loop"):
-        base = codec_cfg("topk", engine=engine, topk_fraction=0.125, error_feedback=True, dylu=True)
+        outer = dict(compress=Compressor.topk, topk_fraction=0.125, error_feedback=True, dylu=True, **extra)
+        base = async_cfg(engine=engine, **outer)
         cfg = replace(
             base,
             cluster=replace(base.cluster, replica_speeds=[1.0, 1.0, 1.0, 0.5]),
