@@ -3,8 +3,10 @@ every arriving job's pseudo-gradient is the decoded payload its replica sent, ch
 references of the codecs' documented equations written here (int8, fp4_e2m1, e3m0: each block's nearest
 grid value; uint8, fp8_*: their scale and cast; top-k: each block's largest magnitudes) applied to the
 run's own pseudo-gradients, and a wrong scale or a missing buffer falls outside them; top-k's error
-feedback follows e <- e + delta - C(e + delta) at every arrival of a replica; the payload bits are
-recorded; loop = stacked bitwise; a SIGKILL resumes bitwise.
+feedback follows e <- e + delta - C(e + delta) at every arrival of a replica; with the DCT transform
+the applied values are the codec's on cosine coefficients computed here by an explicit cosine matrix;
+with tiles top-k keeps each tile's largest values; the payload bits are recorded and the tensor handed to
+the arrival's broadcast is exactly their bytes; loop = stacked bitwise; a SIGKILL resumes bitwise.
 """
 
 from __future__ import annotations
