@@ -208,7 +208,7 @@ def _replica_order(cfg):
 @pytest.mark.parametrize(
     "extra",
     [{"block": BLOCK}, {"block": BLOCK, "transform": "dct"}, {"block": 16, "tile": 4}],
-    ids=["", "dct", "tile"],
+    ids=["plain", "dct", "tile"],
 )
 def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback(extra):
     """Four replicas, one half as fast, with DyLU (the three fast ones' jobs stacked in one call): the
@@ -268,12 +268,17 @@ def test_an_async_run_records_each_arrivals_payload_bits_and_their_total(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["outer.transform=dct"], ["outer.tile=4", "outer.block=16"]],
+    ids=["plain", "dct", "tile"],
+)
+def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resumes_bitwise(tmp_path, extra):
     """SIGKILL before server update 6: the error buffers are in the checkpoint; every arrival row and
-    the weights equal the uninterrupted run's."""
+    the weights equal the uninterrupted run's (top-k with error feedback; with the DCT; with tiles)."""
     from test_async import ASYNC
 
-    args = [*ASYNC, *TOPK_EF]
+    args = [*ASYNC, *TOPK_EF, *extra]
     run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:6:kill")
     resumed(args, run_dir, tmp_path)
     want = arrivals(reference)
