@@ -27,7 +27,7 @@ from helpers import (
     killed_beside_uninterrupted,
     resumed,
 )
-from test_async import ASYNC, FixedTiming, arrivals, async_cfg, excess, reference_dn
+from test_async import ASYNC, FixedTiming, arrivals, async_cfg, excess, four_one_slow, reference_dn
 
 from hypertrain.choices import RejoinState
 from hypertrain.config import ChurnConfig
@@ -279,14 +279,7 @@ def test_the_loop_and_stacked_engines_agree_bitwise_with_churn():
     base = churn_cfg(events=["2:1:leave", "4:1:rejoin", "2:3:miss", "3:0:leave", "4:0:rejoin"], dylu=True)
     got = []
     for engine in ("stacked", "loop"):
-        cfg = replace(
-            base,
-            cluster=replace(base.cluster, replica_speeds=[1.0, 1.0, 1.0, 0.5]),
-            replicas=4,
-            inner=replace(base.inner, H=4),
-            phase=replace(base.phase, updates=8, global_batch=32),
-            engine=replace(base.engine, name=engine),
-        )
+        cfg = four_one_slow(base, engine)
         got.append(run_async(cfg)[-1])
     assert all(torch.equal(got[0][n], got[1][n]) for n in got[1])
 

@@ -3,24 +3,27 @@ every arriving job's pseudo-gradient is the decoded payload its replica sent, ch
 references of the codecs' documented equations written here (int8, fp4_e2m1, e3m0: each block's nearest
 grid value; uint8, fp8_*: their scale and cast; top-k: each block's largest magnitudes) applied to the
 run's own pseudo-gradients, and a wrong scale or a missing buffer falls outside them; top-k's error
-feedback follows e <- e + delta - C(e + delta) at every arrival of a replica; the payload bits are
-recorded; loop = stacked bitwise; a SIGKILL resumes bitwise.
+feedback follows e <- e + delta - C(e + delta) at every arrival of a replica; with the DCT transform
+the applied values are the codec's on cosine coefficients computed here by an explicit cosine matrix;
+with tiles top-k keeps each tile's largest values; the payload bits are recorded and the tensor handed to
+the arrival's broadcast is exactly their bytes; loop = stacked bitwise; a SIGKILL resumes bitwise.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 from helpers import ReferenceRuns, assert_same_weights, killed_beside_uninterrupted, resumed
-from test_async import arrivals, async_cfg
+from test_async import arrivals, async_cfg, four_one_slow
 
 import hypertrain.diloco.asynchronous as asynchronous
 from hypertrain.choices import Compressor
+from hypertrain.diloco.arrivals import Job
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import RunState
+from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records
 from hypertrain.report.runs import load_run
@@ -37,31 +40,41 @@ def codec_cfg(compress, engine="stacked", **outer):
     return async_cfg(engine=engine, compress=Compressor[compress], block=BLOCK, **outer)
 
 
-def observed(cfg):
-    """Run `cfg`; returns the sizes of its tensors, every compressed arrival's (delta, buffer before,
-    decoded, buffer after) in order, and every server update's applied deltas [k, n]."""
+def observed(cfg, also=None):
+    """Run `cfg`; returns the sizes of its tensors, every arrival's (delta, buffer before, decoded, buffer
+    after) in order (the buffers [1, n], None without error feedback), recorded around
+    `asynchronous.arrived` (the owner's encode, the broadcast, every process's decode), every server
+    update's applied deltas [k, n] and the final state. `also(state)`: more to record before and after
+    each arrival, appended to its tuple (before, after)."""
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     calls, applied = [], []
-    encode, apply = asynchronous.compress_arrival, state.asynchronous.server.apply
+    arrive, apply = asynchronous.arrived, state.asynchronous.server.apply
 
-    def recording_compress(outer, delta, errors, sizes):
-        before = None if errors is None else errors.clone()
-        decoded = encode(outer, delta, errors, sizes)
-        calls.append((delta.clone(), before, decoded.clone(), None if errors is None else errors.clone()))
-        return decoded
+    def buffer(m):
+        if state.errors is None:
+            return None
+        return torch.cat([t.reshape(-1) for t in state.errors[m].values()])[None].clone()
+
+    def recording_arrived(job, flying, groups, theta, wire=None):
+        delta, before = flying[job.replica]["delta"].clone(), buffer(job.replica)
+        extra = () if also is None else (also(state),)
+        out = arrive(job, flying, groups, theta, wire)
+        extra += () if also is None else (also(state),)
+        calls.append((delta, before, out["delta"].clone(), buffer(job.replica), *extra))
+        return out
 
     def recording_apply(theta, deltas, tokens):
         applied.append(deltas.clone())
         return apply(theta, deltas, tokens)
 
-    asynchronous.compress_arrival = recording_compress
+    asynchronous.arrived = recording_arrived
     state.asynchronous.server.apply = recording_apply
     try:
         for _ in server_updates(run, state):
             pass
     finally:
-        asynchronous.compress_arrival = encode
+        asynchronous.arrived = arrive
     sizes = tuple(t.numel() for t in state.theta.values())
     return sizes, calls, applied, state
 
@@ -194,19 +207,19 @@ def _replica_order(cfg):
     return [[job.replica for job in u.jobs] for u in asynchronous.arrival_schedule(run)]
 
 
-def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback():
+@pytest.mark.parametrize(
+    "extra",
+    [{"block": BLOCK}, {"block": BLOCK, "transform": "dct"}, {"block": 16, "tile": 4}],
+    ids=["plain", "dct", "tile"],
+)
+def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback(extra):
     """Four replicas, one half as fast, with DyLU (the three fast ones' jobs stacked in one call): the
-    weights and every error buffer equal the loop engine's."""
+    weights and every error buffer equal the loop engine's; with the DCT transform and with tiles too."""
     got = []
     for engine in ("stacked", "loop"):
-        base = codec_cfg("topk", engine=engine, topk_fraction=0.125, error_feedback=True, dylu=True)
-        cfg = replace(
-            base,
-            cluster=replace(base.cluster, replica_speeds=[1.0, 1.0, 1.0, 0.5]),
-            replicas=4,
-            inner=replace(base.inner, H=4),
-            phase=replace(base.phase, updates=8, global_batch=32),
-        )
+        outer = dict(compress=Compressor.topk, topk_fraction=0.125, error_feedback=True, dylu=True, **extra)
+        base = async_cfg(engine=engine, **outer)
+        cfg = four_one_slow(base, engine)
         got.append(observed(cfg)[3])
     for name, t in got[1].theta.items():
         assert torch.equal(got[0].theta[name], t), name
@@ -251,12 +264,17 @@ def test_an_async_run_records_each_arrivals_payload_bits_and_their_total(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["outer.transform=dct"], ["outer.tile=4", "outer.block=16"]],
+    ids=["plain", "dct", "tile"],
+)
+def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resumes_bitwise(tmp_path, extra):
     """SIGKILL before server update 6: the error buffers are in the checkpoint; every arrival row and
-    the weights equal the uninterrupted run's."""
+    the weights equal the uninterrupted run's (top-k with error feedback; with the DCT; with tiles)."""
     from test_async import ASYNC
 
-    args = [*ASYNC, *TOPK_EF]
+    args = [*ASYNC, *TOPK_EF, *extra]
     run_dir, reference = killed_beside_uninterrupted(args, tmp_path, "0:6:kill")
     resumed(args, run_dir, tmp_path)
     want = arrivals(reference)
@@ -264,14 +282,226 @@ def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resume
     assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
 
 
-def test_a_non_finite_pseudo_gradient_reaches_the_server_as_it_is_and_leaves_the_buffer():
-    """A codec's bytes would hide a NaN from the held-out guard: it is applied as an uncompressed one is."""
+def test_a_non_finite_pseudo_gradient_reaches_the_server_as_nan_and_leaves_the_buffer():
+    """A codec's bytes would hide a NaN from the held-out guard: the arrival's flag says x is not finite
+    and every process applies NaN, the buffer unchanged; a finite x is encoded and moves the buffer."""
     outer = codec_cfg("int8", error_feedback=True).outer
+    theta = {"w": torch.zeros(64)}
+    errors = [{"w": torch.full((64,), 0.25)}]
+    wire = asynchronous.Wire(outer, theta, errors, [0])
+    job = Job(0, 1, 0, 1, 4, 0, 0.0, 1.0)
     delta = torch.arange(64, dtype=torch.float32)
     delta[5] = float("nan")
-    errors = torch.full((1, 64), 0.25)
-    got = asynchronous.compress_arrival(outer, delta, errors, (64,))
-    assert got.isnan()[5] and torch.equal(errors, torch.full((1, 64), 0.25))
+    got = asynchronous.arrived(job, {0: {"delta": delta, "losses": [1.0]}}, ReplicaGroups(1), theta, wire)
+    assert got["delta"].isnan().all() and got["losses"] == [1.0]
+    assert torch.equal(errors[0]["w"], torch.full((64,), 0.25))
     delta[5] = 1.0
-    assert torch.isfinite(asynchronous.compress_arrival(outer, delta, errors, (64,))).all()
-    assert not torch.equal(errors, torch.full((1, 64), 0.25))
+    got = asynchronous.arrived(job, {0: {"delta": delta, "losses": [1.0]}}, ReplicaGroups(1), theta, wire)
+    assert torch.isfinite(got["delta"]).all()
+    assert not torch.equal(errors[0]["w"], torch.full((64,), 0.25))
+
+
+# -- the DCT transform and tiles (outer.transform=dct, outer.tile) ------------------------------------------
+
+U = 2.0**-24  # fp32's unit roundoff
+
+
+def dct_matrix(L):
+    """float64 [L, L], written from the DCT-II's definition: row k is sqrt(2 / L) cos(pi (2i + 1) k / 2L)
+    over i, row 0 scaled to sqrt(1 / L) (orthonormal: its inverse is its transpose)."""
+    i = torch.arange(L, dtype=torch.float64)
+    c = torch.cos(math.pi * (2 * i[None] + 1) * i[:, None] / (2 * L)) * math.sqrt(2 / L)
+    c[0] /= math.sqrt(2)
+    return c
+
+
+def dct_tolerance(x_block):
+    """What fp32 may move a coefficient by, against float64: the codec's forward DCT (a dot product of
+    L terms with an orthonormal row: at most L u ||x||_2), the scale's own rounding (|k| <= 127 steps of
+    an amax known to L u ||x||_2 over M) and the inverse DCT of the decoded block (again L u ||d||_2,
+    ||d|| <= ||x|| + the quantization); 4 L u ||x||_2 covers their sum with room for the fp32 casts."""
+    L = len(x_block)
+    return 4 * L * U * x_block.double().norm() * (1 + math.sqrt(L))
+
+
+def test_int8_with_the_dct_quantizes_each_blocks_cosine_coefficients_on_its_grid():
+    """Each arrival's applied pseudo-gradient, taken back to coefficients by the cosine matrix written
+    here, lies on int8's grid of its block's coefficients (k amax / 127, k = round-half-even(c / scale)
+    of the float64 coefficients c) within `dct_tolerance`; the int8 of the parameters themselves (no
+    transform) does not (negative control)."""
+    sizes, calls, applied, _ = observed(codec_cfg("int8", transform="dct"))
+    C = dct_matrix(BLOCK)
+    flat_applied = [d for deltas in applied for d in deltas]
+    assert len(calls) == len(flat_applied) == 8
+    checked = 0
+    for (delta, _, decoded, _), got in zip(calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded)
+        plain = grid_reference("int8", delta, sizes)
+        blocks, plain_fails = blocks_of(delta, sizes), 0
+        for b in blocks:
+            assert b.stop - b.start == BLOCK  # every tensor here is a multiple of 32
+            c = C @ delta[b].double()
+            scale = c.abs().max() / 127
+            tol = dct_tolerance(delta[b])
+            k = torch.round(c / scale)
+            # away from a rounding tie, the applied coefficient is k scale (within what fp32 moves)
+            clear = ((c / scale - torch.floor(c / scale) - 0.5).abs() * scale) > 2 * tol
+            assert ((C @ got[b].double() - k * scale).abs()[clear] <= 2 * tol).all()
+            checked += int(clear.sum())
+            plain_fails += bool(((C @ plain[b] - k * scale).abs()[clear] > 2 * tol).any())
+        assert plain_fails > 0.9 * len(blocks)  # the parameters' own grid is not the DCT's
+    assert checked > 0.9 * 8 * sum(sizes)  # the few near a tie (within 2 tol of one) are not judged
+
+
+def test_topk_with_the_dct_and_error_feedback_keeps_each_blocks_largest_coefficients_at_every_arrival():
+    """x = e + delta at every arrival of a replica (its buffer the one its last arrival left); the applied
+    block is C^T of x's cosine coefficients C x with all but the ceil(f L) largest magnitudes zeroed, within
+    `dct_tolerance`; the buffer left is x - C(x), in the parameter domain (DeMo's residual). A replica
+    without its buffer would send another payload (negative control)."""
+    fraction = 0.125
+    cfg = codec_cfg("topk", topk_fraction=fraction, error_feedback=True, transform="dct")
+    sizes, calls, applied, state = observed(cfg)
+    C, keep = dct_matrix(BLOCK), math.ceil(fraction * BLOCK)
+    flat_applied = [d for deltas in applied for d in deltas]
+    order = [m for update in _replica_order(cfg) for m in update]
+    buffers, judged = {}, 0
+    for m, (delta, before, decoded, after), got in zip(order, calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded)
+        assert torch.equal(before[0], buffers.get(m, torch.zeros(sum(sizes))))
+        x = before[0] + delta  # fp32's sum, as a round forms it (communication.fed_back)
+        for b in blocks_of(x, sizes):
+            c = C @ x[b].double()
+            top = c.abs().sort(descending=True).values
+            if top[keep - 1] - top[keep] <= 2 * dct_tolerance(x[b]):
+                continue  # the k-th and next magnitudes too close for fp32 to order as float64 does
+            judged += 1
+            kept = torch.where(c.abs() >= top[keep - 1], c, 0.0)
+            assert (got[b].double() - C.t() @ kept).abs().max() <= dct_tolerance(x[b])
+        assert torch.equal(after[0], x - decoded)  # e' = x - C(x), the fp32 difference
+        buffers[m] = after[0]
+    assert judged > 0.9 * len(calls) * len(blocks_of(x, sizes))
+    for m, own in enumerate(state.errors):
+        assert torch.equal(torch.cat([t.reshape(-1) for t in own.values()]), buffers[m])
+    late = calls[-1]
+    alone = late[0]  # the last arrival's delta without its buffer
+    b = blocks_of(alone, sizes)[0]
+    c = C @ alone[b].double()
+    top = c.abs().sort(descending=True).values
+    without = C.t() @ torch.where(c.abs() >= top[keep - 1], c, 0.0)
+    assert (late[2][b].double() - without).abs().max() > 100 * dct_tolerance(alone[b])
+
+
+TILE = 4
+
+
+def tile_topk_reference(x, shapes, fraction):
+    """float64 top-k over tiles: a matrix whose sides are multiples of TILE keeps each TILE x TILE tile's
+    ceil(f T^2) largest magnitudes (SparseLoCo's chunks); any other tensor its blocks of T^2 in its order."""
+    out, start, k = torch.zeros_like(x, dtype=torch.float64), 0, math.ceil(fraction * TILE * TILE)
+    for shape in shapes:
+        n = math.prod(shape)
+        v = x[start : start + n].double()
+        o = torch.zeros_like(v)
+        if len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % TILE == 0:
+            grid = v.view(shape[0] // TILE, TILE, shape[1] // TILE, TILE)
+            og = o.view(shape[0] // TILE, TILE, shape[1] // TILE, TILE)
+            for i in range(shape[0] // TILE):
+                for j in range(shape[1] // TILE):
+                    t = grid[i, :, j, :].reshape(-1)
+                    keep = t.abs().topk(k).indices
+                    flat = torch.zeros(TILE * TILE, dtype=torch.float64)
+                    flat[keep] = t[keep]
+                    og[i, :, j, :] = flat.view(TILE, TILE)
+        else:
+            for a in range(0, n, TILE * TILE):
+                t = v[a : a + TILE * TILE]
+                keep = t.abs().topk(min(k, len(t))).indices
+                o[a + keep] = t[keep]
+        out[start : start + n] = o
+        start += n
+    return out
+
+
+def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_every_arrival():
+    """outer.tile=4 (blocks of 16 = 4 x 4 tiles): every arrival's payload is each tile's largest magnitudes
+    of x = e + delta, exactly (top-k moves values, no arithmetic), and the buffer left is x - C(x); the
+    same top-k over blocks of 16 in the parameters' own order is not (negative control)."""
+    fraction = 0.125
+    cfg = async_cfg(
+        compress=Compressor.topk, topk_fraction=fraction, error_feedback=True, tile=TILE, block=16
+    )
+    run = prepare(cfg)
+    shapes = [tuple(t.shape) for t in initial_weights(run).values()]
+    _, calls, applied, _ = observed(cfg)
+    order = [m for update in _replica_order(cfg) for m in update]
+    flat_applied = [d for deltas in applied for d in deltas]
+    buffers, differs = {}, 0
+    for m, (delta, before, decoded, after), got in zip(order, calls, flat_applied, strict=True):
+        assert torch.equal(got, decoded)
+        assert torch.equal(before[0], buffers.get(m, torch.zeros_like(delta)))
+        x = before[0] + delta
+        assert torch.equal(got.double(), tile_topk_reference(x, shapes, fraction))
+        assert torch.equal(after[0], x - decoded)
+        buffers[m] = after[0]
+        untiled = tile_topk_reference(x, [(math.prod(s),) for s in shapes], fraction)
+        differs += not torch.equal(got.double(), untiled)
+    assert differs == len(calls)
+
+
+class CountingGroups(ReplicaGroups):
+    """One process whose arrival broadcast records each tensor handed to it: (dtype, bytes)."""
+
+    def __init__(self, replicas):
+        super().__init__(replicas)
+        self.sent = []
+
+    def share_arrival(self, replica, delta, losses):
+        self.sent.append((delta.dtype, delta.numel() * delta.element_size()))
+        return super().share_arrival(replica, delta, losses)
+
+
+def expected_bytes(compress, shapes):
+    """An arrival's payload bytes from docs/compression.md, written here: fp32 4 n; int8 n + 4 C (a byte
+    a value, an fp32 scale a block of 32); lowrank 4 (sum over matrices of (rows + cols) r + the 1-D
+    tensors' elements), r = min(2, rows, cols); None where the test takes the row's own count."""
+    n = sum(math.prod(s) for s in shapes)
+    if compress == "none":
+        return 4 * n
+    if compress == "int8":
+        return n + 4 * sum(-(-math.prod(s) // BLOCK) for s in shapes)
+    if compress == "lowrank":
+        total = 0
+        for s in shapes:
+            rows, cols = s[0], math.prod(s) // s[0]
+            total += (rows + cols) * min(2, rows, cols) if len(s) >= 2 else math.prod(s)
+        return 4 * total
+    return None
+
+
+@pytest.mark.parametrize(
+    ("compress", "outer"),
+    [
+        ("none", {}),
+        ("int8", {}),
+        ("int8", {"transform": "dct"}),
+        ("topk", {"topk_fraction": 0.125, "error_feedback": True}),
+        ("lowrank", {"lowrank_rank": 2, "error_feedback": True}),
+    ],
+    ids=["fp32", "int8", "int8-dct", "topk-ef", "lowrank-ef"],
+)
+def test_an_arrivals_broadcast_carries_exactly_its_payload_bits(compress, outer):
+    """The tensor handed to `share_arrival` (under processes=dist, the broadcast) is the payload's bytes,
+    uint8, exactly payload_bits / 8 of the arrival's row (and the count written above where it has one);
+    fp32 without a codec."""
+    cfg = async_cfg(compress=Compressor[compress], block=BLOCK, **outer)
+    run = prepare(cfg)
+    state = RunState.start(run.cfg, initial_weights(run))
+    shapes = [tuple(t.shape) for t in state.theta.values()]
+    groups = CountingGroups(cfg.replicas)
+    bits = [b for update in server_updates(run, state, groups=groups) for b in update.bits]
+    assert len(groups.sent) == len(bits) == 8 and all(b % 8 == 0 for b in bits)
+    assert [nbytes for _, nbytes in groups.sent] == [b // 8 for b in bits]
+    want = expected_bytes(compress, shapes)
+    assert want is None or all(nbytes == want for _, nbytes in groups.sent)
+    dtype = torch.float32 if compress == "none" else torch.uint8
+    assert all(d == dtype for d, _ in groups.sent)

@@ -3,8 +3,9 @@ processes"): every process walks the same arrival schedule and holds the server'
 replicas' jobs, and receives each arrival by a broadcast from its replica's process, so the run equals the
 one-process simulation bit for bit: every arrival row and weights.pt, for both server rules where a
 process trains whole replicas (the replicas layout with two replicas a process, the benchmark layout with
-one process per replica), and with top-k and error feedback; a run stopped by SIGTERM on rank 1 resumes
-to it. Under the benchmark layout of
+one process per replica), and with int8, top-k with error feedback and low rank with error feedback (the
+broadcast carries the payload's bytes, every process decodes them); a run stopped by SIGTERM on rank 1
+resumes to it. Under the benchmark layout of
 two processes a replica (each trains half of every step, their gradients averaged, as in rounds) the run
 equals the simulation within rounding, and a run stopped on rank 3 resumes to it bitwise.
 
@@ -114,13 +115,22 @@ def test_two_processes_a_replica_equal_the_simulation_within_rounding_and_resume
     assert_equal_runs(run_dir, real, 12)
 
 
+CODECS = {
+    "int8": ["outer.compress=int8"],
+    "topk-ef": ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"],
+    "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank_rank=2", "outer.error_feedback=true"],
+}
+
+
 @pytest.mark.slow
-def test_real_processes_with_topk_and_error_feedback_equal_the_simulation_bitwise(tmp_path):
+@pytest.mark.parametrize("codec", CODECS)
+def test_real_processes_with_a_codec_equal_the_simulation_bitwise(tmp_path, codec):
     """docs/async.md "Codecs": torchrun, 2 processes of two replicas each (their error buffers on their
-    own process), top-k with error feedback: every arrival row (payload bits included) and the final
-    weights equal the one-process simulation's exactly (the broadcast carries the decoded payload)."""
-    codec = ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"]
-    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *codec, "outer.block=32"]
+    own process), int8, top-k with error feedback, low rank with error feedback (the server's Q on
+    every process, moved by each arrival's decode): every arrival row (payload bits included) and the
+    final weights equal the one-process simulation's exactly (the broadcast carries the payload's bytes,
+    which every process decodes)."""
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec], "outer.block=32"]
     sim, real = both(args, tmp_path)
     assert_equal_runs(real, sim, updates=12)
     n = sum(t.numel() for t in torch.load(sim / "weights.pt").values())
@@ -128,12 +138,13 @@ def test_real_processes_with_topk_and_error_feedback_equal_the_simulation_bitwis
 
 
 @pytest.mark.slow
-def test_a_dist_run_with_error_feedback_stopped_on_rank_1_resumes_to_the_simulation(tmp_path):
-    """Top-k with error feedback, the replicas layout on the local launcher's 2 processes, SIGTERM to
-    rank 1 before server update 7: the checkpoint holds all four replicas' error buffers, gathered from
-    both processes, and resume=true ends with the simulation's arrival rows and weights, exactly."""
-    codec = ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"]
-    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *codec, "outer.block=32"]
+@pytest.mark.parametrize("codec", ["topk-ef", "lowrank-ef"])
+def test_a_dist_run_with_error_feedback_stopped_on_rank_1_resumes_to_the_simulation(tmp_path, codec):
+    """Top-k, and low rank, with error feedback, the replicas layout on the local launcher's 2 processes,
+    SIGTERM to rank 1 before server update 7: the checkpoint holds all four replicas' error buffers,
+    gathered from both processes (low rank: and the server's Q), and resume=true ends with the
+    simulation's arrival rows and weights, exactly."""
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec], "outer.block=32"]
     sim = tmp_path / "sim"
     assert entry([*args, f"hydra.run.dir={sim}"], tmp_path).returncode == 0
     dist_args = [*args, "processes=dist", "processes.nproc=2"]
@@ -142,5 +153,6 @@ def test_a_dist_run_with_error_feedback_stopped_on_rank_1_resumes_to_the_simulat
     assert stopped.returncode == 143, stopped.stderr
     saved = torch.load(run_dir / "checkpoints" / "ckpt-u0000007.pt", weights_only=False)["state"]
     assert len(saved["errors"]) == 4 and all(any(t.any() for t in e.values()) for e in saved["errors"])
+    assert (saved.get("lowrank_q") is not None) == (codec == "lowrank-ef")
     resumed(dist_args, run_dir, tmp_path)
     assert_equal_runs(run_dir, sim, 12)

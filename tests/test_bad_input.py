@@ -380,7 +380,7 @@ CASES = {
         "asynchronous replicas with a whole-round overlap (not built)",
         ["outer.schedule=async", "cluster=h100", "outer.overlap=delayed"],
         "outer.schedule=async with outer.overlap=delayed is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge, lowrank likewise)",
+        "outer.schedule=rounds, or outer.overlap=none (fragments, delay, a merge likewise)",
     ),
     "async-churn-quorum": Case(
         "asynchronous replicas with a churn quorum (no sync to skip: docs/async.md, Churn with async)",
@@ -393,18 +393,6 @@ CASES = {
         ["outer.schedule=async", "cluster=h100", "churn.deadline=0.5"],
         "outer.schedule=async with churn.deadline=0.5 is not built (it needs a round to cut",
         "churn.deadline=0, or outer.schedule=rounds",
-    ),
-    "async-with-lowrank": Case(
-        "asynchronous replicas with low-rank compression (not built: docs/async.md, Codecs)",
-        ["outer.schedule=async", "cluster=h100", "outer.compress=lowrank"],
-        "outer.schedule=async with outer.compress=lowrank is not built (docs/async.md)",
-        "outer.schedule=rounds, or an elementwise codec (int8, ..., topk) or outer.compress=none",
-    ),
-    "async-with-dct": Case(
-        "asynchronous replicas with a codec's DCT transform (not built: docs/async.md, Codecs)",
-        ["outer.schedule=async", "cluster=h100", "outer.compress=int8", "outer.transform=dct"],
-        "outer.schedule=async with outer.transform=dct is not built (docs/async.md)",
-        "outer.schedule=rounds, or outer.transform=none (outer.tile likewise)",
     ),
     "async-speeds-length": Case(
         "a speed list whose length is not R",

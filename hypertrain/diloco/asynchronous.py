@@ -8,9 +8,10 @@ and holds the server's state; it runs the jobs of its own replicas only, and eac
 process from its replica's (`Collectives.share_arrival`, a broadcast), so every process applies the same
 server update to the same bits as the simulation.
 
-With a codec (outer.compress, docs/async.md "Codecs") an arriving job's pseudo-gradient is compressed by
-its replica's process as a round compresses it (`compress_arrival`: its error-feedback buffer added first
-and updated), and what is applied and broadcast is the decoded payload, the same bits everywhere.
+With a codec (outer.compress, docs/async.md "Codecs") an arriving job's pseudo-gradient is encoded by its
+replica's process as a round encodes a replica's contribution (`Wire`: its error-feedback buffer added
+first; the tiles, the codec and the transform, or lowrank's one power iteration from the server's Q), the
+broadcast carries the payload's bytes, and every process decodes them: the same bits everywhere.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from hypertrain.data.batches import targets_of
 from hypertrain.diloco import codecs
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, jobs_per_replica, schedule
 from hypertrain.diloco.churn import Schedule, count_arrivals, reset_inner_state
-from hypertrain.diloco.communication import fed_back, topk
+from hypertrain.diloco.communication import contribution_payload, fed_back, payload_decoded, topk
+from hypertrain.diloco.lowrank import Factors, from_power_step, power_step
 from hypertrain.diloco.outer import pseudo_gradients, weights_norm
 from hypertrain.diloco.state import PreparedRun, RunState
+from hypertrain.diloco.tiles import tile_order, to_tiles
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Assignment, Engine
 from hypertrain.failures import fault_points
+from hypertrain.model.transformer import Params
 
 
 @dataclass
@@ -46,56 +50,85 @@ class Applied:
     theta_norm: float  # the global weights' norm before it was applied
 
 
-def payload_bits(outer, sizes: tuple[int, ...]) -> int:
-    """The bits one arrival's payload puts on the wire, a pseudo-gradient of tensors of `sizes` elements:
-    fp32 (outer.compress=none) 32 a parameter; a codec its payload's (`codecs.payload_size`), as a round's
-    contribution under `gather` less the round's 8-byte header (an arrival sends no header)."""
+def payload_bits(outer, shapes: tuple[tuple[int, ...], ...]) -> int:
+    """The bits one arrival's payload puts on the wire, a pseudo-gradient of tensors of `shapes`: fp32
+    (outer.compress=none) 32 a parameter; lowrank its factors P and Q and its 1-D tensors in fp32
+    (`lowrank.Factors.payload_bytes`, a round's replica's payload); a codec its payload's
+    (`codecs.payload_size`, which neither the transform nor the tiles change), as a round's contribution
+    under `gather`, less the round's header bytes (an arrival sends no header)."""
+    sizes = tuple(math.prod(shape) for shape in shapes)
     if outer.compress == "none":
         return 32 * sum(sizes)
+    if outer.compress == "lowrank":
+        return 8 * arrival_factors(outer, shapes).payload_bytes
     return 8 * codecs.payload_size(outer.compress, codecs.Blocks(sizes, outer.block), topk(outer))
 
 
-def compress_arrival(
-    outer, delta: torch.Tensor, errors: torch.Tensor | None, sizes: tuple[int, ...]
-) -> torch.Tensor:
-    """One replica's arriving pseudo-gradient `delta` [n] as the server applies it: its decoded payload
-    d = decode(encode(x)), x = delta + beta * e (`communication.fed_back`, beta = outer.error_decay; the
-    pseudo-gradient alone without feedback), the rule of a round's `compressed_mean`; with error feedback
-    its buffer `errors` [1, n] becomes x - d in place. A non-finite x is returned as it is, the buffer
-    unchanged: the server applies it as it applies an uncompressed one, and the held-out guard stops the
-    run on every process (a codec's bytes would hide it)."""
-    codec, fraction, blocks = outer.compress, topk(outer), codecs.Blocks(sizes, outer.block)
-    x = fed_back(delta[None], errors, outer.error_decay)
-    if not torch.isfinite(x).all():
-        return x[0]
-    decoded = codecs.decode(codec, codecs.encode(codec, x, blocks, fraction), blocks, fraction)
-    if errors is not None:
-        errors.copy_(x - decoded)
-    return decoded[0]
+def arrival_factors(outer, shapes: tuple[tuple[int, ...], ...]) -> Factors:
+    """outer.compress=lowrank: which of the tensors of `shapes` (the model's, in order) are matrices."""
+    return Factors.of({str(i): shape for i, shape in enumerate(shapes)}, outer.lowrank_rank)
 
 
-def compressor(run: PreparedRun, state: RunState):
-    """`(replica, delta) -> the decoded delta` for this process's replicas, their error buffers (the run
-    state's `errors`, per parameter) updated; None with outer.compress=none."""
-    outer = run.cfg.outer
-    if outer.compress == "none":
-        return None
-    sizes = tuple(t.numel() for t in state.theta.values())
-    local = {m: i for i, m in enumerate(state.replicas)}
+class Wire:
+    """How arrivals travel under a codec (docs/async.md "Codecs"): the arriving replica's process forms
+    x = delta + beta e (`fed_back`, its buffer in `errors`) and `encode`s it to the payload's bytes, uint8
+    [payload_bits / 8]; every process `decode`s those bytes to d, the same bits everywhere; the replica's
+    process then keeps e <- x - d (`keep_error`). An elementwise codec is a round's contribution's
+    encoding (`communication.contribution_payload`, `payload_decoded`: the tiles, the codec, the
+    transform); lowrank is one worker's step of PowerSGD's Algorithm 1 from the server's Q
+    (`lowrank.power_step`, `from_power_step`; decoding moves Q, on every process)."""
 
-    def compress(replica: int, delta: torch.Tensor) -> torch.Tensor:
-        if state.errors is None:
-            return compress_arrival(outer, delta, None, sizes)
-        buffers = state.errors[local[replica]]
-        flat = torch.cat([t.reshape(1, -1).float() for t in buffers.values()], dim=1)
-        decoded = compress_arrival(outer, delta, flat, sizes)
-        start = 0
-        for t in buffers.values():
-            t.copy_(flat[0, start : start + t.numel()].view(t.shape))
+    def __init__(self, outer, theta: Params, errors: list[Params] | None, replicas: list[int], q=None):
+        """`theta`: the model's tensors (their names and shapes); `errors`: each local replica's buffer
+        (None without error feedback); `replicas`: their global indices; `q`: lowrank's warm starts."""
+        self.outer, self.errors, self.q = outer, errors, q
+        self.local = {m: i for i, m in enumerate(replicas)}
+        shapes = tuple(tuple(t.shape) for t in theta.values())
+        self.nbytes = payload_bits(outer, shapes) // 8
+        self.numel = sum(t.numel() for t in theta.values())
+        if outer.compress == "lowrank":
+            self.factors = Factors.of({n: tuple(t.shape) for n, t in theta.items()}, outer.lowrank_rank)
+        else:
+            self.blocks = codecs.Blocks(tuple(t.numel() for t in theta.values()), outer.block)
+            self.order = tile_order(list(shapes), outer.tile)
+
+    def fed_back(self, replica: int, delta: torch.Tensor) -> torch.Tensor:
+        """x [1, n]: `delta` plus the replica's buffer decayed by outer.error_decay (delta alone without)."""
+        return fed_back(delta[None], self._flat(replica), self.outer.error_decay)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, n], finite -> the payload's bytes, uint8 [`nbytes`]."""
+        if self.outer.compress == "lowrank":
+            return power_step(self.factors, x[0], self.q).view(torch.uint8)
+        return contribution_payload(self.outer, to_tiles(x, self.order), self.blocks)[0]
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        """The payload's bytes -> d [n], fp32, in parameter order (lowrank: each Q moves to its Q')."""
+        if self.outer.compress == "lowrank":
+            return from_power_step(self.factors, payload.view(torch.float32), self.q)
+        return payload_decoded(self.outer, payload[None], self.blocks, self.order)[0]
+
+    def keep_error(self, replica: int, x: torch.Tensor, decoded: torch.Tensor) -> None:
+        """With error feedback, the replica's buffer becomes x - d (per parameter, in place)."""
+        if self.errors is None:
+            return
+        flat, start = x[0] - decoded, 0
+        for t in self.errors[self.local[replica]].values():
+            t.copy_(flat[start : start + t.numel()].view(t.shape))
             start += t.numel()
-        return decoded
 
-    return compress
+    def _flat(self, replica: int) -> torch.Tensor | None:
+        if self.errors is None:
+            return None
+        return torch.cat([t.reshape(1, -1).float() for t in self.errors[self.local[replica]].values()], dim=1)
+
+
+def compressor(run: PreparedRun, state: RunState) -> Wire | None:
+    """The run's `Wire` for this process's replicas (their buffers the run state's `errors`, lowrank's
+    warm start the run state's `lowrank_q`, the server's); None with outer.compress=none."""
+    if run.cfg.outer.compress == "none":
+        return None
+    return Wire(run.cfg.outer, state.theta, state.errors, state.replicas, state.lowrank_q)
 
 
 def statuses(run: PreparedRun) -> Schedule | None:
@@ -173,27 +206,49 @@ def run_jobs(
 
 
 def arrived(
-    job: Job, flying: dict[int, dict], groups: Collectives, theta: dict[str, torch.Tensor], compress=None
+    job: Job,
+    flying: dict[int, dict],
+    groups: Collectives,
+    theta: dict[str, torch.Tensor],
+    wire: Wire | None = None,
 ) -> dict:
-    """The arriving `job`'s pseudo-gradient and losses, taken from `flying` by the process that trained
-    it (decoded from its payload by `compress` there, `compressor`'s) and shared with every process
-    (`Collectives.share_arrival`; one process: as it is)."""
+    """The arriving `job`'s pseudo-gradient and losses, taken from `flying` by the process that trained it
+    and shared with every process (`Collectives.share_arrival`, a broadcast; one process: as it is): its
+    fp32 pseudo-gradient, or with a codec (`wire`) its payload's bytes, which every process decodes. A
+    non-finite x is not encoded: a flag after the losses says so, and every process applies NaN (the
+    held-out guard stops the run; a codec's bytes would hide it), the buffer and Q unchanged."""
     mine = flying.pop(job.replica, None)
-    if mine is not None and compress is not None:
-        mine = {**mine, "delta": compress(job.replica, mine["delta"])}
-    if groups.size == 1:
-        return mine
     device = next(iter(theta.values())).device
     if mine is None:
-        numel = sum(t.numel() for t in theta.values())
-        delta = torch.empty(numel, dtype=torch.float32, device=device)
-        losses = torch.empty(job.steps, dtype=torch.float64, device=device)
+        sent = torch.empty(_sent_numel(wire, theta), dtype=torch.float32 if wire is None else torch.uint8)
+        losses = torch.empty(job.steps + 1, dtype=torch.float64)
     else:
-        delta = mine["delta"].to(device)
-        losses = torch.tensor([math.nan if x is None else x for x in mine["losses"]], dtype=torch.float64)
-        losses = losses.to(device)
-    delta, losses = groups.share_arrival(job.replica, delta, losses)
-    return {"delta": delta, "losses": [None if math.isnan(x) else x for x in losses.tolist()]}
+        flag = 0.0
+        if wire is None:
+            sent = mine["delta"]
+        else:
+            x = wire.fed_back(job.replica, mine["delta"])
+            flag = 0.0 if bool(torch.isfinite(x).all()) else 1.0
+            sent = wire.encode(x) if flag == 0.0 else torch.zeros(wire.nbytes, dtype=torch.uint8)
+        losses = torch.tensor(
+            [math.nan if v is None else v for v in mine["losses"]] + [flag], dtype=torch.float64
+        )
+    sent, losses = groups.share_arrival(job.replica, sent.to(device), losses.to(device))
+    *steps, flag = losses.tolist()
+    if wire is None:
+        delta = sent
+    elif flag:
+        delta = torch.full((wire.numel,), math.nan, dtype=torch.float32, device=device)
+    else:
+        delta = wire.decode(sent)
+        if mine is not None:
+            wire.keep_error(job.replica, x, delta)
+    return {"delta": delta, "losses": [None if math.isnan(v) else v for v in steps]}
+
+
+def _sent_numel(wire: Wire | None, theta: Params) -> int:
+    """What an arrival's broadcast holds: the payload's bytes, or the fp32 pseudo-gradient's elements."""
+    return sum(t.numel() for t in theta.values()) if wire is None else wire.nbytes
 
 
 def server_updates(
@@ -215,7 +270,7 @@ def server_updates(
                 starts.setdefault(job.pulled, []).append(job)
     now = state.asynchronous
     compress = compressor(run, state)
-    bits = payload_bits(cfg.outer, tuple(t.numel() for t in state.theta.values()))
+    bits = payload_bits(cfg.outer, tuple(tuple(t.shape) for t in state.theta.values()))
     if now.applied == 0 and not now.flying:
         run_jobs(run, state, starts.get(0, []), engine, groups, churn)
     for update in updates[now.applied :]:

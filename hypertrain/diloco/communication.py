@@ -236,6 +236,18 @@ def topk(outer: OuterConfig) -> codecs.TopK:
     return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
 
 
+def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) -> Tensor:
+    """Rows [R, n] in the blocks' order (`tiles.to_tiles`) -> their payloads, uint8 [R, b] (outer's codec
+    and transform): what a replica's contribution to a round, or an arrival, encodes to; `payload_decoded`
+    gives back d, the value the sender keeps (PCCL's self-quantize rule: d = decode(encode(x)))."""
+    return codecs.encode(outer.compress, x_tiled, blocks, topk(outer), outer.transform)
+
+
+def payload_decoded(outer: OuterConfig, payload: Tensor, blocks: Blocks, order: Tensor | None) -> Tensor:
+    """Payloads uint8 [R, b] -> each one decoded, in parameter order (the inverse of `tiles.to_tiles`)."""
+    return from_tiles(codecs.decode(outer.compress, payload, blocks, topk(outer), outer.transform), order)
+
+
 def fed_back(deltas: Tensor, errors: Tensor | None, decay: float) -> Tensor:
     """What a replica compresses: its pseudo-gradient plus its error buffer decayed by `decay` (beta,
     outer.error_decay; SparseLoCo's u = beta * e + delta), the pseudo-gradient alone without feedback."""
@@ -285,10 +297,8 @@ def compressed_mean(
     `sum_m w_m d_m`; the buffers stay each replica's own, unweighted (e_m <- x_m - d_m)."""
     x = fed_back(deltas, errors, outer.error_decay)
     refuse_non_finite(x, active, groups, update)
-    codec, fraction, transform = outer.compress, topk(outer), outer.transform
     x_tiled = to_tiles(x, order)
-    code = codecs.encode(codec, x_tiled, blocks, fraction, transform)
-    decoded = from_tiles(codecs.decode(codec, code, blocks, fraction, transform), order)
+    decoded = payload_decoded(outer, contribution_payload(outer, x_tiled, blocks), blocks, order)
     norms = deltas.double().norm(dim=1)
     error = (decoded.double() - deltas.double()).norm(dim=1) / torch.where(norms > 0, norms, 1.0)
     if errors is not None:

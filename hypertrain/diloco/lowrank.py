@@ -3,6 +3,8 @@ Jaggi 2019, arXiv 1905.13727, Algorithm 1; docs/compression.md): per matrix, one
 started from the previous Q, its two factors all-gathered and summed in replica order, so every process
 and the simulation compute the same numbers from the same numbers. `Factors` says which tensors are
 matrices and what one replica sends; `initial_q` draws the warm start; `lowrank_mean` starts a sync.
+`power_step` and `from_power_step` are one worker's step and its decode (an asynchronous arrival,
+docs/async.md "Codecs"), sharing `orthogonalize` and `warm_start` with the sync.
 """
 
 from __future__ import annotations
@@ -109,6 +111,43 @@ def orthogonalize(p: Tensor) -> Tensor:
     return rows_first.t()
 
 
+def warm_start(warm: Tensor, q_new: Tensor) -> None:
+    """The next warm start, in place: Q, but a column that came back all zero (a matrix that did not
+    move) keeps the previous one, else the power iteration would stay at zero for good."""
+    moved = (q_new != 0).any(dim=0)
+    warm.copy_(torch.where(moved[None, :], q_new, warm))
+
+
+def power_step(factors: Factors, x: Tensor, q: dict[str, Tensor]) -> Tensor:
+    """One worker's step of Algorithm 1 (W = 1) on the flat `x` [n]: per matrix M, P = orthogonalize(M Q)
+    and Q' = M^T P. Returns what that worker sends, fp32 [p_numel + q_numel + exact_numel]: every
+    matrix's P, then every Q', then the 1-D tensors as they are (`Factors.payload_bytes` bytes)."""
+    rows, ps, qs = x[None], [], []
+    for mat in factors.matrices:
+        m = _matrix(rows, 0, mat)
+        p = orthogonalize(m @ q[mat.name])
+        ps.append(p.reshape(-1))
+        qs.append((m.t() @ p).reshape(-1))
+    return torch.cat([*ps, *qs, *(x[a : a + n] for a, n in factors.exact)])
+
+
+def from_power_step(factors: Factors, sent: Tensor, q: dict[str, Tensor]) -> Tensor:
+    """`power_step`'s output -> the decoded flat vector: P Q'^T per matrix, the 1-D tensors as sent; each
+    matrix's warm start `q` moves to its Q' (`warm_start`), in place."""
+    out = torch.empty(factors.numel, dtype=sent.dtype, device=sent.device)
+    p_at, q_at = 0, factors.p_numel
+    for mat in factors.matrices:
+        p = sent[p_at : p_at + mat.rows * mat.rank].view(mat.rows, mat.rank)
+        q_new = sent[q_at : q_at + mat.cols * mat.rank].view(mat.cols, mat.rank)
+        p_at, q_at = p_at + mat.rows * mat.rank, q_at + mat.cols * mat.rank
+        out[mat.start : mat.start + mat.rows * mat.cols] = (p @ q_new.t()).reshape(-1)
+        warm_start(q[mat.name], q_new)
+    for a, n in factors.exact:
+        out[a : a + n] = sent[q_at : q_at + n]
+        q_at += n
+    return out
+
+
 def _matrix(x: Tensor, m: int, mat: Matrix) -> Tensor:
     """Replica row m's `mat` as [rows, cols], a fresh contiguous copy: a matrix product's input at the
     allocator's alignment whatever rows of which tensor it came from (so a process holding one replica
@@ -203,11 +242,7 @@ class LowRankMean:
             at += size
             span = slice(mat.start, mat.start + mat.rows * mat.cols)
             mean[span] = (p_hat[mat.name] @ q_new.t()).reshape(-1)
-            # the next warm start: Q, but a column that came back all zero (a matrix that did not move)
-            # keeps the previous one, else the power iteration would stay at zero for good
-            warm = self.q[mat.name]
-            moved = (q_new != 0).any(dim=0)
-            warm.copy_(torch.where(moved[None, :], q_new, warm))
+            warm_start(self.q[mat.name], q_new)
         offset = 0
         for a, n in factors.exact:
             mean[a : a + n] = exact[offset : offset + n]

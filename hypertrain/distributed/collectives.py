@@ -246,8 +246,9 @@ class DistReplicaGroups(ReplicaGroups):
 
     def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]:
         """Two broadcasts on the default group from the replica's process (its replica group's first
-        rank): the pseudo-gradient, counted as the outer bytes and seconds, then its losses; a broadcast
-        copies the bits, so every process applies the same numbers (docs/async.md, "Real processes")."""
+        rank): the pseudo-gradient (or a codec's payload bytes), counted as the outer bytes and seconds,
+        then its losses; a broadcast copies the bits, so every process applies the same numbers
+        (docs/async.md, "Real processes")."""
         owner = self.owners[replica]
         delta, losses = delta.contiguous(), losses.contiguous()
         self._timed("outer", delta, lambda: dist.broadcast(delta, src=owner), "arrival")

@@ -170,10 +170,10 @@ class ReplicaGroups:
         return value
 
     def share_arrival(self, replica: int, delta: Tensor, losses: Tensor) -> tuple[Tensor, Tensor]:
-        """outer.schedule=async: an arriving job of `replica` (its flat fp32 pseudo-gradient and its
-        losses, float64, NaN where a step trained nothing) from the process that trained it to every
-        process, bit for bit; the others pass tensors of the same shapes, overwritten (one process: the
-        job's own)."""
+        """outer.schedule=async: an arriving job of `replica` (its flat fp32 pseudo-gradient, or with a
+        codec its payload's bytes, uint8; and its losses, float64, NaN where a step trained nothing, then
+        a flag) from the process that trained it to every process, bit for bit; the others pass tensors
+        of the same shapes and dtypes, overwritten (one process: the job's own)."""
         return delta, losses
 
     def check_replicas_identical(self, params: Params) -> None:

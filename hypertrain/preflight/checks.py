@@ -167,9 +167,6 @@ def check_async(cfg: TrainConfig) -> None:
         (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
         (bool(outer.delay), f"outer.delay={outer.delay}"),
         (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
-        (outer.compress == "lowrank", f"outer.compress={outer.compress}"),
-        (outer.transform != "none", f"outer.transform={outer.transform}"),
-        (bool(outer.tile), f"outer.tile={outer.tile}"),
         (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
     ]
     for refused, what in unbuilt:
