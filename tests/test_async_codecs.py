@@ -92,25 +92,27 @@ def blocks_of(x, sizes):
 def grid_reference(codec, x, sizes, divisor_scale=1.0):
     """Each block's values as the nearest of the codec's grid (chosen in float64, an exact tie to the
     even index; int8: round half even, clamped) times its scale amax / M, the scale and x / scale in fp32 as
-    the codec documents them (`divisor_scale` scales M: a wrong scale for the negative control)."""
+    the codec documents them (`divisor_scale` scales M: a wrong scale for the negative control). Every
+    block at once: the scale is each element's block's, and the rest is elementwise."""
     grid, M = GRIDS[codec]
+    blocks = blocks_of(x, sizes)
+    ids = torch.cat([torch.full((b.stop - b.start,), i) for i, b in enumerate(blocks)])
+    v = x.float()
+    amax = torch.zeros(len(blocks)).scatter_reduce(0, ids, v.abs(), "amax")
+    scale = (amax / torch.tensor(M * divisor_scale, dtype=torch.float32))[ids]
+    live = scale != 0  # an all-zero block decodes to zeros
+    r = (v[live] / scale[live]).double()
+    if grid is None:
+        q = torch.round(r).clamp(-127, 127)
+    else:
+        g = torch.tensor(grid, dtype=torch.float64)
+        d = (r.abs()[:, None] - g[None]).abs()
+        nearest = d == d.min(1, keepdim=True).values
+        even = nearest & (torch.arange(len(grid)) % 2 == 0)[None]
+        index = torch.where(nearest.sum(1) > 1, even.float().argmax(1), d.argmin(1))
+        q = torch.sign(r) * g[index]
     out = torch.zeros_like(x, dtype=torch.float64)
-    for b in blocks_of(x, sizes):
-        v = x[b].float()
-        scale = v.abs().max() / torch.tensor(M * divisor_scale, dtype=torch.float32)
-        if scale == 0:
-            continue
-        r = (v / scale).double()
-        if grid is None:
-            q = torch.round(r).clamp(-127, 127)
-        else:
-            g = torch.tensor(grid, dtype=torch.float64)
-            d = (r.abs()[:, None] - g[None]).abs()
-            nearest = d == d.min(1, keepdim=True).values
-            even = nearest & (torch.arange(len(grid)) % 2 == 0)[None]
-            index = torch.where(nearest.sum(1) > 1, even.float().argmax(1), d.argmin(1))
-            q = torch.sign(r) * g[index]
-        out[b] = (q.float() * scale).double()
+    out[live] = (q.float() * scale[live]).double()
     return out
 
 
@@ -320,8 +322,8 @@ def dct_tolerance(x_block):
     L terms with an orthonormal row: at most L u ||x||_2), the scale's own rounding (|k| <= 127 steps of
     an amax known to L u ||x||_2 over M) and the inverse DCT of the decoded block (again L u ||d||_2,
     ||d|| <= ||x|| + the quantization); 4 L u ||x||_2 covers their sum with room for the fp32 casts."""
-    L = len(x_block)
-    return 4 * L * U * x_block.double().norm() * (1 + math.sqrt(L))
+    L = x_block.shape[-1]  # one block, or a row per block: a bound per row
+    return 4 * L * U * x_block.double().norm(dim=-1, keepdim=x_block.dim() > 1) * (1 + math.sqrt(L))
 
 
 def test_int8_with_the_dct_quantizes_each_blocks_cosine_coefficients_on_its_grid():
@@ -334,22 +336,22 @@ def test_int8_with_the_dct_quantizes_each_blocks_cosine_coefficients_on_its_grid
     flat_applied = [d for deltas in applied for d in deltas]
     assert len(calls) == len(flat_applied) == 8
     checked = 0
+    assert all(size % BLOCK == 0 for size in sizes)  # every tensor here is whole blocks: rows of BLOCK
     for (delta, _, decoded, _), got in zip(calls, flat_applied, strict=True):
         assert torch.equal(got, decoded)
-        plain = grid_reference("int8", delta, sizes)
-        blocks, plain_fails = blocks_of(delta, sizes), 0
-        for b in blocks:
-            assert b.stop - b.start == BLOCK  # every tensor here is a multiple of 32
-            c = C @ delta[b].double()
-            scale = c.abs().max() / 127
-            tol = dct_tolerance(delta[b])
-            k = torch.round(c / scale)
-            # away from a rounding tie, the applied coefficient is k scale (within what fp32 moves)
-            clear = ((c / scale - torch.floor(c / scale) - 0.5).abs() * scale) > 2 * tol
-            assert ((C @ got[b].double() - k * scale).abs()[clear] <= 2 * tol).all()
-            checked += int(clear.sum())
-            plain_fails += bool(((C @ plain[b] - k * scale).abs()[clear] > 2 * tol).any())
-        assert plain_fails > 0.9 * len(blocks)  # the parameters' own grid is not the DCT's
+        plain = grid_reference("int8", delta, sizes).view(-1, BLOCK)
+        x = delta.double().view(-1, BLOCK)
+        c = x @ C.T  # every block's coefficients, a row each
+        scale = c.abs().amax(1, keepdim=True) / 127
+        tol = dct_tolerance(x)  # [blocks, 1]
+        k = torch.round(c / scale)
+        # away from a rounding tie, the applied coefficient is k scale (within what fp32 moves)
+        clear = ((c / scale - torch.floor(c / scale) - 0.5).abs() * scale) > 2 * tol
+        applied_c = got.double().view(-1, BLOCK) @ C.T
+        assert ((applied_c - k * scale).abs() <= 2 * tol)[clear].all()
+        checked += int(clear.sum())
+        plain_fails = (((plain @ C.T - k * scale).abs() > 2 * tol) & clear).any(1)
+        assert int(plain_fails.sum()) > 0.9 * len(x)  # the parameters' own grid is not the DCT's
     assert checked > 0.9 * 8 * sum(sizes)  # the few near a tie (within 2 tol of one) are not judged
 
 
