@@ -23,6 +23,7 @@ from hypertrain.choices import Compressor
 from hypertrain.diloco.arrivals import Job
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import RunState
+from hypertrain.diloco.wire import Wire
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records
@@ -290,7 +291,7 @@ def test_a_non_finite_pseudo_gradient_reaches_the_server_as_nan_and_leaves_the_b
     outer = codec_cfg("int8", error_feedback=True).outer
     theta = {"w": torch.zeros(64)}
     errors = [{"w": torch.full((64,), 0.25)}]
-    wire = asynchronous.Wire(outer, theta, errors, [0])
+    wire = Wire(outer, theta, errors, [0])
     job = Job(0, 1, 0, 1, 4, 0, 0.0, 1.0)
     delta = torch.arange(64, dtype=torch.float32)
     delta[5] = float("nan")

@@ -109,7 +109,7 @@ class Totals:
     async_jobs: int = 0
     async_staleness_sum: int = 0
     async_staleness_max: int = 0
-    async_payload_bits: int = 0  # the bits of the payloads applied (`asynchronous.payload_bits`)
+    async_payload_bits: int = 0  # the bits of the payloads applied (`wire.payload_bits`)
     # each replica's uploads and downloads in bytes (`run.asynchronous.moved_bytes`); None for a run
     # resumed from a checkpoint written before them (the report sums its rows)
     async_moved_bytes: list[int] | None = None
