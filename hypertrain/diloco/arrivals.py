@@ -47,6 +47,11 @@ class Job:
     def arrives(self) -> bool:
         return not (self.absent or self.dropped)
 
+    @property
+    def updates(self) -> range:
+        """The updates whose plan ids it trains: its replica's steps `first .. first + steps - 1`."""
+        return range(self.first, self.first + self.steps)
+
 
 @dataclass(frozen=True)
 class ServerUpdate:

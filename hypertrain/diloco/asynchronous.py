@@ -77,11 +77,6 @@ def arrival_schedule(run: PreparedRun, churn: Schedule | None = None) -> list[Se
     return schedule(cfg.outer, cfg.inner.H, run.updates, Timing.of(cfg), targets, churn)
 
 
-def job_updates(job: Job) -> range:
-    """The updates whose plan ids `job` trains: its replica's steps `first .. first + steps - 1`."""
-    return range(job.first, job.first + job.steps)
-
-
 def run_jobs(
     run: PreparedRun,
     state: RunState,
@@ -117,7 +112,7 @@ def run_jobs(
         if not todo:
             continue
         assigns = [
-            Assignment(job.replica, job.first, [run.batch(k, job.replica, share) for k in job_updates(job)])
+            Assignment(job.replica, job.first, [run.batch(k, job.replica, share) for k in job.updates])
             for job in todo
         ]
         states = [state.inner[local[job.replica]] for job in todo]

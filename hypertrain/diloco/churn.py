@@ -126,8 +126,7 @@ def count_arrivals(totals, update, replica_ids) -> None:
     totals.replica_steps += sum(job.steps for job in dropped)
     totals.tokens += sum(job.tokens for job in dropped)
     totals.replica_steps_reached += sum(job.steps for job in update.jobs)
-    ids = {job.replica: [replica_ids(k, job.replica) for k in range(job.first, job.first + job.steps)]
-           for job in update.jobs}  # fmt: skip
+    ids = {job.replica: [replica_ids(k, job.replica) for k in job.updates] for job in update.jobs}
     totals.contributed_sha256 = ids_digest(totals.contributed_sha256, f"update {update.index}", ids)
 
 
