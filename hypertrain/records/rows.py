@@ -340,6 +340,16 @@ class ArrivalRow(Row):
     )
     figures: dict = _open("none yet")
 
+    def moved(self, n_params: int) -> list[tuple[int, int]]:
+        """Each job's outer bytes (docs/async.md, "Records and checkpoints"), as (replica, bytes): per job
+        applied its upload, `payload_bits / 8` (a row without them: fp32, 4 N), and its download of the
+        new weights, 4 N (N fp32 parameters); then per job absent or dropped its download alone, at its
+        return. The one rule of the run's summary and of the report."""
+        bits = self.payload_bits or [32 * n_params] * len(self.replicas)
+        applied = [(m, b // 8 + 4 * n_params) for m, b in zip(self.replicas, bits, strict=True)]
+        away = [*(self.absent or []), *(self.dropped or [])]
+        return applied + [(job["replica"], 4 * n_params) for job in away]
+
     def wandb(self) -> dict:
         data = {"update": self.update, "async/staleness": self.staleness_mean, "clock/seconds": self.clock_s}
         return data | ({} if self.eval_loss is None else {"eval/loss": self.eval_loss})

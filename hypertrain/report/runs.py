@@ -89,19 +89,9 @@ class Run:
 
     def async_jobs_bytes(self) -> list[tuple[int, list[tuple[int, int]]]]:
         """outer.schedule=async (docs/async.md, "The schedule" and "Codecs"): per arrival row, its `update`
-        and each job's (replica, bytes moved): the upload of its pseudo-gradient, `payload_bits / 8`
-        (a codec's payload; rows without the field: one fp32 message of the trained model's N
-        parameters, 4 N), and the download of the weights, 4 N; then each job that did not arrive (churn:
-        absent or dropped, the row's `absent` and `dropped`), its download alone."""
+        and each job's (replica, bytes moved), `ArrivalRow.moved` of the trained model's N parameters."""
         n = self.params() or 0
-        out = []
-        for row in self.of_kind("arrival"):
-            bits = row.payload_bits or [32 * n] * len(row.replicas)
-            jobs = [(m, b // 8 + 4 * n) for m, b in zip(row.replicas, bits, strict=True)]
-            away = [*(row.absent or []), *(row.dropped or [])]  # churn: its download at its return
-            jobs += [(job["replica"], 4 * n) for job in away]
-            out.append((row.update, jobs))
-        return out
+        return [(row.update, row.moved(n)) for row in self.of_kind("arrival")]
 
     def async_bytes(self) -> dict[int, int]:
         """Per server update (each arrival row's `update`), the outer bytes moved so far by the replica

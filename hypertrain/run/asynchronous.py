@@ -12,9 +12,8 @@ import math
 import time
 from collections.abc import Callable
 
-from hypertrain.clock.timeline import FP32_BYTES
 from hypertrain.diloco.arrivals import Job, ServerUpdate
-from hypertrain.diloco.asynchronous import Applied, server_updates
+from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict
 from hypertrain.diloco.state import PreparedRun, RunState, Totals
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
@@ -28,23 +27,19 @@ def last_loss(losses: list[float | None]) -> float | None:
     return next((x for x in reversed(losses) if x is not None), None)
 
 
-def moved_bytes(totals: Totals, applied: Applied, n_params: int) -> None:
-    """Count `applied`'s jobs' outer bytes into `totals` (docs/async.md "Records and checkpoints"): a job
-    moves its upload, `payload_bits / 8`, and its replica's download of the new weights, 4 N bytes (N
-    fp32 parameters); a job that did not arrive (churn: absent or dropped) its download alone.
-    `comm_outer_bits` takes each replica's uploads applied, `async_moved_bytes` its uploads and
-    downloads, `comm_outer_bytes` the most one replica moved, `comm_outer_peak` the most one job moved
-    (the report's `Run.outer_total_bytes` and `outer_peak_bytes`, from the rows)."""
-    for job, bits in zip(applied.update.jobs, applied.bits, strict=True):
-        moved = bits // 8 + FP32_BYTES * n_params
-        if totals.comm_outer_bits is not None:
-            totals.comm_outer_bits[job.replica] += bits
+def moved_bytes(totals: Totals, row: ArrivalRow, n_params: int) -> None:
+    """Count `row`'s jobs' outer bytes into `totals` by the report's rule (`ArrivalRow.moved`; docs/async.md
+    "Records and checkpoints"): `comm_outer_bits` takes each replica's uploads applied, `async_moved_bytes`
+    its uploads and downloads, `comm_outer_bytes` the most one replica moved, `comm_outer_peak` the most
+    one job moved."""
+    if totals.comm_outer_bits is not None:
+        for m, bits in zip(row.replicas, row.payload_bits, strict=True):
+            totals.comm_outer_bits[m] += bits
+    for m, moved in row.moved(n_params):
         if totals.async_moved_bytes is not None:
-            totals.async_moved_bytes[job.replica] += moved
+            totals.async_moved_bytes[m] += moved
         totals.comm_outer_peak = max(totals.comm_outer_peak, moved)
     if totals.async_moved_bytes is not None:
-        for job in applied.update.away:  # absent or dropped: its replica's pull at its return
-            totals.async_moved_bytes[job.replica] += FP32_BYTES * n_params
         totals.comm_outer_bytes = max(totals.async_moved_bytes)
 
 
@@ -115,7 +110,7 @@ def train_async(
         verdict, why = heldout_verdict(run, row.eval_loss, after)
         if not verdict:  # the same figures on every process: their verdicts agree
             verdict, why = pseudo_grad_verdict(run, applied.delta_norm, applied.theta_norm, after)
-        moved_bytes(state.totals, applied, n_params)
+        moved_bytes(state.totals, row, n_params)
         if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
             log.write(row)
         agreed = groups.max_over_processes(verdict) if groups.size > 1 else verdict
