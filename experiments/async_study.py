@@ -14,10 +14,11 @@ OUT/{job}/ holds each run. A failing run is reported, the others go on.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from studies import study_parser
 
 UPDATES, H = 60, 5
 COMMON = [
@@ -93,10 +94,8 @@ def table(out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    args, extra = parser.parse_known_args(argv)
+    args = study_parser(__doc__).parse_intermixed_args(argv)
+    extra = args.extra
     failed = 0
     for cmd in commands(args.out, extra):
         if args.dry_run:

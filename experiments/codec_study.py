@@ -16,10 +16,11 @@ OUT/h{H}/ holds a sweep's runs, one job per setting. A failing run is reported, 
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from studies import study_parser
 
 UPDATES = 240
 HS = (8, 30)
@@ -82,11 +83,8 @@ def table(out: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("extra", nargs="*", help="more overrides for every run")
-    args = parser.parse_args()
+    parser = study_parser(__doc__)
+    args = parser.parse_intermixed_args()
     study = commands(args.out, args.extra)
     clock = [sys.executable, str(Path(__file__).with_name("clock_study.py"))]
     clock += [str(args.out / f"h{H}") for H in HS] + CLOCK

@@ -21,7 +21,6 @@ what OUT holds (the sources, the corpus, the finished runs: `resume=auto`) and p
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import subprocess
@@ -29,6 +28,8 @@ import sys
 import sysconfig
 import tokenize
 from pathlib import Path
+
+from studies import study_parser
 
 UPDATES = 240
 HS = (5, 20)
@@ -131,11 +132,8 @@ def table(out: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("extra", nargs="*", help="more overrides for every run")
-    args = parser.parse_args()
+    parser = study_parser(__doc__)
+    args = parser.parse_intermixed_args()
     out = args.out.resolve()
     if not args.dry_run:
         write_sources(out)

@@ -14,10 +14,11 @@ loss, and the study records how far rather than stopping it; a failing run is re
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from studies import study_parser
 
 UPDATES = 192
 HS = (4, 8, 16)
@@ -42,12 +43,9 @@ def commands(out: Path, lower_lr: float, extra: list[str]) -> list[list[str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
+    parser = study_parser(__doc__)
     parser.add_argument("--lower-lr", type=float, default=0.35)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("extra", nargs="*", help="more overrides for every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     study = commands(args.out, args.lower_lr, args.extra)
     sweeps = [str(args.out / f"r{R}-h{H}") for R in RS for H in HS]
     clock = [sys.executable, str(Path(__file__).with_name("clock_study.py")), *sweeps]
