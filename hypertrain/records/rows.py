@@ -347,8 +347,12 @@ class ArrivalRow(Row):
         return. The one rule of the run's summary and of the report."""
         bits = self.payload_bits or [32 * n_params] * len(self.replicas)
         applied = [(m, b // 8 + 4 * n_params) for m, b in zip(self.replicas, bits, strict=True)]
-        away = [*(self.absent or []), *(self.dropped or [])]
-        return applied + [(job["replica"], 4 * n_params) for job in away]
+        return applied + [(job["replica"], 4 * n_params) for job in self.away]
+
+    @property
+    def away(self) -> list[dict]:
+        """The jobs that did not arrive (churn): `absent`, then `dropped` ([] without churn)."""
+        return [*(self.absent or []), *(self.dropped or [])]
 
     def wandb(self) -> dict:
         data = {"update": self.update, "async/staleness": self.staleness_mean, "clock/seconds": self.clock_s}

@@ -125,7 +125,7 @@ def async_steps_done(arrivals: list, replicas: int) -> int:
     reached = dict.fromkeys(range(replicas), 0)
     for row in arrivals:
         jobs = list(zip(row.replicas, row.first, row.steps, strict=True))
-        jobs += [(j["replica"], j["first"], j["steps"]) for j in (row.absent or []) + (row.dropped or [])]
+        jobs += [(j["replica"], j["first"], j["steps"]) for j in row.away]
         for replica, first, steps in jobs:
             reached[replica] = max(reached.get(replica, 0), first + steps)
     return min(reached.values())
