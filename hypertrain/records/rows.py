@@ -399,8 +399,13 @@ class RestartRow(Row):
     kind: ClassVar[str] = "restart"
     count: int | None = _maybe("the agent's restart count, 1 for the first")
     max_restarts: int | None = _maybe("the restarts the agent allows")
-    update: int | None = _maybe("the update the run goes on from, 0 from the start")
-    recomputed: int | None = _maybe("the updates the failed session had recorded, run again")
+    update: int | None = _maybe(
+        "the update the run goes on from, 0 from the start (outer.schedule=async: the server update)"
+    )
+    recomputed: int | None = _maybe(
+        "the updates the failed session had recorded, run again (outer.schedule=async: the server updates,"
+        " its arrival rows)"
+    )
     from_: str | None = _null("the checkpoint gone on from; None from the start")
     superseded_bytes: int | None = _maybe("bytes moved to metrics.superseded.jsonl")
 
