@@ -195,8 +195,9 @@ class Clock:
         return self.total_s
 
     def heldout(self, loss: float | None) -> float:
-        """A held-out loss of the global weights as they are now (an `eval` row, or DiLoCo's sync row
-        after its sync): kept when it is the lowest finite one so far. Returns the clock now."""
+        """A held-out loss of the global weights as they are now (an `eval` row, DiLoCo's sync row after
+        its landing, an async `arrival` row): kept when it is the lowest finite one so far. Returns the
+        clock now."""
         if loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best[0]):
             self.best = (float(loss), self.total_s)
         return self.total_s

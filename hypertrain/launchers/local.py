@@ -191,8 +191,9 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
 def _restarted(run_dir: Path, asynchronous: bool):
     """Rank 0 of a self-launched session that the entry's agent restarted: (the Resume, the Restart,
     whether the run had finished already). It goes on from the newest checkpoint whose records match,
-    or from the start (`session.restart_here`); a run whose records end `finished` (a worker died in
-    its teardown) is left as it is."""
+    or from the start (`session.restart_here`, counting what it runs again in server updates when
+    `asynchronous`: outer.schedule=async); a run whose records end `finished` (a worker died in its
+    teardown) is left as it is."""
     from hypertrain.run.session import restart_here
     from hypertrain.rundir.directory import finished_updates
 
