@@ -242,7 +242,7 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
 
     resume = restart = None
     if restarts.count():  # torchrun restarted every rank after one failed (resume=auto, torchrun_restarts)
-        resume, restart = restart_here(run_dir, checked.resume)
+        resume, restart = restart_here(run_dir, checked.resume, run.cfg.outer.is_async)
         logger.info(
             "restart %d of %d: going on from %s", restart.count, restart.allowed, restart.path or "the start"
         )

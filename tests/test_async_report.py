@@ -12,8 +12,10 @@ import shutil
 
 import pytest
 from helpers import ReferenceRuns
+from omegaconf import OmegaConf
 from test_async import ASYNC
 
+from hypertrain.clock.replay import clock_of, run_cluster
 from hypertrain.report import cli as report
 from hypertrain.report.plots import update_axis
 from hypertrain.report.runs import load_run
@@ -86,6 +88,40 @@ def test_the_report_reads_an_async_run_from_its_arrival_rows(made):
     assert update_axis(runs[:1]) == "server update (async)"
     assert update_axis(runs[1:]) == "update"
     assert update_axis(runs) == "update (async runs: server update)"
+
+
+def test_an_async_runs_summary_clock_is_the_replay_of_its_own_rows(made):
+    """Issue 48: the summary's `clock/` totals of an async run are its own arrival clock's, the same as
+    the clock command's replay of its rows (`clock_of`), both derived here from the rows: the total the
+    last arrival's `clock_s`, no split (compute and communication overlap across replicas), the lowest
+    held-out loss of the eval row before training (0 s) and of the arrival rows holding one, at its first
+    clock. The bug: a summary of 0 s with the loss before training as the best."""
+    folder, _, _ = made
+    metrics = _rows(folder / "async")
+    summary = _summary(metrics)
+    arrivals = [row for row in metrics if row["kind"] == "arrival"]
+    (first,) = [row for row in metrics if row["kind"] == "eval"]
+    curve = [(0.0, first["eval_loss"])]
+    curve += [(row["clock_s"], row["eval_loss"]) for row in arrivals if "eval_loss" in row]
+    best = min(loss for _, loss in curve)
+    want = {
+        "clock/cluster": "h100",
+        "clock/params": summary["model/params"],
+        "clock/total_s": arrivals[-1]["clock_s"],
+        **dict.fromkeys(
+            ["clock/compute_s", "clock/inner_s", "clock/outer_exposed_s", "clock/outer_hidden_s"]
+            + ["clock/compute_utilization"]
+        ),
+        "clock/best_heldout_loss": best,
+        "clock/time_to_best_s": next(clock for clock, loss in curve if loss == best),
+    }
+    assert len(curve) > 2 and want["clock/time_to_best_s"] > 0  # trained: the best is not the start
+    assert {k: v for k, v in summary.items() if k.startswith("clock/")} == want
+    assert want["clock/total_s"] == summary["async/clock_s"]
+    resolved = OmegaConf.to_container(OmegaConf.load(folder / "async" / "config.yaml"))
+    replay = clock_of(metrics, resolved, run_cluster(resolved))  # what the clock command prints
+    assert {f"clock/{k}": v for k, v in replay.items() if k not in ("updates", "syncs", "heldout")} == want
+    assert [(p["clock_s"], p["eval_loss"]) for p in replay["heldout"]] == curve
 
 
 def test_a_rounds_run_beside_an_async_run_keeps_its_figures(made, tmp_path):

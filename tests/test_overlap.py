@@ -329,6 +329,84 @@ def test_the_clock_hides_the_outer_exchange_behind_the_next_round_and_replays_as
     assert exposed["delayed"] < exposed["none"], exposed
 
 
+HELD_OUT = {("delayed", 5), ("eager", 5), ("delayed", 1)}  # 1 < H: the first round is the last, cut short
+
+
+@pytest.mark.parametrize(
+    "overlap, updates",
+    sorted(HELD_OUT),
+)
+def test_each_sync_row_holds_the_heldout_loss_of_the_weights_that_exist_at_its_clock(
+    tmp_path, monkeypatch, overlap, updates
+):
+    """Issue 48: an overlap run ends on two landings after its last update, the one due (or none, in a
+    first round cut short: "no replica synced") and the flush. Each sync row, and so the summary's
+    `clock/best_heldout_loss` and `clock/time_to_best_s`, the clock command's replay and the report's time
+    to target, holds the held-out loss of the global weights its own landing left, kept here as each
+    landing returns and evaluated here; never the final weights' one landing early. Equal (==): the same
+    evaluation of the same fp32 weights. With the target the final loss (below every earlier one), the
+    time to target is the flush's clock: never before the last landing."""
+    from hypertrain.diloco.sync import FragmentSync
+    from hypertrain.report.clocks import run_clock
+    from hypertrain.report.runs import load_run
+    from hypertrain.report.table import table_rows
+    from hypertrain.run import session
+    from hypertrain.run.evaluation import heldout_eval
+
+    landed, prepared = [], []  # the global weights after each landing, in order; the run
+
+    def keeping(method):
+        def land(self, *args):
+            landing = method(self, *args)
+            landed.append({n: t.detach().clone() for n, t in self.theta.items()})
+            return landing
+
+        return land
+
+    def train(run, *args, **kwargs):
+        prepared.append(run)
+        return real_train(run, *args, **kwargs)
+
+    real_train = session.train
+    monkeypatch.setattr(FragmentSync, "land", keeping(FragmentSync.land))
+    monkeypatch.setattr(FragmentSync, "flush", keeping(FragmentSync.flush))
+    monkeypatch.setattr(session, "train", train)
+    run_dir = tmp_path / "run"
+    args = [*RUN, "cluster=h100", "inner.H=2", f"phase.updates={updates}", f"outer.overlap={overlap}"]
+    done = entry([*args, "checkpoint.every=0", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    (first,) = [r for r in rows if r["kind"] == "eval"]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert [r["update"] for r in syncs][-2:] == [updates, updates]  # the one due (or none), the flush
+    assert len(syncs) == len(landed)
+    want = [heldout_eval(prepared[0], weights)[0] for weights in landed]
+    assert [r["eval_loss"] for r in syncs] == want
+    assert want[-2] != want[-1]  # the flush moves the weights: the bug gave both rows the last
+    # the held-out curve as the rows' clock holds it: the loss before training at 0 s, then each landing's
+    curve = [(0.0, first["eval_loss"])] + [(r["clock_s"], loss) for r, loss in zip(syncs, want, strict=True)]
+    best = min(loss for _, loss in curve)
+    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+    assert summary["clock/best_heldout_loss"] == best
+    assert summary["clock/time_to_best_s"] == next(clock for clock, loss in curve if loss == best)
+    resolved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    replay = clock_of(rows, formats.upgrade_config(resolved), run_cluster(resolved))  # the clock command's
+    assert [(p["clock_s"], p["eval_loss"]) for p in replay["heldout"]] == curve
+    # the report's table: the first clock at or below the target, from the rows' curve
+    run = load_run(run_dir, need_plan=False)
+    clock, why = run_clock(run)
+    assert why is None
+    final = want[-1]
+    assert all(loss > final for _, loss in curve[:-1])  # so only the final weights reach it
+    for target in [loss for _, loss in curve] + [(final + want[-2]) / 2]:
+        (row,) = table_rows([run], ["run"], [clock], target)
+        assert row["time_to_target_s"] == next(clock for clock, loss in curve if loss <= target)
+        if target < want[-2]:  # only the flush's weights reach it
+            assert row["time_to_target_s"] == curve[-1][0] == summary["clock/total_s"]
+            assert row["time_to_target_s"] > syncs[-2]["clock_s"]  # after the landing before the flush
+
+
 # the replicas layout with int8 and error feedback (its sums are the simulation's, so are its codes); the
 # benchmark layout in fp32: its gradients differ from the simulation's by rounding, which may flip an int8
 # code (invariant 10: whole runs on different engines may flip a choice within rounding of a boundary)

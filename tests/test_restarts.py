@@ -31,9 +31,12 @@ other than torchrun's (`torchrun_restarts`, called here in this process with tor
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import FAULT_ENV, QUICK, ReferenceRuns, assert_identical, entry, stderr_lines
 
 from hypertrain.rundir.checkpoint import SUPERSEDED_FILE, checkpoints
@@ -127,6 +130,58 @@ def test_a_killed_worker_restarts_and_the_run_equals_an_uninterrupted_one(tmp_pa
         assert [(r["status"], r["exit_code"], r["error"].endswith(restarting)) for r in failed] == [
             ("failed", 3, True)
         ]
+
+
+def test_an_async_restart_counts_the_server_updates_and_jobs_it_runs_again(tmp_path, monkeypatch):
+    """Issue 48: a restarted outer.schedule=async session counts what it runs again in the schedule's own
+    unit: the arrival rows (server updates, as the checkpoint's `update`) the failed session had recorded
+    after the checkpoint gone on from, and the jobs they applied; it counted update rows (none: 0). On a
+    copy of the async reference's records, rewound (`restart_here`, as rank 0 of a restarted session) to
+    its checkpoint after server update 2, which checkpoint.keep pruned: its `metrics_bytes` is where its
+    checkpoint row starts (the rule checked on the newest but one, kept). Expected from the rows after
+    that point, which are what moves to metrics.superseded.jsonl."""
+    from test_async import ASYNC
+
+    from hypertrain.records.rows import ArrivalRow
+    from hypertrain.run.session import recorded_after, restart_here
+
+    run_dir = tmp_path / "async"
+    shutil.copytree(ReferenceRuns.beside(tmp_path)(ASYNC), run_dir, ignore=shutil.ignore_patterns("report"))
+    data = (run_dir / METRICS_FILE).read_bytes()
+    lines = data.splitlines(keepends=True)
+    written = [json.loads(line) for line in lines]
+
+    def start_of_checkpoint_row(update: int) -> tuple[int, int]:
+        (at,) = [i for i, r in enumerate(written) if r["kind"] == "checkpoint" and r["update"] == update]
+        return at, sum(len(line) for line in lines[:at])
+
+    # the rule, on the newest but one checkpoint (kept): its metrics_bytes is where its row starts
+    kept = checkpoints(run_dir)[-2]
+    saved = torch.load(kept, weights_only=False)
+    newest_but_one = saved["state"]["next_update"]
+    assert saved["metrics_bytes"] == start_of_checkpoint_row(newest_but_one)[1] and newest_but_one > 2
+    at, offset = start_of_checkpoint_row(2)
+    arrivals = [r for r in written[at:] if r["kind"] == "arrival"]
+    assert arrivals and [r["update"] for r in arrivals] == list(range(3, 3 + len(arrivals)))
+    jobs = sum(len(r["replicas"]) for r in arrivals)
+    torchrun_env(monkeypatch, count=1)
+    saved = {"metrics_bytes": offset, "state": {"next_update": 2}}
+    resume, restart = restart_here(run_dir, (run_dir / "checkpoints" / "ckpt-u0000002.pt", saved), True)
+    assert (restart.update, restart.recomputed, restart.jobs) == (2, len(arrivals), jobs)
+    assert restart.row().recomputed == len(arrivals)
+    moved = [r for r in rows(run_dir / SUPERSEDED_FILE) if r["kind"] == "arrival"]
+    assert moved == arrivals and resume.superseded == len(data) - offset
+    assert restart.line().endswith(
+        f"at server update 2; {len(arrivals)} server updates ({jobs} jobs) the failed session had recorded "
+        "run again"
+    )
+    # Where a server update applied two jobs the units differ; a row written twice counts once; the
+    # update rows a rounds run counts are none of them.
+    two, one = ArrivalRow(update=3, replicas=[0, 1]), ArrivalRow(update=4, replicas=[1])
+    data = "".join(json.dumps(r.to_json()) + "\n" for r in (two, one, two)).encode()
+    assert recorded_after(data, 2, asynchronous=True) == (2, 3)
+    assert recorded_after(data, 3, asynchronous=True) == (1, 1)
+    assert recorded_after(data, 2, asynchronous=False) == (0, None)
 
 
 def test_a_negative_max_restarts_is_one_line_and_creates_nothing(tmp_path):

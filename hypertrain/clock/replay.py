@@ -89,8 +89,9 @@ def clock_of(
 
     Returns `updates` ({update, clock_s}: the clock at the end of each update, before the syncs
     landing after it), `syncs` (per sync row: update, fragment and `Clock.sync`'s split), `heldout`
-    ({update, clock_s, eval_loss}: the held-out curve, from eval rows and DiLoCo's sync rows, each at
-    the clock after the syncs of its update) and `Clock.summary`'s totals without their `clock/`."""
+    ({update, clock_s, eval_loss}: the held-out curve, from eval rows, each at the clock after the syncs
+    of its update, and DiLoCo's sync rows, each at the clock after its own landing, whose weights'
+    loss it holds) and `Clock.summary`'s totals without their `clock/`."""
     resolved = formats.upgrade_config(resolved)
     if (resolved.get("outer") or {}).get("schedule") == "async":
         return arrival_clock(rows, cluster, resolved)
@@ -115,29 +116,23 @@ def clock_of(
 
 def arrival_clock(rows: list[Row | dict], cluster: ClusterConfig, resolved: dict) -> dict:
     """An outer.schedule=async run's own clock (docs/async.md), which decided its arrivals and is only
-    read back here (`check_clock_decided` refuses another cluster): the held-out curve from its first
-    eval row (clock 0) and its arrival rows (each the last written: a resumed run writes some again), the
-    total the last arrival's clock. Compute and communication overlap across replicas there, so no split
-    of the total is given (None)."""
+    read back here (`check_clock_decided` refuses another cluster), fed to `Clock` as training fed it
+    (`Clock.arrival`): the held-out curve from its first eval row (clock 0) and its arrival rows (each
+    the last written: a resumed run writes some again), the total the last arrival's clock. Compute and
+    communication overlap across replicas there, so no split of the total is given (None)."""
     parsed = [row for row in map(parse, rows) if row is not None]
     first = next((row for row in parsed if isinstance(row, EvalRow) and row.update == 0), None)
     arrivals = {row.update: row for row in parsed if isinstance(row, ArrivalRow)}
-    heldout = [] if first is None else [{"update": 0, "clock_s": 0.0, "eval_loss": first.eval_loss}]
-    heldout += [
-        {"update": u, "clock_s": row.clock_s, "eval_loss": row.eval_loss}
-        for u, row in sorted(arrivals.items())
-        if row.eval_loss is not None
-    ]
-    finite = [p for p in heldout if p["eval_loss"] is not None and p["eval_loss"] == p["eval_loss"]]
-    best = min(finite, key=lambda p: p["eval_loss"], default=None)
-    total = arrivals[max(arrivals)].clock_s if arrivals else 0.0
-    size = int((resolved.get("cluster") or {}).get("model_params") or 0) or run_params(rows)
-    totals = {"cluster": cluster.name, "params": size, "total_s": total, "compute_s": None, "inner_s": None}
-    totals |= {"outer_exposed_s": None, "outer_hidden_s": None, "compute_utilization": None}
-    totals |= {
-        "best_heldout_loss": None if best is None else best["eval_loss"],
-        "time_to_best_s": None if best is None else best["clock_s"],
-    }
+    size = int((resolved.get("cluster") or {}).get("model_params") or 0) or None
+    clock = Clock(Shape.of(resolved), cluster, run_params(rows), size, run_active_params(rows))
+    heldout = []
+    if first is not None:
+        heldout.append({"update": 0, "clock_s": clock.heldout(first.eval_loss), "eval_loss": first.eval_loss})
+    for u, row in sorted(arrivals.items()):
+        clock.arrival(row.clock_s)
+        if row.eval_loss is not None:
+            heldout.append({"update": u, "clock_s": clock.heldout(row.eval_loss), "eval_loss": row.eval_loss})
+    totals = {key.removeprefix("clock/"): value for key, value in clock.summary().items()}
     return totals | {"updates": [], "syncs": [], "heldout": heldout}
 
 

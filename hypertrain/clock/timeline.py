@@ -59,6 +59,7 @@ class Shape:
     compress: str
     reduce: str
     overlap: str = "none"  # outer.overlap: a landing's reduction was taken at the fragment's last sync point
+    schedule: str = "rounds"  # outer.schedule: async's own clock decides its arrivals (`Clock.arrival`)
 
     @classmethod
     def of(cls, resolved: dict) -> Shape:
@@ -73,7 +74,12 @@ class Shape:
             str(outer["compress"]),
             str(outer["reduce"]),
             str(outer.get("overlap", "none")),
+            str(outer.get("schedule", "rounds")),
         )
+
+    @property
+    def is_async(self) -> bool:
+        return self.schedule == "async"
 
 
 class Clock:
@@ -180,25 +186,40 @@ class Clock:
         self.total_s += split["clock_outer_exposed_s"]
         return split | {"clock_s": self.total_s}
 
+    def arrival(self, clock_s: float) -> float:
+        """outer.schedule=async: a server update at `clock_s`, the seconds the run's own arrival clock
+        gave it (docs/async.md), which ordered the arrivals: the clock stands there now. Compute and
+        communication overlap across replicas, so none of the split is kept (`summary`: None). Returns
+        the clock now."""
+        self.total_s = float(clock_s)
+        return self.total_s
+
     def heldout(self, loss: float | None) -> float:
-        """A held-out loss of the global weights as they are now (an `eval` row, or DiLoCo's sync row
-        after its sync): kept when it is the lowest finite one so far. Returns the clock now."""
+        """A held-out loss of the global weights as they are now (an `eval` row, DiLoCo's sync row after
+        its landing, an async `arrival` row): kept when it is the lowest finite one so far. Returns the
+        clock now."""
         if loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best[0]):
             self.best = (float(loss), self.total_s)
         return self.total_s
 
     def summary(self) -> dict:
         """The run's totals under `clock/`: cluster, parameters timed, seconds, compute utilization
-        (compute / total), the lowest held-out loss and the clock when it was reached."""
-        return {
-            "clock/cluster": self.cluster.name,
-            "clock/params": self.params,
-            "clock/total_s": self.total_s,
+        (compute / total), the lowest held-out loss and the clock when it was reached; outer.schedule=
+        async's split (compute, inner, outer, utilization) None: its clock keeps none (`arrival`)."""
+        split = {
             "clock/compute_s": self.compute_s,
             "clock/inner_s": self.inner_s,
             "clock/outer_exposed_s": self.outer_exposed_s,
             "clock/outer_hidden_s": self.outer_hidden_s,
             "clock/compute_utilization": self.compute_s / self.total_s if self.total_s > 0 else 1.0,
+        }
+        if self.shape.is_async:
+            split = dict.fromkeys(split)
+        return {
+            "clock/cluster": self.cluster.name,
+            "clock/params": self.params,
+            "clock/total_s": self.total_s,
+            **split,
             "clock/best_heldout_loss": None if self.best is None else self.best[0],
             "clock/time_to_best_s": None if self.best is None else self.best[1],
         }

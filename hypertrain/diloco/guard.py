@@ -51,15 +51,19 @@ def heldout_verdict(run: PreparedRun, eval_loss: float | None, after: str) -> tu
     return 0, ""
 
 
-def sync_verdict(run: PreparedRun, rnd: Segment, eval_loss: float | None) -> tuple[int, str]:
-    """This process's verdict on the syncs of `rnd` and its reason: the held-out loss (the writer's at a
-    round's end, None elsewhere) non-finite or above the uniform prediction's by more than
-    guard.heldout_margin, or a sync's pseudo-gradient norm (the same on every process) beyond
-    guard.pseudo_grad_ratio x its global weights' (a fragment's, with fragments)."""
+def sync_verdict(run: PreparedRun, rnd: Segment, eval_losses: list[float]) -> tuple[int, str]:
+    """This process's verdict on the syncs of `rnd` and its reason: a held-out loss (the writer's at a
+    round's end, of the weights each landing left and of those the round ends on; none elsewhere)
+    non-finite or above the uniform prediction's by more than guard.heldout_margin, or a sync's
+    pseudo-gradient norm (the same on every process) beyond guard.pseudo_grad_ratio x its global
+    weights' (a fragment's, with fragments)."""
     guard, update = run.cfg.guard, rnd.updates[-1] + 1
-    verdict = heldout_verdict(run, eval_loss, f"the sync at update {update}")
-    if verdict[0] or not guard.enabled:
-        return verdict
+    for eval_loss in eval_losses:
+        verdict = heldout_verdict(run, eval_loss, f"the sync at update {update}")
+        if verdict[0]:
+            return verdict
+    if not guard.enabled:
+        return 0, ""
     for sync in rnd.syncs:
         if sync.synced:
             what = "" if run.cfg.outer.fragments == 1 else f" of fragment {sync.fragment}"

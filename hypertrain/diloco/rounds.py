@@ -147,6 +147,8 @@ def rounds(
     # Eager: each restarts from its own outer weights (kept in `round_params`).
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0 and cfg.outer.overlap != "eager"
     churned = churn.Churn.of(run)  # None without churn
+    # DiLoCo's sync rows hold the held-out loss of the weights each landing leaves (the writer's)
+    evaluated = cfg.outer.fragments == 1 and groups.is_writer
     while state.next_update < run.updates:
         end = schedule.next_cut(state.next_update)
         if every_updates:
@@ -173,7 +175,9 @@ def rounds(
             groups.gather_ranks(process_table(assigns, results)),
         )
         state.next_update = count = updates.stop
-        for kind, p in schedule.events(count):
+        events = schedule.events(count)
+        last_landing = max((i for i, (kind, _) in enumerate(events) if kind != TAKE), default=-1)
+        for i, (kind, p) in enumerate(events):
             if kind == TAKE:
                 params = state.round_params
                 groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
@@ -200,6 +204,8 @@ def rounds(
                 if landing.churn is not None and merged is not None:
                     # who did not contribute restarts from the global weights
                     churn.restart_others(landing.churn, state.theta, fragments[p], merged, groups.replicas)
+                if evaluated and i < last_landing:  # the next landing changes the weights in place
+                    landing.weights = {n: t.detach().clone() for n, t in state.theta.items()}
                 part.syncs.append(landing)
                 for flags in state.round_stepped:
                     flags[p] = False

@@ -69,6 +69,10 @@ class Landing:
     outer_spread: float | None = None
     # of `payload_bytes`, the part exchanged at the landing (low rank's Q factors); None otherwise
     landing_bytes: int | None = None
+    # a copy of the global weights this landing left, kept (on the writer, with one fragment) when
+    # another landing follows it after the same update (outer.overlap's flush): its row's held-out loss
+    # is of the weights that existed then, not of those the later landing makes; None otherwise
+    weights: Params | None = None
 
     def codec_figures(self) -> dict:
         """A codec's fields of the sync row (`payload_bytes`, `compress_error`, low rank's

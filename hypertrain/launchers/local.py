@@ -145,7 +145,7 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             raise RankFailed(f"torch.distributed could not start ({backend}): {first_line(e)}") from None
         resume, restart, finished = None, job.restart if rank == 0 else None, False
         if rank == 0 and job.self_launched and restarts.count() > 0:  # the entry's agent restarted us
-            resume, restart, finished = _restarted(Path(job.run_dir))
+            resume, restart, finished = _restarted(Path(job.run_dir), cfg.outer.is_async)
         # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
         told = [job.run_dir, job.resume_from if restart is None else restart.path, finished]
         dist.broadcast_object_list(told, src=0)
@@ -188,11 +188,12 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             dist.destroy_process_group()
 
 
-def _restarted(run_dir: Path):
+def _restarted(run_dir: Path, asynchronous: bool):
     """Rank 0 of a self-launched session that the entry's agent restarted: (the Resume, the Restart,
     whether the run had finished already). It goes on from the newest checkpoint whose records match,
-    or from the start (`session.restart_here`); a run whose records end `finished` (a worker died in
-    its teardown) is left as it is."""
+    or from the start (`session.restart_here`, counting what it runs again in server updates when
+    `asynchronous`: outer.schedule=async); a run whose records end `finished` (a worker died in its
+    teardown) is left as it is."""
     from hypertrain.run.session import restart_here
     from hypertrain.rundir.directory import finished_updates
 
@@ -205,7 +206,7 @@ def _restarted(run_dir: Path):
     found = checkpoint.find(run_dir)
     if found is not None:
         checkpoint.records_match(run_dir, *found)
-    resume, restart = restart_here(run_dir, found)
+    resume, restart = restart_here(run_dir, found, asynchronous)
     return resume, restart, False
 
 

@@ -272,7 +272,10 @@ class SyncRow(Row):
     fragment: int | None = _maybe("with fragments: the fragment synced")
     taken_at: int | None = _maybe("updates done when its pseudo-gradient was taken (`update` less the delay)")
     params: int | None = _maybe("the parameters synced (the fragment's, with fragments)")
-    eval_loss: float | None = _maybe("without fragments: the new global weights' held-out loss")
+    eval_loss: float | None = _maybe(
+        "without fragments: the held-out loss of the global weights this landing left (outer.overlap's"
+        " two at the phase's end: the weights before the flush, then after it)"
+    )
     eval_loss_sources: list[float | None] | None = _maybe(f"without fragments: {SOURCES_DOC}")
     pseudo_grad_norm: float | None = _maybe("the norm of the mean pseudo-gradient")
     replicas_synced: int | None = _maybe("the replicas that took part")
@@ -396,8 +399,13 @@ class RestartRow(Row):
     kind: ClassVar[str] = "restart"
     count: int | None = _maybe("the agent's restart count, 1 for the first")
     max_restarts: int | None = _maybe("the restarts the agent allows")
-    update: int | None = _maybe("the update the run goes on from, 0 from the start")
-    recomputed: int | None = _maybe("the updates the failed session had recorded, run again")
+    update: int | None = _maybe(
+        "the update the run goes on from, 0 from the start (outer.schedule=async: the server update)"
+    )
+    recomputed: int | None = _maybe(
+        "the updates the failed session had recorded, run again (outer.schedule=async: the server updates,"
+        " its arrival rows)"
+    )
     from_: str | None = _null("the checkpoint gone on from; None from the start")
     superseded_bytes: int | None = _maybe("bytes moved to metrics.superseded.jsonl")
 

@@ -2,7 +2,7 @@
 (`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
 server's weights whenever the jobs applied reach a multiple of outer.async_eval_every (and after the
 last), under the divergence guard (its held-out verdict, then the applied pseudo-gradient's ratio to the
-weights), the outer bytes counted (`moved_bytes`), the checkpoints asked for.
+weights), the outer bytes counted (`moved_bytes`), the network clock fed, the checkpoints asked for.
 Returns the last held-out loss and the run's `async/` summary.
 """
 
@@ -76,9 +76,12 @@ def train_async(
 ) -> tuple[float, dict]:
     """The server updates from `state` on; after each, a stop signal calls `on_stop(signum, last)` (a
     checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far. On real processes (`groups`)
-    the writer evaluates and writes; every process agrees the guard's verdict and a stop."""
+    the writer evaluates and writes; every process agrees the guard's verdict and a stop. The writer's
+    network clock (`state.clock`) stands at each update's arrival clock and keeps the held-out losses
+    (`Clock.arrival`, `Clock.heldout`), so the run's `clock/` summary is the replay of its rows."""
     cfg = run.cfg
     groups = groups or ReplicaGroups(cfg.replicas)
+    clock = state.clock if groups.is_writer else None
     every = cfg.outer.async_eval_every or cfg.replicas
     clock_s, start, steps = 0.0, time.perf_counter(), 0
     n_params = sum(t.numel() for t in state.theta.values())
@@ -106,6 +109,9 @@ def train_async(
         if (jobs // every > (jobs - len(stale)) // every or applied.last) and groups.is_writer:
             eval_loss = heldout_eval(run, state.theta)[0]
             row.eval_loss = eval_loss
+        if clock is not None:  # before the checkpoint below, which saves the clock
+            clock.arrival(update.clock_s)
+            clock.heldout(row.eval_loss)
         after = f"server update {update.index}"
         verdict, why = heldout_verdict(run, row.eval_loss, after)
         if not verdict:  # the same figures on every process: their verdicts agree

@@ -30,7 +30,7 @@ from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
-from hypertrain.records.rows import RestartRow, ResumeRow, StartRow, UpdateRow, parse
+from hypertrain.records.rows import ArrivalRow, RestartRow, ResumeRow, StartRow, UpdateRow, parse
 from hypertrain.run.trainer import train
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.checkpoint import Checkpointer, checkpoints, written_by_run
@@ -103,6 +103,9 @@ class Restart:
     path: str | None = None  # the checkpoint gone on from; None: from the start
     run_id: str | None = None  # from the start: the run's id, kept (None: the records held none yet)
     wandb_id: str | None = None  # from the start: the W&B run's id, kept
+    # outer.schedule=async: `update` and `recomputed` count server updates (arrival rows), and
+    # `jobs` the jobs those recomputed applied; None under rounds
+    jobs: int | None = None
 
     def row(self) -> RestartRow:
         return RestartRow(
@@ -116,27 +119,42 @@ class Restart:
 
     def line(self) -> str:
         where = f"checkpoint {self.path}" if self.path else "the start (no checkpoint yet)"
-        updates = "update" if self.recomputed == 1 else "updates"
+        unit = "update" if self.jobs is None else "server update"
+        again = f"{self.recomputed} {unit}{'' if self.recomputed == 1 else 's'}"
+        if self.jobs is not None:
+            again += f" ({self.jobs} {'job' if self.jobs == 1 else 'jobs'})"
         return (
             f"hypertrain: restart {self.count} of {self.allowed} after a worker failed: going on from "
-            f"{where} at update {self.update}; {self.recomputed} {updates} the failed session had recorded "
-            "run again"
+            f"{where} at {unit} {self.update}; {again} the failed session had recorded run again"
         )
 
 
-def restart_here(run_dir: Path, found: tuple[Path, dict] | None) -> tuple[Resume | None, Restart]:
+def recorded_after(data: bytes, update: int, asynchronous: bool) -> tuple[int, int | None]:
+    """What the failed session recorded in `data` (metrics.jsonl after the point gone on from) beyond
+    `update`, in its schedule's own unit: the updates (an `update` row each), or with outer.schedule=async
+    the server updates (an `arrival` row each; `update` counts them too) and the jobs they applied (None
+    under rounds). A row written twice counts once."""
+    kind = ArrivalRow if asynchronous else UpdateRow
+    rows = {r.update: r for r in map(parse, readable_rows(data)) if isinstance(r, kind) and r.update > update}
+    jobs = sum(len(r.replicas) for r in rows.values()) if asynchronous else None
+    return len(rows), jobs
+
+
+def restart_here(
+    run_dir: Path, found: tuple[Path, dict] | None, asynchronous: bool = False
+) -> tuple[Resume | None, Restart]:
     """Rank 0 of a restarted session (`failures.restarts.count()` > 0): go on from `found` (the
     newest checkpoint, whose records `checkpoint.records_match` has checked) or, with None, from the
     start under the run's own id. Drops the checkpoints after it, moves what the failed session
-    recorded after that point to metrics.superseded.jsonl (never lost) and says what it was."""
+    recorded after that point to metrics.superseded.jsonl (never lost) and says what it was, in the
+    schedule's unit (`recorded_after`; `asynchronous`: the run's outer.schedule is async)."""
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILE
     data = metrics.read_bytes() if metrics.exists() else b""
     saved = None if found is None else found[1]
     length = 0 if saved is None else int(saved["metrics_bytes"])
     update = 0 if saved is None else int(saved["state"]["next_update"])
-    after = [int(r.update) for r in map(parse, readable_rows(data[length:])) if isinstance(r, UpdateRow)]
-    recorded = {u for u in after if u > update}
+    recomputed, jobs = recorded_after(data[length:], update, asynchronous)
     run_id = wandb_id = None
     if saved is None:  # from the start: the same run, its own id kept
         starts = [r for r in map(parse, readable_rows(data)) if isinstance(r, StartRow)]
@@ -146,7 +164,7 @@ def restart_here(run_dir: Path, found: tuple[Path, dict] | None) -> tuple[Resume
     moved = checkpoint.rewind_metrics(run_dir, length)
     path = None if found is None else str(found[0])
     restart = Restart(
-        restarts.count(), restarts.allowed(), update, len(recorded), moved, path, run_id, wandb_id
+        restarts.count(), restarts.allowed(), update, recomputed, moved, path, run_id, wandb_id, jobs
     )
     return (None if saved is None else Resume(path, saved, moved)), restart
 

@@ -55,7 +55,7 @@ def device_name(device: str) -> str:
 
 
 def sync_rows(
-    cfg, rnd: Segment, eval_loss: float | None, totals, n_params: int, extra: dict, clock: Clock | None
+    cfg, rnd: Segment, heldout: list[tuple[float, dict]] | None, totals, n_params: int, clock: Clock | None
 ) -> list[SyncRow]:
     """The rows of the syncs that landed after `rnd`, advancing `totals`: the pseudo-gradient norm, the
     replicas that took part, the formula's bytes (inner: the updates since the previous sync, on the
@@ -63,13 +63,18 @@ def sync_rows(
     measured since the previous landing (the first row's includes the updates' gradient all-reduces),
     the bits per parameter each replica's contribution sent and each replica's running total of bits
     (`Landing.bits`; the total left out of a run resumed from a checkpoint written before it).
-    DiLoCo's one sync row also holds the held-out loss (`eval_loss`) and `extra` (a multistream
-    model's per-channel held-out losses); with fragments each row names its fragment and the held-out
-    loss has its own row. With `clock` each row gets its simulated seconds (`Clock.sync`)."""
+    DiLoCo's sync row also holds the held-out loss and figures (a multistream model's per-channel
+    held-out losses) of the weights its landing left (`heldout`, one per row, from `row_heldout`; None
+    where no round ended); with fragments each row names its fragment and the held-out loss has its
+    own row. With `clock` each row gets its simulated seconds (`Clock.sync`)."""
     count = rnd.updates[-1] + 1
     since = count - Schedule.of(cfg, count).previous_land(count)
     rows = []
+    streaming = cfg.outer.fragments > 1
     for i, sync in enumerate(rnd.syncs):
+        eval_loss, extra = (None, {}) if heldout is None or streaming else heldout[i]
+        extra = dict(extra)
+        sources = extra.pop("eval_loss_sources", None)  # a field of its own, beside the loss
         inner = inner_bytes(cfg, n_params, since if i == 0 else 0)
         outer = sync.outer_bytes  # what the fragment's reducer sent (the fp32 ring's, or a codec's)
         totals.comm_inner_bytes += inner
@@ -90,7 +95,8 @@ def sync_rows(
             fragment=sync.fragment if cfg.outer.fragments > 1 else None,
             taken_at=sync.taken_at,
             params=sync.params,
-            eval_loss=eval_loss if cfg.outer.fragments == 1 else None,
+            eval_loss=eval_loss,
+            eval_loss_sources=sources,
             pseudo_grad_norm=sync.delta_norm,
             replicas_synced=sync.synced,
             comm_inner_bytes=inner,
@@ -173,27 +179,34 @@ def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
     return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
 
 
+def row_heldout(run: PreparedRun, state: RunState, rnd: Segment) -> list[tuple[float, dict]]:
+    """The writer's held-out evaluation (`heldout_eval`) at the end of the round `rnd`, of the weights
+    each landing left: the copy a landing kept (`Landing.weights`: another landed after it, as
+    outer.overlap's flush after the landing due at the phase's end), else the global weights now; one
+    per sync of `rnd`, then the global weights' own last (what the round ends on)."""
+    now = heldout_eval(run, state.theta)
+    return [now if sync.weights is None else heldout_eval(run, sync.weights) for sync in rnd.syncs] + [now]
+
+
 def after_syncs(
     run: PreparedRun, state: RunState, rnd: Segment, groups, log, progress, checkpointer, n_params: int
 ) -> tuple[float, list | None] | None:
     """After the syncs that landed at the end of `rnd`: their rows, and at a round's end the held-out
     loss of the new global weights (the writer) and the checkpoint it asks for. Returns the held-out
     loss (NaN off the writer) and each source's (a prepared corpus of several sources, else None);
-    None when no round ended. Before the checkpoint every process agrees the
+    None when no round ended. Each of DiLoCo's sync rows holds the held-out loss of the weights its
+    landing left (`row_heldout`). Before the checkpoint every process agrees the
     verdict (`sync_verdict`): a non-finite held-out loss or a divergence stops them all here, the
     writer's rows holding finite figures."""
     cfg = run.cfg
-    eval_loss, channels = math.nan, {}
-    if groups.is_writer and rnd.ends_round:
-        eval_loss, channels = heldout_eval(run, state.theta)
+    heldout = row_heldout(run, state, rnd) if groups.is_writer and rnd.ends_round else None
+    eval_loss, channels = (math.nan, {}) if heldout is None else heldout[-1]
+    channels = dict(channels)
     sources = channels.pop("eval_loss_sources", None)
-    verdict, why = sync_verdict(run, rnd, eval_loss if groups.is_writer and rnd.ends_round else None)
+    verdict, why = sync_verdict(run, rnd, [loss for loss, _ in heldout or ()])
     streaming = cfg.outer.fragments > 1
-    extra = {} if streaming else channels
     clock = state.clock if groups.is_writer else None
-    rows = sync_rows(cfg, rnd, eval_loss if rnd.ends_round else None, state.totals, n_params, extra, clock)
-    for row in rows:  # the rows that hold the held-out loss hold each source's beside it
-        row.eval_loss_sources = sources if row.eval_loss is not None else None
+    rows = sync_rows(cfg, rnd, None if heldout is None else heldout[:-1], state.totals, n_params, clock)
     if groups.is_writer:
         if verdict != HELDOUT_NON_FINITE or streaming:
             for row in rows:
