@@ -600,8 +600,12 @@ class GuardConfig:
 # ziggurat's tail, 3.65 + sqrt(2 * 53 ln 2)), and exp overflows float64 past 709, so sigma <= 10 keeps every
 # factor below e^123 (1e53). With compute of at least 1 FLOP/s (peak_tflops and mfu >= 1e-6) and links of
 # at least 1 bit/s and at most 1e12 us (11.6 days) a message, a run of int64-many updates of int64-many
-# tokens and bytes stays below 1e120 simulated seconds, far from float64's 1.8e308.
+# tokens and bytes stays below 1e120 simulated seconds, far from float64's 1.8e308. A replica's speed v
+# divides its steps' seconds: drawn (exp(speed_sigma * z), the same sigma bound) it is at least e^-123
+# (3.6e-54), and a given one must be at least 1e-54, so 1 / v stays below 1e54 and the clock below 1e174
+# seconds (a subnormal speed such as 1e-320 made 1 / v infinite).
 MAX_STRAGGLER_SIGMA = 10.0
+MIN_REPLICA_SPEED = 1e-54
 MIN_PEAK_TFLOPS = MIN_MFU = 1e-6
 MIN_BANDWIDTH_GBIT = 1e-9
 MAX_LATENCY_US = 1e12
@@ -698,7 +702,8 @@ class ClusterConfig:
 
     def check(self) -> None:
         """Every field, as training checks it and the clock command (`python -m hypertrain.clock`) too:
-        finite numbers, in the ranges that keep the clock's seconds finite (MAX_STRAGGLER_SIGMA's)."""
+        finite numbers, in the ranges that keep the clock's seconds finite (MAX_STRAGGLER_SIGMA's), and
+        speeds given or drawn, not both (their count against a run's R: `check_replicas`)."""
         check_finite_floats(self, "cluster.")
         check_int64(self, "cluster.")
         if not self.peak_tflops >= MIN_PEAK_TFLOPS:
@@ -711,17 +716,32 @@ class ClusterConfig:
         self.intra.check("cluster.intra")
         self.inter.check("cluster.inter")
         self.straggler.check()
-        if not all(0 < speed < math.inf for speed in self.replica_speeds):
+        if not all(MIN_REPLICA_SPEED <= speed < math.inf for speed in self.replica_speeds):
             raise UserError(
-                f"cluster.replica_speeds={self.replica_speeds!r} is not valid; valid: finite positive numbers"
+                f"cluster.replica_speeds={self.replica_speeds!r} is out of range; valid: finite numbers >= "
+                f"{MIN_REPLICA_SPEED:g} (1 = the cluster's step time)"
             )
         if not 0 <= self.speed_sigma <= MAX_STRAGGLER_SIGMA:
             raise UserError(
                 f"cluster.speed_sigma={self.speed_sigma!r} is out of range; valid: "
                 f"[0, {MAX_STRAGGLER_SIGMA:g}]"
             )
+        if self.replica_speeds and self.speed_sigma:
+            raise UserError(
+                f"cluster.replica_speeds with cluster.speed_sigma={self.speed_sigma!r}: the speeds are given "
+                "or drawn, not both; valid: cluster.speed_sigma=0, or cluster.replica_speeds=[]"
+            )
         _at_least("cluster.speed_seed", self.speed_seed, 0)  # numpy's seeds are non-negative
         _at_least("cluster.model_params", self.model_params, 0)
+
+    def check_replicas(self, replicas: int) -> None:
+        """The speeds given fit a run of `replicas` (R): one each, or none (drawn or equal). Training's
+        preflight and the clock command (each run it times, by its own R) ask it alike."""
+        if self.replica_speeds and len(self.replica_speeds) != replicas:
+            raise UserError(
+                f"cluster.replica_speeds={self.replica_speeds!r} has {len(self.replica_speeds)} speeds; "
+                f"valid: one per replica ({replicas}), or []"
+            )
 
 
 CHURN_EVENTS = ("miss", "leave", "rejoin")
