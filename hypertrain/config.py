@@ -317,6 +317,20 @@ class OuterConfig:
         _at_least("outer.dn_buffer", self.dn_buffer, 0)
         _at_least("outer.grace_s", self.grace_s, 0.0)
         _at_least("outer.async_eval_every", self.async_eval_every, 0)
+        self.check_schedule_fields()
+
+    def check_schedule_fields(self) -> None:
+        """A field only the other schedule reads (`SCHEDULE_ONLY`) stays at its default: set, it would
+        change nothing. A value equal to the default (a preset's, or written out) is accepted."""
+        other = Schedule["rounds"] if self.is_async else Schedule["async"]
+        for name in SCHEDULE_ONLY[other]:
+            value, default = getattr(self, name), default_of(OuterConfig, name)
+            if value != default:
+                raise UserError(
+                    f"outer.{name}={value} needs outer.schedule={other} (outer.schedule={self.schedule} "
+                    f"would ignore it); valid: outer.schedule={other}, or outer.{name}={default} "
+                    "(its default)"
+                )
 
     def check_lowrank(self) -> None:
         """compress=lowrank: its rank, and the combinations it is not built for."""
@@ -372,6 +386,15 @@ class OuterConfig:
                 f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
                 "outer.index_bits=32"
             )
+
+
+# The outer fields one schedule reads and the other would ignore (docs/async.md): the server's under async
+# (its rule, delayed Nesterov's N and c, the grace window, dynamic local updates, its evaluations), and
+# under rounds the reduction of a round's payloads (an arrival's payload is broadcast whole).
+SCHEDULE_ONLY = {
+    Schedule["async"]: ("async_rule", "dn_buffer", "dn_activation", "grace_s", "dylu", "async_eval_every"),
+    Schedule["rounds"]: ("reduce",),
+}
 
 
 @dataclass
@@ -899,6 +922,12 @@ class TrainConfig:
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UserError(f"{name}={value!r} is too small; valid: >= {low}")
+
+
+def default_of(section: type, name: str) -> Any:
+    """The default of dataclass `section`'s field `name` (its default_factory's value where it has one)."""
+    found = next(f for f in dataclasses.fields(section) if f.name == name)
+    return found.default_factory() if found.default is dataclasses.MISSING else found.default
 
 
 def as_builtins(section: Any) -> Any:

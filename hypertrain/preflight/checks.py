@@ -136,11 +136,6 @@ def check_async(cfg: TrainConfig) -> None:
             "stragglers only); valid: equal speeds, or churn.deadline=0"
         )
     if not outer.is_async:
-        if outer.dylu:
-            raise UserError(
-                f"outer.dylu={outer.dylu!r} with outer.schedule=rounds is not built (it shapes asynchronous "
-                "replicas); valid: outer.schedule=async, or leave it unset"
-            )
         if outer.mean_weights == "tokens" and outer.overlap == "eager":
             raise UserError(
                 "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built "
