@@ -378,6 +378,11 @@ class OuterConfig:
                 "valid: outer.block <= 4096, or outer.index_bits=32"
             )
         k = topk_kept(self.topk_fraction, self.block)
+        if k % 2 and self.block < 2:  # a block of one value keeps k = 1 at any fraction: no even k exists
+            raise UserError(
+                f"outer.index_bits=12 with outer.block={self.block} keeps k = 1 of each block, an odd number "
+                "(12-bit indices pack two in three bytes); valid: outer.block >= 2, or outer.index_bits=32"
+            )
         if k % 2:
             even = k + 1 if k < self.block else k - 1
             raise UserError(
