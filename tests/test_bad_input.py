@@ -109,6 +109,17 @@ def _checkpoint_of_another_run(run: Path) -> None:
     seal(path)  # a whole checkpoint, of another run
 
 
+def _newer_checkpoint_of_another_run(run: Path) -> None:
+    """The newest checkpoint stands for one of another run of the same config that went further: its
+    run id changed and its records 1000 bytes longer than this run's metrics.jsonl."""
+    path = sorted((run / "checkpoints").glob("ckpt-u*.pt"))[-1]
+    saved = torch.load(path, weights_only=False)
+    saved["run_id"] = "0" * 32
+    saved["metrics_bytes"] = (run / "metrics.jsonl").stat().st_size + 1000
+    torch.save(saved, path)
+    seal(path)
+
+
 def _flip_a_bit(run: Path) -> None:
     """One bit of the newest checkpoint flipped, half-way through its bytes."""
     path = sorted((run / "checkpoints").glob("ckpt-u*.pt"))[-1]
@@ -401,10 +412,10 @@ CASES = {
         "one speed per replica",
     ),
     "async-speed-zero": Case(
-        "a replica speed that is not a finite positive number",
+        "a replica speed that is not a positive number",
         ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,0]"],
-        "cluster.replica_speeds=[1.0, 0.0] is not valid; valid: finite positive numbers",
-        "finite positive speeds (1 = the cluster's step time)",
+        "cluster.replica_speeds=[1.0, 0.0] is out of range; valid: finite numbers >= 1e-54",
+        "finite speeds of at least 1e-54 (1 = the cluster's step time)",
     ),
     "async-speeds-and-sigma": Case(
         "speeds both given and drawn",
@@ -421,8 +432,9 @@ CASES = {
     "async-field-with-rounds": Case(
         "an asynchronous field in a synchronous run",
         ["outer.dylu=true"],
-        "outer.dylu=True with outer.schedule=rounds is not built",
-        "outer.schedule=async, or leave it unset",
+        "outer.dylu=True needs outer.schedule=async (outer.schedule=rounds would ignore it); valid: "
+        "outer.schedule=async, or outer.dylu=False (its default)",
+        "outer.schedule=async, or leave it unset (the other server fields likewise)",
     ),
     "tokens-weights-with-eager": Case(
         "token-weighted means of synchronous rounds with eager overlap (each replica's own terms)",
@@ -1134,6 +1146,92 @@ CASES = {
         ["cluster=h100", "cluster.straggler.sigma=1e6"],
         "cluster.straggler.sigma=1000000.0 is out of range; valid: [0, 10]",
         "a sigma of at most 10 (already a factor of e^10 for one replica in six)",
+    ),
+    # issue 48: the cluster's speeds and the schedules' fields. The clock command read speeds of another
+    # length (fewer: an IndexError traceback; more: cut silently) and a subnormal one (a table of nan, exit
+    # 0; training stopped mid-run, exit 1, the run directory made); each schedule's fields were accepted
+    # and ignored under the other.
+    **{
+        f"clock-speeds-{name}-than-replicas": Case(
+            f"the clock command given {name} cluster.replica_speeds than the run's replicas",
+            ["run", f"cluster.replica_speeds={speeds}"],
+            f"run: cluster.replica_speeds={shown} has {count} speeds; valid: one per replica (2), or []",
+            "one speed per replica of the run (training's own line)",
+            setup=copy_of_earlier(lambda run: None),
+            command="clock",
+        )
+        for name, speeds, shown, count in (
+            ("fewer", "[1]", "[1.0]", 1),
+            ("more", "[1,1,1]", "[1.0, 1.0, 1.0]", 3),
+        )
+    },
+    "subnormal-speed": Case(
+        "a replica speed so small that a step's seconds over it overflow the clock (a subnormal 1e-320)",
+        ["cluster=h100", "cluster.replica_speeds=[1,1e-320]"],
+        "cluster.replica_speeds=[1.0, 1e-320] is out of range; valid: finite numbers >= 1e-54",
+        "speeds of at least 1e-54 (hypertrain.config: the clock stays finite)",
+    ),
+    "clock-subnormal-speed": Case(
+        "the clock command given a subnormal replica speed (it printed nan seconds)",
+        ["run", "cluster.replica_speeds=[1,1e-320]"],
+        "cluster.replica_speeds=[1.0, 1e-320] is out of range; valid: finite numbers >= 1e-54",
+        "speeds of at least 1e-54 (training's own line)",
+        setup=copy_of_earlier(lambda run: None),
+        command="clock",
+    ),
+    "clock-speeds-and-sigma": Case(
+        "the clock command given speeds both listed and drawn (the list was used, the sigma ignored)",
+        ["run", "cluster.replica_speeds=[1,2]", "cluster.speed_sigma=0.5"],
+        "cluster.replica_speeds with cluster.speed_sigma=0.5: the speeds are given or drawn, not both",
+        "one of the two (training's own line)",
+        setup=copy_of_earlier(lambda run: None),
+        command="clock",
+    ),
+    **{
+        f"async-{field.replace('_', '-')}-with-rounds": Case(
+            f"outer.{field} (the asynchronous server's) in a synchronous run, which would ignore it",
+            [f"outer.{field}={value}"],
+            f"outer.{field}={shown} needs outer.schedule=async (outer.schedule=rounds would ignore it); "
+            f"valid: outer.schedule=async, or outer.{field}={default} (its default)",
+            "outer.schedule=async, or the field at its default",
+        )
+        for field, value, shown, default in (
+            ("grace_s", "0.5", "0.5", "0.0"),
+            ("async_rule", "naive", "naive", "delayed_nesterov"),
+            ("dn_buffer", "2", "2", "0"),
+            ("dn_activation", "5", "5.0", "0.0"),
+            ("async_eval_every", "2", "2", "0"),
+        )
+    },
+    "two-phase-with-async": Case(
+        "outer.reduce=two_phase (a round's reduction) under async, whose payloads travel whole",
+        ["outer.schedule=async", "cluster=h100", "outer.compress=int8", "outer.reduce=two_phase"],
+        "outer.reduce=two_phase needs outer.schedule=rounds (outer.schedule=async would ignore it); valid: "
+        "outer.schedule=rounds, or outer.reduce=gather (its default)",
+        "outer.reduce=gather, or outer.schedule=rounds",
+    ),
+    "index-bits-12-with-blocks-of-one": Case(
+        "12-bit top-k indices with blocks of one value (k = 1 each: no even k exists; the advice was "
+        "outer.topk_fraction=0.0, itself refused)",
+        ["outer.compress=topk", "outer.index_bits=12", "outer.block=1"],
+        "outer.index_bits=12 with outer.block=1 keeps k = 1 of each block, an odd number (12-bit indices "
+        "pack two in three bytes); valid: outer.block >= 2, or outer.index_bits=32",
+        "outer.block >= 2, or outer.index_bits=32",
+    ),
+    "resume-shorter-phase": Case(
+        "resume with a shorter phase.updates (it may change, but only to a longer phase)",
+        ["hydra.run.dir={earlier}", "resume=true", "phase.updates=4"],
+        "phase.updates=4 shortens the run (6 before); a resumed run may change phase.updates only to a "
+        "longer phase; valid: resume with phase.updates=6 or more, or start a new run in another directory",
+        "phase.updates at least the run's own, or a new run in another directory",
+    ),
+    "resume-newer-checkpoint-of-another-run": Case(
+        "resume where the newest checkpoint is another run's, written after more records than these "
+        "(it was blamed on rows lost from metrics.jsonl)",
+        ["hydra.run.dir=run", "resume=true"],
+        "checkpoint {cwd}/run/checkpoints/ckpt-u0000006.pt is of run 00000000000000000000000000000000 but",
+        "a checkpoint of the run whose metrics.jsonl is beside it",
+        setup=copy_of_earlier(_newer_checkpoint_of_another_run),
     ),
     # issue 38: prepare (`python -m hypertrain.data prepare INPUT ... --out DIR`; docs/data.md)
     "prepare-input-matching-nothing": Case(
