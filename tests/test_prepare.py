@@ -637,8 +637,9 @@ def test_a_second_prepare_on_the_same_out_is_refused_while_the_first_writes(tmp_
     encoding, go, encoded = threading.Event(), threading.Event(), module.encode
 
     def paused(*args):
-        encoding.set()
-        go.wait(60)
+        if threading.current_thread() is first:
+            encoding.set()
+            go.wait(60)
         return encoded(*args)
 
     first = threading.Thread(target=prepare, args=([inputs["jsonl"]], out, "bytes", "text", False))

@@ -27,15 +27,18 @@ def parser() -> Parser:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="a glob of text files (each file a document; ** recursive), JSONL, Parquet, Arrow or Feather "
-        "files (--field of each record a document), or a directory saved by datasets' save_to_disk",
+        help="a glob of text files (each file a document; ** recursive, not into symlinked folders), JSONL, "
+        "Parquet, Arrow or Feather files (--field of each record a document), or a directory saved by "
+        "datasets' save_to_disk",
     )
-    prepare.add_argument("--out", required=True, metavar="DIR", help="the corpus directory (new or empty)")
+    prepare.add_argument(
+        "--out", required=True, metavar="DIR", help="the corpus directory (new or empty; not a mount point)"
+    )
     prepare.add_argument(
         "--tokenizer",
         default="bytes",
         help="bytes (ids 0..255, eod 256; the default), PATH/tokenizer.json, or train:V (a byte-level BPE "
-        "of V tokens trained on the inputs)",
+        "of V <= 2^24 tokens trained on the inputs)",
     )
     prepare.add_argument(
         "--field", default="text", help="the text field of JSONL, Parquet, Arrow and datasets (default: text)"

@@ -32,9 +32,9 @@ EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # an existing special token amo
 TRAINED_EOD = "<|endoftext|>"
 MIN_TRAINED_VOCAB = corpus.BYTES_VOCAB + 1  # the 256 bytes, the eod and one merge at least
 # tokenizers' BpeTrainer reserves about 70 bytes of address space per token of V before it reads a word
-# (VmPeak 0.25 GB at V = 10^6, 6.8 GB at 10^8: docs/data.md) and aborts the process where that cannot
-# be had (train:1000000000: 71 GB). 2^24 keeps the reservation near 1.2 GB, 64 times the largest
-# vocabularies in use (256k); a larger one is trained elsewhere and given as PATH/tokenizer.json.
+# (1.34 GiB at 2^24, 6.3 GiB at 10^8: docs/data.md) and aborts the process where that cannot be had
+# (train:1000000000: 71 GB). 2^24 is 64 times the largest vocabularies in use (256k); a larger one is
+# trained elsewhere and given as PATH/tokenizer.json.
 MAX_TRAINED_VOCAB = 1 << 24
 PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces of about this many characters, where safe
 HF_HOME = ".hf"  # Hugging Face's caches during a prepare: in the partial corpus, so they go with it
