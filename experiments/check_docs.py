@@ -739,6 +739,13 @@ MEASURED = (
         "python experiments/bench/checkpoint_size.py",
     ),
     Measured(
+        "docs/data.md",
+        "| 50 MB of the standard library's `.py` text (49,964,730 characters), a `train:4096` tokenizer.json "
+        "| peak resident | bytes a character |",
+        XEON + ", 1764e4d (the last row at ea3682b, --mb 10)",
+        "python experiments/bench/prepare_memory.py --mb 50",
+    ),
+    Measured(
         "README.md",
         "| run | eager | compiled, empty cache | compiled, cache filled |",
         "the 2-core development CPU, ed7eaa4",

@@ -1,7 +1,7 @@
 """Where `python -m hypertrain.data prepare` writes a corpus `out`: `claimed(out)` checks the place (not
 under a file, not a mount point), takes the lock beside it (one prepare at a time) and makes the partial
-directory the corpus is built in, all removed on the way out; `place_error` and `write_error` are the one
-lines of a filesystem that refuses (a full disk: DiskFull, exit 4).
+directory the corpus is built in, all removed on the way out; `put_in_place` renames it to `out`.
+`place_error` and `write_error` are the one lines of a filesystem that refuses (a full disk: DiskFull).
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ def mount_point_error(out: Path) -> UserError:
 def check_place(out: Path) -> None:
     """UserError when a corpus cannot be at `out`: under a file, or a mount point (checked before any
     work; a bind mount that looks like a folder is refused at the rename, with nothing left)."""
-    above = out.parent
-    while not above.exists():
-        above = above.parent
+    above = first_existing(out.parent)
     if not above.is_dir():
         raise UserError(
             f"--out {str(out)!r} lies under {above}, which is a file; valid: a path under a directory"
@@ -57,12 +55,9 @@ def place_error(out: Path, error: OSError) -> UserError | DiskFull:
             f"no space left on the device for --out {str(out)!r}: nothing was written; "
             "valid: an --out on a filesystem with room"
         )
-    above = out.parent
-    while not above.exists():
-        above = above.parent
     return UserError(
-        f"--out {str(out)!r}: nothing can be created in {above} ({error.strerror}); valid: a new or empty "
-        "directory where this user can write"
+        f"--out {str(out)!r}: nothing can be created in {first_existing(out.parent)} ({error.strerror}); "
+        "valid: a new or empty directory where this user can write"
     )
 
 
@@ -111,6 +106,23 @@ def claimed(out: Path) -> Iterator[Path]:
         shutil.rmtree(partial, ignore_errors=True)
         lock.release()
         remove_made(out.parent, made)
+
+
+def put_in_place(partial: Path, out: Path) -> None:
+    """`partial` renamed to `out` (an empty `out` removed first); a bind mount, which os.path.ismount does
+    not see, refused as a mount point (EBUSY), another OSError as `write_error`'s line."""
+    try:
+        if out.exists():
+            out.rmdir()  # empty (prepare checked): the rename needs it gone
+        os.rename(partial, out)
+    except OSError as error:
+        raise (mount_point_error(out) if error.errno == errno.EBUSY else write_error(out, error)) from None
+
+
+def first_existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def first_missing(directory: Path) -> Path | None:

@@ -7,7 +7,6 @@ are refused with one line (UserError); a full disk is DiskFull (exit 4); nothing
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -26,7 +25,7 @@ from hypertrain.config import UserError
 from hypertrain.data import corpus
 from hypertrain.data.bpe import byte_level_bpe, cuts_keep_tokens, pieces
 from hypertrain.data.inputs import BATCH_CHARS, Input, Reader, check_disjoint, open_input
-from hypertrain.data.outdir import claimed, mount_point_error, write_error
+from hypertrain.data.outdir import claimed, put_in_place, write_error
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # an existing special token among these ends documents
 TRAINED_EOD = "<|endoftext|>"
@@ -132,31 +131,40 @@ def encode(tokenizer: Tokenizer, documents: list[str], dtype: np.dtype, where: s
         return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(dtype) for d in documents]
     cut = [pieces(d, PIECE_CHARS) if tokenizer.in_pieces and len(d) > PIECE_CHARS else [d] for d in documents]
     texts = [piece for parts in cut for piece in parts]
-    ids: list[np.ndarray] = []
-    while len(ids) < len(texts):
-        first, chars = len(ids), 0
-        end = first
-        while end < len(texts) and (end == first or chars + len(texts[end]) <= BATCH_CHARS):
-            chars += len(texts[end])
-            end += 1
-        try:
-            encodings = tokenizer.hf.encode_batch(texts[first:end], add_special_tokens=False)
-        except Exception as error:  # tokenizers raises a bare Exception with its model's message
-            if isinstance(error, MemoryError):
-                raise
-            said = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise UserError(
-                f"--tokenizer {tokenizer.spec!r} cannot encode the text of input {where!r} ({said}); valid: "
-                "a tokenizer that encodes any text (a byte-level one, or one with an unknown token), "
-                "bytes or train:V"
-            ) from None
-        ids += [np.array(e.ids, dtype=dtype) for e in encodings]
-        del encodings
-    joined, at = [], 0
-    for parts in cut:
-        joined.append(ids[at] if len(parts) == 1 else np.concatenate(ids[at : at + len(parts)]))
-        at += len(parts)
-    return joined
+    ids = [
+        row for group in batched(texts, BATCH_CHARS) for row in encode_batch(tokenizer, group, dtype, where)
+    ]
+    bounds = np.cumsum([0, *(len(parts) for parts in cut)]).tolist()
+    return [np.concatenate(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def batched(texts: list[str], chars: int) -> Iterator[list[str]]:
+    """`texts` in order, in consecutive groups of at most `chars` characters (a longer text alone)."""
+    group, size = [], 0
+    for text in texts:
+        if group and size + len(text) > chars:
+            yield group
+            group, size = [], 0
+        group.append(text)
+        size += len(text)
+    if group:
+        yield group
+
+
+def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype, where: str) -> list[np.ndarray]:
+    """The ids of `texts` by tokenizers' encode_batch; UserError when the tokenizer cannot encode one."""
+    try:
+        encodings = tokenizer.hf.encode_batch(texts, add_special_tokens=False)
+    except Exception as error:  # tokenizers raises a bare Exception with its model's message
+        if isinstance(error, MemoryError):
+            raise
+        said = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(
+            f"--tokenizer {tokenizer.spec!r} cannot encode the text of input {where!r} ({said}); valid: "
+            "a tokenizer that encodes any text (a byte-level one, or one with an unknown token), "
+            "bytes or train:V"
+        ) from None
+    return [np.array(e.ids, dtype=dtype) for e in encodings]
 
 
 def request_of(sources: Sequence[Input], field: str, tokenizer: Tokenizer) -> str:
@@ -239,13 +247,7 @@ def prepare(
                 meta, undecodable = build(partial, sources, field, tokenizer, request, progress)
             except OSError as error:
                 raise write_error(out, error) from None
-        try:
-            if out.exists():
-                out.rmdir()  # empty (`existing`): the rename needs it gone
-            os.rename(partial, out)
-        except OSError as error:
-            busy = error.errno == errno.EBUSY  # a bind mount: os.path.ismount does not see it
-            raise (mount_point_error(out) if busy else write_error(out, error)) from None
+        put_in_place(partial, out)
     return Prepared(meta, True, time.perf_counter() - started, undecodable)
 
 
