@@ -230,23 +230,23 @@ def prepare(
     out = Path(out).expanduser().absolute()
     tokenizer = parse_tokenizer(tokenizer_spec)
     with claimed(out) as partial:
-        with private_hf_home(partial / HF_HOME):  # in the partial corpus: a killed prepare's goes with it
-            found = existing(out)
-            own = (out, partial)  # an earlier corpus in DIR is never an input of the next prepare
-            sources = [open_input(text, field, own) for text in inputs]
-            check_disjoint(sources)
-            request = request_of(sources, field, tokenizer)
-            if found is not None:
-                if found.request != request:
-                    raise UserError(
-                        f"--out {str(out)!r} holds another corpus ({found.describe()}); "
-                        "valid: a new or empty directory, or the inputs and options that prepared it"
-                    )
-                return Prepared(found, False, time.perf_counter() - started, 0)
-            try:
+        try:
+            with private_hf_home(partial / HF_HOME):  # in the partial corpus: a killed prepare's goes with it
+                found = existing(out)
+                own = (out, partial)  # an earlier corpus in DIR is never an input of the next prepare
+                sources = [open_input(text, field, own) for text in inputs]
+                check_disjoint(sources)
+                request = request_of(sources, field, tokenizer)
+                if found is not None:
+                    if found.request != request:
+                        raise UserError(
+                            f"--out {str(out)!r} holds another corpus ({found.describe()}); "
+                            "valid: a new or empty directory, or the inputs and options that prepared it"
+                        )
+                    return Prepared(found, False, time.perf_counter() - started, 0)
                 meta, undecodable = build(partial, sources, field, tokenizer, request, progress)
-            except OSError as error:
-                raise write_error(out, error) from None
+        except OSError as error:  # a full disk (DiskFull), another error of the filesystem: one line
+            raise write_error(out, error) from None
         put_in_place(partial, out)
     return Prepared(meta, True, time.perf_counter() - started, undecodable)
 
