@@ -13,6 +13,7 @@ it, and `test_the_errors_page_is_the_catalogue` fails when the page and the case
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import re
@@ -170,6 +171,29 @@ def prepared_corpus(earlier: Path, cwd: Path) -> None:
     from hypertrain.data.prepare import prepare
 
     prepare([str(cwd / "docs.txt")], cwd / "corpus", "bytes", "text", progress=False)
+
+
+def word_level_without_unk() -> bytes:
+    """A tokenizer.json of the words "a" and "document" and no unknown token: it cannot encode "here"."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    made = tokenizers.Tokenizer(models.WordLevel({"a": 0, "document": 1}))
+    made.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return made.to_str().encode()
+
+
+_HELD_LOCKS = []  # another_prepare_running's locks: held until the session ends (the case's cwd goes)
+
+
+def another_prepare_running(earlier: Path, cwd: Path) -> None:
+    """A setup: cwd/corpus is being prepared by another process: the lock beside it is held through a
+    file this test opened (flock refuses a second open file, in this process or another)."""
+    from hypertrain.data.lockfile import LockFile
+
+    lock = LockFile(cwd / ".corpus.lock")
+    assert lock.acquire(wait=False)
+    _HELD_LOCKS.append(lock)
 
 
 def token_file(largest: int, n: int = 20000) -> bytes:
@@ -1286,15 +1310,16 @@ CASES = {
             f"prepare: `--tokenizer train:V` with V {what}",
             ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", f"train:{value}"],
             f"--tokenizer 'train:{value}': V='{value}' is not a vocabulary a byte-level BPE can have; "
-            "valid: train:V with V an integer 258..4294967296",
-            "V an integer from 258 (the 256 bytes, the eod and one merge) to 2^32 (uint32 token ids)",
+            "valid: train:V with V an integer 258..16777216",
+            "V an integer from 258 (the 256 bytes, the eod and one merge) to 2^24 (the trainer reserves "
+            "about 70 bytes a token up front); a larger vocabulary as a tokenizer.json trained elsewhere",
             files={"docs.txt": b"a document"},
             command="data",
         )
         for name, value, what in (
             ("too-small", "256", "below 258"),
             ("not-an-integer", "4k", "not an integer"),
-            ("over-uint32", "4294967297", "over 2^32 (the ids would not fit uint32)"),
+            ("over-the-trainer", "1000000000", "over 2^24 (the trainer would reserve 71 GB and abort)"),
         )
     },
     "prepare-into-another-corpus": Case(
@@ -1323,6 +1348,71 @@ CASES = {
         "pip install 'hypertrain[data]' (scripts/setup --dev installs it)",
         files={"docs.parquet": b"PAR1", "hide/sitecustomize.py": HIDE_MODULES.encode()},
         env={"PYTHONPATH": f"{{cwd}}/hide{os.pathsep}{REPO}", "HIDDEN_MODULES": "pyarrow,datasets"},
+        command="data",
+    ),
+    # issue 48: prepare (each was a traceback; a full disk, a read-only filesystem and a mount point need an
+    # injected OSError: tests/test_prepare.py)
+    "prepare-empty-input-string": Case(
+        'prepare: an empty INPUT (an unset shell variable: `prepare "$DOCS" --out corpus`)',
+        ["prepare", "", "--out", "corpus"],
+        "input '' is empty (an unset shell variable?); valid: a glob of text files",
+        "name the files (a quoted glob), or set the variable",
+        command="data",
+    ),
+    "prepare-two-inputs-naming-one-file": Case(
+        "prepare: two INPUTs that match the same file (it would be in the corpus twice)",
+        ["prepare", "docs/*.txt", "docs/a.txt", "--out", "corpus"],
+        "input 'docs/a.txt' names {cwd}/docs/a.txt, which input 'docs/*.txt' names too; valid: inputs that",
+        "globs that do not overlap",
+        files={"docs/a.txt": b"a document", "docs/b.txt": b"another"},
+        command="data",
+    ),
+    **{
+        f"prepare-{name}": Case(
+            f"prepare: a {what} compressed input",
+            ["prepare", f"docs.txt.{suffix}", "--out", "corpus"],
+            f"input file '{{cwd}}/docs.txt.{suffix}' cannot be decompressed (",
+            "the whole file (compress it again), or leave it out",
+            files={f"docs.txt.{suffix}": data},
+            command="data",
+        )
+        for name, what, suffix, data in (
+            ("truncated-gz", "truncated `.gz`", "gz", gzip.compress(b"a document " * 100)[:40]),
+            ("corrupt-xz", "corrupt `.xz`", "xz", b"not xz at all"),
+        )
+    },
+    "prepare-tokenizer-that-cannot-encode": Case(
+        "prepare: a `--tokenizer` that cannot encode the text (a WordLevel without an unknown token)",
+        ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", "words.json"],
+        "--tokenizer 'words.json' cannot encode the text of input 'docs.txt' (WordLevel error: Missing",
+        "a tokenizer with an unknown token (`unk_token`) or a byte-level one, bytes, or train:V",
+        files={"docs.txt": b"a document here", "words.json": word_level_without_unk()},
+        command="data",
+    ),
+    "prepare-out-under-a-file": Case(
+        "prepare: `--out` under a file",
+        ["prepare", "docs.txt", "--out", "docs.txt/corpus"],
+        "--out '{cwd}/docs.txt/corpus' lies under {cwd}/docs.txt, which is a file; valid: a path under a",
+        "an `--out` under a directory",
+        files={"docs.txt": b"a document"},
+        command="data",
+    ),
+    "prepare-out-where-nothing-can-be-made": Case(
+        "prepare: `--out` where nothing can be created (`/proc`; a read-only filesystem says the same)",
+        ["prepare", "docs.txt", "--out", "/proc/hypertrain-corpus"],
+        "--out '/proc/hypertrain-corpus': nothing can be created in /proc (No such file or directory); "
+        "valid: a new or empty directory where this user can write",
+        "an `--out` on a writable filesystem",
+        files={"docs.txt": b"a document"},
+        command="data",
+    ),
+    "prepare-out-being-prepared": Case(
+        "prepare: `--out` that another prepare is writing (it holds the lock `.DIR.lock` beside DIR)",
+        ["prepare", "docs.txt", "--out", "corpus"],
+        "--out '{cwd}/corpus' is being prepared by another process (it holds {cwd}/.corpus.lock)",
+        "wait for the other prepare to end (the same command then has nothing to do), or another `--out`",
+        files={"docs.txt": b"a document"},
+        setup=another_prepare_running,
         command="data",
     ),
 }
