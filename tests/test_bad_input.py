@@ -242,6 +242,13 @@ def _id_300_under_vocab_257(earlier: Path, cwd: Path) -> None:
     )
 
 
+def _trained_on_corpus(run: Path) -> None:
+    """A change: the run's config.yaml says it trained on data=prepared at cwd/corpus (relative)."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"] |= {"name": "prepared", "path": "corpus"}
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
 CASES = {
     # issue 38: data=prepared
     "prepared-without-path": Case(
@@ -830,6 +837,30 @@ CASES = {
         "data=stdlib, text_files or prepared",
         "a run on text",
         setup=copy_of_earlier(_trained_on("speech")),
+        command="sample",
+    ),
+    # issue 48: sample. A prompt that is no text, and a corpus prepared again at the run's data.path with
+    # another tokenizer (here: a run of vocab 256 whose corpus now has 257; the tokenizer's sha256, which
+    # a run records, is tests/test_sample.py's)
+    "sample-prompt-not-utf8": Case(
+        "`python -m hypertrain.sample --prompt` holding bytes that are not UTF-8 (quoted as Python writes "
+        "it, spaces kept)",
+        ["{earlier}", "--prompt", "a   b\udcff"],
+        "--prompt='a   b\\udcff' holds bytes that are not UTF-8; valid: UTF-8 text",
+        "a prompt in UTF-8",
+        command="sample",
+    ),
+    "sample-corpus-prepared-again": Case(
+        "`python -m hypertrain.sample` on a data=prepared run whose corpus was prepared again with another "
+        "tokenizer",
+        ["run", "--prompt", "def "],
+        "data.path='corpus' now holds a corpus of another tokenizer (vocab 257, the bytes tokenizer) than "
+        "run trained with (vocab 256); valid: the corpus the run trained on at that path",
+        "the corpus the run trained on (prepared again from the same inputs with the same --tokenizer)",
+        setup=lambda earlier, cwd: (
+            TWO_SOURCES(earlier, cwd),
+            copy_of_earlier(_trained_on_corpus)(earlier, cwd),
+        ),
         command="sample",
     ),
     "int-beyond-int64": Case(

@@ -204,5 +204,6 @@ def prepared_dataset(cfg: DataConfig) -> TextDataset:
         _lengths=None if windows else lengths,
         source_names=tuple(s.name for s in meta.sources),
         corpus=meta.describe(),
+        tokenizer_sha256=meta.tokenizer_sha256,
         _sources=sources.astype(np.int32) if S > 1 else None,
     )
