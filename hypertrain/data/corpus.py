@@ -58,6 +58,11 @@ class Meta:
     max_id: int | None = None  # the largest id in tokens.bin
 
     @property
+    def ids(self) -> np.dtype:
+        """tokens.bin's numpy dtype (little-endian)."""
+        return np.dtype("<u2" if self.dtype == "uint16" else "<u4")
+
+    @property
     def source_documents(self) -> np.ndarray:
         """int64 [S + 1]: source s holds documents source_documents[s] .. source_documents[s + 1] - 1."""
         return np.concatenate([[0], np.cumsum([s.documents for s in self.sources])]).astype(np.int64)
@@ -235,7 +240,7 @@ def verify(directory: Path, meta: Meta) -> int:
     recorded when it was written (a copy's, an edit's, a corpus's from before stamps); the largest id
     is the meta's where tokens.bin's stamp holds, else the hash's pass gives it. UserError (one line)
     for a file that differs, or an id (the eod included) at or above the vocabulary."""
-    dtype = np.dtype("<u2" if meta.dtype == "uint16" else "<u4")
+    dtype = meta.ids
     files = {
         TOKENS: (meta.tokens * dtype.itemsize, meta.tokens_sha256, "tokens_sha256"),
         DOCUMENTS: ((meta.documents + 1) * 8, meta.documents_sha256, "documents_sha256"),
@@ -276,7 +281,7 @@ def read(directory: Path) -> Corpus:
     directory = Path(directory).expanduser()
     meta = read_meta(directory)
     verify(directory, meta)
-    dtype = np.dtype("<u2" if meta.dtype == "uint16" else "<u4")
+    dtype = meta.ids
     tokens = np.memmap(directory / TOKENS, dtype=dtype, mode="r") if meta.tokens else np.zeros(0, dtype=dtype)
     starts = np.fromfile(directory / DOCUMENTS, dtype="<i8").astype(np.int64)
     return Corpus(meta, tokens, starts, directory)
