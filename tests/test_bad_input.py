@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, data_command, entry, entry_env, tree
-from test_prepared import write_corpus
+from test_prepared import rewrite_tokens, write_corpus
 
 from hypertrain.failures import EXIT_CODES
 from hypertrain.rundir.checkpoint import seal
@@ -211,6 +211,44 @@ def _corpus(*sources: tuple[int, int, int]) -> Callable[[Path, Path], None]:
 TWO_SOURCES = _corpus((200, 1, 80), (300, 1, 60))
 
 
+def _changed(cwd: Path) -> None:
+    """One id of cwd/corpus/tokens.bin changed in place (the size kept)."""
+    rewrite_tokens(cwd / "corpus", 0)
+
+
+def _cut(cwd: Path) -> None:
+    """cwd/corpus/tokens.bin one id (2 bytes) short."""
+    tokens = cwd / "corpus" / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+
+
+def _id_300_under_vocab_257(earlier: Path, cwd: Path) -> None:
+    """A setup: a `bytes` corpus (vocab 257) in cwd/corpus one of whose ids is 300."""
+    from hypertrain.data import corpus
+
+    documents = [np.arange(i, i + 40) % 256 for i in range(60)]
+    documents[7][3] = 300
+    source = corpus.SourceMeta("s", 1, 0, 0, "0" * 64)
+    (cwd / "corpus").mkdir()
+    corpus.write(
+        cwd / "corpus",
+        [documents],
+        [source],
+        vocab=257,
+        eod=256,
+        tokenizer="bytes",
+        tokenizer_json=None,
+        request="0" * 64,
+    )
+
+
+def _trained_on_corpus(run: Path) -> None:
+    """A change: the run's config.yaml says it trained on data=prepared at cwd/corpus (relative)."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"] |= {"name": "prepared", "path": "corpus"}
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
 CASES = {
     # issue 38: data=prepared
     "prepared-without-path": Case(
@@ -273,6 +311,62 @@ CASES = {
         ["data.window_across_documents=false"],
         "data.window_across_documents=false needs a prepared corpus's documents, not data=stdlib",
         "data=prepared data.path=DIR",
+    ),
+    # issue 48: a prepared corpus's files against its meta.json, new run or resumed (its stamps, size and
+    # mtime_ns, checked; a file whose stamp differs hashed), and a meta.json that is none
+    "prepared-tokens-changed": Case(
+        "a prepared corpus whose tokens.bin changed after it was prepared (one id, the size kept)",
+        ["data=prepared", "data.path=corpus"],
+        "corpus: tokens.bin changed after it was prepared (its sha256 is not meta.json's tokens_sha256); "
+        "valid: the corpus as prepared: remove corpus and prepare it again (python -m hypertrain.data "
+        "prepare INPUT ... --out corpus)",
+        "remove the corpus and prepare it again from its inputs",
+        setup=lambda earlier, cwd: (TWO_SOURCES(earlier, cwd), _changed(cwd)),
+    ),
+    "prepared-tokens-cut": Case(
+        "a prepared corpus whose tokens.bin is shorter than its meta.json says",
+        ["data=prepared", "data.path=corpus"],
+        "corpus: tokens.bin holds 20 bytes where its meta.json says 22 (11 tokens, 1 documents); valid: "
+        "the corpus as prepared: remove corpus and prepare it again",
+        "remove the corpus and prepare it again from its inputs",
+        files={"docs.txt": b"a document"},
+        setup=lambda earlier, cwd: (prepared_corpus(earlier, cwd), _cut(cwd)),
+    ),
+    "prepare-over-a-cut-corpus": Case(
+        "prepare: `--out` holding the corpus of the same request whose tokens.bin was cut",
+        ["prepare", "docs.txt", "--out", "corpus"],
+        "{cwd}/corpus: tokens.bin holds 20 bytes where its meta.json says 22 (11 tokens, 1 documents); "
+        "valid: the corpus as prepared: remove {cwd}/corpus and prepare it again",
+        "remove the corpus, then the same command prepares it again",
+        files={"docs.txt": b"a document"},
+        setup=lambda earlier, cwd: (prepared_corpus(earlier, cwd), _cut(cwd)),
+        command="data",
+    ),
+    "prepared-id-beyond-vocabulary": Case(
+        "a prepared corpus holding an id at or above its vocabulary",
+        ["data=prepared", "data.path=corpus"],
+        "corpus: tokens.bin holds id 300, at or above its vocab 257 (meta.json): a model of that "
+        "vocabulary has no embedding for it",
+        "a corpus whose ids are below its vocab: prepare it again",
+        setup=_id_300_under_vocab_257,
+    ),
+    **{
+        f"prepared-meta-{name}": Case(
+            f"a prepared corpus whose meta.json holds {what}",
+            ["data=prepared", "data.path=corpus"],
+            f"corpus/meta.json is not a prepared corpus's meta (it holds {text}, not a JSON object); valid: "
+            "the corpus as prepared: remove corpus and prepare it again",
+            "remove the corpus and prepare it again from its inputs",
+            files={"corpus/meta.json": text.encode()},
+        )
+        for name, what, text in (("null", "null", "null"), ("string", "a string", '"x"'))
+    },
+    "prepared-path-is-a-file": Case(
+        "data.path a file of the corpus (its meta.json), not its directory",
+        ["data=prepared", "data.path=corpus/meta.json"],
+        "data.path='corpus/meta.json' is a file, not a prepared corpus's directory; valid: the directory",
+        "the corpus's directory, the one holding meta.json",
+        setup=TWO_SOURCES,
     ),
     "unknown-group-option": Case(
         "an option a group does not have",
@@ -743,6 +837,30 @@ CASES = {
         "data=stdlib, text_files or prepared",
         "a run on text",
         setup=copy_of_earlier(_trained_on("speech")),
+        command="sample",
+    ),
+    # issue 48: sample. A prompt that is no text, and a corpus prepared again at the run's data.path with
+    # another tokenizer (here: a run of vocab 256 whose corpus now has 257; the tokenizer's sha256, which
+    # a run records, is tests/test_sample.py's)
+    "sample-prompt-not-utf8": Case(
+        "`python -m hypertrain.sample --prompt` holding bytes that are not UTF-8 (quoted as Python writes "
+        "it, spaces kept)",
+        ["{earlier}", "--prompt", "a   b\udcff"],
+        "--prompt='a   b\\udcff' holds bytes that are not UTF-8; valid: UTF-8 text",
+        "a prompt in UTF-8",
+        command="sample",
+    ),
+    "sample-corpus-prepared-again": Case(
+        "`python -m hypertrain.sample` on a data=prepared run whose corpus was prepared again with another "
+        "tokenizer",
+        ["run", "--prompt", "def "],
+        "data.path='corpus' now holds a corpus of another tokenizer (vocab 257, the bytes tokenizer) than "
+        "run trained with (vocab 256); valid: the corpus the run trained on at that path",
+        "the corpus the run trained on (prepared again from the same inputs with the same --tokenizer)",
+        setup=lambda earlier, cwd: (
+            TWO_SOURCES(earlier, cwd),
+            copy_of_earlier(_trained_on_corpus)(earlier, cwd),
+        ),
         command="sample",
     ),
     "int-beyond-int64": Case(

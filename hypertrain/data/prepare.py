@@ -243,6 +243,7 @@ def prepare(
                             f"--out {str(out)!r} holds another corpus ({found.describe()}); "
                             "valid: a new or empty directory, or the inputs and options that prepared it"
                         )
+                    corpus.verify(out, found)  # a damaged corpus is refused, never "nothing to do"
                     return Prepared(found, False, time.perf_counter() - started, 0)
                 meta, undecodable = build(partial, sources, field, tokenizer, request, progress)
         except OSError as error:  # a full disk (DiskFull), another error of the filesystem: one line
