@@ -329,6 +329,41 @@ def test_an_all_zero_pseudo_gradient_gives_zeros(codec, reduce, transform):
         assert not sent.any()
 
 
+# Every codec whose payload can be a ragged number of bytes (top-k's fp32 values with int32 indices are
+# 8 bytes an entry: always whole words), top-k's fractions chosen so that TINY's payload is ragged.
+ONE_REPLICA = [(c, r, codecs.TopK(0.5)) for c in QUANTIZERS for r in ("gather", "two_phase")] + [
+    ("topk", "gather", codecs.TopK(0.75 if (bits, values) == (12, "fp16") else 0.5, bits, values))
+    for bits, values in [(32, "fp16"), (32, "int8"), (32, "two_bit"), (12, "fp32"), (12, "fp16")]
+    + [(12, "int8"), (12, "two_bit")]
+]
+
+
+@pytest.mark.parametrize(
+    "codec,reduce,spec", ONE_REPLICA, ids=[f"{c}-{r}-{s.index_bits}-{s.values}" for c, r, s in ONE_REPLICA]
+)
+def test_one_replica_whose_message_is_not_whole_fp32_words_gets_its_own_contribution(codec, reduce, spec):
+    """Issue 48 item 8: with R = 1 the gathered rows are one [1, 8 + b] message, whose header slice has a
+    row stride of 8 + b bytes; a payload of b bytes not a multiple of 4 (checked here for every codec on
+    TINY's ragged blocks) once made reading the fp32 header fail. The one replica's mean is its own decoded
+    contribution d (gather), or d re-encoded and decoded (two_phase: the one shard's mean)."""
+    size = codecs.payload_size(codec, TINY, spec)
+    assert size % 4, f"{codec} {spec}: {size} bytes, a multiple of 4 would not test the stride"
+    gen = torch.Generator().manual_seed(48)
+    x = torch.randn(1, TINY.numel, generator=gen)
+    outer = replace(
+        outer_cfg(codec, reduce, fraction=spec.fraction, ef=True), index_bits=spec.index_bits,
+        topk_values=spec.values,
+    )  # fmt: skip
+    errors = torch.zeros(1, TINY.numel)
+    reduction = compressed_mean(outer, x, errors, torch.tensor([True]), TINY, ReplicaGroups(1))
+    result = reduction.wait()
+    assert result is not None and result.synced == 1
+    own = reduction.own
+    assert torch.equal(errors, x - own)  # error feedback kept what was not sent
+    want = own[0] if reduce == "gather" else codecs.decode(codec, codecs.encode(codec, own, TINY), TINY)[0]
+    assert torch.equal(result.mean, want)
+
+
 @pytest.mark.parametrize("reduce", ["gather", "two_phase"])
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_a_non_finite_pseudo_gradient_stops_the_sync_before_anything_is_sent(bad, reduce):

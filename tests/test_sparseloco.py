@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,9 +21,11 @@ from helpers import (
     ckpt,
     killed_beside_uninterrupted,
     resumed,
+    run_losses,
     run_rounds,
     small_cfg,
 )
+from omegaconf import OmegaConf
 from references import U32
 
 from hypertrain.config import OuterConfig
@@ -34,6 +37,7 @@ from hypertrain.records import formats
 from hypertrain.rundir.checkpoint import seal
 
 VALUES = ("fp32", "fp16", "int8", "two_bit")
+REPO = Path(__file__).resolve().parents[1]
 
 
 # --- references: the payload's documented layout, read here --------------------------------------------
@@ -391,6 +395,18 @@ def test_stacked_equals_the_loop_with_sparseloco():
         stacked.train_replicas,
     )[1]
     assert any(not torch.equal(theta[n], plain[n]) for n in theta)  # the settings did change the run
+
+
+def test_the_preset_with_one_replica_syncs_and_sends_nothing(tmp_path):
+    """Issue 48 item 8: `outer=sparseloco replicas=1` stopped at its first sync (the one replica's
+    message, header then a payload of a ragged number of bytes, read as fp32). The preset's own fields
+    (conf/outer/sparseloco.yaml), R = 1, 4 updates at H = 2: both syncs are written, each with its one
+    replica, and nothing leaves a lone replica (0 bits, docs/compression.md "Bits")."""
+    preset = OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
+    cfg = small_cfg(outer=OuterConfig(**preset), replicas=1)
+    syncs = [row for row in run_losses(cfg, tmp_path) if row["kind"] == "sync"]
+    assert [row["update"] for row in syncs] == [2, 4]
+    assert all(row["bits_per_param"] == [0.0] and row["payload_bytes"] % 4 for row in syncs)
 
 
 KILL_RUN = [

@@ -208,7 +208,7 @@ def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transf
         return _decode_topk(payload, blocks, fraction)
     header, codes = _unpack(payload, codec, blocks, fraction)
     if codec == "uint8":
-        minimum, scale = _floats(header).split(1, dim=-1)
+        minimum, scale = raw_floats(header).split(1, dim=-1)
         return _unspread(codes.float().mul_(scale).add_(minimum), blocks)
     if codec == "int8":
         values = codes.view(torch.int8).float()
@@ -218,7 +218,7 @@ def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transf
         values = _decode_nibbles(codes, blocks.block, _E3M0)
     else:
         values = codes.view(_FP8[codec][0]).float()
-    return _unspread(values.mul_(_floats(header)), blocks)
+    return _unspread(values.mul_(raw_floats(header)), blocks)
 
 
 # --- the quantizers and top-k, on the padded block layout [R, C, block] -------------------------------
@@ -240,9 +240,9 @@ def _bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _floats(t: Tensor) -> Tensor:
-    """[R, C, 4k] uint8 -> [R, C, k] fp32, the raw bytes read back (a fresh copy: a slice's strides, even
-    of a size-1 dim, may not divide by 4)."""
+def raw_floats(t: Tensor) -> Tensor:
+    """[..., 4k] uint8 -> [..., k] fp32, the raw bytes read back (a fresh copy: a slice's strides, even
+    of a size-1 dim, may not divide by 4; `.contiguous()` keeps such a slice as it is)."""
     return t.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
@@ -397,20 +397,20 @@ def _decode_topk(payload: Tensor, blocks: Blocks, spec: TopK) -> Tensor:
     fields = _unpack(payload, "topk", blocks, spec)  # [R, C, width] each, junk past each block's bytes
     width = topk_kept(spec.fraction, blocks.block)
     if spec.values == "fp32":
-        kept = _floats(fields[0])
+        kept = raw_floats(fields[0])
     elif spec.values == "fp16":
         kept = fields[0].contiguous().view(torch.float16).float()
     elif spec.values == "int8":
-        kept = fields[1].contiguous().view(torch.int8).float().mul_(_floats(fields[0]))
+        kept = fields[1].contiguous().view(torch.int8).float().mul_(raw_floats(fields[0]))
     else:
         first = _tensor_first_block(blocks, payload.device)  # [C] the first block of each block's tensor
-        header = _floats(fields[0]).index_select(1, first)  # [R, C, 5]: shift, r_0..r_3
+        header = raw_floats(fields[0]).index_select(1, first)  # [R, C, 5]: shift, r_0..r_3
         codes = (fields[1][..., None] >> torch.tensor([0, 2, 4, 6], device=payload.device)) & 3
         codes = codes.flatten(-2)[..., :width].long()
         kept = header[..., 1:].gather(-1, codes).add_(header[..., :1])
     index = fields[-1]
     if spec.index_bits == 32:
-        index = _floats(index).view(torch.int32).long()
+        index = raw_floats(index).view(torch.int32).long()
     else:
         triples = index.long().view(rows, count, -1, 3)
         a = triples[..., 0] | (triples[..., 1] & 15) << 8

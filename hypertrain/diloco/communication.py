@@ -114,7 +114,7 @@ def _message(payload: Tensor, active: Tensor, errors: Tensor) -> Tensor:
 
 def _header(rows: Tensor) -> tuple[list[bool], list[float]]:
     """The headers of messages [R, ...] in replica order: who took part, and each one's error."""
-    header = rows[:, :HEADER_BYTES].contiguous().view(torch.float32).cpu()
+    header = codecs.raw_floats(rows[:, :HEADER_BYTES]).cpu()
     return [bool(x) for x in header[:, 0].tolist()], header[:, 1].tolist()
 
 
