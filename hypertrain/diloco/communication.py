@@ -232,8 +232,10 @@ class CompressedMean:
 
 
 def topk(outer: OuterConfig) -> codecs.TopK:
-    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it)."""
-    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it):
+    with outer.tile T every chunk keeps what a whole T x T tile does (`codecs.kept`, templar's count)."""
+    chunk = outer.tile * outer.tile
+    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values), chunk)
 
 
 def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) -> Tensor:
