@@ -207,7 +207,9 @@ class OuterConfig:
     # outer.topk_fraction of each block, fp32 values and int32 indices). Each replica's contribution is its
     # own decoded payload.
     compress: Compressor = Compressor.none
-    block: int = 128  # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk
+    # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk; beyond the
+    # largest tensor synced it is that tensor's size (each tensor one block: tiles.blocks_and_order)
+    block: int = 128
     # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
     # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
@@ -217,9 +219,10 @@ class OuterConfig:
     # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
     # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
     transform: Transform = Transform.none
-    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.block) or T (a matrix
-    # whose two last sides are multiples of T is read in T x T tiles, one tile a block: SparseLoCo's
-    # 64 x 64 chunks; outer.block must be T * T; other tensors as with 0). Needs a block codec.
+    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.block) or T (SparseLoCo's
+    # chunks, templar's rule: each side cut at its largest divisor <= T, a matrix read chunk after chunk,
+    # one chunk a block, T x T tiles where the sides are multiples of T; top-k keeps a whole tile's k of
+    # every chunk; outer.block must be T * T). Needs a block codec.
     tile: int = 0
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False

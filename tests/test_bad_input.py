@@ -764,6 +764,19 @@ CASES = {
         "model.d_model=1000000, model.n_layers=2, model.vocab=256, replicas=2 need about 2.5 PB",
         "values that fit; no job runs and no sweep directory is left",
     ),
+    # issue 48: outer.block beyond every tensor. Such a block is the largest tensor's size (each tensor one
+    # block, docs/compression.md), so 2^62 runs on the default model; the codec's padding of every tensor
+    # to the largest is in the memory estimate: 9,003 tensors (1,000 layers) padded to the 32-million-value
+    # embedding need 23 TB, refused at start (2^62 once overflowed torch's storage at the first sync).
+    "block-beyond-every-tensor-padding-cannot-fit": Case(
+        "an outer.block beyond every tensor on a model of many tensors and a large embedding: each tensor "
+        "one block, every block padded to the largest",
+        ["outer.compress=int8", "outer.block=4611686018427387904", "model.n_layers=1000"]
+        + ["model.vocab=1000000"],
+        "outer.compress=int8, outer.block=4611686018427387904, model.d_model=32, model.n_layers=1000, "
+        "model.vocab=1000000, replicas=2 need about 23.1 TB",
+        "a block the tensors fill (the default 128), or fewer, more even tensors",
+    ),
     # issue 38: sample. `python -m hypertrain.sample RUN_DIR --prompt TEXT` on a run that is none, has no
     # weights to read, or has no text; or given a value out of range. It never writes.
     "sample-not-a-run": Case(
