@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from hypertrain.choices import Compressor, Transform
 from hypertrain.config import ModelConfig, OuterConfig, TrainConfig
-from hypertrain.diloco.tiles import block_length
+from hypertrain.diloco.chunks import block_length
 from hypertrain.model.shapes import param_specs
 
 # Bytes per padded slot of the blocks (C blocks of the longest block's W values, tiles.blocks_and_order),
