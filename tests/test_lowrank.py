@@ -37,22 +37,28 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    DIST,
     RUN,
     assert_engines_agree,
     assert_identical_but,
     assert_identical_streaming,
     cfg_for,
     ckpt,
+    compose_cfg,
     finish,
     fork_ranks,
     killed_beside_uninterrupted,
     resumed,
+    rounding_floors,
+    simulate,
+    simulated_beside,
     start_entry,
 )
-from references import U32
+from references import ROUNDING_FACTOR, U32, assert_losses_within_rounding, assert_within_rounding
 
 from hypertrain.config import OuterConfig
 from hypertrain.diloco import lowrank
+from hypertrain.diloco import sync as sync_module
 from hypertrain.diloco.communication import HEADER_BYTES
 from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
 from hypertrain.distributed.groups import ReplicaGroups
@@ -338,6 +344,115 @@ def test_rank_min_rows_cols_recovers_the_mean_exactly_within_rounding():
         assert np.linalg.norm(d64 - want) <= bound, name
 
 
+# -- full rank: P orthonormal whatever its condition (issue 48, item 6) -----------------------------------
+
+
+def householder_theta(rows: int, r: int) -> float:
+    """A bound on ||P^T P - I||_2 for orthogonalize's fp32 P [rows, r]: Householder QR's computed Q is
+    within sqrt(r) g (Frobenius) of an exactly orthonormal Q, g = gamma(rows r) (Higham, "Accuracy and
+    Stability of Numerical Algorithms", Thm 19.4, its constant c taken as 1), so ||P^T P - I||_2 <=
+    2 sqrt(r) g + r g^2. The sign flips are exact."""
+    g = gamma(rows * r)
+    return 2 * math.sqrt(r) * g + r * g * g
+
+
+def full_rank_bound(ms: list[np.ndarray], q0: np.ndarray) -> float:
+    """How far (Frobenius) the stage's decoded mean may be from mean(M) at r = min(rows, cols), where
+    PowerSGD is exact in exact arithmetic. `ms`: the fp32 inputs M_m of the replicas that took part,
+    `q0` the fp32 warm start, both as float64. With P-hat the computed orthonormal P, Pi the projection on
+    the exactly orthonormal Q of Thm 19.4 (whose QR is that of P + dA, ||dA||_F <= g ||P||_F) and
+    theta = `householder_theta`: decoded - mean(M) = (P-hat P-hat^T - Pi) mean(M) + (Pi - I) mean(M) +
+    the products' rounding, so the bound is the sum of
+    - theta ||mean(M)||_F;
+    - for a tall matrix (r = cols < rows; a wide or square one's Pi is I): P = mean(M) Q0 + E, |E| <=
+      gamma(cols + R) mean_m |M_m| |Q0| (each P_m a product of length cols, then R - 1 sums and the
+      division), and (I - Pi)(P + dA) = 0, so ||(I - Pi) mean(M)||_F <= (||E||_F + ||dA||_F) ||Q0^-1||_2:
+      PowerSGD reaches a tall matrix's columns through Q0, so its rounding is amplified by cond(Q0), in
+      every fp32 path alike;
+    - Q = mean_m M_m^T P-hat, rows + R roundings: ||dQ||_F <= gamma(rows + R) mean_m ||M_m||_F ||P-hat||_F,
+      entering as ||P-hat||_2 ||dQ||_F; the product P-hat Q^T, r terms: gamma(r) ||P-hat||_F ||Q||_F;
+      ||P-hat||_2 <= 1 + theta, ||P-hat||_F <= sqrt(r) (1 + theta)."""
+    R, (rows, cols) = len(ms), ms[0].shape
+    r = min(rows, cols)
+    assert q0.shape == (cols, r)
+    mean = sum(ms) / R
+    theta = householder_theta(rows, r)
+    bound = theta * np.linalg.norm(mean)
+    if r < rows:
+        e = gamma(cols + R) * np.linalg.norm(sum(np.abs(m) @ np.abs(q0) for m in ms) / R)
+        da = gamma(rows * r) * (np.linalg.norm(mean @ q0) + e)
+        bound += (e + da) / np.linalg.svd(q0, compute_uv=False)[-1]
+    p_2, p_f = 1 + theta, math.sqrt(r) * (1 + theta)
+    dq = gamma(rows + R) * sum(np.linalg.norm(m) for m in ms) / R * p_f
+    return bound + p_2 * dq + gamma(r) * p_f * (p_2 * np.linalg.norm(mean) + dq)
+
+
+def conditioned(rows: int, cols: int, rank: int, cond: float, gen: torch.Generator) -> torch.Tensor:
+    """A [rows, cols] fp32 matrix of `rank` singular values spaced geometrically from 1 down to 1 / cond
+    (random singular vectors): ill conditioned, or rank deficient when rank < min(rows, cols)."""
+    u, _ = torch.linalg.qr(torch.randn(rows, rank, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, rank, generator=gen, dtype=torch.float64))
+    s = torch.logspace(0, -math.log10(cond), rank, dtype=torch.float64)
+    return ((u * s) @ v.t()).float()
+
+
+def test_orthogonalize_keeps_the_columns_orthonormal_whatever_the_condition():
+    """P [rows, r] of condition 1e7, rank deficient (rank 8 of 32, as a matrix whose rows are mostly zero
+    gives), square, and all zero (a matrix that did not move): the columns are orthonormal within
+    `householder_theta` and span P's (P-hat P-hat^T P = P within 3 theta ||P|| and the two products'
+    rounding). fp32 Gram-Schmidt loses orthogonality by about u cond(P) (Bjorck 1967): O(1) on all but
+    the zero one. (Its signs, Gram-Schmidt's, where P is well conditioned: `check_sync`.)"""
+    gen = torch.Generator().manual_seed(48)
+    cases = {
+        "cond 1e7": conditioned(96, 32, 32, 1e7, gen),
+        "rank 8 of 32": conditioned(48, 32, 8, 10.0, gen),
+        "square cond 1e6": conditioned(32, 32, 32, 1e6, gen),
+        "zero": torch.zeros(16, 8),
+    }
+    for name, p in cases.items():
+        rows, r = p.shape
+        got = lowrank.orthogonalize(p.clone()).double()
+        theta = householder_theta(rows, r)
+        gram = got.t() @ got - torch.eye(r, dtype=torch.float64)
+        assert float(torch.linalg.matrix_norm(gram, ord=2)) <= theta, name
+        back = got @ (got.t() @ p.double()) - p.double()
+        assert float(back.norm()) <= (3 * theta + 2 * gamma(rows + r)) * float(p.norm()), name
+
+
+def test_full_rank_recovers_the_mean_within_the_derived_bound_whatever_the_condition():
+    """rank >= every side: the stage's decoded mean of R = 2 replicas' ill-conditioned matrices (wide,
+    square, tall, condition 1e6; one of rank 4 of 24) is mean(M) within `full_rank_bound`, at the first
+    sync (the drawn Q0) and the next (warm-started from the first's Q); so is one worker's `power_step`
+    and its decode (an asynchronous arrival, R = 1). fp32 Gram-Schmidt left P P^T no projection here and
+    missed the mean by O(1)."""
+    gen = torch.Generator().manual_seed(6)
+    shapes = {"wide": (24, 40), "square": (32, 32), "tall": (48, 16), "deficient": (24, 24), "b": (5,)}
+    ranks = {"wide": 24, "square": 32, "tall": 16, "deficient": 4}
+    q = warm_starts(shapes, 64)
+    factors = Factors.of(shapes, 64)
+    for sync in range(2):
+        before = {n: t.clone() for n, t in q.items()}
+        rows = []
+        for _ in range(2):
+            parts = [conditioned(*shapes[n], ranks[n], 1e6, gen).reshape(-1) for n in ranks]
+            rows.append(torch.cat([*parts, torch.randn(5, generator=gen)]))
+        deltas = torch.stack(rows)
+        _, result = one_sync(shapes, 64, deltas, None, [True, True], q)
+        one = lowrank.from_power_step(factors, lowrank.power_step(factors, deltas[0], before), before)
+        for name, (start, rows_, cols) in matrices(shapes).items():
+            span = slice(start, start + rows_ * cols)
+            ms = [deltas[m, span].double().numpy().reshape(rows_, cols) for m in range(2)]
+            q0 = q_before = before[name]  # the sync's warm start, the worker's too
+            want = sum(ms) / 2
+            got = result.mean[span].double().numpy().reshape(rows_, cols)
+            assert np.linalg.norm(got - want) <= full_rank_bound(ms, q0.double().numpy()), (sync, name)
+            worker = one[span].double().numpy().reshape(rows_, cols)
+            assert np.linalg.norm(worker - ms[0]) <= full_rank_bound(ms[:1], q_before.double().numpy()), (
+                sync,
+                name,
+            )
+
+
 def test_a_matrix_that_did_not_move_gives_zeros_and_keeps_its_warm_start():
     """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (Gram-Schmidt
     leaves a zero column zero), and every warm start unchanged (a Q that came back zero would hold the
@@ -558,6 +673,84 @@ def test_real_processes_equal_the_simulation_exactly_in_whole_runs(tmp_path, ext
         assert missed and missed[0]["replicas_synced"] == 1 and missed[0]["compress_error"][1] is None
         assert missed[0]["bits_per_param"][1] is None
     assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
+
+
+# Full rank in the benchmark layout (issue 48, item 6): W = 4 processes, R = 2 replicas of L = 2 ranks each
+# (a replica's gradient the average of its two ranks', so its weights are the simulation's within rounding,
+# not bitwise); rank 32 = the width of QUICK's model, every matrix's smaller side; three syncs.
+FULL_RANK = [*DIST, "world=4", "replicas=2", "inner.H=2", "phase.updates=6"]
+
+
+@pytest.mark.slow
+def test_full_rank_in_the_benchmark_layout_equals_the_simulation_within_rounding(tmp_path, monkeypatch):
+    """Invariant 7 at full rank, real processes in the benchmark layout against the simulation, both
+    against the float64 DiLoCo run (outer.compress=none): at r = min(rows, cols) PowerSGD is exact in
+    exact arithmetic (`full_rank_bound`), so that run is both fp32 low-rank paths' reference.
+
+    1. Each path within test_dist's bound of the other (invariant 7: the same arithmetic, the inner
+       sums in another order): its error, losses, held-out losses and final weights, within twice the
+       other's, or twice the rounding floor (`rounding_floors`, references.py).
+    2. Each path's final weights within twice (fp32 DiLoCo's own error, or the floor, plus what the stage
+       may add): every sync's decoded mean within `full_rank_bound` of the mean on the simulation's own
+       inputs (recorded here), an error of the mean pseudo-gradient reaching the weights through the outer
+       step with gain at most lr (1 + mu + mu^2 + ...) = lr / (1 - mu) (its share of this and every later
+       update, torch.optim.SGD's momentum, Nesterov or not).
+    fp32 Gram-Schmidt failed both by orders of magnitude (real processes were 10-23% from the simulation at
+    rank 64 on the tiny model): it loses orthogonality by about u cond(P), and at full rank P is ill
+    conditioned."""
+    full = [*FULL_RANK, "outer.compress=lowrank", "outer.lowrank_rank=32"]
+    proc = start_entry([*full, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    diloco = compose_cfg([*FULL_RANK, "outer.compress=none"])
+    batches, ref, diloco32, run = simulated_beside(proc, diloco)  # float64 and fp32 DiLoCo, here
+    allowed: dict[str, float] = {}  # what the stage may add to each matrix, summed over the syncs
+
+    def recorded(factors, deltas, errors, active, q, *args, **kwargs):
+        for mat in factors.matrices:
+            span = slice(mat.start, mat.start + mat.rows * mat.cols)
+            ms = [deltas[m, span].double().numpy().reshape(mat.rows, mat.cols) for m in range(len(active)) if active[m]]
+            bound = full_rank_bound(ms, q[mat.name].double().numpy())
+            allowed[mat.name] = allowed.get(mat.name, 0.0) + bound
+        return lowrank_mean(factors, deltas, errors, active, q, *args, **kwargs)
+
+    monkeypatch.setattr(sync_module, "lowrank_mean", recorded)
+    cfg = compose_cfg(full)
+    try:
+        sim = simulate(cfg)[:3]  # the low-rank simulation, fp32, the stage's inputs recorded
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    done = finish(proc)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    weights = torch.load(tmp_path / "run" / "weights.pt")
+    assert set(allowed) == {n for n, t in weights.items() if t.dim() >= 2}
+    assert min(min(t.shape[0], t[0].numel()) for t in weights.values() if t.dim() >= 2) == 32
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert len(syncs) == 3 and all(r["payload_bytes"] > 0 for r in syncs)
+    evals = [r["eval_loss"] for r in rows if r["kind"] == "eval"] + [r["eval_loss"] for r in syncs]
+    got = ([r["loss"] for r in rows if r["kind"] == "update"], evals, weights)
+    loss_floor, weight_floor = rounding_floors(diloco, batches, len(ref[0]))
+    heldout_floor = rounding_floors(diloco, [run.heldout], 1)[0]
+    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    gain = cfg.outer.lr / (1 - cfg.outer.momentum)
+    used = {}
+    for name, path, other in (("dist", got, sim), ("simulation", sim, got)):
+        losses = assert_losses_within_rounding(path[0], other[0], ref[0], loss_floor)
+        heldout = assert_losses_within_rounding(
+            as_rows(path[1]), as_rows(other[1]), as_rows(ref[1]), heldout_floor
+        )
+        mutual = max(
+            assert_within_rounding(path[2][n], other[2][n], t, weight_floor * float(t.norm()), n)
+            for n, t in ref[2].items()
+        )
+        diloco_used = 0.0
+        for n, t in ref[2].items():
+            err, own = (float((w[n].double() - t).norm()) for w in (path[2], diloco32[2]))
+            bound = ROUNDING_FACTOR * (max(own, weight_floor * float(t.norm())) + gain * allowed.get(n, 0.0))
+            assert err <= bound, (name, n, err, bound)
+            diloco_used = max(diloco_used, err / bound)
+        used[name] = {"losses": losses, "held-out": heldout, "weights": mutual, "weights vs DiLoCo": diloco_used}
+    print("fraction of each bound used:", used)
 
 
 # -- SIGKILL and resume -----------------------------------------------------------------------------------
