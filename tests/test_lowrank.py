@@ -8,8 +8,10 @@ inputs, against float64 references written here from the paper's algorithm, and 
 2. Deliberately broken variants (P not orthogonalized; the warm start not kept) are caught.
 3. Error feedback telescopes: after K syncs, for every replica and every matrix, what was applied plus
    the replica's buffer is the sum of its pseudo-gradients; a replica that did not step keeps its buffer.
-4. rank = min(rows, cols) recovers the mean exactly within rounding; a matrix that did not move gives
-   zeros and keeps its warm start; a non-finite pseudo-gradient stops the sync before anything is sent.
+4. rank = min(rows, cols) recovers the mean exactly within rounding, whatever P's condition (P is
+   orthonormalized by a Householder QR: issue 48), the benchmark layout's real processes too; a matrix
+   that did not move gives zeros and keeps its warm start; a non-finite pseudo-gradient stops the sync
+   before anything is sent.
 5. loop = stacked (each against the float64 run of the same code); the stage on real processes (gloo,
    P = 2 and 4, both layouts) equals the simulation bitwise, the bytes handed to the collectives the
    formula's; whole runs on 2 real processes equal the simulation exactly (fragments with a delay too);
@@ -149,9 +151,9 @@ def check_sync(
       |P32 - P64| <= gamma(cols + R + 2) mean_m |M_m| |Q0|;
     - P orthonormalized: to first order the Q factor of A + dA moves by at most sqrt(2) ||A^+||_2 ||dA||_F
       (the normwise perturbation bound of the QR factorization's Q factor: Sun 1991, "Perturbation bounds
-      for the Cholesky and QR factorizations"), dA being the input's error above plus modified
-      Gram-Schmidt's own error, of order gamma(2 rows r) ||A||_F (Bjorck 1967); twice that for the
-      second-order terms;
+      for the Cholesky and QR factorizations"), dA being the input's error above plus the Householder
+      QR's own backward error, gamma(rows r) ||A||_F (Higham, "Accuracy and Stability of Numerical
+      Algorithms", Thm 19.4; gamma(2 rows r) here); twice that for the second-order terms;
     - Q_m = M_m^T P: ||dQ||_F <= mean_m (||M_m||_F ||dP||_F + gamma(rows + R + 2) || |M_m|^T |P| ||_F);
     - P Q^T: ||dD||_F <= ||dP||_F ||Q||_F + (1 + ||dP||_F) ||dQ||_F + gamma(r) || |P| |Q|^T ||_F.
     """
@@ -337,8 +339,9 @@ def test_rank_min_rows_cols_recovers_the_mean_exactly_within_rounding():
         want = deltas[:, span].double().mean(0).numpy().reshape(rows, cols)
         ms = [deltas[m, span].double().numpy().reshape(rows, cols) for m in range(R)]
         p64, *_, d64 = power_iteration64(ms, before[name].double().numpy(), [True, True])
-        # float64: modified Gram-Schmidt loses orthogonality by about eps64 * cond(P) (Bjorck 1967), and
-        # P P^T M adds two products of length rows and cols: within 4 (rows + cols) eps64 cond(P) ||M||
+        # float64: numpy's Householder QR (the reference's) is backward stable, its P's span within about
+        # eps64 * cond(P) of P's, and P P^T M adds two products of length rows and cols: within
+        # 4 (rows + cols) eps64 cond(P) ||M||
         eps64 = 2.0**-53
         bound = 4 * (rows + cols) * eps64 * np.linalg.cond(p64) * np.linalg.norm(want)
         assert np.linalg.norm(d64 - want) <= bound, name
@@ -422,42 +425,40 @@ def test_orthogonalize_keeps_the_columns_orthonormal_whatever_the_condition():
 def test_full_rank_recovers_the_mean_within_the_derived_bound_whatever_the_condition():
     """rank >= every side: the stage's decoded mean of R = 2 replicas' ill-conditioned matrices (wide,
     square, tall, condition 1e6; one of rank 4 of 24) is mean(M) within `full_rank_bound`, at the first
-    sync (the drawn Q0) and the next (warm-started from the first's Q); so is one worker's `power_step`
-    and its decode (an asynchronous arrival, R = 1). fp32 Gram-Schmidt left P P^T no projection here and
-    missed the mean by O(1)."""
+    sync (the drawn Q0) and the next (warm-started from the first's Q, as ill conditioned as the mean:
+    the tall matrix's bound grows with it); so is one worker's `power_step` and its decode (an
+    asynchronous arrival, R = 1) from the same warm start. fp32 Gram-Schmidt left P P^T no projection
+    here and missed the mean by O(1)."""
     gen = torch.Generator().manual_seed(6)
     shapes = {"wide": (24, 40), "square": (32, 32), "tall": (48, 16), "deficient": (24, 24), "b": (5,)}
     ranks = {"wide": 24, "square": 32, "tall": 16, "deficient": 4}
-    q = warm_starts(shapes, 64)
-    factors = Factors.of(shapes, 64)
+    factors, q = Factors.of(shapes, 64), warm_starts(shapes, 64)
+
+    def replica() -> torch.Tensor:
+        parts = [conditioned(*shapes[n], k, 1e6, gen).reshape(-1) for n, k in ranks.items()]
+        return torch.cat([*parts, torch.randn(5, generator=gen)])
+
     for sync in range(2):
-        before = {n: t.clone() for n, t in q.items()}
-        rows = []
-        for _ in range(2):
-            parts = [conditioned(*shapes[n], ranks[n], 1e6, gen).reshape(-1) for n in ranks]
-            rows.append(torch.cat([*parts, torch.randn(5, generator=gen)]))
-        deltas = torch.stack(rows)
+        q0 = {n: t.clone() for n, t in q.items()}  # this sync's warm start (the sync moves q)
+        deltas = torch.stack([replica(), replica()])
         _, result = one_sync(shapes, 64, deltas, None, [True, True], q)
-        one = lowrank.from_power_step(factors, lowrank.power_step(factors, deltas[0], before), before)
-        for name, (start, rows_, cols) in matrices(shapes).items():
-            span = slice(start, start + rows_ * cols)
-            ms = [deltas[m, span].double().numpy().reshape(rows_, cols) for m in range(2)]
-            q0 = q_before = before[name]  # the sync's warm start, the worker's too
-            want = sum(ms) / 2
-            got = result.mean[span].double().numpy().reshape(rows_, cols)
-            assert np.linalg.norm(got - want) <= full_rank_bound(ms, q0.double().numpy()), (sync, name)
-            worker = one[span].double().numpy().reshape(rows_, cols)
-            assert np.linalg.norm(worker - ms[0]) <= full_rank_bound(ms[:1], q_before.double().numpy()), (
-                sync,
-                name,
-            )
+        worker_q = {n: t.clone() for n, t in q0.items()}
+        alone = lowrank.from_power_step(factors, lowrank.power_step(factors, deltas[0], worker_q), worker_q)
+        for name, (start, rows, cols) in matrices(shapes).items():
+            span = slice(start, start + rows * cols)
+            ms = [deltas[m, span].double().numpy().reshape(rows, cols) for m in range(2)]
+            warm = q0[name].double().numpy()
+            got = result.mean[span].double().numpy().reshape(rows, cols)
+            assert np.linalg.norm(got - sum(ms) / 2) <= full_rank_bound(ms, warm), (sync, name, "sync")
+            worker = alone[span].double().numpy().reshape(rows, cols)
+            assert np.linalg.norm(worker - ms[0]) <= full_rank_bound(ms[:1], warm), (sync, name, "worker")
 
 
 def test_a_matrix_that_did_not_move_gives_zeros_and_keeps_its_warm_start():
-    """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (Gram-Schmidt
-    leaves a zero column zero), and every warm start unchanged (a Q that came back zero would hold the
-    power iteration at zero for good); the next sync, with movement, is the float64 power iteration
-    from that same warm start."""
+    """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (P = 0 gets
+    orthonormal columns, and M^T P = 0), and every warm start unchanged (a Q that came back zero would
+    hold the power iteration at zero for good); the next sync, with movement, is the float64 power
+    iteration from that same warm start."""
     R = 2
     q = warm_starts(SHAPES, RANK)
     kept = {n: t.clone() for n, t in q.items()}
@@ -707,7 +708,11 @@ def test_full_rank_in_the_benchmark_layout_equals_the_simulation_within_rounding
     def recorded(factors, deltas, errors, active, q, *args, **kwargs):
         for mat in factors.matrices:
             span = slice(mat.start, mat.start + mat.rows * mat.cols)
-            ms = [deltas[m, span].double().numpy().reshape(mat.rows, mat.cols) for m in range(len(active)) if active[m]]
+            ms = [
+                deltas[m, span].double().numpy().reshape(mat.rows, mat.cols)
+                for m in range(len(active))
+                if active[m]
+            ]
             bound = full_rank_bound(ms, q[mat.name].double().numpy())
             allowed[mat.name] = allowed.get(mat.name, 0.0) + bound
         return lowrank_mean(factors, deltas, errors, active, q, *args, **kwargs)
@@ -749,7 +754,12 @@ def test_full_rank_in_the_benchmark_layout_equals_the_simulation_within_rounding
             bound = ROUNDING_FACTOR * (max(own, weight_floor * float(t.norm())) + gain * allowed.get(n, 0.0))
             assert err <= bound, (name, n, err, bound)
             diloco_used = max(diloco_used, err / bound)
-        used[name] = {"losses": losses, "held-out": heldout, "weights": mutual, "weights vs DiLoCo": diloco_used}
+        used[name] = {
+            "losses": losses,
+            "held-out": heldout,
+            "weights": mutual,
+            "weights vs DiLoCo": diloco_used,
+        }
     print("fraction of each bound used:", used)
 
 

@@ -98,15 +98,15 @@ def initial_q(theta: dict[str, Tensor], rank: int, seed: int) -> dict[str, Tenso
 def orthogonalize(p: Tensor) -> Tensor:
     """[rows, r] (r <= rows) -> orthonormal columns spanning p's (PowerSGD's ORTHOGONALIZE): the Q of
     p's Householder QR (torch.linalg.qr), each column's sign flipped where R's diagonal is negative, so
-    that diag(R) >= 0: in exact arithmetic the basis Gram-Schmidt gives, column by column in index order.
+    that diag(R) >= 0: for p of full column rank, in exact arithmetic, the basis Gram-Schmidt gives.
     Householder's columns are orthonormal within a small multiple of fp32's unit roundoff whatever p's
     condition (Higham, "Accuracy and Stability of Numerical Algorithms", Thm 19.4), where fp32 Gram-Schmidt
     loses orthogonality by about u cond(p) (Bjorck 1967): at a rank near a matrix's sides p is ill
     conditioned and P P^T stopped being a projection (issue 48: real processes 10-23% from the simulation
-    at rank 64 on the tiny model). A rank-deficient p (a matrix that did not move: p = 0) still gets
-    orthonormal columns; M^T P carries nothing of them (0 for p = 0, so the warm start stays). Bits: one
-    LAPACK (or cuSOLVER) call on one matrix, the same on identical inputs at the same thread count (as
-    every product of the run), whatever the input's alignment."""
+    at rank 64 on the tiny model). A rank-deficient p still gets r orthonormal columns, its span completed
+    (p = 0, a matrix that did not move: M^T P = 0, so its warm start stays). Bits: one LAPACK (or
+    cuSOLVER) call per matrix, the same on identical inputs at the same thread count (as every product of
+    the run), whatever the input's alignment."""
     q, r = torch.linalg.qr(p)
     return torch.where(torch.diagonal(r)[None, :] < 0, -q, q)  # the sign flips: exact
 
