@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import shlex
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,6 +296,9 @@ def test_drawn_churn_with_async_is_a_pure_function_of_the_config():
     assert all(torch.equal(a[-1][n], b[-1][n]) for n in a[-1])
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 # -- records -----------------------------------------------------------------------------------------
 
 CHURN = [*ASYNC, "churn.events=[2:1:leave,4:1:rejoin,4:0:miss]"]
@@ -305,6 +310,25 @@ def summary_of(run_dir) -> dict:
         if r.kind == "summary":
             out |= r.values
     return out
+
+
+def test_the_docs_churn_example_reaches_every_job_its_events_name(tmp_path):
+    """docs/async.md's "Churn with async" command, read from the page and run as written (its two hand
+    events past `experiment=quick`'s 2 jobs a replica never happened, issue 48 item 18): replica 1 away
+    for its jobs 2 and 3, replica 0's job 3 dropped; goodput = steps that reached the server / steps
+    computed, 3 steps a job: (24 - 2 * 3 - 3) / (24 - 2 * 3)."""
+    page = (REPO / "docs" / "async.md").read_text()
+    command = page[page.index("## Churn with async") :].split("python -m hypertrain.train", 1)[1]
+    command = command.split("\n\n", 1)[0].replace("\\\n", " ")
+    overrides = [arg.strip('"') for arg in shlex.split(command, posix=False)]
+    run_dir = ReferenceRuns.beside(tmp_path)([*overrides, "logger=none"])
+    rows = arrivals(run_dir)
+    absent = sorted((a["replica"], a["job"]) for r in rows for a in r["absent"])
+    dropped = [(a["replica"], a["job"]) for r in rows for a in r["dropped"]]
+    assert absent == [(1, 2), (1, 3)] and dropped == [(0, 3)]
+    summary = summary_of(run_dir)
+    assert (summary["async/absent_jobs"], summary["async/dropped_jobs"]) == (2, 1)
+    assert summary["churn/goodput"] == pytest.approx((24 - 6 - 3) / (24 - 6), rel=1e-12)
 
 
 def test_the_rows_list_each_absence_and_drop_and_the_summary_counts_them(tmp_path):
