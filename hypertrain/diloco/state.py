@@ -381,8 +381,8 @@ class RunState:
                 for part in ("theta", "momentum"):
                     for name, t in own[part].items():
                         t.copy_(saved["outer_replicas"][i][part][name])
-                kept = saved["outer_replicas"][i].get("optimizer") or []  # none: the built-ins
-                for s, optimizer in zip(self.syncs, kept, strict=True):
+                kept = saved["outer_replicas"][i].get("optimizer")  # None: the built-ins keep none
+                for s, optimizer in zip(self.syncs, kept or [None] * len(self.syncs), strict=True):
                     s.replica_steppers[local].load_state_dict(optimizer)
         if self.lowrank_q is not None and saved.get("lowrank_q") is not None:
             for name, t in self.lowrank_q.items():
