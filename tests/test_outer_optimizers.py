@@ -17,6 +17,14 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import (
+    KILLED,
+    RUN,
+    assert_identical_streaming,
+    assert_same_weights,
+    ckpt,
+    entry,
+    killed_beside_uninterrupted,
+    resumed,
     small_cfg,
 )
 from references import U32
@@ -29,6 +37,7 @@ from hypertrain.diloco.state import RunState
 from hypertrain.preflight import memory
 from hypertrain.preflight.checks import validate
 from hypertrain.preflight.prepare import initial_weights, prepare
+from hypertrain.records.files import read_metrics
 
 SGD_NESTEROV = {"momentum": 0.9, "nesterov": True}
 # Adam's arguments in the runs below: betas as the issue's example, and eps near the size of sqrt(v_hat)
@@ -300,3 +309,73 @@ def test_a_runs_adam_state_is_what_the_estimate_measured_and_measuring_draws_not
     before = torch.get_rng_state()
     assert memory.outer_state_bytes(noisy, by_role) == 4 * sum(by_role.values())
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- real processes, and SIGKILL and resume (slow: each starts the entry) -----------------------------
+
+ADAM_ARGS = [
+    "outer.optimizer=torch.optim.Adam",
+    f"outer.lr={ADAM_LR}",
+    "outer.optimizer_args={betas:[0.8,0.9]}",
+]
+MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")  # what only real processes measure
+EAGER_FRAGMENTS = ["outer.overlap=eager", "outer.fragments=2"]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_the_simulation_bitwise(tmp_path):
+    """torchrun, 2 processes of one replica each (the replicas layout), eager with two fragments: each
+    process steps its replica's own Adam per fragment on the same sums the simulation forms (a + b
+    either way), so every row but the measured bytes, the held-out losses and weights.pt are equal."""
+    args = [*RUN, "replicas=2", "world=2", "inner.H=2", "phase.updates=6", *EAGER_FRAGMENTS, *ADAM_ARGS]
+    sim, real = tmp_path / "sim", tmp_path / "dist"
+    done = entry([*args, f"hydra.run.dir={sim}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = entry([*args, "processes=dist", f"hydra.run.dir={real}"], tmp_path, torchrun=2)
+    assert done.returncode == 0, done.stderr
+    assert_identical_streaming(real, sim, skip=MEASURED)
+
+
+KILL = [*RUN, "inner.H=2", "phase.updates=6", "checkpoint.every_updates=3", "checkpoint.keep=10", *ADAM_ARGS]
+ASYNC_ADAM = [*RUN, "outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,0.5]", "inner.H=2"]
+ASYNC_ADAM += ["phase.updates=8", "outer.async_rule=naive", *ADAM_ARGS]
+KILLS = {  # args, fault, the checkpoint the resume reads, where Adam's states are in it
+    "fragments": ([*KILL, "outer.fragments=2"], "0:4:kill:after", 3, "outer_optimizer"),
+    "eager-fragments": ([*KILL, *EAGER_FRAGMENTS], "0:4:kill:after", 3, "outer_replicas"),
+    "async": (ASYNC_ADAM, "0:5:kill", 4, "async"),
+}
+
+
+def adam_states(saved: dict, where: str) -> list[dict]:
+    """The Adam states a checkpoint's run state holds: per fragment; under eager per replica and
+    fragment; under async the server's."""
+    if where == "outer_optimizer":
+        return saved["outer_optimizer"]
+    if where == "outer_replicas":
+        return [state for own in saved["outer_replicas"] for state in own["optimizer"]]
+    return [saved["async"]["server"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KILLS))
+def test_killed_with_adams_state_in_the_checkpoint_resumes_bit_identically(tmp_path, name):
+    """SIGKILL mid-run: the newest checkpoint holds every Adam's step count and moments (after at least
+    one step), and resume=true equals the uninterrupted run exactly (every row, the held-out losses,
+    the summary and weights.pt; under async every arrival row and the weights)."""
+    args, fault, at, where = KILLS[name]
+    run_dir, reference = killed_beside_uninterrupted(args, tmp_path, fault, KILLED)
+    saved = torch.load(ckpt(run_dir, at), weights_only=True)["state"]
+    states = adam_states(saved, where)
+    assert states and all(s["state"] for s in states), "a checkpoint without Adam's moments"
+    assert all(set(kept) == {"step", "exp_avg", "exp_avg_sq"} for s in states for kept in s["state"].values())
+    assert saved["outer_momentum"] == {}  # the built-in's buffers are not allocated beside it
+    resumed(args, run_dir, tmp_path)
+    assert [r["from"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "resume"] == [
+        str(ckpt(run_dir, at))
+    ]
+    if name == "async":
+        rows = lambda d: [r for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "arrival"]  # noqa: E731
+        assert len(rows(reference)) == 8 and rows(run_dir) == rows(reference)
+        assert_same_weights(torch.load(run_dir / "weights.pt"), torch.load(reference / "weights.pt"))
+    else:
+        assert_identical_streaming(run_dir, reference)
