@@ -31,6 +31,7 @@ from references import U32
 from test_async import async_cfg, trained
 from test_overlap import _flat, run_syncs
 
+from hypertrain.choices import Schedule
 from hypertrain.config import OuterConfig, UserError
 from hypertrain.diloco.fragments import members
 from hypertrain.diloco.state import RunState
@@ -223,7 +224,9 @@ def test_under_async_a_torch_optimizer_is_the_naive_rules_step_on_each_server_up
     """outer.async_rule=naive with torch.optim.SGD's Nesterov arguments is the built-in naive rule,
     bitwise (the same operations as above); with torch.optim.Adam every server update (one arrival
     each: speeds 1 and 0.5, so the mean is the arrival itself, exact) is one step of the float64 Adam,
-    the reference's moments carried from the first update, within `Adam64`'s bound."""
+    the reference's moments carried from the first update, within `Adam64`'s bound; with equal speeds
+    (both arrive together, one update a round, their mean summed and divided as a round's) Adam's
+    asynchronous run is its rounds run, bitwise."""
     cfg = async_cfg(async_rule="naive", updates=6)
     builtin = trained(cfg)
     sgd = replace(cfg.outer, optimizer="torch.optim.SGD", optimizer_args=dict(SGD_NESTEROV))
@@ -237,6 +240,10 @@ def test_under_async_a_torch_optimizer_is_the_naive_rules_step_on_each_server_up
     for (_, before), (deltas, after) in zip(record[:-1], record[1:], strict=True):
         want, bound = reference.step(before.double(), deltas[0].double(), 0.0)
         assert float(((after.double() - want).abs() - bound).max()) <= 0
+    equal = replace(cfg, outer=adam, cluster=replace(cfg.cluster, replica_speeds=[]))
+    rounds = replace(equal, outer=replace(adam, schedule=Schedule["rounds"]))
+    got, want = trained(equal), trained(rounds)
+    assert all(torch.equal(got[n], t) for n, t in want.items())
 
 
 def test_delayed_nesterov_with_a_torch_optimizer_is_refused_in_one_line():
