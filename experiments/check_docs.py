@@ -423,6 +423,30 @@ def data_study() -> Table:
     return Table("data-study", "docs/data.md", header, commands, cells, key_columns=2, cheap=False)
 
 
+def prepare_line(run: str, k: int) -> Cell:
+    """The k-th line a script printed, in backticks, less the seconds and tokens/s of prepare's end line
+    (the machine's: the page prints them as "in … s (… tokens/s)" after it)."""
+
+    def cell(out: dict[str, Output]) -> str:
+        line = out[run].stdout.splitlines()[k]
+        timed = re.search(r" in [\d.]+ s \([\d,]+ tokens/s\)$", line)
+        return f"`{line[: timed.start()]}` in … s (… tokens/s)" if timed else f"`{line}`"
+
+    return cell
+
+
+def prepare_example() -> Table:
+    """docs/data.md's example of prepare's end line: the standard library's email and json packages with
+    a trained BPE, then the same command again (experiments/prepare_example.py runs both)."""
+    commands = {"prepare-example": ("script:experiments/prepare_example.py",)}
+    cells = {
+        ("the first time", "prints"): prepare_line("prepare-example", 0),
+        ("again", "prints"): prepare_line("prepare-example", 1),
+    }
+    header = "| `prepare 'email/**/*.py' 'json/*.py' --out corpora/mine --tokenizer train:2048` | prints |"
+    return Table("prepare-example", "docs/data.md", header, commands, cells)
+
+
 def compression_sizes() -> Table:
     """docs/performance.md's codec table: its byte counts only (its seconds are timings: MEASURED)."""
     commands = {"compression-sizes": ("script:experiments/bench/compression.py", "--sizes")}
@@ -587,6 +611,7 @@ TABLES = {
         overlap_study(),
         codec_study(),
         data_study(),
+        prepare_example(),
         compression_sizes(),
         distributed_bytes(),
         performance_dist_bytes(),
@@ -712,6 +737,13 @@ MEASURED = (
         "| config | parameters | file | write (median, min-max) |",
         "the 2-core development machine's disk",
         "python experiments/bench/checkpoint_size.py",
+    ),
+    Measured(
+        "docs/data.md",
+        "| 50 MB of the standard library's `.py` text (49,964,730 characters), a `train:4096` tokenizer.json "
+        "| peak resident | bytes a character |",
+        XEON + ", 1764e4d (the last row at ea3682b, --mb 10)",
+        "python experiments/bench/prepare_memory.py --mb 50",
     ),
     Measured(
         "README.md",

@@ -81,6 +81,12 @@ class Compressor(Choice):
     topk = "topk"
     lowrank = "lowrank"
 
+    @property
+    def is_block_codec(self) -> bool:
+        """Whether it cuts the pseudo-gradient in blocks (hypertrain.diloco.codecs): all but none and
+        lowrank."""
+        return self not in (Compressor.none, Compressor.lowrank)
+
 
 class Transform(Choice):
     """outer.transform: what each block of a pseudo-gradient becomes before the codec (and after the

@@ -215,7 +215,9 @@ class OuterConfig:
     # outer.topk_fraction of each block, fp32 values and int32 indices). Each replica's contribution is its
     # own decoded payload.
     compress: Compressor = Compressor.none
-    block: int = 128  # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk
+    # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk; beyond the
+    # largest tensor synced it is that tensor's size (each tensor one block: tiles.blocks_and_order)
+    block: int = 128
     # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
     # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
@@ -225,9 +227,10 @@ class OuterConfig:
     # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
     # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
     transform: Transform = Transform.none
-    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.block) or T (a matrix
-    # whose two last sides are multiples of T is read in T x T tiles, one tile a block: SparseLoCo's
-    # 64 x 64 chunks; outer.block must be T * T; other tensors as with 0). Needs a block codec.
+    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.block) or T (SparseLoCo's
+    # chunks, templar's rule: each side cut at its largest divisor <= T, a matrix read chunk after chunk,
+    # one chunk a block, T x T tiles where the sides are multiples of T; top-k keeps a whole tile's k of
+    # every chunk; outer.block must be T * T). Needs a block codec.
     tile: int = 0
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
@@ -325,6 +328,20 @@ class OuterConfig:
         _at_least("outer.dn_buffer", self.dn_buffer, 0)
         _at_least("outer.grace_s", self.grace_s, 0.0)
         _at_least("outer.async_eval_every", self.async_eval_every, 0)
+        self.check_schedule_fields()
+
+    def check_schedule_fields(self) -> None:
+        """A field only the other schedule reads (`SCHEDULE_ONLY`) stays at its default: set, it would
+        change nothing. A value equal to the default (a preset's, or written out) is accepted."""
+        other = Schedule["rounds"] if self.is_async else Schedule["async"]
+        for name in SCHEDULE_ONLY[other]:
+            value, default = getattr(self, name), default_of(OuterConfig, name)
+            if value != default:
+                raise UserError(
+                    f"outer.{name}={value} needs outer.schedule={other} (outer.schedule={self.schedule} "
+                    f"would ignore it); valid: outer.schedule={other}, or outer.{name}={default} "
+                    "(its default)"
+                )
 
     def check_lowrank(self) -> None:
         """compress=lowrank: its rank, and the combinations it is not built for."""
@@ -372,6 +389,11 @@ class OuterConfig:
                 "valid: outer.block <= 4096, or outer.index_bits=32"
             )
         k = topk_kept(self.topk_fraction, self.block)
+        if k % 2 and self.block < 2:  # a block of one value keeps k = 1 at any fraction: no even k exists
+            raise UserError(
+                f"outer.index_bits=12 with outer.block={self.block} keeps k = 1 of each block, an odd number "
+                "(12-bit indices pack two in three bytes); valid: outer.block >= 2, or outer.index_bits=32"
+            )
         if k % 2:
             even = k + 1 if k < self.block else k - 1
             raise UserError(
@@ -380,6 +402,15 @@ class OuterConfig:
                 f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
                 "outer.index_bits=32"
             )
+
+
+# The outer fields one schedule reads and the other would ignore (docs/async.md): the server's under async
+# (its rule, delayed Nesterov's N and c, the grace window, dynamic local updates, its evaluations), and
+# under rounds the reduction of a round's payloads (an arrival's payload is broadcast whole).
+SCHEDULE_ONLY = {
+    Schedule["async"]: ("async_rule", "dn_buffer", "dn_activation", "grace_s", "dylu", "async_eval_every"),
+    Schedule["rounds"]: ("reduce",),
+}
 
 
 @dataclass
@@ -608,8 +639,12 @@ class GuardConfig:
 # ziggurat's tail, 3.65 + sqrt(2 * 53 ln 2)), and exp overflows float64 past 709, so sigma <= 10 keeps every
 # factor below e^123 (1e53). With compute of at least 1 FLOP/s (peak_tflops and mfu >= 1e-6) and links of
 # at least 1 bit/s and at most 1e12 us (11.6 days) a message, a run of int64-many updates of int64-many
-# tokens and bytes stays below 1e120 simulated seconds, far from float64's 1.8e308.
+# tokens and bytes stays below 1e120 simulated seconds, far from float64's 1.8e308. A replica's speed v
+# divides its steps' seconds: drawn (exp(speed_sigma * z), the same sigma bound) it is at least e^-123
+# (3.6e-54), and a given one must be at least 1e-54, so 1 / v stays below 1e54 and the clock below 1e174
+# seconds (a subnormal speed such as 1e-320 made 1 / v infinite).
 MAX_STRAGGLER_SIGMA = 10.0
+MIN_REPLICA_SPEED = 1e-54
 MIN_PEAK_TFLOPS = MIN_MFU = 1e-6
 MIN_BANDWIDTH_GBIT = 1e-9
 MAX_LATENCY_US = 1e12
@@ -706,7 +741,8 @@ class ClusterConfig:
 
     def check(self) -> None:
         """Every field, as training checks it and the clock command (`python -m hypertrain.clock`) too:
-        finite numbers, in the ranges that keep the clock's seconds finite (MAX_STRAGGLER_SIGMA's)."""
+        finite numbers, in the ranges that keep the clock's seconds finite (MAX_STRAGGLER_SIGMA's), and
+        speeds given or drawn, not both (their count against a run's R: `check_replicas`)."""
         check_finite_floats(self, "cluster.")
         check_int64(self, "cluster.")
         if not self.peak_tflops >= MIN_PEAK_TFLOPS:
@@ -719,17 +755,32 @@ class ClusterConfig:
         self.intra.check("cluster.intra")
         self.inter.check("cluster.inter")
         self.straggler.check()
-        if not all(0 < speed < math.inf for speed in self.replica_speeds):
+        if not all(MIN_REPLICA_SPEED <= speed < math.inf for speed in self.replica_speeds):
             raise UserError(
-                f"cluster.replica_speeds={self.replica_speeds!r} is not valid; valid: finite positive numbers"
+                f"cluster.replica_speeds={self.replica_speeds!r} is out of range; valid: finite numbers >= "
+                f"{MIN_REPLICA_SPEED:g} (1 = the cluster's step time)"
             )
         if not 0 <= self.speed_sigma <= MAX_STRAGGLER_SIGMA:
             raise UserError(
                 f"cluster.speed_sigma={self.speed_sigma!r} is out of range; valid: "
                 f"[0, {MAX_STRAGGLER_SIGMA:g}]"
             )
+        if self.replica_speeds and self.speed_sigma:
+            raise UserError(
+                f"cluster.replica_speeds with cluster.speed_sigma={self.speed_sigma!r}: the speeds are given "
+                "or drawn, not both; valid: cluster.speed_sigma=0, or cluster.replica_speeds=[]"
+            )
         _at_least("cluster.speed_seed", self.speed_seed, 0)  # numpy's seeds are non-negative
         _at_least("cluster.model_params", self.model_params, 0)
+
+    def check_replicas(self, replicas: int) -> None:
+        """The speeds given fit a run of `replicas` (R): one each, or none (drawn or equal). Training's
+        preflight and the clock command (each run it times, by its own R) ask it alike."""
+        if self.replica_speeds and len(self.replica_speeds) != replicas:
+            raise UserError(
+                f"cluster.replica_speeds={self.replica_speeds!r} has {len(self.replica_speeds)} speeds; "
+                f"valid: one per replica ({replicas}), or []"
+            )
 
 
 CHURN_EVENTS = ("miss", "leave", "rejoin")
@@ -887,6 +938,12 @@ class TrainConfig:
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UserError(f"{name}={value!r} is too small; valid: >= {low}")
+
+
+def default_of(section: type, name: str) -> Any:
+    """The default of dataclass `section`'s field `name` (its default_factory's value where it has one)."""
+    found = next(f for f in dataclasses.fields(section) if f.name == name)
+    return found.default_factory() if found.default is dataclasses.MISSING else found.default
 
 
 def as_builtins(section: Any) -> Any:

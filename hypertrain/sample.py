@@ -2,13 +2,20 @@
 [--checkpoint PATH]`: the prompt and its continuation by a run's global weights (weights.pt, or one of
 its checkpoints), decoded with the run's tokenizer, on stdout; greedy at temperature 0, else sampled
 with a generator seeded by --seed, so a command prints the same text each time. It writes nothing;
-a mistake is one line `hypertrain.sample: error: ...`, exit 2 (docs/errors.md).
+a mistake is one line `hypertrain.sample: error: ...`, exit 2 (docs/errors.md); Ctrl-C one line, 130.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all: a Ctrl-C during the imports below is the one line too
+    from hypertrain.failures.signals import guard_command
+
+    guard_command("hypertrain.sample")
+
 import argparse
+import hashlib
 import math
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import corpus
+from hypertrain.failures.signals import EXIT_CODES, interrupted
 from hypertrain.model.shapes import param_shapes
 from hypertrain.records import formats
 from hypertrain.records.rows import StartRow
@@ -76,6 +84,12 @@ def parse(argv: list[str]) -> Args:
         raise UserError(f"RUN_DIR='' is not valid; {USAGE}")
     if not given.prompt:
         raise UserError("--prompt='' is empty; valid: some text for the model to continue")
+    try:  # bytes that are no UTF-8 reach argv as lone surrogates, which no tokenizer reads
+        given.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(
+            f"--prompt={given.prompt!r} holds bytes that are not UTF-8; valid: UTF-8 text"
+        ) from None
     if given.tokens < 1:
         raise UserError(f"--tokens={given.tokens} is too small; valid: a whole number >= 1")
     if not (math.isfinite(given.temperature) and given.temperature >= 0):
@@ -101,9 +115,9 @@ def _section(tree: dict, name: str, schema: type, config: Path):
         ) from None
 
 
-def read_run(run_dir: Path) -> tuple[ModelConfig, DataConfig, set[str]]:
-    """The run's model and data config (config.yaml in today's shape) and the ids of its sessions'
-    runs (its `start` rows); UserError when `run_dir` is no run."""
+def read_run(run_dir: Path) -> tuple[ModelConfig, DataConfig, set[str], dict]:
+    """The run's model and data config (config.yaml in today's shape), the ids of its sessions' runs
+    (its `start` rows) and its plan facts (plan.json; {} without one); UserError when `run_dir` is no run."""
     if not (run_dir / CONFIG).is_file():
         raise UserError(
             f"RUN_DIR={run_dir} is not a run directory (no {CONFIG}); valid: the directory a training run "
@@ -117,12 +131,13 @@ def read_run(run_dir: Path) -> tuple[ModelConfig, DataConfig, set[str]]:
     model = _section(tree, "model", ModelConfig, run_dir / CONFIG)
     data = _section(tree, "data", DataConfig, run_dir / CONFIG)
     ids = {row.run_id for row in run.rows if isinstance(row, StartRow) and row.run_id}
-    return model, data, ids
+    return model, data, ids, run.plan
 
 
-def codec(model: ModelConfig, data: DataConfig, run_dir: Path) -> TextCodec:
-    """The run's tokenizer: UTF-8 bytes for byte-level data, the corpus's own for data=prepared;
-    UserError for data that has none or is not text."""
+def codec(model: ModelConfig, data: DataConfig, run_dir: Path, facts: dict) -> TextCodec:
+    """The run's tokenizer: UTF-8 bytes for byte-level data, the corpus's own for data=prepared (which
+    must be the one the run trained with: `trained_with`); UserError for data that has none or is not
+    text."""
     valid = "valid: a decoder run on data=stdlib, text_files or prepared"
     if data.name == "speech":
         raise UserError(f"{run_dir} trained on data=speech, text and audio channels, not text alone; {valid}")
@@ -145,12 +160,38 @@ def codec(model: ModelConfig, data: DataConfig, run_dir: Path) -> TextCodec:
         except Exception as e:  # tokenizer.json missing or not one: the tokenizers library's own errors
             why = " ".join(str(e).split())[:200] or type(e).__name__
             raise UserError(
-                f"data.path={str(path)!r}: its {corpus.TOKENIZER} cannot be read ({why}); valid: an intact "
-                "prepared corpus (prepare it again)"
+                f"data.path={str(path)!r}: its {corpus.TOKENIZER} cannot be read ({why}); "
+                f"{corpus.prepare_again(path)}"
             ) from None
+        trained_with(path, meta, model, facts, run_dir)
         return TextCodec(tokenizer.encode, tokenizer.decode, vocab=min(meta.vocab, model.vocab), eod=meta.eod)
     raise UserError(
         f"{run_dir} trained on data={data.name}, whose ids have no tokenizer to read them as text; {valid}"
+    )
+
+
+def trained_with(path: Path, meta: corpus.Meta, model: ModelConfig, facts: dict, run_dir: Path) -> None:
+    """UserError unless the corpus at `path` has the tokenizer the run trained with: its vocabulary the
+    run's model.vocab (data=prepared takes the corpus's) and its tokenizer.json's sha256 ("" for bytes)
+    the one the run recorded (`data/tokenizer_sha256`; a run from before it was recorded: the vocabulary
+    alone). A corpus prepared again at the run's data.path would otherwise decode its ids as garbage."""
+    tokenizer = path / corpus.TOKENIZER
+    now = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if meta.tokenizer != "bytes" else ""
+    then = facts.get("data/tokenizer_sha256")
+    if meta.vocab == model.vocab and then in (None, now):
+        return
+
+    def said(sha: str | None, vocab: int) -> str:
+        if sha is None:  # not recorded
+            return f"vocab {vocab}"
+        return f"vocab {vocab}, " + (
+            f"{corpus.TOKENIZER} sha256 {sha[:16]}..." if sha else "the bytes tokenizer"
+        )
+
+    raise UserError(
+        f"data.path={str(path)!r} now holds a corpus of another tokenizer ({said(now, meta.vocab)}) than "
+        f"{run_dir} trained with ({said(then, model.vocab)}); valid: the corpus the run trained on at that "
+        "path (prepared again from the same inputs with the same --tokenizer)"
     )
 
 
@@ -241,8 +282,8 @@ def continuation(
 
 def sample(args: Args) -> tuple[str, str]:
     """The prompt followed by its continuation, and a one-line header saying what made it."""
-    model, data, run_ids = read_run(args.run_dir)
-    text = codec(model, data, args.run_dir)
+    model, data, run_ids, facts = read_run(args.run_dir)
+    text = codec(model, data, args.run_dir, facts)
     prompt = text.encode(args.prompt)
     if not prompt:
         raise UserError(f"--prompt={args.prompt!r} encodes to no tokens; valid: text the tokenizer reads")
@@ -265,16 +306,20 @@ def sample(args: Args) -> tuple[str, str]:
 
 def cli(argv: list[str] | None = None) -> int:
     """`python -m hypertrain.sample ARGV` as a function: its exit code (0; 1 when stdout's reader left
-    early; 2 for a mistake, its one line on stderr)."""
+    early; 2 for a mistake, its one line on stderr; Ctrl-C 130, as the train entry's, one line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         text, header = sample(parse(argv))
-    except UserError as e:
-        print(f"{ERROR} {' '.join(str(e).split())}", file=sys.stderr)
+    except UserError as e:  # one line; the spaces inside it (a prompt quoted) kept as they are
+        print(f"{ERROR} {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(interrupted(PROG), file=sys.stderr)
+        return EXIT_CODES[signal.SIGINT]
     print(header, file=sys.stderr)
     return print_out([text])
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: `cli` catches it
     sys.exit(cli())

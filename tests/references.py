@@ -160,3 +160,52 @@ def assert_outer_step(outer, theta, buf, delta, spread, n: int, run_theta, run_b
     assert ((run_buf.double() - new_buf).abs() <= (n + 3) * U32 * scale).all(), where
     bound = 2 * U32 * new_theta.abs() + outer.lr * (1 + mu) * (n + 5) * U32 * scale
     assert ((run_theta.double() - new_theta).abs() <= bound).all(), where
+
+
+# SparseLoCo's chunks and counts as its production code has them (templar, src/tplr/compress.py at
+# tplr-ai/templar c2397ac: `ChunkingTransformer`, `_get_smaller_split`, `TopKCompressor._clamp_topk`), read
+# there and written here from that reading, not from hypertrain's tiles or codecs.
+
+
+def templar_split(side: int, most: int) -> int:
+    """`_get_smaller_split`: the largest divisor of `side` that is at most `most` (itself when smaller)."""
+    return max(d for d in range(1, min(side, most) + 1) if side % d == 0)
+
+
+def templar_chunks(shape: tuple[int, ...], tile: int) -> list[np.ndarray]:
+    """Each chunk of a tensor of `shape` as the flat indices (row-major, the parameter's own order) of its
+    values in the order they are compressed: a matrix `rearrange("(y h) (x w) -> y x h w")`, its sides cut at
+    `templar_split(side, tile)`, chunks row after row of the grid, each chunk's values row-major (a
+    leading axis: its matrices in turn, as hypertrain extends templar's 2-D rule); a 1-D tensor
+    `rearrange("(x w) -> x w")`, runs of `templar_split(size, tile)`."""
+    index = np.arange(math.prod(shape)).reshape(shape)
+    if len(shape) == 1:
+        w = templar_split(shape[0], tile)
+        return [index[a : a + w] for a in range(0, shape[0], w)]
+    rows, cols = shape[-2:]
+    h, w = templar_split(rows, tile), templar_split(cols, tile)
+    return [
+        m[i : i + h, j : j + w].reshape(-1)
+        for m in index.reshape(-1, rows, cols)
+        for i in range(0, rows, h)
+        for j in range(0, cols, w)
+    ]
+
+
+def templar_k(k: int, length: int) -> int:
+    """`_clamp_topk` of a chunk of `length` values: min(k, length), at least 2, made even; a chunk of one
+    value keeps it (templar's would ask torch.topk for 2 of 1: hypertrain's one departure)."""
+    if length == 1:
+        return 1
+    k = max(min(k, length), 2)
+    return k - k % 2
+
+
+def templar_topk(x: np.ndarray, shape: tuple[int, ...], tile: int, k: int) -> list[np.ndarray]:
+    """The flat indices each chunk of one tensor's values `x` (float64, parameter order) keeps: its
+    `templar_k` largest magnitudes, largest first, equal ones to the lower position in the chunk."""
+    kept = []
+    for chunk in templar_chunks(shape, tile):
+        order = np.lexsort((np.arange(len(chunk)), -np.abs(x[chunk])))
+        kept.append(chunk[order[: templar_k(k, len(chunk))]])
+    return kept

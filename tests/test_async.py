@@ -13,13 +13,24 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 import torch
-from helpers import QUICK, ReferenceRuns, assert_same_weights, killed_beside_uninterrupted, resumed, small_cfg
+from helpers import (
+    QUICK,
+    ReferenceRuns,
+    assert_same_weights,
+    compose_train,
+    killed_beside_uninterrupted,
+    resumed,
+    small_cfg,
+)
+from omegaconf import OmegaConf
 
 from hypertrain.choices import Schedule
+from hypertrain.config import SCHEDULE_ONLY, OuterConfig, default_of
 from hypertrain.diloco.arrivals import job_steps, replica_speeds, schedule
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
+from hypertrain.preflight.checks import validate
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records
 from hypertrain.records.rows import ArrivalRow
@@ -94,6 +105,21 @@ def test_dylu_gives_each_replica_its_share_of_h_by_its_speed_eq_6():
     assert job_steps(dylu, 4, [1.0, 1.0, 1.0, 0.5]) == [4, 4, 4, 2]
     assert job_steps(dylu, 2, [3.0, 1.0]) == [2, 1]  # floor(2/3 * 2) = 1
     assert job_steps(dylu, 2, [10.0, 1.0]) == [2, 1]  # floor(0.2) = 0, at least 1
+
+
+def test_a_schedules_fields_written_at_their_defaults_are_accepted_under_the_other():
+    """Each schedule's own fields (`SCHEDULE_ONLY`) set away from their defaults under the other are
+    refused (tests/test_bad_input.py); written out at their defaults on the command line (as a preset or
+    a copied config.yaml holds them) they pass, under rounds and under async alike."""
+    base = compose_train([*QUICK, "cluster=h100"])
+    for needs, fields in SCHEDULE_ONLY.items():
+        other = "rounds" if needs == "async" else "async"
+        written = [f"outer.{name}={default_of(OuterConfig, name)}" for name in fields]
+        validate(
+            OmegaConf.to_object(
+                OmegaConf.merge(base, OmegaConf.from_dotlist([f"outer.schedule={other}", *written]))
+            )
+        )
 
 
 def test_drawn_speeds_are_a_seeded_lognormal_drawn_once():

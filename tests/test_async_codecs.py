@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from helpers import ReferenceRuns, assert_same_weights, killed_beside_uninterrupted, resumed
+from references import templar_topk
 from test_async import arrivals, async_cfg, four_one_slow
 
 import hypertrain.diloco.asynchronous as asynchronous
@@ -397,38 +398,25 @@ def test_topk_with_the_dct_and_error_feedback_keeps_each_blocks_largest_coeffici
 TILE = 4
 
 
-def tile_topk_reference(x, shapes, fraction):
-    """float64 top-k over tiles: a matrix whose sides are multiples of TILE keeps each TILE x TILE tile's
-    ceil(f T^2) largest magnitudes (SparseLoCo's chunks); any other tensor its blocks of T^2 in its order."""
+def tile_topk_reference(x, shapes, fraction, tile=TILE):
+    """float64 top-k over SparseLoCo's chunks (templar's rule, tests/references.py): each chunk of each
+    tensor keeps `templar_k` of k = ceil(f T^2) (a whole T x T tile's count) of its largest magnitudes.
+    The negative control passes every tensor flat with `tile` T^2: runs of T^2 in the parameters' order."""
     out, start, k = torch.zeros_like(x, dtype=torch.float64), 0, math.ceil(fraction * TILE * TILE)
+    v = x.double().numpy()
     for shape in shapes:
         n = math.prod(shape)
-        v = x[start : start + n].double()
-        o = torch.zeros_like(v)
-        if len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % TILE == 0:
-            grid = v.view(shape[0] // TILE, TILE, shape[1] // TILE, TILE)
-            og = o.view(shape[0] // TILE, TILE, shape[1] // TILE, TILE)
-            for i in range(shape[0] // TILE):
-                for j in range(shape[1] // TILE):
-                    t = grid[i, :, j, :].reshape(-1)
-                    keep = t.abs().topk(k).indices
-                    flat = torch.zeros(TILE * TILE, dtype=torch.float64)
-                    flat[keep] = t[keep]
-                    og[i, :, j, :] = flat.view(TILE, TILE)
-        else:
-            for a in range(0, n, TILE * TILE):
-                t = v[a : a + TILE * TILE]
-                keep = t.abs().topk(min(k, len(t))).indices
-                o[a + keep] = t[keep]
-        out[start : start + n] = o
+        for keep in templar_topk(v[start : start + n], shape, tile, k):
+            out[start + keep] = x[start + keep].double()
         start += n
     return out
 
 
 def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_every_arrival():
-    """outer.tile=4 (blocks of 16 = 4 x 4 tiles): every arrival's payload is each tile's largest magnitudes
-    of x = e + delta, exactly (top-k moves values, no arithmetic), and the buffer left is x - C(x); the
-    same top-k over blocks of 16 in the parameters' own order is not (negative control)."""
+    """outer.tile=4 (blocks of 16 = 4 x 4 tiles; templar's chunks of the others): every arrival's payload
+    is each chunk's largest magnitudes of x = e + delta, exactly (top-k moves values, no arithmetic), and
+    the buffer left is x - C(x); the same top-k over blocks of 16 in the parameters' own order is not
+    (negative control)."""
     fraction = 0.125
     cfg = async_cfg(
         compress=Compressor.topk, topk_fraction=fraction, error_feedback=True, tile=TILE, block=16
@@ -446,7 +434,7 @@ def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_e
         assert torch.equal(got.double(), tile_topk_reference(x, shapes, fraction))
         assert torch.equal(after[0], x - decoded)
         buffers[m] = after[0]
-        untiled = tile_topk_reference(x, [(math.prod(s),) for s in shapes], fraction)
+        untiled = tile_topk_reference(x, [(math.prod(s),) for s in shapes], fraction, tile=TILE * TILE)
         differs += not torch.equal(got.double(), untiled)
     assert differs == len(calls)
 

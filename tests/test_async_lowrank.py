@@ -77,9 +77,11 @@ def reference(x, q, shapes, rank=RANK):
 def bound(M, raw):
     """How far fp32 may put d = P Q'^T from float64's, in Frobenius norm: each product of K terms is
     within K u of its float64 value relative to ||M|| (P = M Q, Q' = M^T P, P Q'^T: K = cols, rows, r),
-    and Gram-Schmidt moves P's columns by at most kappa(P) times P's relative error (QR's perturbation
-    bound, kappa = sigma_max / sigma_min of M Q, in float64); P enters d twice. Summed with a factor 4
-    for the casts and the float64 reference's own rounding."""
+    and orthonormalizing moves P's columns by at most kappa(P) times P's relative error (QR's perturbation
+    bound, kappa = sigma_max / sigma_min of M Q, in float64), that error including the fp32 Householder
+    QR's own, gamma(rows r) (Higham, "Accuracy and Stability of Numerical Algorithms", Thm 19.4: within
+    the 4 (rows + cols + r) u below at r = RANK = 2); P enters d twice. Summed with a factor 4 for the
+    casts and the float64 reference's own rounding."""
     rows, cols = M.shape
     s = torch.linalg.svdvals(raw)
     kappa = float(s[0] / s[-1])

@@ -13,6 +13,7 @@ it, and `test_the_errors_page_is_the_catalogue` fails when the page and the case
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import re
@@ -29,7 +30,7 @@ import pytest
 import torch
 import yaml
 from helpers import HIDE_PLUGINS, RUN, ReferenceRuns, data_command, entry, entry_env, tree
-from test_prepared import write_corpus
+from test_prepared import rewrite_tokens, write_corpus
 
 from hypertrain.failures import EXIT_CODES
 from hypertrain.rundir.checkpoint import seal
@@ -109,6 +110,17 @@ def _checkpoint_of_another_run(run: Path) -> None:
     seal(path)  # a whole checkpoint, of another run
 
 
+def _newer_checkpoint_of_another_run(run: Path) -> None:
+    """The newest checkpoint stands for one of another run of the same config that went further: its
+    run id changed and its records 1000 bytes longer than this run's metrics.jsonl."""
+    path = sorted((run / "checkpoints").glob("ckpt-u*.pt"))[-1]
+    saved = torch.load(path, weights_only=False)
+    saved["run_id"] = "0" * 32
+    saved["metrics_bytes"] = (run / "metrics.jsonl").stat().st_size + 1000
+    torch.save(saved, path)
+    seal(path)
+
+
 def _flip_a_bit(run: Path) -> None:
     """One bit of the newest checkpoint flipped, half-way through its bytes."""
     path = sorted((run / "checkpoints").glob("ckpt-u*.pt"))[-1]
@@ -161,6 +173,29 @@ def prepared_corpus(earlier: Path, cwd: Path) -> None:
     prepare([str(cwd / "docs.txt")], cwd / "corpus", "bytes", "text", progress=False)
 
 
+def word_level_without_unk() -> bytes:
+    """A tokenizer.json of the words "a" and "document" and no unknown token: it cannot encode "here"."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    made = tokenizers.Tokenizer(models.WordLevel({"a": 0, "document": 1}))
+    made.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return made.to_str().encode()
+
+
+_HELD_LOCKS = []  # another_prepare_running's locks: held until the session ends (the case's cwd goes)
+
+
+def another_prepare_running(earlier: Path, cwd: Path) -> None:
+    """A setup: cwd/corpus is being prepared by another process: the lock beside it is held through a
+    file this test opened (flock refuses a second open file, in this process or another)."""
+    from hypertrain.data.lockfile import LockFile
+
+    lock = LockFile(cwd / ".corpus.lock")
+    assert lock.acquire(wait=False)
+    _HELD_LOCKS.append(lock)
+
+
 def token_file(largest: int, n: int = 20000) -> bytes:
     """A uint16 token file of distinct-enough random ids up to `largest` (which it holds)."""
     ids = np.random.default_rng(0).integers(0, largest, size=n)
@@ -174,6 +209,44 @@ def _corpus(*sources: tuple[int, int, int]) -> Callable[[Path, Path], None]:
 
 
 TWO_SOURCES = _corpus((200, 1, 80), (300, 1, 60))
+
+
+def _changed(cwd: Path) -> None:
+    """One id of cwd/corpus/tokens.bin changed in place (the size kept)."""
+    rewrite_tokens(cwd / "corpus", 0)
+
+
+def _cut(cwd: Path) -> None:
+    """cwd/corpus/tokens.bin one id (2 bytes) short."""
+    tokens = cwd / "corpus" / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+
+
+def _id_300_under_vocab_257(earlier: Path, cwd: Path) -> None:
+    """A setup: a `bytes` corpus (vocab 257) in cwd/corpus one of whose ids is 300."""
+    from hypertrain.data import corpus
+
+    documents = [np.arange(i, i + 40) % 256 for i in range(60)]
+    documents[7][3] = 300
+    source = corpus.SourceMeta("s", 1, 0, 0, "0" * 64)
+    (cwd / "corpus").mkdir()
+    corpus.write(
+        cwd / "corpus",
+        [documents],
+        [source],
+        vocab=257,
+        eod=256,
+        tokenizer="bytes",
+        tokenizer_json=None,
+        request="0" * 64,
+    )
+
+
+def _trained_on_corpus(run: Path) -> None:
+    """A change: the run's config.yaml says it trained on data=prepared at cwd/corpus (relative)."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"] |= {"name": "prepared", "path": "corpus"}
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 CASES = {
@@ -238,6 +311,62 @@ CASES = {
         ["data.window_across_documents=false"],
         "data.window_across_documents=false needs a prepared corpus's documents, not data=stdlib",
         "data=prepared data.path=DIR",
+    ),
+    # issue 48: a prepared corpus's files against its meta.json, new run or resumed (its stamps, size and
+    # mtime_ns, checked; a file whose stamp differs hashed), and a meta.json that is none
+    "prepared-tokens-changed": Case(
+        "a prepared corpus whose tokens.bin changed after it was prepared (one id, the size kept)",
+        ["data=prepared", "data.path=corpus"],
+        "corpus: tokens.bin changed after it was prepared (its sha256 is not meta.json's tokens_sha256); "
+        "valid: the corpus as prepared: remove corpus and prepare it again (python -m hypertrain.data "
+        "prepare INPUT ... --out corpus)",
+        "remove the corpus and prepare it again from its inputs",
+        setup=lambda earlier, cwd: (TWO_SOURCES(earlier, cwd), _changed(cwd)),
+    ),
+    "prepared-tokens-cut": Case(
+        "a prepared corpus whose tokens.bin is shorter than its meta.json says",
+        ["data=prepared", "data.path=corpus"],
+        "corpus: tokens.bin holds 20 bytes where its meta.json says 22 (11 tokens, 1 documents); valid: "
+        "the corpus as prepared: remove corpus and prepare it again",
+        "remove the corpus and prepare it again from its inputs",
+        files={"docs.txt": b"a document"},
+        setup=lambda earlier, cwd: (prepared_corpus(earlier, cwd), _cut(cwd)),
+    ),
+    "prepare-over-a-cut-corpus": Case(
+        "prepare: `--out` holding the corpus of the same request whose tokens.bin was cut",
+        ["prepare", "docs.txt", "--out", "corpus"],
+        "{cwd}/corpus: tokens.bin holds 20 bytes where its meta.json says 22 (11 tokens, 1 documents); "
+        "valid: the corpus as prepared: remove {cwd}/corpus and prepare it again",
+        "remove the corpus, then the same command prepares it again",
+        files={"docs.txt": b"a document"},
+        setup=lambda earlier, cwd: (prepared_corpus(earlier, cwd), _cut(cwd)),
+        command="data",
+    ),
+    "prepared-id-beyond-vocabulary": Case(
+        "a prepared corpus holding an id at or above its vocabulary",
+        ["data=prepared", "data.path=corpus"],
+        "corpus: tokens.bin holds id 300, at or above its vocab 257 (meta.json): a model of that "
+        "vocabulary has no embedding for it",
+        "a corpus whose ids are below its vocab: prepare it again",
+        setup=_id_300_under_vocab_257,
+    ),
+    **{
+        f"prepared-meta-{name}": Case(
+            f"a prepared corpus whose meta.json holds {what}",
+            ["data=prepared", "data.path=corpus"],
+            f"corpus/meta.json is not a prepared corpus's meta (it holds {text}, not a JSON object); valid: "
+            "the corpus as prepared: remove corpus and prepare it again",
+            "remove the corpus and prepare it again from its inputs",
+            files={"corpus/meta.json": text.encode()},
+        )
+        for name, what, text in (("null", "null", "null"), ("string", "a string", '"x"'))
+    },
+    "prepared-path-is-a-file": Case(
+        "data.path a file of the corpus (its meta.json), not its directory",
+        ["data=prepared", "data.path=corpus/meta.json"],
+        "data.path='corpus/meta.json' is a file, not a prepared corpus's directory; valid: the directory",
+        "the corpus's directory, the one holding meta.json",
+        setup=TWO_SOURCES,
     ),
     "unknown-group-option": Case(
         "an option a group does not have",
@@ -401,10 +530,10 @@ CASES = {
         "one speed per replica",
     ),
     "async-speed-zero": Case(
-        "a replica speed that is not a finite positive number",
+        "a replica speed that is not a positive number",
         ["outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,0]"],
-        "cluster.replica_speeds=[1.0, 0.0] is not valid; valid: finite positive numbers",
-        "finite positive speeds (1 = the cluster's step time)",
+        "cluster.replica_speeds=[1.0, 0.0] is out of range; valid: finite numbers >= 1e-54",
+        "finite speeds of at least 1e-54 (1 = the cluster's step time)",
     ),
     "async-speeds-and-sigma": Case(
         "speeds both given and drawn",
@@ -421,8 +550,9 @@ CASES = {
     "async-field-with-rounds": Case(
         "an asynchronous field in a synchronous run",
         ["outer.dylu=true"],
-        "outer.dylu=True with outer.schedule=rounds is not built",
-        "outer.schedule=async, or leave it unset",
+        "outer.dylu=True needs outer.schedule=async (outer.schedule=rounds would ignore it); valid: "
+        "outer.schedule=async, or outer.dylu=False (its default)",
+        "outer.schedule=async, or leave it unset (the other server fields likewise)",
     ),
     "tokens-weights-with-eager": Case(
         "token-weighted means of synchronous rounds with eager overlap (each replica's own terms)",
@@ -709,6 +839,19 @@ CASES = {
         "model.d_model=1000000, model.n_layers=2, model.vocab=256, replicas=2 need about 2.5 PB",
         "values that fit; no job runs and no sweep directory is left",
     ),
+    # issue 48: outer.block beyond every tensor. Such a block is the largest tensor's size (each tensor one
+    # block, docs/compression.md), so 2^62 runs on the default model; the codec's padding of every tensor
+    # to the largest is in the memory estimate: 9,003 tensors (1,000 layers) padded to the 32-million-value
+    # embedding need 23 TB, refused at start (2^62 once overflowed torch's storage at the first sync).
+    "block-beyond-every-tensor-padding-cannot-fit": Case(
+        "an outer.block beyond every tensor on a model of many tensors and a large embedding: each tensor "
+        "one block, every block padded to the largest",
+        ["outer.compress=int8", "outer.block=4611686018427387904", "model.n_layers=1000"]
+        + ["model.vocab=1000000"],
+        "outer.compress=int8, outer.block=4611686018427387904, model.d_model=32, model.n_layers=1000, "
+        "model.vocab=1000000, replicas=2 need about 23.1 TB",
+        "a block the tensors fill (the default 128), or fewer, more even tensors",
+    ),
     # issue 38: sample. `python -m hypertrain.sample RUN_DIR --prompt TEXT` on a run that is none, has no
     # weights to read, or has no text; or given a value out of range. It never writes.
     "sample-not-a-run": Case(
@@ -782,6 +925,30 @@ CASES = {
         "data=stdlib, text_files or prepared",
         "a run on text",
         setup=copy_of_earlier(_trained_on("speech")),
+        command="sample",
+    ),
+    # issue 48: sample. A prompt that is no text, and a corpus prepared again at the run's data.path with
+    # another tokenizer (here: a run of vocab 256 whose corpus now has 257; the tokenizer's sha256, which
+    # a run records, is tests/test_sample.py's)
+    "sample-prompt-not-utf8": Case(
+        "`python -m hypertrain.sample --prompt` holding bytes that are not UTF-8 (quoted as Python writes "
+        "it, spaces kept)",
+        ["{earlier}", "--prompt", "a   b\udcff"],
+        "--prompt='a   b\\udcff' holds bytes that are not UTF-8; valid: UTF-8 text",
+        "a prompt in UTF-8",
+        command="sample",
+    ),
+    "sample-corpus-prepared-again": Case(
+        "`python -m hypertrain.sample` on a data=prepared run whose corpus was prepared again with another "
+        "tokenizer",
+        ["run", "--prompt", "def "],
+        "data.path='corpus' now holds a corpus of another tokenizer (vocab 257, the bytes tokenizer) than "
+        "run trained with (vocab 256); valid: the corpus the run trained on at that path",
+        "the corpus the run trained on (prepared again from the same inputs with the same --tokenizer)",
+        setup=lambda earlier, cwd: (
+            TWO_SOURCES(earlier, cwd),
+            copy_of_earlier(_trained_on_corpus)(earlier, cwd),
+        ),
         command="sample",
     ),
     "int-beyond-int64": Case(
@@ -1210,6 +1377,92 @@ CASES = {
         "cluster.straggler.sigma=1000000.0 is out of range; valid: [0, 10]",
         "a sigma of at most 10 (already a factor of e^10 for one replica in six)",
     ),
+    # issue 48: the cluster's speeds and the schedules' fields. The clock command read speeds of another
+    # length (fewer: an IndexError traceback; more: cut silently) and a subnormal one (a table of nan, exit
+    # 0; training stopped mid-run, exit 1, the run directory made); each schedule's fields were accepted
+    # and ignored under the other.
+    **{
+        f"clock-speeds-{name}-than-replicas": Case(
+            f"the clock command given {name} cluster.replica_speeds than the run's replicas",
+            ["run", f"cluster.replica_speeds={speeds}"],
+            f"run: cluster.replica_speeds={shown} has {count} speeds; valid: one per replica (2), or []",
+            "one speed per replica of the run (training's own line)",
+            setup=copy_of_earlier(lambda run: None),
+            command="clock",
+        )
+        for name, speeds, shown, count in (
+            ("fewer", "[1]", "[1.0]", 1),
+            ("more", "[1,1,1]", "[1.0, 1.0, 1.0]", 3),
+        )
+    },
+    "subnormal-speed": Case(
+        "a replica speed so small that a step's seconds over it overflow the clock (a subnormal 1e-320)",
+        ["cluster=h100", "cluster.replica_speeds=[1,1e-320]"],
+        "cluster.replica_speeds=[1.0, 1e-320] is out of range; valid: finite numbers >= 1e-54",
+        "speeds of at least 1e-54 (hypertrain.config: the clock stays finite)",
+    ),
+    "clock-subnormal-speed": Case(
+        "the clock command given a subnormal replica speed (it printed nan seconds)",
+        ["run", "cluster.replica_speeds=[1,1e-320]"],
+        "cluster.replica_speeds=[1.0, 1e-320] is out of range; valid: finite numbers >= 1e-54",
+        "speeds of at least 1e-54 (training's own line)",
+        setup=copy_of_earlier(lambda run: None),
+        command="clock",
+    ),
+    "clock-speeds-and-sigma": Case(
+        "the clock command given speeds both listed and drawn (the list was used, the sigma ignored)",
+        ["run", "cluster.replica_speeds=[1,2]", "cluster.speed_sigma=0.5"],
+        "cluster.replica_speeds with cluster.speed_sigma=0.5: the speeds are given or drawn, not both",
+        "one of the two (training's own line)",
+        setup=copy_of_earlier(lambda run: None),
+        command="clock",
+    ),
+    **{
+        f"async-{field.replace('_', '-')}-with-rounds": Case(
+            f"outer.{field} (the asynchronous server's) in a synchronous run, which would ignore it",
+            [f"outer.{field}={value}"],
+            f"outer.{field}={shown} needs outer.schedule=async (outer.schedule=rounds would ignore it); "
+            f"valid: outer.schedule=async, or outer.{field}={default} (its default)",
+            "outer.schedule=async, or the field at its default",
+        )
+        for field, value, shown, default in (
+            ("grace_s", "0.5", "0.5", "0.0"),
+            ("async_rule", "naive", "naive", "delayed_nesterov"),
+            ("dn_buffer", "2", "2", "0"),
+            ("dn_activation", "5", "5.0", "0.0"),
+            ("async_eval_every", "2", "2", "0"),
+        )
+    },
+    "two-phase-with-async": Case(
+        "outer.reduce=two_phase (a round's reduction) under async, whose payloads travel whole",
+        ["outer.schedule=async", "cluster=h100", "outer.compress=int8", "outer.reduce=two_phase"],
+        "outer.reduce=two_phase needs outer.schedule=rounds (outer.schedule=async would ignore it); valid: "
+        "outer.schedule=rounds, or outer.reduce=gather (its default)",
+        "outer.reduce=gather, or outer.schedule=rounds",
+    ),
+    "index-bits-12-with-blocks-of-one": Case(
+        "12-bit top-k indices with blocks of one value (k = 1 each: no even k exists; the advice was "
+        "outer.topk_fraction=0.0, itself refused)",
+        ["outer.compress=topk", "outer.index_bits=12", "outer.block=1"],
+        "outer.index_bits=12 with outer.block=1 keeps k = 1 of each block, an odd number (12-bit indices "
+        "pack two in three bytes); valid: outer.block >= 2, or outer.index_bits=32",
+        "outer.block >= 2, or outer.index_bits=32",
+    ),
+    "resume-shorter-phase": Case(
+        "resume with a shorter phase.updates (it may change, but only to a longer phase)",
+        ["hydra.run.dir={earlier}", "resume=true", "phase.updates=4"],
+        "phase.updates=4 shortens the run (6 before); a resumed run may change phase.updates only to a "
+        "longer phase; valid: resume with phase.updates=6 or more, or start a new run in another directory",
+        "phase.updates at least the run's own, or a new run in another directory",
+    ),
+    "resume-newer-checkpoint-of-another-run": Case(
+        "resume where the newest checkpoint is another run's, written after more records than these "
+        "(it was blamed on rows lost from metrics.jsonl)",
+        ["hydra.run.dir=run", "resume=true"],
+        "checkpoint {cwd}/run/checkpoints/ckpt-u0000006.pt is of run 00000000000000000000000000000000 but",
+        "a checkpoint of the run whose metrics.jsonl is beside it",
+        setup=copy_of_earlier(_newer_checkpoint_of_another_run),
+    ),
     # issue 38: prepare (`python -m hypertrain.data prepare INPUT ... --out DIR`; docs/data.md)
     "prepare-input-matching-nothing": Case(
         "prepare: an INPUT that is missing, or a glob that matches no file",
@@ -1263,15 +1516,16 @@ CASES = {
             f"prepare: `--tokenizer train:V` with V {what}",
             ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", f"train:{value}"],
             f"--tokenizer 'train:{value}': V='{value}' is not a vocabulary a byte-level BPE can have; "
-            "valid: train:V with V an integer 258..4294967296",
-            "V an integer from 258 (the 256 bytes, the eod and one merge) to 2^32 (uint32 token ids)",
+            "valid: train:V with V an integer 258..16777216",
+            "V an integer from 258 (the 256 bytes, the eod and one merge) to 2^24 (the trainer reserves "
+            "about 70 bytes a token up front); a larger vocabulary as a tokenizer.json trained elsewhere",
             files={"docs.txt": b"a document"},
             command="data",
         )
         for name, value, what in (
             ("too-small", "256", "below 258"),
             ("not-an-integer", "4k", "not an integer"),
-            ("over-uint32", "4294967297", "over 2^32 (the ids would not fit uint32)"),
+            ("over-the-trainer", "1000000000", "over 2^24 (the trainer would reserve 71 GB and abort)"),
         )
     },
     "prepare-into-another-corpus": Case(
@@ -1300,6 +1554,71 @@ CASES = {
         "pip install 'hypertrain[data]' (scripts/setup --dev installs it)",
         files={"docs.parquet": b"PAR1", "hide/sitecustomize.py": HIDE_MODULES.encode()},
         env={"PYTHONPATH": f"{{cwd}}/hide{os.pathsep}{REPO}", "HIDDEN_MODULES": "pyarrow,datasets"},
+        command="data",
+    ),
+    # issue 48: prepare (each was a traceback; a full disk, a read-only filesystem and a mount point need an
+    # injected OSError: tests/test_prepare.py)
+    "prepare-empty-input-string": Case(
+        'prepare: an empty INPUT (an unset shell variable: `prepare "$DOCS" --out corpus`)',
+        ["prepare", "", "--out", "corpus"],
+        "input '' is empty (an unset shell variable?); valid: a glob of text files",
+        "name the files (a quoted glob), or set the variable",
+        command="data",
+    ),
+    "prepare-two-inputs-naming-one-file": Case(
+        "prepare: two INPUTs that match the same file (it would be in the corpus twice)",
+        ["prepare", "docs/*.txt", "docs/a.txt", "--out", "corpus"],
+        "input 'docs/a.txt' names {cwd}/docs/a.txt, which input 'docs/*.txt' names too; valid: inputs that",
+        "globs that do not overlap",
+        files={"docs/a.txt": b"a document", "docs/b.txt": b"another"},
+        command="data",
+    ),
+    **{
+        f"prepare-{name}": Case(
+            f"prepare: a {what} compressed input",
+            ["prepare", f"docs.txt.{suffix}", "--out", "corpus"],
+            f"input file '{{cwd}}/docs.txt.{suffix}' cannot be decompressed (",
+            "the whole file (compress it again), or leave it out",
+            files={f"docs.txt.{suffix}": data},
+            command="data",
+        )
+        for name, what, suffix, data in (
+            ("truncated-gz", "truncated `.gz`", "gz", gzip.compress(b"a document " * 100)[:40]),
+            ("corrupt-xz", "corrupt `.xz`", "xz", b"not xz at all"),
+        )
+    },
+    "prepare-tokenizer-that-cannot-encode": Case(
+        "prepare: a `--tokenizer` that cannot encode the text (a WordLevel without an unknown token)",
+        ["prepare", "docs.txt", "--out", "corpus", "--tokenizer", "words.json"],
+        "--tokenizer 'words.json' cannot encode the text of input 'docs.txt' (WordLevel error: Missing",
+        "a tokenizer with an unknown token (`unk_token`) or a byte-level one, bytes, or train:V",
+        files={"docs.txt": b"a document here", "words.json": word_level_without_unk()},
+        command="data",
+    ),
+    "prepare-out-under-a-file": Case(
+        "prepare: `--out` under a file",
+        ["prepare", "docs.txt", "--out", "docs.txt/corpus"],
+        "--out '{cwd}/docs.txt/corpus' lies under {cwd}/docs.txt, which is a file; valid: a path under a",
+        "an `--out` under a directory",
+        files={"docs.txt": b"a document"},
+        command="data",
+    ),
+    "prepare-out-where-nothing-can-be-made": Case(
+        "prepare: `--out` where nothing can be created (`/proc`; a read-only filesystem says the same)",
+        ["prepare", "docs.txt", "--out", "/proc/hypertrain-corpus"],
+        "--out '/proc/hypertrain-corpus': nothing can be created in /proc (No such file or directory); "
+        "valid: a new or empty directory where this user can write",
+        "an `--out` on a writable filesystem",
+        files={"docs.txt": b"a document"},
+        command="data",
+    ),
+    "prepare-out-being-prepared": Case(
+        "prepare: `--out` that another prepare is writing (it holds the lock `.DIR.lock` beside DIR)",
+        ["prepare", "docs.txt", "--out", "corpus"],
+        "--out '{cwd}/corpus' is being prepared by another process (it holds {cwd}/.corpus.lock)",
+        "wait for the other prepare to end (the same command then has nothing to do), or another `--out`",
+        files={"docs.txt": b"a document"},
+        setup=another_prepare_running,
         command="data",
     ),
 }

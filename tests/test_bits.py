@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from helpers import BASE, QUICK, entry, killed_beside_uninterrupted, resumed, run_losses, small_cfg
 from matplotlib.image import imread
 from omegaconf import OmegaConf
+from references import templar_chunks, templar_k
 
 from hypertrain.config import ChurnConfig, OuterConfig
 from hypertrain.diloco import codecs
@@ -27,6 +29,7 @@ from hypertrain.report.bits import RECORDED, SUMMED, pareto_front, run_bits
 from hypertrain.report.runs import load_run
 from hypertrain.rundir.records import read_metrics
 
+REPO = Path(__file__).resolve().parents[1]
 MISS = ChurnConfig(events=["1:1:miss"])  # replica 1's pseudo-gradient of round 1 is discarded
 
 
@@ -95,6 +98,23 @@ def test_a_syncs_bits_per_parameter_are_its_contributions_wire_bytes_over_its_pa
         (max(total), total)
     ]
     assert total == [2 * sent, sent]
+
+
+def test_the_sparseloco_presets_bits_are_templars_bytes(tmp_path):
+    """Issue 48 item 7: `outer=sparseloco`'s bits per parameter follow templar's chunks and counts
+    (tests/references.py, not the codec's sizes): per tensor a 20-byte two_bit header, per chunk
+    ceil(k / 4) bytes of 2-bit values and ceil(3k / 2) of 12-bit indices, k = `templar_k`(64, its length)
+    (the 32-wide test model: its norms of 32 whole, its 32 x 96 FFN in 32 x 48 chunks), and the message's
+    8-byte header; both replicas at both syncs."""
+    preset = OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
+    cfg = small_cfg(outer=OuterConfig(**preset))
+    shapes = [tuple(t.shape) for t in initial_weights(prepare(cfg)).values()]
+    k = math.ceil(cfg.outer.topk_fraction * cfg.outer.tile**2)
+    counts = [templar_k(k, len(c)) for s in shapes for c in templar_chunks(s, cfg.outer.tile)]
+    payload = 20 * len(shapes) + sum(math.ceil(c / 4) + math.ceil(3 * c / 2) for c in counts)
+    params = sum(math.prod(s) for s in shapes)
+    syncs = _syncs(run_losses(cfg, tmp_path))
+    assert [r["bits_per_param"] for r in syncs] == [[8 * (payload + HEADER_BYTES) / params] * 2] * 2
 
 
 def test_one_replica_sends_no_bits():

@@ -29,9 +29,21 @@ from hypertrain.clock.formulas import (
     two_phase_s,
 )
 from hypertrain.clock.replay import clock_of, in_order, run_cluster, time_to_loss
-from hypertrain.clock.timeline import straggler_factors
-from hypertrain.config import LINKS, ClusterConfig, LinkConfig, StragglerConfig, UserError
+from hypertrain.clock.timeline import Clock, Shape, straggler_factors
+from hypertrain.config import (
+    INT64_MAX,
+    LINKS,
+    MAX_STRAGGLER_SIGMA,
+    MIN_MFU,
+    MIN_PEAK_TFLOPS,
+    MIN_REPLICA_SPEED,
+    ClusterConfig,
+    LinkConfig,
+    StragglerConfig,
+    UserError,
+)
 from hypertrain.records import formats
+from hypertrain.records.rows import UpdateRow
 from hypertrain.report import retime
 from hypertrain.rundir.records import read_metrics
 
@@ -100,11 +112,40 @@ def test_config_units_convert_to_bytes_and_seconds():
             "cluster.straggler.sigma=nan is not a finite number",
         ),
         ({"inter": LinkConfig("x", 1.0, math.inf)}, "cluster.inter.latency_us=inf is not a finite number"),
+        # 1 / 1e-320 overflows (issue 48: training stopped mid-run at clock_s=inf, the clock printed nan)
+        ({"replica_speeds": [1.0, 1e-320]}, r"cluster.replica_speeds=\[1.0, 1e-320\] is out of range"),
+        ({"replica_speeds": [1.0, 0.0]}, "valid: finite numbers >= 1e-54"),
     ],
 )
 def test_a_bad_cluster_is_one_line_naming_field_value_and_what_is_valid(change, message):
     with pytest.raises(UserError, match=message):
         dataclasses.replace(ClusterConfig(), **change).check()
+
+
+def test_the_slowest_speed_allowed_keeps_the_clock_finite_at_every_other_extreme(monkeypatch):
+    """A replica's speed divides its steps' seconds. At the extremes of every other range (1 FLOP/s,
+    int64-many parameters and tokens, the largest straggler factor numpy's normals can give at
+    MAX_STRAGGLER_SIGMA) a step of a replica at MIN_REPLICA_SPEED, taken int64-many times, is finite
+    (hypertrain.config's bound: below 1e174 s); at a subnormal speed one step is already infinite."""
+    # numpy's standard normals stay below its ziggurat's tail, 3.65 + sqrt(2 * 53 ln 2) (hypertrain.config)
+    largest = math.exp(MAX_STRAGGLER_SIGMA * (3.65 + math.sqrt(2 * 53 * math.log(2))))
+    monkeypatch.setattr(timeline, "straggler_factors", lambda straggler, k, R: np.full(R, largest))
+    cluster = ClusterConfig(
+        compute="modelled",
+        peak_tflops=MIN_PEAK_TFLOPS,
+        mfu=MIN_MFU,
+        straggler=StragglerConfig(sigma=MAX_STRAGGLER_SIGMA),
+        replica_speeds=[1.0, MIN_REPLICA_SPEED],
+    )
+    cluster.check()
+    row = UpdateRow(update=1, round=1, loss=[1.0, 1.0], tokens=INT64_MAX, rank_seconds=[0.0])
+    shape = Shape(2, 1, 1, 1, 0, "none", "gather")
+    step = Clock(shape, cluster, 1, model_params=INT64_MAX).update(row)
+    # 6 N D / (1 FLOP/s) with N = 2^63 and D = 2^63 / 2 tokens a replica, the factor, over the speed
+    assert step == pytest.approx(6 * INT64_MAX * (INT64_MAX / 2) * largest / MIN_REPLICA_SPEED, rel=1e-12)
+    assert step * INT64_MAX < 1e174
+    subnormal = dataclasses.replace(cluster, replica_speeds=[1.0, 1e-320])  # what check() refuses
+    assert Clock(shape, subnormal, 1, model_params=INT64_MAX).update(row) == math.inf
 
 
 def test_stragglers_are_seeded_lognormal_and_none_at_sigma_zero():
@@ -377,6 +418,26 @@ def test_the_clock_command_refuses_a_cluster_number_with_trainings_own_line(tmp_
     assert clock_lines == [line.replace("hypertrain:", "hypertrain.clock:", 1)]
     assert not GlobalHydra.instance().is_initialized()  # the entry put Hydra back as the clock left it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # neither wrote anything
+
+
+def test_the_clock_command_refuses_speeds_not_one_per_replica_with_trainings_own_line(runs, tmp_path, capsys):
+    """`ClusterConfig.check_replicas`, asked by training's preflight and by the clock for each run it
+    times (by that run's R): the same line, the clock's naming the run, exit 2, nothing written. Fewer
+    speeds than replicas were an IndexError traceback (more, cut silently: the catalogue's
+    clock-speeds-more-than-replicas; a subnormal speed there too)."""
+    run, _, resolved = runs["quick"]
+    override = "cluster.replica_speeds=[1]"
+    assert retime.main([str(run), override, "--out", str(tmp_path / "out")]) == 2
+    clock_lines = capsys.readouterr().err.splitlines()
+    trained = entry([*QUICK, "logger=none", override], tmp_path, process=False)
+    assert trained.returncode == 2, trained.stderr
+    (line,) = trained.stderr.splitlines()
+    assert line == (
+        "hypertrain: error: cluster.replica_speeds=[1.0] has 1 speeds; valid: one per replica "
+        f"({resolved['replicas']}), or []"
+    )
+    assert clock_lines == [line.replace("hypertrain: error: ", f"hypertrain.clock: error: {run}: ", 1)]
+    assert list(tmp_path.iterdir()) == []  # neither wrote anything
 
 
 def test_a_clock_that_overflowed_would_stop_the_run_in_one_line_never_writing_a_non_json_row(

@@ -64,7 +64,7 @@ from helpers import (
     tree,
 )
 from omegaconf import OmegaConf
-from references import U32
+from references import U32, templar_chunks, templar_k
 
 from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, WorldConfig
 from hypertrain.diloco import codecs
@@ -327,6 +327,41 @@ def test_an_all_zero_pseudo_gradient_gives_zeros(codec, reduce, transform):
             spy.gathered[0][:, HEADER_BYTES:] if reduce == "gather" else spy.exchanged[0][..., HEADER_BYTES:]
         )
         assert not sent.any()
+
+
+# Every codec whose payload can be a ragged number of bytes (top-k's fp32 values with int32 indices are
+# 8 bytes an entry: always whole words), top-k's fractions chosen so that TINY's payload is ragged.
+ONE_REPLICA = [(c, r, codecs.TopK(0.5)) for c in QUANTIZERS for r in ("gather", "two_phase")] + [
+    ("topk", "gather", codecs.TopK(0.75 if (bits, values) == (12, "fp16") else 0.5, bits, values))
+    for bits, values in [(32, "fp16"), (32, "int8"), (32, "two_bit"), (12, "fp32"), (12, "fp16")]
+    + [(12, "int8"), (12, "two_bit")]
+]
+
+
+@pytest.mark.parametrize(
+    "codec,reduce,spec", ONE_REPLICA, ids=[f"{c}-{r}-{s.index_bits}-{s.values}" for c, r, s in ONE_REPLICA]
+)
+def test_one_replica_whose_message_is_not_whole_fp32_words_gets_its_own_contribution(codec, reduce, spec):
+    """Issue 48 item 8: with R = 1 the gathered rows are one [1, 8 + b] message, whose header slice has a
+    row stride of 8 + b bytes; a payload of b bytes not a multiple of 4 (checked here for every codec on
+    TINY's ragged blocks) once made reading the fp32 header fail. The one replica's mean is its own decoded
+    contribution d (gather), or d re-encoded and decoded (two_phase: the one shard's mean)."""
+    size = codecs.payload_size(codec, TINY, spec)
+    assert size % 4, f"{codec} {spec}: {size} bytes, a multiple of 4 would not test the stride"
+    gen = torch.Generator().manual_seed(48)
+    x = torch.randn(1, TINY.numel, generator=gen)
+    outer = replace(
+        outer_cfg(codec, reduce, fraction=spec.fraction, ef=True), index_bits=spec.index_bits,
+        topk_values=spec.values,
+    )  # fmt: skip
+    errors = torch.zeros(1, TINY.numel)
+    reduction = compressed_mean(outer, x, errors, torch.tensor([True]), TINY, ReplicaGroups(1))
+    result = reduction.wait()
+    assert result is not None and result.synced == 1
+    own = reduction.own
+    assert torch.equal(errors, x - own)  # error feedback kept what was not sent
+    want = own[0] if reduce == "gather" else codecs.decode(codec, codecs.encode(codec, own, TINY), TINY)[0]
+    assert torch.equal(result.mean, want)
 
 
 @pytest.mark.parametrize("reduce", ["gather", "two_phase"])
@@ -692,7 +727,8 @@ WHOLE_CASES = {
         "outer.topk_fraction=0.05",
         "outer.error_feedback=true",
     ],
-    # SparseLoCo's chunks (issue 37): 4 x 4 tiles of every matrix, one tile a block of 16, k = 2 of it
+    # SparseLoCo's chunks (issue 37; templar's, issue 48): 4 x 4 tiles of every matrix, one tile a block of
+    # 16, k = 2 of it, and of every chunk of the 1-D tensors (runs of 4)
     "topk-tiles-ef": [
         "outer.compress=topk",
         "outer.tile=4",
@@ -747,7 +783,9 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
     weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=True)
     blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
-    b = payload_formula(outer.compress, blocks, outer.topk_fraction, outer.topk_values, outer.index_bits)
+    tiled = ([tuple(t.shape) for t in weights.values()], outer.tile) if outer.tile else None
+    spec = (outer.topk_fraction, outer.topk_values, outer.index_bits)
+    b = payload_formula(outer.compress, blocks, *spec, tiled=tiled)
     assert all(r["payload_bytes"] == b for r in syncs), (b, syncs)
 
 
@@ -833,19 +871,25 @@ def fp32_ring_bytes(params: int, n: int) -> float:
 
 
 def payload_formula(
-    codec: str, blocks: Blocks, fraction: float, values: str = "fp32", index_bits: int = 32
+    codec: str, blocks: Blocks, fraction: float, values: str = "fp32", index_bits: int = 32, tiled=None
 ) -> int:
     """One replica's payload from the formats' definitions (docs/compression.md): int8 one byte per value
     and an fp32 scale per block; fp4_e2m1 and e3m0 two values per byte, packed per block, and a scale;
     top-k, for each of ceil(f x L) entries of a block of L, its value (fp32 4 bytes, fp16 2, int8 1 and
     an fp32 scale per block, two_bit 2 bits packed per block and 20 bytes per tensor) and its index (int32,
-    or 12 bits: two in three bytes, an odd last one in two)."""
+    or 12 bits: two in three bytes, an odd last one in two). `tiled` (the tensors' shapes, outer.tile T):
+    the blocks are templar's chunks and top-k keeps `templar_k` of a whole tile's ceil(f T^2) of each
+    (tests/references.py)."""
     lengths = block_lengths(blocks)
+    ks = [kept(fraction, length) for length in lengths]
+    if tiled is not None:
+        shapes, tile = tiled
+        lengths = [len(c) for shape in shapes for c in templar_chunks(shape, tile)]
+        ks = [templar_k(math.ceil(fraction * tile * tile), length) for length in lengths]
     if codec == "int8":
         return sum(lengths) + 4 * len(lengths)
     if codec in ("fp4_e2m1", "e3m0"):
         return sum(-(-length // 2) for length in lengths) + 4 * len(lengths)
-    ks = [kept(fraction, length) for length in lengths]
     per_value = {"fp32": lambda k: 4 * k, "fp16": lambda k: 2 * k, "int8": lambda k: 4 + k}
     per_value["two_bit"] = lambda k: -(-k // 4)
     total = sum(per_value[str(values)](k) for k in ks)
@@ -968,6 +1012,21 @@ def test_a_bad_compression_setting_is_one_line_exit_2_and_creates_nothing(tmp_pa
     assert lines[0].startswith("hypertrain: error: " + says), lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert tree(tmp_path) == {}
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_a_block_beyond_every_tensor_trains_as_one_block_per_tensor(codec):
+    """Issue 48 item 12: outer.block=2^62 once overflowed torch's storage at the first sync. A block never
+    crosses a tensor, so it is each tensor one block: the run (stacked, 2 syncs, top-k with error
+    feedback) equals the run at outer.block = the largest tensor's size, losses and weights exactly."""
+    base = small_cfg(outer=OuterConfig(compress=codec, topk_fraction=0.25, error_feedback=codec == "topk"))
+    largest = max(t.numel() for t in init_params(base.model, seed=0).values())
+    runs = [
+        run_rounds(replace(base, outer=replace(base.outer, block=block)), stacked.train_replicas)
+        for block in (2**62, largest)
+    ]
+    (losses, theta), (want_losses, want_theta) = runs
+    assert losses == want_losses and all(torch.equal(theta[n], want_theta[n]) for n in theta)
 
 
 # -- 8. none spelled out is today's run ---------------------------------------------------------------

@@ -162,6 +162,70 @@ def test_the_launcher_plugins_named_in_refusals_are_the_dev_extras_pins():
     assert {requirement for requirement, _ in LAUNCHER_PLUGINS.values()} <= pins
 
 
+def _distributions(requirements: list[str], extras: dict[str, list[str]]) -> set[str]:
+    """The distributions `requirements` install, transitively, as installed here: a requirement of
+    hypertrain's own extras (`hypertrain[data]`) expands to that extra's, every other to its
+    distribution and those it requires (their markers read with the extras asked of them)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: set[str] = set()
+    todo = [(Requirement(text), "") for text in requirements]
+    while todo:
+        requirement, extra = todo.pop()
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name == "hypertrain":
+            todo += [(Requirement(text), "") for e in requirement.extras for text in extras[e]]
+            continue
+        asked = sorted(requirement.extras) or [""]
+        if (name, tuple(asked)) in found:
+            continue
+        found.add((name, tuple(asked)))
+        try:
+            needs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [(Requirement(text), e) for text in needs for e in asked]
+    return {name for name, _ in found}
+
+
+def test_the_dev_extra_installs_every_module_the_tests_import():
+    """`pip install -e .[dev]` alone runs the suite (issue 48: 37 errors on `import pyarrow`, the data
+    extra's): every installed distribution a test file imports from, at any depth, is among those the
+    dependencies and the dev extra install."""
+    import ast
+    import sys
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    tomllib = pytest.importorskip("tomllib")
+    tests = Path(__file__).resolve().parent
+    project = tomllib.loads((tests.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    installed = _distributions(project["dependencies"] + extras["dev"], extras)
+    own = {"hypertrain", "hydra_plugins"} | {path.stem for path in tests.glob("*.py")}
+    modules = set()
+    for path in tests.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    owners = packages_distributions()
+    third_party = sorted(modules - own - set(sys.stdlib_module_names))
+    missing = {
+        module: owners[module]
+        for module in third_party
+        if module in owners and not {canonicalize_name(d) for d in owners[module]} & installed
+    }
+    assert not missing, f"imported by tests, installed by neither the dependencies nor dev: {missing}"
+
+
 def _options(group: str) -> list[str]:
     if group == "phase":  # the plan's presets, registered with Hydra (hypertrain.preflight.schema)
         return sorted(plan.PRESETS)

@@ -8,8 +8,10 @@ inputs, against float64 references written here from the paper's algorithm, and 
 2. Deliberately broken variants (P not orthogonalized; the warm start not kept) are caught.
 3. Error feedback telescopes: after K syncs, for every replica and every matrix, what was applied plus
    the replica's buffer is the sum of its pseudo-gradients; a replica that did not step keeps its buffer.
-4. rank = min(rows, cols) recovers the mean exactly within rounding; a matrix that did not move gives
-   zeros and keeps its warm start; a non-finite pseudo-gradient stops the sync before anything is sent.
+4. rank = min(rows, cols) recovers the mean exactly within rounding, whatever P's condition (P is
+   orthonormalized by a Householder QR: issue 48), the benchmark layout's real processes too; a matrix
+   that did not move gives zeros and keeps its warm start; a non-finite pseudo-gradient stops the sync
+   before anything is sent.
 5. loop = stacked (each against the float64 run of the same code); the stage on real processes (gloo,
    P = 2 and 4, both layouts) equals the simulation bitwise, the bytes handed to the collectives the
    formula's; whole runs on 2 real processes equal the simulation exactly (fragments with a delay too);
@@ -37,22 +39,28 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    DIST,
     RUN,
     assert_engines_agree,
     assert_identical_but,
     assert_identical_streaming,
     cfg_for,
     ckpt,
+    compose_cfg,
     finish,
     fork_ranks,
     killed_beside_uninterrupted,
     resumed,
+    rounding_floors,
+    simulate,
+    simulated_beside,
     start_entry,
 )
-from references import U32
+from references import ROUNDING_FACTOR, U32, assert_losses_within_rounding, assert_within_rounding
 
 from hypertrain.config import OuterConfig
 from hypertrain.diloco import lowrank
+from hypertrain.diloco import sync as sync_module
 from hypertrain.diloco.communication import HEADER_BYTES
 from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
 from hypertrain.distributed.groups import ReplicaGroups
@@ -143,9 +151,9 @@ def check_sync(
       |P32 - P64| <= gamma(cols + R + 2) mean_m |M_m| |Q0|;
     - P orthonormalized: to first order the Q factor of A + dA moves by at most sqrt(2) ||A^+||_2 ||dA||_F
       (the normwise perturbation bound of the QR factorization's Q factor: Sun 1991, "Perturbation bounds
-      for the Cholesky and QR factorizations"), dA being the input's error above plus modified
-      Gram-Schmidt's own error, of order gamma(2 rows r) ||A||_F (Bjorck 1967); twice that for the
-      second-order terms;
+      for the Cholesky and QR factorizations"), dA being the input's error above plus the Householder
+      QR's own backward error, gamma(rows r) ||A||_F (Higham, "Accuracy and Stability of Numerical
+      Algorithms", Thm 19.4; gamma(2 rows r) here); twice that for the second-order terms;
     - Q_m = M_m^T P: ||dQ||_F <= mean_m (||M_m||_F ||dP||_F + gamma(rows + R + 2) || |M_m|^T |P| ||_F);
     - P Q^T: ||dD||_F <= ||dP||_F ||Q||_F + (1 + ||dP||_F) ||dQ||_F + gamma(r) || |P| |Q|^T ||_F.
     """
@@ -331,18 +339,126 @@ def test_rank_min_rows_cols_recovers_the_mean_exactly_within_rounding():
         want = deltas[:, span].double().mean(0).numpy().reshape(rows, cols)
         ms = [deltas[m, span].double().numpy().reshape(rows, cols) for m in range(R)]
         p64, *_, d64 = power_iteration64(ms, before[name].double().numpy(), [True, True])
-        # float64: modified Gram-Schmidt loses orthogonality by about eps64 * cond(P) (Bjorck 1967), and
-        # P P^T M adds two products of length rows and cols: within 4 (rows + cols) eps64 cond(P) ||M||
+        # float64: numpy's Householder QR (the reference's) is backward stable, its P's span within about
+        # eps64 * cond(P) of P's, and P P^T M adds two products of length rows and cols: within
+        # 4 (rows + cols) eps64 cond(P) ||M||
         eps64 = 2.0**-53
         bound = 4 * (rows + cols) * eps64 * np.linalg.cond(p64) * np.linalg.norm(want)
         assert np.linalg.norm(d64 - want) <= bound, name
 
 
+# -- full rank: P orthonormal whatever its condition (issue 48, item 6) -----------------------------------
+
+
+def householder_theta(rows: int, r: int) -> float:
+    """A bound on ||P^T P - I||_2 for orthogonalize's fp32 P [rows, r]: Householder QR's computed Q is
+    within sqrt(r) g (Frobenius) of an exactly orthonormal Q, g = gamma(rows r) (Higham, "Accuracy and
+    Stability of Numerical Algorithms", Thm 19.4, its constant c taken as 1), so ||P^T P - I||_2 <=
+    2 sqrt(r) g + r g^2. The sign flips are exact."""
+    g = gamma(rows * r)
+    return 2 * math.sqrt(r) * g + r * g * g
+
+
+def full_rank_bound(ms: list[np.ndarray], q0: np.ndarray) -> float:
+    """How far (Frobenius) the stage's decoded mean may be from mean(M) at r = min(rows, cols), where
+    PowerSGD is exact in exact arithmetic. `ms`: the fp32 inputs M_m of the replicas that took part,
+    `q0` the fp32 warm start, both as float64. With P-hat the computed orthonormal P, Pi the projection on
+    the exactly orthonormal Q of Thm 19.4 (whose QR is that of P + dA, ||dA||_F <= g ||P||_F) and
+    theta = `householder_theta`: decoded - mean(M) = (P-hat P-hat^T - Pi) mean(M) + (Pi - I) mean(M) +
+    the products' rounding, so the bound is the sum of
+    - theta ||mean(M)||_F;
+    - for a tall matrix (r = cols < rows; a wide or square one's Pi is I): P = mean(M) Q0 + E, |E| <=
+      gamma(cols + R) mean_m |M_m| |Q0| (each P_m a product of length cols, then R - 1 sums and the
+      division), and (I - Pi)(P + dA) = 0, so ||(I - Pi) mean(M)||_F <= (||E||_F + ||dA||_F) ||Q0^-1||_2:
+      PowerSGD reaches a tall matrix's columns through Q0, so its rounding is amplified by cond(Q0), in
+      every fp32 path alike;
+    - Q = mean_m M_m^T P-hat, rows + R roundings: ||dQ||_F <= gamma(rows + R) mean_m ||M_m||_F ||P-hat||_F,
+      entering as ||P-hat||_2 ||dQ||_F; the product P-hat Q^T, r terms: gamma(r) ||P-hat||_F ||Q||_F;
+      ||P-hat||_2 <= 1 + theta, ||P-hat||_F <= sqrt(r) (1 + theta)."""
+    R, (rows, cols) = len(ms), ms[0].shape
+    r = min(rows, cols)
+    assert q0.shape == (cols, r)
+    mean = sum(ms) / R
+    theta = householder_theta(rows, r)
+    bound = theta * np.linalg.norm(mean)
+    if r < rows:
+        e = gamma(cols + R) * np.linalg.norm(sum(np.abs(m) @ np.abs(q0) for m in ms) / R)
+        da = gamma(rows * r) * (np.linalg.norm(mean @ q0) + e)
+        bound += (e + da) / np.linalg.svd(q0, compute_uv=False)[-1]
+    p_2, p_f = 1 + theta, math.sqrt(r) * (1 + theta)
+    dq = gamma(rows + R) * sum(np.linalg.norm(m) for m in ms) / R * p_f
+    return bound + p_2 * dq + gamma(r) * p_f * (p_2 * np.linalg.norm(mean) + dq)
+
+
+def conditioned(rows: int, cols: int, rank: int, cond: float, gen: torch.Generator) -> torch.Tensor:
+    """A [rows, cols] fp32 matrix of `rank` singular values spaced geometrically from 1 down to 1 / cond
+    (random singular vectors): ill conditioned, or rank deficient when rank < min(rows, cols)."""
+    u, _ = torch.linalg.qr(torch.randn(rows, rank, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, rank, generator=gen, dtype=torch.float64))
+    s = torch.logspace(0, -math.log10(cond), rank, dtype=torch.float64)
+    return ((u * s) @ v.t()).float()
+
+
+def test_orthogonalize_keeps_the_columns_orthonormal_whatever_the_condition():
+    """P [rows, r] of condition 1e7, rank deficient (rank 8 of 32, as a matrix whose rows are mostly zero
+    gives), square, and all zero (a matrix that did not move): the columns are orthonormal within
+    `householder_theta` and span P's (P-hat P-hat^T P = P within 3 theta ||P|| and the two products'
+    rounding). fp32 Gram-Schmidt loses orthogonality by about u cond(P) (Bjorck 1967): O(1) on all but
+    the zero one. (Its signs, Gram-Schmidt's, where P is well conditioned: `check_sync`.)"""
+    gen = torch.Generator().manual_seed(48)
+    cases = {
+        "cond 1e7": conditioned(96, 32, 32, 1e7, gen),
+        "rank 8 of 32": conditioned(48, 32, 8, 10.0, gen),
+        "square cond 1e6": conditioned(32, 32, 32, 1e6, gen),
+        "zero": torch.zeros(16, 8),
+    }
+    for name, p in cases.items():
+        rows, r = p.shape
+        got = lowrank.orthogonalize(p.clone()).double()
+        theta = householder_theta(rows, r)
+        gram = got.t() @ got - torch.eye(r, dtype=torch.float64)
+        assert float(torch.linalg.matrix_norm(gram, ord=2)) <= theta, name
+        back = got @ (got.t() @ p.double()) - p.double()
+        assert float(back.norm()) <= (3 * theta + 2 * gamma(rows + r)) * float(p.norm()), name
+
+
+def test_full_rank_recovers_the_mean_within_the_derived_bound_whatever_the_condition():
+    """rank >= every side: the stage's decoded mean of R = 2 replicas' ill-conditioned matrices (wide,
+    square, tall, condition 1e6; one of rank 4 of 24) is mean(M) within `full_rank_bound`, at the first
+    sync (the drawn Q0) and the next (warm-started from the first's Q, as ill conditioned as the mean:
+    the tall matrix's bound grows with it); so is one worker's `power_step` and its decode (an
+    asynchronous arrival, R = 1) from the same warm start. fp32 Gram-Schmidt left P P^T no projection
+    here and missed the mean by O(1)."""
+    gen = torch.Generator().manual_seed(6)
+    shapes = {"wide": (24, 40), "square": (32, 32), "tall": (48, 16), "deficient": (24, 24), "b": (5,)}
+    ranks = {"wide": 24, "square": 32, "tall": 16, "deficient": 4}
+    factors, q = Factors.of(shapes, 64), warm_starts(shapes, 64)
+
+    def replica() -> torch.Tensor:
+        parts = [conditioned(*shapes[n], k, 1e6, gen).reshape(-1) for n, k in ranks.items()]
+        return torch.cat([*parts, torch.randn(5, generator=gen)])
+
+    for sync in range(2):
+        q0 = {n: t.clone() for n, t in q.items()}  # this sync's warm start (the sync moves q)
+        deltas = torch.stack([replica(), replica()])
+        _, result = one_sync(shapes, 64, deltas, None, [True, True], q)
+        worker_q = {n: t.clone() for n, t in q0.items()}
+        alone = lowrank.from_power_step(factors, lowrank.power_step(factors, deltas[0], worker_q), worker_q)
+        for name, (start, rows, cols) in matrices(shapes).items():
+            span = slice(start, start + rows * cols)
+            ms = [deltas[m, span].double().numpy().reshape(rows, cols) for m in range(2)]
+            warm = q0[name].double().numpy()
+            got = result.mean[span].double().numpy().reshape(rows, cols)
+            assert np.linalg.norm(got - sum(ms) / 2) <= full_rank_bound(ms, warm), (sync, name, "sync")
+            worker = alone[span].double().numpy().reshape(rows, cols)
+            assert np.linalg.norm(worker - ms[0]) <= full_rank_bound(ms[:1], warm), (sync, name, "worker")
+
+
 def test_a_matrix_that_did_not_move_gives_zeros_and_keeps_its_warm_start():
-    """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (Gram-Schmidt
-    leaves a zero column zero), and every warm start unchanged (a Q that came back zero would hold the
-    power iteration at zero for good); the next sync, with movement, is the float64 power iteration
-    from that same warm start."""
+    """An all-zero pseudo-gradient (a sync where nothing moved) gives a zero mean, no NaN (P = 0 gets
+    orthonormal columns, and M^T P = 0), and every warm start unchanged (a Q that came back zero would
+    hold the power iteration at zero for good); the next sync, with movement, is the float64 power
+    iteration from that same warm start."""
     R = 2
     q = warm_starts(SHAPES, RANK)
     kept = {n: t.clone() for n, t in q.items()}
@@ -558,6 +674,92 @@ def test_real_processes_equal_the_simulation_exactly_in_whole_runs(tmp_path, ext
         assert missed and missed[0]["replicas_synced"] == 1 and missed[0]["compress_error"][1] is None
         assert missed[0]["bits_per_param"][1] is None
     assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
+
+
+# Full rank in the benchmark layout (issue 48, item 6): W = 4 processes, R = 2 replicas of L = 2 ranks each
+# (a replica's gradient the average of its two ranks', so its weights are the simulation's within rounding,
+# not bitwise); rank 32 = the width of QUICK's model, every matrix's smaller side; three syncs.
+FULL_RANK = [*DIST, "world=4", "replicas=2", "inner.H=2", "phase.updates=6"]
+
+
+@pytest.mark.slow
+def test_full_rank_in_the_benchmark_layout_equals_the_simulation_within_rounding(tmp_path, monkeypatch):
+    """Invariant 7 at full rank, real processes in the benchmark layout against the simulation, both
+    against the float64 DiLoCo run (outer.compress=none): at r = min(rows, cols) PowerSGD is exact in
+    exact arithmetic (`full_rank_bound`), so that run is both fp32 low-rank paths' reference.
+
+    1. Each path against the other, test_dist's bound (invariant 7: the same arithmetic, the inner sums
+       in another order): its losses', held-out losses' and final weights' error within twice the
+       other's, or twice the rounding floor (`rounding_floors`, references.py).
+    2. Each path's final weights within twice (fp32 DiLoCo's own error, or the floor, plus what the stage
+       may add): every sync's decoded mean within `full_rank_bound` of the mean on the simulation's own
+       inputs (recorded here), an error of the mean pseudo-gradient reaching the weights through the outer
+       step with gain at most lr (1 + mu + mu^2 + ...) = lr / (1 - mu) (its share of this and every later
+       update, torch.optim.SGD's momentum, Nesterov or not).
+    fp32 Gram-Schmidt, which loses orthogonality by about u cond(P) (at full rank P is ill conditioned),
+    failed both: real processes' wv 2.4 times the first bound, and weights up to 60 times the second."""
+    full = [*FULL_RANK, "outer.compress=lowrank", "outer.lowrank_rank=32"]
+    proc = start_entry([*full, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    diloco = compose_cfg([*FULL_RANK, "outer.compress=none"])
+    batches, ref, diloco32, run = simulated_beside(proc, diloco)  # float64 and fp32 DiLoCo, here
+    allowed: dict[str, float] = {}  # what the stage may add to each matrix, summed over the syncs
+
+    def recorded(factors, deltas, errors, active, q, *args, **kwargs):
+        for mat in factors.matrices:
+            span = slice(mat.start, mat.start + mat.rows * mat.cols)
+            ms = [
+                deltas[m, span].double().numpy().reshape(mat.rows, mat.cols)
+                for m in range(len(active))
+                if active[m]
+            ]
+            bound = full_rank_bound(ms, q[mat.name].double().numpy())
+            allowed[mat.name] = allowed.get(mat.name, 0.0) + bound
+        return lowrank_mean(factors, deltas, errors, active, q, *args, **kwargs)
+
+    monkeypatch.setattr(sync_module, "lowrank_mean", recorded)
+    cfg = compose_cfg(full)
+    try:
+        sim = simulate(cfg)[:3]  # the low-rank simulation, fp32, the stage's inputs recorded
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    done = finish(proc)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    weights = torch.load(tmp_path / "run" / "weights.pt")
+    assert set(allowed) == {n for n, t in weights.items() if t.dim() >= 2}
+    assert min(min(t.shape[0], t[0].numel()) for t in weights.values() if t.dim() >= 2) == 32
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    assert len(syncs) == 3 and all(r["payload_bytes"] > 0 for r in syncs)
+    evals = [r["eval_loss"] for r in rows if r["kind"] == "eval"] + [r["eval_loss"] for r in syncs]
+    got = ([r["loss"] for r in rows if r["kind"] == "update"], evals, weights)
+    loss_floor, weight_floor = rounding_floors(diloco, batches, len(ref[0]))
+    heldout_floor = rounding_floors(diloco, [run.heldout], 1)[0]
+    as_rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    gain = cfg.outer.lr / (1 - cfg.outer.momentum)
+    used = {}
+    for name, path, other in (("dist", got, sim), ("simulation", sim, got)):
+        losses = assert_losses_within_rounding(path[0], other[0], ref[0], loss_floor)
+        heldout = assert_losses_within_rounding(
+            as_rows(path[1]), as_rows(other[1]), as_rows(ref[1]), heldout_floor
+        )
+        mutual = max(
+            assert_within_rounding(path[2][n], other[2][n], t, weight_floor * float(t.norm()), n)
+            for n, t in ref[2].items()
+        )
+        diloco_used = 0.0
+        for n, t in ref[2].items():
+            err, own = (float((w[n].double() - t).norm()) for w in (path[2], diloco32[2]))
+            bound = ROUNDING_FACTOR * (max(own, weight_floor * float(t.norm())) + gain * allowed.get(n, 0.0))
+            assert err <= bound, (name, n, err, bound)
+            diloco_used = max(diloco_used, err / bound)
+        used[name] = {
+            "losses": losses,
+            "held-out": heldout,
+            "weights": mutual,
+            "weights vs DiLoCo": diloco_used,
+        }
+    print("fraction of each bound used:", used)
 
 
 # -- SIGKILL and resume -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ folder). Its one-line refusals are in tests/test_bad_input.py's catalogue."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from hypertrain.config import UserError
 from hypertrain.data import corpus
 from hypertrain.data.__main__ import main
+from hypertrain.data.bpe import byte_level_bpe
 from hypertrain.data.prepare import prepare, private_hf_home
+from hypertrain.failures import DiskFull
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the a corpus token stream of replicas rounds outer inner naïve café 東京 🙂 def return x".split()
@@ -168,8 +172,12 @@ def test_a_trained_tokenizer_is_the_same_every_time(tmp_path, inputs):
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
-    for name in (corpus.TOKENIZER, corpus.TOKENS, corpus.META):
+    for name in (corpus.TOKENIZER, corpus.TOKENS):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    metas = [json.loads((tmp_path / name / corpus.META).read_text()) for name in ("one", "two")]
+    for meta in metas:
+        del meta["stamps"]  # when each file was written: the one field that differs
+    assert metas[0] == metas[1]
 
 
 def test_the_meta_counts_each_source_and_hashes_its_files(tmp_path, inputs):
@@ -219,14 +227,29 @@ def test_the_same_request_again_writes_nothing(tmp_path, inputs, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
-def test_bad_utf8_bytes_are_replaced_and_counted(tmp_path, capsys):
+@pytest.mark.parametrize("tokenizer", ["bytes", "train:300"])
+def test_text_that_is_not_utf8_is_replaced_and_counted_in_text_and_jsonl(tmp_path, capsys, tokenizer):
+    """Bad bytes in a text file and in a JSONL line, and a JSON string's lone surrogate (which UTF-8 cannot
+    spell: it stopped the encoder, and the trainer, with a traceback), each become U+FFFD; the summary
+    counts the documents that had any (a record with both, once)."""
     (tmp_path / "a.txt").write_bytes(b"caf\xe9 ok")  # Latin-1, not UTF-8
     (tmp_path / "b.txt").write_bytes("café ok".encode())
+    records = [
+        (b'{"text": "caf\xe9 line"}', "caf\ufffd line"),  # a bad byte
+        (b'{"text": "fine"}', "fine"),
+        (b'{"text": "half \\ud800 a pair"}', "half \ufffd a pair"),  # a lone surrogate
+        (b'{"text": "\\udfff both", "id": "\xff"}', "\ufffd both"),  # a surrogate and a bad byte elsewhere
+    ]
+    (tmp_path / "c.jsonl").write_bytes(b"\n".join(line for line, _ in records) + b"\n")
+    expected = ["caf\ufffd ok", "café ok", *(text for _, text in records)]
+    bad = sum("\ufffd" in text for text in expected)  # every replacement is a bad byte or a surrogate here
     out = tmp_path / "corpus"
-    assert main(["prepare", str(tmp_path / "*.txt"), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("; 1 document had bad UTF-8 bytes, replaced by U+FFFD")
-    said = corpus.Tokenizer(out, corpus.read(out).meta)
-    assert [said.decode(ids) for ids in documents_of(out)] == ["caf\ufffd ok", "café ok"]
+    args = ["prepare", str(tmp_path / "*.txt"), str(tmp_path / "c.jsonl"), "--out", str(out)]
+    assert main([*args, "--tokenizer", tokenizer]) == 0
+    said = capsys.readouterr().out.rstrip()
+    assert said.endswith(f"; {bad} documents had text that is not UTF-8, replaced by U+FFFD"), said
+    decoder = corpus.Tokenizer(out, corpus.read(out).meta)
+    assert [decoder.decode(ids) for ids in documents_of(out)] == expected
 
 
 def test_compressed_text_and_jsonl_are_read_through_their_suffix(tmp_path):
@@ -306,17 +329,21 @@ sys.exit(command.main(sys.argv[2:]))
 def test_an_interrupted_prepare_leaves_no_corpus(tmp_path, inputs, stop, code):
     out = tmp_path / "corpus"
     args = ["prepare", inputs["jsonl"], "--out", str(out), "--tokenizer", "train:300", "--quiet"]
+    temporary = tmp_path / "tmp"  # the temporary folder of the killed prepare: nothing of it may stay there
+    temporary.mkdir()
+    env = os.environ | {"TMPDIR": str(temporary)}
     done = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED, stop, *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", INTERRUPTED, stop, *args], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == code, done.stderr
-    assert not out.exists()
+    assert not out.exists() and list(temporary.iterdir()) == []
     if stop == "ctrl-c-while-encoding":
         assert done.stderr == f"hypertrain: prepare interrupted: {out} not written\n"
-    left = [p.name for p in tmp_path.iterdir()]
-    assert left == ([".corpus.partial"] if stop == "kill-before-rename" else []), left  # the rest cleaned
+    left = sorted(p.name for p in tmp_path.iterdir() if p != temporary)
+    killed = [".corpus.lock", ".corpus.partial"]  # the lock (not held: the kernel dropped it) and the
+    assert left == (killed if stop == "kill-before-rename" else []), left  # partial corpus, HF's caches in it
     assert main(args) == 0  # the next prepare removes what a killed one left, and writes the corpus
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "tmp"]
     assert corpus.read(out).meta.documents == len(DOCUMENTS)
 
 
@@ -391,3 +418,250 @@ def test_prepare_writes_nowhere_but_its_output(tmp_path, inputs):
     assert list(home.rglob("*")) == [] and list(temporary.rglob("*")) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "home", "tmp"]
     assert corpus.read(out).meta.documents == len(kinds) * len(DOCUMENTS)
+
+
+# -- issue 48: prepare's inputs, its output's place, a long document -----------------------------------
+
+
+def test_a_recursive_glob_never_enters_a_symlinked_folder_and_reads_a_file_once(tmp_path):
+    """`v/latest -> v1` made 3 files 6 documents (the held-out ones copies of training ones), a link back
+    up made 1 file 41: `**` does not enter a symlinked folder, and a file reached by two names (through
+    a `*`, or a link to a file) is read once."""
+    v = tmp_path / "v"
+    (v / "v1").mkdir(parents=True)
+    files = {v / "v1" / "a.txt": "first", v / "v1" / "b.txt": "second", v / "c.txt": "third"}
+    for path, text in files.items():
+        path.write_text(text)
+    (v / "latest").symlink_to("v1")
+    (v / "loop").symlink_to(".")
+    (v / "alias.txt").symlink_to(v / "c.txt")
+    for pattern in ("v/**/*.txt", "v/*/*.txt", "v/**/*"):  # `*` goes through v/latest and v/loop: once
+        out = tmp_path / f"corpus-{len(list(tmp_path.iterdir()))}"
+        meta = prepare([str(tmp_path / pattern)], out, "bytes", "text", progress=False).meta
+        read = sorted(corpus.Tokenizer(out, meta).decode(ids) for ids in documents_of(out))
+        assert read == sorted(files.values()), pattern
+
+
+def test_the_glob_matches_what_glob_matches_where_there_are_no_symlinks(tmp_path):
+    """sources.matches (the glob that does not follow symlinked folders) against the standard library's
+    glob on a tree without links: hidden names, `**` at every place, folders, character classes."""
+    import glob
+
+    from hypertrain.data.sources import matches
+
+    for name in ("a.txt", "b.md", ".hidden.txt", "d/e.txt", "d/.h/f.txt", "d/g/h.txt", "x1/y.txt", "x2/z"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    patterns = ["**/*.txt", "*", "**", "**/", "*/", ".*", "**/.*", "d/**/*.txt", "x[12]/*", "?.md", "d/**"]
+    for pattern in patterns:
+        full = str(tmp_path / pattern)
+        mine = sorted(os.path.normpath(p) for p in matches(full))
+        assert mine == sorted(os.path.normpath(p) for p in glob.glob(full, recursive=True)), pattern
+
+
+# Texts that meet every alternative of the ByteLevel regex at a cut: contractions, runs of spaces and
+# newlines, tabs and "\r\n", digits, underscores, punctuation, letters of other scripts, emoji.
+TRICKY = ["it's", "they're", "I'd", "  ", "\n\n", " \n ", "\r\n", "\t", "123", "4 5", "_x_", "a__b", "...",
+          "东京", "🙂", "naïve", "x\n", "'s'", "end.", "--", "  \t\n", "Ω", "٣"]  # fmt: skip
+
+
+def tricky_text(rng: random.Random, words: int) -> str:
+    return "".join(rng.choice(TRICKY + WORDS) + rng.choice(["", " ", "\n", "  "]) for _ in range(words))
+
+
+def test_a_long_text_cut_into_pieces_has_the_ids_of_the_whole_with_a_byte_level_bpe():
+    """bpe.pieces: the ids of the pieces, joined, are the whole text's, for the BPE train:V fits, at
+    every piece size down to 2 (a cut at nearly every allowed place); and the rule that allows pieces
+    (bpe.cuts_keep_tokens) refuses the tokenizers where a cut can change the ids, here shown to."""
+    from hypertrain.data.bpe import byte_level_bpe, cuts_keep_tokens, pieces
+
+    rng = random.Random(0)
+    texts = [tricky_text(rng, 400) for _ in range(6)]
+    trained = byte_level_bpe(texts, 600, ["<|endoftext|>"])
+    trained.encode_special_tokens = True
+    assert cuts_keep_tokens(trained)
+    for text in texts:
+        whole = trained.encode(text, add_special_tokens=False).ids
+        for size in (2, 3, 8, 64):
+            parts = pieces(text, size)
+            assert "".join(parts) == text and len(parts) > 1
+            joined = [i for p in parts for i in trained.encode(p, add_special_tokens=False).ids]
+            assert joined == whole, size
+
+    prefixed = tokenizers.Tokenizer.from_str(trained.to_str())
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # a space before each piece
+    normalized = tokenizers.Tokenizer.from_str(trained.to_str())
+    normalized.normalizer = tokenizers.normalizers.Lowercase()
+    added = tokenizers.Tokenizer.from_str(trained.to_str())
+    added.add_tokens(["e\nend"])  # an added token, not special: matched across a cut
+    for refused in (prefixed, normalized, added):
+        assert not cuts_keep_tokens(refused)
+    text = "it's the\nend"
+    parts = pieces(text, 4)
+    assert parts == ["it's the", "\nend"]
+    for refused in (prefixed, added):
+        whole = refused.encode(text, add_special_tokens=False).ids
+        assert [i for p in parts for i in refused.encode(p, add_special_tokens=False).ids] != whole
+
+
+class RecordingTokenizer:
+    """A tokenizers.Tokenizer that records the characters of each encode_batch call."""
+
+    def __init__(self, hf):
+        object.__setattr__(self, "hf", hf)
+        object.__setattr__(self, "calls", [])
+
+    def encode_batch(self, texts, **kwargs):
+        self.calls.append(sum(len(t) for t in texts))
+        return self.hf.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.hf, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.hf, name, value)
+
+
+def test_a_long_document_is_encoded_a_batch_at_a_time_to_the_ids_of_the_whole(tmp_path, monkeypatch):
+    """One document 40 times the batch (scaled down: pieces of 64 characters, batches of 512): no
+    encode_batch call gets more than a batch (the whole document went to one call: 188 bytes of memory a
+    character), and the stored ids are tokenizers' own for the whole document."""
+    from hypertrain.data import prepare as module
+
+    monkeypatch.setattr(module, "PIECE_CHARS", 64)
+    monkeypatch.setattr(module, "BATCH_CHARS", 512)
+    trained = []
+
+    def recorded(*args):
+        trained.append(RecordingTokenizer(byte_level_bpe(*args)))
+        return trained[-1]
+
+    monkeypatch.setattr(module, "byte_level_bpe", recorded)
+    document = tricky_text(random.Random(1), 5000)[: 40 * 512]
+    (tmp_path / "long.txt").write_text(document)
+    (tmp_path / "short.txt").write_text(DOCUMENTS[0])
+    out = tmp_path / "corpus"
+    prepare([str(tmp_path / "*.txt")], out, "train:400", "text", progress=False)
+    assert len(document) > 40 * 500 and max(trained[0].calls) <= 512, trained[0].calls
+    stored = [ids[:-1].tolist() for ids in documents_of(out)]
+    assert stored == own_encoding(out, [document, DOCUMENTS[0]])
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_a_full_disk_is_one_line_exit_4_and_leaves_nothing(tmp_path, inputs, monkeypatch, capsys):
+    """ENOSPC injected in this process (no full filesystem can be made here): the disk fills while
+    tokens.bin is written. Exit 4, training's code for a full disk (failures.DiskFull); no partial
+    corpus, no lock, none of the folders made for them."""
+
+    def full(directory, *args, **kwargs):
+        (directory / corpus.TOKENS).write_bytes(bytes(1000))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / corpus.TOKENS))
+
+    monkeypatch.setattr(corpus, "write", full)
+    out = tmp_path / "new" / "corpus"
+    assert main(["prepare", inputs["text"], "--out", str(out), "--quiet"]) == DiskFull.exit_code == 4
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"hypertrain: error: no space left on the device writing --out '{out}' ("), line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["a folder to make", "the lock file"])
+def test_a_read_only_filesystem_is_one_line_and_leaves_nothing(tmp_path, inputs, monkeypatch, capsys, where):
+    """EROFS injected in this process (no read-only filesystem can be mounted here) for whatever is created
+    under `ro`, a folder or a file: one line, exit 2, nothing made."""
+    from hypertrain.data import lockfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_mkdir, real_open = os.mkdir, open
+
+    def refused(path):
+        if Path(path).is_relative_to(ro) and not os.path.exists(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refused(path) or real_mkdir(path, *a, **k))
+    monkeypatch.setattr(
+        lockfile, "open", lambda path, *a: refused(path) or real_open(path, *a), raising=False
+    )
+    out = ro / "sub" / "corpus" if where == "a folder to make" else ro / "corpus"
+    assert main(["prepare", inputs["text"], "--out", str(out)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line == (
+        f"hypertrain: error: --out '{out}': nothing can be created in {ro} (Read-only file system); "
+        "valid: a new or empty directory where this user can write"
+    )
+    assert list(ro.iterdir()) == []
+
+
+def test_a_mount_point_is_refused_before_any_work_and_a_bind_mount_at_the_rename(
+    tmp_path, inputs, monkeypatch, capsys
+):
+    """An empty mount point as --out was filled on its parent's filesystem, then its rmdir failed (EBUSY)
+    after all the work. os.path.ismount's answer and the rename's EBUSY are injected in this process: the
+    first is refused before an input is read, the second (a bind mount ismount cannot see) at the rename,
+    both in one line, exit 2, the mount point as it was, nothing beside it."""
+    from hypertrain.data import prepare as module
+
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real_ismount, real_rmdir = os.path.ismount, os.rmdir
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out or real_ismount(path))
+    monkeypatch.setattr(module, "open_input", lambda *args: pytest.fail("an input was read"))
+    assert main(["prepare", inputs["text"], "--out", str(out)]) == 2
+    said = f"hypertrain: error: --out '{out}' is a mount point, which prepare cannot replace"
+    assert one_line(capsys.readouterr().err).startswith(said)
+    assert sorted(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
+
+    monkeypatch.undo()
+
+    def busy(path, *args, **kwargs):
+        if Path(path) == out:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    assert main(["prepare", inputs["text"], "--out", str(out)]) == 2
+    assert one_line(capsys.readouterr().err).startswith(said)
+    assert sorted(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
+
+
+def test_a_second_prepare_on_the_same_out_is_refused_while_the_first_writes(tmp_path, inputs, capsys):
+    """Two prepares on one --out: the second took the first's partial corpus away and one of them ended
+    in a traceback. Now the first holds the lock beside --out (here a thread of this process, stopped
+    while encoding; flock refuses a second open file the same as another process): the second is one
+    line, exit 2, and the first's corpus is whole; the same command again has nothing to do."""
+    from hypertrain.data import prepare as module
+
+    out = tmp_path / "corpus"
+    encoding, go, encoded = threading.Event(), threading.Event(), module.encode
+
+    def paused(*args):
+        if threading.current_thread() is first:
+            encoding.set()
+            go.wait(60)
+        return encoded(*args)
+
+    first = threading.Thread(target=prepare, args=([inputs["jsonl"]], out, "bytes", "text", False))
+    module.encode = paused
+    try:
+        first.start()
+        assert encoding.wait(60)
+        args = ["prepare", inputs["jsonl"], "--out", str(out)]
+        assert main(args) == 2
+        line = one_line(capsys.readouterr().err)
+        lock = tmp_path / ".corpus.lock"
+        assert line.startswith(
+            f"hypertrain: error: --out '{out}' is being prepared by another process (it holds {lock})"
+        )
+    finally:
+        go.set()
+        first.join(60)
+        module.encode = encoded
+    assert corpus.read(out).meta.documents == len(DOCUMENTS)
+    assert main(args) == 0 and "nothing to do" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]

@@ -4,11 +4,25 @@ and replica_split=by_source giving each replica its own source's ids (docs/data.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import RUN, assert_identical, compose_cfg, entry, killed_beside_uninterrupted, resumed
+from helpers import (
+    KILLED,
+    RUN,
+    assert_identical,
+    compose_cfg,
+    data_command,
+    entry,
+    error_lines,
+    killed_beside_uninterrupted,
+    resumed,
+    stderr_lines,
+    tree,
+)
 from omegaconf import OmegaConf
 
 from hypertrain import plan
@@ -299,3 +313,176 @@ def test_a_killed_prepared_run_resumed_equals_the_uninterrupted_run(run_corpus, 
         r.get("eval_loss_sources") for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "sync"
     ]
     assert got == want and all(got)
+
+
+# -- the corpus's files against its meta.json (issue 48) ----------------------------------------------
+
+
+def later(path: Path) -> None:
+    """`path`'s mtime made later than its stamp's, as an edit or a copy leaves it: a test writes within
+    one tick of the file system's coarse clock (a few ms), where the mtime may not move; a user's
+    edit of a prepared corpus comes later than that."""
+    recorded = corpus.read_meta(path.parent).stamps[path.name]
+    status = path.stat()
+    if status.st_mtime_ns == recorded[1]:
+        os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 1))
+
+
+def rewrite_tokens(directory: Path, fraction: float) -> int:
+    """`fraction` of tokens.bin's ids (one at least) changed in place to another id below the `bytes`
+    vocabulary, the file's size kept (issue 48's edit): how many."""
+    path = directory / corpus.TOKENS
+    tokens = np.fromfile(path, dtype="<u2")
+    count = max(1, round(fraction * len(tokens)))
+    at = np.random.default_rng(1).choice(len(tokens), count, replace=False)
+    tokens[at] = (tokens[at] + 1) % corpus.BYTES_EOD
+    with open(path, "r+b") as file:
+        file.write(tokens.tobytes())
+    later(path)
+    return count
+
+
+def without_stamps(directory: Path) -> None:
+    """The meta.json of a corpus prepared before the stamps and the largest id were recorded."""
+    raw = json.loads((directory / corpus.META).read_text())
+    del raw["stamps"], raw["max_id"]
+    (directory / corpus.META).write_text(json.dumps(raw, indent=1) + "\n")
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> list[str]:
+    """The names of the corpus files hashed from here on (`corpus.sha256_file`), in order."""
+    names, real = [], corpus.sha256_file
+
+    def counted(path, dtype=None):
+        names.append(Path(path).name)
+        return real(path, dtype)
+
+    monkeypatch.setattr(corpus, "sha256_file", counted)
+    return names
+
+
+def test_a_corpus_as_written_is_read_unhashed_and_one_changed_id_is_refused(tmp_path, hashed):
+    """The stamps (size, mtime_ns) recorded when the files were written hold: nothing is hashed. One id
+    changed in place (the size kept): its stamp differs, the hash runs and differs, one line."""
+    write_corpus(tmp_path, [(60, 1, 40)])
+    hashed.clear()
+    build_dataset(prepared(tmp_path))
+    assert hashed == []
+    assert rewrite_tokens(tmp_path, 0) == 1
+    with pytest.raises(UserError) as error:
+        build_dataset(prepared(tmp_path))
+    assert str(error.value) == (
+        f"{tmp_path}: tokens.bin changed after it was prepared (its sha256 is not meta.json's "
+        f"tokens_sha256); {corpus.prepare_again(tmp_path)}"
+    )
+    assert hashed == [corpus.TOKENS]
+
+
+def test_a_corpus_copied_without_its_times_is_hashed_once_and_trains(run_corpus, tmp_path, hashed):
+    """`cp -r` (no -p) gives the files new mtimes: the run hashes both files once, finds the bytes
+    meta.json records and trains."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run_corpus, copy, copy_function=shutil.copyfile)  # contents only, as cp without -p
+    for name in (corpus.TOKENS, corpus.DOCUMENTS):
+        later(copy / name)
+    hashed.clear()
+    done = entry(run_args(copy, "phase.updates=2", f"hydra.run.dir={tmp_path / 'run'}"), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(hashed) == [corpus.DOCUMENTS, corpus.TOKENS]
+
+
+def test_a_corpus_from_before_the_stamps_is_hashed_and_its_largest_id_read(tmp_path, hashed):
+    """No stamps, no max_id: both files hashed at each read, the largest id taken from the same pass
+    (the test's own maximum of the ids); a changed id is refused as with stamps."""
+    write_corpus(tmp_path, [(60, 1, 40), (30, 1, 40)])
+    without_stamps(tmp_path)
+    largest = int(np.fromfile(tmp_path / corpus.TOKENS, dtype="<u2").max())
+    hashed.clear()
+    assert corpus.verify(tmp_path, corpus.read_meta(tmp_path)) == largest == corpus.BYTES_EOD
+    assert hashed == [corpus.TOKENS, corpus.DOCUMENTS]
+    tokens = np.fromfile(tmp_path / corpus.TOKENS, dtype="<u2")
+    tokens[7] = (tokens[7] + 1) % corpus.BYTES_EOD  # the size kept; no stamp: no mtime needed to see it
+    tokens.tofile(tmp_path / corpus.TOKENS)
+    with pytest.raises(UserError, match=r"tokens.bin changed after it was prepared"):
+        build_dataset(prepared(tmp_path))
+
+
+@pytest.mark.parametrize("stamped", [True, False], ids=["max-id-recorded", "max-id-hashed"])
+def test_an_id_at_or_above_the_vocabulary_is_refused_at_start(tmp_path, stamped):
+    """A corpus written with id 300 under vocab 257 (the embedding has no row 300: an IndexError
+    mid-run): refused when its dataset is built, from the meta's max_id or from the hash's pass."""
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 256, 30) for _ in range(40)]
+    documents[17][5] = 300
+    corpus.write(
+        tmp_path,
+        [documents],
+        [corpus.SourceMeta("s", 1, 0, 0, "0" * 64)],
+        vocab=corpus.BYTES_VOCAB,
+        eod=corpus.BYTES_EOD,
+        tokenizer="bytes",
+        tokenizer_json=None,
+        request="0" * 64,
+    )
+    if not stamped:
+        without_stamps(tmp_path)
+    with pytest.raises(UserError) as error:
+        build_dataset(prepared(tmp_path))
+    assert str(error.value).startswith(f"{tmp_path}: tokens.bin holds id 300, at or above its vocab 257 ")
+
+
+def test_a_truncated_corpus_gets_one_advice_from_training_and_prepare_that_works(tmp_path):
+    """tokens.bin cut by one id: training and prepare (which said "nothing to do") give the same line's
+    advice, and following it (remove, prepare again) gives a corpus a run reads."""
+    text = "some text to prepare. " * 300
+    (tmp_path / "docs.txt").write_text(text)
+    out = tmp_path / "corpus"
+    args = ["prepare", str(tmp_path / "docs.txt"), "--out", str(out), "--quiet"]
+    assert data_command(args, tmp_path).returncode == 0
+    tokens = out / corpus.TOKENS
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+    said = []
+    for done in (
+        entry(run_args(out, f"hydra.run.dir={tmp_path / 'run'}"), tmp_path),
+        data_command(args, tmp_path),
+    ):
+        assert done.returncode == 2 and error_lines(done.stderr) == stderr_lines(done.stderr), done.stderr
+        said += error_lines(done.stderr)
+    size = 2 * corpus.read_meta(out).tokens
+    assert (
+        said
+        == [
+            f"hypertrain: error: {out}: tokens.bin holds {size - 2:,} bytes where its meta.json says "
+            f"{size:,} ({len(text) + 1:,} tokens, 1 documents); {corpus.prepare_again(out)}"
+        ]
+        * 2
+    )
+    assert not (tmp_path / "run").exists()
+    shutil.rmtree(out)
+    assert data_command(args, tmp_path).returncode == 0
+    assert corpus.read(out).tokens.tolist() == [*text.encode(), corpus.BYTES_EOD]
+
+
+@pytest.mark.slow
+def test_a_corpus_changed_under_a_killed_run_is_refused_when_it_resumes(run_corpus, tmp_path):
+    """Issue 48's reproduction: a data=prepared run killed, 0.5% of tokens.bin rewritten in place (the
+    same size, ids below the vocabulary), resume=auto: one line naming the corpus, exit 2, the run's
+    directory as it was (about 6 s)."""
+    mine = tmp_path / "corpus"
+    shutil.copytree(run_corpus, mine)  # copy2: the mtimes, so the stamps, kept
+    meta = corpus.read_meta(mine)
+    assert all(corpus.stamp(mine / name) == stamp for name, stamp in meta.stamps.items())
+    args = run_args(
+        mine, "inner.H=2", "phase.updates=8", "checkpoint.every=1", f"hydra.run.dir={tmp_path / 'run'}"
+    )
+    assert entry(args, tmp_path, "0:5:kill").returncode == KILLED
+    assert rewrite_tokens(mine, 0.005) == round(0.005 * meta.tokens)
+    before = tree(tmp_path / "run")
+    done = entry([*args, "resume=auto"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert stderr_lines(done.stderr) == [
+        f"hypertrain: error: {mine}: tokens.bin changed after it was prepared (its sha256 is not meta.json's "
+        f"tokens_sha256); {corpus.prepare_again(mine)}"
+    ]
+    assert tree(tmp_path / "run") == before

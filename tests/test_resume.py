@@ -64,6 +64,7 @@ from hypertrain.config import DERIVED, ResumeMode, ResumeRequest, TrainConfig, U
 from hypertrain.failures import RankFailed
 from hypertrain.report import cli as report
 from hypertrain.report import retime
+from hypertrain.rundir import checkpoint
 from hypertrain.rundir.checkpoint import SUPERSEDED_FILE, digest_path, seal
 from hypertrain.rundir.records import METRICS_FILE, read_metrics
 from hypertrain.rundir.wandb_offline import read_run
@@ -407,6 +408,25 @@ def test_a_resume_that_cannot_be_done_fails_with_one_line_and_touches_nothing(tm
     assert len(lines) == 1 and lines[0].startswith("hypertrain: error: "), done.stderr
     assert all(part in lines[0] for part in says(run_dir)), lines[0]
     assert tree(tmp_path) == before, "a refused resume created or changed files"
+
+
+def test_a_phase_change_on_resume_is_named_for_what_it_is():
+    """phase.updates may change on resume, only to a longer phase: a shorter one is refused saying so
+    (issue 48: the line said phase.updates may change); a longer one beside another change names that
+    other change, never the phase (whose advice, its old value, would drop the extension)."""
+    saved = {"config": asdict(TrainConfig())}
+    shorter = asdict(TrainConfig())
+    shorter["phase"]["updates"] = 20
+    with pytest.raises(UserError) as refused:
+        checkpoint.compatible(saved, shorter, {})
+    assert str(refused.value) == (
+        "phase.updates=20 shortens the run (40 before); a resumed run may change phase.updates only to a "
+        "longer phase; valid: resume with phase.updates=40 or more, or start a new run in another directory"
+    )
+    longer = asdict(TrainConfig())
+    longer["phase"]["updates"], longer["seed"] = 60, 1
+    with pytest.raises(UserError, match=r"^seed=1 differs from the checkpoint's seed=0; "):
+        checkpoint.compatible(saved, longer, {})
 
 
 # A changed config is named as the user changed it (a config group chosen, a field set) with the

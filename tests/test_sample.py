@@ -6,7 +6,13 @@ a prepared corpus's tokenizer reads its text back. One tiny run (4 updates on st
 
 from __future__ import annotations
 
+import hashlib
 import io
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -14,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import QUICK, entry, tree
+from helpers import QUICK, entry, entry_env, tree
 
 from hypertrain import sample
 from hypertrain.config import DataConfig, ModelConfig
 from hypertrain.data import corpus
+from hypertrain.failures.signals import EXIT_CODES as signal_codes
 from hypertrain.model.transformer import logits
 
 RUN = [*QUICK, "logger=none", "inner.H=2", "phase.updates=4"]  # syncs (and checkpoints) after 2 and 4
@@ -241,3 +248,90 @@ def test_a_prepared_run_continues_with_its_corpus_tokenizer(tmp_path):
     theta = torch.load(run_dir / "weights.pt", weights_only=True)
     want = greedy_reference(model_of(run_dir), theta, list(b"line 7: the"), 30, 257, corpus.BYTES_EOD)
     assert out == "line 7: the" + text_of([i for i in want if i != corpus.BYTES_EOD]) + "\n"
+
+    # The corpus prepared again at the same path with another tokenizer of the same vocabulary (257: the
+    # 256 bytes' tokens and its eod, no merge), whose ids mean other text: refused, not decoded.
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=257, special_tokens=["<eod>"], initial_alphabet=alphabet
+    )
+    bpe.train_from_iterator([text], trainer)
+    assert bpe.get_vocab_size() == corpus.BYTES_VOCAB
+    json_bytes = bpe.to_str().encode()
+    shutil.rmtree(folder)
+    documents = [
+        bpe.encode(text[i : i + 300], add_special_tokens=False).ids for i in range(0, len(text), 300)
+    ]
+    prepared(folder, documents, corpus.BYTES_VOCAB, bpe.token_to_id("<eod>"), json_bytes)
+    code, out, err = command(str(run_dir), "--prompt", "line 7: the", "--tokens", "30")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"hypertrain.sample: error: data.path={str(folder)!r} now holds a corpus of another tokenizer "
+        f"(vocab 257, tokenizer.json sha256 {hashlib.sha256(json_bytes).hexdigest()[:16]}...) than {run_dir} "
+        "trained with (vocab 257, the bytes tokenizer); valid: the corpus the run trained on at that path "
+        "(prepared again from the same inputs with the same --tokenizer)"
+    ]
+
+
+def test_a_prompt_quoted_in_a_line_keeps_its_spaces(run):
+    """The line quotes the prompt as Python writes it (repr), its runs of spaces and tabs kept; here a
+    prompt of bytes that are no UTF-8 (argv's surrogate escapes): one line, exit 2, not a traceback."""
+    prompt = "a   b\t\udcff"  # b"a   b\t\xff" as the shell passes it
+    code, out, err = command(str(run), "--prompt", prompt)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        "hypertrain.sample: error: --prompt='a   b\\t\\udcff' holds bytes that are not UTF-8; "
+        "valid: UTF-8 text"
+    ]
+
+
+def test_ctrl_c_while_sampling_is_one_line_and_exit_130(run, monkeypatch):
+    """Ctrl-C (Python's SIGINT handler raises KeyboardInterrupt) in the middle of the sampling loop:
+    one line and the code the train entry stops with on SIGINT."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "continuation", interrupted)
+    code, out, err = command(str(run), "--prompt", "x")
+    assert (code, out) == (signal_codes[signal.SIGINT], "") == (130, "")
+    assert err.splitlines() == ["hypertrain.sample: stopped by SIGINT (Ctrl-C); nothing was written"]
+
+
+def mapped(pid: int, library: str) -> bool:
+    """Whether process `pid` has loaded a shared library whose path holds `library` (it imported it)."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["importing", "sampling"])
+def test_ctrl_c_to_the_command_is_one_line_and_exit_130(run, tmp_path, when):
+    """The real command sent SIGINT once numpy is loaded (its module's imports, under the command's
+    guard) or torch (inside `cli`: the weights, then a loop of a million tokens); about 2 s each."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("no /proc to see what the process has loaded")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hypertrain.sample", str(run), "--prompt", "x", "--tokens", "1000000"],
+        cwd=tmp_path,
+        env=entry_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    library = {"importing": "_multiarray_umath", "sampling": "libtorch_cpu"}[when]
+    deadline = time.monotonic() + 60
+    while not mapped(proc.pid, library) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if when == "sampling":
+        time.sleep(0.5)  # torch's import done, the weights loaded: in the loop
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (130, ""), err
+    assert err.splitlines() == ["hypertrain.sample: stopped by SIGINT (Ctrl-C); nothing was written"]

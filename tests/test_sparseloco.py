@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,20 +21,25 @@ from helpers import (
     ckpt,
     killed_beside_uninterrupted,
     resumed,
+    run_losses,
     run_rounds,
     small_cfg,
 )
-from references import U32
+from omegaconf import OmegaConf
+from references import U32, templar_chunks, templar_k, templar_topk
 
-from hypertrain.config import OuterConfig
+from hypertrain.config import ModelConfig, OuterConfig
 from hypertrain.diloco.codecs import Blocks, TopK, decode, encode, payload_size
 from hypertrain.diloco.communication import compressed_mean, topk
+from hypertrain.diloco.tiles import blocks_and_order
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
+from hypertrain.model.shapes import param_specs
 from hypertrain.records import formats
 from hypertrain.rundir.checkpoint import seal
 
 VALUES = ("fp32", "fp16", "int8", "two_bit")
+REPO = Path(__file__).resolve().parents[1]
 
 
 # --- references: the payload's documented layout, read here --------------------------------------------
@@ -391,6 +397,74 @@ def test_stacked_equals_the_loop_with_sparseloco():
         stacked.train_replicas,
     )[1]
     assert any(not torch.equal(theta[n], plain[n]) for n in theta)  # the settings did change the run
+
+
+def preset() -> OuterConfig:
+    """`outer=sparseloco`, from its own file (conf/outer/sparseloco.yaml)."""
+    return OuterConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml")))
+
+
+def test_the_preset_is_templars_compressor_on_the_tiny_models_tensors():
+    """Issue 48 item 7: the preset's stage (`compressed_mean`, R = 2, five syncs with decayed feedback) on
+    the default tiny model's tensors (64 x 64 and 256 x 64 matrices, the FFN's 64 x 176 and 176 x 64, 1-D
+    norms of 64) against templar's compressor written from its rule (tests/references.py): per tensor,
+    its chunks (a side cut at its largest divisor <= 64: the FFN in 64 x 44 chunks), 64 kept of each
+    chunk (a norm's 64: all of it), two_bit statistics over the tensor's kept values
+    (`two_bit_reference`), x = delta + 0.95 e and e <- x - sent. Exact (==): x and e are correctly
+    rounded fp32 operations (f32 of the float64 result, 0.95 itself in fp32), the decoded value is
+    f32(header shift + header level), and the float64 statistics agree to a few ulps, which the seeded
+    inputs never bring to an fp32 rounding boundary (`test_the_payload_is_the_documented_bytes...`).
+    The payload is templar's bytes: per tensor a 20-byte header, per chunk ceil(k / 4) codes and
+    ceil(3k / 2) index bytes."""
+    outer, R = preset(), 2
+    shapes = [shape for shape, _ in param_specs(ModelConfig()).values()]
+    assert {(64, 176), (176, 64), (64,)} <= set(shapes)
+    sizes = [math.prod(s) for s in shapes]
+    n, tile, k = sum(sizes), outer.tile, topk_kept_of_a_tile(outer)
+    blocks, order = blocks_and_order(shapes, outer.block, tile)
+    beta = f32(outer.error_decay)  # torch multiplies fp32 by a Python float rounded to fp32
+    gen = torch.Generator().manual_seed(11)
+    errors, e_ref = torch.zeros(R, n), np.zeros((R, n))
+    for _ in range(5):
+        deltas = torch.randn(R, n, generator=gen) / 100
+        reduction = compressed_mean(outer, deltas, errors, torch.ones(R, dtype=torch.bool), blocks,
+                                    ReplicaGroups(R), order=order)  # fmt: skip
+        result = reduction.wait()
+        for m in range(R):
+            x = f32(deltas[m].double().numpy() + f32(beta * e_ref[m]))
+            sent, start = np.zeros(n), 0
+            for shape, size in zip(shapes, sizes, strict=True):
+                kept = [start + c for c in templar_topk(x[start : start + size], shape, tile, k)]
+                index = np.concatenate(kept)
+                shift, levels, codes = two_bit_reference(x[index])
+                header = f32([shift, *levels])
+                sent[index] = f32(header[0] + header[1 + codes])
+                start += size
+            assert np.array_equal(reduction.own[m].double().numpy(), sent), m
+            e_ref[m] = f32(x - sent)
+            assert np.array_equal(errors[m].double().numpy(), e_ref[m]), m
+    chunks = [len(c) for s in shapes for c in templar_chunks(s, tile)]
+    counts = [templar_k(k, length) for length in chunks]
+    per_chunk = sum(math.ceil(c / 4) + math.ceil(3 * c / 2) for c in counts)
+    assert result.payload_bytes == 20 * len(shapes) + per_chunk
+
+
+def topk_kept_of_a_tile(outer: OuterConfig) -> int:
+    """templar's `topk_compression` of the preset: its fraction of a whole T x T tile (64 of 4096)."""
+    return math.ceil(outer.topk_fraction * outer.tile * outer.tile)
+
+
+def test_the_preset_with_one_replica_syncs_and_sends_nothing(tmp_path):
+    """Issue 48 item 8: `outer=sparseloco replicas=1` stopped at its first sync (the one replica's
+    message, header then a payload of a ragged number of bytes, read as fp32). The preset's own fields
+    (conf/outer/sparseloco.yaml), R = 1, 4 updates at H = 2, d_model 24 (a payload of 4k + 2 bytes): both
+    syncs are written, each with its one replica, and nothing leaves a lone replica (0 bits,
+    docs/compression.md "Bits")."""
+    model = ModelConfig(d_model=24, n_layers=1, n_heads=2, n_kv_heads=2)
+    cfg = small_cfg(outer=preset(), replicas=1, model=model)
+    syncs = [row for row in run_losses(cfg, tmp_path) if row["kind"] == "sync"]
+    assert [row["update"] for row in syncs] == [2, 4]
+    assert all(row["bits_per_param"] == [0.0] and row["payload_bytes"] % 4 for row in syncs)
 
 
 KILL_RUN = [

@@ -1,8 +1,8 @@
-"""outer.tile: the tiled order of the block codecs (hypertrain/diloco/tiles.py), against the definition.
-
-The reference is written from SparseLoCo's chunking (a T x T tile of a matrix is one block of T * T
-values; the tiles of a matrix in row-major order of its tile grid, each tile row-major), by slicing
-the matrices themselves in float64, not from the permutation the module builds. Every check is exact:
+"""outer.tile: the order and the chunks of the block codecs (hypertrain/diloco/tiles.py), against
+SparseLoCo's production rule (templar's `src/tplr/compress.py`, written independently in
+tests/references.py: each side of a tensor cut at its largest divisor <= T, a matrix read chunk after
+chunk, a 1-D tensor in runs), by indexing the tensors themselves, not from the permutation the module
+builds; and `outer.block` beyond every tensor: each tensor one block. Every check of an order is exact:
 a permutation moves values and does no arithmetic.
 """
 
@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+from references import templar_chunks, templar_k, templar_topk
 
-from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.tiles import from_tiles, tile_order, to_tiles
+from hypertrain.diloco.codecs import Blocks, payload_size
+from hypertrain.diloco.tiles import blocks_and_order, from_tiles, tile_order, to_tiles
 
-SHAPES = [(8, 12), (5,), (3, 4, 8), (6, 7)]  # tiled (T = 4), 1-D, a stack of 3 tiled matrices, not tiled
+# T = 4: sides that are multiples of 4; a 1-D tensor of a prime 5 (runs of 1); a stack of 3 matrices; a
+# matrix of sides 6 and 7 (chunks of 3 x 1); one of 12 x 6 (4 x 3); one narrower than T (2 x 3, whole)
+SHAPES = [(8, 12), (5,), (3, 4, 8), (6, 7), (12, 6), (2, 3)]
 T = 4
 
 
@@ -24,36 +28,19 @@ def _tensors(shapes, seed=0):
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
 
 
-def _reference_blocks(tensors, tile):
-    """The blocks a tiled vector is cut into, from the tensors: each tiled matrix's tiles in grid order
-    (T * T values each), every other tensor's values in order, cut in blocks of T * T."""
-    blocks = []
-    for t in tensors:
-        if t.dim() >= 2 and t.shape[-2] % tile == 0 and t.shape[-1] % tile == 0:
-            for m in t.reshape(-1, *t.shape[-2:]):
-                for i in range(0, m.shape[0], tile):
-                    for j in range(0, m.shape[1], tile):
-                        blocks.append(m[i : i + tile, j : j + tile].reshape(-1))
-        else:
-            flat = t.reshape(-1)
-            blocks += [flat[k : k + tile * tile] for k in range(0, flat.numel(), tile * tile)]
-    return blocks
-
-
-def test_a_block_of_the_tiled_vector_is_one_tile():
+def test_a_block_of_the_tiled_vector_is_one_of_templars_chunks():
     tensors = _tensors(SHAPES)
     flat = torch.cat([t.reshape(-1) for t in tensors])[None]
-    order = tile_order(SHAPES, T)
+    blocks, order = blocks_and_order(SHAPES, T * T, T)
     got = to_tiles(flat, order)[0]
-    blocks = Blocks(tuple(math.prod(s) for s in SHAPES), T * T)
-    want = _reference_blocks(tensors, T)
+    want = [t.reshape(-1)[torch.from_numpy(c)] for t in tensors for c in templar_chunks(tuple(t.shape), T)]
     assert len(want) == blocks.count
     cut, start = [], 0
-    for size in blocks.sizes:  # the codecs' blocks: runs of T * T that never cross a tensor
-        for k in range(0, size, T * T):
-            cut.append(got[start + k : start + min(k + T * T, size)])
+    for size, chunk in zip(blocks.sizes, blocks.cuts, strict=True):  # blocks never cross a tensor
+        cut += [got[start + a : start + min(a + chunk, size)] for a in range(0, size, chunk)]
         start += size
     assert all(torch.equal(a, b) for a, b in zip(cut, want, strict=True))
+    assert blocks.block == max(len(c) for c in want) == T * T  # padded to the longest block there is
 
 
 def test_the_inverse_restores_every_value_and_a_transposed_tiling_differs():
@@ -68,60 +55,85 @@ def test_the_inverse_restores_every_value_and_a_transposed_tiling_differs():
     assert not torch.equal(to_tiles(flat, order)[0, : m.numel()], wrong)
 
 
-def test_no_tile_or_no_divisible_side_is_the_identity():
+def test_no_tile_or_chunks_of_whole_rows_is_the_identity():
     assert tile_order(SHAPES, 0) is None
-    assert tile_order([(6, 7), (9,)], T) is None
+    assert tile_order([(6, 4), (2, 3), (9,)], T) is None  # every chunk spans its rows: runs in order
+    assert tile_order([(6, 7)], T) is not None  # 3 x 1 chunks: a column at a time
     x = torch.arange(10.0)[None]
     assert to_tiles(x, None) is x and from_tiles(x, None) is x
 
 
-def test_a_tiled_top_k_sync_sends_each_tiles_largest_and_keeps_the_buffers_in_parameter_order():
+def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_parameter_order():
     """The compressed stage with outer.tile (`compressed_mean`, gather, error feedback): each replica's
-    contribution is, per T x T tile of each matrix (per run of T * T of the 1-D tensor), its k largest
-    magnitudes, the rest zero, in the matrix's own positions; the buffer keeps what was left, in parameter
-    order; the mean is the replicas' contributions averaged. The reference slices the matrices in float64.
-    Ties are avoided by distinct magnitudes; the mean of R = 2 fp32 values is one fp32 addition and an exact
-    halving, so it is within u |a + b| / 2 of the float64 mean (u = 2^-24)."""
+    contribution is, per chunk of each tensor (templar's: 4 x 4 tiles of the 8 x 12 matrix, runs of 4
+    of the 1-D tensor of 20, 3 x 1 chunks of the 6 x 7 matrix), its `templar_k(k, length)` largest
+    magnitudes (k = 4 of a whole tile: all 4 of a run, 2 of a 3-value chunk), the rest zero, in the
+    tensors' own positions; the buffer keeps what was left, in parameter order; the mean is the replicas'
+    contributions averaged. Ties are avoided by distinct magnitudes; the mean of R = 2 fp32 values is one
+    fp32 addition and an exact halving, so it is within u |a + b| / 2 of the float64 mean (u = 2^-24)."""
     from hypertrain.config import OuterConfig
     from hypertrain.diloco.communication import compressed_mean
     from hypertrain.distributed.groups import ReplicaGroups
 
-    shapes, R, k = [(8, 12), (20,)], 2, 3
-    n = sum(math.prod(s) for s in shapes)
+    shapes, R, k = [(8, 12), (20,), (6, 7)], 2, 4
+    sizes = [math.prod(s) for s in shapes]
+    n = sum(sizes)
     gen = torch.Generator().manual_seed(2)
     # distinct magnitudes: a permutation of 1..n scaled, random signs
     deltas = torch.stack([torch.randperm(n, generator=gen) + 1.0 for _ in range(R)]) / n
     deltas *= torch.randint(0, 2, (R, n), generator=gen) * 2 - 1
     errors = torch.zeros(R, n)
     outer = OuterConfig(compress="topk", block=T * T, tile=T, topk_fraction=k / (T * T), error_feedback=True)
-    blocks = Blocks(tuple(math.prod(s) for s in shapes), T * T)
-    order = tile_order(shapes, T)
+    blocks, order = blocks_and_order(shapes, T * T, T)
     active = torch.tensor([True] * R)
     got = compressed_mean(outer, deltas, errors, active, blocks, ReplicaGroups(R), order=order).wait()
 
     def reference(row: torch.Tensor) -> torch.Tensor:
-        x = row.double()
-        matrix, vector = x[:96].view(8, 12), x[96:]
-        out = torch.zeros_like(x)
-        out_matrix, out_vector = out[:96].view(8, 12), out[96:]
-        for i in range(0, 8, T):
-            for j in range(0, 12, T):
-                tile = matrix[i : i + T, j : j + T]
-                keep = tile.abs().reshape(-1).topk(k).indices
-                kept = torch.zeros(T * T, dtype=torch.float64)
-                kept[keep] = tile.reshape(-1)[keep]
-                out_matrix[i : i + T, j : j + T] = kept.view(T, T)
-        for start in range(0, 20, T * T):
-            piece = vector[start : start + T * T]
-            kk = math.ceil(k / (T * T) * piece.numel())
-            keep = piece.abs().topk(kk).indices
-            out_vector[start + keep] = piece[keep]
-        return out
+        x, out, start = row.double().numpy(), np.zeros(n), 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            for keep in templar_topk(x[start : start + size], shape, T, k):
+                out[start + keep] = x[start + keep]
+            start += size
+        return torch.from_numpy(out)
 
     sent = torch.stack([reference(row) for row in deltas])
+    assert int((sent[0] != 0).sum()) == 6 * 4 + 20 + 14 * 2  # 6 tiles, 5 runs kept whole, 14 chunks of 3
     assert torch.equal(errors.double(), deltas.double() - sent)  # what was not sent, exactly, in place
     want = sent.mean(0)
     assert float((got.mean.double() - want).abs().max()) <= 2.0**-24 * float(want.abs().max())
     flat = OuterConfig(compress="topk", block=T * T, topk_fraction=k / (T * T), error_feedback=True)
-    plain = compressed_mean(flat, deltas, torch.zeros(R, n), active, blocks, ReplicaGroups(R)).wait()
+    plain_blocks = Blocks(tuple(sizes), T * T)
+    plain = compressed_mean(flat, deltas, torch.zeros(R, n), active, plain_blocks, ReplicaGroups(R)).wait()
     assert not torch.equal(plain.mean, got.mean)  # the flat blocks choose other values
+
+
+def test_templars_count_is_kept_of_every_chunk_shorter_or_not():
+    """k = 64 of a 64 x 64 tile (SparseLoCo's 1/64), of a 64 x 44 chunk (the tiny model's FFN side 176)
+    too, all 64 of a 1-D tensor of 64 (one chunk), 2 of a chunk of 3, 1 of a chunk of 1: the payload is
+    templar's count of kept values whatever the chunk's length (`templar_k`), in fewer bytes than the
+    share of each chunk would keep for the 1-D tensor and more for the 64 x 44 chunks."""
+    from hypertrain.config import OuterConfig
+    from hypertrain.diloco.communication import topk
+
+    shapes = [(64, 64), (64, 176), (64,), (3,), (1,)]
+    outer = OuterConfig(compress="topk", block=4096, tile=64, topk_fraction=1 / 64, index_bits=12)
+    blocks, _ = blocks_and_order(shapes, 4096, 64)
+    chunks = [len(c) for s in shapes for c in templar_chunks(s, 64)]
+    assert list(blocks.cuts) == [4096, 2816, 64, 3, 1] and blocks.count == len(chunks) == 1 + 4 + 1 + 1 + 1
+    counts = [templar_k(64, length) for length in chunks]
+    assert counts == [64, 64, 64, 64, 64, 64, 2, 1]
+    # fp32 values and 12-bit indices: 4 + ceil(3k / 2) bytes a kept value's pair, per block
+    assert payload_size("topk", blocks, topk(outer)) == sum(4 * c + math.ceil(3 * c / 2) for c in counts)
+
+
+def test_a_block_beyond_every_tensor_is_each_tensor_one_block():
+    """outer.block larger than the largest tensor is capped at it (issue 48 item 12): the same Blocks,
+    so the same bytes and values, as outer.block = the largest tensor's size, each tensor one block
+    (int8: n + 4 bytes per tensor), padded to that size, never to the size written (2^62 once raised
+    torch's storage overflow, 2,000,000 padded every tensor of a 133k-parameter model to it)."""
+    shapes = [(32, 96), (96,), (7, 5), (1,)]
+    largest = 32 * 96
+    capped = {blocks_and_order(shapes, block, 0)[0] for block in (largest, largest + 1, 2_000_000, 2**62)}
+    assert capped == {Blocks((3072, 96, 35, 1), largest)}
+    (blocks,) = capped
+    assert payload_size("int8", blocks) == 3072 + 96 + 35 + 1 + 4 * 4

@@ -4,7 +4,8 @@ most 5% of a round at H = 30 for 16 replicas of model=base).
 For the default model (ModelConfig(), 133,440 parameters, whose norm weights make ragged blocks) and
 model=base (4,484,352, every tensor a multiple of 128), R = 16 stacked replicas: each block codec at
 outer.block 128 (top-k at its default fraction, 1%), SparseLoCo's recipe (`outer=sparseloco`: k 64 of
-4096 in 64 x 64 tiles, two_bit values, 12-bit indices; and its 3% variant, k 128), top-k after the DCT,
+each chunk, 64 x 64 tiles and templar's chunks of the others, two_bit values, 12-bit indices; and its 3%
+variant, k 128), top-k after the DCT,
 and PowerSGD's low rank at r = 1 and 4. A block codec's seconds are `encode` of x [16, n] (every replica's
 payload, as the sync encodes them, in the tiles' order where it has tiles) and `decode` of those 16
 payloads (what a gather's receiver decodes); low rank's are its whole stage in one process
@@ -29,10 +30,10 @@ import time
 import torch
 
 from hypertrain.config import InnerConfig, ModelConfig, OuterConfig, PhaseConfig
-from hypertrain.diloco.codecs import Blocks, decode, encode, payload_size
+from hypertrain.diloco.codecs import decode, encode, payload_size
 from hypertrain.diloco.communication import topk
 from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
-from hypertrain.diloco.tiles import tile_order, to_tiles
+from hypertrain.diloco.tiles import blocks_and_order, to_tiles
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.model.shapes import count_params, param_roles, param_shapes
 from hypertrain.model.transformer import forward as model_forward
@@ -103,7 +104,7 @@ def payload_bytes(m: ModelConfig, outer: OuterConfig) -> int:
     shapes = _shapes(m)
     if outer.compress == "lowrank":
         return Factors.of(shapes, outer.lowrank_rank).payload_bytes
-    blocks = Blocks(tuple(math.prod(s) for s in shapes.values()), outer.block)
+    blocks, _ = blocks_and_order(list(shapes.values()), outer.block, outer.tile)
     return payload_size(str(outer.compress), blocks, topk(outer))
 
 
@@ -116,8 +117,7 @@ def stage(m: ModelConfig, outer: OuterConfig, x: torch.Tensor):
         q = initial_q(theta, outer.lowrank_rank, 0)
         active = torch.ones(R, dtype=torch.bool)
         return (lambda: lowrank_mean(factors, x, None, active, q, ReplicaGroups(R)).wait()), None
-    blocks = Blocks(tuple(math.prod(s) for s in shapes.values()), outer.block)
-    order = tile_order(list(shapes.values()), outer.tile)
+    blocks, order = blocks_and_order(list(shapes.values()), outer.block, outer.tile)
     codec, spec, transform = str(outer.compress), topk(outer), str(outer.transform)
     held = {}
 

@@ -86,6 +86,7 @@ def clock_of(
     """The simulated clock of a run (its `metrics.jsonl` rows, its resolved config) on `cluster`,
     `model_params` N rescaling as `Clock` says (None: the size the run's own clock timed,
     `cluster.model_params`, else its model's); an outer.schedule=async run's own clock (`arrival_clock`).
+    UserError (one line) when the cluster's speeds are not one per replica of the run.
 
     Returns `updates` ({update, clock_s}: the clock at the end of each update, before the syncs
     landing after it), `syncs` (per sync row: update, fragment and `Clock.sync`'s split), `heldout`
@@ -98,6 +99,7 @@ def clock_of(
     if model_params is None:  # the size the run's own clock timed (cluster.model_params), else its model's
         model_params = int((resolved.get("cluster") or {}).get("model_params") or 0) or None
     shape, params = Shape.of(resolved), run_params(rows)
+    cluster.check_replicas(shape.replicas)  # speeds given for another R: training refuses them too
     clock = Clock(shape, cluster, params, model_params, run_active_params(rows))
     updates, syncs, heldout = [], [], []
     for row in in_order(rows):

@@ -2,7 +2,8 @@
 
 `open_input(text, field)` expands one INPUT (a glob of text files, JSONL, Parquet or Arrow files, or a
 directory saved by Hugging Face `datasets`' `save_to_disk`), checks its `field` and hashes its files;
-`Reader(source, field)` yields its documents in batches. A bad input is one line (UserError).
+`Reader(source, field)` yields its documents in batches, text that is not UTF-8 replaced and counted. A
+bad input (an unreadable or corrupt file, a file named by two inputs) is one line (UserError).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import hashlib
 import json
 import lzma
 import os
-from collections.abc import Callable, Iterator
+import re
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,10 @@ from hypertrain.data.sources import expand_glob
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # text and JSONL files read through them
+# What a truncated or corrupt compressed file raises as it is read: EOFError (cut short), OSError (gzip's
+# BadGzipFile, bz2's invalid stream), LZMAError, zlib.error (gzip's corrupt deflate data).
+DECOMPRESSION_ERRORS = (EOFError, OSError, lzma.LZMAError, zlib.error)
+SURROGATES = re.compile("[\ud800-\udfff]")  # half an UTF-16 pair: JSON can spell it, UTF-8 cannot
 DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its .arrow files
 DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits' folders
 BATCH_CHARS = 1 << 22  # characters per batch of documents: big enough for encode_batch's threads
@@ -44,6 +52,8 @@ def open_input(text: str, field: str, skipped: tuple[Path, ...] = ()) -> Input:
     """The input `text` names, its `field` checked where its documents are records; UserError when it
     matches nothing or has no such field. Files under a folder of `skipped` (prepare's own output)
     are not part of it."""
+    if not text:
+        raise UserError(f"input '' is empty (an unset shell variable?); valid: {VALID_INPUT}")
     path = Path(text).expanduser()
     if path.is_dir():
         saved = all((path / name).is_file() for name in DATASET_FILES) or (path / DATASET_DICT).is_file()
@@ -65,14 +75,33 @@ def open_input(text: str, field: str, skipped: tuple[Path, ...] = ()) -> Input:
 
 
 def digest(entries: tuple[tuple[str, str], ...]) -> str:
-    """sha256 hex of the files' names and bytes in order (sources.read_files' scheme, streamed)."""
+    """sha256 hex of the files' names and bytes in order (sources.read_files' scheme, streamed);
+    UserError naming a file that cannot be read."""
     hashed = hashlib.sha256()
     for name, path in entries:
-        hashed.update(os.fsencode(name) + b"\0" + str(os.path.getsize(path)).encode() + b"\0")
-        with open(path, "rb") as file:
-            while chunk := file.read(_HASH_CHUNK):
-                hashed.update(chunk)
+        try:
+            hashed.update(os.fsencode(name) + b"\0" + str(os.path.getsize(path)).encode() + b"\0")
+            with open(path, "rb") as file:
+                while chunk := file.read(_HASH_CHUNK):
+                    hashed.update(chunk)
+        except OSError as error:
+            said = f"input file {path!r} cannot be read ({error.strerror})"
+            raise UserError(f"{said}; valid: {VALID_INPUT}") from None
     return hashed.hexdigest()
+
+
+def check_disjoint(sources: Sequence[Input]) -> None:
+    """UserError when two inputs name one file (by its real path): its documents would be in the corpus
+    twice, and a held-out copy of a training document measures nothing."""
+    owner: dict[str, str] = {}
+    for source in sources:
+        for _, path in source.entries:
+            first = owner.setdefault(os.path.realpath(path), source.name)
+            if first != source.name:
+                raise UserError(
+                    f"input {source.name!r} names {path}, which input {first!r} names too; "
+                    "valid: inputs that name each file once"
+                )
 
 
 def kind_of(path: str) -> str:
@@ -112,19 +141,34 @@ def field_names(path: str) -> list[str] | None:
         with open_text(path) as file:
             for number, line in enumerate(file, 1):
                 if line.strip():
-                    return list(json_record(line, path, number))
+                    return list(json_record(line.decode("utf-8", errors="replace"), path, number))
         return None
     return list(table_schema(path).names)
 
 
-def open_text(path: str):
-    """A text or JSONL file opened for reading bytes, decompressed when its suffix says so."""
-    return COMPRESSED.get(Path(path).suffix.lower(), open)(path, "rb")
-
-
-def json_record(line: bytes, path: str, number: int) -> dict:
+@contextmanager
+def open_text(path: str) -> Iterator:
+    """A text or JSONL file opened for reading bytes, decompressed when its suffix says so; UserError
+    when a compressed file turns out truncated or corrupt as it is read."""
+    opener = COMPRESSED.get(Path(path).suffix.lower())
+    if opener is None:
+        with open(path, "rb") as file:
+            yield file
+        return
     try:
-        record = json.loads(line.decode("utf-8", errors="replace"))
+        with opener(path, "rb") as file:
+            yield file
+    except DECOMPRESSION_ERRORS as error:
+        said = str(error) or type(error).__name__
+        raise UserError(
+            f"input file {path!r} cannot be decompressed ({said}); valid: a whole {Path(path).suffix} file "
+            "(or the file without the suffix, uncompressed)"
+        ) from None
+
+
+def json_record(line: str, path: str, number: int) -> dict:
+    try:
+        record = json.loads(line)
     except json.JSONDecodeError as error:
         raise UserError(f"{path}:{number} is not JSON ({error}); valid: one JSON object a line") from None
     if not isinstance(record, dict):
@@ -187,8 +231,9 @@ def load_dataset(directory: str):
 
 class Reader:
     """The documents of `source` in batches of about BATCH_CHARS characters, in order; `undecodable`
-    counts the documents whose bad UTF-8 bytes were replaced (U+FFFD); `on_bytes(n)` is called as
-    the input's bytes are read (a progress bar's update)."""
+    counts the documents (a JSONL record: its line) whose text was not UTF-8, bad bytes or a JSON
+    string's lone surrogate, each replaced by U+FFFD; `on_bytes(n)` is called as the input's bytes are
+    read (a progress bar's update)."""
 
     def __init__(self, source: Input, field: str, on_bytes: Callable[[int], None] = lambda n: None):
         self.source, self.field, self.on_bytes = source, field, on_bytes
@@ -234,13 +279,16 @@ class Reader:
                 self.on_bytes(len(line))
                 if not line.strip():
                     continue
-                record = json_record(line, path, number)
+                counted = self.undecodable
+                record = json_record(self.decode(line), path, number)
                 if self.field not in record:
                     raise UserError(
                         f"{path}:{number} has no field {self.field!r}; valid: every record with it "
                         f"(this one has {sorted(record)})"
                     )
-                yield self.text(record[self.field], f"{path}:{number}")
+                text = self.text(record[self.field], f"{path}:{number}")
+                self.undecodable = min(self.undecodable, counted + 1)  # bad bytes and a surrogate: once
+                yield text
 
     def table_documents(self, path: str) -> Iterator[str]:
         if kind_of(path) == "parquet":
@@ -280,7 +328,10 @@ class Reader:
 
     def text(self, value, where: str) -> str:
         if isinstance(value, str):
-            return value
+            if value.isascii() or not SURROGATES.search(value):
+                return value
+            self.undecodable += 1
+            return SURROGATES.sub("\ufffd", value)
         if isinstance(value, bytes):
             return self.decode(value)
         raise UserError(

@@ -1,7 +1,8 @@
 """`prepare(inputs, out, tokenizer, field)`: tokenize the inputs (each one source, stored in order) into
 the prepared corpus `out` (corpus.py's format), written whole or not at all: a sibling temporary
-directory renamed into place. The same request on an existing `out` writes nothing; any other content
-in `out`, and every bad input, is refused with one line (UserError) before anything is written.
+directory renamed into place, under a lock beside `out` (`claimed`). The same request on an existing
+`out` writes nothing; any other content in `out`, a place where `out` cannot be, and every bad input
+are refused with one line (UserError); a full disk is DiskFull (exit 4); nothing is left of a refusal.
 """
 
 from __future__ import annotations
@@ -22,12 +23,20 @@ import numpy as np
 
 from hypertrain.config import UserError
 from hypertrain.data import corpus
-from hypertrain.data.bpe import byte_level_bpe
-from hypertrain.data.inputs import Input, Reader, open_input
+from hypertrain.data.bpe import byte_level_bpe, cuts_keep_tokens, pieces
+from hypertrain.data.inputs import BATCH_CHARS, Input, Reader, check_disjoint, open_input
+from hypertrain.data.outdir import claimed, put_in_place, write_error
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # an existing special token among these ends documents
 TRAINED_EOD = "<|endoftext|>"
 MIN_TRAINED_VOCAB = corpus.BYTES_VOCAB + 1  # the 256 bytes, the eod and one merge at least
+# tokenizers' BpeTrainer reserves about 70 bytes of address space per token of V before it reads a word
+# (1.34 GiB at 2^24, 6.3 GiB at 10^8: docs/data.md) and aborts the process where that cannot be had
+# (train:1000000000: 71 GB). 2^24 is 64 times the largest vocabularies in use (256k); a larger one is
+# trained elsewhere and given as PATH/tokenizer.json.
+MAX_TRAINED_VOCAB = 1 << 24
+PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces of about this many characters, where safe
+HF_HOME = ".hf"  # Hugging Face's caches during a prepare: in the partial corpus, so they go with it
 VALID_TOKENIZER = (
     "bytes, PATH/tokenizer.json (a Hugging Face tokenizer) or train:V (a byte-level BPE of V tokens)"
 )
@@ -38,7 +47,7 @@ class Prepared:
     meta: corpus.Meta
     written: bool  # False: `out` already held this request's corpus
     seconds: float
-    undecodable: int  # documents whose bad UTF-8 bytes were replaced
+    undecodable: int  # documents whose text was not UTF-8 (bad bytes, lone surrogates), replaced
 
 
 @dataclass
@@ -47,6 +56,14 @@ class Tokenizer:
     hf: object | None = None  # a tokenizers.Tokenizer; None for bytes (and for train:V until trained)
     json: bytes | None = None  # tokenizer.json's bytes: the file given, byte for byte, or the trained one's
     trained_vocab: int = 0  # V of train:V
+    _in_pieces: bool | None = None  # bpe.cuts_keep_tokens(hf), asked once
+
+    @property
+    def in_pieces(self) -> bool:
+        """Whether a long document's ids are its pieces' ids joined (bpe.pieces): the byte-level BPEs."""
+        if self._in_pieces is None:
+            self._in_pieces = self.hf is not None and cuts_keep_tokens(self.hf)
+        return self._in_pieces
 
     @property
     def file_sha256(self) -> str:
@@ -76,11 +93,12 @@ def parse_tokenizer(spec: str) -> Tokenizer:
             vocab = int(text)
         except ValueError:
             vocab = None
-        if vocab is None or not MIN_TRAINED_VOCAB <= vocab <= corpus.UINT32_VOCAB:
+        if vocab is None or not MIN_TRAINED_VOCAB <= vocab <= MAX_TRAINED_VOCAB:
             raise UserError(
                 f"--tokenizer {spec!r}: V={text!r} is not a vocabulary a byte-level BPE can have; valid: "
-                f"train:V with V an integer {MIN_TRAINED_VOCAB}..{corpus.UINT32_VOCAB} "
-                f"(the 256 bytes, the eod, one merge at least; uint32 ids at most)"
+                f"train:V with V an integer {MIN_TRAINED_VOCAB}..{MAX_TRAINED_VOCAB} "
+                "(the 256 bytes, the eod, one merge at least; at most 2^24, as the trainer reserves about "
+                "70 bytes a token up front: a larger vocabulary as PATH/tokenizer.json)"
             )
         return Tokenizer(spec, trained_vocab=vocab)
     import tokenizers
@@ -104,11 +122,48 @@ def train(tokenizer: Tokenizer, sources: Sequence[Input], field: str, bar) -> No
     tokenizer.hf, tokenizer.json = hf, hf.to_str().encode()
 
 
-def encode(tokenizer: Tokenizer, documents: list[str], dtype: np.dtype) -> list[np.ndarray]:
-    """Each document's ids (no eod): tokenizers' encode_batch (its threads) or the UTF-8 bytes."""
+def encode(tokenizer: Tokenizer, documents: list[str], dtype: np.dtype, where: str) -> list[np.ndarray]:
+    """Each document's ids (no eod): the UTF-8 bytes, or tokenizers' encode_batch (its threads) on at
+    most about BATCH_CHARS characters at a time, a document longer than PIECE_CHARS in pieces where its
+    ids are the same (`Tokenizer.in_pieces`), so a long one takes no more memory than a batch. UserError
+    when the tokenizer cannot encode a text of the input `where`."""
     if tokenizer.hf is None:
         return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(dtype) for d in documents]
-    encodings = tokenizer.hf.encode_batch(documents, add_special_tokens=False)
+    cut = [pieces(d, PIECE_CHARS) if tokenizer.in_pieces and len(d) > PIECE_CHARS else [d] for d in documents]
+    texts = [piece for parts in cut for piece in parts]
+    ids = [
+        row for group in batched(texts, BATCH_CHARS) for row in encode_batch(tokenizer, group, dtype, where)
+    ]
+    bounds = np.cumsum([0, *(len(parts) for parts in cut)]).tolist()
+    return [np.concatenate(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def batched(texts: list[str], chars: int) -> Iterator[list[str]]:
+    """`texts` in order, in consecutive groups of at most `chars` characters (a longer text alone)."""
+    group, size = [], 0
+    for text in texts:
+        if group and size + len(text) > chars:
+            yield group
+            group, size = [], 0
+        group.append(text)
+        size += len(text)
+    if group:
+        yield group
+
+
+def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype, where: str) -> list[np.ndarray]:
+    """The ids of `texts` by tokenizers' encode_batch; UserError when the tokenizer cannot encode one."""
+    try:
+        encodings = tokenizer.hf.encode_batch(texts, add_special_tokens=False)
+    except Exception as error:  # tokenizers raises a bare Exception with its model's message
+        if isinstance(error, MemoryError):
+            raise
+        said = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(
+            f"--tokenizer {tokenizer.spec!r} cannot encode the text of input {where!r} ({said}); valid: "
+            "a tokenizer that encodes any text (a byte-level one, or one with an unknown token), "
+            "bytes or train:V"
+        ) from None
     return [np.array(e.ids, dtype=dtype) for e in encodings]
 
 
@@ -139,21 +194,19 @@ def existing(out: Path) -> corpus.Meta | None:
     return corpus.read_meta(out)
 
 
-def partial_of(out: Path) -> Path:
-    """Where `out` is written before it is renamed into place (removed first: a killed run's remains)."""
-    return out.parent / f".{out.name}.partial"
-
-
 @contextmanager
-def private_hf_home() -> Iterator[None]:
-    """Hugging Face's caches (datasets imports them) in a temporary directory removed afterwards, and no
-    network: prepare writes nothing but its output."""
+def private_hf_home(home: Path | None = None) -> Iterator[None]:
+    """Hugging Face's caches (datasets imports them) in the folder `home` (made, and removed afterwards;
+    None: a new temporary folder), and no network: prepare writes nothing but its output."""
     names = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
     before = {name: os.environ.get(name) for name in names}
-    home = tempfile.mkdtemp(prefix="hypertrain-prepare-hf-")
+    if home is None:
+        home = Path(tempfile.mkdtemp(prefix="hypertrain-prepare-hf-"))
+    else:
+        home.mkdir()
     os.environ.update(
-        HF_HOME=home,
-        HF_DATASETS_CACHE=os.path.join(home, "datasets"),
+        HF_HOME=str(home),
+        HF_DATASETS_CACHE=str(home / "datasets"),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
     )
@@ -176,57 +229,48 @@ def prepare(
     started = time.perf_counter()
     out = Path(out).expanduser().absolute()
     tokenizer = parse_tokenizer(tokenizer_spec)
-    found = existing(out)
-    with private_hf_home():
-        own = (out, partial_of(out))  # an earlier corpus in DIR is never an input of the next prepare
-        sources = [open_input(text, field, own) for text in inputs]
-        request = request_of(sources, field, tokenizer)
-        if found is not None:
-            if found.request != request:
-                raise UserError(
-                    f"--out {str(out)!r} holds another corpus ({found.describe()}); "
-                    "valid: a new or empty directory, or the inputs and options that prepared it"
-                )
-            return Prepared(found, False, time.perf_counter() - started, 0)
-        meta, undecodable = build(out, sources, field, tokenizer, request, progress)
+    with claimed(out) as partial:
+        try:
+            with private_hf_home(partial / HF_HOME):  # in the partial corpus: a killed prepare's goes with it
+                found = existing(out)
+                own = (out, partial)  # an earlier corpus in DIR is never an input of the next prepare
+                sources = [open_input(text, field, own) for text in inputs]
+                check_disjoint(sources)
+                request = request_of(sources, field, tokenizer)
+                if found is not None:
+                    if found.request != request:
+                        raise UserError(
+                            f"--out {str(out)!r} holds another corpus ({found.describe()}); "
+                            "valid: a new or empty directory, or the inputs and options that prepared it"
+                        )
+                    corpus.verify(out, found)  # a damaged corpus is refused, never "nothing to do"
+                    return Prepared(found, False, time.perf_counter() - started, 0)
+                meta, undecodable = build(partial, sources, field, tokenizer, request, progress)
+        except OSError as error:  # a full disk (DiskFull), another error of the filesystem: one line
+            raise write_error(out, error) from None
+        put_in_place(partial, out)
     return Prepared(meta, True, time.perf_counter() - started, undecodable)
 
 
 def build(
-    out: Path, sources: Sequence[Input], field: str, tokenizer: Tokenizer, request: str, progress: bool | None
+    partial: Path,
+    sources: Sequence[Input],
+    field: str,
+    tokenizer: Tokenizer,
+    request: str,
+    progress: bool | None,
 ) -> tuple[corpus.Meta, int]:
-    """The corpus written into `partial_of(out)`, then renamed to `out`. On any exception (a refusal,
-    Ctrl-C, SIGTERM's exit) the partial directory and the folders made for it are removed."""
+    """The corpus written into `partial` (a BPE trained first for train:V), with a progress bar."""
     from tqdm import tqdm
 
-    partial = partial_of(out)
-    shutil.rmtree(partial, ignore_errors=True)
-    made = first_missing(partial.parent) or partial
-    partial.mkdir(parents=True)
     total = sum(os.path.getsize(path) for s in sources for _, path in s.entries)
     disable = None if progress is None else not progress  # None: tqdm's own test, a terminal
-    try:
-        with tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, disable=disable) as bar:
-            if tokenizer.trained_vocab:
-                train(tokenizer, sources, field, bar)
-                bar.reset(total=total)
-            bar.set_description("tokenizing")
-            written = write(partial, sources, field, tokenizer, request, bar)
-        if out.exists():
-            out.rmdir()  # empty (`existing`): the rename needs it gone
-        os.rename(partial, out)
-    except BaseException:
-        shutil.rmtree(made, ignore_errors=True)
-        raise
-    return written
-
-
-def first_missing(directory: Path) -> Path | None:
-    """The outermost of `directory` and its parents that does not exist: what mkdir(parents=True) makes."""
-    missing = None
-    while not directory.exists():
-        missing, directory = directory, directory.parent
-    return missing
+    with tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, disable=disable) as bar:
+        if tokenizer.trained_vocab:
+            train(tokenizer, sources, field, bar)
+            bar.reset(total=total)
+        bar.set_description("tokenizing")
+        return write(partial, sources, field, tokenizer, request, bar)
 
 
 def write(
@@ -256,7 +300,7 @@ def encoded(reader: Reader, tokenizer: Tokenizer, dtype: np.dtype) -> Iterator[n
     """The ids of each document `reader` yields, in order; UserError when it yields none."""
     empty = True
     for batch in reader:
-        yield from encode(tokenizer, batch, dtype)
+        yield from encode(tokenizer, batch, dtype, reader.source.name)
         empty = False
     if empty:
         name = reader.source.name
@@ -270,5 +314,7 @@ def summary(prepared: Prepared, out: Path) -> str:
         return f"{out} already prepared ({meta.describe()}): nothing to do"
     rate = meta.tokens / max(prepared.seconds, 1e-9)
     bad = prepared.undecodable
-    replaced = f"; {bad} document{'s' * (bad > 1)} had bad UTF-8 bytes, replaced by U+FFFD" if bad else ""
+    replaced = ""
+    if bad:
+        replaced = f"; {bad} document{'s' * (bad > 1)} had text that is not UTF-8, replaced by U+FFFD"
     return f"prepared {out}: {meta.describe()} in {prepared.seconds:.1f} s ({rate:,.0f} tokens/s){replaced}"

@@ -15,7 +15,8 @@ source and orders the rest into the plan's stream (docs/data.md, "Training on a 
   `by_source`: each source's permuted on its own, then interleaved, id i < N being source (i mod S)'s
   example i // S, N = S * (the fewest any source has; the rest dropped). With S = 1 both are the same.
 Examples are not de-duplicated (`duplicates` is 0): the corpus is taken as prepared. The fingerprint
-covers the settings, the corpus's files (their sha256 in the meta) and the resulting order.
+covers the settings, the corpus's files (their sha256 in the meta, which `corpus.read` checks the
+files against first) and the resulting order.
 """
 
 from __future__ import annotations
@@ -203,5 +204,6 @@ def prepared_dataset(cfg: DataConfig) -> TextDataset:
         _lengths=None if windows else lengths,
         source_names=tuple(s.name for s in meta.sources),
         corpus=meta.describe(),
+        tokenizer_sha256=meta.tokenizer_sha256,
         _sources=sources.astype(np.int32) if S > 1 else None,
     )

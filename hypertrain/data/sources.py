@@ -1,17 +1,20 @@
 """Where a text dataset's tokens come from, read in sorted path order, files concatenated.
 
 - `stdlib_source()`: the running Python's standard-library `.py` files, byte-level (vocab 256), no download.
-- `text_files_source(glob)`: the files a glob matches (`**` recursive, `expand_glob`), byte-level (vocab 256).
+- `text_files_source(glob)`: the files a glob matches (`**` recursive, not into symlinked folders;
+  `expand_glob`), byte-level (vocab 256).
 - `token_bin_source(path, dtype)`: a flat little-endian uint16/uint32 token file, memory-mapped.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import os
 import platform
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,15 +65,64 @@ def text_files_source(pattern: str) -> Source:
 def expand_glob(pattern: str, skipped: tuple[Path, ...] = ()) -> list[tuple[str, str]]:
     """The files `pattern` matches (`~` expanded, `**` recursive; none under a folder of `skipped`) as
     sorted (name, absolute path) pairs, each name relative to the files' common folder, so a fingerprint
-    does not depend on where they live."""
+    does not depend on where they live. `**` never enters a symlinked folder (a link back up would loop,
+    a second name for a folder would read it twice), and a file reached by two names (a link to a file
+    matched too, a symlinked folder named by a `*`) is read once, under its first name in sorted order."""
     expanded = os.path.expanduser(pattern)
-    paths = [os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
-    paths = [p for p in paths if not any(Path(p).is_relative_to(folder) for folder in skipped)]
+    paths = sorted({os.path.abspath(p) for p in matches(expanded) if os.path.isfile(p)})
+    skipped_real = [os.path.realpath(folder) for folder in skipped]
+    real = {p: os.path.realpath(p) for p in paths}
+    paths = [p for p in paths if not any(Path(real[p]).is_relative_to(folder) for folder in skipped_real)]
     if not paths:
         return []
     base = os.path.commonpath(paths)
     base = os.path.dirname(base) if len(paths) == 1 else base
-    return sorted((Path(os.path.relpath(p, base)).as_posix(), p) for p in paths)
+    entries, seen = [], set()
+    for name, path in sorted((Path(os.path.relpath(p, base)).as_posix(), p) for p in paths):
+        if real[path] not in seen:
+            seen.add(real[path])
+            entries.append((name, path))
+    return entries
+
+
+def matches(pattern: str) -> Iterator[str]:
+    """What `glob.iglob(pattern, recursive=True)` yields (hidden names matched only by a pattern that
+    starts with a dot), except that `**` does not descend into symlinked folders."""
+    if not glob.has_magic(pattern):
+        if os.path.lexists(pattern):
+            yield pattern
+        return
+    head, tail = os.path.split(pattern)
+    for folder in matches(head) if glob.has_magic(head) else [head]:
+        if tail == "**":
+            yield from below(folder)
+        elif glob.has_magic(tail):
+            names = [n for n in listed(folder) if not n.startswith(".") or tail.startswith(".")]
+            yield from (os.path.join(folder, n) for n in fnmatch.filter(names, tail))
+        elif os.path.lexists(os.path.join(folder, tail)):
+            yield os.path.join(folder, tail)
+
+
+def below(folder: str) -> Iterator[str]:
+    """`folder` and every path under it but hidden ones and symlinked folders, which `**` neither
+    enters nor yields (a later part of the pattern would look inside)."""
+    yield folder
+    for name in listed(folder):
+        path = os.path.join(folder, name)
+        if name.startswith(".") or (os.path.islink(path) and os.path.isdir(path)):
+            continue
+        if os.path.isdir(path):
+            yield from below(path)
+        else:
+            yield path
+
+
+def listed(folder: str) -> list[str]:
+    """The names in `folder` ("" is the working folder); none where it is no folder or unreadable."""
+    try:
+        return os.listdir(folder or os.curdir)
+    except OSError:
+        return []
 
 
 def read_files(paths: list[str], names: list[str]) -> Source:

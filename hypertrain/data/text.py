@@ -57,10 +57,12 @@ class TextDataset:
     _tokens: np.ndarray = field(repr=False)  # the whole token stream (uint8, or a uint16/32 memmap)
     _starts: np.ndarray = field(repr=False)  # int64 [n_total]: where stream id i starts in _tokens
     _lengths: np.ndarray | None = field(repr=False)  # int64 [n_total]; None when fixed_length
-    # data=prepared: the corpus's sources, its one-line description, and each stream id's source
-    # (int32 [n_total]; None: every example is source 0's)
+    # data=prepared: the corpus's sources, its one-line description, its tokenizer.json's sha256 ("" for
+    # bytes; what `python -m hypertrain.sample` compares) and each stream id's source (int32 [n_total];
+    # None: every example is source 0's)
     source_names: tuple[str, ...] = ()
     corpus: str = ""
+    tokenizer_sha256: str = ""
     _sources: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:

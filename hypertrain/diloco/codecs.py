@@ -56,16 +56,27 @@ _E3M0_MIDPOINTS = tuple(
 
 @dataclass(frozen=True)
 class Blocks:
-    """A flat vector made of tensors of `sizes` elements, concatenated, cut into blocks of `block`
-    values that never cross a tensor's boundary (a tensor's last block may be shorter)."""
+    """A flat vector made of tensors of `sizes` elements, concatenated, each cut into blocks of its
+    `chunks` value (None: `block` for every tensor) that never cross a tensor's boundary (a tensor's last
+    block may be shorter); `block` is the longest a block may be (`tiles.blocks_and_order` makes it the
+    longest there is: the width every block is padded to while encoding)."""
 
     sizes: tuple[int, ...]
     block: int
+    chunks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Kept as a tuple of Python ints (a list or numpy ints given), so that Blocks hashes and compares.
         object.__setattr__(self, "block", _whole("block", self.block, 1))
         object.__setattr__(self, "sizes", tuple(_whole("sizes", s, 0) for s in self.sizes))
+        if self.chunks is not None:
+            chunks = tuple(_whole("chunks", c, 1) for c in self.chunks)
+            if len(chunks) != len(self.sizes) or max(chunks, default=1) > self.block:
+                raise ValueError(
+                    f"chunks={self.chunks!r} is not valid; valid: one per tensor ({len(self.sizes)}), "
+                    f"each 1..block ({self.block})"
+                )
+            object.__setattr__(self, "chunks", chunks)
 
     @property
     def numel(self) -> int:
@@ -75,7 +86,12 @@ class Blocks:
     @property
     def count(self) -> int:
         """Number of blocks."""
-        return sum(-(-s // self.block) for s in self.sizes)
+        return sum(-(-s // c) for s, c in zip(self.sizes, self.cuts, strict=True))
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Each tensor's block length (a whole block; its last may be shorter)."""
+        return (self.block,) * len(self.sizes) if self.chunks is None else self.chunks
 
     def shards(self, n: int) -> list[tuple[int, int, Blocks]]:
         """The vector cut into n contiguous shards along block boundaries (blocks dealt as evenly as
@@ -92,36 +108,52 @@ class Blocks:
 
     def _cut(self, first: int, stop: int) -> tuple[int, int, Blocks]:
         """Blocks [first, stop) as (element start, element stop, their own Blocks)."""
-        sizes, start, end = [], None, None
+        sizes, chunks, start, end = [], [], None, None
         block_offset = element_offset = 0
-        for size in self.sizes:
-            blocks_here = -(-size // self.block)
+        for size, cut in zip(self.sizes, self.cuts, strict=True):
+            blocks_here = -(-size // cut)
             lo, hi = max(first, block_offset), min(stop, block_offset + blocks_here)
             if lo < hi:
-                piece_start = element_offset + (lo - block_offset) * self.block
-                piece_stop = element_offset + min((hi - block_offset) * self.block, size)
+                piece_start = element_offset + (lo - block_offset) * cut
+                piece_stop = element_offset + min((hi - block_offset) * cut, size)
                 start = piece_start if start is None else start
                 end = piece_stop
                 sizes.append(piece_stop - piece_start)
+                chunks.append(cut)
             elif start is None and block_offset + blocks_here > first:
-                start = end = element_offset + (first - block_offset) * self.block  # empty, inside
+                start = end = element_offset + (first - block_offset) * cut  # empty, inside
             block_offset += blocks_here
             element_offset += size
         if start is None:  # an empty shard after the last block
             start = end = element_offset
-        return start, end, Blocks(tuple(sizes), self.block)
+        return start, end, Blocks(tuple(sizes), self.block, None if self.chunks is None else tuple(chunks))
 
 
 @dataclass(frozen=True)
 class TopK:
     """Top-k's settings, given where a fraction goes (a bare fraction means TopK(fraction): today's fp32
     values and int32 indices): the fraction of each block kept, the index width (32: int32 index in the
-    vector; 12: the index within its block, two per three bytes, blocks of at most 4096) and how the
-    kept values travel (fp32, fp16, int8 with one fp32 scale per block, two_bit: templar's per tensor)."""
+    vector; 12: the index within its block, two per three bytes, blocks of at most 4096), how the
+    kept values travel (fp32, fp16, int8 with one fp32 scale per block, two_bit: templar's per tensor),
+    and `chunk`: 0 (each block keeps its fraction) or a whole tile's values (outer.tile's T * T: each
+    block keeps what a whole tile does, templar's count; `kept`)."""
 
     fraction: float
     index_bits: int = 32
     values: str = "fp32"
+    chunk: int = 0
+
+
+def kept(spec: TopK, length: int) -> int:
+    """k_b, the entries top-k keeps of a block of `length` values. chunk 0: topk_kept(fraction, length).
+    chunk > 0: K = topk_kept(fraction, chunk) of every block (templar's `topk_compression`, a count per
+    chunk, not a share: src/tplr/compress.py `TopKCompressor.compress`), or of a block shorter than K
+    all its values, one less when that is odd (templar's `_clamp_topk` makes k even for its 12-bit
+    pairs); a block of one value keeps it (templar's asks for 2 of 1). k_b grows with the length."""
+    if not spec.chunk:
+        return topk_kept(spec.fraction, length)
+    whole = topk_kept(spec.fraction, spec.chunk)
+    return whole if length >= whole else max(1, length - length % 2)
 
 
 def payload_size(codec: str, blocks: Blocks, fraction: float = 1.0) -> int:
@@ -129,7 +161,7 @@ def payload_size(codec: str, blocks: Blocks, fraction: float = 1.0) -> int:
 
     With L_b the length of block b and C = blocks.count: int8, fp8_*: n + 4C; uint8: n + 8C;
     fp4_e2m1, e3m0: sum_b ceil(L_b / 2) + 4C (codes packed per block); topk, with k_b =
-    topk_kept(fraction, L_b): sum_b (V(k_b) + I(k_b)), values V(k) = 4k (fp32), 2k (fp16), 4 + k (int8: the
+    `kept`(fraction, L_b): sum_b (V(k_b) + I(k_b)), values V(k) = 4k (fp32), 2k (fp16), 4 + k (int8: the
     block's scale), ceil(k / 4) (two_bit, plus 20 bytes per non-empty tensor: its header); indices
     I(k) = 4k (32 bits), ceil(3k / 2) (12). A transform changes no byte count.
     """
@@ -151,7 +183,7 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transfo
     - e3m0: M = 1 (scale = amax), codes sign << 3 | e, the magnitude's nearest of 0 (e = 0) and 2^(e - 7)
       (e = 1..7: 1/64 .. 1) in the linear domain, ties to the even e (so |x| / scale <= 2^-7 is 0, and 3/4 of
       a power of two goes to the even of its two neighbours); packed as fp4_e2m1. Sign bit kept for zeros;
-    - topk: the topk_kept(fraction, L_b) largest magnitudes of each block, in order of magnitude
+    - topk: the `kept`(fraction, L_b) largest magnitudes of each block, in order of magnitude
       (descending, ties by ascending index): their values, then their indices (`fraction` a TopK: see
       `_encode_topk`; a bare fraction: fp32 values, then int32 indices in the vector).
 
@@ -208,7 +240,7 @@ def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transf
         return _decode_topk(payload, blocks, fraction)
     header, codes = _unpack(payload, codec, blocks, fraction)
     if codec == "uint8":
-        minimum, scale = _floats(header).split(1, dim=-1)
+        minimum, scale = raw_floats(header).split(1, dim=-1)
         return _unspread(codes.float().mul_(scale).add_(minimum), blocks)
     if codec == "int8":
         values = codes.view(torch.int8).float()
@@ -218,7 +250,7 @@ def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transf
         values = _decode_nibbles(codes, blocks.block, _E3M0)
     else:
         values = codes.view(_FP8[codec][0]).float()
-    return _unspread(values.mul_(_floats(header)), blocks)
+    return _unspread(values.mul_(raw_floats(header)), blocks)
 
 
 # --- the quantizers and top-k, on the padded block layout [R, C, block] -------------------------------
@@ -240,9 +272,9 @@ def _bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _floats(t: Tensor) -> Tensor:
-    """[R, C, 4k] uint8 -> [R, C, k] fp32, the raw bytes read back (a fresh copy: a slice's strides, even
-    of a size-1 dim, may not divide by 4)."""
+def raw_floats(t: Tensor) -> Tensor:
+    """[..., 4k] uint8 -> [..., k] fp32, the raw bytes read back (a fresh copy: a slice's strides, even
+    of a size-1 dim, may not divide by 4; `.contiguous()` keeps such a slice as it is)."""
     return t.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
@@ -337,20 +369,20 @@ def _encode_topk(values: Tensor, blocks: Blocks, spec: TopK) -> list[Tensor]:
     keys += torch.arange(block - 1, -1, -1, device=values.device)
     if layout.pad_slots is not None:
         keys.flatten(1).index_fill_(1, layout.pad_slots, -1)  # below every real key: never kept
-    position = keys.topk(topk_kept(spec.fraction, block), dim=-1, sorted=True).indices
-    kept = values.gather(-1, position)
+    position = keys.topk(kept(spec, block), dim=-1, sorted=True).indices
+    chosen = values.gather(-1, position)
     # a shorter block keeps fewer: its slots from k_b on hold padding, left out of every statistic
-    real = _topk_real(blocks, spec.fraction, values.device)  # [C, kmax]
+    real = _topk_real(blocks, spec, values.device)  # [C, kmax]
     if spec.values == "fp32":
-        fields = [_bytes(kept)]
+        fields = [_bytes(chosen)]
     elif spec.values == "fp16":
-        fields = [_bytes(kept.clamp(-65504.0, 65504.0).to(torch.float16))]
+        fields = [_bytes(chosen.clamp(-65504.0, 65504.0).to(torch.float16))]
     elif spec.values == "int8":
-        scale = _amax(torch.where(real, kept, 0.0)) / 127
-        codes = (kept / _divisor(scale)).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        scale = _amax(torch.where(real, chosen, 0.0)) / 127
+        codes = (chosen / _divisor(scale)).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
         fields = [_bytes(scale), codes]
     else:
-        header, codes = _two_bit(kept, real, blocks)
+        header, codes = _two_bit(chosen, real, blocks)
         codes = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % 4))
         packed = codes[..., 0::4] | codes[..., 1::4] << 2 | codes[..., 2::4] << 4 | codes[..., 3::4] << 6
         fields = [header, packed]
@@ -362,20 +394,20 @@ def _encode_topk(values: Tensor, blocks: Blocks, spec: TopK) -> list[Tensor]:
     return [*fields, triples.flatten(-2).to(torch.uint8)]
 
 
-def _two_bit(kept: Tensor, real: Tensor, blocks: Blocks) -> tuple[Tensor, Tensor]:
+def _two_bit(chosen: Tensor, real: Tensor, blocks: Blocks) -> tuple[Tensor, Tensor]:
     """templar's `_quantize_values` with 4 bins, per tensor over its kept values v (n of them): shift =
     mean(v), c = v - shift, scale = 6 std / 4 (std = ||c|| / sqrt(n - 1), 0 for n = 1; a zero scale is 1),
     code = round-half-even(c / scale + 2) in [0, 3], reconstruction value r_q = the mean of the c coded q
     (0 for an empty bin: such a code decodes to the shift). Computed in float64, sent as fp32: the header
     (shift, r_0..r_3) [R, C, 20] (meaningful at each tensor's first block) and the codes [R, C, kmax]."""
-    rows, count, width = kept.shape
-    header = kept.new_zeros(rows, count, 5)
-    codes = torch.zeros(rows, count, width, dtype=torch.uint8, device=kept.device)
+    rows, count, width = chosen.shape
+    header = chosen.new_zeros(rows, count, 5)
+    codes = torch.zeros(rows, count, width, dtype=torch.uint8, device=chosen.device)
     first = 0
     for blocks_here in _tensor_blocks(blocks):
         part = slice(first, first + blocks_here)
         mask = real[part]  # [b, kmax]
-        v = kept[:, part][:, mask].double()  # [R, n], the tensor's kept values in block order
+        v = chosen[:, part][:, mask].double()  # [R, n], the tensor's kept values in block order
         shift = v.mean(dim=1, keepdim=True)
         centred = v - shift
         n = v.shape[1]
@@ -395,22 +427,22 @@ def _two_bit(kept: Tensor, real: Tensor, blocks: Blocks) -> tuple[Tensor, Tensor
 def _decode_topk(payload: Tensor, blocks: Blocks, spec: TopK) -> Tensor:
     rows, count = payload.shape[0], blocks.count
     fields = _unpack(payload, "topk", blocks, spec)  # [R, C, width] each, junk past each block's bytes
-    width = topk_kept(spec.fraction, blocks.block)
+    width = kept(spec, blocks.block)
     if spec.values == "fp32":
-        kept = _floats(fields[0])
+        values = raw_floats(fields[0])
     elif spec.values == "fp16":
-        kept = fields[0].contiguous().view(torch.float16).float()
+        values = fields[0].contiguous().view(torch.float16).float()
     elif spec.values == "int8":
-        kept = fields[1].contiguous().view(torch.int8).float().mul_(_floats(fields[0]))
+        values = fields[1].contiguous().view(torch.int8).float().mul_(raw_floats(fields[0]))
     else:
         first = _tensor_first_block(blocks, payload.device)  # [C] the first block of each block's tensor
-        header = _floats(fields[0]).index_select(1, first)  # [R, C, 5]: shift, r_0..r_3
+        header = raw_floats(fields[0]).index_select(1, first)  # [R, C, 5]: shift, r_0..r_3
         codes = (fields[1][..., None] >> torch.tensor([0, 2, 4, 6], device=payload.device)) & 3
         codes = codes.flatten(-2)[..., :width].long()
-        kept = header[..., 1:].gather(-1, codes).add_(header[..., :1])
+        values = header[..., 1:].gather(-1, codes).add_(header[..., :1])
     index = fields[-1]
     if spec.index_bits == 32:
-        index = _floats(index).view(torch.int32).long()
+        index = raw_floats(index).view(torch.int32).long()
     else:
         triples = index.long().view(rows, count, -1, 3)
         a = triples[..., 0] | (triples[..., 1] & 15) << 8
@@ -418,25 +450,30 @@ def _decode_topk(payload: Tensor, blocks: Blocks, spec: TopK) -> Tensor:
         index = torch.stack([a, b], dim=-1).flatten(-2)[..., :width]
         index = index + _layout(blocks, payload.device).starts.view(1, count, 1)
     # slots past a block's k_b hold junk: they write to a spare last element, dropped
-    real = _topk_real(blocks, spec.fraction, payload.device)
+    real = _topk_real(blocks, spec, payload.device)
     index = torch.where(real, index, blocks.numel)
     out = torch.zeros(rows, blocks.numel + 1, dtype=torch.float32, device=payload.device)
-    out.scatter_(1, index.flatten(1), kept.flatten(1))  # real indices are distinct within a row
+    out.scatter_(1, index.flatten(1), values.flatten(1))  # real indices are distinct within a row
     return out[:, : blocks.numel]
 
 
 @functools.lru_cache(maxsize=64)
-def _topk_real(blocks: Blocks, fraction: float, device: torch.device) -> Tensor:
+def _topk_real(blocks: Blocks, spec: TopK, device: torch.device) -> Tensor:
     """[C, kmax] bool: the slots of each block that hold one of its k_b kept values."""
-    lengths = _lengths(blocks)
-    kept = torch.tensor([topk_kept(fraction, int(length)) for length in lengths], dtype=torch.int64)
-    slots = torch.arange(topk_kept(fraction, blocks.block))
-    return (slots[None, :] < kept[:, None]).to(device)
+    counts = _kept_counts(blocks, spec)
+    slots = torch.arange(kept(spec, blocks.block))
+    return (slots[None, :] < counts[:, None]).to(device)
+
+
+def _kept_counts(blocks: Blocks, spec: TopK) -> Tensor:
+    """[C] int64 on CPU: each block's k_b (`kept`), computed once per distinct length."""
+    distinct, which = torch.unique(_lengths(blocks), return_inverse=True)
+    return torch.tensor([kept(spec, int(n)) for n in distinct], dtype=torch.int64)[which]
 
 
 def _tensor_blocks(blocks: Blocks) -> list[int]:
     """The number of blocks of each non-empty tensor, in order."""
-    return [-(-size // blocks.block) for size in blocks.sizes if size]
+    return [-(-size // cut) for size, cut in zip(blocks.sizes, blocks.cuts, strict=True) if size]
 
 
 @functools.lru_cache(maxsize=64)
@@ -517,9 +554,9 @@ class _Layout:
 def _lengths(blocks: Blocks) -> Tensor:
     """[C] int64 on CPU: each block's length."""
     parts = []
-    for size in blocks.sizes:
-        full, rest = divmod(size, blocks.block)
-        parts.append(torch.full((full,), blocks.block, dtype=torch.int64))
+    for size, cut in zip(blocks.sizes, blocks.cuts, strict=True):
+        full, rest = divmod(size, cut)
+        parts.append(torch.full((full,), cut, dtype=torch.int64))
         if rest:
             parts.append(torch.tensor([rest], dtype=torch.int64))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
@@ -563,22 +600,20 @@ def _fields(codec: str, blocks: Blocks, fraction: float) -> list[tuple[int, Tens
     lengths = _lengths(blocks)
     headers = {"uint8": 8}.get(codec, 4)
     if codec == "topk":
-        distinct, which = torch.unique(lengths, return_inverse=True)
-        kept = torch.tensor([topk_kept(fraction.fraction, int(n)) for n in distinct], dtype=torch.int64)
-        kept, most = kept[which], topk_kept(fraction.fraction, blocks.block)
+        counts, most = _kept_counts(blocks, fraction), kept(fraction, blocks.block)
         if fraction.values == "two_bit":  # a tensor's header before its first block's codes
             first = torch.zeros_like(lengths)
             starts = [0, *itertools.accumulate(_tensor_blocks(blocks))][:-1]
             first[torch.tensor(starts, dtype=torch.int64)] = 1
-            values = [(TWO_BIT_HEADER, TWO_BIT_HEADER * first), ((most + 3) // 4, (kept + 3) // 4)]
+            values = [(TWO_BIT_HEADER, TWO_BIT_HEADER * first), ((most + 3) // 4, (counts + 3) // 4)]
         elif fraction.values == "int8":
-            values = [(4, torch.full_like(lengths, 4)), (most, kept)]
+            values = [(4, torch.full_like(lengths, 4)), (most, counts)]
         else:
             each = 4 if fraction.values == "fp32" else 2
-            values = [(each * most, each * kept)]
+            values = [(each * most, each * counts)]
         if fraction.index_bits == 32:
-            return [*values, (4 * most, 4 * kept)]
-        return [*values, (3 * ((most + 1) // 2), (3 * kept + 1) // 2)]
+            return [*values, (4 * most, 4 * counts)]
+        return [*values, (3 * ((most + 1) // 2), (3 * counts + 1) // 2)]
     if codec in ("fp4_e2m1", "e3m0"):
         return [(4, torch.full_like(lengths, 4)), ((blocks.block + 1) // 2, (lengths + 1) // 2)]
     return [(headers, torch.full_like(lengths, headers)), (blocks.block, lengths)]
@@ -658,4 +693,4 @@ def _check(codec: str, blocks: Blocks, fraction: float | TopK, transform: str = 
         raise ValueError(f"values={spec.values!r} is not valid; valid: {', '.join(TOPK_VALUES)}")
     if spec.index_bits == 12 and blocks.block > 4096:
         raise ValueError(f"index_bits=12 with block={blocks.block} is not valid; valid: block <= 4096")
-    return TopK(float(spec.fraction), spec.index_bits, str(spec.values))
+    return TopK(float(spec.fraction), spec.index_bits, str(spec.values), _whole("chunk", spec.chunk, 0))

@@ -114,7 +114,7 @@ def _message(payload: Tensor, active: Tensor, errors: Tensor) -> Tensor:
 
 def _header(rows: Tensor) -> tuple[list[bool], list[float]]:
     """The headers of messages [R, ...] in replica order: who took part, and each one's error."""
-    header = rows[:, :HEADER_BYTES].contiguous().view(torch.float32).cpu()
+    header = codecs.raw_floats(rows[:, :HEADER_BYTES]).cpu()
     return [bool(x) for x in header[:, 0].tolist()], header[:, 1].tolist()
 
 
@@ -232,8 +232,10 @@ class CompressedMean:
 
 
 def topk(outer: OuterConfig) -> codecs.TopK:
-    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it)."""
-    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values))
+    """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it):
+    with outer.tile T every chunk keeps what a whole T x T tile does (`codecs.kept`, templar's count)."""
+    chunk = outer.tile * outer.tile
+    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values), chunk)
 
 
 def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) -> Tensor:

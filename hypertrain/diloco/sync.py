@@ -36,7 +36,7 @@ from hypertrain.diloco.outer import (
     weights_norm,
 )
 from hypertrain.diloco.pending import Pending, Reduced, Reduction
-from hypertrain.diloco.tiles import tile_order
+from hypertrain.diloco.tiles import blocks_and_order
 from hypertrain.distributed import decided
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
@@ -251,8 +251,8 @@ class FragmentSync:
             shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
             self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank_rank))
         else:
-            blocks = Blocks(tuple(t.numel() for t in self.theta.values()), cfg.outer.block)
-            order = tile_order([tuple(t.shape) for t in self.theta.values()], cfg.outer.tile)
+            shapes = [tuple(t.shape) for t in self.theta.values()]
+            blocks, order = blocks_and_order(shapes, cfg.outer.block, cfg.outer.tile)
             self.reducer = CodecReducer(cfg.outer, blocks, order)
 
     def flat_errors(self):

@@ -13,7 +13,7 @@ import torch
 from hypertrain.diloco import codecs
 from hypertrain.diloco.communication import contribution_payload, fed_back, payload_decoded, topk
 from hypertrain.diloco.lowrank import Factors, from_power_step, power_step
-from hypertrain.diloco.tiles import tile_order, to_tiles
+from hypertrain.diloco.tiles import blocks_and_order, to_tiles
 from hypertrain.model.transformer import Params
 
 
@@ -21,14 +21,14 @@ def payload_bits(outer, shapes: tuple[tuple[int, ...], ...]) -> int:
     """The bits one arrival's payload puts on the wire, a pseudo-gradient of tensors of `shapes`: fp32
     (outer.compress=none) 32 a parameter; lowrank its factors P and Q and its 1-D tensors in fp32
     (`lowrank.Factors.payload_bytes`, a round's replica's payload); a codec its payload's
-    (`codecs.payload_size`, which neither the transform nor the tiles change), as a round's contribution
-    under `gather`, less the round's header bytes (an arrival sends no header)."""
-    sizes = tuple(math.prod(shape) for shape in shapes)
+    (`codecs.payload_size` of `tiles.blocks_and_order`'s blocks; the transform changes no byte), as a
+    round's contribution under `gather`, less the round's header bytes (an arrival sends no header)."""
     if outer.compress == "none":
-        return 32 * sum(sizes)
+        return 32 * sum(math.prod(shape) for shape in shapes)
     if outer.compress == "lowrank":
         return 8 * arrival_factors(outer, shapes).payload_bytes
-    return 8 * codecs.payload_size(outer.compress, codecs.Blocks(sizes, outer.block), topk(outer))
+    blocks, _ = blocks_and_order(list(shapes), outer.block, outer.tile)
+    return 8 * codecs.payload_size(outer.compress, blocks, topk(outer))
 
 
 def arrival_factors(outer, shapes: tuple[tuple[int, ...], ...]) -> Factors:
@@ -56,8 +56,7 @@ class Wire:
         if outer.compress == "lowrank":
             self.factors = Factors.of({n: tuple(t.shape) for n, t in theta.items()}, outer.lowrank_rank)
         else:
-            self.blocks = codecs.Blocks(tuple(t.numel() for t in theta.values()), outer.block)
-            self.order = tile_order(list(shapes), outer.tile)
+            self.blocks, self.order = blocks_and_order(list(shapes), outer.block, outer.tile)
 
     def fed_back(self, replica: int, delta: torch.Tensor) -> torch.Tensor:
         """x [1, n]: `delta` plus the replica's buffer decayed by outer.error_decay (delta alone without)."""

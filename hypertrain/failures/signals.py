@@ -83,6 +83,24 @@ def guard_start(leave: Callable[[], list[Path]] | None = None) -> None:
         pass
 
 
+def interrupted(prog: str) -> str:
+    """The line of a command that only reads (`python -m hypertrain.sample`) stopped by Ctrl-C; it
+    exits with EXIT_CODES[SIGINT], the entry's code for the same signal."""
+    return f"{prog}: stopped by SIGINT (Ctrl-C); nothing was written"
+
+
+def guard_command(prog: str) -> None:
+    """Such a command's first statement: until it restores Python's handler (and catches the
+    KeyboardInterrupt itself), a Ctrl-C during its imports prints `interrupted(prog)` and ends the
+    process at once (no frame of the command's to unwind yet)."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        print(interrupted(prog), file=sys.stderr, flush=True)
+        os._exit(EXIT_CODES[signum])
+
+    signal.signal(signal.SIGINT, stop)
+
+
 def requested() -> int | None:
     """The stop signal this process has received (its number), None when there is none."""
     active = _active.get()

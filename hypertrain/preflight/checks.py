@@ -127,19 +127,10 @@ def check_overlap(cfg: TrainConfig) -> None:
 
 def check_async(cfg: TrainConfig) -> None:
     """outer.schedule=async (docs/async.md): the clock decides its weights, so its compute is modelled;
-    what it is not built with is refused; its buffer and activation fit R; the server's fields are
-    refused under rounds, which would ignore them. The speeds fit R (under rounds they time the clock)."""
+    what it is not built with is refused; its buffer and activation fit R (the server's fields under
+    rounds: `OuterConfig.check_schedule_fields`). The speeds fit R (under rounds they time the clock)."""
     outer, cluster, R = cfg.outer, cfg.cluster, cfg.replicas
-    if cluster.replica_speeds and len(cluster.replica_speeds) != R:
-        raise UserError(
-            f"cluster.replica_speeds={cluster.replica_speeds!r} has {len(cluster.replica_speeds)} speeds; "
-            f"valid: one per replica ({R}), or []"
-        )
-    if cluster.replica_speeds and cluster.speed_sigma:
-        raise UserError(
-            f"cluster.replica_speeds with cluster.speed_sigma={cluster.speed_sigma!r}: the speeds are given "
-            "or drawn, not both; valid: cluster.speed_sigma=0, or cluster.replica_speeds=[]"
-        )
+    cluster.check_replicas(R)
     slowed = cluster.replica_speeds or cluster.speed_sigma
     if slowed and cfg.churn.deadline:
         raise UserError(
@@ -147,11 +138,6 @@ def check_async(cfg: TrainConfig) -> None:
             "stragglers only); valid: equal speeds, or churn.deadline=0"
         )
     if not outer.is_async:
-        if outer.dylu:
-            raise UserError(
-                f"outer.dylu={outer.dylu!r} with outer.schedule=rounds is not built (it shapes asynchronous "
-                "replicas); valid: outer.schedule=async, or leave it unset"
-            )
         if outer.mean_weights == "tokens" and outer.overlap == "eager":
             raise UserError(
                 "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built "

@@ -21,12 +21,14 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hypertrain.choices import Transform
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, TrainConfig, UserError
 from hypertrain.data.corpus import read_meta
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
 from hypertrain.optim.outer import outer_optimizer
+from hypertrain.preflight.codec_memory import codec_bytes
 
 FLOAT_BYTES = 4  # weights, gradients, optimizer state and activations are fp32 (model.compute_dtype)
 ID_BYTES = 8  # token ids are int64 tensors (batches.Microbatch)
@@ -51,6 +53,7 @@ class Estimate:
     weights: int  # their bytes
     state: int  # on the device: weights, gradients, optimizer state, the step's temporaries
     activations: int  # on the device: one microbatch's forward and backward (or a held-out pass)
+    codec: int  # on the device: a block codec's sync of every replica (`codec_memory.codec_bytes`)
     batches: int  # on the host: a round's token ids, and the held-out ones
     checkpoint: int  # on the host, once for the machine: the copies a checkpoint makes
     workers: int  # processes on this machine that train (each holds state, activations, batches)
@@ -64,7 +67,7 @@ class Estimate:
     @property
     def device(self) -> int:
         """One worker's bytes on its compute device."""
-        return self.state + self.activations
+        return self.state + self.activations + self.codec
 
     def host(self, on_gpu: bool) -> int:
         """The machine's host bytes: every process's runtime and batches, the checkpoint's copies,
@@ -264,6 +267,7 @@ def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | No
         weights=params * FLOAT_BYTES,
         state=model_state_bytes(cfg, by_role, replicas, stacked),
         activations=activations,
+        codec=codec_bytes(cfg, model),
         batches=(round_updates * replicas * share + cfg.data.heldout) * per_id,
         checkpoint=checkpoint_bytes(cfg, decided, by_role, replicas, workers),
         workers=workers,
@@ -397,6 +401,17 @@ def parts(cfg: TrainConfig, est: Estimate, scope: str) -> list[tuple[int, str, l
             [*batch, *model],
         ),
     ]
+    if est.codec:
+        shaping = (("outer.tile", cfg.outer.tile), ("outer.transform", cfg.outer.transform == Transform.dct))
+        codec = ["outer.compress", "outer.block"] + [field for field, used in shaping if used]
+        device.append(
+            (
+                times * est.codec,
+                f"the codec's blocks {readable(times * est.codec)}: every replica's pseudo-gradient padded "
+                f"to its longest block{per}",
+                [*codec, *model, "replicas"],
+            )
+        )
     host = [
         (
             times * est.batches,

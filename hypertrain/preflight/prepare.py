@@ -106,6 +106,7 @@ def prepare(cfg: TrainConfig, decided: Decided | None = None) -> PreparedRun:
     }
     if getattr(dataset, "corpus", ""):  # a prepared corpus: its tokenizer, vocabulary, sizes, sources
         facts["data/corpus"] = dataset.corpus
+        facts["data/tokenizer_sha256"] = dataset.tokenizer_sha256  # the sample command reads it back
     heldout, heldout_sources = heldout_batch(dataset, np.arange(samples, dataset.n_total), cfg.data)
     facts |= source_facts(cfg, dataset, phase, samples, updates)
     return PreparedRun(cfg, dataset, phase, samples, updates, facts, heldout, decided, heldout_sources)

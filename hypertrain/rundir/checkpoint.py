@@ -189,8 +189,15 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
             f"inner.decay_steps as before, set explicitly (inner.decay_steps={before['inner.decay_steps']})"
         )
     if changed and not extended:
-        key = changed[0]  # what the user changed, not a field derived from it (its advice would loop)
+        # what the user changed, not a field derived from it (its advice would loop), nor a longer phase
+        key = next(k for k in changed if not (longer and k == "phase.updates"))
         there = setting(key, before.get(key))
+        if key == "phase.updates":  # shorter: it may change, but only to a longer phase
+            raise UserError(
+                f"phase.updates={now[key]} shortens the run ({before[key]} before); a resumed run may change "
+                f"phase.updates only to a longer phase; valid: resume with {there} or more, or start a new "
+                "run in another directory"
+            )
         raise UserError(
             f"{setting(key, now.get(key))} differs from the checkpoint's {there}; a resumed run may change "
             f"only {', '.join(f'{k}.*' for k in MAY_CHANGE[:3])} and phase.updates; valid: resume with "
@@ -372,12 +379,20 @@ def _start_rows(data: bytes) -> list[StartRow]:
     return starts
 
 
+def _another_run(path: Path, run_id: str, metrics: Path, theirs: str | None) -> UserError:
+    return UserError(
+        f"checkpoint {path} is of run {run_id} but {metrics} is of run {theirs}; valid: a checkpoint of the "
+        "run whose records are in this directory"
+    )
+
+
 def records_match(run_dir: Path, path: Path, saved: dict) -> None:
     """Raise UserError (one line) unless `run_dir`'s metrics.jsonl holds the records checkpoint
     `path` (payload `saved`) was written with: at least its recorded length, the session that wrote
     it (the last `start` row before that length) of the same run id, and the same sha256 of the
-    bytes up to that length. A checkpoint written before run ids and digests were saved is checked
-    by the length alone (and that the length ends a row)."""
+    bytes up to that length. A checkpoint whose run id no session of the records has is named as
+    another run's, whatever its length. A checkpoint written before run ids and digests were saved is
+    checked by the length alone (and that the length ends a row)."""
     metrics = Path(run_dir) / METRICS_FILE
     length = int(saved["metrics_bytes"])
     if not metrics.is_file():
@@ -386,21 +401,23 @@ def records_match(run_dir: Path, path: Path, saved: dict) -> None:
             "the run's own metrics.jsonl beside its checkpoints (restore it), or a new run directory"
         )
     data = metrics.read_bytes()
+    run_id, digest = saved["run_id"], saved["metrics_sha256"]
+    # Another run's checkpoint (its id in no session of these records) is named as such first: its
+    # length, longer than these records, says nothing of rows lost here.
+    ids = [row.run_id for row in _start_rows(data)]
+    if run_id is not None and ids and run_id not in ids:
+        raise _another_run(path, run_id, metrics, ids[-1])
     if len(data) < length:
         raise UserError(
             f"{metrics} holds {len(data)} bytes, fewer than the {length} checkpoint {path} was written "
             "after: rows were lost; valid: the run's own metrics.jsonl (restore it), or a new run directory"
         )
     kept = data[:length]
-    run_id, digest = saved["run_id"], saved["metrics_sha256"]
     if run_id is not None:
         starts = _start_rows(kept)
         theirs = starts[-1].run_id if starts else None
         if theirs != run_id:
-            raise UserError(
-                f"checkpoint {path} is of run {run_id} but {metrics} is of run {theirs}; valid: a "
-                "checkpoint of the run whose records are in this directory"
-            )
+            raise _another_run(path, run_id, metrics, theirs)
     if digest is not None:
         got = hashlib.sha256(kept).hexdigest()
         if got != digest:

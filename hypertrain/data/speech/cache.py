@@ -7,7 +7,6 @@ line naming how to install it. docs/audio.md, "The cache", lists the inputs and 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from hypertrain.config import DataConfig, UserError
+from hypertrain.data.lockfile import LockFile
 from hypertrain.data.speech import corpus
 from hypertrain.data.speech.speech import Speaker
 
@@ -123,29 +123,16 @@ def build_lock(directory: Path):
     still held, on every exit Python sees (a result, an error, Ctrl-C, SIGTERM: `__main__`), so none
     is left; a waiter that then gets the lock of the removed file takes the lock anew. UserError
     when the cache root cannot be written."""
-    path = directory.parent / f"{directory.name}.lock"
+    lock = LockFile(directory.parent / f"{directory.name}.lock")
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire(wait=True)
     except OSError as error:
         raise _unwritable(directory, error) from None
-    while True:
-        try:
-            lock = open(path, "a")  # "a": never truncates a file another process holds
-        except OSError as error:
-            raise _unwritable(directory, error) from None
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:  # the file locked must still be the one at the path (not removed by its holder)
-                held = os.path.samestat(os.fstat(lock.fileno()), os.stat(path))
-            except FileNotFoundError:
-                held = False
-            if not held:
-                continue
-            try:
-                yield
-                return
-            finally:
-                path.unlink(missing_ok=True)  # before unlocking: a waiter sees it gone and retries
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _unwritable(directory: Path, error: OSError) -> UserError:
