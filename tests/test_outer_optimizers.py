@@ -1,13 +1,14 @@
 """The outer optimizer as a component (issue 49; `hypertrain.optim.outer`): any torch.optim.Optimizer by
 its import path as the outer step, the pseudo-gradient handed over as its parameters' `.grad`.
 
-torch.optim.SGD with Nesterov arguments is the built-in step, number for number. torch.optim.Adam equals
-a float64 reference of Adam (Kingma & Ba 2015, Algorithm 1, written out here: torch's bias corrections,
-eps added to sqrt(v_hat)) on the mean pseudo-gradient the test forms itself from the replicas' weights,
-over every sync of runs on both engines, with two fragments and with eager overlap (each replica's own
-optimizer), the reference keeping its own moments from the first sync on. Real processes equal the
-simulation, a SIGKILLed run resumes bit-identically from Adam's state in its checkpoint, and the memory
-estimate's bytes per parameter are a hand count.
+torch.optim.SGD with Nesterov arguments is the built-in step, number for number, wherever the step is
+taken (a sync, a codec with churn, eager overlap with fragments, the asynchronous naive rule).
+torch.optim.Adam equals a float64 reference of Adam (Kingma & Ba 2015, Algorithm 1, written out here:
+torch's bias corrections, eps added to sqrt(v_hat)) on the mean pseudo-gradient the test forms itself
+from the replicas' weights, over every sync of runs on both engines, with two fragments and with eager
+overlap (each replica's own optimizer), the reference keeping its own moments from the first sync on.
+Real processes equal the simulation, a SIGKILLed run resumes bit-identically from Adam's state in its
+checkpoint, and the memory estimate's bytes per parameter are a hand count.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from test_async import async_cfg, trained
 from test_overlap import _flat, run_syncs
 
 from hypertrain.choices import Schedule
-from hypertrain.config import OuterConfig, UserError
+from hypertrain.config import ChurnConfig, OuterConfig, UserError
 from hypertrain.diloco.fragments import members
 from hypertrain.diloco.state import RunState
 from hypertrain.preflight import memory
@@ -47,30 +48,70 @@ ADAM = {"betas": [0.8, 0.9], "eps": 1e-3}
 ADAM_LR = 0.01
 
 
-def cfg_with(optimizer: str, args: dict, lr: float, *, P: int = 1, overlap: str = "none", engine="stacked"):
-    """`small_cfg`, R = 2, H = 2, 8 updates (4 rounds), with this outer optimizer."""
+def cfg_with(
+    optimizer: str, args: dict, lr: float, *, P: int = 1, overlap: str = "none", engine="stacked", **more
+):
+    """`small_cfg`, R = 2, H = 2, 8 updates (4 rounds), with this outer optimizer; `more`: outer fields
+    (and `churn`, a ChurnConfig)."""
     base = small_cfg()
-    outer = OuterConfig(optimizer=optimizer, optimizer_args=dict(args), lr=lr, fragments=P, overlap=overlap)
+    churn = more.pop("churn", base.churn)
+    outer = OuterConfig(
+        optimizer=optimizer, optimizer_args=dict(args), lr=lr, fragments=P, overlap=overlap, **more
+    )
     return small_cfg(
-        outer=outer, phase=replace(base.phase, updates=8), engine=replace(base.engine, name=engine)
+        outer=outer,
+        churn=churn,
+        phase=replace(base.phase, updates=8),
+        engine=replace(base.engine, name=engine),
     )
 
 
-def test_torch_sgd_with_nesterov_arguments_is_the_built_in_step():
+# Where the outer step is called from: DiLoCo's sync; with int8 and error feedback and churn (replica 0
+# misses round 2's sync, both miss round 3's: no step at all); eager overlap with two fragments (each
+# replica's own optimizer per fragment, and the phase's end)
+WIRING = {
+    "sync": {},
+    "int8-churn": dict(
+        compress="int8", error_feedback=True, churn=ChurnConfig(events=["2:0:miss", "3:0:miss", "3:1:miss"])
+    ),
+    "eager-fragments": dict(P=2, overlap="eager"),
+}
+
+
+@pytest.mark.parametrize("wiring", list(WIRING))
+def test_torch_sgd_with_nesterov_arguments_is_the_built_in_step(wiring):
     """Both steps make the same fp32 operations in the same order (buf = mu buf + g, u = g + mu buf,
     theta - lr u; SGD's first buf = clone(g) is the built-in's 0 + g), each correctly rounded, so the
-    bound derived is zero: every sync's weights are equal bitwise, and the momentum buffers equal as
-    numbers (==; a -0.0 of g is +0.0 in the built-in's buffer, 0 + -0.0)."""
-    builtin, b = run_syncs(cfg_with("nesterov", {}, 0.7))
-    sgd, s = run_syncs(cfg_with("torch.optim.SGD", SGD_NESTEROV, 0.7))
-    assert len(builtin) == len(sgd) == 4
+    bound derived is zero: every sync's weights (eager: every replica's own too) are equal bitwise, and
+    the momentum buffers equal as numbers (==; a -0.0 of g is +0.0 in the built-in's buffer, 0 + -0.0).
+    So the torch optimizer is handed what the built-in is, wherever the step is taken."""
+    builtin, b = run_syncs(cfg_with("nesterov", {}, 0.7, **WIRING[wiring]))
+    sgd, s = run_syncs(cfg_with("torch.optim.SGD", SGD_NESTEROV, 0.7, **WIRING[wiring]))
+    assert len(builtin) == len(sgd) >= 4
     for (_, _, want, _), (_, _, got, _) in zip(builtin, sgd, strict=True):
-        assert all(torch.equal(got["theta"][n], t) for n, t in want["theta"].items())
-    (stepper,) = s.outer_steppers
-    state = stepper.optimizer.state
-    for p, (n, buf) in zip(stepper.theta.values(), b.outer.momentum.items(), strict=True):
-        assert torch.equal(state[p]["momentum_buffer"], buf), n  # -0.0 == 0.0
+        for key in ("theta", "replica_theta"):
+            pairs = (
+                [(got[key], want[key])]
+                if key == "theta"
+                else zip(got[key] or [], want[key] or [], strict=True)
+            )
+            for mine, theirs in pairs:
+                assert all(torch.equal(mine[n], t) for n, t in theirs.items()), key
+    synced = [landing.synced for _, _, _, landings in sgd for landing in landings]
+    if wiring == "int8-churn":  # rounds 1 to 4 (the last landing is the phase's end)
+        assert synced == [2, 1, 0, 2], synced
     assert s.outer.momentum == {}  # a torch optimizer keeps its state itself
+    if wiring == "eager-fragments":
+        stepped = [
+            (sync.replica_steppers[i], own["momentum"])
+            for sync in s.syncs
+            for i, own in enumerate(b.outer_replicas)
+        ]
+    else:
+        stepped = [(stepper, b.outer.momentum) for stepper in s.outer_steppers]
+    for stepper, momentum in stepped:
+        for p, n in zip(stepper.theta.values(), stepper.theta, strict=True):
+            assert torch.equal(stepper.optimizer.state[p]["momentum_buffer"], momentum[n]), n  # -0.0 == 0.0
 
 
 # -- Adam against a float64 reference ----------------------------------------------------------------
