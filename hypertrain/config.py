@@ -185,7 +185,15 @@ def topk_kept(fraction: float, length: int) -> int:
 @dataclass
 class OuterConfig:
     name: str = "nesterov"
-    lr: float = 0.7
+    # The outer optimizer (docs/concepts.md, "The outer optimizer"; `hypertrain.optim.outer`'s table):
+    # nesterov (the built-in step: SGD with momentum on the mean pseudo-gradient, its fields
+    # outer.momentum and outer.nesterov), or the import path of any torch.optim.Optimizer subclass
+    # (torch.optim.Adam), built with lr=outer.lr and outer.optimizer_args, which the built-in's fields
+    # then do not reach. Under outer.schedule=async, outer.async_rule=naive steps it on each update.
+    optimizer: str = "nesterov"
+    # a torch optimizer's keyword arguments beside lr (e.g. {betas: [0.8, 0.9]}); {} for the built-in
+    optimizer_args: dict[str, Any] = field(default_factory=dict)
+    lr: float = 0.7  # every outer optimizer's learning rate
     momentum: float = 0.9
     nesterov: bool = True
     # Streaming DiLoCo (docs/streaming.md): P fragments of the model, each synced once per round of H
@@ -248,8 +256,8 @@ class OuterConfig:
     # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
     # the network clock says it arrives; no barrier).
     schedule: Schedule = Schedule["rounds"]
-    # async: the server's step on an arrival: naive (the outer Nesterov step on it) or delayed_nesterov
-    # (Liu et al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals).
+    # async: the server's step on an arrival: naive (outer.optimizer's step on it) or delayed_nesterov
+    # (Liu et al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals; the built-in only).
     async_rule: AsyncRule = AsyncRule.delayed_nesterov
     dn_buffer: int = 0  # delayed_nesterov: N, the arrivals per momentum update; 0 = replicas (R)
     dn_activation: float = 0.0  # delayed_nesterov: c in [0, 1/N], the momentum applied between updates

@@ -575,6 +575,81 @@ CASES = {
         setup=trained_async,
         command="clock",
     ),
+    # issue 49: outer optimizers (`outer.optimizer`: the built-in or a torch.optim.Optimizer by import path;
+    # hypertrain/optim/outer.py)
+    "outer-optimizer-unknown": Case(
+        "an outer optimizer that is neither the built-in nor an import path",
+        ["outer.optimizer=adam"],
+        "outer.optimizer='adam' is not an outer optimizer; valid: nesterov, or the import path of a "
+        "torch.optim.Optimizer subclass (e.g. torch.optim.Adam)",
+        "nesterov, or a path such as torch.optim.Adam",
+    ),
+    "outer-optimizer-no-attribute": Case(
+        "an import path whose module lacks the name",
+        ["outer.optimizer=torch.optim.Adamm"],
+        "outer.optimizer='torch.optim.Adamm' does not import (module 'torch.optim' has no attribute 'Adamm')",
+        "a path that imports",
+    ),
+    "outer-optimizer-no-module": Case(
+        "an import path whose module is not installed",
+        ["outer.optimizer=nosuch.Optimizer"],
+        "outer.optimizer='nosuch.Optimizer' does not import (No module named 'nosuch')",
+        "a path that imports",
+    ),
+    "outer-optimizer-not-an-optimizer": Case(
+        "an import path that names something other than an optimizer",
+        ["outer.optimizer=torch.nn.Linear"],
+        "outer.optimizer='torch.nn.Linear' names no torch.optim.Optimizer subclass",
+        "a torch.optim.Optimizer subclass",
+    ),
+    "outer-optimizer-async-rule": Case(
+        "an asynchronous rule given as the outer optimizer",
+        ["outer.optimizer=delayed_nesterov"],
+        "outer.optimizer='delayed_nesterov' is a rule of asynchronous replicas, picked by "
+        "outer.async_rule=delayed_nesterov",
+        "outer.schedule=async outer.async_rule=delayed_nesterov",
+    ),
+    "outer-optimizer-args-unknown": Case(
+        "an argument the optimizer does not take",
+        ["outer.optimizer=torch.optim.Adam", "outer.optimizer_args={bettas:[0.8,0.9]}"],
+        'outer.optimizer_args={"bettas":[0.8,0.9]} is not taken by torch.optim.Adam (Adam.__init__() got an '
+        "unexpected keyword argument 'bettas')",
+        "its keyword arguments but params and lr",
+    ),
+    "outer-optimizer-args-invalid": Case(
+        "an argument the optimizer refuses",
+        ["outer.optimizer=torch.optim.Adam", "outer.optimizer_args={betas:[1.5,0.9]}"],
+        'outer.optimizer_args={"betas":[1.5,0.9]} is not taken by torch.optim.Adam (Invalid beta parameter '
+        "at index 0: 1.5)",
+        "values the optimizer takes",
+    ),
+    "outer-optimizer-args-lr": Case(
+        "the learning rate among the optimizer's arguments",
+        ["outer.optimizer=torch.optim.Adam", "outer.optimizer_args={lr:0.1}"],
+        "outer.optimizer_args={\"lr\":0.1} holds 'lr', which the run gives: the learning rate is outer.lr",
+        "outer.lr",
+    ),
+    "outer-optimizer-closure": Case(
+        "an optimizer whose step needs a closure (it re-evaluates the loss)",
+        ["outer.optimizer=torch.optim.LBFGS"],
+        "outer.optimizer=torch.optim.LBFGS cannot step on a given gradient (LBFGS.step() missing 1 required "
+        "positional argument: 'closure')",
+        "an optimizer whose step() needs no closure",
+    ),
+    "outer-optimizer-args-built-in": Case(
+        "arguments for the built-in step",
+        ["outer.optimizer_args={momentum:0.5}"],
+        'outer.optimizer_args={"momentum":0.5} with the built-in nesterov: its fields are outer.lr, '
+        "outer.momentum and outer.nesterov",
+        "outer.momentum=0.5, or a torch optimizer",
+    ),
+    "outer-optimizer-delayed-nesterov": Case(
+        "a torch optimizer with delayed Nesterov, the default asynchronous rule (docs/async.md)",
+        ["outer.schedule=async", "cluster=h100", "outer.optimizer=torch.optim.Adam"],
+        "outer.async_rule=delayed_nesterov with outer.optimizer=torch.optim.Adam: delayed Nesterov is its "
+        "own step on the built-in's momentum",
+        "outer.async_rule=naive, or outer.optimizer=nesterov",
+    ),
     "overlap-unknown": Case(
         "an outer overlap that does not exist (docs/overlap.md)",
         ["outer.overlap=late"],

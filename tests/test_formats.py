@@ -36,11 +36,13 @@ ASYNC_NEUTRAL = {
     "async_eval_every": 0,
     "mean_weights": "uniform",
 }
+# issue 49's outer fields as every run before them had them (schema 7's step, written out here)
+OPTIMIZER_NEUTRAL = {"optimizer": "nesterov", "optimizer_args": {}}
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_6_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 6
+def test_today_is_schema_7_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 7
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -95,6 +97,7 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
         "in_flight": None,
         "outer_replicas": None,
         "async": None,
+        "outer_optimizer": None,
         "comm_measured": {},
         "totals": {
             **older["state"]["totals"],
@@ -133,14 +136,15 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     """Schema 1 knew no whole-round overlap: its config reads as outer.overlap=none, its checkpoint as
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
-    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}  # and schemas 2's and 5's steps
+    # and the later steps' fields
+    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
     totals = {**older["state"]["totals"], "comm_outer_bits": None}  # and schema 3's step
     want = {**older["state"], "in_flight": None, "outer_replicas": None, "totals": totals, "async": None}
-    assert got["state"] == want
+    assert got["state"] == want | {"outer_optimizer": None}
     assert got["config"]["outer"] == then and got["schema_version"] == SCHEMA_VERSION
 
 
@@ -149,22 +153,22 @@ def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undeca
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
     checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}
+    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
     got = upgrade_checkpoint(older)
     totals = {**older["state"]["totals"], "comm_outer_bits": None}
-    assert got["state"] == {**older["state"], "totals": totals, "async": None}
+    assert got["state"] == {**older["state"], "totals": totals, "async": None, "outer_optimizer": None}
     assert got["config"]["outer"] == want
     assert got["schema_version"] == SCHEMA_VERSION
 
 
 def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_is():
     """Schema 3 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
-    bits but no running total); the config of version 3 is today's."""
+    bits but no running total); the config of version 3 is today's (but for schema 7's step)."""
     outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}
-    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer}
+    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer | OPTIMIZER_NEUTRAL}
     older = {**_older_payload(clock=False), "schema_version": 3}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
     older["config"] = {**older["config"], "outer": outer}
@@ -185,7 +189,8 @@ def test_a_version_4_config_cut_windows_across_the_stream_for_every_replica_alik
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
     older["config"] = {**older["config"], "data": data}
     got = upgrade_checkpoint(older)
-    assert got["state"] == {**older["state"], "async": None} and got["config"]["data"] == want
+    assert got["state"] == {**older["state"], "async": None, "outer_optimizer": None}
+    assert got["config"]["data"] == want
     assert got["schema_version"] == SCHEMA_VERSION
 
 
@@ -194,7 +199,7 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
     outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
     cluster = {"name": "cpu_here", "compute": "measured"}
-    want_outer = outer | ASYNC_NEUTRAL
+    want_outer = outer | ASYNC_NEUTRAL | OPTIMIZER_NEUTRAL
     want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
     got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
     assert got == {"outer": want_outer, "cluster": want_cluster}
@@ -204,8 +209,24 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
     got = upgrade_checkpoint(older)
-    assert got["state"] == {**older["state"], "async": None}
+    assert got["state"] == {**older["state"], "async": None, "outer_optimizer": None}
     assert got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_6_config_stepped_with_the_built_in_and_its_checkpoint_holds_no_optimizer_state():
+    """Schema 6 knew no outer optimizer but the built-in: its config reads as outer.optimizer=nesterov
+    with no arguments (its outer.momentum and outer.nesterov as written), its checkpoint as one whose
+    outer state is its `outer_momentum` alone (`outer_optimizer`: None)."""
+    outer = {"name": "average", "lr": 1.0, "momentum": 0.0, "nesterov": False, **ASYNC_NEUTRAL}
+    assert upgrade_config({"outer": outer, "schema_version": 6}) == {"outer": outer | OPTIMIZER_NEUTRAL}
+    adam = outer | {"optimizer": "torch.optim.Adam", "optimizer_args": {"betas": [0.8, 0.9]}}
+    assert upgrade_config({"outer": adam, "schema_version": 6}) == {"outer": adam}  # as written
+    older = {**_older_payload(clock=False), "schema_version": 6}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
+    older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
+    got = upgrade_checkpoint(older)
+    assert got["state"] == {**older["state"], "outer_optimizer": None}
+    assert "outer_optimizer" not in older["state"] and got["schema_version"] == SCHEMA_VERSION
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():

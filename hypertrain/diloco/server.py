@@ -1,6 +1,7 @@
 """The asynchronous server's step (docs/async.md): `AsyncServer.apply(theta, deltas, tokens)` steps the
 global weights in place on one server update, the pseudo-gradients of the jobs it applies together
-(flat fp32, replica order), by outer.async_rule: naive or delayed Nesterov (Liu et al. 2024).
+(flat fp32, replica order), by outer.async_rule: naive (outer.optimizer's step on their mean) or delayed
+Nesterov (Liu et al. 2024), the outer optimizers' table's (`optim.outer`) steps.
 `AsyncState` is the server and the jobs in flight: an asynchronous run's part of the run state.
 """
 
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor
 
 from hypertrain.config import OuterConfig
-from hypertrain.diloco.outer import OuterState, outer_step, unflatten
+from hypertrain.diloco.outer import OuterStep
 from hypertrain.model.transformer import Params
 
 
@@ -40,62 +41,32 @@ def token_weights(tokens: list[int], weights: str, dtype: torch.dtype) -> Tensor
 
 
 class AsyncServer:
-    """The server's state beside the global weights: the outer momentum (`outer.momentum`, the run
-    state's), and delayed Nesterov's buffer of pseudo-gradients (`buffer`, flat fp32) and the arrivals
-    it holds (`count`)."""
+    """The server's step beside the global weights: the run's outer optimizer over the whole model
+    (`rule`, a `diloco.outer.OuterStep` of the table `optim.outer`: delayed Nesterov with its buffer, or
+    under the naive rule outer.optimizer's own step); its state is what the server saves."""
 
-    def __init__(self, cfg_outer: OuterConfig, replicas: int, outer: OuterState, n_params: int):
-        self.cfg, self.outer = cfg_outer, outer
-        self.N = cfg_outer.dn_buffer or replicas
-        self.buffer = torch.zeros(n_params, dtype=torch.float32)
-        self.count = 0
+    def __init__(self, cfg_outer: OuterConfig, rule: OuterStep):
+        self.cfg, self.rule = cfg_outer, rule
 
     @torch.no_grad()
     def apply(self, theta: Params, deltas: Tensor, tokens: list[int]) -> Tensor:
-        """One server update of k = len(deltas) arrivals applied together (docs/async.md); returns their
-        mean g (`contribution`), the pseudo-gradient the divergence guard weighs.
-
-        naive: the outer Nesterov step (`outer.outer_step`) on their mean g.
-
-        delayed_nesterov, Liu et al. 2024, Algorithm 3 (buffer N, activation c, momentum beta, lr eta),
-        an update of k arrivals counting as k of its iterations: the buffer gains S = k g (line
-        "Delta <- Delta + g_t"); when it holds N or more arrivals, the momentum takes their mean,
-        `m <- beta m + Delta / n` (its "if t mod N = 0" branch), the weights step
-        `theta <- theta - eta ((1 - c n_before) beta m + S / N)` (n_before: the arrivals already
-        stepped with c, N - 1 for k = 1: the algorithm's `1 - cN + c`) and the buffer empties;
-        otherwise `theta <- theta - eta (c k beta m + S / N)` (its "else" branch, k times). With k = 1 it
-        is Algorithm 3; with one update of all N = R arrivals and c = 0 it is DiLoCo's Nesterov step."""
+        """One server update of k = len(deltas) arrivals applied together (docs/async.md) to the global
+        weights `theta` (the rule's own); returns their mean g (`contribution`), the pseudo-gradient the
+        divergence guard weighs. naive: the outer optimizer's step on g; delayed_nesterov: its buffer
+        gains their sum S = k g (`diloco.outer.DelayedNesterovStep.arrive`)."""
         total, mean = contribution(deltas, tokens, self.cfg.mean_weights)
-        if self.cfg.async_rule == "naive":
-            outer_step(self.cfg, theta, unflatten(mean, theta), self.outer)
-            return mean
-        k, before = len(deltas), self.count
-        beta, c, lr = self.cfg.momentum, self.cfg.dn_activation, self.cfg.lr
-        self.buffer.add_(total)
-        self.count += k
-        full = self.count >= self.N
-        if full:
-            buffered = unflatten(self.buffer / self.count, theta)
-            for name, m in self.outer.momentum.items():
-                m.mul_(beta).add_(buffered[name])
-            weight = beta * (1.0 - c * before)
-        else:
-            weight = beta * c * k
-        step = unflatten(total / self.N, theta)
-        for name, t in theta.items():
-            update = step[name].add(self.outer.momentum[name], alpha=weight)
-            t.add_(update.to(t.dtype), alpha=-lr)
-        if full:
-            self.buffer.zero_()
-            self.count = 0
+        self.rule.arrive(total, mean, len(deltas))
         return mean
 
     def state_dict(self) -> dict:
-        return {"buffer": self.buffer, "count": self.count}
+        """The rule's state: delayed Nesterov's buffer and count, a torch optimizer's state_dict(), {}
+        for the built-in's naive step (its momentum is the run state's)."""
+        return self.rule.state_dict() or {}
 
     def load_state_dict(self, saved: dict) -> None:
-        self.buffer.copy_(saved["buffer"])
-        self.count = int(saved["count"])
+        """`saved` into the rule (a checkpoint of the naive built-in written before this held a buffer it
+        never read: nothing to put back)."""
+        self.rule.load_state_dict(saved)
 
 
 class AsyncState:

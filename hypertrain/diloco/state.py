@@ -1,7 +1,8 @@
 """The run's state: what was decided before training (`PreparedRun`) and what training changes
 (`RunState`, one object: what a checkpoint saves and a resumed run restores).
 
-`RunState` holds the global weights and the outer optimizer's momentum, the inner optimizer
+`RunState` holds the global weights and the outer optimizer's state (the built-in's momentum, or each
+fragment's optimizer's `state_dict`: `outer_steppers`), the inner optimizer
 state of every replica this process trains (moments and per-replica step counts, per fragment with
 Streaming DiLoCo), the position in the phase (next update, the current round's first update, rounds
 done), the running totals, and what lies between syncs: the replicas' own weights when they differ
@@ -29,7 +30,7 @@ from hypertrain.data.batches import ReplicaBatch, update_batch
 from hypertrain.data.datasets import Dataset
 from hypertrain.diloco.fragments import fragment_of, members
 from hypertrain.diloco.lowrank import initial_q
-from hypertrain.diloco.outer import OuterState, init_outer_state
+from hypertrain.diloco.outer import OuterState, OuterStep
 from hypertrain.diloco.pending import Pending
 from hypertrain.diloco.server import AsyncServer, AsyncState
 from hypertrain.diloco.sync import FragmentSync
@@ -37,6 +38,7 @@ from hypertrain.distributed.decided import Decided
 from hypertrain.model.shapes import active_params, count_params, param_roles
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, init_state
+from hypertrain.optim.outer import outer_optimizer
 
 
 @dataclass
@@ -118,6 +120,8 @@ class Totals:
 @dataclass
 class RunState:
     theta: Params  # global weights, no replica axis
+    # the outer momentum of the built-in outer optimizers, fp32 per parameter; {} for one that keeps its
+    # state itself (a torch optimizer: `outer_steppers`)
     outer: OuterState
     inner: list[OptState]  # per local replica, each with a leading replica axis of 1
     replicas: list[int]  # the global index of each local replica, in `inner`'s order
@@ -140,7 +144,8 @@ class RunState:
     # reducer, and its sync taken and not landed yet (outer.delay > 0; at most one fragment's at a time)
     syncs: list[FragmentSync] = field(default_factory=list)
     # outer.overlap=eager: each local replica's own outer weights and momentum ({"theta", "momentum"},
-    # each [1, ...]); `theta` is then their mean over every replica (what is evaluated and saved)
+    # each [1, ...]; the momentum {} as `outer`'s); `theta` is then their mean over every replica (what is
+    # evaluated and saved); each replica's outer optimizers are its syncs' `replica_steppers`
     outer_replicas: list[dict] | None = None
     # outer.compress=lowrank: each matrix's warm start Q [cols, r] fp32 (PowerSGD's), the same on every
     # process: drawn from the run's seed, then the Q of every sync
@@ -175,6 +180,12 @@ class RunState:
             self.syncs[pending.fragment].pending = pending
 
     @property
+    def outer_steppers(self) -> list[OuterStep]:
+        """The outer optimizers of the global weights, one per fragment (under async the server's, whose
+        state the server saves)."""
+        return [s.stepper for s in self.syncs]
+
+    @property
     def mid_round(self) -> bool:
         """Between two round boundaries (a checkpoint here holds the replicas' weights)."""
         return self.next_update != self.round_first
@@ -200,21 +211,15 @@ class RunState:
         shape, model = Shape.of(dataclasses.asdict(cfg)), cfg.model
         n, timed = count_params(model), cfg.cluster.model_params or None  # the size the clock times
         clock = Clock(shape, cfg.cluster, n, timed, active_params=active_params(model))
-        state = cls(theta, init_outer_state(theta), states, local, errors=errors, clock=clock)
-        if cfg.outer.is_async:
-            server = AsyncServer(cfg.outer, cfg.replicas, state.outer, sum(t.numel() for t in theta.values()))
-            state.asynchronous = AsyncState(server)
-            state.totals.async_moved_bytes = [0] * cfg.replicas
+        optimizer = outer_optimizer(cfg.outer)
+        state = cls(theta, OuterState(optimizer.buffers(theta)), states, local, errors=errors, clock=clock)
         state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
         if cfg.outer.compress == "lowrank":
             state.lowrank_q = initial_q(state.theta, cfg.outer.lowrank_rank, cfg.seed)
         if cfg.outer.overlap == "eager":
             state.outer_replicas = [
-                {
-                    "theta": {n: t.detach().clone() for n, t in one.items()},
-                    "momentum": {n: torch.zeros_like(t, dtype=torch.float32) for n, t in one.items()},
-                }
+                {"theta": {n: t.detach().clone() for n, t in one.items()}, "momentum": optimizer.buffers(one)}
                 for _ in local
             ]
         state.syncs = [
@@ -231,6 +236,11 @@ class RunState:
             )
             for p, names in enumerate(members(cfg))
         ]
+        if cfg.outer.is_async:  # one fragment (fragments are refused): the server steps with its optimizer
+            (whole,) = state.syncs
+            assert list(whole.theta) == list(theta), "the server's flat order is the weights'"
+            state.asynchronous = AsyncState(AsyncServer(cfg.outer, whole.stepper))
+            state.totals.async_moved_bytes = [0] * cfg.replicas
         return state
 
     def reissue(self, groups) -> None:
@@ -263,7 +273,7 @@ class RunState:
                     }
                     for p in flights
                 },
-                "outer": self.outer_replicas[i] if self.outer_replicas is not None else None,
+                "outer": self._replica_outer(i) if self.outer_replicas is not None else None,
                 "inner": {"m": s.m, "v": s.v, "step": s.step},
                 "params": self.round_params[i] if kept else None,
                 "stepped": _flags_out(self.round_stepped[i]) if kept and self.round_stepped else None,
@@ -274,6 +284,13 @@ class RunState:
             }
             for i, s in enumerate(self.inner)
         ]
+
+    def _replica_outer(self, i: int) -> dict:
+        """Local replica i's own outer state under eager: its outer weights and momentum, and its outer
+        optimizer's state per fragment where the optimizer keeps its own (`optimizer`)."""
+        own = self.outer_replicas[i]
+        states = _own_states([s.replica_steppers[i] for s in self.syncs])
+        return own if states is None else {**own, "optimizer": states}
 
     def state_dict(self, records: list[dict] | None = None) -> dict:
         """The state as tensors and numbers. With `records` (every replica's `replica_records`, gathered
@@ -287,6 +304,9 @@ class RunState:
         return {
             "theta": self.theta,
             "outer_momentum": self.outer.momentum,
+            # each fragment's outer optimizer's own state (None: the built-ins keep theirs in
+            # `outer_momentum`; under async the server saves its optimizer's)
+            "outer_optimizer": None if self.asynchronous else _own_states(self.outer_steppers),
             "inner": [r["inner"] for r in records],
             "replicas": replicas,
             "next_update": self.next_update,
@@ -319,7 +339,11 @@ class RunState:
             raise ValueError(f"the saved state holds replicas {saved['replicas']}, not {missing}")
         for name, t in self.theta.items():
             t.copy_(saved["theta"][name])
-            self.outer.momentum[name].copy_(saved["outer_momentum"][name])
+        for name, t in self.outer.momentum.items():
+            t.copy_(saved["outer_momentum"][name])
+        if saved.get("outer_optimizer") is not None and self.asynchronous is None:
+            for stepper, kept in zip(self.outer_steppers, saved["outer_optimizer"], strict=True):
+                stepper.load_state_dict(kept)
         for state, kept in zip(self.inner, (saved["inner"][where[m]] for m in self.replicas), strict=True):
             for moments in ("m", "v"):
                 for name, t in getattr(state, moments).items():
@@ -353,10 +377,13 @@ class RunState:
         if saved["pending"] is not None:
             self.pending = Pending.from_state_dict(saved["pending"], mine, device)
         if self.outer_replicas is not None:
-            for own, i in zip(self.outer_replicas, mine, strict=True):
+            for local, (own, i) in enumerate(zip(self.outer_replicas, mine, strict=True)):
                 for part in ("theta", "momentum"):
                     for name, t in own[part].items():
                         t.copy_(saved["outer_replicas"][i][part][name])
+                kept = saved["outer_replicas"][i].get("optimizer")  # None: the built-ins keep none
+                for s, optimizer in zip(self.syncs, kept or [None] * len(self.syncs), strict=True):
+                    s.replica_steppers[local].load_state_dict(optimizer)
         if self.lowrank_q is not None and saved.get("lowrank_q") is not None:
             for name, t in self.lowrank_q.items():
                 t.copy_(saved["lowrank_q"][name])
@@ -377,6 +404,12 @@ def _in_flight_out(flights: list[Pending], records: list[dict]) -> list[dict]:
         errors = None if mine[0]["errors_before"] is None else [x["errors_before"] for x in mine]
         out.append(pending.taken_state([x["stepped"] for x in mine], [x["taken"] for x in mine], errors))
     return out
+
+
+def _own_states(steppers: list[OuterStep]) -> list[dict] | None:
+    """The outer optimizers' own states, in fragment order; None where they keep none (the built-ins)."""
+    states = [s.state_dict() for s in steppers]
+    return None if all(x is None for x in states) else states
 
 
 def _flags_out(flags: list[bool]) -> bool | list[bool]:

@@ -4,7 +4,8 @@ holds its parameters' global weights, outer momentum and error-feedback buffers 
 flight (`pending`; the state's checkpoint saves them all) and its reduction, the one the preflight
 decided (`distributed.decided`; `ExactReducer`: fp32 sums; `CodecReducer`: a codec, gathered or
 two_phase). `take` forms this process's replicas' pseudo-gradients and starts the reduction; `land`
-waits for its mean, steps the global weights (`outer.outer_step`), merges them into every replica,
+waits for its mean, steps the global weights (its outer optimizer's step, built once from the table
+`optim.outer`: one per fragment, under eager one per local replica), merges them into every replica,
 applies the inner state policy and returns a typed `Landing`. Between the two the replicas may train
 on (outer.delay). Simulation and real processes differ only in their `Collectives`.
 """
@@ -28,7 +29,7 @@ from hypertrain.diloco.communication import (
 from hypertrain.diloco.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.outer import (
     OuterState,
-    outer_step,
+    OuterStep,
     pseudo_gradient_sum,
     pseudo_gradients,
     unflatten,
@@ -40,6 +41,7 @@ from hypertrain.distributed import decided
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, sync_inner_states
+from hypertrain.optim.outer import outer_optimizer
 
 
 @dataclass
@@ -195,8 +197,9 @@ class FragmentSync:
 
     The run state holds one per fragment (`RunState.syncs`) and saves what it owns: views of its
     parameters' global weights, outer momentum and each local replica's error buffer (so
-    `state.load_state_dict`, which copies in place, reaches them) and its `pending` sync, taken and not
-    landed. Its reducer is built here, once, for the decided reduction."""
+    `state.load_state_dict`, which copies in place, reaches them), its `pending` sync, taken and not
+    landed, and its outer optimizer's state (`stepper`; under eager each local replica's,
+    `replica_steppers`). Its reducer and outer optimizers are built here, once."""
 
     def __init__(
         self,
@@ -212,7 +215,8 @@ class FragmentSync:
     ):
         """Fragment `index`'s sync of the parameters `names`, of the run's global weights `theta`,
         outer state `outer` and local replicas' error buffers `errors` (None without error feedback);
-        `replica_outer`: eager's per-replica outer weights and momentum ({"theta", "momentum"} each);
+        `replica_outer`: eager's per-replica outer weights and momentum ({"theta", "momentum"} each; the
+        momentum {} for an outer optimizer that keeps none in the run state);
         reduced by `reduction` (the run's `Decided.reduction`; None: `decided.reduction(cfg.outer)`);
         `lowrank_q`: outer.compress=lowrank's warm start Q of every matrix of the model (`RunState`'s)."""
         self.cfg, self.names, self.index = cfg, list(names), index
@@ -224,9 +228,17 @@ class FragmentSync:
         self.replica_momentum: list[Params] | None = None
         if replica_outer is not None:
             self.replica_theta = [{n: o["theta"][n] for n in self.names} for o in replica_outer]
-            self.replica_momentum = [{n: o["momentum"][n] for n in self.names} for o in replica_outer]
+            self.replica_momentum = [_kept(o["momentum"], self.names) for o in replica_outer]
         self.theta = {n: theta[n] for n in self.names}
-        self.outer = OuterState({n: outer.momentum[n] for n in self.names})
+        self.outer = OuterState(_kept(outer.momentum, self.names))
+        optimizer = outer_optimizer(cfg.outer)
+        self.stepper: OuterStep = optimizer.build(cfg.outer, self.theta, self.outer.momentum, cfg.replicas)
+        self.replica_steppers: list[OuterStep] | None = None
+        if replica_outer is not None:
+            self.replica_steppers = [
+                optimizer.build(cfg.outer, theta_m, momentum_m, cfg.replicas)
+                for theta_m, momentum_m in zip(self.replica_theta, self.replica_momentum, strict=True)
+            ]
         self.errors = None if errors is None else [{n: e[n] for n in self.names} for e in errors]
         self.params = sum(t.numel() for t in self.theta.values())
         self.whole_model = len(self.names) == len(theta)
@@ -330,7 +342,7 @@ class FragmentSync:
         communicated = pending.reduction.wait()
         if communicated is not None:  # None: nobody stepped, and momentum must not move theta
             self._record(landing, communicated, pending.stepped, groups)
-            outer_step(cfg.outer, self.theta, unflatten(communicated.mean, self.theta), self.outer)
+            self.stepper.step(unflatten(communicated.mean, self.theta))
         if params is not None:
             merge(self.theta, params, cfg.outer.merge_alpha)
         if communicated is not None:
@@ -381,7 +393,7 @@ class FragmentSync:
         mean steps the global weights (delayed) or, with each replica's fresh term in place of its stale
         one, each replica's own outer weights (eager); every replica restarts from them; the inner
         state policy applies to the replicas that stepped in the period just trained."""
-        cfg, fresh = self.cfg, None if last else self.pending
+        fresh = None if last else self.pending
         landed = self.pending if last else self.due
         self.due = None
         if last:
@@ -404,7 +416,7 @@ class FragmentSync:
                         p[n].copy_(own[n])
         else:
             if communicated is not None:
-                outer_step(cfg.outer, self.theta, unflatten(communicated.mean, self.theta), self.outer)
+                self.stepper.step(unflatten(communicated.mean, self.theta))
             if params is not None:
                 merge(self.theta, params, 0.0)
         if fresh is not None:
@@ -412,14 +424,12 @@ class FragmentSync:
         return landing
 
     def _eager_step(self, communicated, stale, fresh) -> None:
-        """Each local replica m steps its own outer weights and momentum with
+        """Each local replica m steps its own outer weights and outer optimizer with
         A(t-1) + (d_m(t) - d_m(t-1)) / M: the mean landed now with the replica's own fresh contribution
         in place of its stale one (M = outer replicas; a term not there is zero)."""
         M = self.cfg.replicas
         like = self.replica_theta[0]
-        for i, (theta_m, momentum_m) in enumerate(
-            zip(self.replica_theta, self.replica_momentum, strict=True)
-        ):
+        for i, stepper in enumerate(self.replica_steppers):
             own = 0.0
             if fresh is not None:
                 own = fresh[i]
@@ -428,7 +438,7 @@ class FragmentSync:
             step = own / M if communicated is None else communicated.mean + own / M
             if not torch.is_tensor(step):
                 continue
-            outer_step(self.cfg.outer, theta_m, unflatten(step, like), OuterState(momentum_m))
+            stepper.step(unflatten(step, like))
 
     def _mean_of_replicas(self, groups: Collectives) -> float:
         """The global weights (what is evaluated and saved) become the mean over every replica of their
@@ -442,6 +452,11 @@ class FragmentSync:
         norm = mean.double().norm().clamp_min(torch.finfo(torch.float64).tiny)
         local = ((flat.double() - mean.double()).norm(dim=1) / norm).max()
         return float(groups.max_over_replicas(local))
+
+
+def _kept(momentum: Params, names: list[str]) -> Params:
+    """The momentum buffers of `names` (views); none where the outer optimizer keeps none."""
+    return {n: momentum[n] for n in names if n in momentum}
 
 
 def merge(theta: Params, params: list[Params], alpha: float) -> None:
@@ -465,11 +480,15 @@ def sync(
 ) -> tuple[float, int]:
     """DiLoCo's sync of every parameter of the run `state` (a `diloco.state.RunState`, which imports
     this module) at once, take and land together (the replicas then restart from the global weights):
-    the mean pseudo-gradient's norm and the replicas that took part."""
+    the mean pseudo-gradient's norm and the replicas that took part. The state's own sync when it has
+    one fragment (its outer optimizer's state goes on)."""
     groups = groups or ReplicaGroups(cfg.replicas)
-    whole = FragmentSync(
-        cfg, 0, list(state.theta), state.theta, state.outer, state.errors, lowrank_q=state.lowrank_q
-    )
+    if len(state.syncs) == 1:
+        whole = state.syncs[0]
+    else:
+        whole = FragmentSync(
+            cfg, 0, list(state.theta), state.theta, state.outer, state.errors, lowrank_q=state.lowrank_q
+        )
     whole.take(params, stepped, state.next_update, groups)
     landing = whole.land(state.inner, None, groups)
     return landing.delta_norm, landing.synced

@@ -2,10 +2,11 @@
 
 `validate(cfg)` runs every section's own checks (`TrainConfig.check`), then these: the phase as the
 plan builds it (`plan_phase`), the world, replicas and phase together, the data and the model, and
-whether a process layout fits processes=dist; it returns what the config decides (`Decided`, built
-here once); `check_device`, whether this machine has the decided device.
-None of them imports torch for a CPU run. A user mistake is one `UserError` line, before anything is
-built or written; what needs the data (the stream's length, the vocabulary) is checked by `prepare`.
+whether a process layout fits processes=dist, and the outer optimizer (`optim.outer`); it returns what
+the config decides (`Decided`, built here once); `check_device`, whether this machine has the decided
+device. None of them imports torch for a CPU run, but for an outer.optimizer that names a torch
+optimizer. A user mistake is one `UserError` line, before anything is built or written; what needs the
+data (the stream's length, the vocabulary) is checked by `prepare`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypertrain.data.corpus import read_meta
 from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import LayoutError
+from hypertrain.optim import outer as outer_optimizers
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
 
@@ -201,6 +203,7 @@ def validate(cfg: TrainConfig) -> Decided:
     check_deadline(cfg)
     check_overlap(cfg)
     check_async(cfg)
+    outer_optimizers.check(cfg.outer)  # a torch optimizer's path and arguments (imports torch for it)
     return decided
 
 

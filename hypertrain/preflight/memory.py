@@ -27,6 +27,7 @@ from hypertrain.data.corpus import read_meta
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
+from hypertrain.optim.outer import outer_optimizer
 from hypertrain.preflight.codec_memory import codec_bytes
 
 FLOAT_BYTES = 4  # weights, gradients, optimizer state and activations are fp32 (model.compute_dtype)
@@ -182,12 +183,21 @@ def weight_bytes(cfg: TrainConfig, by_role: dict[str, int]) -> tuple[int, int, i
     return W, W - M, M
 
 
+def outer_state_bytes(cfg: TrainConfig, by_role: dict[str, int]) -> int:
+    """The outer optimizer's state for the whole model, in bytes: what it declares per parameter (the
+    built-in's momentum, 4; delayed Nesterov's momentum and buffer, 8; a torch optimizer's, measured:
+    `optim.outer`) times the parameters, rounded up."""
+    return math.ceil(outer_optimizer(cfg.outer).state_bytes(cfg.outer) * sum(by_role.values()))
+
+
 def model_state_bytes(cfg: TrainConfig, by_role: dict[str, int], replicas: int, stacked: int) -> int:
     """One worker's weights, gradients and optimizer state at the peak of a round, in bytes, counted
     from the trainer and the engines (W: one replica's weights, A: the AdamW-handled part, which has
-    a second moment, M: the Muon-handled hidden matrices):
+    a second moment, M: the Muon-handled hidden matrices, S: the outer optimizer's state,
+    `outer_state_bytes`):
 
-    - the global weights and the outer momentum: 2 W (run_state.RunState);
+    - the global weights and the outer optimizer's state: W + S (run_state.RunState), and under
+      outer.overlap=eager per local replica its own outer weights and state: W + S;
     - per local replica its kept inner state, m for every parameter and v for AdamW's: W + A, and
       the weights and state the engine hands back, held until the sync: 2 W + A;
     - per stacked replica its weights and gradients (2 W) and the stacked copy of its state (W + A),
@@ -197,9 +207,11 @@ def model_state_bytes(cfg: TrainConfig, by_role: dict[str, int], replicas: int, 
     The loop engine (stacked = 1) holds one replica's at a time.
     """
     W, A, M = weight_bytes(cfg, by_role)
+    S = outer_state_bytes(cfg, by_role)
     bf16_copy = W // 2 if cfg.model.compute_dtype == "bf16" else 0
     per_stacked = 2 * W + (W + A) + (W + 2 * A + 4 * M) + bf16_copy
-    return 2 * W + replicas * ((W + A) + (2 * W + A)) + stacked * per_stacked
+    outer = (W + S) * (1 + (replicas if cfg.outer.overlap == "eager" else 0))
+    return outer + replicas * ((W + A) + (2 * W + A)) + stacked * per_stacked
 
 
 def checkpoint_bytes(
@@ -207,11 +219,13 @@ def checkpoint_bytes(
 ) -> int:
     """Host copies a checkpoint makes (checkpoint.Checkpointer.save): several processes pickle every
     replica's state, and mid-round its weights, to rank 0 (each sent and received: 2 x R (2 W + A));
-    one process on a GPU copies its state to the host (2 W + its replicas' 2 W + A); on a CPU, none."""
+    one process on a GPU copies its state to the host (W + S: the global weights and the outer optimizer's
+    state, `outer_state_bytes`; its replicas' 2 W + A); on a CPU, none."""
     W, A, _ = weight_bytes(cfg, by_role)
     if cfg.processes.name == "dist" and workers > 1:
         return 2 * cfg.replicas * (2 * W + A)
-    return 2 * W + replicas * (2 * W + A) if decided.device.startswith("cuda") else 0
+    S = outer_state_bytes(cfg, by_role)
+    return W + S + replicas * (2 * W + A) if decided.device.startswith("cuda") else 0
 
 
 def largest_tensor(model: ModelConfig, stacked: int, positions: int) -> tuple[str, int]:

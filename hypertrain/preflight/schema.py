@@ -6,6 +6,7 @@ presets (`config.LINKS`, the groups `cluster/intra` and `cluster/inter`): one so
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from hypertrain.choices import PhaseKind
 from hypertrain.config import LINKS, PhaseConfig, TrainConfig
@@ -30,7 +31,11 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     # One schema for the whole tree (it types every group's YAML); storing a schema per group would
     # list `model_schema` and the like among the options a user can pick.
-    cs.store(name="train_schema", node=TrainConfig)
+    schema = OmegaConf.structured(TrainConfig)
+    # a dict field's keys are the user's (outer.optimizer_args={betas:[0.8,0.9]}): open, where Hydra's
+    # struct flag would refuse any key the default ({}) lacks
+    OmegaConf.set_struct(schema.outer.optimizer_args, False)
+    cs.store(name="train_schema", node=schema)
     for name, phase in PRESETS.items():
         cs.store(group="phase", name=name, node=phase_config(phase))
     for tier in ("intra", "inter"):  # the same presets for both tiers: cluster/inter=internet_1g

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 VERSION_KEY = "schema_version"
 
 
@@ -163,6 +163,20 @@ def _config_5_to_6(resolved: dict) -> dict:
     return resolved
 
 
+# The fields of issue 49 (the outer optimizer as a component): every run before them stepped with the
+# built-in, whatever today's defaults are
+BEFORE_ISSUE_49_OUTER = {"optimizer": "nesterov", "optimizer_args": {}}
+
+
+def _config_6_to_7(resolved: dict) -> dict:
+    """Version 6: before `outer.optimizer` and `outer.optimizer_args`: such a run stepped with the
+    built-in Nesterov step (outer.momentum, outer.nesterov)."""
+    outer = resolved.get("outer")
+    if isinstance(outer, dict) and any(key not in outer for key in BEFORE_ISSUE_49_OUTER):
+        resolved = {**resolved, "outer": BEFORE_ISSUE_49_OUTER | outer}
+    return resolved
+
+
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_0_to_1,
     _config_1_to_2,
@@ -170,6 +184,7 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_3_to_4,
     _config_4_to_5,
     _config_5_to_6,
+    _config_6_to_7,
 )
 
 
@@ -271,6 +286,14 @@ def _checkpoint_5_to_6(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_6_to_7(saved: dict) -> dict:
+    """Version 6: before the outer optimizer's own state (`outer_optimizer`: None, the built-in's is its
+    `outer_momentum`; an asynchronous naive server's buffer, never read, is put back into nothing)."""
+    saved = {**saved}
+    saved["state"] = {"outer_optimizer": None} | saved["state"]
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
@@ -278,6 +301,7 @@ CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_3_to_4,
     _checkpoint_4_to_5,
     _checkpoint_5_to_6,
+    _checkpoint_6_to_7,
 )
 
 

@@ -215,9 +215,11 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
 
 
 def _on_cpu(tree):
-    """`tree` (dicts of tensors, tensors, plain values) with every tensor copied to the CPU."""
+    """`tree` (dicts and lists of tensors, tensors, plain values) with every tensor copied to the CPU."""
     if isinstance(tree, dict):
         return {k: _on_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):  # e.g. an outer optimizer's state per fragment
+        return [_on_cpu(v) for v in tree]
     return tree.detach().cpu() if hasattr(tree, "detach") else tree
 
 
