@@ -472,3 +472,20 @@ def test_building_the_stdlib_dataset_is_fast(examples):
     build_dataset(DataConfig(name="stdlib", examples=examples))
     # ~0.15 s (windows) and ~0.2 s (documents) measured, de-duplication included; generous for slow CI.
     assert time.perf_counter() - start < 5.0
+
+
+def test_every_data_choice_has_one_table_entry_and_every_entry_a_choice():
+    """conf/data/*.yaml (what `data=` offers), the table `hypertrain.data.SOURCES` and the config's
+    `DataName` enum name the same sources, and each preset selects the source it is named for."""
+    import yaml
+
+    from hypertrain.choices import DataName
+    from hypertrain.data import SOURCES
+
+    presets = {}
+    for path in sorted((REPO / "conf" / "data").glob("*.yaml")):
+        tree = yaml.safe_load(path.read_text())
+        presets[path.stem] = tree.get("data", tree)["name"]  # a global preset nests its data section
+    assert presets == {name: name for name in presets}
+    assert sorted(presets) == sorted(SOURCES) == sorted(member.value for member in DataName)
+    assert all(source.name == name for name, source in SOURCES.items())
