@@ -6,8 +6,9 @@ engine, processes, logger, checkpoint, guard, cluster: the network clock's targe
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
 raising `UserError` (a `ValueError`) with one line naming the field, the bad value and what is
 valid. A string choice is an enum of `hypertrain.choices` (the only module of hypertrain imported
-here): OmegaConf refuses any other value, so no check here repeats it. The checks across sections
-and against the plan are `hypertrain.preflight.checks.validate`.
+here, but for the data sources' table `DataConfig.check` asks, `hypertrain.data`): OmegaConf refuses
+any other value, so no check here repeats it. The checks across sections and against the plan are
+`hypertrain.preflight.checks.validate`.
 """
 
 from __future__ import annotations
@@ -489,28 +490,9 @@ class DataConfig:
             raise UserError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
 
     def check(self) -> None:
-        if self.name == "speech":
-            self.check_speech()
-        if self.name in ("text_files", "token_bin") and not self.path:
-            raise UserError(f"data.path is empty; data={self.name} needs a path (a glob or a file)")
-        if self.name == "prepared" and not self.path:
-            raise UserError(
-                "data.path is empty; data=prepared needs a corpus's directory "
-                "(python -m hypertrain.data prepare)"
-            )
-        # the prepared corpus's options would silently do nothing with any other data
-        if self.name != "prepared" and self.replica_split != "iid":
-            raise UserError(
-                f"data.replica_split={self.replica_split} needs a prepared corpus's sources, not "
-                f"data={self.name}; valid: data=prepared, or data.replica_split=iid"
-            )
-        if self.name != "prepared" and not self.window_across_documents:
-            raise UserError(
-                f"data.window_across_documents=false needs a prepared corpus's documents, not "
-                f"data={self.name}; valid: data=prepared, or data.window_across_documents=true"
-            )
-        if self.name == "token_bin" and self.examples != "windows":
-            raise UserError("data.examples='documents' needs text; data=token_bin gives windows only")
+        from hypertrain.data import data_source  # the table of data sources imports this module
+
+        data_source(self).check(self)  # what the source needs (data.path, speech's fields, ...)
         _at_least("data.shuffle_seed", self.shuffle_seed, 0)  # numpy's seeds are non-negative
         _at_least("data.seq_len", self.seq_len, 1)
         _at_least("data.max_len", self.max_len, 2)

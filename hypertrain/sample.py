@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hypertrain.config import DataConfig, ModelConfig, UserError
-from hypertrain.data import corpus
+from hypertrain.data import BYTE_VOCAB, SOURCES, corpus, data_source
 from hypertrain.failures.signals import EXIT_CODES, interrupted
 from hypertrain.model.shapes import param_shapes
 from hypertrain.records import formats
@@ -38,7 +38,6 @@ PROG = "hypertrain.sample"
 ERROR = f"{PROG}: error:"  # every mistake's one line starts so
 USAGE = "valid: RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--seed S] [--checkpoint PATH]"
 CONFIG, WEIGHTS = "config.yaml", "weights.pt"
-BYTE_DATA = ("stdlib", "text_files")  # byte-level: a token is a byte of UTF-8, vocab 256
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's non-negative range
 
 
@@ -135,24 +134,28 @@ def read_run(run_dir: Path) -> tuple[ModelConfig, DataConfig, set[str], dict]:
 
 
 def codec(model: ModelConfig, data: DataConfig, run_dir: Path, facts: dict) -> TextCodec:
-    """The run's tokenizer: UTF-8 bytes for byte-level data, the corpus's own for data=prepared (which
-    must be the one the run trained with: `trained_with`); UserError for data that has none or is not
-    text."""
-    valid = "valid: a decoder run on data=stdlib, text_files or prepared"
-    if data.name == "speech":
-        raise UserError(f"{run_dir} trained on data=speech, text and audio channels, not text alone; {valid}")
+    """The run's tokenizer, as its data source declares it: UTF-8 bytes for byte-level data, the
+    corpus's own for data=prepared (which must be the one the run trained with: `trained_with`);
+    UserError for data that has none or is not text."""
+    source = data_source(data)
+    readable = [s.name for s in SOURCES.values() if s.tokenizer and not s.multistream]
+    valid = f"valid: a decoder run on data={', '.join(readable[:-1])} or {readable[-1]}"
+    if source.multistream:
+        raise UserError(
+            f"{run_dir} trained on data={data.name}, {source.channels} channels, not text alone; {valid}"
+        )
     if model.arch != "decoder":
         raise UserError(
             f"{run_dir} trained a model.arch={model.arch} model, several token channels per position, not "
             f"text alone; {valid}"
         )
-    if data.name in BYTE_DATA:
+    if source.tokenizer == "bytes":
         return TextCodec(
             lambda text: list(text.encode("utf-8")),
             lambda ids: bytes(ids).decode("utf-8", errors="replace"),
-            vocab=min(256, model.vocab),
+            vocab=min(BYTE_VOCAB, model.vocab),
         )
-    if data.name == "prepared":
+    if source.tokenizer == "corpus":
         path = Path(data.path).expanduser()
         meta = corpus.read_meta(path)
         try:

@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 
 from hypertrain.config import DataConfig, TrainConfig, UserError
+from hypertrain.data import data_source
+from hypertrain.data.datasets import MultistreamDataset
 from hypertrain.data.speech import cache, synth
 from hypertrain.data.speech import dataset as speech
 from hypertrain.data.speech.speech import PHONEME
@@ -153,6 +155,17 @@ def test_a_small_build_gives_multistream_examples_with_the_seeds_channel_counts(
     # The seed's dynamic_weights counts frames + samples for the text, frames for each codebook.
     assert counts[:, 0].sum() == frames.sum() + d.n_total and (counts[:, 1:].sum(0) == frames.sum()).all()
     assert np.array_equal(d.get_many([3, 1])[1, :, : d.lengths([1])[0]], d.get(1))
+
+
+def test_the_speech_entry_declares_the_channels_and_lengths_its_dataset_has(root, built):
+    """What the memory estimate, the preflight and the engines ask of data=speech before it is built
+    is what the build gives: its channels' vocabularies, examples of their own lengths."""
+    cfg = small_config(root)
+    source = data_source(cfg)
+    assert source.multistream and isinstance(built, MultistreamDataset)
+    assert source.channel_vocabs(cfg) == list(built.channel_vocabs) == [512] + [64] * 4
+    assert source.variable_length(cfg) and not built.fixed_length
+    assert source.longest(cfg) is None and source.tokenizer == ""  # no bound in the config; not text alone
 
 
 def test_the_delay_shifts_codebooks_2_to_k_only(built):

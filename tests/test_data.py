@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from hypertrain.config import DataConfig, UserError
+from hypertrain.data import data_source
 from hypertrain.data import text as data_module
-from hypertrain.data.datasets import build_dataset
+from hypertrain.data.datasets import MultistreamDataset, build_dataset
 from hypertrain.data.text import TextDataset, load_batch, pad_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -472,3 +473,43 @@ def test_building_the_stdlib_dataset_is_fast(examples):
     build_dataset(DataConfig(name="stdlib", examples=examples))
     # ~0.15 s (windows) and ~0.2 s (documents) measured, de-duplication included; generous for slow CI.
     assert time.perf_counter() - start < 5.0
+
+
+def test_every_data_choice_has_one_table_entry_and_every_entry_a_choice():
+    """conf/data/*.yaml (what `data=` offers), the table `hypertrain.data.SOURCES` and the config's
+    `DataName` enum name the same sources, and each preset selects the source it is named for."""
+    import yaml
+
+    from hypertrain.choices import DataName
+    from hypertrain.data import SOURCES
+
+    presets = {}
+    for path in sorted((REPO / "conf" / "data").glob("*.yaml")):
+        tree = yaml.safe_load(path.read_text())
+        presets[path.stem] = tree.get("data", tree)["name"]  # a global preset nests its data section
+    assert presets == {name: name for name in presets}
+    assert sorted(presets) == sorted(SOURCES) == sorted(member.value for member in DataName)
+    assert all(source.name == name for name, source in SOURCES.items())
+
+
+@pytest.mark.parametrize("examples", ["windows", "documents"])
+def test_a_text_source_entry_declares_what_its_built_dataset_is(tmp_path, examples):
+    """What the memory estimate, the engines and `sample` ask of a byte-level text source before it is
+    built is what the build gives: vocabulary 256, one channel, fixed windows or variable documents, the
+    longest example the config allows (each paragraph here is longer than data.max_len + 1 = 21 bytes,
+    and the text longer than a window), and ids that are the text's UTF-8 bytes."""
+    text = "".join(f"paragraph {i}, longer than twenty bytes\n\n" for i in range(40)).encode()
+    (tmp_path / "a.txt").write_bytes(text)
+    cfg = DataConfig(
+        name="text_files", path=str(tmp_path / "*.txt"), examples=examples, seq_len=16, max_len=20, heldout=4
+    )
+    source, data = data_source(cfg), build_dataset(cfg)
+    assert source.vocab(cfg) == data.vocab == 256
+    assert (
+        not source.multistream
+        and not isinstance(data, MultistreamDataset)
+        and source.channel_vocabs(cfg) == []
+    )
+    assert source.variable_length(cfg) == (not data.fixed_length) == (examples == "documents")
+    assert source.longest(cfg) == data.max_length == (17 if examples == "windows" else 21)
+    assert source.tokenizer == "bytes" and bytes(data.get(0).astype(np.uint8)) in text

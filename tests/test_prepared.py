@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from hypertrain import plan
 from hypertrain.config import DataConfig, UserError
-from hypertrain.data import corpus
+from hypertrain.data import corpus, data_source
 from hypertrain.data.datasets import build_dataset
 from hypertrain.data.prepared import heldout_per_source
 from hypertrain.preflight.prepare import initial_weights, prepare
@@ -133,6 +133,15 @@ def test_by_source_interleaves_the_sources_and_drops_the_excess(two_sources):
     assert N == 2 * per_source.min()
     assert data.fingerprint != iid.fingerprint and data.duplicates == 0
     assert np.array_equal(data._starts[N:], iid._starts[iid.n_total - 12 :])  # the same held-out slice
+
+
+def test_the_prepared_entry_declares_the_corpus_vocabulary_documents_and_tokenizer(two_sources):
+    """What the memory estimate, the preflight and `sample` ask of data=prepared before it is built is
+    the corpus's: its meta.json's vocabulary (the dataset's), its documents and sources, its tokenizer."""
+    cfg = prepared(two_sources)
+    source = data_source(cfg)
+    assert source.vocab(cfg) == build_dataset(cfg).vocab == corpus.read_meta(two_sources).vocab
+    assert source.own_vocab and source.documents and source.tokenizer == "corpus" and not source.multistream
 
 
 def test_one_source_gives_one_stream_for_iid_and_by_source(tmp_path):

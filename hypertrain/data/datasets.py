@@ -1,6 +1,7 @@
 """What every dataset offers (`Dataset`, and `MultistreamDataset` for examples of several token
-channels) and the one a `DataConfig` names: text (`text.py`: windows or documents), a prepared corpus
-(`prepared.py`, a `text.TextDataset` too) or speech (`speech/`).
+channels) and the one a `DataConfig` names, built by its entry in the table `hypertrain.data.SOURCES`:
+text (`text.py`: windows or documents), a prepared corpus (`prepared.py`, a `text.TextDataset` too)
+or speech (`speech/`).
 Every kind gives `n_total` examples in a seeded stream order; the last `data.heldout` ids are held out.
 """
 
@@ -12,9 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from hypertrain.config import DataConfig
-from hypertrain.data.prepared import prepared_dataset
-from hypertrain.data.speech.dataset import speech_dataset
-from hypertrain.data.text import text_dataset
+from hypertrain.data import data_source
 
 
 class Dataset(Protocol):
@@ -55,8 +54,4 @@ class MultistreamDataset(Protocol):
 
 def build_dataset(cfg: DataConfig) -> Dataset:
     """The dataset `cfg` describes; UserError (one line) for a missing or too short source."""
-    if cfg.name == "speech":  # multistream examples from a built cache (docs/audio.md)
-        return speech_dataset(cfg)
-    if cfg.name == "prepared":  # a corpus `python -m hypertrain.data prepare` wrote (docs/data.md)
-        return prepared_dataset(cfg)
-    return text_dataset(cfg)
+    return data_source(cfg).build(cfg)

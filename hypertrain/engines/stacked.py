@@ -19,6 +19,7 @@ import time
 import torch
 
 from hypertrain.config import TrainConfig
+from hypertrain.data import data_source
 from hypertrain.data.batches import stack_microbatches, stacked_channel_counts, stacked_microbatches
 from hypertrain.engines.compiled import forward_fn, inner_step_fn
 from hypertrain.engines.contract import (
@@ -137,7 +138,7 @@ def _update(cfg, assigns, t, params, state, fns, active, records, average_in_rep
     losses, channels, routing = records
     device = losses.device
     M = router_columns(cfg.model)
-    bound = cfg.data.max_padded_tokens if cfg.data.examples == "documents" or cfg.data.name == "speech" else 0
+    bound = cfg.data.max_padded_tokens if data_source(cfg.data).variable_length(cfg.data) else 0
     batches = [a.batches[t] for a in assigns]
     start = time.perf_counter()
     C = channels.shape[-1]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hypertrain.choices import PhaseKind
 from hypertrain.config import PhaseConfig, TrainConfig, UserError
+from hypertrain.data import data_source
 from hypertrain.data.corpus import read_meta
 from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
@@ -61,11 +62,12 @@ def check_world(cfg: TrainConfig) -> None:
 
 
 def check_data_for_model(cfg: TrainConfig) -> None:
-    """Speech's channels need a multistream model: refused here, before a first use builds the cache."""
+    """Several token channels (speech's) need a multistream model: refused here, before a first use
+    builds the data (speech's cache)."""
     d, m = cfg.data, cfg.model
-    if d.name == "speech" and m.arch != "multistream":
+    if data_source(d).multistream and m.arch != "multistream":
         raise UserError(
-            f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
+            f"data={d.name} gives {data_source(d).channels_said(d)} but "
             f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"
         )
 
@@ -74,7 +76,7 @@ def check_sources(cfg: TrainConfig) -> None:
     """data.replica_split=by_source: stream id i is source i mod S's and replica m gets the ids
     offset + u*G + m + k*R, so replica m trains on source m mod S alone when S divides R, G (weak: B*b)
     and phase.offset (docs/data.md, "Data that differs across replicas"). Reads the corpus's meta only."""
-    if cfg.data.name != "prepared" or cfg.data.replica_split != "by_source":
+    if not data_source(cfg.data).documents or cfg.data.replica_split != "by_source":
         return
     S = len(read_meta(Path(cfg.data.path).expanduser()).sources)
     if cfg.replicas % S:

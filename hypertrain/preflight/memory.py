@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hypertrain.choices import Transform
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, TrainConfig, UserError
-from hypertrain.data.corpus import read_meta
+from hypertrain.data import data_source
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.model.shapes import ROLES, ffn_width, param_specs
@@ -81,12 +81,11 @@ def model_with_vocabs(cfg: TrainConfig) -> ModelConfig:
     in (speech: the text vocabulary, then one codebook's per audio channel; trainer.model_for_data)."""
     m, d = cfg.model, cfg.data
     if m.arch != "multistream" and m.vocab == 0:  # the data's: a prepared corpus's meta says it
-        return replace(m, vocab=read_meta(Path(d.path).expanduser()).vocab if d.name == "prepared" else 256)
+        return replace(m, vocab=data_source(d).vocab(d))
     if m.arch != "multistream" or m.channel_vocabs:
         return m
-    if d.name == "speech":
-        return replace(m, channel_vocabs=[d.text_vocab] + [d.codebook_size] * d.codebooks)
-    return replace(m, channel_vocabs=[m.vocab])  # refused by the trainer: other data has one channel
+    # [m.vocab] for data of one channel: refused by the trainer
+    return replace(m, channel_vocabs=data_source(d).channel_vocabs(d) or [m.vocab])
 
 
 def _counts_by_role(model: ModelConfig) -> dict[str, int]:
@@ -134,9 +133,8 @@ def row_ids(cfg: TrainConfig, longest: int | None) -> int:
     after the build (`longest` given) covers their batches and activations."""
     if longest is not None:
         return longest
-    if cfg.data.name == "speech":
-        return 2
-    return cfg.data.seq_len + 1 if cfg.data.examples == "windows" else cfg.data.max_len + 1
+    bound = data_source(cfg.data).longest(cfg.data)
+    return 2 if bound is None else bound
 
 
 def microbatch(cfg: TrainConfig, share: int, row: int, micro_batch: int) -> tuple[int, int]:
@@ -144,7 +142,7 @@ def microbatch(cfg: TrainConfig, share: int, row: int, micro_batch: int) -> tupl
     `row` ids: windows in chunks of `micro_batch` rows (0 = all); variable-length examples grouped
     under data.max_padded_tokens and data.max_examples (plan.length_microbatches; an example longer
     than the bound is a microbatch of its own)."""
-    if cfg.data.name != "speech" and cfg.data.examples == "windows":
+    if not data_source(cfg.data).variable_length(cfg.data):
         rows = min(micro_batch or share, share)
         return rows, rows * (row - 1)
     rows = min(cfg.data.max_examples, share)
@@ -258,7 +256,7 @@ def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | No
     train, heldout = activation_floats(model)
     activations = max(stacked * positions * train, heldout_positions * heldout) * FLOAT_BYTES
     channels = len(model.channel_vocabs) if model.arch == "multistream" else 1
-    variable = cfg.data.name == "speech" or cfg.data.examples == "documents"
+    variable = data_source(cfg.data).variable_length(cfg.data)
     per_id = row * (channels * ID_BYTES + (1 if variable else 0))  # a padded row's ids and its mask
     round_updates = min(cfg.inner.H, cfg.phase.updates)  # assignments() builds a round's batches at once
     params = sum(by_role.values())
@@ -360,18 +358,19 @@ def size_fields(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(the fields that size the model, those that size a microbatch), as the user sets them."""
     m, d = cfg.model, cfg.data
     model = ["model.d_model", "model.n_layers"] + (["model.d_ff"] if m.d_ff else [])
+    source = data_source(d)
     if m.arch != "multistream":
         model += ["model.vocab"]
-    elif m.channel_vocabs or d.name != "speech":
+    elif m.channel_vocabs or not source.multistream:
         model += ["model.channel_vocabs"]
-    else:  # the data fills them in: the text vocabulary, then the codebooks'
-        model += ["data.text_vocab", "data.codebook_size", "data.codebooks"]
+    else:  # the data fills them in (speech: the text vocabulary, then the codebooks')
+        model += list(source.channel_fields)
     strong = cfg.phase.kind == "strong"
     batch = ["phase.global_batch"] if strong else ["phase.base_world", "phase.per_rank_batch"]
-    if d.name != "speech" and d.examples == "windows":
-        batch += (["inner.micro_batch"] if cfg.inner.micro_batch else []) + ["data.seq_len"]
+    if not source.variable_length(d):
+        batch += (["inner.micro_batch"] if cfg.inner.micro_batch else []) + source.length_fields(d)
     else:
-        batch += ["data.max_padded_tokens"] + (["data.max_len"] if d.name != "speech" else [])
+        batch += ["data.max_padded_tokens"] + source.length_fields(d)
     return model, batch
 
 

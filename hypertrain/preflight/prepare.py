@@ -13,6 +13,7 @@ import torch
 
 from hypertrain import plan
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, ModelConfig, TrainConfig, UserError
+from hypertrain.data import data_source
 from hypertrain.data.batches import ReplicaBatch, is_multistream, replica_batch
 from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
@@ -38,7 +39,7 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
             )
         if model.vocab == 0:
             return replace(model, vocab=int(dataset.vocab))
-        if cfg.data.name == "prepared" and model.vocab != dataset.vocab:
+        if data_source(cfg.data).own_vocab and model.vocab != dataset.vocab:
             raise UserError(
                 f"model.vocab={model.vocab} differs from the prepared corpus's vocabulary ({dataset.vocab}, "
                 f"its meta.json); valid: 0 or {dataset.vocab} (data=prepared takes the corpus's)"
