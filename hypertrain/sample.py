@@ -28,6 +28,7 @@ from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import corpus
 from hypertrain.failures.signals import EXIT_CODES, interrupted
 from hypertrain.model.shapes import param_shapes
+from hypertrain.model.spec import model_spec
 from hypertrain.records import formats
 from hypertrain.records.rows import StartRow
 from hypertrain.report.command import print_out
@@ -141,7 +142,7 @@ def codec(model: ModelConfig, data: DataConfig, run_dir: Path, facts: dict) -> T
     valid = "valid: a decoder run on data=stdlib, text_files or prepared"
     if data.name == "speech":
         raise UserError(f"{run_dir} trained on data=speech, text and audio channels, not text alone; {valid}")
-    if model.arch != "decoder":
+    if not model_spec(model).text:
         raise UserError(
             f"{run_dir} trained a model.arch={model.arch} model, several token channels per position, not "
             f"text alone; {valid}"

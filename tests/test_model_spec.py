@@ -94,3 +94,17 @@ def test_a_model_with_other_names_is_split_by_its_own_layers(monkeypatch):
     assert {n: where[n] for n in layers} == {n: i % 2 for n, i in layers.items()}
     assert fragments.assignment(cfg)[0].startswith("layer0 layer2 emb")
 
+
+def test_no_model_name_or_flag_is_compared_outside_the_model_package_and_the_configs_checks():
+    """The model's facts are asked of its entry: `model.arch` and `model.is_moe` are read by
+    `model_spec` (and the config's own validation), nowhere else in the package."""
+    pattern = re.compile(r"is_moe|\.arch ==|\.arch !=|\.arch in")
+    package = ROOT / "hypertrain"
+    found = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in sorted(package.rglob("*.py"))
+        if path.parent != package / "model" and path != package / "config.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []

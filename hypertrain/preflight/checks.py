@@ -19,6 +19,7 @@ from hypertrain.data.corpus import read_meta
 from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import LayoutError
+from hypertrain.model.spec import model_spec
 from hypertrain.optim import outer as outer_optimizers
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
@@ -63,7 +64,7 @@ def check_world(cfg: TrainConfig) -> None:
 def check_data_for_model(cfg: TrainConfig) -> None:
     """Speech's channels need a multistream model: refused here, before a first use builds the cache."""
     d, m = cfg.data, cfg.model
-    if d.name == "speech" and m.arch != "multistream":
+    if d.name == "speech" and not model_spec(m).channels:
         raise UserError(
             f"data=speech gives 1 + data.codebooks = {1 + d.codebooks} token channels per frame but "
             f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"
