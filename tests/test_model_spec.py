@@ -13,9 +13,11 @@ from omegaconf import OmegaConf
 
 from hypertrain.config import ModelConfig, OuterConfig, TrainConfig, UserError
 from hypertrain.diloco import fragments
+from hypertrain.engines.columns import REPLICA_COLUMNS
 from hypertrain.model.spec import AFTER, BEFORE, MODELS, Decoder, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
+ROUTER_COLUMNS = ("router_aux", "expert_min", "expert_max")  # the update rows' names of ROUTER_FIGURES
 # One config per entry: three layers, so that P = 1..4 fragments all hold parameters.
 LAYERS = 3
 CONFIGS = {
@@ -40,6 +42,18 @@ def test_each_model_preset_picks_the_entry_its_fields_say(path):
     cfg = ModelConfig(**fields)
     expected = "moe" if fields.get("is_moe") else fields.get("arch", "decoder")
     assert model_spec(cfg) is MODELS[expected]
+
+
+def test_the_replica_records_hold_each_entrys_columns_filled_from_what_its_engine_returned():
+    """`REPLICA_COLUMNS` is the engine's own four and the entries' columns; each entry fills its own
+    from the engine's channel means and router figures, and nothing when the replica skipped."""
+    own = ("stepped", "loss", "targets", "microbatches")
+    assert REPLICA_COLUMNS.names == own + tuple(c for e in MODELS.values() for c in e.replica_columns)
+    means, routing = [2.0, 1.0, 4.0], [0.5, 0.1, 0.7]
+    assert MODELS["decoder"].replica_values(None, None) == {}
+    assert MODELS["multistream"].replica_values(means, None) == {"text_loss": 2.0, "audio_loss": 2.5}
+    assert MODELS["moe"].replica_values(None, routing) == dict(zip(ROUTER_COLUMNS, routing, strict=True))
+    assert all(e.replica_values(None, None) == {} for e in MODELS.values())
 
 
 def layer_in_name(name: str) -> int | str:

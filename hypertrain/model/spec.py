@@ -51,6 +51,9 @@ class Decoder:
     text = True  # its tokens are text: `python -m hypertrain.sample` decodes them
     # The run summary's figures a report's phase row adds: report column -> summary key.
     report_figures: dict[str, str] = {}
+    # The columns a replica's update record adds (`engines.columns.REPLICA_COLUMNS`; NaN in a run of
+    # another model), filled by `replica_values`.
+    replica_columns: tuple[str, ...] = ()
 
     def declared(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | str]]:
         """Name -> (shape, role, place) of one replica's parameters, in a fixed (sorted) order: each is
@@ -145,9 +148,19 @@ class Decoder:
         train = cfg.n_layers * layer + 3 * d + (4 * d + 2 * f) + self.loss_channels(cfg) * d + heads
         return train, (4 * d + 2 * f) + heads
 
+    def replica_values(self, means: list[float] | None, routing: list[float] | None) -> dict[str, float]:
+        """A replica's `replica_columns` at one update, from what its engine returned: the channels'
+        token means (`ReplicaResult.channel_losses`) and the router figures (`ReplicaResult.routing`);
+        None where the replica skipped the update (its columns stay NaN)."""
+        return {}
+
     def row_figures(self, rnd, t: int) -> dict[str, float]:
         """The figures update `t` of the round `rnd` (a `diloco.rounds.Segment`) adds to its row."""
         return {}
+
+
+# What the rest of the code holds of a model: an entry, the decoder's facts or an entry's own.
+ModelSpec = Decoder
 
 
 class MoEDecoder(Decoder):
@@ -156,6 +169,12 @@ class MoEDecoder(Decoder):
 
     kind = "decoder (model.is_moe=true)"
     experts = True
+    replica_columns = ("router_aux", "expert_min", "expert_max")  # ROUTER_FIGURES, in order
+
+    def replica_values(self, means: list[float] | None, routing: list[float] | None) -> dict[str, float]:
+        """The update's load-balancing loss (unweighted) and the smallest and largest fraction of
+        routing slots an expert got."""
+        return dict(zip(self.replica_columns, routing, strict=True)) if routing else {}
 
     def mlp_specs(self, cfg: ModelConfig) -> dict[str, Spec]:
         return expert_specs(cfg.d_model, cfg.n_experts, cfg.expert_ffn)
@@ -184,6 +203,13 @@ class Multistream(Decoder):
     channels = True
     text = False
     report_figures = {"frames_per_s": "bench/frames_per_s"}
+    replica_columns = ("text_loss", "audio_loss")
+
+    def replica_values(self, means: list[float] | None, routing: list[float] | None) -> dict[str, float]:
+        """The text channel's token mean, and the audio channels' mean of theirs."""
+        if means is None:
+            return {}
+        return {"text_loss": means[0], "audio_loss": sum(means[1:]) / max(1, len(means) - 1)}
 
     def stream_specs(self, cfg: ModelConfig) -> dict[str, Spec]:
         d, out = cfg.d_model, {}
@@ -205,10 +231,12 @@ class Multistream(Decoder):
 
 
 DECODER, MOE, MULTISTREAM = Decoder(), MoEDecoder(), Multistream()
-MODELS = {"decoder": DECODER, "moe": MOE, "multistream": MULTISTREAM}
+MODELS = {"decoder": DECODER, "multistream": MULTISTREAM, "moe": MOE}
+# Every entry's replica columns, each once, in the table's order (`engines.columns.REPLICA_COLUMNS`).
+MODEL_COLUMNS = tuple(dict.fromkeys(name for entry in MODELS.values() for name in entry.replica_columns))
 
 
-def model_spec(cfg: ModelConfig) -> Decoder:
+def model_spec(cfg: ModelConfig) -> ModelSpec:
     """The run's model entry, from `model.arch` and `model.is_moe` (the one place they are read); `cfg`
     may also be a run's config.yaml section as read (the report), written before `is_moe` existed."""
     if getattr(cfg, "is_moe", False):  # with model.arch=decoder (ModelConfig.check refuses another)
