@@ -96,8 +96,8 @@ class Decoder:
         unplaced = [name for name in names if name not in declared]
         if unplaced:
             raise UserError(
-                f"model parameter {unplaced[0]!r} has no place among model.arch={self.kind}'s layers "
-                f"({len(unplaced)} such); valid: the parameters the model declares"
+                f"model parameter {unplaced[0]!r} is not placed by the {self.kind} model (in a layer, or "
+                f"before or after them; {len(unplaced)} such); valid: the parameters the model declares"
             )
         return {name: declared[name][2] for name in names}
 
