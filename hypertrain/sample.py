@@ -28,6 +28,7 @@ from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import BYTE_VOCAB, SOURCES, corpus, data_source
 from hypertrain.failures.signals import EXIT_CODES, interrupted
 from hypertrain.model.shapes import param_shapes
+from hypertrain.model.spec import model_spec
 from hypertrain.records import formats
 from hypertrain.records.rows import StartRow
 from hypertrain.report.command import print_out
@@ -144,7 +145,7 @@ def codec(model: ModelConfig, data: DataConfig, run_dir: Path, facts: dict) -> T
         raise UserError(
             f"{run_dir} trained on data={data.name}, {source.channels} channels, not text alone; {valid}"
         )
-    if model.arch != "decoder":
+    if not model_spec(model).text:
         raise UserError(
             f"{run_dir} trained a model.arch={model.arch} model, several token channels per position, not "
             f"text alone; {valid}"

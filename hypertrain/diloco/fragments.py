@@ -15,24 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hypertrain.config import TrainConfig, UserError
-from hypertrain.model.shapes import param_specs
+from hypertrain.model.spec import AFTER, BEFORE, model_spec
 
 TAKE, LAND, FLUSH = "take", "land", "flush"
 
 
-def fragment_of(cfg: TrainConfig) -> dict[str, int]:
-    """Parameter name -> fragment: layer i in fragment i mod P, the embeddings (and anything before
-    the layers) in fragment 0, the final norm and the head in fragment P - 1."""
-    P = cfg.outer.fragments
-    out = {}
-    for name in param_specs(cfg.model):
-        if name.startswith("layers."):
-            out[name] = int(name.split(".")[1]) % P
-        elif name.startswith("emb"):
-            out[name] = 0
-        else:  # the final norm and the head(s)
-            out[name] = P - 1
-    return out
+def fragment_of(cfg: TrainConfig, names=None) -> dict[str, int]:
+    """Parameter name -> fragment, for the model's parameters (or `names`), by the place the model gives
+    each (`model.spec`): layer i in fragment i mod P, what comes before the layers (the embeddings) in
+    fragment 0, what comes after them (the final norm and the heads) in fragment P - 1. A parameter
+    the model does not place is refused (UserError), never put in a fragment by default."""
+    P, spec = cfg.outer.fragments, model_spec(cfg.model)
+    places = spec.places(cfg.model, spec.param_specs(cfg.model) if names is None else names)
+    ends = {BEFORE: 0, AFTER: P - 1}
+    return {name: ends[place] if place in ends else place % P for name, place in places.items()}
 
 
 def members(cfg: TrainConfig) -> list[list[str]]:
@@ -44,9 +40,11 @@ def members(cfg: TrainConfig) -> list[list[str]]:
 def assignment(cfg: TrainConfig) -> list[str]:
     """What the run's config records (`outer.assignment`): per fragment, its layers and the rest."""
     out = []
+    spec = model_spec(cfg.model)
     for names in members(cfg):
-        layers = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
-        rest = [n for n in names if not n.startswith("layers.")]
+        places = spec.places(cfg.model, names)
+        layers = sorted({place for place in places.values() if place not in (BEFORE, AFTER)})
+        rest = [n for n in names if places[n] in (BEFORE, AFTER)]
         out.append(" ".join([*(f"layer{i}" for i in layers), *rest]))
     return out
 
@@ -56,10 +54,11 @@ def check(cfg: TrainConfig) -> None:
     P, tau, H = cfg.outer.fragments, cfg.outer.delay, cfg.inner.H
     if H % P:
         raise UserError(f"outer.fragments={P} does not divide inner.H={H}; valid: a divisor of {H}")
-    if P > 1 and P > cfg.model.n_layers + 1:
+    layers = model_spec(cfg.model).layers(cfg.model)
+    if P > 1 and P > layers + 1:
         raise UserError(
             f"outer.fragments={P} leaves a fragment without parameters (model.n_layers="
-            f"{cfg.model.n_layers}); valid: 1..{cfg.model.n_layers + 1}"
+            f"{layers}); valid: 1..{layers + 1}"
         )
     if tau >= H // P:
         raise UserError(

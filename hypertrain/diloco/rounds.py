@@ -32,6 +32,7 @@ from hypertrain.engines.contract import (
 )
 from hypertrain.engines.throughput import process_table
 from hypertrain.failures import fault_points, signals
+from hypertrain.model.spec import MODEL_COLUMNS, ModelSpec, model_spec
 
 
 def assignments(
@@ -98,22 +99,20 @@ class Segment:
         return [x if took else None for x, took in zip(losses, self.stepped(t).tolist(), strict=True)]
 
 
-def local_table(assigns: list[Assignment], results: list[ReplicaResult]) -> Tensor:
-    """float64 [updates, local replicas, len(REPLICA_COLUMNS)]: this process's replicas' records."""
+def local_table(assigns: list[Assignment], results: list[ReplicaResult], model: ModelSpec) -> Tensor:
+    """float64 [updates, local replicas, len(REPLICA_COLUMNS)]: this process's replicas' records; the
+    columns the model entry adds (`model.spec`) are its `replica_values`, the others' NaN."""
+    unused = dict.fromkeys(MODEL_COLUMNS, math.nan)
 
     def row(a: Assignment, res: ReplicaResult, t: int) -> list[float]:
         means = res.channel_losses[t] if res.channel_losses else None
-        aux, low, high = (res.routing[t] if res.routing and res.routing[t] else None) or (math.nan,) * 3
+        routing = res.routing[t] if res.routing else None
         return REPLICA_COLUMNS.row(
             stepped=float(res.losses[t] is not None),
             loss=math.nan if res.losses[t] is None else res.losses[t],
             targets=a.batches[t].replica_total,
             microbatches=len(a.batches[t].microbatches),
-            text_loss=math.nan if means is None else means[0],
-            audio_loss=math.nan if means is None else sum(means[1:]) / max(1, len(means) - 1),
-            router_aux=aux,
-            expert_min=low,
-            expert_max=high,
+            **(unused | model.replica_values(means, routing)),
         )
 
     rows = [
@@ -171,7 +170,7 @@ def rounds(
             updates,
             assigns,
             results,
-            groups.gather_round(local_table(assigns, results)),
+            groups.gather_round(local_table(assigns, results, model_spec(cfg.model))),
             groups.gather_ranks(process_table(assigns, results)),
         )
         state.next_update = count = updates.stop

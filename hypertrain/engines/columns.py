@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from hypertrain.model.spec import MODEL_COLUMNS
+
 
 class Columns:
     """The names of a record's last axis, in order."""
@@ -37,20 +39,10 @@ class Columns:
 # A replica's update: whether it stepped (1) or not (0: churn kept it out; its figures are then NaN, a
 # float tensor's filler, never read: `Segment.stepped` and `Segment.losses` are what is read, None for a
 # replica that did not step), its loss, its targets, its microbatches (the most of its ranks' shares),
-# for multistream the text channel's token mean and the audio channels' mean, and for a mixture of
-# experts its load-balancing loss (unweighted) and the smallest and largest fraction of routing slots an
-# expert got (NaN for a model without them).
-REPLICA_COLUMNS = Columns(
-    "stepped",
-    "loss",
-    "targets",
-    "microbatches",
-    "text_loss",
-    "audio_loss",
-    "router_aux",
-    "expert_min",
-    "expert_max",
-)
+# then the columns the model table's entries add (`model.spec`: for multistream the text channel's token
+# mean and the audio channels' mean, for a mixture of experts its load-balancing loss and the smallest
+# and largest fraction of routing slots an expert got; NaN for a model without them).
+REPLICA_COLUMNS = Columns("stepped", "loss", "targets", "microbatches", *MODEL_COLUMNS)
 
 # A process's update, its replicas' (or rank's) shares summed: examples, supervised target tokens,
 # padded target positions (rows x width: what the model computed; times the channels for multistream),

@@ -66,7 +66,7 @@ class ReplicaResult:
     allreduce_seconds: list[float] = field(default_factory=list)
     # multistream: each update's per-channel token means (a list of C; None = skipped); [] otherwise
     channel_losses: list = field(default_factory=list)
-    # mixture of experts: each update's router figures (model.moe.ROUTER_FIGURES: the token-weighted
+    # mixture of experts: each update's router figures (model.spec.ROUTER_FIGURES: the token-weighted
     # load-balancing loss, the min and max fraction of tokens a layer sends to an expert; None =
     # skipped); [] otherwise
     routing: list = field(default_factory=list)

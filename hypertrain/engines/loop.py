@@ -4,7 +4,7 @@
 copy of the global weights `theta` (or of its `Assignment.start` mid-round), runs its inner steps
 on its own microbatches, and returns per replica its weights, its optimizer state and its loss at
 every step (None where it had no ids and skipped the step), and a mixture of experts' router
-figures (`model.moe.ROUTER_FIGURES`). The first replica asks `stop` after
+figures (`model.spec.ROUTER_FIGURES`). The first replica asks `stop` after
 every update; the others then take as many updates as it did. Parameters and optimizer state
 carry a replica axis of size 1, so the math is exactly the shared model and optimizer code the
 stacked engine runs with R > 1.
@@ -31,6 +31,7 @@ from hypertrain.engines.contract import (
     timed_average,
 )
 from hypertrain.model.moe import router_figures, weigh
+from hypertrain.model.spec import model_spec
 from hypertrain.model.transformer import Params, loss_channels, objective, router_columns
 from hypertrain.optim.inner import OptState
 
@@ -62,7 +63,8 @@ def train_replica(
         if stop is not None and stop(assign.global_step0 + t):
             break
     weights = {n: p.detach() for n, p in params.items()}
-    multistream, experts = loss_channels(cfg.model) > 0, cfg.model.is_moe
+    spec = model_spec(cfg.model)
+    multistream, experts = spec.loss_channels(cfg.model) > 0, bool(spec.router_figures())
     return ReplicaResult(
         weights,
         state,

@@ -33,7 +33,8 @@ from hypertrain.engines.contract import (
     in_lockstep,
     timed_average,
 )
-from hypertrain.model.moe import ROUTER_FIGURES, router_figures, weigh
+from hypertrain.model.moe import router_figures, weigh
+from hypertrain.model.spec import model_spec
 from hypertrain.model.transformer import Params, loss_channels, objective, router_columns
 from hypertrain.optim.inner import OptState
 
@@ -88,7 +89,8 @@ def train_many(
     C = loss_channels(cfg.model)
     channels = torch.zeros(steps, R, C, dtype=torch.float64, device=device)
     # Per update and replica, a mixture of experts' router figures (none for a dense model).
-    routing = torch.zeros(steps, R, len(ROUTER_FIGURES) if cfg.model.is_moe else 0, dtype=torch.float64)
+    figures = len(model_spec(cfg.model).router_figures())
+    routing = torch.zeros(steps, R, figures, dtype=torch.float64)
     routing = routing.to(device)
     stepped = torch.zeros(steps, R, dtype=torch.bool)
     seconds, allreduce = [0.0] * steps, [0.0] * steps
@@ -113,7 +115,7 @@ def train_many(
             break
     host_losses = losses.cpu().tolist()  # the sub-round's one device-to-host copy (two: multistream, MoE)
     host_channels = channels.cpu().tolist() if C else None
-    host_routing = routing.cpu().tolist() if cfg.model.is_moe else None
+    host_routing = routing.cpu().tolist() if figures else None
     # One timing list shared by the stacked replicas (throughput.process_table counts it once).
     seconds, allreduce = seconds[:steps], allreduce[:steps]
     return [

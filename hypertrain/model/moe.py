@@ -17,10 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# What a replica's update records of its routing (`router_figures`): the load-balancing loss, and the
-# smallest and largest fraction of the update's tokens a layer sends to one of its experts.
-ROUTER_FIGURES = ("aux", "min_fraction", "max_fraction")
-
 
 class RouterTally:
     """The router's statistics of one forward pass, layer by layer, per replica, over its real tokens
@@ -125,7 +121,7 @@ def weigh(columns: Tensor, weights: Tensor) -> Tensor:
 
 
 def router_figures(columns: Tensor, n_layers: int, n_experts: int) -> Tensor:
-    """An update's summed router columns [R, 2 + L*E] (`weigh`) -> [R, 3] (`ROUTER_FIGURES`): the
+    """An update's summed router columns [R, 2 + L*E] (`weigh`) -> [R, 3] (`model.spec.ROUTER_FIGURES`): the
     token-weighted load-balancing loss, and the smallest and largest fraction of the update's tokens
     that a layer sends to one expert (a token counts once for each of its k experts: k/E is
     balanced, 1 means every token)."""

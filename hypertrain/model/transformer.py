@@ -33,6 +33,7 @@ from torch import Tensor
 from hypertrain.config import ModelConfig
 from hypertrain.model import moe
 from hypertrain.model.shapes import param_specs
+from hypertrain.model.spec import model_spec
 
 Params = dict[str, Tensor]
 
@@ -108,12 +109,12 @@ def hidden(
 ) -> Tensor:
     """The layers and the final norm: x [R, B*T, d] -> [R, B*T, d]; a mixture of experts records its
     routing in `tally` when given."""
-    eps = cfg.norm_eps
+    eps, experts = cfg.norm_eps, model_spec(cfg).experts
     for i in range(cfg.n_layers):
         pre = f"layers.{i:03d}."
         x = x + _attention(cfg, p, pre, _rms_norm(x, p[pre + "attn_norm"], eps), B, T)
         h = _rms_norm(x, p[pre + "mlp_norm"], eps)
-        x = x + (moe.mixture(p, pre, h, cfg.top_k, tally) if cfg.is_moe else _mlp(p, pre, h))
+        x = x + (moe.mixture(p, pre, h, cfg.top_k, tally) if experts else _mlp(p, pre, h))
     return _rms_norm(x, p["norm"], eps)
 
 
@@ -149,14 +150,15 @@ def forward(
     are safe. multistream: `sum_c channel_weights[:, c] * channel_sums[:, c]` (see `channel_sums`;
     the mask is not needed: padding holds no tokens).
     """
-    if cfg.arch == "multistream":
+    spec = model_spec(cfg)
+    if spec.channels:
         sums = channel_sums(cfg, p, tokens)
         loss = (sums * channel_weights.to(sums.dtype)).sum(-1, keepdim=True)
         return torch.cat([loss, sums], dim=-1)
     R = tokens.shape[0]
     inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
     tally = None
-    if cfg.is_moe:
+    if spec.experts:
         tally = moe.RouterTally(None if mask is None else mask[:, :, :-1].reshape(R, -1))
     with _autocast(cfg, tokens.device):
         out = logits(cfg, p, inputs, tally)
@@ -178,19 +180,19 @@ def objective(cfg: ModelConfig, out: Tensor) -> Tensor:
     """[R]: what the engines differentiate per replica from `forward`'s `out` [R, 1 + C + M] (before
     the microbatch's weight): the loss, plus `router_aux_weight` times a mixture of experts'
     load-balancing loss."""
-    if not cfg.is_moe or cfg.router_aux_weight == 0:
+    if not router_columns(cfg) or cfg.router_aux_weight == 0:
         return out[:, 0]
     return out[:, 0] + cfg.router_aux_weight * out[:, 1 + loss_channels(cfg)]
 
 
 def router_columns(cfg: ModelConfig) -> int:
     """M: the router columns `forward` returns after the channel sums (0 for a dense model)."""
-    return 2 + cfg.n_layers * cfg.n_experts if cfg.is_moe else 0
+    return model_spec(cfg).router_columns(cfg)
 
 
 def loss_channels(cfg: ModelConfig) -> int:
     """C: the per-channel sums `forward` returns beside each replica's loss (0 for a decoder)."""
-    return len(cfg.channel_vocabs) if cfg.arch == "multistream" else 0
+    return model_spec(cfg).loss_channels(cfg)
 
 
 def channel_sums(cfg: ModelConfig, p: Params, tokens: Tensor) -> Tensor:

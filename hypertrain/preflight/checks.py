@@ -20,6 +20,7 @@ from hypertrain.data.corpus import read_meta
 from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import LayoutError
+from hypertrain.model.spec import model_spec
 from hypertrain.optim import outer as outer_optimizers
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 
@@ -65,7 +66,7 @@ def check_data_for_model(cfg: TrainConfig) -> None:
     """Several token channels (speech's) need a multistream model: refused here, before a first use
     builds the data (speech's cache)."""
     d, m = cfg.data, cfg.model
-    if data_source(d).multistream and m.arch != "multistream":
+    if data_source(d).multistream and not model_spec(m).channels:
         raise UserError(
             f"data={d.name} gives {data_source(d).channels_said(d)} but "
             f"model.arch={m.arch!r} reads one stream; valid: model=multistream_tiny or multistream_small"

@@ -26,7 +26,8 @@ from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, Tra
 from hypertrain.data import data_source
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import launched_rank
-from hypertrain.model.shapes import ROLES, ffn_width, param_specs
+from hypertrain.model.shapes import ROLES, param_specs
+from hypertrain.model.spec import model_spec
 from hypertrain.optim.outer import outer_optimizer
 from hypertrain.preflight.codec_memory import codec_bytes
 
@@ -80,9 +81,10 @@ def model_with_vocabs(cfg: TrainConfig) -> ModelConfig:
     """The model config with a multistream model's channel vocabularies as the data will fill them
     in (speech: the text vocabulary, then one codebook's per audio channel; trainer.model_for_data)."""
     m, d = cfg.model, cfg.data
-    if m.arch != "multistream" and m.vocab == 0:  # the data's: a prepared corpus's meta says it
+    channels = model_spec(m).channels
+    if not channels and m.vocab == 0:  # the data's: a prepared corpus's meta says it
         return replace(m, vocab=data_source(d).vocab(d))
-    if m.arch != "multistream" or m.channel_vocabs:
+    if not channels or m.channel_vocabs:
         return m
     # [m.vocab] for data of one channel: refused by the trainer
     return replace(m, channel_vocabs=data_source(d).channel_vocabs(d) or [m.vocab])
@@ -151,26 +153,8 @@ def microbatch(cfg: TrainConfig, share: int, row: int, micro_batch: int) -> tupl
 
 def activation_floats(model: ModelConfig) -> tuple[int, int]:
     """(floats per position a training microbatch holds, floats per position of a forward-only
-    held-out pass), counted from hypertrain.model's forward:
-
-    - per layer 17 d + 4 f + h saved for the backward: the residual stream before and after the
-      attention (2 d); each RMSNorm's normalised input and output (2 x 2 d); q and k before RoPE, the
-      concatenated halves and the rotated result (3 x 2 d at most, kv heads <= heads), v (d); the
-      attention's output and its contiguous copy (2 d) and its log-sum-exp (h: the CPU and CUDA
-      kernels are flash or memory-efficient, never a T x T matrix); the output projection (d); the
-      MLP's w1 and w3 outputs, the SiLU and the product (4 f) and its output (d);
-    - once: the embedding and the final norm (3 d), the gradient flowing back through one layer at a
-      time (4 d + 2 f), a multistream model's per-channel embeddings (C d);
-    - the heads: every channel's log-probabilities are saved (sum of V), and one channel's logits and
-      their gradient are in flight (2 max V): 3 V for one stream.
-    The held-out pass saves nothing: one layer's working set (4 d + 2 f) and the heads' logits.
-    """
-    d, f, h = model.d_model, ffn_width(model), model.n_heads
-    vocabs = model.channel_vocabs if model.arch == "multistream" else [model.vocab]
-    heads = sum(vocabs) + 2 * max(vocabs)
-    channels = len(vocabs) if model.arch == "multistream" else 0
-    train = model.n_layers * (17 * d + 4 * f + h) + 3 * d + (4 * d + 2 * f) + channels * d + heads
-    return train, (4 * d + 2 * f) + heads
+    held-out pass): the model entry's (`model.spec`), counted from its forward."""
+    return model_spec(model).activation_floats(model)
 
 
 def weight_bytes(cfg: TrainConfig, by_role: dict[str, int]) -> tuple[int, int, int]:
@@ -229,7 +213,7 @@ def checkpoint_bytes(
 def largest_tensor(model: ModelConfig, stacked: int, positions: int) -> tuple[str, int]:
     """The tensor with the most elements: a parameter stacked over the replicas computed at once, or
     the logits of one stacked microbatch (one channel's head at a time)."""
-    vocabs = model.channel_vocabs if model.arch == "multistream" else [model.vocab]
+    vocabs = model_spec(model).vocabs(model)
     specs = param_specs(replace(model, n_layers=min(model.n_layers, 1)))
     name, (shape, _) = max(specs.items(), key=lambda item: math.prod(item[1][0]))
     return max(
@@ -255,7 +239,7 @@ def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | No
     heldout_positions = microbatch(cfg, cfg.data.heldout, row, HELDOUT_ROWS_PER_PASS)[1]
     train, heldout = activation_floats(model)
     activations = max(stacked * positions * train, heldout_positions * heldout) * FLOAT_BYTES
-    channels = len(model.channel_vocabs) if model.arch == "multistream" else 1
+    channels = model_spec(model).id_channels(model)
     variable = data_source(cfg.data).variable_length(cfg.data)
     per_id = row * (channels * ID_BYTES + (1 if variable else 0))  # a padded row's ids and its mask
     round_updates = min(cfg.inner.H, cfg.phase.updates)  # assignments() builds a round's batches at once
@@ -359,7 +343,7 @@ def size_fields(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     m, d = cfg.model, cfg.data
     model = ["model.d_model", "model.n_layers"] + (["model.d_ff"] if m.d_ff else [])
     source = data_source(d)
-    if m.arch != "multistream":
+    if not model_spec(m).channels:
         model += ["model.vocab"]
     elif m.channel_vocabs or not source.multistream:
         model += ["model.channel_vocabs"]
@@ -456,7 +440,7 @@ def check(cfg: TrainConfig, longest: int | None = None, decided: Decided | None 
     available: the host's, and on a GPU each worker's device's; a tensor beyond what torch can index
     is refused even with guard.memory_check=false. Returns the estimate. `decided`: as `estimate`'s."""
     decided = decide(cfg) if decided is None else decided
-    if cfg.model.arch != "multistream" and cfg.model.vocab == 0:  # the data's: named as it will be
+    if not model_spec(cfg.model).channels and cfg.model.vocab == 0:  # the data's: named as it will be
         cfg = replace(cfg, model=model_with_vocabs(cfg))
     est = estimate(cfg, longest, decided)
     check_indexable(cfg, est)

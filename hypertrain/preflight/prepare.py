@@ -19,6 +19,7 @@ from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.decided import Decided, decide
+from hypertrain.model.spec import model_spec
 from hypertrain.model.transformer import Params, init_params
 from hypertrain.plan.check import verify_phase
 from hypertrain.preflight.checks import plan_phase
@@ -30,9 +31,9 @@ SOURCE_CHUNK = 1 << 20  # ids counted at once for the sources' shares
 def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
     """The model config with what the data decides filled in (a decoder's vocabulary where model.vocab
     is 0, a multistream model's channel vocabularies); UserError when model and data do not go together."""
-    model = cfg.model
+    model, channels = cfg.model, model_spec(cfg.model).channels
     if not is_multistream(dataset):
-        if model.arch == "multistream":
+        if channels:
             raise UserError(
                 f"model.arch=multistream needs data with several token channels, not data.name="
                 f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
@@ -46,7 +47,7 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
             )
         return model
     vocabs = [int(v) for v in dataset.channel_vocabs]
-    if model.arch != "multistream":
+    if not channels:
         raise UserError(
             f"data.name={cfg.data.name!r} has {len(vocabs)} token channels per position but "
             f"model.arch={model.arch!r} reads one; valid: model=multistream_tiny or multistream_small"
@@ -66,7 +67,7 @@ def prepare(cfg: TrainConfig, decided: Decided | None = None) -> PreparedRun:
     decided = decide(cfg) if decided is None else decided
     dataset = build_dataset(cfg.data)
     cfg = replace(cfg, model=model_for_data(cfg, dataset))
-    if cfg.model.arch == "decoder" and cfg.model.vocab < dataset.vocab:
+    if not model_spec(cfg.model).channels and cfg.model.vocab < dataset.vocab:
         raise UserError(
             f"model.vocab={cfg.model.vocab} is smaller than the data's vocabulary ({dataset.vocab}); "
             f"valid: >= {dataset.vocab}"

@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from hypertrain.model.spec import model_spec
 from hypertrain.records.files import METRICS_FILE, merged_summary, read_records
 from hypertrain.records.rows import EndRow
 
@@ -57,7 +58,7 @@ def job_row(job_dir: Path) -> dict:
         "data_order_sha256": summary.get("plan/data_order_sha256"),
         "rank_sha256": summary.get("plan/rank_sha256"),
         "status": end.status,
-    } | ({"frames_per_s": summary.get("bench/frames_per_s")} if cfg.model.arch == "multistream" else {})
+    } | {column: summary.get(key) for column, key in model_spec(cfg.model).report_figures.items()}
 
 
 def with_scaling(rows: list[dict]) -> list[dict]:

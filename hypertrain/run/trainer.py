@@ -25,6 +25,7 @@ from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
+from hypertrain.model.spec import model_spec
 from hypertrain.preflight.prepare import initial_weights
 from hypertrain.records.rows import EvalRow, SummaryRow, SyncRow, UpdateRow
 from hypertrain.run.asynchronous import train_async
@@ -152,31 +153,6 @@ def churn_summary(totals, fragments: int) -> dict:
         "churn/goodput": totals.replica_steps_reached / computed if computed else 1.0,
         "churn/contributed_ids_sha256": totals.contributed_sha256,
     }
-
-
-def router_figures(rnd: Segment, t: int) -> dict[str, float]:
-    """A mixture of experts' update `t`: its load-balancing loss (unweighted) averaged over the replicas
-    that stepped (`loss/router_aux`; W&B `train/loss/router_aux`), and the smallest and largest fraction
-    of routing slots an expert got in any of them (`experts/min_fraction`, `experts/max_fraction`;
-    balanced is top_k / n_experts, 0 a dead expert)."""
-    aux, stepped = rnd.replica_column("router_aux")[t], rnd.stepped(t)
-    if not bool(stepped.any()):
-        return {}
-    return {
-        "loss/router_aux": float(aux[stepped].mean()),
-        "experts/min_fraction": float(rnd.replica_column("expert_min")[t][stepped].min()),
-        "experts/max_fraction": float(rnd.replica_column("expert_max")[t][stepped].max()),
-    }
-
-
-def channel_losses(rnd: Segment, t: int) -> dict[str, float]:
-    """multistream: update `t`'s text and mean audio training losses, averaged over the replicas that
-    stepped (`loss/text`, `loss/audio_mean`; W&B `train/loss/text`, `train/loss/audio_mean`)."""
-    text, audio = rnd.replica_column("text_loss")[t], rnd.replica_column("audio_loss")[t]
-    stepped = rnd.stepped(t)
-    if not bool(stepped.any()):
-        return {}
-    return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
 
 
 def row_heldout(run: PreparedRun, state: RunState, rnd: Segment) -> list[tuple[float, dict]]:
@@ -350,8 +326,7 @@ def train(
                 grad_accum=int(rnd.replica_column("microbatches")[t].max()),
                 wall=round_end,
                 rank_seconds=rnd.process_column("seconds")[:, t].tolist(),  # each process's time
-                figures=(channel_losses(rnd, t) if cfg.model.arch == "multistream" else {})
-                | (router_figures(rnd, t) if cfg.model.is_moe else {}),
+                figures=model_spec(cfg.model).row_figures(rnd, t),  # its channel losses, router figures
             )
             if clock is not None:
                 row.clock_s = clock.update(row)
