@@ -6,7 +6,7 @@ engine, processes, logger, checkpoint, guard, cluster: the network clock's targe
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
 raising `UserError` (a `ValueError`) with one line naming the field, the bad value and what is
 valid. A string choice is an enum of `hypertrain.choices` (the only module of hypertrain imported
-here, but for the data sources' table `DataConfig.check` asks, `hypertrain.data`): OmegaConf refuses
+here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
 any other value, so no check here repeats it. The checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`.
 """
@@ -490,9 +490,9 @@ class DataConfig:
             raise UserError("data.speech_voice is empty; valid: an espeak-ng voice, e.g. 'en-us'")
 
     def check(self) -> None:
-        from hypertrain.data import data_source  # the table of data sources imports this module
-
-        data_source(self).check(self)  # what the source needs (data.path, speech's fields, ...)
+        """The fields every source reads; what one source needs of them (data.path, speech's fields,
+        ...) is its entry's `check` in the data sources' table (`hypertrain.data`), asked by
+        `preflight.checks.validate` right after this."""
         _at_least("data.shuffle_seed", self.shuffle_seed, 0)  # numpy's seeds are non-negative
         _at_least("data.seq_len", self.seq_len, 1)
         _at_least("data.max_len", self.max_len, 2)

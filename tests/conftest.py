@@ -24,7 +24,7 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 # The one-node SLURM cluster of the `slurm` tests (tests/slurm_cluster.py), started only when asked for.
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
-from hypertrain.data.datasets import build_dataset  # noqa: E402
+from hypertrain.data import build_dataset  # noqa: E402
 from hypertrain.preflight import prepare  # noqa: E402
 
 torch.set_num_threads(1)

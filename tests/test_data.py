@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hypertrain.config import DataConfig, UserError
-from hypertrain.data import data_source
+from hypertrain.data import build_dataset, data_source
 from hypertrain.data import text as data_module
-from hypertrain.data.datasets import MultistreamDataset, build_dataset
+from hypertrain.data.datasets import MultistreamDataset
 from hypertrain.data.text import TextDataset, load_batch, pad_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_same_config_gives_the_same_rows_in_another_process(stdlib):
     code = (
         "import hashlib\n"
         "from hypertrain.config import DataConfig\n"
-        "from hypertrain.data.datasets import build_dataset\n"
+        "from hypertrain.data import build_dataset\n"
         "d = build_dataset(DataConfig(name='stdlib', seq_len=64, shuffle_seed=0))\n"
         "print(d.fingerprint, hashlib.sha256(d.get_many(range(0, d.n_total, 997)).tobytes()).hexdigest())\n"
     )
@@ -423,8 +423,9 @@ def test_missing_or_ragged_token_file_is_a_one_line_config_error(tmp_path):
     odd.write_bytes(b"\x01\x02\x03")
     with pytest.raises(UserError, match="3 bytes"):
         build_dataset(DataConfig(name="token_bin", path=str(odd)))
-    with pytest.raises(UserError, match="documents"):  # the data section's own check, before any build
-        DataConfig(name="token_bin", path=str(odd), examples="documents").check()
+    documents = DataConfig(name="token_bin", path=str(odd), examples="documents")
+    with pytest.raises(UserError, match="documents"):  # the source's own check, before any build
+        data_source(documents).check(documents)
 
 
 def test_stream_not_longer_than_heldout_is_a_config_error(tmp_path):

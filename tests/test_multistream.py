@@ -351,7 +351,7 @@ def test_the_multistream_model_learns_text_and_audio(tmp_path):
     against the mean of the codebooks' entropies)."""
     from helpers import compose_cfg, finish, start_entry
 
-    from hypertrain.data.datasets import build_dataset
+    from hypertrain.data import build_dataset
     from hypertrain.rundir.records import read_metrics
 
     overrides = [

@@ -27,8 +27,7 @@ from omegaconf import OmegaConf
 
 from hypertrain import plan
 from hypertrain.config import DataConfig, UserError
-from hypertrain.data import corpus, data_source
-from hypertrain.data.datasets import build_dataset
+from hypertrain.data import build_dataset, corpus, data_source
 from hypertrain.data.prepared import heldout_per_source
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import merged_summary, read_metrics

@@ -223,7 +223,7 @@ def test_a_trained_bpe_corpus_tokenizer_reads_its_text_back(tmp_path):
 
 def test_a_prepared_run_continues_with_its_corpus_tokenizer(tmp_path):
     """End to end on data=prepared (a bytes corpus): the text is the greedy reference's, cut at the eod."""
-    from hypertrain.data.datasets import build_dataset
+    from hypertrain.data import build_dataset
 
     text = "".join(f"line {i}: the quick brown fox. " for i in range(400))
     folder = prepared(

@@ -144,8 +144,8 @@ def bench_loader(directory: Path, repeats: int) -> dict | str:
     defaults = TrainConfig()
     data = DataConfig(name="prepared", path=str(directory))
     try:
+        from hypertrain.data import build_dataset
         from hypertrain.data.batches import replica_batch
-        from hypertrain.data.datasets import build_dataset
 
         dataset = build_dataset(data)
     except Exception as error:  # the loader is written beside this command (issue 38)

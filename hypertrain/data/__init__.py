@@ -60,7 +60,7 @@ class DataSource:
             raise UserError(f"data.examples='documents' needs text; data={self.name} gives windows only")
 
     def build(self, d: DataConfig) -> Dataset:
-        """The dataset `d` describes (`d` has passed `DataConfig.check`); UserError (one line) for a
+        """The dataset `d` describes (`d` is checked (`validate`)); UserError (one line) for a
         missing or too short source."""
         from hypertrain.data.text import text_dataset
 
@@ -168,3 +168,9 @@ def _names(**capabilities) -> str:
     """The sources with these capabilities, as a message lists them ("a, b or c")."""
     names = [n for n, s in SOURCES.items() if all(getattr(s, k) == v for k, v in capabilities.items())]
     return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+
+
+def build_dataset(cfg: DataConfig) -> Dataset:
+    """The dataset `cfg` describes (its entry's `build`); UserError (one line) for a missing or too short
+    source."""
+    return data_source(cfg).build(cfg)

@@ -1,5 +1,5 @@
 """What every dataset offers (`Dataset`, and `MultistreamDataset` for examples of several token
-channels) and the one a `DataConfig` names, built by its entry in the table `hypertrain.data.SOURCES`:
+channels), whichever entry of the table `hypertrain.data.SOURCES` built it (`hypertrain.data.build_dataset`):
 text (`text.py`: windows or documents), a prepared corpus (`prepared.py`, a `text.TextDataset` too)
 or speech (`speech/`).
 Every kind gives `n_total` examples in a seeded stream order; the last `data.heldout` ids are held out.
@@ -11,9 +11,6 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-
-from hypertrain.config import DataConfig
-from hypertrain.data import data_source
 
 
 class Dataset(Protocol):
@@ -50,8 +47,3 @@ class MultistreamDataset(Protocol):
     def channel_counts(self, ids: Iterable[int]) -> np.ndarray:
         """int64 [len(ids), C]: each example's targets per channel."""
         ...
-
-
-def build_dataset(cfg: DataConfig) -> Dataset:
-    """The dataset `cfg` describes; UserError (one line) for a missing or too short source."""
-    return data_source(cfg).build(cfg)

@@ -137,7 +137,7 @@ def _stream(cfg: DataConfig, training: list, rng) -> tuple[_Examples, str]:
 
 def prepared_dataset(cfg: DataConfig) -> TextDataset:
     """The dataset of the prepared corpus at `cfg.path`; UserError (one line) when it is not one, or a
-    source cannot give its held-out share or training examples. `cfg` has passed `DataConfig.check`."""
+    source cannot give its held-out share or training examples. `cfg` is checked (`validate`)."""
     assert cfg.name == "prepared" and cfg.examples in ("windows", "documents"), cfg
     corpus = corpus_format.read(cfg.path)
     meta, S = corpus.meta, len(corpus.meta.sources)

@@ -102,8 +102,8 @@ class TextDataset:
 
 
 def text_dataset(cfg: DataConfig) -> TextDataset:
-    """The text dataset `cfg` describes (`datasets.build_dataset` gives speech's); raises UserError
-    (one line) for a missing or too short source. `cfg` has passed `DataConfig.check`."""
+    """The text dataset `cfg` describes (`data.build_dataset` gives speech's); raises UserError
+    (one line) for a missing or too short source. `cfg` is checked (`validate`)."""
     assert cfg.examples in ("windows", "documents") and cfg.seq_len >= 1 and cfg.max_len >= 2, cfg
     assert cfg.name in ("stdlib", "text_files", "token_bin"), cfg.name
     if cfg.name == "stdlib":
@@ -111,7 +111,7 @@ def text_dataset(cfg: DataConfig) -> TextDataset:
     elif cfg.name == "text_files":
         source = sources.text_files_source(cfg.path)
     else:
-        assert cfg.examples == "windows", "token_bin gives windows only (DataConfig.check)"
+        assert cfg.examples == "windows", "token_bin gives windows only (its entry's check)"
         source = sources.token_bin_source(cfg.path, cfg.token_dtype)
 
     settings = {

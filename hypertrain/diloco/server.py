@@ -42,7 +42,7 @@ def token_weights(tokens: list[int], weights: str, dtype: torch.dtype) -> Tensor
 
 class AsyncServer:
     """The server's step beside the global weights: the run's outer optimizer over the whole model
-    (`rule`, a `diloco.outer.OuterStep` of the table `optim.outer`: delayed Nesterov with its buffer, or
+    (`rule`, a `optim.outer_steps.OuterStep` of the table `optim.outer`: delayed Nesterov with its buffer, or
     under the naive rule outer.optimizer's own step); its state is what the server saves."""
 
     def __init__(self, cfg_outer: OuterConfig, rule: OuterStep):
@@ -53,7 +53,7 @@ class AsyncServer:
         """One server update of k = len(deltas) arrivals applied together (docs/async.md) to the global
         weights `theta` (the rule's own); returns their mean g (`contribution`), the pseudo-gradient the
         divergence guard weighs. naive: the outer optimizer's step on g; delayed_nesterov: its buffer
-        gains their sum S = k g (`diloco.outer.DelayedNesterovStep.arrive`)."""
+        gains their sum S = k g (`optim.outer_steps.DelayedNesterovStep.arrive`)."""
         total, mean = contribution(deltas, tokens, self.cfg.mean_weights)
         self.rule.arrive(total, mean, len(deltas))
         return mean

@@ -1,7 +1,7 @@
 """The outer optimizers, a table (docs/concepts.md, "The outer optimizer"): each entry a component that
 checks its config (`check`), declares what it keeps per parameter (`momentum`: the run state's fp32
 buffer, saved as `outer_momentum`; `state_bytes`: the memory estimate's bytes) and builds its step over
-some global weights (`build`: a `diloco.outer.OuterStep`, whose `state_dict` a checkpoint saves).
+some global weights (`build`: a `optim.outer_steps.OuterStep`, whose `state_dict` a checkpoint saves).
 
 `outer_optimizer(outer)` is the run's: `outer.optimizer` names `nesterov` (the built-in) or the import
 path of any torch.optim.Optimizer subclass (`TorchOptimizer`); under outer.schedule=async,
@@ -59,7 +59,7 @@ class OuterOptimizer:
 
 
 class Nesterov(OuterOptimizer):
-    """The built-in step (`diloco.outer.outer_step`): SGD with (Nesterov) momentum on the mean
+    """The built-in step (`optim.outer_steps.outer_step`): SGD with (Nesterov) momentum on the mean
     pseudo-gradient, outer.momentum and outer.nesterov; its state is the momentum, 4 bytes a parameter."""
 
     name, momentum = "nesterov", True
@@ -68,7 +68,7 @@ class Nesterov(OuterOptimizer):
         return FLOAT_BYTES
 
     def build(self, outer: OuterConfig, theta, momentum, replicas: int):
-        from hypertrain.diloco.outer import NesterovStep
+        from hypertrain.optim.outer_steps import NesterovStep
 
         return NesterovStep(outer, theta, momentum)
 
@@ -93,7 +93,7 @@ class DelayedNesterov(OuterOptimizer):
         return 2 * FLOAT_BYTES
 
     def build(self, outer: OuterConfig, theta, momentum, replicas: int):
-        from hypertrain.diloco.outer import DelayedNesterovStep
+        from hypertrain.optim.outer_steps import DelayedNesterovStep
 
         return DelayedNesterovStep(outer, theta, momentum, replicas)
 
@@ -113,7 +113,7 @@ class TorchOptimizer(OuterOptimizer):
         return measured_bytes(self, outer.lr, json.dumps(outer.optimizer_args, sort_keys=True))
 
     def build(self, outer: OuterConfig, theta, momentum, replicas: int):
-        from hypertrain.diloco.outer import TorchStep
+        from hypertrain.optim.outer_steps import TorchStep
 
         return TorchStep(self.cls, outer.lr, dict(outer.optimizer_args), theta)
 

@@ -198,6 +198,7 @@ def validate(cfg: TrainConfig) -> Decided:
     """Every check that can be made without the data; UserError (one line) at the first mistake.
     Returns what the config decides: the layout, device, backend and reduction the run reads after."""
     cfg.check()
+    data_source(cfg.data).check(cfg.data)  # what the data source needs of the data fields
     check_world(cfg)
     check_data_for_model(cfg)
     check_sources(cfg)

@@ -13,9 +13,8 @@ import torch
 
 from hypertrain import plan
 from hypertrain.config import HELDOUT_ROWS_PER_PASS, ModelConfig, TrainConfig, UserError
-from hypertrain.data import data_source
+from hypertrain.data import build_dataset, data_source
 from hypertrain.data.batches import ReplicaBatch, is_multistream, replica_batch
-from hypertrain.data.datasets import build_dataset
 from hypertrain.diloco import fragments
 from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.decided import Decided, decide
