@@ -73,6 +73,12 @@ class Codec:
         return self.scope == IDENTITY
 
     @property
+    def factored(self) -> bool:
+        """It sends factors of each tensor, its own reduction (low rank: `diloco.lowrank`, warm-started
+        from the run state's `lowrank_q`), not payloads of blocks."""
+        return self.scope == WHOLE_TENSOR
+
+    @property
     def blocks(self) -> bool:
         """A block codec (`diloco.codecs`): it cuts the pseudo-gradient in blocks (outer.block, outer.tile,
         outer.transform; the memory estimate's padded blocks)."""
