@@ -1,12 +1,12 @@
 """The codec table (docs/compression.md): every `outer.compress` value is one entry, registered once in
 `TABLE`, declaring what it can do (its scope, two_phase, error feedback, overlap, its wire format) and
 holding its encode/decode; `choices.Compressor` and `diloco.codecs.CODECS` are read from it, and the rest
-of the code asks an entry (`codec(name)`), never compares a name.
+of the code asks an entry (`codec_entry(name)`), never compares a name.
 
-Imports nothing of hypertrain and no torch at import (the config's enum comes from here, and a refusal
-made from the config alone stays torch-free); an entry's encode/decode are `diloco.codecs`'s kernels,
-imported when a payload is made. Low rank (PowerSGD) is its own reduction (`diloco.lowrank`): an entry
-that declares it, holding no encode/decode here.
+Imports nothing of hypertrain and no torch (the config's enum comes from here, and a refusal made from
+the config alone stays torch-free): an entry's encode/decode pick `diloco.codecs`'s kernels and their
+parameters, the kernels handed to them by that module (`kernels`, a layer above). Low rank (PowerSGD) is
+its own reduction (`diloco.lowrank`): an entry that declares it (`factored`), with no encode/decode here.
 """
 
 from __future__ import annotations
@@ -31,13 +31,6 @@ def _midpoints(magnitudes: tuple[float, ...]) -> tuple[tuple[float, bool], ...]:
     nearest in the linear domain, ties to the even index (up where the lower neighbour's index is odd)."""
     pairs = zip(magnitudes[:-1], magnitudes[1:], strict=True)
     return tuple(((a + b) / 2, i % 2 == 1) for i, (a, b) in enumerate(pairs))
-
-
-def _kernels():
-    """diloco.codecs (torch), the kernels an entry's encode/decode run; imported when one is called."""
-    from hypertrain.diloco import codecs
-
-    return codecs
 
 
 @dataclass(frozen=True)
@@ -84,23 +77,22 @@ class Codec:
         outer.transform; the memory estimate's padded blocks)."""
         return self.scope in (ELEMENTWISE, BLOCKWISE)
 
-    def fields(self, lengths, blocks, spec) -> list:
+    def fields(self, kernels, lengths, blocks, spec) -> list:
         """Each block's fields in payload order: (padded width in bytes, [C] bytes each block sends), the
         blocks of `lengths` ([C] int64) padded to `blocks.block`: a header of `header_bytes`, then the
         codes, `value_bits` each, packed per block."""
-        import torch
 
         def packed(n):
             return (n * self.value_bits + 7) // 8
 
-        header = (self.header_bytes, torch.full_like(lengths, self.header_bytes))
+        header = (self.header_bytes, lengths.new_full(lengths.shape, self.header_bytes))
         return [header, (packed(blocks.block), packed(lengths))]
 
-    def encode(self, values, blocks, spec) -> list:
+    def encode(self, kernels, values, blocks, spec) -> list:
         """values fp32 [R, C, block] (the padded blocks) -> its fields [R, C, width] each, payload order."""
         raise NotImplementedError(f"outer.compress={self.name} sends no blocks")
 
-    def decode(self, payload, blocks, spec):
+    def decode(self, kernels, payload, blocks, spec):
         """uint8 [R, payload bytes] -> fp32 [R, n], the decoded values."""
         raise NotImplementedError(f"outer.compress={self.name} sends no blocks")
 
@@ -110,12 +102,13 @@ class Quantizer(Codec):
     """An ELEMENTWISE codec: each block an fp32 header (`header_bytes`), then a code a value; decoded
     as the code's value (`values`) times the block's scale."""
 
-    def decode(self, payload, blocks, spec):
-        codecs = _kernels()
-        header, codes = codecs.unpack(payload, self, blocks, spec)
-        return codecs.unspread(self.values(codes, blocks.block).mul_(codecs.raw_floats(header)), blocks)
+    def decode(self, kernels, payload, blocks, spec):
+        header, codes = kernels.unpack(payload, self, blocks, spec)
+        return kernels.unspread(
+            self.values(kernels, codes, blocks.block).mul_(kernels.raw_floats(header)), blocks
+        )
 
-    def values(self, codes, block: int):
+    def values(self, kernels, codes, block: int):
         """The codes [R, C, packed bytes] -> their values at scale 1, fp32 [R, C, block]."""
         raise NotImplementedError
 
@@ -124,13 +117,11 @@ class Quantizer(Codec):
 class Int8(Quantizer):
     """int8: scale = amax / 127, codes round half even of x / scale clamped to [-127, 127]."""
 
-    def encode(self, values, blocks, spec) -> list:
-        return _kernels().encode_int8(values)
+    def encode(self, kernels, values, blocks, spec) -> list:
+        return kernels.encode_int8(values)
 
-    def values(self, codes, block: int):
-        import torch
-
-        return codes.view(torch.int8).float()
+    def values(self, kernels, codes, block: int):
+        return codes.view(kernels.dtype("int8")).float()
 
 
 @dataclass(frozen=True)
@@ -141,15 +132,11 @@ class Float8(Quantizer):
     dtype: str = ""
     largest: float = 0.0
 
-    def encode(self, values, blocks, spec) -> list:
-        import torch
+    def encode(self, kernels, values, blocks, spec) -> list:
+        return kernels.encode_fp8(values, kernels.dtype(self.dtype), self.largest)
 
-        return _kernels().encode_fp8(values, getattr(torch, self.dtype), self.largest)
-
-    def values(self, codes, block: int):
-        import torch
-
-        return codes.view(getattr(torch, self.dtype)).float()
+    def values(self, kernels, codes, block: int):
+        return codes.view(kernels.dtype(self.dtype)).float()
 
 
 @dataclass(frozen=True)
@@ -157,14 +144,13 @@ class MinMax(Quantizer):
     """uint8: a block's fp32 minimum and scale (max - min) / 255, codes round half even of (x - min) /
     scale; decoded minimum + code * scale (two fp32 roundings: a block's minimum comes back exactly)."""
 
-    def encode(self, values, blocks, spec) -> list:
-        return _kernels().encode_uint8(values)
+    def encode(self, kernels, values, blocks, spec) -> list:
+        return kernels.encode_uint8(values)
 
-    def decode(self, payload, blocks, spec):
-        codecs = _kernels()
-        header, codes = codecs.unpack(payload, self, blocks, spec)
-        minimum, scale = codecs.raw_floats(header).split(1, dim=-1)
-        return codecs.unspread(codes.float().mul_(scale).add_(minimum), blocks)
+    def decode(self, kernels, payload, blocks, spec):
+        header, codes = kernels.unpack(payload, self, blocks, spec)
+        minimum, scale = kernels.raw_floats(header).split(1, dim=-1)
+        return kernels.unspread(codes.float().mul_(scale).add_(minimum), blocks)
 
 
 @dataclass(frozen=True)
@@ -175,11 +161,11 @@ class Nibbles(Quantizer):
     magnitudes: tuple[float, ...] = ()
     midpoints: tuple[tuple[float, bool], ...] = ()
 
-    def encode(self, values, blocks, spec) -> list:
-        return _kernels().encode_nibbles(values, blocks, self.magnitudes, self.midpoints)
+    def encode(self, kernels, values, blocks, spec) -> list:
+        return kernels.encode_nibbles(values, blocks, self.magnitudes, self.midpoints)
 
-    def values(self, codes, block: int):
-        return _kernels().decode_nibbles(codes, block, self.magnitudes)
+    def values(self, kernels, codes, block: int):
+        return kernels.decode_nibbles(codes, block, self.magnitudes)
 
 
 @dataclass(frozen=True)
@@ -187,14 +173,14 @@ class TopK(Codec):
     """Top-k: each block's largest magnitudes, their values (outer.topk_values) and indices
     (outer.index_bits); `spec` is a `diloco.codecs.TopK`."""
 
-    def fields(self, lengths, blocks, spec) -> list:
-        return _kernels().topk_fields(lengths, blocks, spec)
+    def fields(self, kernels, lengths, blocks, spec) -> list:
+        return kernels.topk_fields(lengths, blocks, spec)
 
-    def encode(self, values, blocks, spec) -> list:
-        return _kernels().encode_topk(values, blocks, spec)
+    def encode(self, kernels, values, blocks, spec) -> list:
+        return kernels.encode_topk(values, blocks, spec)
 
-    def decode(self, payload, blocks, spec):
-        return _kernels().decode_topk(self, payload, blocks, spec)
+    def decode(self, kernels, payload, blocks, spec):
+        return kernels.decode_topk(self, payload, blocks, spec)
 
 
 ENTRIES = (

@@ -17,6 +17,7 @@ import functools
 import itertools
 import math
 import operator
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ TOPK_VALUES = ("fp32", "fp16", "int8", "two_bit")  # how top-k's kept values tra
 TOPK_INDEX_BITS = (32, 12)  # int32 indices in the vector, or 12-bit indices within the block
 TWO_BIT_SIGMAS = 6.0  # two_bit's 4 bins span 6 standard deviations: templar's quantization_range=6
 TWO_BIT_HEADER = 20  # two_bit's per-tensor header: fp32 shift, then the four fp32 reconstruction values
+# This module as the kernels the table's entries pick from (`Codec.encode(kernels, ...)`): the table, a
+# layer below, imports nothing of hypertrain.
+KERNELS = sys.modules[__name__]
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,7 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transfo
         return torch.zeros(x.shape[0], 0, dtype=torch.uint8, device=x.device)
     if transform == "dct":
         x = _dct(x, blocks, inverse=False)
-    fields = entry.encode(spread(x, blocks), blocks, fraction)
+    fields = entry.encode(KERNELS, spread(x, blocks), blocks, fraction)
     return _pack(fields, entry, blocks, fraction)
 
 
@@ -203,7 +207,7 @@ def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transf
         )
     if blocks.count == 0:
         return torch.zeros(payload.shape[0], blocks.numel, dtype=torch.float32, device=payload.device)
-    return entry.decode(payload, blocks, fraction)
+    return entry.decode(KERNELS, payload, blocks, fraction)
 
 
 # --- the quantizers and top-k, on the padded block layout [R, C, block]: the kernels of the table's
@@ -224,6 +228,11 @@ def _divisor(scale: Tensor) -> Tensor:
 def _bytes(t: Tensor) -> Tensor:
     """[R, C, k] fp32 or int32 -> [R, C, 4k] uint8, the raw bytes."""
     return t.contiguous().view(torch.uint8)
+
+
+def dtype(name: str) -> torch.dtype:
+    """The torch dtype of that name (an entry's codes: int8, float8_e4m3fn, ...)."""
+    return getattr(torch, name)
 
 
 def raw_floats(t: Tensor) -> Tensor:
@@ -540,7 +549,7 @@ def unspread(values: Tensor, blocks: Blocks) -> Tensor:
 def _fields(entry: Codec, blocks: Blocks, fraction: float) -> list[tuple[int, Tensor]]:
     """Each block's fields in payload order: (padded width in bytes, [C] bytes each block sends), as
     the entry's wire format lays them out (`Codec.fields`)."""
-    return entry.fields(_lengths(blocks), blocks, fraction)
+    return entry.fields(KERNELS, _lengths(blocks), blocks, fraction)
 
 
 def topk_fields(lengths: Tensor, blocks: Blocks, spec: TopK) -> list[tuple[int, Tensor]]:
