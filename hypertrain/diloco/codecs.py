@@ -1,6 +1,7 @@
 """Codecs for pseudo-gradients: each row of a float32 [R, n] matrix is encoded on its own into a uint8 [R, b]
 payload whose size depends only on the blocks (runs of `block` values that never cross a tensor's boundary),
 and decoded back. Pure tensor functions: deterministic, vectorised over rows and blocks, on any device.
+What each codec is and sends is its entry of `hypertrain.codec_table`, which picks its kernels here.
 
 Every payload is block-major: block after block, each block's bytes are its header (fp32 scale, or fp32
 minimum then fp32 scale; top-k's: `encode_topk`) then its body, with fp32/int32 fields as native-endian raw
