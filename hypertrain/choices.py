@@ -5,13 +5,15 @@ name a user writes (`inner.state_policy=reset`) and refuses any other, naming th
 entry turns that into its one line: `choice_error`). A member is its string:
 it equals it (`member == "none"`), hashes as it, formats and quotes as it (f-strings, `!r`, JSON), so
 code and messages read a choice as they read a str. What a run stores (config.yaml, checkpoints, W&B)
-holds plain str, never a member (`config.as_builtins`, `enum_to_str=True`). Nothing of hypertrain is
-imported here; omegaconf only by `choice_error`.
+holds plain str, never a member (`config.as_builtins`, `enum_to_str=True`). Of hypertrain only the codec
+table is imported here (`Compressor`'s members are its entries); omegaconf only by `choice_error`.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from hypertrain.codec_table import TABLE as CODEC_TABLE
 
 
 class Choice(StrEnum):
@@ -67,25 +69,10 @@ class StatePolicy(Choice):
     average = "average"
 
 
-class Compressor(Choice):
-    """outer.compress: what each replica sends at a sync (hypertrain.diloco.codecs: all but none and
-    lowrank, which is PowerSGD's own reduction: hypertrain.diloco.lowrank)."""
-
-    none = "none"
-    int8 = "int8"
-    uint8 = "uint8"
-    fp8_e4m3 = "fp8_e4m3"
-    fp8_e5m2 = "fp8_e5m2"
-    fp4_e2m1 = "fp4_e2m1"
-    e3m0 = "e3m0"
-    topk = "topk"
-    lowrank = "lowrank"
-
-    @property
-    def is_block_codec(self) -> bool:
-        """Whether it cuts the pseudo-gradient in blocks (hypertrain.diloco.codecs): all but none and
-        lowrank."""
-        return self not in (Compressor.none, Compressor.lowrank)
+# outer.compress: what each replica sends at a sync, one member per entry of the codec table
+# (`hypertrain.codec_table`, which declares what each can do), in its order
+Compressor = Choice("Compressor", [(name, name) for name in CODEC_TABLE])
+Compressor.__doc__ = "outer.compress: what each replica sends at a sync (hypertrain.codec_table's entries)."
 
 
 class Transform(Choice):

@@ -5,9 +5,10 @@ itself.
 engine, processes, logger, checkpoint, guard, cluster: the network clock's target) plus `replicas` (R)
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
 raising `UserError` (a `ValueError`) with one line naming the field, the bad value and what is
-valid. A string choice is an enum of `hypertrain.choices` (the only module of hypertrain imported
-here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
-any other value, so no check here repeats it. The checks across sections and against the plan are
+valid. A string choice is an enum of `hypertrain.choices` (with the codec table, whose entries say what
+a codec can run with, the only modules of hypertrain imported here; what one data source needs is its
+entry's check, `hypertrain.data`): OmegaConf refuses any other value, so no check here repeats it. The
+checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`.
 """
 
@@ -49,6 +50,7 @@ from hypertrain.choices import (
     Transform,
     WandbMode,
 )
+from hypertrain.codec_table import BLOCK_CODECS, codec_entry
 
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 HELDOUT_ROWS_PER_PASS = (
@@ -288,23 +290,25 @@ class OuterConfig:
         _at_least("outer.block", self.block, 1)
         if not 0.0 < self.topk_fraction <= 1.0:
             raise UserError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
-        if self.error_feedback and self.compress == "none":
+        codec = codec_entry(self.compress)
+        if self.error_feedback and not codec.error_feedback:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
             )
         _at_least("outer.tile", self.tile, 0)
-        if self.tile and self.compress in ("none", "lowrank"):
+        if self.tile and not codec.blocks:
             raise UserError(
                 f"outer.tile={self.tile} with outer.compress={self.compress}: tiles order the blocks of a "
-                "block codec; valid: a block codec (int8, ..., topk), or outer.tile=0"
+                f"block codec; valid: a block codec ({BLOCK_CODECS[0]}, ..., {BLOCK_CODECS[-1]}), or "
+                "outer.tile=0"
             )
         if self.tile and self.block != self.tile * self.tile:
             raise UserError(
                 f"outer.tile={self.tile} with outer.block={self.block}: a tile is one block; valid: "
                 f"outer.block={self.tile * self.tile}, or outer.tile=0"
             )
-        if self.transform != "none" and self.compress == "none":
+        if self.transform != "none" and codec.lossless:
             raise UserError(
                 f"outer.transform={self.transform} with outer.compress=none: the fp32 all-reduce sends no "
                 "blocks to transform; valid: a compressor, or outer.transform=none"
@@ -320,12 +324,7 @@ class OuterConfig:
                 f"outer.merge_alpha={self.merge_alpha!r} with outer.overlap={self.overlap} is not built; "
                 "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
-        if self.compress == "topk" and self.reduce == "two_phase":
-            raise UserError(
-                "outer.compress=topk with outer.reduce=two_phase: top-k payloads cannot be summed shard by "
-                "shard; valid: outer.reduce=gather"
-            )
-        self.check_lowrank()
+        self.check_codec()
         _at_least("outer.dn_buffer", self.dn_buffer, 0)
         _at_least("outer.grace_s", self.grace_s, 0.0)
         _at_least("outer.async_eval_every", self.async_eval_every, 0)
@@ -344,25 +343,25 @@ class OuterConfig:
                     "(its default)"
                 )
 
-    def check_lowrank(self) -> None:
-        """compress=lowrank: its rank, and the combinations it is not built for."""
-        _at_least("outer.lowrank_rank", self.lowrank_rank, 1)
-        if self.compress != "lowrank":
-            return
-        if self.reduce == "two_phase":
+    def check_codec(self) -> None:
+        """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap, a transform
+        of blocks it does not send; and low rank's rank."""
+        codec = codec_entry(self.compress)
+        if self.reduce == "two_phase" and codec.gather_only:
             raise UserError(
-                "outer.compress=lowrank with outer.reduce=two_phase: PowerSGD's factors are all-gathered and "
-                "summed in replica order; valid: outer.reduce=gather"
+                f"outer.compress={self.compress} with outer.reduce=two_phase: {codec.gather_only}; valid: "
+                "outer.reduce=gather"
             )
-        if self.overlap != "none":
+        _at_least("outer.lowrank_rank", self.lowrank_rank, 1)
+        if self.overlap != "none" and not codec.overlap:
             raise UserError(
-                f"outer.compress=lowrank with outer.overlap={self.overlap} is not built; valid: "
+                f"outer.compress={self.compress} with outer.overlap={self.overlap} is not built; valid: "
                 "outer.overlap=none, or another outer.compress"
             )
-        if self.transform != "none":
+        if self.transform != "none" and not codec.blocks:
             raise UserError(
-                f"outer.compress=lowrank with outer.transform={self.transform}: low rank sends factors of "
-                "matrices, not blocks to transform; valid: outer.transform=none"
+                f"outer.compress={self.compress} with outer.transform={self.transform}: {codec.sends}, not "
+                "blocks to transform; valid: outer.transform=none"
             )
 
     def check_sparseloco(self) -> None:
@@ -376,7 +375,7 @@ class OuterConfig:
             )
         if self.index_bits not in (32, 12):
             raise UserError(f"outer.index_bits={self.index_bits!r} is not valid; valid: 32 or 12")
-        if self.compress != "topk" and (self.index_bits != 32 or self.topk_values != "fp32"):
+        if not codec_entry(self.compress).indexed and (self.index_bits != 32 or self.topk_values != "fp32"):
             raise UserError(
                 f"outer.index_bits={self.index_bits} outer.topk_values={self.topk_values} with "
                 f"outer.compress={self.compress}: they shape top-k's payload only; valid: "

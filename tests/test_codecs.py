@@ -6,12 +6,14 @@ unnormalized DCT) is shown to fail the same checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
+from hypertrain import codec_table
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import CODECS, Blocks, decode, encode, payload_size, topk_kept
 
@@ -349,12 +351,14 @@ E3M0_BROKEN = {  # deliberately broken variants of the codec: each must fail the
 def test_a_broken_e3m0_variant_fails_the_check(monkeypatch, variant):
     broken = E3M0_BROKEN[variant]
     if broken == "log":
-        grid_values = codecs._E3M0
+        grid_values = codec_table.E3M0
         middle = lambda a, b: math.sqrt(a * b) if a > 0 else b / 2  # noqa: E731
     else:
         grid_values, middle = broken, lambda a, b: (a + b) / 2  # noqa: E731
-    monkeypatch.setattr(codecs, "_E3M0", grid_values)
-    monkeypatch.setattr(codecs, "_E3M0_MIDPOINTS", _midpoints(grid_values, middle))
+    broken = dataclasses.replace(
+        codec_table.TABLE["e3m0"], magnitudes=grid_values, midpoints=_midpoints(grid_values, middle)
+    )
+    monkeypatch.setitem(codec_table.TABLE, "e3m0", broken)
     with pytest.raises(AssertionError):
         check_e3m0_value_set_rounding_zero_and_sign()
 

@@ -20,6 +20,7 @@ from hypertrain.clock.formulas import (
     modelled_compute_s,
     ring_allreduce_s,
 )
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import ClusterConfig, StragglerConfig, as_builtins
 from hypertrain.records.rows import SyncRow, UpdateRow
 
@@ -161,9 +162,9 @@ class Clock:
         hideable = at_landing = 0.0
         if not row.comm_outer_bytes:  # R = 1, or no replica stepped: nothing was exchanged
             pass
-        elif shape.compress == "none":
+        elif codec_entry(shape.compress).lossless:
             hideable = ring_allreduce_s(FP32_BYTES * row.params * self.scale, R, self.inter)
-        elif shape.reduce == "two_phase" and shape.compress != "topk":
+        elif shape.reduce == "two_phase" and codec_entry(shape.compress).two_phase:
             b = row.figures["payload_bytes"] * self.scale
             hideable = at_landing = all_to_all_s(b, R, self.inter)
         elif row.figures.get("landing_bytes"):  # low rank: P's gather at the take, Q's at the landing

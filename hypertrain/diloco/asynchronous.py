@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.data.batches import targets_of
 from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, jobs_per_replica, schedule
 from hypertrain.diloco.churn import Schedule, count_arrivals, reset_inner_state
@@ -51,7 +52,7 @@ class Applied:
 def compressor(run: PreparedRun, state: RunState) -> Wire | None:
     """The run's `Wire` for this process's replicas (their buffers the run state's `errors`, lowrank's
     warm start the run state's `lowrank_q`, the server's); None with outer.compress=none."""
-    if run.cfg.outer.compress == "none":
+    if codec_entry(run.cfg.outer.compress).lossless:
         return None
     return Wire(run.cfg.outer, state.theta, state.errors, state.replicas, state.lowrank_q)
 

@@ -1,9 +1,10 @@
 """Codecs for pseudo-gradients: each row of a float32 [R, n] matrix is encoded on its own into a uint8 [R, b]
 payload whose size depends only on the blocks (runs of `block` values that never cross a tensor's boundary),
 and decoded back. Pure tensor functions: deterministic, vectorised over rows and blocks, on any device.
+What each codec is and sends is its entry of `hypertrain.codec_table`, which picks its kernels here.
 
 Every payload is block-major: block after block, each block's bytes are its header (fp32 scale, or fp32
-minimum then fp32 scale; top-k's: `_encode_topk`) then its body, with fp32/int32 fields as native-endian raw
+minimum then fp32 scale; top-k's: `encode_topk`) then its body, with fp32/int32 fields as native-endian raw
 bytes. So the payload of a vector cut along block boundaries is the concatenation of its pieces' payloads
 (but top-k's two_bit values, whose statistics are per tensor).
 
@@ -17,41 +18,24 @@ import functools
 import itertools
 import math
 import operator
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from hypertrain.codec_table import BLOCK_CODECS, Codec, codec_entry
 from hypertrain.config import topk_kept  # one rule for k, which the config's checks need too
 
-CODECS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0", "topk")
+CODECS = BLOCK_CODECS  # the table's block codecs (`codec_table`), in its order
 TRANSFORMS = ("none", "dct")
 TOPK_VALUES = ("fp32", "fp16", "int8", "two_bit")  # how top-k's kept values travel (TopK.values)
 TOPK_INDEX_BITS = (32, 12)  # int32 indices in the vector, or 12-bit indices within the block
 TWO_BIT_SIGMAS = 6.0  # two_bit's 4 bins span 6 standard deviations: templar's quantization_range=6
 TWO_BIT_HEADER = 20  # two_bit's per-tensor header: fp32 shift, then the four fp32 reconstruction values
-_FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
-# fp4 e2m1: code = sign << 3 | index, index = exponent << 1 | mantissa = the magnitude's place here.
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# The midpoints between neighbouring magnitudes, each with whether a tie there goes up: round to nearest,
-# ties to the even index (down where the lower neighbour's index is even: 0.25, 1.25, 2.5, 5).
-_E2M1_MIDPOINTS = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
-# e3m0 (Streaming DiLoCo's 4-bit format, eXmY with no mantissa): code = sign << 3 | e, e in 0..7; e = 0 is
-# zero and e >= 1 is 2^(e - 7), so the magnitudes are 0, 1/64, ..., 1/2, 1 and the block's amax is 1.
-_E3M0 = (0.0,) + tuple(2.0 ** (e - 7) for e in range(1, 8))
-# Nearest in the linear domain (the midpoint of two neighbours, 3/4 of the upper above 2^-6), ties to the
-# even code, as e2m1's: a tie goes up where the lower neighbour's code is odd.
-_E3M0_MIDPOINTS = tuple(
-    ((a + b) / 2, i % 2 == 1) for i, (a, b) in enumerate(zip(_E3M0[:-1], _E3M0[1:], strict=True))
-)
+# This module as the kernels the table's entries pick from (`Codec.encode(kernels, ...)`): the table, a
+# layer below, imports nothing of hypertrain.
+KERNELS = sys.modules[__name__]
 
 
 @dataclass(frozen=True)
@@ -165,8 +149,8 @@ def payload_size(codec: str, blocks: Blocks, fraction: float = 1.0) -> int:
     block's scale), ceil(k / 4) (two_bit, plus 20 bytes per non-empty tensor: its header); indices
     I(k) = 4k (32 bits), ceil(3k / 2) (12). A transform changes no byte count.
     """
-    fraction = _check(codec, blocks, fraction)
-    return sum(int(length.sum()) for _, length in _fields(codec, blocks, fraction))
+    entry, fraction = _check(codec, blocks, fraction)
+    return sum(int(length.sum()) for _, length in _fields(entry, blocks, fraction))
 
 
 def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transform: str = "none") -> Tensor:
@@ -185,11 +169,11 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transfo
       a power of two goes to the even of its two neighbours); packed as fp4_e2m1. Sign bit kept for zeros;
     - topk: the `kept`(fraction, L_b) largest magnitudes of each block, in order of magnitude
       (descending, ties by ascending index): their values, then their indices (`fraction` a TopK: see
-      `_encode_topk`; a bare fraction: fp32 values, then int32 indices in the vector).
+      `encode_topk`; a bare fraction: fp32 values, then int32 indices in the vector).
 
     transform="dct" encodes each block's orthonormal DCT-II coefficients in its place (`_dct`).
     """
-    fraction = _check(codec, blocks, fraction, transform)
+    entry, fraction = _check(codec, blocks, fraction, transform)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocks.numel:
         raise ValueError(
             f"x {x.dtype} {tuple(x.shape)} is not valid; valid: float32 [R, {blocks.numel}] (R rows, numel)"
@@ -198,20 +182,8 @@ def encode(codec: str, x: Tensor, blocks: Blocks, fraction: float = 1.0, transfo
         return torch.zeros(x.shape[0], 0, dtype=torch.uint8, device=x.device)
     if transform == "dct":
         x = _dct(x, blocks, inverse=False)
-    values = _spread(x, blocks)
-    if codec == "topk":
-        fields = _encode_topk(values, blocks, fraction)
-    elif codec == "int8":
-        fields = _encode_int8(values)
-    elif codec == "uint8":
-        fields = _encode_uint8(values)
-    elif codec == "fp4_e2m1":
-        fields = _encode_fp4(values, blocks)
-    elif codec == "e3m0":
-        fields = _encode_e3m0(values, blocks)
-    else:
-        fields = _encode_fp8(values, *_FP8[codec])
-    return _pack(fields, codec, blocks, fraction)
+    fields = entry.encode(KERNELS, spread(x, blocks), blocks, fraction)
+    return _pack(fields, entry, blocks, fraction)
 
 
 def decode(
@@ -228,7 +200,7 @@ def decode(
 
 
 def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transform: str) -> Tensor:
-    fraction = _check(codec, blocks, fraction, transform)
+    entry, fraction = _check(codec, blocks, fraction, transform)
     size = payload_size(codec, blocks, fraction)
     if payload.dtype != torch.uint8 or payload.dim() != 2 or payload.shape[1] != size:
         raise ValueError(
@@ -236,24 +208,11 @@ def _decode(codec: str, payload: Tensor, blocks: Blocks, fraction: float, transf
         )
     if blocks.count == 0:
         return torch.zeros(payload.shape[0], blocks.numel, dtype=torch.float32, device=payload.device)
-    if codec == "topk":
-        return _decode_topk(payload, blocks, fraction)
-    header, codes = _unpack(payload, codec, blocks, fraction)
-    if codec == "uint8":
-        minimum, scale = raw_floats(header).split(1, dim=-1)
-        return _unspread(codes.float().mul_(scale).add_(minimum), blocks)
-    if codec == "int8":
-        values = codes.view(torch.int8).float()
-    elif codec == "fp4_e2m1":
-        values = _decode_fp4_codes(codes, blocks.block)
-    elif codec == "e3m0":
-        values = _decode_nibbles(codes, blocks.block, _E3M0)
-    else:
-        values = codes.view(_FP8[codec][0]).float()
-    return _unspread(values.mul_(raw_floats(header)), blocks)
+    return entry.decode(KERNELS, payload, blocks, fraction)
 
 
-# --- the quantizers and top-k, on the padded block layout [R, C, block] -------------------------------
+# --- the quantizers and top-k, on the padded block layout [R, C, block]: the kernels of the table's
+# entries (`codec_table`), which pick them -----------------------------------------------------------
 
 
 def _amax(values: Tensor) -> Tensor:
@@ -272,41 +231,38 @@ def _bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def dtype(name: str) -> torch.dtype:
+    """The torch dtype of that name (an entry's codes: int8, float8_e4m3fn, ...)."""
+    return getattr(torch, name)
+
+
 def raw_floats(t: Tensor) -> Tensor:
     """[..., 4k] uint8 -> [..., k] fp32, the raw bytes read back (a fresh copy: a slice's strides, even
     of a size-1 dim, may not divide by 4; `.contiguous()` keeps such a slice as it is)."""
     return t.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
-def _encode_int8(values: Tensor) -> list[Tensor]:
+def encode_int8(values: Tensor) -> list[Tensor]:
     scale = _amax(values) / 127
     codes = (values / _divisor(scale)).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
     return [_bytes(scale), codes]
 
 
-def _encode_uint8(values: Tensor) -> list[Tensor]:
+def encode_uint8(values: Tensor) -> list[Tensor]:
     minimum, maximum = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
     scale = (maximum - minimum) / 255
     codes = (values - minimum).div_(_divisor(scale)).round_().clamp_(0, 255).to(torch.uint8)
     return [_bytes(torch.cat([minimum, scale], dim=-1)), codes]
 
 
-def _encode_fp8(values: Tensor, dtype: torch.dtype, largest: float) -> list[Tensor]:
+def encode_fp8(values: Tensor, dtype: torch.dtype, largest: float) -> list[Tensor]:
     scale = _amax(values) / largest
     # The clamp only matters when a subnormal amax makes the scale inexact enough to overshoot largest.
     codes = (values / _divisor(scale)).clamp_(-largest, largest).to(dtype).view(torch.uint8)
     return [_bytes(scale), codes]
 
 
-def _encode_fp4(values: Tensor, blocks: Blocks) -> list[Tensor]:
-    return _encode_nibbles(values, blocks, _E2M1, _E2M1_MIDPOINTS)
-
-
-def _encode_e3m0(values: Tensor, blocks: Blocks) -> list[Tensor]:
-    return _encode_nibbles(values, blocks, _E3M0, _E3M0_MIDPOINTS)
-
-
-def _encode_nibbles(
+def encode_nibbles(
     values: Tensor, blocks: Blocks, magnitudes: tuple[float, ...], midpoints: tuple[tuple[float, bool], ...]
 ) -> list[Tensor]:
     """A 4-bit format of 8 `magnitudes` (ascending, the last the largest) and a sign: scale = amax / largest,
@@ -340,17 +296,13 @@ def _nibble_pairs(magnitudes: tuple[float, ...], device: torch.device) -> Tensor
     return torch.tensor([[signed[byte & 15], signed[byte >> 4]] for byte in range(256)], device=device)
 
 
-def _decode_fp4_codes(packed: Tensor, block: int) -> Tensor:
-    return _decode_nibbles(packed, block, _E2M1)
-
-
-def _decode_nibbles(packed: Tensor, block: int, magnitudes: tuple[float, ...]) -> Tensor:
+def decode_nibbles(packed: Tensor, block: int, magnitudes: tuple[float, ...]) -> Tensor:
     """[R, C, ceil(B / 2)] packed codes -> [R, C, B] their values at scale 1 (one table row per byte)."""
     pairs = torch.nn.functional.embedding(packed.int(), _nibble_pairs(magnitudes, packed.device))
     return pairs.flatten(-2)[..., :block]  # [R, C, B / 2, 2] flattened
 
 
-def _encode_topk(values: Tensor, blocks: Blocks, spec: TopK) -> list[Tensor]:
+def encode_topk(values: Tensor, blocks: Blocks, spec: TopK) -> list[Tensor]:
     """Per block, the k_b largest magnitudes (descending, ties by ascending index), then:
 
     - values: fp32; fp16 (round to nearest even, saturating at +-65504); int8 (an fp32 scale = the kept
@@ -424,9 +376,9 @@ def _two_bit(chosen: Tensor, real: Tensor, blocks: Blocks) -> tuple[Tensor, Tens
     return _bytes(header), codes
 
 
-def _decode_topk(payload: Tensor, blocks: Blocks, spec: TopK) -> Tensor:
+def decode_topk(entry: Codec, payload: Tensor, blocks: Blocks, spec: TopK) -> Tensor:
     rows, count = payload.shape[0], blocks.count
-    fields = _unpack(payload, "topk", blocks, spec)  # [R, C, width] each, junk past each block's bytes
+    fields = unpack(payload, entry, blocks, spec)  # [R, C, width] each, junk past each block's bytes
     width = kept(spec, blocks.block)
     if spec.values == "fp32":
         values = raw_floats(fields[0])
@@ -521,7 +473,7 @@ def _dct(x: Tensor, blocks: Blocks, inverse: bool) -> Tensor:
     call, so each process and the simulation compute the same bits (one process holds some replicas)."""
     if blocks.count == 0:
         return x
-    values = _spread(x, blocks)  # [R, C, block]
+    values = spread(x, blocks)  # [R, C, block]
     out = torch.empty_like(values)
     for length, which in _length_groups(blocks):
         matrix = _dct_matrix(length, x.device)
@@ -533,7 +485,7 @@ def _dct(x: Tensor, blocks: Blocks, inverse: bool) -> Tensor:
         which = which.to(x.device)
         for row in range(values.shape[0]):
             out[row, which, :length] = values[row].index_select(0, which)[:, :length] @ matrix
-    return _unspread(out, blocks)
+    return unspread(out, blocks)
 
 
 # --- layouts: the vector <-> padded blocks, and per-block fields <-> the payload ------------------------
@@ -579,7 +531,7 @@ def _layout(blocks: Blocks, device: torch.device) -> _Layout:
     )
 
 
-def _spread(x: Tensor, blocks: Blocks) -> Tensor:
+def spread(x: Tensor, blocks: Blocks) -> Tensor:
     """[R, n] -> [R, C, block] (a view when every block is full)."""
     layout = _layout(blocks, x.device)
     if layout.spread is None:
@@ -587,7 +539,7 @@ def _spread(x: Tensor, blocks: Blocks) -> Tensor:
     return x.index_select(1, layout.spread).view(x.shape[0], blocks.count, blocks.block)
 
 
-def _unspread(values: Tensor, blocks: Blocks) -> Tensor:
+def unspread(values: Tensor, blocks: Blocks) -> Tensor:
     """[R, C, block] -> [R, n], padding dropped."""
     layout = _layout(blocks, values.device)
     flat = values.flatten(1)
@@ -595,28 +547,29 @@ def _unspread(values: Tensor, blocks: Blocks) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _fields(codec: str, blocks: Blocks, fraction: float) -> list[tuple[int, Tensor]]:
-    """Each block's fields in payload order: (padded width in bytes, [C] bytes each block sends)."""
-    lengths = _lengths(blocks)
-    headers = {"uint8": 8}.get(codec, 4)
-    if codec == "topk":
-        counts, most = _kept_counts(blocks, fraction), kept(fraction, blocks.block)
-        if fraction.values == "two_bit":  # a tensor's header before its first block's codes
-            first = torch.zeros_like(lengths)
-            starts = [0, *itertools.accumulate(_tensor_blocks(blocks))][:-1]
-            first[torch.tensor(starts, dtype=torch.int64)] = 1
-            values = [(TWO_BIT_HEADER, TWO_BIT_HEADER * first), ((most + 3) // 4, (counts + 3) // 4)]
-        elif fraction.values == "int8":
-            values = [(4, torch.full_like(lengths, 4)), (most, counts)]
-        else:
-            each = 4 if fraction.values == "fp32" else 2
-            values = [(each * most, each * counts)]
-        if fraction.index_bits == 32:
-            return [*values, (4 * most, 4 * counts)]
-        return [*values, (3 * ((most + 1) // 2), (3 * counts + 1) // 2)]
-    if codec in ("fp4_e2m1", "e3m0"):
-        return [(4, torch.full_like(lengths, 4)), ((blocks.block + 1) // 2, (lengths + 1) // 2)]
-    return [(headers, torch.full_like(lengths, headers)), (blocks.block, lengths)]
+def _fields(entry: Codec, blocks: Blocks, fraction: float) -> list[tuple[int, Tensor]]:
+    """Each block's fields in payload order: (padded width in bytes, [C] bytes each block sends), as
+    the entry's wire format lays them out (`Codec.fields`)."""
+    return entry.fields(KERNELS, _lengths(blocks), blocks, fraction)
+
+
+def topk_fields(lengths: Tensor, blocks: Blocks, spec: TopK) -> list[tuple[int, Tensor]]:
+    """Top-k's fields: its values (`spec.values`: per block fp32 or fp16 each, an int8 block's fp32 scale
+    then a byte each, two_bit's per-tensor header then 2 bits each), then its indices (`spec.index_bits`)."""
+    counts, most = _kept_counts(blocks, spec), kept(spec, blocks.block)
+    if spec.values == "two_bit":  # a tensor's header before its first block's codes
+        first = torch.zeros_like(lengths)
+        starts = [0, *itertools.accumulate(_tensor_blocks(blocks))][:-1]
+        first[torch.tensor(starts, dtype=torch.int64)] = 1
+        values = [(TWO_BIT_HEADER, TWO_BIT_HEADER * first), ((most + 3) // 4, (counts + 3) // 4)]
+    elif spec.values == "int8":
+        values = [(4, torch.full_like(lengths, 4)), (most, counts)]
+    else:
+        each = 4 if spec.values == "fp32" else 2
+        values = [(each * most, each * counts)]
+    if spec.index_bits == 32:
+        return [*values, (4 * most, 4 * counts)]
+    return [*values, (3 * ((most + 1) // 2), (3 * counts + 1) // 2)]
 
 
 @dataclass(frozen=True)
@@ -629,8 +582,8 @@ class _Packing:
 
 
 @functools.lru_cache(maxsize=64)
-def _packing(codec: str, blocks: Blocks, fraction: float, device: torch.device) -> _Packing:
-    fields = _fields(codec, blocks, fraction)
+def _packing(entry: Codec, blocks: Blocks, fraction: float, device: torch.device) -> _Packing:
+    fields = _fields(entry, blocks, fraction)
     total = sum(width for width, _ in fields)
     slot = torch.arange(total)
     real, members, offset = torch.zeros(blocks.count, total, dtype=torch.bool), [], 0
@@ -646,19 +599,19 @@ def _packing(codec: str, blocks: Blocks, fraction: float, device: torch.device) 
     return _Packing(real.flatten().nonzero().squeeze(1).to(device), byte.to(device), field_bytes)
 
 
-def _pack(fields: list[Tensor], codec: str, blocks: Blocks, fraction: float) -> Tensor:
+def _pack(fields: list[Tensor], entry: Codec, blocks: Blocks, fraction: float) -> Tensor:
     """Per-block fields [R, C, width] each -> the payload [R, payload_size]."""
     padded = torch.cat(fields, dim=-1)
     flat = padded.flatten(1)
-    packing = _packing(codec, blocks, fraction, padded.device)
+    packing = _packing(entry, blocks, fraction, padded.device)
     return flat if packing.keep is None else flat.index_select(1, packing.keep)
 
 
-def _unpack(payload: Tensor, codec: str, blocks: Blocks, fraction: float) -> list[Tensor]:
+def unpack(payload: Tensor, entry: Codec, blocks: Blocks, fraction: float) -> list[Tensor]:
     """The payload [R, payload_size] -> per-block fields [R, C, width] each (padding holds junk)."""
-    packing = _packing(codec, blocks, fraction, payload.device)
+    packing = _packing(entry, blocks, fraction, payload.device)
     padded = payload if packing.place is None else payload.index_select(1, packing.place)
-    widths = [width for width, _ in _fields(codec, blocks, fraction)]
+    widths = [width for width, _ in _fields(entry, blocks, fraction)]
     return list(padded.reshape(payload.shape[0], blocks.count, sum(widths)).split(widths, dim=-1))
 
 
@@ -673,17 +626,20 @@ def _whole(name: str, value, least: int) -> int:
     return whole
 
 
-def _check(codec: str, blocks: Blocks, fraction: float | TopK, transform: str = "none") -> float | TopK:
-    """Refuse a bad argument in one line; what matters of `fraction` (1.0 for every codec but top-k; top-k's
-    TopK, a bare fraction given as TopK(fraction))."""
-    if codec not in CODECS:
+def _check(
+    codec: str, blocks: Blocks, fraction: float | TopK, transform: str = "none"
+) -> tuple[Codec, float | TopK]:
+    """Refuse a bad argument in one line; the codec's table entry and what matters of `fraction` (1.0 for
+    a codec that keeps no indices; top-k's TopK, a bare fraction given as TopK(fraction))."""
+    if str(codec) not in CODECS:
         raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}")
+    entry = codec_entry(codec)
     if transform not in TRANSFORMS:
         raise ValueError(f"transform={transform!r} is not valid; valid: {', '.join(TRANSFORMS)}")
     if not isinstance(blocks, Blocks):
         raise ValueError(f"blocks={blocks!r} is not valid; valid: a Blocks")
-    if codec != "topk":
-        return 1.0
+    if not entry.indexed:
+        return entry, 1.0
     spec = fraction if isinstance(fraction, TopK) else TopK(fraction)
     if not 0 < spec.fraction <= 1:
         raise ValueError(f"fraction={spec.fraction!r} is not valid; valid: 0 < fraction <= 1")
@@ -693,4 +649,6 @@ def _check(codec: str, blocks: Blocks, fraction: float | TopK, transform: str = 
         raise ValueError(f"values={spec.values!r} is not valid; valid: {', '.join(TOPK_VALUES)}")
     if spec.index_bits == 12 and blocks.block > 4096:
         raise ValueError(f"index_bits=12 with block={blocks.block} is not valid; valid: block <= 4096")
-    return TopK(float(spec.fraction), spec.index_bits, str(spec.values), _whole("chunk", spec.chunk, 0))
+    return entry, TopK(
+        float(spec.fraction), spec.index_bits, str(spec.values), _whole("chunk", spec.chunk, 0)
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
@@ -100,8 +101,9 @@ def contribution_bits(
     not a contribution's: `comm_outer_bytes` counts them."""
     if replicas <= 1:
         return 0
-    if compress == "none":
-        return 32 * params
+    codec = codec_entry(compress)
+    if codec.lossless:
+        return codec.value_bits * params
     messages = 1 if reduce == "gather" else replicas
     return 8 * (int(payload_bytes) + messages * HEADER_BYTES)
 

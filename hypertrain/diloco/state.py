@@ -25,6 +25,7 @@ import torch
 
 from hypertrain import plan
 from hypertrain.clock.timeline import Clock, Shape
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch, update_batch
 from hypertrain.data.datasets import Dataset
@@ -215,7 +216,7 @@ class RunState:
         state = cls(theta, OuterState(optimizer.buffers(theta)), states, local, errors=errors, clock=clock)
         state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
-        if cfg.outer.compress == "lowrank":
+        if codec_entry(cfg.outer.compress).factored:
             state.lowrank_q = initial_q(state.theta, cfg.outer.lowrank_rank, cfg.seed)
         if cfg.outer.overlap == "eager":
             state.outer_replicas = [

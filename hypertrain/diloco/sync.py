@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco.churn import RoundFacts
 from hypertrain.diloco.codecs import Blocks
@@ -246,7 +247,7 @@ class FragmentSync:
         self.lowrank_q = None
         if reduction == "exact":
             self.reducer: ExactReducer | CodecReducer | LowRankReducer = ExactReducer()
-        elif cfg.outer.compress == "lowrank":
+        elif codec_entry(cfg.outer.compress).factored:
             self.lowrank_q = {n: lowrank_q[n] for n in self.names if n in lowrank_q}
             shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
             self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank_rank))

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.diloco import codecs
 from hypertrain.diloco.communication import contribution_payload, fed_back, payload_decoded, topk
 from hypertrain.diloco.lowrank import Factors, from_power_step, power_step
@@ -23,9 +24,10 @@ def payload_bits(outer, shapes: tuple[tuple[int, ...], ...]) -> int:
     (`lowrank.Factors.payload_bytes`, a round's replica's payload); a codec its payload's
     (`codecs.payload_size` of `tiles.blocks_and_order`'s blocks; the transform changes no byte), as a
     round's contribution under `gather`, less the round's header bytes (an arrival sends no header)."""
-    if outer.compress == "none":
-        return 32 * sum(math.prod(shape) for shape in shapes)
-    if outer.compress == "lowrank":
+    codec = codec_entry(outer.compress)
+    if codec.lossless:
+        return codec.value_bits * sum(math.prod(shape) for shape in shapes)
+    if codec.factored:
         return 8 * arrival_factors(outer, shapes).payload_bytes
     blocks, _ = blocks_and_order(list(shapes), outer.block, outer.tile)
     return 8 * codecs.payload_size(outer.compress, blocks, topk(outer))
@@ -49,11 +51,12 @@ class Wire:
         """`theta`: the model's tensors (their names and shapes); `errors`: each local replica's buffer
         (None without error feedback); `replicas`: their global indices; `q`: lowrank's warm starts."""
         self.outer, self.errors, self.q = outer, errors, q
+        self.factored = codec_entry(outer.compress).factored
         self.local = {m: i for i, m in enumerate(replicas)}
         shapes = tuple(tuple(t.shape) for t in theta.values())
         self.nbytes = payload_bits(outer, shapes) // 8
         self.numel = sum(t.numel() for t in theta.values())
-        if outer.compress == "lowrank":
+        if self.factored:
             self.factors = Factors.of({n: tuple(t.shape) for n, t in theta.items()}, outer.lowrank_rank)
         else:
             self.blocks, self.order = blocks_and_order(list(shapes), outer.block, outer.tile)
@@ -64,13 +67,13 @@ class Wire:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, n], finite -> the payload's bytes, uint8 [`nbytes`]."""
-        if self.outer.compress == "lowrank":
+        if self.factored:
             return power_step(self.factors, x[0], self.q).view(torch.uint8)
         return contribution_payload(self.outer, to_tiles(x, self.order), self.blocks)[0]
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The payload's bytes -> d [n], fp32, in parameter order (lowrank: each Q moves to its Q')."""
-        if self.outer.compress == "lowrank":
+        if self.factored:
             return from_power_step(self.factors, payload.view(torch.float32), self.q)
         return payload_decoded(self.outer, payload[None], self.blocks, self.order)[0]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.distributed.layouts import Layout, choose_layout, process_count
 
@@ -41,7 +42,7 @@ class Decided:
 
 def reduction(outer: OuterConfig) -> str:
     """The sync's reduction: `exact` (outer.compress=none: fp32 sums), else outer.reduce."""
-    return "exact" if outer.compress == "none" else outer.reduce
+    return "exact" if codec_entry(outer.compress).lossless else outer.reduce
 
 
 def backend(cfg: TrainConfig) -> str | None:

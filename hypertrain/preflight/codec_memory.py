@@ -1,4 +1,4 @@
-"""The bytes a block codec's sync holds (outer.compress other than none and lowrank), estimated from the
+"""The bytes a block codec's sync holds (an outer.compress whose entry cuts blocks), estimated from the
 config before anything is allocated, for `memory.estimate`: the padded blocks every replica's
 pseudo-gradient is spread into, the cached index maps and the DCT's matrices. Counted from one layer's
 shapes times the layers, never a loop over a size; tests/test_memory.py holds it against a measured peak.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from hypertrain.choices import Compressor, Transform
+from hypertrain.choices import Transform
+from hypertrain.codec_table import BLOCKWISE, codec_entry
 from hypertrain.config import ModelConfig, OuterConfig, TrainConfig
 from hypertrain.diloco.chunks import block_length
 from hypertrain.model.shapes import param_specs
@@ -22,8 +23,8 @@ INDEX_BYTES = 48
 # - per row encoded or decoded at once: the spread values and their quotient (fp32, 8), the codes, the
 #   packed fields and their payload, the unpacked bytes (1 each) and the decoded values (fp32, 4);
 ROW_BYTES = 16
-# - top-k's instead: the spread values and their magnitudes (fp32, 8), and the int64 keys it ranks (8),
-#   then the kept values' fields (a fraction of a slot);
+# - a BLOCKWISE codec's (top-k's) instead: the spread values and their magnitudes (fp32, 8), and the
+#   int64 keys it ranks (8), then the kept values' fields (a fraction of a slot);
 TOPK_ROW_BYTES = 24
 # - the DCT's besides: the transform's spread values and its output (fp32, 8).
 DCT_ROW_BYTES = 8
@@ -83,11 +84,12 @@ def codec_bytes(cfg: TrainConfig, model: ModelConfig) -> int:
     compression error after it (rows x AFTER_PARAM_BYTES x params), and the DCT's matrices. A
     fragment's sync holds less: the whole model bounds every fragment's."""
     outer = cfg.outer
-    if not Compressor(outer.compress).is_block_codec:
+    codec = codec_entry(outer.compress)
+    if not codec.blocks:
         return 0
     layout, rows = codec_layout(outer, model), cfg.replicas
     transformed = Transform(outer.transform) == Transform.dct
-    per_slot = (TOPK_ROW_BYTES if outer.compress == Compressor.topk else ROW_BYTES) + (
+    per_slot = (TOPK_ROW_BYTES if codec.scope == BLOCKWISE else ROW_BYTES) + (
         DCT_ROW_BYTES if transformed else 0
     )
     encoding = rows * (per_slot * layout.slots + BESIDE_PARAM_BYTES * layout.params)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
@@ -351,7 +352,7 @@ def upgrade_sync_row(row: SyncRow, resolved: dict, run_params: int) -> SyncRow:
     params = row.params
     if params is None and P == 1:
         params = run_params
-    elif params is None and row.comm_outer_bytes and str(outer["compress"]) == "none":
+    elif params is None and row.comm_outer_bytes and codec_entry(outer["compress"]).lossless:
         params = round(row.comm_outer_bytes * R / (2 * (R - 1)) / 4)  # `_ring_bytes` inverted
     taken = streaming_take(int(row.update), row.fragment or 0, H, P, tau)
     return dataclasses.replace(row, taken_at=taken, params=params)
@@ -365,8 +366,9 @@ def _contribution_bits(outer: dict, replicas: int, params: int, payload_bytes: i
     they agree)."""
     if replicas <= 1:
         return 0
-    if str(outer["compress"]) == "none":
-        return 32 * params
+    codec = codec_entry(outer["compress"])
+    if codec.lossless:
+        return codec.value_bits * params
     messages = 1 if str(outer.get("reduce", "gather")) == "gather" else replicas
     return 8 * (int(payload_bytes) + messages * HEADER_BYTES)
 
@@ -400,7 +402,7 @@ def sync_bits(rows: list[SyncRow], resolved: dict) -> list[SyncRow]:
         if per_param is None and row.params and row.comm_outer_bytes is not None:
             took = _took_part(row, replicas)
             payload = row.figures.get("payload_bytes")
-            if took is not None and (payload is not None or str(outer["compress"]) == "none"):
+            if took is not None and (payload is not None or codec_entry(outer["compress"]).lossless):
                 bits = _contribution_bits(outer, replicas, row.params, payload)
                 per_param = [bits / row.params if t else None for t in took]
         if row.bits_total is not None:

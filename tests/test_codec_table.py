@@ -1,0 +1,69 @@
+"""The codec table (hypertrain/codec_table.py) is the one place a codec is named: the config's valid
+`outer.compress` values, the codecs module's block codecs and the docs' option lists are its entries,
+an entry's declared wire format is the payload it sends, and no module outside the table's own
+compares a codec's name.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import compose_train
+
+from hypertrain.codec_table import BLOCK_CODECS, ELEMENTWISE, ENTRIES, TABLE
+from hypertrain.diloco import codecs
+from hypertrain.preflight.composition import composition_error
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_valid_values_the_docs_and_the_table_agree():
+    names = [entry.name for entry in ENTRIES]
+    assert list(TABLE) == names and len(set(names)) == len(names)
+    # what the config takes: OmegaConf's refusal of a value it lacks names every valid one
+    with pytest.raises(Exception) as caught:
+        compose_train(["outer.compress=bogus"])
+    valid = composition_error(caught.value).split("; valid: ", 1)[1]
+    assert valid == ", ".join(repr(name) for name in names)
+    assert codecs.CODECS == BLOCK_CODECS == tuple(entry.name for entry in ENTRIES if entry.blocks)
+    # docs/compression.md's options table: the `outer.compress` row's values, in order
+    page = (REPO / "docs" / "compression.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `outer.compress` |"))
+    assert re.findall(r"`(\w+)`", row.split("|")[2]) == names
+    # README's `outer` row: the block codecs as one list, every other entry but none on its own
+    readme = next(
+        line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `outer`")
+    )
+    listed = re.findall(r"`outer\.compress=([\w\\|]+)[` ]", readme)
+    assert listed[0].split("\\|") == list(BLOCK_CODECS)
+    assert sorted(listed[1:]) == sorted(e.name for e in ENTRIES if not e.blocks and not e.lossless)
+
+
+@pytest.mark.parametrize("name", [e.name for e in ENTRIES if e.scope == ELEMENTWISE])
+def test_an_elementwise_entry_sends_what_its_wire_format_declares(name):
+    # blocks of 32, 32, 5 | 7 (two tensors): per block its header, then ceil(L * bits / 8) bytes of codes
+    entry, blocks = TABLE[name], codecs.Blocks((69, 7), 32)
+    lengths = [32, 32, 5, 7]
+    declared = sum(entry.header_bytes + -(-length * entry.value_bits // 8) for length in lengths)
+    assert codecs.payload_size(name, blocks) == declared
+
+
+# a codec's name compared with ==, !=, in or not in: `outer.compress == "none"`, `compress in (...)`,
+# `shape.compress != "topk"`, `Compressor.topk ==`
+COMPARED = re.compile(
+    r"compress\W*\s*(==|!=|\bin\b|\bnot in\b)|(==|!=)\s*Compressor\.|Compressor\.\w+\s*(==|!=)"
+)
+
+
+def test_no_module_but_the_tables_own_compares_a_codec_name():
+    own = {REPO / "hypertrain" / "codec_table.py", REPO / "hypertrain" / "diloco" / "codecs.py"}
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sorted((REPO / "hypertrain").rglob("*.py"))
+        if path not in own
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if COMPARED.search(line.split("#")[0])
+    ]
+    assert not found, found
