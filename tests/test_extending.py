@@ -97,5 +97,6 @@ def test_the_pages_signum_command_runs_and_every_sync_is_a_float64_signum(tmp_pa
     for sure, right, n in checks:
         assert right == sure, (sure, right, n)
         assert sure >= 0.99 * n, (sure, n)  # the check is not vacuous: nearly every sign is decided
-    # a negative control: signSGD without momentum (beta 0) is not this run
+    # a negative control: signSGD without momentum (beta 0) is not this run. (Signum's dampening 1 - beta
+    # scales m and so not its sign: a momentum without it is the same run, which no check could tell.)
     assert any(right < sure for sure, right, _ in signum_checks(cfg, syncs, 0.0)[1:])
