@@ -250,6 +250,41 @@ def run_facts(run: PreparedRun, groups: Collectives) -> dict:
     }
 
 
+def first_eval(run: PreparedRun, state: RunState, log, writer: bool, resumed: bool) -> tuple[float, list]:
+    """The held-out loss of the weights the run starts from (the writer's; NaN elsewhere) and each
+    source's; a new run's own row of it (a resumed run's metrics.jsonl holds it already), which the
+    writer's network clock keeps."""
+    eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
+    sources = channels.pop("eval_loss_sources", None)
+    if not resumed:
+        if writer and state.clock is not None:
+            state.clock.heldout(eval_loss)
+        first = EvalRow(update=0, round=0, eval_loss=eval_loss, eval_loss_sources=sources, figures=channels)
+        log.write(first)
+    return eval_loss, sources
+
+
+def final_summary(state: RunState, schedule, throughput: Throughput, start: float, end: float) -> dict:
+    """The run's summary common to every schedule: the last held-out loss, tokens, seconds, outer bytes
+    and bits, restarts, throughput and the writer's network clock (`schedule.summary()` adds its own)."""
+    totals, sources = state.totals, schedule.sources
+    return (
+        {
+            "eval/final_loss": schedule.eval_loss,
+            **({"eval/final_loss_sources": sources} if sources is not None else {}),
+            "train/tokens_total": totals.tokens,
+            "train/wall_s": end - start,
+            "comm/outer_total_bytes": totals.comm_outer_bytes,
+            "comm/outer_peak_bytes": totals.comm_outer_peak,
+            "run/restarts": restarts.count(),  # by torch's agent, in the launch that finished the run
+        }
+        | bits_summary(totals)
+        | throughput.window(end)
+        | throughput.summary()
+        | (state.clock.summary() if schedule.groups.is_writer and state.clock is not None else {})
+    )
+
+
 class Rounds:
     """outer.schedule=rounds: the phase's segments (`diloco.rounds`, a round unless a checkpoint or a stop
     cut it), each yielding its update rows, then its sync (and held-out) rows (`after_syncs`); a
@@ -354,15 +389,7 @@ def train(
         state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
     log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups)))
-    eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
-    sources = channels.pop("eval_loss_sources", None)
-    clock = state.clock if writer else None  # the writer's: fed the rows it writes
-    if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
-        if clock is not None:
-            clock.heldout(eval_loss)
-        log.write(
-            EvalRow(update=0, round=0, eval_loss=eval_loss, eval_loss_sources=sources, figures=channels)
-        )
+    eval_loss, sources = first_eval(run, state, log, writer, resumed=saved is not None)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
@@ -380,23 +407,7 @@ def train(
         log.write(row)
     progress.close()
     end = time.perf_counter()
-    totals, eval_loss, sources = state.totals, schedule.eval_loss, schedule.sources
-    summary = (
-        {
-            "eval/final_loss": eval_loss,
-            **({"eval/final_loss_sources": sources} if sources is not None else {}),
-            "train/tokens_total": totals.tokens,
-            "train/wall_s": end - start,
-            "comm/outer_total_bytes": totals.comm_outer_bytes,
-            "comm/outer_peak_bytes": totals.comm_outer_peak,
-            "run/restarts": restarts.count(),  # by torch's agent, in the launch that finished the run
-        }
-        | bits_summary(totals)
-        | throughput.window(end)
-        | throughput.summary()
-        | (clock.summary() if clock is not None else {})
-        | schedule.summary()
-    )
+    summary = final_summary(state, schedule, throughput, start, end) | schedule.summary()
     log.write(SummaryRow(values=summary))
     return summary, state
 
