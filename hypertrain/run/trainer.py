@@ -1,7 +1,8 @@
-"""`train(run, log)`: runs a phase's rounds (`diloco.rounds`) and keeps its records: a row per update and
-per sync (`run.records`), the held-out loss after every sync, the checkpoints the checkpointer asks for,
-the divergence guard's verdict, and a stop after the update in flight when a signal arrived.
-`hypertrain.run.session` wraps `train` with the run's records.
+"""`train(run, log)`: one loop over the phase's schedule (`SCHEDULES` by outer.schedule: `Rounds` here,
+`asynchronous.Arrivals`), writing every row it yields, then one summary. `Rounds` keeps the rounds'
+records: a row per update and per sync (`run.records`), the held-out loss after every sync, the
+checkpoints the checkpointer asks for, the divergence guard's verdict, and a stop after the update in
+flight when a signal arrived. `hypertrain.run.session` wraps `train` with the run's records.
 """
 
 from __future__ import annotations
