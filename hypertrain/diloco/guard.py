@@ -92,14 +92,13 @@ def pseudo_grad_verdict(
     )
 
 
-def stop_on_verdict(agreed: int, mine: int, why: str, rnd: Segment) -> None:
+def stop_on_verdict(agreed: int, mine: int, why: str, after: str) -> None:
     """Every process raises on the verdict they agreed (a process other than the writer names the
-    writer's held-out verdict without its figure: the writer's line and end row hold it)."""
+    writer's held-out verdict without its figure: the writer's line and end row hold it); `after` names
+    the point (a sync, a server update)."""
     if not agreed:
         return
     if agreed != mine:
-        why = (
-            f"the held-out loss of the global weights after the sync at update {rnd.updates[-1] + 1} "
-            f"{'is non-finite' if agreed == HELDOUT_NON_FINITE else 'diverged'} on rank 0; the run stops"
-        )
+        how = "is non-finite" if agreed == HELDOUT_NON_FINITE else "diverged"
+        why = f"the held-out loss of the global weights after {after} {how} on rank 0; the run stops"
     raise (NonFiniteError if agreed == HELDOUT_NON_FINITE else Diverged)(why)

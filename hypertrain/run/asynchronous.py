@@ -1,23 +1,23 @@
-"""`train_async(run, state, log, checkpointer)`: an asynchronous run's server updates
-(`diloco.asynchronous`) and their records: an `arrival` row per server update, the held-out loss of the
+"""`Arrivals`: outer.schedule=async as `train`'s schedule, the server updates (`diloco.asynchronous`) and
+their records: an `arrival` row per server update, the held-out loss of the
 server's weights whenever the jobs applied reach a multiple of outer.async_eval_every (and after the
 last), under the divergence guard (its held-out verdict, then the applied pseudo-gradient's ratio to the
-weights), the outer bytes counted (`moved_bytes`), the network clock fed, the checkpoints asked for.
-Returns the last held-out loss and the run's `async/` summary.
+weights), the outer bytes counted (`moved_bytes`), the network clock fed, the checkpoints asked for,
+a stop after the update a signal arrived in; then the run's `async/` summary.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 
 from hypertrain.diloco.arrivals import Job, ServerUpdate
 from hypertrain.diloco.asynchronous import server_updates
-from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict
+from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict, stop_on_verdict
 from hypertrain.diloco.state import PreparedRun, RunState, Totals
-from hypertrain.distributed.groups import Collectives, ReplicaGroups
-from hypertrain.failures import Diverged, NonFiniteError, signals
+from hypertrain.distributed.groups import Collectives
+from hypertrain.failures import signals
 from hypertrain.records.rows import ArrivalRow
 from hypertrain.run.evaluation import heldout_eval
 
@@ -65,86 +65,101 @@ def churn_figures(totals) -> dict:
     }
 
 
-def train_async(
-    run: PreparedRun,
-    state: RunState,
-    log,
-    checkpointer,
-    eval_loss: float,
-    on_stop: Callable[[int, bool], None],
-    groups: Collectives | None = None,
-) -> tuple[float, dict]:
-    """The server updates from `state` on; after each, a stop signal calls `on_stop(signum, last)` (a
-    checkpoint, then `Preempted`). `eval_loss` is the held-out loss so far. On real processes (`groups`)
-    the writer evaluates and writes; every process agrees the guard's verdict and a stop. The writer's
-    network clock (`state.clock`) stands at each update's arrival clock and keeps the held-out losses
-    (`Clock.arrival`, `Clock.heldout`), so the run's `clock/` summary is the replay of its rows."""
-    cfg = run.cfg
-    groups = groups or ReplicaGroups(cfg.replicas)
-    clock = state.clock if groups.is_writer else None
-    every = cfg.outer.async_eval_every or cfg.replicas
-    clock_s, start, steps = 0.0, time.perf_counter(), 0
-    n_params = sum(t.numel() for t in state.theta.values())
-    for applied in server_updates(run, state, groups=groups):
-        update = applied.update
-        stale = update.staleness
-        row = ArrivalRow(
-            update=update.index,
-            replicas=[job.replica for job in update.jobs],
-            steps=[job.steps for job in update.jobs],
-            first=[job.first for job in update.jobs],
-            tokens=[job.tokens for job in update.jobs],
-            staleness=stale,
-            loss=[last_loss(losses) for losses in applied.losses],
-            payload_bits=applied.bits,
-            pseudo_grad_norm=applied.delta_norm if math.isfinite(applied.delta_norm) else None,
-            staleness_mean=sum(stale) / len(stale),
-            clock_s=update.clock_s,
-        )
+class Arrivals:
+    """outer.schedule=async: the server updates from `state` on (`rows`), after each a stop signal
+    calling `on_stop(signum, last)` (a checkpoint, then `Preempted`). `eval_loss` is the held-out loss so
+    far, then the last. On real processes (`groups`) the writer evaluates and its rows are written; every
+    process agrees the guard's verdict and a stop. The writer's network clock (`state.clock`) stands at
+    each update's arrival clock and keeps the held-out losses (`Clock.arrival`, `Clock.heldout`), so the
+    run's `clock/` summary is the replay of its rows."""
+
+    def __init__(
+        self,
+        run: PreparedRun,
+        state: RunState,
+        groups: Collectives,
+        checkpointer,
+        on_stop,
+        eval_loss,
+        sources,
+    ):
+        self.run, self.state, self.groups, self.checkpointer = run, state, groups, checkpointer
+        self.on_stop, self.eval_loss, self.sources = on_stop, eval_loss, sources  # sources: the first eval's
+        self.clock_s, self.seconds, self.steps = 0.0, 0.0, 0
+
+    def rows(self, progress, throughput, start: float) -> Iterator[ArrivalRow]:
+        """An `arrival` row per server update (none where its held-out loss is non-finite: JSON has no
+        NaN, the end row holds the line), each yielded before the guard's verdict on it. The rounds'
+        `progress` and `throughput` see no updates here; this session is timed from its first update."""
+        run, state, groups, checkpointer = self.run, self.state, self.groups, self.checkpointer
+        cfg = run.cfg
+        clock = state.clock if groups.is_writer else None
+        every = cfg.outer.async_eval_every or cfg.replicas
+        start = time.perf_counter()
+        n_params = sum(t.numel() for t in state.theta.values())
+        for applied in server_updates(run, state, groups=groups):
+            update = applied.update
+            stale = update.staleness
+            row = ArrivalRow(
+                update=update.index,
+                replicas=[job.replica for job in update.jobs],
+                steps=[job.steps for job in update.jobs],
+                first=[job.first for job in update.jobs],
+                tokens=[job.tokens for job in update.jobs],
+                staleness=stale,
+                loss=[last_loss(losses) for losses in applied.losses],
+                payload_bits=applied.bits,
+                pseudo_grad_norm=applied.delta_norm if math.isfinite(applied.delta_norm) else None,
+                staleness_mean=sum(stale) / len(stale),
+                clock_s=update.clock_s,
+            )
+            if cfg.churn.enabled:
+                row.absent, row.dropped = away_fields(update)
+            self.clock_s = update.clock_s
+            self.steps += sum(job.steps for job in update.jobs)
+            jobs = state.totals.async_jobs  # applied so far, this update's included
+            if (jobs // every > (jobs - len(stale)) // every or applied.last) and groups.is_writer:
+                self.eval_loss = heldout_eval(run, state.theta)[0]
+                row.eval_loss = self.eval_loss
+            if clock is not None:  # before the checkpoint below, which saves the clock
+                clock.arrival(update.clock_s)
+                clock.heldout(row.eval_loss)
+            after = f"server update {update.index}"
+            verdict, why = heldout_verdict(run, row.eval_loss, after)
+            if not verdict:  # the same figures on every process: their verdicts agree
+                verdict, why = pseudo_grad_verdict(run, applied.delta_norm, applied.theta_norm, after)
+            moved_bytes(state.totals, row, n_params)
+            if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
+                yield row
+            stop_on_verdict(
+                groups.max_over_processes(verdict) if groups.size > 1 else verdict, verdict, why, after
+            )
+            if checkpointer is not None:
+                checkpointer.after_sync(state, last=applied.last)
+            signum = signals.requested() or 0
+            if groups.size > 1:
+                signum = groups.max_over_processes(signum)
+            if signum:
+                self.on_stop(signum, applied.last)
+        self.seconds = time.perf_counter() - start
+
+    def summary(self) -> dict:
+        """The run's `async/` summary (and its churn's, with churn)."""
+        cfg, totals, seconds = self.run.cfg, self.state.totals, self.seconds
+        summary = {
+            # this session's inner steps (jobs are computed when pulled, so counted at their arrival) over
+            # its seconds: the rounds' window figures have no updates to time here
+            "train/replica_steps_per_s": self.steps / seconds if seconds else 0.0,
+            "train/timed_s": seconds,
+            "async/server_updates": self.state.next_update,
+            "async/arrivals": totals.async_jobs,
+            "async/staleness_mean": totals.async_staleness_sum / totals.async_jobs
+            if totals.async_jobs
+            else 0.0,
+            "async/staleness_max": totals.async_staleness_max,
+            "async/payload_bits": totals.async_payload_bits,  # the phase's arrivals', all sessions
+            "async/clock_s": self.clock_s if self.clock_s else None,  # None: this session applied none
+        }
         if cfg.churn.enabled:
-            row.absent, row.dropped = away_fields(update)
-        clock_s = update.clock_s
-        steps += sum(job.steps for job in update.jobs)
-        jobs = state.totals.async_jobs  # applied so far, this update's included
-        if (jobs // every > (jobs - len(stale)) // every or applied.last) and groups.is_writer:
-            eval_loss = heldout_eval(run, state.theta)[0]
-            row.eval_loss = eval_loss
-        if clock is not None:  # before the checkpoint below, which saves the clock
-            clock.arrival(update.clock_s)
-            clock.heldout(row.eval_loss)
-        after = f"server update {update.index}"
-        verdict, why = heldout_verdict(run, row.eval_loss, after)
-        if not verdict:  # the same figures on every process: their verdicts agree
-            verdict, why = pseudo_grad_verdict(run, applied.delta_norm, applied.theta_norm, after)
-        moved_bytes(state.totals, row, n_params)
-        if verdict != HELDOUT_NON_FINITE:  # JSON has no NaN: the end row holds the line
-            log.write(row)
-        agreed = groups.max_over_processes(verdict) if groups.size > 1 else verdict
-        if agreed:
-            if agreed != verdict:  # not the writer: its line and end row hold the figure
-                how = "is non-finite" if agreed == HELDOUT_NON_FINITE else "diverged"
-                why = f"the held-out loss of the global weights after {after} {how} on rank 0; the run stops"
-            raise (NonFiniteError if agreed == HELDOUT_NON_FINITE else Diverged)(why)
-        if checkpointer is not None:
-            checkpointer.after_sync(state, last=applied.last)
-        signum = signals.requested() or 0
-        if groups.size > 1:
-            signum = groups.max_over_processes(signum)
-        if signum:
-            on_stop(signum, applied.last)
-    totals, seconds = state.totals, time.perf_counter() - start
-    summary = {
-        # this session's inner steps (jobs are computed when pulled, so counted at their arrival) over its
-        # seconds: the rounds' window figures have no updates to time here
-        "train/replica_steps_per_s": steps / seconds if seconds else 0.0,
-        "train/timed_s": seconds,
-        "async/server_updates": state.next_update,
-        "async/arrivals": totals.async_jobs,
-        "async/staleness_mean": totals.async_staleness_sum / totals.async_jobs if totals.async_jobs else 0.0,
-        "async/staleness_max": totals.async_staleness_max,
-        "async/payload_bits": totals.async_payload_bits,  # the phase's arrivals', all sessions
-        "async/clock_s": clock_s if clock_s else None,  # None: this session applied none
-    }
-    if cfg.churn.enabled:
-        summary |= churn_figures(totals)
-    return eval_loss, summary
+            summary |= churn_figures(totals)
+        return summary

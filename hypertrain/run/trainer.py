@@ -1,7 +1,8 @@
-"""`train(run, log)`: runs a phase's rounds (`diloco.rounds`) and keeps its records: a row per update and
-per sync (`run.records`), the held-out loss after every sync, the checkpoints the checkpointer asks for,
-the divergence guard's verdict, and a stop after the update in flight when a signal arrived.
-`hypertrain.run.session` wraps `train` with the run's records.
+"""`train(run, log)`: one loop over the phase's schedule (`SCHEDULES` by outer.schedule: `Rounds` here,
+`asynchronous.Arrivals`), writing every row it yields, then one summary. `Rounds` keeps the rounds'
+records: a row per update and per sync (`run.records`), the held-out loss after every sync, the
+checkpoints the checkpointer asks for, the divergence guard's verdict, and a stop after the update in
+flight when a signal arrived. `hypertrain.run.session` wraps `train` with the run's records.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import torch
 
+from hypertrain.choices import Schedule as Scheduling
 from hypertrain.clock.timeline import Clock
 from hypertrain.diloco.churn import chain_digest
 from hypertrain.diloco.communication import inner_bytes
@@ -27,8 +30,8 @@ from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
 from hypertrain.model.spec import model_spec
 from hypertrain.preflight.prepare import initial_weights
-from hypertrain.records.rows import EvalRow, SummaryRow, SyncRow, UpdateRow
-from hypertrain.run.asynchronous import train_async
+from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow
+from hypertrain.run.asynchronous import Arrivals
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.progress import Progress
 from hypertrain.run.runtime import keep_freed_memory
@@ -165,13 +168,13 @@ def row_heldout(run: PreparedRun, state: RunState, rnd: Segment) -> list[tuple[f
 
 
 def after_syncs(
-    run: PreparedRun, state: RunState, rnd: Segment, groups, log, progress, checkpointer, n_params: int
-) -> tuple[float, list | None] | None:
+    run: PreparedRun, state: RunState, rnd: Segment, groups, progress, checkpointer, n_params: int
+) -> Iterator[Row]:
     """After the syncs that landed at the end of `rnd`: their rows, and at a round's end the held-out
-    loss of the new global weights (the writer) and the checkpoint it asks for. Returns the held-out
-    loss (NaN off the writer) and each source's (a prepared corpus of several sources, else None);
-    None when no round ended. Each of DiLoCo's sync rows holds the held-out loss of the weights its
-    landing left (`row_heldout`). Before the checkpoint every process agrees the
+    loss of the new global weights (the writer) and the checkpoint it asks for. Yields the writer's rows;
+    returns the held-out loss (NaN off the writer) and each source's (a prepared corpus of several
+    sources, else None); None when no round ended. Each of DiLoCo's sync rows holds the held-out loss
+    of the weights its landing left (`row_heldout`). Before the checkpoint every process agrees the
     verdict (`sync_verdict`): a non-finite held-out loss or a divergence stops them all here, the
     writer's rows holding finite figures."""
     cfg = run.cfg
@@ -185,24 +188,23 @@ def after_syncs(
     rows = sync_rows(cfg, rnd, None if heldout is None else heldout[:-1], state.totals, n_params, clock)
     if groups.is_writer:
         if verdict != HELDOUT_NON_FINITE or streaming:
-            for row in rows:
-                log.write(row)
+            yield from rows
         if rnd.ends_round and verdict != HELDOUT_NON_FINITE:
             progress.eval_loss = eval_loss
             if streaming:  # the held-out loss in its own row, beside the running totals
-                log.write(
-                    EvalRow(
-                        update=rnd.updates[-1] + 1,
-                        round=rnd.index,
-                        eval_loss=eval_loss,
-                        eval_loss_sources=sources,
-                        comm_inner_total=rows[-1].comm_inner_total,
-                        comm_outer_total=rows[-1].comm_outer_total,
-                        clock_s=None if clock is None else clock.heldout(eval_loss),
-                        figures=channels,
-                    )
+                yield EvalRow(
+                    update=rnd.updates[-1] + 1,
+                    round=rnd.index,
+                    eval_loss=eval_loss,
+                    eval_loss_sources=sources,
+                    comm_inner_total=rows[-1].comm_inner_total,
+                    comm_outer_total=rows[-1].comm_outer_total,
+                    clock_s=None if clock is None else clock.heldout(eval_loss),
+                    figures=channels,
                 )
-    stop_on_verdict(groups.max_over_processes(verdict), verdict, why, rnd)
+    stop_on_verdict(
+        groups.max_over_processes(verdict), verdict, why, f"the sync at update {rnd.updates[-1] + 1}"
+    )
     if checkpointer is not None:
         if rnd.ends_round:
             checkpointer.after_sync(state, last=state.next_update >= run.updates)
@@ -236,6 +238,132 @@ def stop_here(
     raise signals.Preempted(f"stopped by {name} {where}; checkpoint {path}; resume=auto goes on", signum)
 
 
+def run_facts(run: PreparedRun, groups: Collectives) -> dict:
+    """The model's size and where the run ran, for its first summary row (beside the plan's facts)."""
+    return {
+        "model/params": count_params(run.cfg.model),
+        "model/active_params": active_params(run.cfg.model),  # a token's: a mixture's top_k experts
+        "engine/layout": groups.layout,
+        "env/processes": groups.size,
+        "env/backend": groups.backend,
+        "env/device": device_name(run.decided.device),
+        "env/torch": torch.__version__,
+    }
+
+
+def first_eval(run: PreparedRun, state: RunState, log, writer: bool, resumed: bool) -> tuple[float, list]:
+    """The held-out loss of the weights the run starts from (the writer's; NaN elsewhere) and each
+    source's; a new run's own row of it (a resumed run's metrics.jsonl holds it already), which the
+    writer's network clock keeps."""
+    eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
+    sources = channels.pop("eval_loss_sources", None)
+    if not resumed:
+        if writer and state.clock is not None:
+            state.clock.heldout(eval_loss)
+        first = EvalRow(update=0, round=0, eval_loss=eval_loss, eval_loss_sources=sources, figures=channels)
+        log.write(first)
+    return eval_loss, sources
+
+
+def final_summary(state: RunState, schedule, throughput: Throughput, start: float, end: float) -> dict:
+    """The run's summary common to every schedule: the last held-out loss, tokens, seconds, outer bytes
+    and bits, restarts, throughput and the writer's network clock (`schedule.summary()` adds its own)."""
+    totals, sources = state.totals, schedule.sources
+    return (
+        {
+            "eval/final_loss": schedule.eval_loss,
+            **({"eval/final_loss_sources": sources} if sources is not None else {}),
+            "train/tokens_total": totals.tokens,
+            "train/wall_s": end - start,
+            "comm/outer_total_bytes": totals.comm_outer_bytes,
+            "comm/outer_peak_bytes": totals.comm_outer_peak,
+            "run/restarts": restarts.count(),  # by torch's agent, in the launch that finished the run
+        }
+        | bits_summary(totals)
+        | throughput.window(end)
+        | throughput.summary()
+        | (state.clock.summary() if schedule.groups.is_writer and state.clock is not None else {})
+    )
+
+
+class Rounds:
+    """outer.schedule=rounds: the phase's segments (`diloco.rounds`, a round unless a checkpoint or a stop
+    cut it), each yielding its update rows, then its sync (and held-out) rows (`after_syncs`); a
+    checkpoint and a stop where they ask. `eval_loss` and `sources`: the held-out loss so far, then the
+    last."""
+
+    def __init__(
+        self,
+        run: PreparedRun,
+        state: RunState,
+        groups: Collectives,
+        checkpointer,
+        on_stop,
+        eval_loss,
+        sources,
+    ):
+        self.run, self.state, self.groups, self.checkpointer = run, state, groups, checkpointer
+        self.on_stop, self.eval_loss, self.sources = on_stop, eval_loss, sources
+
+    def rows(self, progress: Progress, throughput: Throughput, start: float) -> Iterator[Row]:
+        """Each segment's update rows, timed from `start` (`wall`) into `throughput`, then its syncs'."""
+        run, state, groups, checkpointer, cfg = (
+            self.run,
+            self.state,
+            self.groups,
+            self.checkpointer,
+            self.run.cfg,
+        )
+        clock = state.clock if groups.is_writer else None  # the writer's: fed the rows it writes
+        stop = StopCheck(groups)
+        n_params = count_params(cfg.model)
+        every_updates = checkpointer.every_updates if checkpointer is not None else 0
+        for rnd in rounds(run, state, groups=groups, stop=stop, every_updates=every_updates):
+            throughput.add(
+                rnd.updates,
+                rnd.ranks,
+                [sum(x is not None for x in rnd.losses(t)) for t in range(len(rnd.updates))],
+            )
+            # Rows are written once the segment is over: `wall` is when it ended (an engine runs a
+            # segment as a whole), the same for its updates.
+            round_end = time.perf_counter() - start
+            for t, u in enumerate(rnd.updates):
+                losses = rnd.losses(t)
+                stepped = [x for x in losses if x is not None]
+                tokens = int(rnd.replica_column("targets")[t].sum())
+                state.totals.tokens += tokens
+                state.totals.replica_steps += len(stepped)
+                row = UpdateRow(
+                    update=u + 1,
+                    round=rnd.index,
+                    lr=rnd.assigns[0].lr(cfg, t),
+                    loss=losses,
+                    tokens=tokens,
+                    grad_accum=int(rnd.replica_column("microbatches")[t].max()),
+                    wall=round_end,
+                    rank_seconds=rnd.process_column("seconds")[:, t].tolist(),  # each process's time
+                    figures=model_spec(cfg.model).row_figures(rnd, t),  # channel losses, router figures
+                )
+                if clock is not None:
+                    row.clock_s = clock.update(row)
+                yield row
+                progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
+            if rnd.syncs or rnd.ends_round:
+                evaluated = yield from after_syncs(run, state, rnd, groups, progress, checkpointer, n_params)
+                if evaluated is not None:
+                    self.eval_loss, self.sources = evaluated
+            elif checkpointer is not None:
+                checkpointer.after_update(state)
+            if stop.signum:
+                self.on_stop(stop.signum, state.next_update >= run.updates)
+            throughput.next_segment(time.perf_counter())
+
+    def summary(self) -> dict:
+        """The run's churn figures (`churn_summary`), with churn."""
+        cfg = self.run.cfg
+        return churn_summary(self.state.totals, cfg.outer.fragments) if cfg.churn.enabled else {}
+
+
 def train(
     run: PreparedRun,
     log: RunLogger | None,
@@ -243,8 +371,8 @@ def train(
     checkpointer: Checkpointer | None = None,
     saved: dict | None = None,
 ) -> tuple[dict, RunState]:
-    """Run the phase's rounds; the writer logs per update and per sync; return the final summary
-    and the run's state (its `theta` is the trained global weights).
+    """Run the phase's schedule (`SCHEDULES`: rounds or server updates); the writer logs the rows it
+    yields; return the final summary and the run's state (its `theta` is the trained global weights).
 
     Every process of a run calls this with its `groups`; only the writer (rank 0) gets a `log`,
     evaluates the held-out loss and shows progress. The others pass `log=None`. With `checkpointer`
@@ -261,103 +389,29 @@ def train(
         state.load_state_dict(saved)
         state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
-    totals = state.totals
-    n_params = count_params(cfg.model)
-    facts = {
-        "model/params": n_params,
-        "model/active_params": active_params(cfg.model),  # a token's: a mixture's top_k experts
-        "engine/layout": groups.layout,
-        "env/processes": groups.size,
-        "env/backend": groups.backend,
-        "env/device": device_name(run.decided.device),
-        "env/torch": torch.__version__,
-    }
-    log.write(SummaryRow(values=run.plan_facts | facts))
-    eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
-    sources = channels.pop("eval_loss_sources", None)
-    clock = state.clock if writer else None  # the writer's: fed the rows it writes
-    if saved is None:  # a resumed run's metrics.jsonl holds its first eval already
-        if clock is not None:
-            clock.heldout(eval_loss)
-        first = EvalRow(update=0, round=0, eval_loss=eval_loss, eval_loss_sources=sources, figures=channels)
-        log.write(first)
+    log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups)))
+    eval_loss, sources = first_eval(run, state, log, writer, resumed=saved is not None)
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
     start = time.perf_counter()
     # Throughput leaves out the phase's first timing_warmup updates (compilation, allocator warm-up);
-    # all are timed when that would leave none.
-    # A resumed session times only its own updates.
-    warmup = run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0
-    throughput = Throughput(groups.size, warmup, start)
-    stop = StopCheck(groups)
-    every_updates = checkpointer.every_updates if checkpointer is not None else 0
-    asynchronous = {}
-    if cfg.outer.is_async:  # docs/async.md: server updates in place of rounds
+    # all are timed when that would leave none. A resumed session times only its own updates.
+    throughput = Throughput(
+        groups.size, run.phase.timing_warmup if run.phase.timing_warmup < run.updates else 0, start
+    )
 
-        def on_stop(signum: int, last: bool) -> None:
-            stop_here(run, state, signum, checkpointer, groups, finished=last)
+    def on_stop(signum: int, last: bool) -> None:
+        stop_here(run, state, signum, checkpointer, groups, finished=last)
 
-        eval_loss, asynchronous = train_async(run, state, log, checkpointer, eval_loss, on_stop, groups)
-    for rnd in (
-        []
-        if cfg.outer.is_async
-        else rounds(run, state, groups=groups, stop=stop, every_updates=every_updates)
-    ):
-        throughput.add(
-            rnd.updates,
-            rnd.ranks,
-            [sum(x is not None for x in rnd.losses(t)) for t in range(len(rnd.updates))],
-        )
-        # Rows are written once the segment (a round, unless a checkpoint or a stop cut it) is over:
-        # `wall` is when it ended (an engine runs a segment as a whole), the same for its updates.
-        round_end = time.perf_counter() - start
-        for t, u in enumerate(rnd.updates):
-            losses = rnd.losses(t)
-            stepped = [x for x in losses if x is not None]
-            tokens = int(rnd.replica_column("targets")[t].sum())
-            totals.tokens += tokens
-            totals.replica_steps += len(stepped)
-            row = UpdateRow(
-                update=u + 1,
-                round=rnd.index,
-                lr=rnd.assigns[0].lr(cfg, t),
-                loss=losses,
-                tokens=tokens,
-                grad_accum=int(rnd.replica_column("microbatches")[t].max()),
-                wall=round_end,
-                rank_seconds=rnd.process_column("seconds")[:, t].tolist(),  # each process's time
-                figures=model_spec(cfg.model).row_figures(rnd, t),  # its channel losses, router figures
-            )
-            if clock is not None:
-                row.clock_s = clock.update(row)
-            log.write(row)
-            progress.update(u + 1, sum(stepped) / len(stepped) if stepped else None, len(stepped))
-        if rnd.syncs or rnd.ends_round:
-            evaluated = after_syncs(run, state, rnd, groups, log, progress, checkpointer, n_params)
-            eval_loss, sources = (eval_loss, sources) if evaluated is None else evaluated
-        elif checkpointer is not None:
-            checkpointer.after_update(state)
-        if stop.signum:
-            stop_here(run, state, stop.signum, checkpointer, groups)
-        throughput.next_segment(time.perf_counter())
+    schedule = SCHEDULES[cfg.outer.schedule](run, state, groups, checkpointer, on_stop, eval_loss, sources)
+    for row in schedule.rows(progress, throughput, start):
+        log.write(row)
     progress.close()
     end = time.perf_counter()
-    summary = (
-        {
-            "eval/final_loss": eval_loss,
-            **({"eval/final_loss_sources": sources} if sources is not None else {}),
-            "train/tokens_total": totals.tokens,
-            "train/wall_s": end - start,
-            "comm/outer_total_bytes": totals.comm_outer_bytes,
-            "comm/outer_peak_bytes": totals.comm_outer_peak,
-            "run/restarts": restarts.count(),  # by torch's agent, in the launch that finished the run
-        }
-        | bits_summary(totals)
-        | throughput.window(end)
-        | throughput.summary()
-        | (clock.summary() if clock is not None else {})
-        | (churn_summary(totals, cfg.outer.fragments) if cfg.churn.enabled and not cfg.outer.is_async else {})
-        | asynchronous
-    )
+    summary = final_summary(state, schedule, throughput, start, end) | schedule.summary()
     log.write(SummaryRow(values=summary))
     return summary, state
+
+
+# outer.schedule's implementations: `train` builds the config's, then writes every row its `rows` yields.
+SCHEDULES = {Scheduling["rounds"]: Rounds, Scheduling["async"]: Arrivals}
