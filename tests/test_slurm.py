@@ -61,6 +61,9 @@ SWEEP_TIMEOUT_S = JOB_DONE_S + RESULT_POLL_S  # one sweep to its last job's resu
 # exits (STOP_CPU_S at SLOWDOWN), then SLURM ends the job (END_TIMEOUT_S: a message, KillWait, the
 # completion messages).
 STATE_TIMEOUT_S = STOP_CPU_S * SLOWDOWN + END_TIMEOUT_S  # 90 s
+# A failed job record is final once it has stood this long with the job out of the queue (a requeue
+# returns it within a controller's message, well under a second here).
+REQUEUE_GRACE_S = 10.0
 FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 RUN = [*QUICK, "logger=none"]
 
@@ -103,21 +106,33 @@ def job_logs(cwd: Path, lines: int = 25) -> str:
 
 
 def failed_jobs(cluster, cwd: Path) -> list[dict]:
-    return [j for j in cluster.completed() if j.get("WorkDir") == str(cwd) and j.get("JobState") in FAILED]
+    """This test's jobs whose last completion SLURM records as failed and that it no longer holds: a
+    preempted job's attempt may be logged FAILED (its tasks ended by the requeue's SIGTERM) before the
+    controller requeues it, and that job is still in the queue, to run again."""
+    last = {j.get("JobId"): j for j in cluster.completed() if j.get("WorkDir") == str(cwd)}
+    failed = [j for j in last.values() if j.get("JobState") in FAILED]
+    held = set(cluster.jobs()) if failed else set()
+    return [j for j in failed if j.get("JobId") not in held]
 
 
 def wait_sweep(proc: subprocess.Popen, cwd: Path, cluster, timeout: float = SWEEP_TIMEOUT_S):
     """The sweep's result; a job SLURM records as failed, or a sweep past `timeout`, fails the test
-    (without accounting, submitit cannot tell a job that died without a result and waits for ever)."""
+    (without accounting, submitit cannot tell a job that died without a result and waits for ever).
+    A failed record must stand for REQUEUE_GRACE_S first: a requeued attempt's record can precede the
+    job's return to the queue."""
     deadline = time.monotonic() + timeout
+    seen: dict[str, float] = {}  # a failed job's id -> when it was first seen failed
     while True:
         try:
             out, err = proc.communicate(timeout=1)
             return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         except subprocess.TimeoutExpired:
             pass
+        now = time.monotonic()
         failed = failed_jobs(cluster, cwd)
-        if failed or time.monotonic() > deadline:
+        seen = {j["JobId"]: seen.get(j["JobId"], now) for j in failed}
+        failed = [j for j in failed if now - seen[j["JobId"]] >= REQUEUE_GRACE_S]
+        if failed or now > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             cluster.cancel_all()
