@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from hypertrain.diloco.arrivals import Job, ServerUpdate
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict, stop_on_verdict
-from hypertrain.diloco.state import PreparedRun, RunState, Totals
-from hypertrain.distributed.groups import Collectives
+from hypertrain.diloco.state import Totals
 from hypertrain.failures import signals
 from hypertrain.records.rows import ArrivalRow
 from hypertrain.run.evaluation import heldout_eval
+from hypertrain.run.schedule import ScheduleBase
 
 
 def last_loss(losses: list[float | None]) -> float | None:
@@ -65,7 +65,7 @@ def churn_figures(totals) -> dict:
     }
 
 
-class Arrivals:
+class Arrivals(ScheduleBase):
     """outer.schedule=async: the server updates from `state` on (`rows`), after each a stop signal
     calling `on_stop(signum, last)` (a checkpoint, then `Preempted`). `eval_loss` is the held-out loss so
     far, then the last. On real processes (`groups`) the writer evaluates and its rows are written; every
@@ -73,18 +73,8 @@ class Arrivals:
     each update's arrival clock and keeps the held-out losses (`Clock.arrival`, `Clock.heldout`), so the
     run's `clock/` summary is the replay of its rows."""
 
-    def __init__(
-        self,
-        run: PreparedRun,
-        state: RunState,
-        groups: Collectives,
-        checkpointer,
-        on_stop,
-        eval_loss,
-        sources,
-    ):
-        self.run, self.state, self.groups, self.checkpointer = run, state, groups, checkpointer
-        self.on_stop, self.eval_loss, self.sources = on_stop, eval_loss, sources  # sources: the first eval's
+    def __init__(self, *args):
+        super().__init__(*args)
         self.clock_s, self.seconds, self.steps = 0.0, 0.0, 0
 
     def rows(self, progress, throughput, start: float) -> Iterator[ArrivalRow]:

@@ -35,6 +35,7 @@ from hypertrain.run.asynchronous import Arrivals
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.progress import Progress
 from hypertrain.run.runtime import keep_freed_memory
+from hypertrain.run.schedule import ScheduleBase
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.checkpoint import Checkpointer
 from hypertrain.rundir.records import NoLog, RunLogger
@@ -286,24 +287,11 @@ def final_summary(state: RunState, schedule, throughput: Throughput, start: floa
     )
 
 
-class Rounds:
+class Rounds(ScheduleBase):
     """outer.schedule=rounds: the phase's segments (`diloco.rounds`, a round unless a checkpoint or a stop
     cut it), each yielding its update rows, then its sync (and held-out) rows (`after_syncs`); a
     checkpoint and a stop where they ask. `eval_loss` and `sources`: the held-out loss so far, then the
     last."""
-
-    def __init__(
-        self,
-        run: PreparedRun,
-        state: RunState,
-        groups: Collectives,
-        checkpointer,
-        on_stop,
-        eval_loss,
-        sources,
-    ):
-        self.run, self.state, self.groups, self.checkpointer = run, state, groups, checkpointer
-        self.on_stop, self.eval_loss, self.sources = on_stop, eval_loss, sources
 
     def rows(self, progress: Progress, throughput: Throughput, start: float) -> Iterator[Row]:
         """Each segment's update rows, timed from `start` (`wall`) into `throughput`, then its syncs'."""
