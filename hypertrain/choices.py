@@ -6,7 +6,8 @@ entry turns that into its one line: `choice_error`). A member is its string:
 it equals it (`member == "none"`), hashes as it, formats and quotes as it (f-strings, `!r`, JSON), so
 code and messages read a choice as they read a str. What a run stores (config.yaml, checkpoints, W&B)
 holds plain str, never a member (`config.as_builtins`, `enum_to_str=True`). Of hypertrain only the codec
-table is imported here (`Compressor`'s members are its entries); omegaconf only by `choice_error`.
+and schedule tables are imported here (`Compressor`'s and `Schedule`'s members are their entries);
+omegaconf only by `choice_error`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from hypertrain.codec_table import TABLE as CODEC_TABLE
+from hypertrain.schedule_table import TABLE as SCHEDULE_TABLE
 
 
 class Choice(StrEnum):
@@ -107,9 +109,10 @@ class Overlap(Choice):
     eager = "eager"
 
 
-# outer.schedule: rounds (today's: every replica syncs at a round's end) or async (docs/async.md: each
+# outer.schedule: one member per entry of the schedule table (`hypertrain.schedule_table`, which declares
+# what each is), in its order: rounds (every replica syncs at a round's end) or async (docs/async.md: each
 # replica's pseudo-gradient is applied when it arrives); `async` is a keyword, so the functional form
-Schedule = Choice("Schedule", [("rounds", "rounds"), ("async", "async")])
+Schedule = Choice("Schedule", [(name, name) for name in SCHEDULE_TABLE])
 Schedule.__doc__ = "outer.schedule: synchronous rounds, or asynchronous replicas (docs/async.md)."
 
 

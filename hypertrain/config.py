@@ -5,10 +5,10 @@ itself.
 engine, processes, logger, checkpoint, guard, cluster: the network clock's target) plus `replicas` (R)
 and `seed`. Each field is documented here, once, and each section checks its own fields (`check()`),
 raising `UserError` (a `ValueError`) with one line naming the field, the bad value and what is
-valid. A string choice is an enum of `hypertrain.choices` (with the codec table, whose entries say what
-a codec can run with, the only modules of hypertrain imported here; what one data source needs is its
-entry's check, `hypertrain.data`): OmegaConf refuses any other value, so no check here repeats it. The
-checks across sections and against the plan are
+valid. A string choice is an enum of `hypertrain.choices` (with the codec and schedule tables, whose
+entries say what a codec or a schedule can run with, and `errors`, the only modules of hypertrain
+imported here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
+any other value, so no check here repeats it. The checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`.
 """
 
@@ -51,17 +51,13 @@ from hypertrain.choices import (
     WandbMode,
 )
 from hypertrain.codec_table import BLOCK_CODECS, codec_entry
+from hypertrain.errors import UserError
+from hypertrain.schedule_table import schedule_entry
 
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 HELDOUT_ROWS_PER_PASS = (
     64  # rows of one held-out forward pass (run.prepare batches them; run.memory sizes them)
 )
-
-
-class UserError(ValueError):
-    """A user's mistake (a config value, a command-line argument, a file given that cannot serve), found
-    before anything is written or changed: its message is one line naming the value and what would be
-    valid; an entry prints it and exits with code 2."""
 
 
 @dataclass
@@ -258,7 +254,7 @@ class OuterConfig:
     # Asynchronous replicas (docs/async.md): rounds (every replica syncs at a round's end) or async (a
     # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
     # the network clock says it arrives; no barrier).
-    schedule: Schedule = Schedule["rounds"]
+    schedule: Schedule = Schedule.rounds
     # async: the server's step on an arrival: naive (outer.optimizer's step on it) or delayed_nesterov
     # (Liu et al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals; the built-in only).
     async_rule: AsyncRule = AsyncRule.delayed_nesterov
@@ -274,10 +270,6 @@ class OuterConfig:
     async_eval_every: int = 0
     # pseudo-gradients averaged uniformly or weighted by the tokens each trained on (docs/async.md)
     mean_weights: MeanWeights = MeanWeights.uniform
-
-    @property
-    def is_async(self) -> bool:
-        return self.schedule == "async"
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
@@ -328,20 +320,7 @@ class OuterConfig:
         _at_least("outer.dn_buffer", self.dn_buffer, 0)
         _at_least("outer.grace_s", self.grace_s, 0.0)
         _at_least("outer.async_eval_every", self.async_eval_every, 0)
-        self.check_schedule_fields()
-
-    def check_schedule_fields(self) -> None:
-        """A field only the other schedule reads (`SCHEDULE_ONLY`) stays at its default: set, it would
-        change nothing. A value equal to the default (a preset's, or written out) is accepted."""
-        other = Schedule["rounds"] if self.is_async else Schedule["async"]
-        for name in SCHEDULE_ONLY[other]:
-            value, default = getattr(self, name), default_of(OuterConfig, name)
-            if value != default:
-                raise UserError(
-                    f"outer.{name}={value} needs outer.schedule={other} (outer.schedule={self.schedule} "
-                    f"would ignore it); valid: outer.schedule={other}, or outer.{name}={default} "
-                    "(its default)"
-                )
+        schedule_entry(self.schedule).check_fields(self)  # another schedule's fields stay at their defaults
 
     def check_codec(self) -> None:
         """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap, a transform
@@ -402,15 +381,6 @@ class OuterConfig:
                 f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
                 "outer.index_bits=32"
             )
-
-
-# The outer fields one schedule reads and the other would ignore (docs/async.md): the server's under async
-# (its rule, delayed Nesterov's N and c, the grace window, dynamic local updates, its evaluations), and
-# under rounds the reduction of a round's payloads (an arrival's payload is broadcast whole).
-SCHEDULE_ONLY = {
-    Schedule["async"]: ("async_rule", "dn_buffer", "dn_activation", "grace_s", "dylu", "async_eval_every"),
-    Schedule["rounds"]: ("reduce",),
-}
 
 
 @dataclass

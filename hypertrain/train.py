@@ -52,6 +52,7 @@ from hypertrain.preflight.schema import register_configs
 from hypertrain.records import formats
 from hypertrain.run import invocation
 from hypertrain.rundir import directory
+from hypertrain.schedule_table import schedule_entry
 
 register_configs()
 logger = logging.getLogger("hypertrain")
@@ -242,7 +243,7 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
 
     resume = restart = None
     if restarts.count():  # torchrun restarted every rank after one failed (resume=auto, torchrun_restarts)
-        resume, restart = restart_here(run_dir, checked.resume, run.cfg.outer.is_async)
+        resume, restart = restart_here(run_dir, checked.resume, schedule_entry(run.cfg.outer.schedule).server)
         logger.info(
             "restart %d of %d: going on from %s", restart.count, restart.allowed, restart.path or "the start"
         )

@@ -25,7 +25,7 @@ from helpers import (
 from omegaconf import OmegaConf
 
 from hypertrain.choices import Schedule
-from hypertrain.config import SCHEDULE_ONLY, OuterConfig, default_of
+from hypertrain.config import OuterConfig, default_of
 from hypertrain.diloco.arrivals import job_steps, replica_speeds, schedule
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.rounds import rounds
@@ -36,6 +36,7 @@ from hypertrain.records.files import read_records
 from hypertrain.records.rows import ArrivalRow
 from hypertrain.report.runs import load_run
 from hypertrain.report.table import async_steps_done, figures
+from hypertrain.schedule_table import ENTRIES, schedule_entry
 
 U = 2.0**-24  # fp32's unit roundoff
 
@@ -58,7 +59,7 @@ def trained(cfg, record: list | None = None) -> dict[str, torch.Tensor]:
     the weights after it), from the server itself."""
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
-    if not cfg.outer.is_async:
+    if not schedule_entry(cfg.outer.schedule).server:
         for _ in rounds(run, state):
             pass
         return state.theta
@@ -108,13 +109,13 @@ def test_dylu_gives_each_replica_its_share_of_h_by_its_speed_eq_6():
 
 
 def test_a_schedules_fields_written_at_their_defaults_are_accepted_under_the_other():
-    """Each schedule's own fields (`SCHEDULE_ONLY`) set away from their defaults under the other are
-    refused (tests/test_bad_input.py); written out at their defaults on the command line (as a preset or
-    a copied config.yaml holds them) they pass, under rounds and under async alike."""
+    """Each schedule's own fields (its table entry's `fields`) set away from their defaults under the
+    other are refused (tests/test_bad_input.py); written out at their defaults on the command line (as a
+    preset or a copied config.yaml holds them) they pass, under rounds and under async alike."""
     base = compose_train([*QUICK, "cluster=h100"])
-    for needs, fields in SCHEDULE_ONLY.items():
-        other = "rounds" if needs == "async" else "async"
-        written = [f"outer.{name}={default_of(OuterConfig, name)}" for name in fields]
+    for entry in ENTRIES:
+        other = next(e.name for e in ENTRIES if e is not entry)
+        written = [f"outer.{name}={default_of(OuterConfig, name)}" for name in entry.fields]
         validate(
             OmegaConf.to_object(
                 OmegaConf.merge(base, OmegaConf.from_dotlist([f"outer.schedule={other}", *written]))

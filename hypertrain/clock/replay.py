@@ -12,6 +12,7 @@ from hypertrain.clock.timeline import Clock, Shape
 from hypertrain.config import ClusterConfig, UserError
 from hypertrain.records import formats
 from hypertrain.records.rows import ArrivalRow, EvalRow, Row, SummaryRow, SyncRow, UpdateRow, parse
+from hypertrain.schedule_table import recorded_entry
 
 _ORDER = {UpdateRow.kind: 0, SyncRow.kind: 1, EvalRow.kind: 2}  # within one update, as training writes them
 
@@ -74,8 +75,9 @@ def decided_by_clock(resolved: dict) -> str | None:
     were late, so which pseudo-gradients its weights hold; `outer.schedule=async`: the order its
     pseudo-gradients arrived in), as `key=value`; None for a run whose numbers no clock touched. Such a
     run timed on another cluster or size is a clock that never was."""
-    if (resolved.get("outer") or {}).get("schedule") == "async":
-        return "outer.schedule=async"
+    schedule = recorded_entry(resolved.get("outer"))
+    if schedule.arrival_clock:
+        return f"outer.schedule={schedule.name}"
     deadline = (resolved.get("churn") or {}).get("deadline") or 0.0
     return f"churn.deadline={deadline:g}" if deadline > 0 else None
 
@@ -94,7 +96,7 @@ def clock_of(
     of its update, and DiLoCo's sync rows, each at the clock after its own landing, whose weights'
     loss it holds) and `Clock.summary`'s totals without their `clock/`."""
     resolved = formats.upgrade_config(resolved)
-    if (resolved.get("outer") or {}).get("schedule") == "async":
+    if recorded_entry(resolved.get("outer")).arrival_clock:
         return arrival_clock(rows, cluster, resolved)
     if model_params is None:  # the size the run's own clock timed (cluster.model_params), else its model's
         model_params = int((resolved.get("cluster") or {}).get("model_params") or 0) or None

@@ -23,6 +23,7 @@ from hypertrain.clock.formulas import (
 from hypertrain.codec_table import codec_entry
 from hypertrain.config import ClusterConfig, StragglerConfig, as_builtins
 from hypertrain.records.rows import SyncRow, UpdateRow
+from hypertrain.schedule_table import BEFORE, schedule_entry
 
 FP32_BYTES = 4
 
@@ -60,7 +61,7 @@ class Shape:
     compress: str
     reduce: str
     overlap: str = "none"  # outer.overlap: a landing's reduction was taken at the fragment's last sync point
-    schedule: str = "rounds"  # outer.schedule: async's own clock decides its arrivals (`Clock.arrival`)
+    schedule: str = BEFORE  # outer.schedule: its entry says if its clock orders arrivals (`Clock.arrival`)
 
     @classmethod
     def of(cls, resolved: dict) -> Shape:
@@ -75,12 +76,13 @@ class Shape:
             str(outer["compress"]),
             str(outer["reduce"]),
             str(outer.get("overlap", "none")),
-            str(outer.get("schedule", "rounds")),
+            str(outer.get("schedule", BEFORE)),
         )
 
     @property
-    def is_async(self) -> bool:
-        return self.schedule == "async"
+    def arrival_clock(self) -> bool:
+        """The schedule's entry orders its arrivals by this clock (`Clock.arrival`), keeping no split."""
+        return schedule_entry(self.schedule).arrival_clock
 
 
 class Clock:
@@ -214,7 +216,7 @@ class Clock:
             "clock/outer_hidden_s": self.outer_hidden_s,
             "clock/compute_utilization": self.compute_s / self.total_s if self.total_s > 0 else 1.0,
         }
-        if self.shape.is_async:
+        if self.shape.arrival_clock:
             split = dict.fromkeys(split)
         return {
             "clock/cluster": self.cluster.name,

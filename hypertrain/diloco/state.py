@@ -40,6 +40,7 @@ from hypertrain.model.shapes import active_params, count_params, param_roles
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, init_state
 from hypertrain.optim.outer import outer_optimizer
+from hypertrain.schedule_table import schedule_entry
 
 
 @dataclass
@@ -237,7 +238,7 @@ class RunState:
             )
             for p, names in enumerate(members(cfg))
         ]
-        if cfg.outer.is_async:  # one fragment (fragments are refused): the server steps with its optimizer
+        if schedule_entry(cfg.outer.schedule).server:  # one fragment (async refuses more): the server steps
             (whole,) = state.syncs
             assert list(whole.theta) == list(theta), "the server's flat order is the weights'"
             state.asynchronous = AsyncState(AsyncServer(cfg.outer, whole.stepper))

@@ -44,6 +44,7 @@ from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, 
 from hypertrain.records.files import merged_summary
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.records import METRICS_FILE, read_metrics, session_end, session_rows
+from hypertrain.schedule_table import schedule_entry
 
 if TYPE_CHECKING:
     from hypertrain.run.session import Restart
@@ -145,7 +146,8 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
             raise RankFailed(f"torch.distributed could not start ({backend}): {first_line(e)}") from None
         resume, restart, finished = None, job.restart if rank == 0 else None, False
         if rank == 0 and job.self_launched and restarts.count() > 0:  # the entry's agent restarted us
-            resume, restart, finished = _restarted(Path(job.run_dir), cfg.outer.is_async)
+            server = schedule_entry(cfg.outer.schedule).server
+            resume, restart, finished = _restarted(Path(job.run_dir), server)
         # Rank 0 decided the run directory and the checkpoint the run goes on from; the others learn both.
         told = [job.run_dir, job.resume_from if restart is None else restart.path, finished]
         dist.broadcast_object_list(told, src=0)
@@ -192,8 +194,8 @@ def _restarted(run_dir: Path, asynchronous: bool):
     """Rank 0 of a self-launched session that the entry's agent restarted: (the Resume, the Restart,
     whether the run had finished already). It goes on from the newest checkpoint whose records match,
     or from the start (`session.restart_here`, counting what it runs again in server updates when
-    `asynchronous`: outer.schedule=async); a run whose records end `finished` (a worker died in its
-    teardown) is left as it is."""
+    `asynchronous`: the schedule's entry has a server, as outer.schedule=async's); a run whose records
+    end `finished` (a worker died in its teardown) is left as it is."""
     from hypertrain.run.session import restart_here
     from hypertrain.rundir.directory import finished_updates
 

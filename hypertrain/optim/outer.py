@@ -17,6 +17,7 @@ import importlib
 import json
 
 from hypertrain.config import OuterConfig, UserError
+from hypertrain.schedule_table import schedule_entry
 
 FLOAT_BYTES = 4  # the built-ins' buffers are fp32
 NAMED = "nesterov, or the import path of a torch.optim.Optimizer subclass (e.g. torch.optim.Adam)"
@@ -125,7 +126,7 @@ TABLE = {entry.name: entry for entry in (NESTEROV, DELAYED_NESTEROV)}
 def outer_optimizer(outer: OuterConfig) -> OuterOptimizer:
     """The run's outer optimizer: under outer.schedule=async an outer.async_rule entry (delayed_nesterov)
     when there is one, else the one outer.optimizer names; UserError (one line) for a name that is none."""
-    rule = TABLE.get(outer.async_rule) if outer.is_async else None
+    rule = TABLE.get(outer.async_rule) if schedule_entry(outer.schedule).server else None
     return rule or named(outer.optimizer)
 
 

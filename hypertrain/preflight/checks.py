@@ -23,6 +23,7 @@ from hypertrain.distributed.layouts import LayoutError
 from hypertrain.model.spec import model_spec
 from hypertrain.optim import outer as outer_optimizers
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
+from hypertrain.schedule_table import schedule_entry
 
 
 def plan_phase(phase: PhaseConfig) -> StrongPhase | WeakPhase:
@@ -128,61 +129,19 @@ def check_overlap(cfg: TrainConfig) -> None:
         )
 
 
-def check_async(cfg: TrainConfig) -> None:
-    """outer.schedule=async (docs/async.md): the clock decides its weights, so its compute is modelled;
-    what it is not built with is refused; its buffer and activation fit R (the server's fields under
-    rounds: `OuterConfig.check_schedule_fields`). The speeds fit R (under rounds they time the clock)."""
-    outer, cluster, R = cfg.outer, cfg.cluster, cfg.replicas
-    cluster.check_replicas(R)
+def check_schedule(cfg: TrainConfig) -> None:
+    """The speeds fit R (under rounds they time the clock; under async they order arrivals), then what
+    the schedule's entry (`schedule_table`) is not built with (its own fields under another schedule:
+    `OuterConfig.check`)."""
+    cluster = cfg.cluster
+    cluster.check_replicas(cfg.replicas)
     slowed = cluster.replica_speeds or cluster.speed_sigma
     if slowed and cfg.churn.deadline:
         raise UserError(
             "cluster.replica_speeds or speed_sigma with churn.deadline is not built (the deadline reads the "
             "stragglers only); valid: equal speeds, or churn.deadline=0"
         )
-    if not outer.is_async:
-        if outer.mean_weights == "tokens" and outer.overlap == "eager":
-            raise UserError(
-                "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built "
-                "(its own fresh and stale terms are weighted 1/R); valid: outer.mean_weights=uniform, or "
-                "outer.overlap=none|delayed"
-            )
-        return
-    if cluster.compute != "modelled":
-        raise UserError(
-            f"outer.schedule=async needs modelled compute, not cluster.compute={cluster.compute!r} (the "
-            "clock decides the weights); valid: cluster.compute=modelled (e.g. cluster=h100)"
-        )
-    unbuilt = [
-        (outer.fragments > 1, f"outer.fragments={outer.fragments}"),
-        (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
-        (bool(outer.delay), f"outer.delay={outer.delay}"),
-        (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
-        (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
-    ]
-    for refused, what in unbuilt:
-        if refused:
-            raise UserError(
-                f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
-                f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
-            )
-    # churn's round-bound fields: a quorum skips a sync, a deadline cuts a round; async has neither
-    roundly = [
-        (cfg.churn.min_quorum > 1, f"churn.min_quorum={cfg.churn.min_quorum}", "a sync to skip", "1"),
-        (bool(cfg.churn.deadline), f"churn.deadline={cfg.churn.deadline!r}", "a round to cut", "0"),
-    ]
-    for refused, what, needs, default in roundly:
-        if refused:
-            raise UserError(
-                f"outer.schedule=async with {what} is not built (it needs {needs}: docs/async.md, "
-                f"'Churn with async'); valid: {what.split('=')[0]}={default}, or outer.schedule=rounds"
-            )
-    N = outer.dn_buffer or R
-    if not 0.0 <= outer.dn_activation <= 1.0 / N:
-        raise UserError(
-            f"outer.dn_activation={outer.dn_activation!r} is out of range; valid: [0, 1/N] = "
-            f"[0, {1.0 / N:g}] (N = outer.dn_buffer = {N})"
-        )
+    schedule_entry(cfg.outer.schedule).check(cfg)
 
 
 def check_layout(cfg: TrainConfig) -> Decided:
@@ -206,7 +165,7 @@ def validate(cfg: TrainConfig) -> Decided:
     check_fragments(cfg)
     check_deadline(cfg)
     check_overlap(cfg)
-    check_async(cfg)
+    check_schedule(cfg)
     outer_optimizers.check(cfg.outer)  # a torch optimizer's path and arguments (imports torch for it)
     return decided
 

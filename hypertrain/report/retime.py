@@ -33,6 +33,7 @@ from hypertrain.report.runs import Run, load_run
 from hypertrain.report.table import data_flags, differing_keys
 from hypertrain.rundir.directory import CLOCK_MD, CLOCK_PREFIX, REPORT_FOLDER
 from hypertrain.rundir.records import METRICS_FILE
+from hypertrain.schedule_table import recorded_entry
 
 PROG = "hypertrain.clock"
 USAGE = (
@@ -238,7 +239,8 @@ def check_clock_decided(path: Path, run: Run, cluster: ClusterConfig, own: Clust
     if params is not None and params != size:
         other.append(f"--model-params {params:,} (its own {size:,})")
     if other:
-        why = "the order its replicas arrived in" if "async" in decided else "which replicas were late"
+        arrived = recorded_entry(run.resolved.get("outer")).arrival_clock  # else churn.deadline's
+        why = "the order its replicas arrived in" if arrived else "which replicas were late"
         raise UserError(
             f"{path} was trained with {decided}: its own clock chose {why}, so its "
             f"weights are that cluster's; timed on {' and '.join(other)} it would be a run that never "

@@ -147,7 +147,7 @@ def restart_here(
     newest checkpoint, whose records `checkpoint.records_match` has checked) or, with None, from the
     start under the run's own id. Drops the checkpoints after it, moves what the failed session
     recorded after that point to metrics.superseded.jsonl (never lost) and says what it was, in the
-    schedule's unit (`recorded_after`; `asynchronous`: the run's outer.schedule is async)."""
+    schedule's unit (`recorded_after`; `asynchronous`: its schedule entry has a server, as async's)."""
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILE
     data = metrics.read_bytes() if metrics.exists() else b""

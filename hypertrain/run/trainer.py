@@ -1,8 +1,9 @@
-"""`train(run, log)`: one loop over the phase's schedule (`SCHEDULES` by outer.schedule: `Rounds` here,
-`asynchronous.Arrivals`), writing every row it yields, then one summary. `Rounds` keeps the rounds'
-records: a row per update and per sync (`run.records`), the held-out loss after every sync, the
-checkpoints the checkpointer asks for, the divergence guard's verdict, and a stop after the update in
-flight when a signal arrived. `hypertrain.run.session` wraps `train` with the run's records.
+"""`train(run, log)`: one loop over the phase's schedule (the one outer.schedule's entry builds,
+`schedule_table`: `Rounds` here, `asynchronous.Arrivals`), writing every row it yields, then one
+summary. `Rounds` keeps the rounds' records: a row per update and per sync (`run.records`), the
+held-out loss after every sync, the checkpoints the checkpointer asks for, the divergence guard's
+verdict, and a stop after the update in flight when a signal arrived. `hypertrain.run.session` wraps
+`train` with the run's records.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Iterator
 
 import torch
 
-from hypertrain.choices import Schedule as Scheduling
 from hypertrain.clock.timeline import Clock
 from hypertrain.diloco.churn import chain_digest
 from hypertrain.diloco.communication import inner_bytes
@@ -31,7 +31,6 @@ from hypertrain.model.shapes import active_params, count_params
 from hypertrain.model.spec import model_spec
 from hypertrain.preflight.prepare import initial_weights
 from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow
-from hypertrain.run.asynchronous import Arrivals
 from hypertrain.run.evaluation import heldout_eval
 from hypertrain.run.progress import Progress
 from hypertrain.run.runtime import keep_freed_memory
@@ -39,6 +38,7 @@ from hypertrain.run.schedule import ScheduleBase
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.checkpoint import Checkpointer
 from hypertrain.rundir.records import NoLog, RunLogger
+from hypertrain.schedule_table import schedule_entry
 
 logger = logging.getLogger("hypertrain")
 
@@ -359,8 +359,9 @@ def train(
     checkpointer: Checkpointer | None = None,
     saved: dict | None = None,
 ) -> tuple[dict, RunState]:
-    """Run the phase's schedule (`SCHEDULES`: rounds or server updates); the writer logs the rows it
-    yields; return the final summary and the run's state (its `theta` is the trained global weights).
+    """Run the phase's schedule (its `schedule_table` entry's `build`: rounds or server updates); the
+    writer logs the rows it yields; return the final summary and the run's state (its `theta` is the
+    trained global weights).
 
     Every process of a run calls this with its `groups`; only the writer (rank 0) gets a `log`,
     evaluates the held-out loss and shows progress. The others pass `log=None`. With `checkpointer`
@@ -391,7 +392,8 @@ def train(
     def on_stop(signum: int, last: bool) -> None:
         stop_here(run, state, signum, checkpointer, groups, finished=last)
 
-    schedule = SCHEDULES[cfg.outer.schedule](run, state, groups, checkpointer, on_stop, eval_loss, sources)
+    built = (run, state, groups, checkpointer, on_stop, eval_loss, sources)
+    schedule = schedule_entry(cfg.outer.schedule).build(*built)
     for row in schedule.rows(progress, throughput, start):
         log.write(row)
     progress.close()
@@ -399,7 +401,3 @@ def train(
     summary = final_summary(state, schedule, throughput, start, end) | schedule.summary()
     log.write(SummaryRow(values=summary))
     return summary, state
-
-
-# outer.schedule's implementations: `train` builds the config's, then writes every row its `rows` yields.
-SCHEDULES = {Scheduling["rounds"]: Rounds, Scheduling["async"]: Arrivals}

@@ -1,0 +1,170 @@
+"""The schedule table (docs/extending.md, "A schedule"): every `outer.schedule` value is one entry,
+registered once in `TABLE`, declaring what the rest of the code asks of it (a server, a clock that orders
+its arrivals, the outer fields of its own, the run-side class that runs it) and refusing what it is not
+built with (`check_fields`, `check`); `choices.Schedule` is read from it, and the rest of the code asks an
+entry (`schedule_entry(name)`), never compares a name.
+
+Imports nothing of hypertrain but `errors` and no torch (the config's enum and refusals come from here):
+an entry's `build` imports its run-side class (`runs`, an import path into `hypertrain.run`) only when a
+run is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from hypertrain.errors import UserError
+
+
+def _default(section: type, name: str) -> Any:
+    """The default of dataclass `section`'s field `name` (`config.default_of`, which this layer cannot
+    import)."""
+    found = next(f for f in dataclasses.fields(section) if f.name == name)
+    return found.default_factory() if found.default is dataclasses.MISSING else found.default
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    """A table entry: `name` (its `outer.schedule` value) and what it is.
+
+    - `server`: a server applies each replica's pseudo-gradient as it arrives: the outer step is the
+      server's rule (outer.async_rule's entry, `optim.outer.outer_optimizer`), the run state holds the
+      server's buffer and the jobs in flight (`diloco.server.AsyncState`, one fragment), its rows are
+      `arrival` rows, and a restarted session counts what it runs again in server updates and jobs
+      (`run.session.restart_here`); else the syncs of rounds (one outer state per fragment);
+    - `arrival_clock`: the network clock orders its pseudo-gradients, so the clock decides its weights:
+      its replay is `clock.replay.arrival_clock`, its clock keeps no compute/inner/outer split, and
+      re-timing it on another cluster is refused (`clock.replay.decided_by_clock`);
+    - `fields`: the outer fields only it reads; under another schedule they stay at their defaults
+      (`check_fields`);
+    - `runs`: its run-side class, `module:Class`, built by `build` (`run.schedule.ScheduleBase`'s
+      arguments): it yields the rows `run.trainer.train` writes, then its part of the summary.
+    """
+
+    name: str
+    runs: str
+    server: bool = False
+    arrival_clock: bool = False
+    fields: tuple[str, ...] = ()
+
+    def check_fields(self, outer) -> None:
+        """A field another entry reads (its `fields`) stays at its default under this one: set, it would
+        change nothing. A value equal to the default (a preset's, or written out) is accepted. Asked by
+        `config.OuterConfig.check`."""
+        for other in ENTRIES:
+            if other is self:
+                continue
+            for name in other.fields:
+                value, default = getattr(outer, name), _default(type(outer), name)
+                if name not in self.fields and value != default:
+                    raise UserError(
+                        f"outer.{name}={value} needs outer.schedule={other.name} (outer.schedule="
+                        f"{outer.schedule} would ignore it); valid: outer.schedule={other.name}, or "
+                        f"outer.{name}={default} (its default)"
+                    )
+
+    def check(self, cfg) -> None:
+        """What this schedule is not built with across the config's sections (`cfg` a `TrainConfig`);
+        UserError, one line. Asked by `preflight.checks.validate`."""
+
+    def build(self, *args):
+        """The run-side object (`runs`) for `train`: built from the run, its state, the process groups,
+        the checkpointer, the stop callback and the held-out loss and sources so far."""
+        module, _, attribute = self.runs.partition(":")
+        return getattr(importlib.import_module(module), attribute)(*args)
+
+
+@dataclass(frozen=True)
+class Rounds(ScheduleEntry):
+    """outer.schedule=rounds: every replica syncs at a round's end (DiLoCo), or each of outer.fragments
+    fragments once per round (Streaming DiLoCo), with outer.delay, outer.merge_alpha and outer.overlap."""
+
+    def check(self, cfg) -> None:
+        outer = cfg.outer
+        if outer.mean_weights == "tokens" and outer.overlap == "eager":
+            raise UserError(
+                "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built "
+                "(its own fresh and stale terms are weighted 1/R); valid: outer.mean_weights=uniform, or "
+                "outer.overlap=none|delayed"
+            )
+
+
+@dataclass(frozen=True)
+class Arrivals(ScheduleEntry):
+    """outer.schedule=async (docs/async.md): each replica's job of H_m inner steps from the weights it
+    pulled; its pseudo-gradient is applied when the network clock says it arrives; no round, no barrier."""
+
+    def check(self, cfg) -> None:
+        """The clock decides its weights, so its compute is modelled; what needs a round (fragments,
+        overlap, delay, merge, mid-round checkpoints, churn's quorum and deadline) is not built; delayed
+        Nesterov's activation fits its buffer."""
+        outer = cfg.outer
+        if cfg.cluster.compute != "modelled":
+            raise UserError(
+                f"outer.schedule=async needs modelled compute, not cluster.compute={cfg.cluster.compute!r} "
+                "(the clock decides the weights); valid: cluster.compute=modelled (e.g. cluster=h100)"
+            )
+        unbuilt = [
+            (outer.fragments > 1, f"outer.fragments={outer.fragments}"),
+            (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
+            (bool(outer.delay), f"outer.delay={outer.delay}"),
+            (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
+            (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
+        ]
+        for refused, what in unbuilt:
+            if refused:
+                raise UserError(
+                    f"outer.schedule=async with {what} is not built (docs/async.md); valid: "
+                    f"outer.schedule=rounds, or {what.split('=')[0]} at its default"
+                )
+        # churn's round-bound fields: a quorum skips a sync, a deadline cuts a round; async has neither
+        roundly = [
+            (cfg.churn.min_quorum > 1, f"churn.min_quorum={cfg.churn.min_quorum}", "a sync to skip", "1"),
+            (bool(cfg.churn.deadline), f"churn.deadline={cfg.churn.deadline!r}", "a round to cut", "0"),
+        ]
+        for refused, what, needs, default in roundly:
+            if refused:
+                raise UserError(
+                    f"outer.schedule=async with {what} is not built (it needs {needs}: docs/async.md, "
+                    f"'Churn with async'); valid: {what.split('=')[0]}={default}, or outer.schedule=rounds"
+                )
+        N = outer.dn_buffer or cfg.replicas
+        if not 0.0 <= outer.dn_activation <= 1.0 / N:
+            raise UserError(
+                f"outer.dn_activation={outer.dn_activation!r} is out of range; valid: [0, 1/N] = "
+                f"[0, {1.0 / N:g}] (N = outer.dn_buffer = {N})"
+            )
+
+
+# In `choices.Schedule`'s order. The server's fields are async's (its rule, delayed Nesterov's N and c,
+# the grace window, dynamic local updates, its evaluations); the reduction of a round's payloads is
+# rounds' (an arrival's payload is broadcast whole).
+ENTRIES = (
+    Rounds("rounds", runs="hypertrain.run.trainer:Rounds", fields=("reduce",)),
+    Arrivals(
+        "async",
+        runs="hypertrain.run.asynchronous:Arrivals",
+        server=True,
+        arrival_clock=True,
+        fields=("async_rule", "dn_buffer", "dn_activation", "grace_s", "dylu", "async_eval_every"),
+    ),
+)
+TABLE: dict[str, ScheduleEntry] = {entry.name: entry for entry in ENTRIES}
+
+
+# What a run written before outer.schedule existed ran (records.formats upgrades its config to it).
+BEFORE = "rounds"
+
+
+def schedule_entry(name: str) -> ScheduleEntry:
+    """The entry of `outer.schedule=name` (a `choices.Schedule` member or its str)."""
+    return TABLE[str(name)]
+
+
+def recorded_entry(outer: dict | None) -> ScheduleEntry:
+    """The entry of a run's recorded `outer` section (config.yaml's, as plain containers): its
+    outer.schedule, or `BEFORE` where it has none."""
+    return schedule_entry((outer or {}).get("schedule") or BEFORE)
