@@ -117,7 +117,7 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     """`fill(partial)` on a fresh directory beside `out`, then renamed onto `out` (replacing it where it
     is an empty directory). On any way out but success the partial directory and the folders made for
     it go; a filesystem that refuses to make it: UserError (DiskFull when full); one failing in `fill`:
-    DiskFull (exit 4) when full, else RunFailure (exit 1)."""
+    DiskFull (exit 4) when full, else RunFailure (exit 1); a UserError of `fill` as it is."""
     made, partial = first_missing(out.parent), None
     try:
         try:
@@ -136,6 +136,8 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
         try:
             fill(partial)
             os.rename(partial, out)
+        except UserError:
+            raise
         except Exception as error:  # an OSError, or safetensors' own error around one
             raise _write_failure(out, error) from None
         partial = None
@@ -168,10 +170,9 @@ def export(args: Args) -> str:
     tokenizer = tokenizer_of(model, data, args.run_dir, facts)
     theta, where = load_weights(args, model, run_ids)
     eod = tokenizer[1].eod if tokenizer else None
-    module = hf_model(arch, model, theta, context_length(data), eod)
 
-    def fill(partial: Path) -> None:
-        module.save_pretrained(partial)
+    def fill(partial: Path) -> None:  # the place is claimed first: refused before transformers loads
+        hf_model(arch, model, theta, context_length(data), eod).save_pretrained(partial)
         if tokenizer:
             hf_tokenizer.save(*tokenizer, partial, context_length(data))
 
