@@ -19,12 +19,16 @@ import errno
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, U32, ReferenceRuns, entry, tree
+from helpers import QUICK, U32, ReferenceRuns, entry, entry_env, tree
 
 from hypertrain.config import ModelConfig
 from hypertrain.data import corpus
@@ -344,3 +348,25 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_command_while_it_writes_is_one_line_130_and_leaves_nothing(stdlib_run, tmp_path):
+    """The real command sent SIGINT once its partial directory exists (then it loads transformers for
+    seconds): one line, exit 130, no DIR and no partial one."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hypertrain.export", str(stdlib_run), "--out", str(tmp_path / "hf")],
+        cwd=tmp_path,
+        env=entry_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".hf.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (130, ""), err
+    assert err.splitlines() == ["hypertrain.export: stopped by SIGINT (Ctrl-C); nothing was written"]
+    assert list(tmp_path.iterdir()) == []
