@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, U32, ReferenceRuns, entry, entry_env, tree
+from helpers import BASE, QUICK, U32, ReferenceRuns, entry, entry_env, tree
 
 from hypertrain.config import ModelConfig
 from hypertrain.data import corpus
@@ -299,7 +299,8 @@ def test_lm_eval_reads_the_export_and_its_log_likelihoods_are_ours(
 
 @pytest.fixture(scope="module")
 def stdlib_run(tmp_path_factory) -> Path:
-    return ReferenceRuns.beside(tmp_path_factory.mktemp("stdlib"))(RUN)
+    """The session's reference run of BASE (data=stdlib, bytes), which tests/test_bad_input.py shares."""
+    return ReferenceRuns.beside(tmp_path_factory.mktemp("stdlib"))(BASE)
 
 
 @pytest.mark.parametrize(
