@@ -60,8 +60,9 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (earlier, cwd): more to make in cwd first
     env: dict[str, str] = field(default_factory=dict)  # the entry's environment ({cwd} as in args)
     # the command: "train" (args after BASE), "sample" (`python -m hypertrain.sample ARGS`, its line
-    # `hypertrain.sample: error: ...`), "data" (`python -m hypertrain.data ARGS`, no BASE before them) or
-    # "clock" (`python -m hypertrain.clock ARGS`, its line `hypertrain.clock: error: ...`)
+    # `hypertrain.sample: error: ...`), "data" (`python -m hypertrain.data ARGS`, no BASE before them),
+    # "clock" (`python -m hypertrain.clock ARGS`, its line `hypertrain.clock: error: ...`) or "export"
+    # (`python -m hypertrain.export ARGS`, its line `hypertrain.export: error: ...`)
     command: str = "train"
 
 
@@ -84,6 +85,17 @@ def copy_of_earlier(change: Callable[[Path], None]) -> Callable[[Path, Path], No
 
 def _without(name: str) -> Callable[[Path], None]:
     return lambda run: shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+
+
+def _model_arch(arch: str) -> Callable[[Path], None]:
+    """A change: the run's config.yaml says it trained a model of `arch` (its weights stay as they are)."""
+
+    def change(run: Path) -> None:
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["model"]["arch"] = arch
+        (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    return change
 
 
 def _metrics_cut(run: Path) -> None:
@@ -1621,6 +1633,68 @@ CASES = {
         setup=another_prepare_running,
         command="data",
     ),
+    # issue 50: export. `python -m hypertrain.export RUN_DIR --out DIR` on a run that is none, has no
+    # weights, or has no Hugging Face architecture; or a DIR that cannot be made. It creates nothing.
+    "export-not-a-run": Case(
+        "`python -m hypertrain.export` given a directory that holds no run",
+        ["{cwd}", "--out", "hf"],
+        "RUN_DIR={cwd} is not a run directory (no config.yaml); valid: the directory a training run wrote "
+        "(its hydra.run.dir)",
+        "the run's directory (hydra.run.dir)",
+        command="export",
+    ),
+    "export-run-without-weights": Case(
+        "`python -m hypertrain.export` on a run that has not finished (no weights.pt) without --checkpoint",
+        ["run", "--out", "hf"],
+        "run has no weights.pt yet (the run has not finished); valid: --checkpoint "
+        "run/checkpoints/ckpt-u0000006.pt (its newest checkpoint)",
+        "name one of its checkpoints with --checkpoint, or wait for the run to finish",
+        setup=copy_of_earlier(_without("weights.pt")),
+        command="export",
+    ),
+    "export-unknown-checkpoint": Case(
+        "`python -m hypertrain.export --checkpoint` naming no file",
+        ["{earlier}", "--checkpoint", "{earlier}/checkpoints/ckpt-u9999999.pt", "--out", "hf"],
+        "--checkpoint={earlier}/checkpoints/ckpt-u9999999.pt is not a file; valid: a checkpoint of "
+        "{earlier} ({earlier}/checkpoints/ckpt-u*.pt)",
+        "one of the run's checkpoints",
+        command="export",
+    ),
+    "export-multistream-run": Case(
+        "`python -m hypertrain.export` on a run of a model no Hugging Face architecture matches (the "
+        "multistream model)",
+        ["run", "--out", "hf"],
+        "a multistream model has no Hugging Face architecture to export to; valid: model.arch=decoder "
+        "(Llama's LlamaForCausalLM) or model.is_moe=true (Mixtral's MixtralForCausalLM)",
+        "a run of the decoder (exported as Llama) or of the mixture of experts (as Mixtral)",
+        setup=copy_of_earlier(_model_arch("multistream")),
+        command="export",
+    ),
+    "export-out-not-empty": Case(
+        "`python -m hypertrain.export --out` naming a directory that holds files (or a file)",
+        ["{earlier}", "--out", "hf"],
+        "--out 'hf' exists and is not an empty directory; valid: a new or empty one",
+        "a new or empty directory: an export never overwrites",
+        files={"hf/config.json": b"{}"},
+        command="export",
+    ),
+    "export-out-under-a-file": Case(
+        "`python -m hypertrain.export --out` under a file",
+        ["{earlier}", "--out", "notes.txt/hf"],
+        "--out 'notes.txt/hf' lies under notes.txt, which is a file; valid: a path under a directory",
+        "an `--out` under a directory",
+        files={"notes.txt": b"a file"},
+        command="export",
+    ),
+    "export-out-where-nothing-can-be-made": Case(
+        "`python -m hypertrain.export --out` where nothing can be created (`/proc`; a read-only or "
+        "unwritable place says the same)",
+        ["{earlier}", "--out", "/proc/hypertrain-export"],
+        "--out '/proc/hypertrain-export': nothing can be created in /proc (No such file or directory); "
+        "valid: a new or empty directory where this user can write",
+        "an `--out` where this user can write",
+        command="export",
+    ),
 }
 
 
@@ -1669,14 +1743,15 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
         done = data_command(args, cwd, env=env, process=bool(process or hidden))
     elif case.command == "clock":
         done = module_command("hypertrain.clock", "hypertrain.report.retime", "main", args, cwd, process)
+    elif case.command == "export":
+        done = module_command("hypertrain.export", "hypertrain.export.command", "cli", args, cwd, process)
     else:
         done = entry([*BASE, *args], cwd, env=env, process=process)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
-    prefix = {"sample": "hypertrain.sample: error: ", "clock": "hypertrain.clock: error: "}.get(
-        case.command, "hypertrain: error: "
-    )
+    prefixes = {"sample": "hypertrain.sample: error: ", "clock": "hypertrain.clock: error: "}
+    prefix = (prefixes | {"export": "hypertrain.export: error: "}).get(case.command, "hypertrain: error: ")
     assert lines[0].startswith(prefix + fill(case.says, earlier, cwd)), lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert tree(cwd) == before, "a rejected run created or changed files"
@@ -1790,7 +1865,9 @@ def render() -> str:
         "options or the cause). `<cwd>` is the working directory, `<run>` an earlier run's directory.",
         "The rows of `python -m hypertrain.sample` are that command's: its line begins",
         "`hypertrain.sample: error:`, and it writes nothing, ever; those of `python -m hypertrain.clock`",
-        "begin `hypertrain.clock: error:`.",
+        "begin `hypertrain.clock: error:`, those of `python -m hypertrain.export`",
+        "`hypertrain.export: error:` (a write that fails after these checks: exit 4 for a full disk, else 1;",
+        "Ctrl-C 130; no DIR left).",
         "",
         "| mistake | the line begins | what to do |",
         "|---|---|---|",

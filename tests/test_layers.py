@@ -37,6 +37,7 @@ LAYERS = (
     "launchers",  # real processes (torch's agent, the worker) and what Hydra loads to launch sweeps
     "report",  # reading and comparing runs, on the measured and the simulated clock
     "sample",  # python -m hypertrain.sample: text from a run's weights (an entry)
+    "export",  # python -m hypertrain.export: a run's weights as a Hugging Face model (reads runs as sample)
     "train",  # the entries: hypertrain.train and every package's __main__ (python -m ...)
 )
 # Third-party packages a layer must not load (the plan is numpy only; the model needs no Hydra).
