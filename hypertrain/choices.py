@@ -135,16 +135,6 @@ class PhaseKind(Choice):
     weak = "weak"
 
 
-class DataName(Choice):
-    """data.name: where the tokens come from."""
-
-    stdlib = "stdlib"
-    text_files = "text_files"
-    token_bin = "token_bin"
-    prepared = "prepared"
-    speech = "speech"
-
-
 class TokenDtype(Choice):
     """data.token_dtype: a token_bin file's integer type."""
 

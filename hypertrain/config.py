@@ -29,7 +29,6 @@ from hypertrain.choices import (
     AsyncRule,
     Backend,
     Compute,
-    DataName,
     EngineName,
     Examples,
     InnerName,
@@ -442,7 +441,9 @@ class WorldConfig:
 
 @dataclass
 class DataConfig:
-    name: DataName = DataName.stdlib  # stdlib (embedded), text_files, token_bin, prepared, speech
+    # stdlib (embedded), text_files, token_bin, prepared, speech (data=NAME, conf/data/); or the import path
+    # (module.NAME) of a data source outside the package (docs/extending.md, "A data source")
+    name: str = "stdlib"
     # text_files: a glob of the user's files; token_bin: the token file; prepared: the directory
     # `python -m hypertrain.data prepare` wrote (docs/data.md); speech: a glob of the text to
     # speak ("" = the stdlib's docstrings and comments; a glob ending in .py reads the docstrings and
