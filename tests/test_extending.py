@@ -6,7 +6,9 @@ command line its section of the page gives, through the entry:
   kept from the first sync on;
 - a codec (experiments/extend/ternary.py, BitNet b1.58's absmean ternary quantizer: Ma et al. 2024,
   arXiv:2402.17764): every replica's error buffer after every sync is what a float64 quantizer written
-  here leaves out, and the outer momentum took the mean of what it sends.
+  here leaves out, and the outer momentum took the mean of what it sends;
+- a data source (experiments/extend/tsv_column.py, a TSV file's column): the run's examples are the
+  windows of that column's bytes, each once, and nothing else.
 
 A command is read from the page and run in this process (its module put on sys.path as the page's
 PYTHONPATH puts it); the same config is then trained again with every sync recorded, its final weights
@@ -15,17 +17,22 @@ the command's own, bitwise.
 
 from __future__ import annotations
 
+import ast
+import csv
 import json
 import math
 import shlex
+import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import compose_cfg, entry
 from references import U32
 from test_overlap import _flat, _snapshot, run_syncs
 
+from hypertrain.data import build_dataset
 from hypertrain.diloco.communication import HEADER_BYTES
 from hypertrain.diloco.fragments import members
 from hypertrain.diloco.rounds import rounds
@@ -245,3 +252,43 @@ def test_the_pages_ternary_codec_runs_and_every_sync_is_the_papers_absmean_quant
     # a negative control: BitNet's absmax scale (its activations' quantizer) is not this run
     wrong, _ = ternary_checks(cfg, syncs, scale="absmax")
     assert any(right < sure for sure, right, _ in wrong)
+
+
+def stdlib_docstrings() -> list[tuple[str, str]]:
+    """(module, docstring) of every top-level module of this Python's standard library that has one."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = [(p.stem, ast.get_docstring(ast.parse(p.read_bytes()))) for p in sorted(root.glob("*.py"))]
+    return [(module, text) for module, text in found if text]
+
+
+@pytest.mark.slow
+def test_the_pages_tsv_source_runs_and_trains_on_the_windows_of_its_columns_bytes(tmp_path, monkeypatch):
+    folders, args = page_command("## A data source")
+    assert folders == [ROOT / "experiments" / "extend"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    rows = stdlib_docstrings()  # docstrings hold newlines and quotes: the csv module quotes those cells
+    with (tmp_path / "docstrings.tsv").open("w", newline="", encoding="utf-8") as file:
+        csv.writer(file, delimiter="\t").writerows([("module", "text"), *rows])
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    cfg = compose_cfg(args)
+    assert cfg.data.name == "tsv_column.TEXT" and cfg.data.path == "docstrings.tsv"
+    monkeypatch.chdir(tmp_path)
+    dataset = build_dataset(cfg.data)
+    # the column's cells, in file order, a blank line between two: windows of seq_len + 1 bytes every
+    # seq_len, each distinct one once (the text pipeline drops repeats); the module column is not in it
+    stream = "\n\n".join(text for _, text in rows).encode()
+    L = cfg.data.seq_len
+    windows = {stream[w * L : w * L + L + 1] for w in range((len(stream) - 1) // L)}
+    examples = [dataset.get(i).astype(np.uint8).tobytes() for i in range(len(dataset))]
+    assert len(set(examples)) == len(examples) and set(examples) == windows
+    # the run trained on that dataset: its fingerprint (the stream's digest and order) and size
+    summary = next(
+        row
+        for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if row["kind"] == "summary"
+    )
+    assert summary["data/fingerprint"] == dataset.fingerprint
+    assert summary["data/samples"] == len(dataset) - cfg.data.heldout
