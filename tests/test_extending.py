@@ -6,7 +6,8 @@ command line its section of the page gives, through the entry:
   kept from the first sync on;
 - a codec (experiments/extend/ternary.py, BitNet b1.58's absmean ternary quantizer: Ma et al. 2024,
   arXiv:2402.17764): every replica's error buffer after every sync is what a float64 quantizer written
-  here leaves out, and the outer momentum took the mean of what it sends;
+  here leaves out, and the outer momentum took the mean of what it sends; on 2 real processes the
+  same command gives the simulation's weights and sync rows, bitwise;
 - a data source (experiments/extend/tsv_column.py, a TSV file's column): the run's examples are the
   windows of that column's bytes, each once, and nothing else.
 
@@ -21,6 +22,7 @@ import ast
 import csv
 import json
 import math
+import os
 import shlex
 import sysconfig
 from pathlib import Path
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose_cfg, entry
+from helpers import assert_same_weights, compose_cfg, entry
 from references import U32
 from test_overlap import _flat, _snapshot, run_syncs
 
@@ -252,6 +254,38 @@ def test_the_pages_ternary_codec_runs_and_every_sync_is_the_papers_absmean_quant
     # a negative control: BitNet's absmax scale (its activations' quantizer) is not this run
     wrong, _ = ternary_checks(cfg, syncs, scale="absmax")
     assert any(right < sure for sure, right, _ in wrong)
+
+
+CODEC_COLUMNS = ("eval_loss", "pseudo_grad_norm", "payload_bytes", "bits_per_param", "compress_error")
+
+
+def sync_rows(run: Path) -> list[dict]:
+    """A run's sync rows: what the codec sent and what came of it (a real process's rows add measured
+    bytes and seconds, and its clock reads its own timings)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in CODEC_COLUMNS} for r in rows if r["kind"] == "sync"]
+
+
+@pytest.mark.slow
+def test_the_pages_codec_on_real_processes_equals_the_simulation_bitwise(tmp_path, monkeypatch):
+    """The page's codec command at world.size=2 on 2 processes under torchrun (each imports the entry by
+    its path, from PYTHONPATH as the page sets it) and in this process: the same weights and sync rows."""
+    folders, args = page_command("## A codec")
+    args = [*args, "world.size=2"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'sim'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = os.pathsep.join([*map(str, folders), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    real = [*args, "processes=dist", f"hydra.run.dir={tmp_path / 'dist'}"]
+    done = entry(real, tmp_path, torchrun=2, env={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_weights(
+        torch.load(tmp_path / "dist" / "weights.pt"), torch.load(tmp_path / "sim" / "weights.pt")
+    )
+    assert (
+        sync_rows(tmp_path / "dist") == sync_rows(tmp_path / "sim") and len(sync_rows(tmp_path / "sim")) == 3
+    )
 
 
 def stdlib_docstrings() -> list[tuple[str, str]]:
