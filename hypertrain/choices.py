@@ -71,8 +71,9 @@ class StatePolicy(Choice):
     average = "average"
 
 
-# outer.compress: what each replica sends at a sync, one member per entry of the codec table
-# (`hypertrain.codec_table`, which declares what each can do), in its order
+# outer.compress's built-in names: one member per entry of the codec table (`hypertrain.codec_table`,
+# which declares what each can do), in its order. The field itself is a str: one of these, or the import
+# path of an entry outside the package, which OmegaConf could not check (`OuterConfig.check` does)
 Compressor = Choice("Compressor", [(name, name) for name in CODEC_TABLE])
 Compressor.__doc__ = "outer.compress: what each replica sends at a sync (hypertrain.codec_table's entries)."
 
@@ -135,16 +136,6 @@ class PhaseKind(Choice):
 
     strong = "strong"
     weak = "weak"
-
-
-class DataName(Choice):
-    """data.name: where the tokens come from."""
-
-    stdlib = "stdlib"
-    text_files = "text_files"
-    token_bin = "token_bin"
-    prepared = "prepared"
-    speech = "speech"
 
 
 class TokenDtype(Choice):

@@ -1,16 +1,22 @@
 """The codec table (docs/compression.md): every `outer.compress` value is one entry, registered once in
 `TABLE`, declaring what it can do (its scope, two_phase, error feedback, overlap, its wire format) and
 holding its encode/decode; `choices.Compressor` and `diloco.codecs.CODECS` are read from it, and the rest
-of the code asks an entry (`codec_entry(name)`), never compares a name.
+of the code asks an entry (`codec_entry(name)`), never compares a name. An entry may also live outside the
+package: `outer.compress=module.NAME` names a `Codec` by its import path (docs/extending.md, "A codec"),
+imported once per process; `codec_entry` returns it under that path as its name.
 
-Imports nothing of hypertrain and no torch (the config's enum comes from here, and a refusal made from
-the config alone stays torch-free): an entry's encode/decode pick `diloco.codecs`'s kernels and their
-parameters, the kernels handed to them by that module (`kernels`, a layer above). Low rank (PowerSGD) is
+Imports nothing of hypertrain and no torch (but the module an import path names; the config's enum comes
+from here, and a refusal made from the config alone stays torch-free): an entry's encode/decode pick
+`diloco.codecs`'s kernels and their parameters, the kernels handed to them by that module (`kernels`, a
+layer above). Low rank (PowerSGD) is
 its own reduction (`diloco.lowrank`): an entry that declares it (`factored`), with no encode/decode here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 
 # What an entry's payload is made of, and so what may go around it:
@@ -221,6 +227,36 @@ TABLE: dict[str, Codec] = {entry.name: entry for entry in ENTRIES}
 BLOCK_CODECS = tuple(entry.name for entry in ENTRIES if entry.blocks)
 
 
+IMPORTED = "the import path (module.NAME) of a hypertrain.codec_table.Codec entry"
+
+
+class NotACodec(ValueError):
+    """outer.compress names no codec (one line; the config's check gives it as a UserError)."""
+
+
 def codec_entry(name: str) -> Codec:
-    """The entry of `outer.compress=name` (a str or a `choices.Compressor`)."""
-    return TABLE[str(name)]
+    """The entry of `outer.compress=name` (a str or a `choices.Compressor`): the table's entry of that
+    name, or the entry at the import path `name` (a dot in it; `imported`); NotACodec for neither."""
+    entry = TABLE.get(str(name))
+    if entry is not None:
+        return entry
+    if "." in str(name):
+        return imported(str(name))
+    raise NotACodec(f"outer.compress={str(name)!r} is not a codec; valid: {', '.join(TABLE)}, or {IMPORTED}")
+
+
+@functools.cache
+def imported(path: str) -> Codec:
+    """The `Codec` at the import path `path` (module.NAME), its `name` made `path` (what the config and
+    the records say); NotACodec (one line) when the path does not import or names no `Codec`."""
+    module, _, attribute = path.rpartition(".")
+    try:
+        entry = getattr(importlib.import_module(module), attribute)
+    except Exception as error:  # a missing module or attribute, or a module that fails as it imports
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise NotACodec(f"outer.compress={path!r} does not import ({reason}); valid: {IMPORTED}") from None
+    if not isinstance(entry, Codec):
+        raise NotACodec(
+            f"outer.compress={path!r} names a {type(entry).__name__}, not a codec entry; valid: {IMPORTED}"
+        )
+    return dataclasses.replace(entry, name=path)

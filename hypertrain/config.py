@@ -8,7 +8,9 @@ raising `UserError` (a `ValueError`) with one line naming the field, the bad val
 valid. A string choice is an enum of `hypertrain.choices` (with the codec and schedule tables, whose
 entries say what a codec or a schedule can run with, and `errors`, the only modules of hypertrain
 imported here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
-any other value, so no check here repeats it. The checks across sections and against the plan are
+any other value, so no check here repeats it. Two tables open to entries from outside the package take
+a str instead, a name or an import path, resolved by their checks: outer.compress (the codec table's)
+and data.name (the data sources'). The checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`.
 """
 
@@ -26,9 +28,7 @@ from hypertrain.choices import (
     Arch,
     AsyncRule,
     Backend,
-    Compressor,
     Compute,
-    DataName,
     EngineName,
     Examples,
     InnerName,
@@ -50,7 +50,7 @@ from hypertrain.choices import (
     Transform,
     WandbMode,
 )
-from hypertrain.codec_table import BLOCK_CODECS, codec_entry
+from hypertrain.codec_table import BLOCK_CODECS, NotACodec, codec_entry
 from hypertrain.errors import UserError
 from hypertrain.schedule_table import schedule_entry
 
@@ -211,9 +211,10 @@ class OuterConfig:
     # Compressed pseudo-gradients (docs/compression.md): what each replica sends at a sync. none (fp32,
     # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0 (a sign and a power
     # of two in 4 bits; these with one fp32 scale per block), or topk (the largest-magnitude
-    # outer.topk_fraction of each block, fp32 values and int32 indices). Each replica's contribution is its
-    # own decoded payload.
-    compress: Compressor = Compressor.none
+    # outer.topk_fraction of each block, fp32 values and int32 indices), lowrank; or the import path
+    # (module.NAME) of a codec entry outside the package (docs/extending.md, "A codec"). Each replica's
+    # contribution is its own decoded payload.
+    compress: str = "none"
     # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk; beyond the
     # largest tensor synced it is that tensor's size (each tensor one block: tiles.blocks_and_order)
     block: int = 128
@@ -272,6 +273,10 @@ class OuterConfig:
     mean_weights: MeanWeights = MeanWeights.uniform
 
     def check(self) -> None:
+        try:  # the codec's entry, a path imported here once (`codec_table.imported`): what the rest asks
+            codec = codec_entry(self.compress)
+        except NotACodec as error:
+            raise UserError(str(error)) from None
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
@@ -282,7 +287,6 @@ class OuterConfig:
         _at_least("outer.block", self.block, 1)
         if not 0.0 < self.topk_fraction <= 1.0:
             raise UserError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
-        codec = codec_entry(self.compress)
         if self.error_feedback and not codec.error_feedback:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
@@ -407,7 +411,9 @@ class WorldConfig:
 
 @dataclass
 class DataConfig:
-    name: DataName = DataName.stdlib  # stdlib (embedded), text_files, token_bin, prepared, speech
+    # stdlib (embedded), text_files, token_bin, prepared, speech (data=NAME, conf/data/); or the import path
+    # (module.NAME) of a data source outside the package (docs/extending.md, "A data source")
+    name: str = "stdlib"
     # text_files: a glob of the user's files; token_bin: the token file; prepared: the directory
     # `python -m hypertrain.data prepare` wrote (docs/data.md); speech: a glob of the text to
     # speak ("" = the stdlib's docstrings and comments; a glob ending in .py reads the docstrings and

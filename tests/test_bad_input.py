@@ -587,6 +587,48 @@ CASES = {
         setup=trained_async,
         command="clock",
     ),
+    # issue 49: codecs (`outer.compress`: a name of the table or a codec entry by import path;
+    # hypertrain/codec_table.py)
+    "outer-compress-unknown": Case(
+        "a codec that is neither the table's nor an import path",
+        ["outer.compress=int4"],
+        "outer.compress='int4' is not a codec; valid: none, int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, "
+        "topk, lowrank, or the import path (module.NAME) of a hypertrain.codec_table.Codec entry",
+        "a codec of the table (docs/compression.md), or a path such as ternary.TERNARY (docs/extending.md)",
+    ),
+    "outer-compress-no-module": Case(
+        "a codec's import path whose module is not installed",
+        ["outer.compress=nosuch.CODEC"],
+        "outer.compress='nosuch.CODEC' does not import (No module named 'nosuch')",
+        "a path that imports (its folder on PYTHONPATH)",
+    ),
+    "outer-compress-not-a-codec": Case(
+        "a codec's import path that names something other than a codec entry",
+        ["outer.compress=hypertrain.codec_table.E2M1"],
+        "outer.compress='hypertrain.codec_table.E2M1' names a tuple, not a codec entry",
+        "a hypertrain.codec_table.Codec instance",
+    ),
+    # issue 49: data sources (`data.name`: a name of the table, or a data source by import path;
+    # hypertrain/data/__init__.py)
+    "data-name-unknown": Case(
+        "a data source that is neither the table's nor an import path",
+        ["data.name=csv"],
+        "data.name='csv' is not a data source; valid: stdlib, text_files, token_bin, prepared, speech "
+        "(data=NAME), or the import path (module.NAME) of a hypertrain.data.DataSource entry",
+        "data=NAME of the table (docs/data.md), or a path such as tsv_column.TEXT (docs/extending.md)",
+    ),
+    "data-name-no-module": Case(
+        "a data source's import path whose module is not installed",
+        ["data.name=nosuch.SOURCE"],
+        "data.name='nosuch.SOURCE' does not import (No module named 'nosuch')",
+        "a path that imports (its folder on PYTHONPATH)",
+    ),
+    "data-name-not-a-source": Case(
+        "a data source's import path that names something other than a data source entry",
+        ["data.name=hypertrain.data.BYTE_VOCAB"],
+        "data.name='hypertrain.data.BYTE_VOCAB' names a int, not a data source",
+        "a hypertrain.data.DataSource instance",
+    ),
     # issue 49: outer optimizers (`outer.optimizer`: the built-in or a torch.optim.Optimizer by import path;
     # hypertrain/optim/outer.py)
     "outer-optimizer-unknown": Case(

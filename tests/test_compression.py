@@ -962,8 +962,8 @@ def test_compressed_bytes_against_the_fp32_ring_from_the_runs_records(tmp_path, 
 BAD = {
     "unknown-compressor": (
         ["outer.compress=int4"],
-        "outer.compress='int4' is not valid; valid: 'none', 'int8', 'uint8', 'fp8_e4m3', 'fp8_e5m2', "
-        "'fp4_e2m1', 'e3m0', 'topk'",
+        "outer.compress='int4' is not a codec; valid: none, int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, "
+        "topk, lowrank, or the import path",
     ),
     "unknown-reduction": (["outer.compress=int8", "outer.reduce=ring"], "outer.reduce='ring' is not valid"),
     "block-0": (["outer.compress=int8", "outer.block=0"], "outer.block=0 is too small; valid: >= 1"),

@@ -1,33 +1,57 @@
-"""docs/extending.md's worked example: an outer optimizer that lives outside the package
-(experiments/extend/sign_momentum.py, Signum: Bernstein et al. 2018, arXiv:1802.04434, Algorithm 3),
-run by the command line the page gives, through the entry.
+"""docs/extending.md's worked examples, components that live outside the package, each run by the
+command line its section of the page gives, through the entry:
 
-The command is read from the page and run in this process (its module put on sys.path as the page's
-PYTHONPATH puts it); the same config is then trained again with every sync's weights recorded
-(`test_overlap.run_syncs`), its final weights the command's own, bitwise. Every sync is one step of a
-float64 Signum written here, its momentum kept from the first sync on.
+- an outer optimizer (experiments/extend/sign_momentum.py, Signum: Bernstein et al. 2018,
+  arXiv:1802.04434, Algorithm 3): every sync is one step of a float64 Signum written here, its momentum
+  kept from the first sync on;
+- a codec (experiments/extend/ternary.py, BitNet b1.58's absmean ternary quantizer: Ma et al. 2024,
+  arXiv:2402.17764): every replica's error buffer after every sync is what a float64 quantizer written
+  here leaves out, and the outer momentum took the mean of what it sends; on 2 real processes the
+  same command gives the simulation's weights and sync rows, bitwise;
+- a data source (experiments/extend/tsv_column.py, a TSV file's column): the run's examples are the
+  windows of that column's bytes, each once, and nothing else.
+
+A command is read from the page and run in this process (its module put on sys.path as the page's
+PYTHONPATH puts it); the same config is then trained again with every sync recorded, its final weights
+the command's own, bitwise.
 """
 
 from __future__ import annotations
 
+import ast
+import csv
+import json
+import math
+import os
 import shlex
+import sysconfig
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
-from helpers import compose_cfg, entry
+from helpers import assert_same_weights, compose_cfg, entry
 from references import U32
-from test_overlap import _flat, run_syncs
+from test_overlap import _flat, _snapshot, run_syncs
 
+from hypertrain.data import build_dataset
+from hypertrain.diloco.communication import HEADER_BYTES
 from hypertrain.diloco.fragments import members
+from hypertrain.diloco.rounds import rounds
+from hypertrain.diloco.state import RunState
+from hypertrain.engines import engine_for
+from hypertrain.preflight.prepare import initial_weights, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "extending.md"
 ENTRY = ["python", "-m", "hypertrain.train"]
 
 
-def page_command() -> tuple[list[str], list[str]]:
-    """The page's command line: the folders its PYTHONPATH puts first (the repository's), its arguments."""
-    lines = [line.strip() for line in PAGE.read_text().splitlines() if line.startswith("    PYTHONPATH=")]
+def page_command(section: str = "## An outer optimizer") -> tuple[list[str], list[str]]:
+    """The command line of the page's `section`: the folders its PYTHONPATH puts first (the
+    repository's), its arguments."""
+    text = PAGE.read_text().split(f"\n{section}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip() for line in text.splitlines() if line.startswith("    PYTHONPATH=")]
     assert len(lines) == 1, lines
     words = shlex.split(lines[0])
     assert words[1:4] == ENTRY, words
@@ -100,3 +124,205 @@ def test_the_pages_signum_command_runs_and_every_sync_is_a_float64_signum(tmp_pa
     # a negative control: signSGD without momentum (beta 0) is not this run. (Signum's dampening 1 - beta
     # scales m and so not its sign: a momentum without it is the same run, which no check could tell.)
     assert any(right < sure for sure, right, _ in signum_checks(cfg, syncs, 0.0)[1:])
+
+
+def ternary_syncs(cfg):
+    """Train `cfg` in this process; per sync (P = 1: every parameter): the run before it (weights, outer
+    momentum, the replicas' weights), each replica's error buffer before and after it, and the run after."""
+    run = prepare(cfg)
+    state = RunState.start(cfg, initial_weights(run))
+    real = engine_for(cfg.engine.name)
+    before: list[tuple] = []
+
+    def errors():
+        return [{n: t.detach().double().reshape(-1) for n, t in e.items()} for e in state.errors]
+
+    def engine(*args):
+        results = real(*args)
+        before.append((_snapshot(state, results), errors()))
+        return results
+
+    out = []
+    for part in rounds(run, state, engine):
+        if part.syncs:
+            out.append((*before[-1], _snapshot(state), errors()))
+    return out, state
+
+
+def blockwise(x: torch.Tensor, sizes: list[int], block: int) -> list[torch.Tensor]:
+    """A flat vector of tensors of `sizes` values cut in the codec's blocks (outer.tile=0): each tensor's
+    values in blocks of `block`, its last shorter, none crossing a tensor's boundary."""
+    return [b for t in x.split(sizes) for b in t.split(block)]
+
+
+def ternary64(u: torch.Tensor, eps: float, scale: str = "absmean") -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's quantizer of one block u, float64: gamma = mean |u| (the negative control: max |u|,
+    absmax), codes RoundClip(u / (gamma + eps), -1, 1) (round half to even); (codes, gamma)."""
+    gamma = u.abs().mean() if scale == "absmean" else u.abs().max()
+    return torch.round(u / (gamma + eps)).clamp(-1, 1), gamma
+
+
+def replica_check(u, d, e_after, sizes: list[int], block: int, eps: float, scale: str):
+    """One replica's flat u = d + e (float64) cut in blocks against the run's error buffer after the sync
+    (`ternary_checks` derives the bounds): (sure codes, of them right, entries), and per entry the
+    reference's decoded value (NaN where its code is not sure), its error bound Eq, and its block's gamma."""
+    eu_all = U32 * (d.abs() + u.abs())
+    sure_n = right_n = 0
+    decoded, eq_all, gamma_all = [], [], []
+    for ub, eu, e_run in zip(*(blockwise(x, sizes, block) for x in (u, eu_all, e_after)), strict=True):
+        q, gamma = ternary64(ub, eps, scale)
+        g = float(gamma)
+        eg = (len(ub) + 1) * U32 * g + float(eu.mean())
+        r = ub / (g + eps)
+        er = eu / g + r.abs() * (eg / g + 2 * U32) if g > 0 else torch.zeros_like(r)
+        sure = (r.abs() - 0.5).abs() > 2 * er
+        eq, want = eg + U32 * g, ub - q * g
+        right = (e_run - want).abs() <= 2 * (eu + eq + U32 * want.abs())
+        sure_n, right_n = sure_n + int(sure.sum()), right_n + int(right[sure].sum())
+        decoded.append(torch.where(sure, q * g, math.nan))  # not sure: left out of the mean's check
+        eq_all.append(torch.full_like(ub, eq))
+        gamma_all.append(torch.full_like(ub, g))
+    return (sure_n, right_n, len(u)), torch.cat(decoded), torch.cat(eq_all), torch.cat(gamma_all)
+
+
+def ternary_checks(cfg, syncs, scale: str = "absmean"):
+    """Per sync and replica: (entries whose code is sure, how many of those the run's error buffer
+    matches, entries); and per sync whether the outer momentum took the mean of the decoded payloads.
+
+    First-order bounds in U32, per entry of a block of L values: the run's u = fl(fl(theta - X) + e)
+    errs by Eu = U32 (|d| + |u|); its gamma (a sum of L magnitudes in any order, a division) by
+    Eg = (L + 1) U32 gamma + mean Eu, and gamma + eps once more; so r = u / (gamma + eps) by
+    Er = Eu / gamma + |r| (Eg / gamma + 2 U32). A code is sure where r is farther than 2 Er from the
+    rounding's only threshold in use, |r| = 1/2 (beyond 3/2 the clip gives 1 as rounding to 1 does).
+    The decoded value q gamma errs by Eq = Eg + U32 gamma, the buffer e' = fl(u - q gamma) by
+    Eu + Eq + U32 |e'|; the mean over R replicas by mean Eq + (R + 1) U32 mean gamma, the momentum
+    mu m + g by that and 2 U32 (mu |m| + |g|). Each bound is doubled for the second-order terms."""
+    from ternary import TERNARY
+
+    R, mu = cfg.replicas, cfg.outer.momentum
+    names = members(cfg)[0]
+    sizes = [syncs[0][0]["theta"][n].numel() for n in names]
+    checks, means = [], []
+    for before, errors_before, after, errors_after in syncs:
+        theta = _flat(before["theta"], names)
+        per = []
+        for m in range(R):
+            d = theta - _flat(before["X"][m], names)
+            u = d + torch.cat([errors_before[m][n] for n in names])
+            e_after = torch.cat([errors_after[m][n] for n in names])
+            per.append(replica_check(u, d, e_after, sizes, cfg.outer.block, TERNARY.eps, scale))
+        checks += [check for check, *_ in per]
+        decoded, eq, gamma = (torch.stack(x).mean(0) for x in list(zip(*per, strict=True))[1:])
+        m_before, m_after = (_flat(x["momentum"], names) for x in (before, after))
+        want = mu * m_before + decoded
+        bound = 2 * (eq + (R + 1) * U32 * gamma + 2 * U32 * (mu * m_before.abs() + decoded.abs()))
+        known = ~decoded.isnan()
+        means.append(bool(((m_after - want).abs() <= bound)[known].all()) and int(known.sum()) > 0.9 * len(u))
+    return checks, means
+
+
+@pytest.mark.slow
+def test_the_pages_ternary_codec_runs_and_every_sync_is_the_papers_absmean_quantizer(tmp_path, monkeypatch):
+    folders, args = page_command("## A codec")
+    assert folders == [ROOT / "experiments" / "extend"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    weights = torch.load(tmp_path / "run" / "weights.pt")
+
+    cfg = compose_cfg(args)
+    assert cfg.outer.compress == "ternary.TERNARY" and cfg.outer.error_feedback and cfg.outer.fragments == 1
+    syncs, state = ternary_syncs(cfg)
+    assert weights.keys() == state.theta.keys()
+    assert all(torch.equal(weights[n], t) for n, t in state.theta.items())  # the command's run, checked
+
+    checks, means = ternary_checks(cfg, syncs)
+    assert len(checks) == 3 * cfg.replicas  # 6 updates, H = 2: three syncs, the buffers fed back twice
+    for sure, right, n in checks:
+        assert right == sure and sure >= 0.99 * n, (sure, right, n)  # and nearly every code is decided
+    assert all(means), means
+    # the wire format reached the records: per block an fp32 gamma and ceil(L / 4) bytes of codes
+    sizes = [t.numel() for t in state.theta.values()]
+    blocks = [len(b) for b in blockwise(torch.zeros(sum(sizes)), sizes, cfg.outer.block)]
+    payload = sum(4 + -(-L // 4) for L in blocks)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    sync_rows = [row for row in rows if row["kind"] == "sync"]
+    assert [row["payload_bytes"] for row in sync_rows] == [payload] * 3
+    bits = 8 * (payload + HEADER_BYTES) / sum(blocks)  # and each message's header (took part, its error)
+    assert sync_rows[0]["bits_per_param"] == pytest.approx([bits] * cfg.replicas, rel=1e-12)
+    # a negative control: BitNet's absmax scale (its activations' quantizer) is not this run
+    wrong, _ = ternary_checks(cfg, syncs, scale="absmax")
+    assert any(right < sure for sure, right, _ in wrong)
+
+
+CODEC_COLUMNS = ("eval_loss", "pseudo_grad_norm", "payload_bytes", "bits_per_param", "compress_error")
+
+
+def sync_rows(run: Path) -> list[dict]:
+    """A run's sync rows: what the codec sent and what came of it (a real process's rows add measured
+    bytes and seconds, and its clock reads its own timings)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in CODEC_COLUMNS} for r in rows if r["kind"] == "sync"]
+
+
+@pytest.mark.slow
+def test_the_pages_codec_on_real_processes_equals_the_simulation_bitwise(tmp_path, monkeypatch):
+    """The page's codec command at world.size=2 on 2 processes under torchrun (each imports the entry by
+    its path, from PYTHONPATH as the page sets it) and in this process: the same weights and sync rows."""
+    folders, args = page_command("## A codec")
+    args = [*args, "world.size=2"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'sim'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = os.pathsep.join([*map(str, folders), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    real = [*args, "processes=dist", f"hydra.run.dir={tmp_path / 'dist'}"]
+    done = entry(real, tmp_path, torchrun=2, env={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_weights(
+        torch.load(tmp_path / "dist" / "weights.pt"), torch.load(tmp_path / "sim" / "weights.pt")
+    )
+    assert (
+        sync_rows(tmp_path / "dist") == sync_rows(tmp_path / "sim") and len(sync_rows(tmp_path / "sim")) == 3
+    )
+
+
+def stdlib_docstrings() -> list[tuple[str, str]]:
+    """(module, docstring) of every top-level module of this Python's standard library that has one."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = [(p.stem, ast.get_docstring(ast.parse(p.read_bytes()))) for p in sorted(root.glob("*.py"))]
+    return [(module, text) for module, text in found if text]
+
+
+@pytest.mark.slow
+def test_the_pages_tsv_source_runs_and_trains_on_the_windows_of_its_columns_bytes(tmp_path, monkeypatch):
+    folders, args = page_command("## A data source")
+    assert folders == [ROOT / "experiments" / "extend"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    rows = stdlib_docstrings()  # docstrings hold newlines and quotes: the csv module quotes those cells
+    with (tmp_path / "docstrings.tsv").open("w", newline="", encoding="utf-8") as file:
+        csv.writer(file, delimiter="\t").writerows([("module", "text"), *rows])
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    cfg = compose_cfg(args)
+    assert cfg.data.name == "tsv_column.TEXT" and cfg.data.path == "docstrings.tsv"
+    monkeypatch.chdir(tmp_path)
+    dataset = build_dataset(cfg.data)
+    # the column's cells, in file order, a blank line between two: windows of seq_len + 1 bytes every
+    # seq_len, each distinct one once (the text pipeline drops repeats); the module column is not in it
+    stream = "\n\n".join(text for _, text in rows).encode()
+    L = cfg.data.seq_len
+    windows = {stream[w * L : w * L + L + 1] for w in range((len(stream) - 1) // L)}
+    examples = [dataset.get(i).astype(np.uint8).tobytes() for i in range(len(dataset))]
+    assert len(set(examples)) == len(examples) and set(examples) == windows
+    # the run trained on that dataset: its fingerprint (the stream's digest and order) and size
+    summary = next(
+        row
+        for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if row["kind"] == "summary"
+    )
+    assert summary["data/fingerprint"] == dataset.fingerprint
+    assert summary["data/samples"] == len(dataset) - cfg.data.heldout

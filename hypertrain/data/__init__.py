@@ -1,11 +1,16 @@
 """The data: token windows and documents from text sources, speech, and the batches an update trains
 on. `SOURCES` is the table of the `data=` choices (conf/data/): each entry says what the rest of the
 code asks of its data (checks, vocabulary, tokenizer, channels, example lengths) and builds it, so no
-data source's name is compared outside this package. Light: the builders are imported when called.
+data source's name is compared outside this package. An entry may also live outside the package:
+data.name=module.NAME names a `DataSource` by its import path (docs/extending.md, "A data source"),
+imported once per process. Light: the builders are imported when called.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -14,6 +19,7 @@ from hypertrain.config import DataConfig, UserError
 
 if TYPE_CHECKING:
     from hypertrain.data.datasets import Dataset
+    from hypertrain.data.sources import Source
 
 BYTE_VOCAB = 256  # byte-level text: a token is a byte of UTF-8
 
@@ -64,7 +70,20 @@ class DataSource:
         missing or too short source."""
         from hypertrain.data.text import text_dataset
 
-        return text_dataset(d)
+        return text_dataset(d, self)
+
+    def read(self, d: DataConfig) -> Source:
+        """The token stream `text.text_dataset` cuts into windows or documents (`sources.Source`: its
+        tokens, where each file starts, a digest of what was read, a label); UserError (one line) for a
+        source that cannot be read. An entry from outside the package overrides it."""
+        from hypertrain.data import sources
+
+        if self.name == "stdlib":
+            return sources.stdlib_source()
+        if self.name == "text_files":
+            return sources.text_files_source(d.path)
+        assert d.examples == "windows", "token_bin gives windows only (its entry's check)"
+        return sources.token_bin_source(d.path, d.token_dtype)
 
     def vocab(self, d: DataConfig) -> int:
         """The vocabulary the memory estimate reckons with where model.vocab is 0, before the data is
@@ -159,9 +178,36 @@ SOURCES: dict[str, DataSource] = {
 }
 
 
+IMPORTED = "the import path (module.NAME) of a hypertrain.data.DataSource entry"
+
+
 def data_source(d: DataConfig) -> DataSource:
-    """The table's entry for `d.name` (a `DataName`, so always one of them)."""
-    return SOURCES[d.name]
+    """The entry of `d.name`: the table's entry of that name, or the entry at the import path `d.name` (a
+    dot in it; `imported`); UserError (one line) for neither."""
+    entry = SOURCES.get(str(d.name))
+    if entry is not None:
+        return entry
+    if "." in str(d.name):
+        return imported(str(d.name))
+    valid = f"{', '.join(SOURCES)} (data=NAME), or {IMPORTED}"
+    raise UserError(f"data.name={str(d.name)!r} is not a data source; valid: {valid}")
+
+
+@functools.cache
+def imported(path: str) -> DataSource:
+    """The `DataSource` at the import path `path` (module.NAME), its `name` made `path` (what the config
+    and messages say); UserError (one line) when the path does not import or names no `DataSource`."""
+    module, _, attribute = path.rpartition(".")
+    try:
+        entry = getattr(importlib.import_module(module), attribute)
+    except Exception as error:  # a missing module or attribute, or a module that fails as it imports
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise UserError(f"data.name={path!r} does not import ({reason}); valid: {IMPORTED}") from None
+    if not isinstance(entry, DataSource):
+        raise UserError(
+            f"data.name={path!r} names a {type(entry).__name__}, not a data source; valid: {IMPORTED}"
+        )
+    return dataclasses.replace(entry, name=path)
 
 
 def _names(**capabilities) -> str:

@@ -1,9 +1,10 @@
 """Text datasets behind one `SampleFn`: `get(id)` returns example `id` as an int64 array of token ids.
 
-`text_dataset(cfg)` turns a `DataConfig` into a `TextDataset` (a `datasets.Dataset`) of `n_total`
-examples in a seeded shuffled order; the last `cfg.heldout` ids are the held-out slice. The same config
-gives the same rows in every process. `load_batch` stacks fixed-length rows into a tensor; `pad_batch`
-pads variable-length ones.
+`text_dataset(cfg, entry)` turns a `DataConfig` and its data source's entry (a `TextSource`: one of
+`hypertrain.data.SOURCES` or from outside the package, whose `read` gives the token stream) into a
+`TextDataset` (a `datasets.Dataset`) of `n_total` examples in a seeded shuffled order; the last
+`cfg.heldout` ids are the held-out slice. The same config gives the same rows in every process.
+`load_batch` stacks fixed-length rows into a tensor; `pad_batch` pads variable-length ones.
 
 Sources: `sources.py`. Examples:
 - `windows`: window w is tokens `[w*seq_len, w*seq_len + seq_len + 1)`, so consecutive windows share
@@ -28,6 +29,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,6 +43,15 @@ SampleFn = Callable[[int], np.ndarray]
 # Bumped whenever the way examples are derived from the source changes, so old fingerprints differ.
 _FINGERPRINT_VERSION = 2  # 2: examples de-duplicated by content; the order hashed in
 _ROWS_CHUNK_BYTES = 1 << 22  # bytes of window rows handled at once when de-duplicating
+
+
+class TextSource(Protocol):
+    """What `text_dataset` asks of a data source's entry (`hypertrain.data.DataSource`)."""
+
+    path: str  # what a required data.path names ("": none needed), for the too-short refusal
+    tokenizer: str  # "bytes": its tokens are bytes (the refusal counts bytes, else tokens)
+
+    def read(self, d: DataConfig) -> sources.Source: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,18 +112,12 @@ class TextDataset:
         return stream_indices(ids, self.n_total)
 
 
-def text_dataset(cfg: DataConfig) -> TextDataset:
-    """The text dataset `cfg` describes (`data.build_dataset` gives speech's); raises UserError
-    (one line) for a missing or too short source. `cfg` is checked (`validate`)."""
+def text_dataset(cfg: DataConfig, entry: TextSource) -> TextDataset:
+    """The text dataset `cfg` describes, from the tokens its data source's `entry` reads
+    (`data.build_dataset` gives speech's); raises UserError (one line) for a missing or too short
+    source. `cfg` is checked (`validate`)."""
     assert cfg.examples in ("windows", "documents") and cfg.seq_len >= 1 and cfg.max_len >= 2, cfg
-    assert cfg.name in ("stdlib", "text_files", "token_bin"), cfg.name
-    if cfg.name == "stdlib":
-        source = sources.stdlib_source()
-    elif cfg.name == "text_files":
-        source = sources.text_files_source(cfg.path)
-    else:
-        assert cfg.examples == "windows", "token_bin gives windows only (its entry's check)"
-        source = sources.token_bin_source(cfg.path, cfg.token_dtype)
+    source = entry.read(cfg)
 
     settings = {
         "v": _FINGERPRINT_VERSION,
@@ -142,7 +147,7 @@ def text_dataset(cfg: DataConfig) -> TextDataset:
         )
 
     if n_total <= cfg.heldout:
-        raise UserError(_too_short(cfg, source, n_total, duplicates))
+        raise UserError(_too_short(cfg, entry, source, n_total, duplicates))
     order = np.random.default_rng(cfg.shuffle_seed).permutation(n_total)
     stream_starts = example_starts[order]
     # The order is hashed in (numpy does not promise permutation's stream across versions): the
@@ -165,10 +170,13 @@ def text_dataset(cfg: DataConfig) -> TextDataset:
     )
 
 
-def _too_short(cfg: DataConfig, source: sources.Source, n_total: int, duplicates: int) -> str:
-    """One line for a source with no more examples than the held-out slice, naming the source."""
-    where = "data=stdlib" if cfg.name == "stdlib" else f"data.path={cfg.path!r}"
-    unit = "tokens" if cfg.name == "token_bin" else "bytes"
+def _too_short(
+    cfg: DataConfig, entry: TextSource, source: sources.Source, n_total: int, duplicates: int
+) -> str:
+    """One line for a source with no more examples than the held-out slice, naming the source (its
+    data.path where it needs one)."""
+    where = f"data.path={cfg.path!r}" if entry.path else f"data={cfg.name}"
+    unit = "bytes" if entry.tokenizer == "bytes" else "tokens"
     one = "window" if cfg.examples == "windows" else "paragraph"
     valid = f"a source with more than data.heldout={cfg.heldout} {one}s"
     holds = f"{where} holds {len(source.tokens):,} {unit}"

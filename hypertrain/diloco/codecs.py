@@ -631,9 +631,9 @@ def _check(
 ) -> tuple[Codec, float | TopK]:
     """Refuse a bad argument in one line; the codec's table entry and what matters of `fraction` (1.0 for
     a codec that keeps no indices; top-k's TopK, a bare fraction given as TopK(fraction))."""
-    if str(codec) not in CODECS:
-        raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}")
-    entry = codec_entry(codec)
+    entry = codec_entry(codec) if str(codec) in CODECS or "." in str(codec) else None
+    if entry is None or not entry.blocks:  # an import path names an entry outside the table (`codec_table`)
+        raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}, or a block codec's path")
     if transform not in TRANSFORMS:
         raise ValueError(f"transform={transform!r} is not valid; valid: {', '.join(TRANSFORMS)}")
     if not isinstance(blocks, Blocks):
