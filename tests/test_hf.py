@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_engines_agree, compose_cfg, rounding_floors, small_cfg
+from helpers import RUN, assert_engines_agree, compose_cfg, entry, rounding_floors, small_cfg
 from references import (
     U32,
     assert_losses_within_rounding,
@@ -28,7 +28,7 @@ from hypertrain.engines import loop
 from hypertrain.model import hf
 from hypertrain.model.shapes import ffn_width, param_roles
 from hypertrain.model.transformer import forward, init_params
-from hypertrain.preflight.prepare import prepare
+from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.run.evaluation import heldout_eval
 
 transformers = pytest.importorskip("transformers")
@@ -180,3 +180,52 @@ def test_roles_and_fragments_of_every_preset():
 
 def _owner(module, name: str):
     return module.get_submodule(name.rpartition(".")[0])
+
+
+def test_a_pretrained_directory_is_where_the_run_starts(tmp_path):
+    """model.path=DIR (save_pretrained's, as a hub download leaves it): the initial weights are the
+    directory's, bitwise, and the first held-out loss is the HF module's own loss (its `labels=` path)
+    on the same windows, within twice the fp32 floor of one held-out pass (`rounding_floors`: each
+    path errs by at most the floor against the exact value)."""
+    config = transformers.LlamaConfig(**{k: v for k, v in CONFIGS["llama"].items() if k != "model_type"})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        module = transformers.LlamaForCausalLM(config).eval()
+    module.save_pretrained(tmp_path / "m")
+    cfg = small_cfg(model=ModelConfig(name="hf", arch="hf", vocab=0, path=str(tmp_path / "m")))
+    run = prepare(cfg)
+    theta = initial_weights(run)
+    own = dict(module.named_parameters())
+    assert set(theta) == set(own) and all(torch.equal(theta[n], own[n]) for n in own)
+    got = heldout_eval(run, theta)[0]
+    with torch.no_grad():
+        want = sum(
+            float(module(input_ids=mb.tokens, labels=mb.tokens).loss) * mb.weight
+            for mb in run.heldout.microbatches
+        )
+    floor = rounding_floors(cfg, [run.heldout], 1)[0]
+    assert abs(got - want) <= 2 * floor * abs(want), (got, want, floor)
+
+
+def test_run_hf_is_read_back_by_transformers_bitwise(tmp_path):
+    """Every model=hf run writes RUN/hf with save_pretrained: AutoModelForCausalLM.from_pretrained reads
+    it and gives the logits of the run's final weights (weights.pt, the module's own parameter names),
+    bitwise in fp32."""
+    run_dir = tmp_path / "run"
+    done = entry(
+        [*RUN, "model=hf_qwen2_tied_tiny", "inner.H=2", "phase.updates=2", f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    weights = torch.load(run_dir / "weights.pt")
+    read = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
+    assert set(weights) == set(dict(read.named_parameters()))  # tied once: no lm_head.weight
+    cfg = compose_cfg(["model=hf_qwen2_tied_tiny"]).model
+    ids = torch.randint(0, 256, (1, 3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.logits(cfg, {n: t.unsqueeze(0) for n, t in weights.items()}, ids)
+        got = read(input_ids=ids[0]).logits.reshape(want.shape)
+    assert torch.equal(got, want)
+    assert not torch.equal(
+        weights["model.embed_tokens.weight"], hf.init_params(cfg, 0)["model.embed_tokens.weight"]
+    )

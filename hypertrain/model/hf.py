@@ -24,8 +24,8 @@ from hypertrain.config import ModelConfig, UserError
 
 EXTRA = "pip install 'hypertrain[hf]' (or -e .[hf])"
 # torch's vmap runs the CPU flash attention kernel replica by replica (no batching rule yet): correct,
-# and what the stacked engine's benchmark measures (docs/performance.md); said once, not per call.
-warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+# and what the stacked engine's benchmark measures (docs/performance.md), not a warning at every step.
+NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching rule"
 
 
 def _transformers():
@@ -214,5 +214,7 @@ def logits(cfg: ModelConfig, p: dict[str, Tensor], inputs: Tensor) -> Tensor:
     if R == 1:
         out = one({n: t[0] for n, t in p.items()}, inputs[0]).unsqueeze(0)
     else:
-        out = torch.vmap(one)(p, inputs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=NO_BATCHING_RULE)
+            out = torch.vmap(one)(p, inputs)
     return out.reshape(R, B * T, out.shape[-1])
