@@ -12,7 +12,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import RUN, assert_engines_agree, compose_cfg, entry, rounding_floors, small_cfg
+from helpers import (
+    RUN,
+    assert_engines_agree,
+    assert_identical,
+    compose_cfg,
+    entry,
+    killed_beside_uninterrupted,
+    resumed,
+    rounding_floors,
+    small_cfg,
+)
 from references import (
     U32,
     assert_losses_within_rounding,
@@ -229,3 +239,41 @@ def test_run_hf_is_read_back_by_transformers_bitwise(tmp_path):
     assert not torch.equal(
         weights["model.embed_tokens.weight"], hf.init_params(cfg, 0)["model.embed_tokens.weight"]
     )
+
+
+# -- real processes, resume (slow tier) ------------------------------------------------------------------
+
+HF_RUN = [*RUN, "model=hf_llama_tiny", "inner.H=2", "phase.updates=6"]
+
+
+@pytest.mark.slow
+def test_a_killed_hf_run_resumes_bit_identical(tmp_path):
+    """SIGKILL before update 5 (after the checkpoint of update 4), resume=true: every row, the held-out
+    losses and weights.pt equal the uninterrupted run's exactly; RUN/hf is written at the end."""
+    run_dir, reference = killed_beside_uninterrupted(HF_RUN, tmp_path, "0:5:kill")
+    resumed(HF_RUN, run_dir, tmp_path)
+    assert_identical(run_dir, reference)
+    assert (run_dir / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, overrides, layout, nproc",
+    [
+        ("hf-benchmark-w2-r1", ["world=2", "replicas=1", "inner.H=2", "phase.updates=4"], "benchmark", 2),
+        (
+            "hf-replicas-p2-r4",
+            ["world=4", "replicas=4", "processes.nproc=2", "inner.H=2", "phase.updates=4"],
+            "replicas",
+            2,
+        ),
+    ],
+)
+def test_real_processes_equal_the_simulation(tmp_path, monkeypatch, name, overrides, layout, nproc):
+    """processes=dist with an HF Llama in both layouts: losses, held-out losses and weights within the
+    bound tests/test_dist.py derives for the own decoder (twice the fp32 simulation's error, or floor)."""
+    import test_dist
+
+    case = test_dist.Case(["model=hf_llama_tiny", *overrides], layout, nproc)
+    monkeypatch.setitem(test_dist.CASES, name, case)
+    test_dist.test_real_processes_equal_the_simulation_within_rounding(tmp_path, name)
