@@ -255,7 +255,7 @@ CASES = {
         "model=hf without a model directory or config",
         ["model=hf"],
         "model.arch=hf takes one of model.path and model.config, not neither",
-        "model.path=DIR (a directory save_pretrained wrote) or model.config={model_type:llama,...}",
+        "model.path=DIR (a directory save_pretrained wrote) or '+model.config={model_type:llama,...}'",
     ),
     "hf-path-missing": Case(
         "model=hf with a directory that does not exist (or holds no config.json)",

@@ -129,6 +129,13 @@ def test_loop_equals_stacked(kind):
     assert_engines_agree(replace(hf_cfg(kind), replicas=2))
 
 
+def test_loop_equals_stacked_under_bf16():
+    """model.compute_dtype=bf16 (the module on bf16 copies of the fp32 weights): stacked against loop,
+    each against the float64 loop, within twice the loop's own bf16 error (helpers.assert_engines_agree)."""
+    cfg = hf_cfg("llama")
+    assert_engines_agree(replace(cfg, replicas=2, model=replace(cfg.model, compute_dtype="bf16")))
+
+
 def test_stacked_gradients_against_a_float64_reference():
     """One step's gradients of R = 3 stacked replicas (vmap) against each replica alone in float64
     (functional_call): per tensor within twice the fp32 per-replica loop's own error or twice a floor of

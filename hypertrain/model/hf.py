@@ -204,17 +204,29 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
 
 def logits(cfg: ModelConfig, p: dict[str, Tensor], inputs: Tensor) -> Tensor:
     """inputs int64 [R, B, T] -> logits [R, B*T, vocab]: the module called with each replica's
-    parameters (no attention mask: rows are right-padded and attention is causal)."""
+    parameters (no attention mask: rows are right-padded and attention is causal). With
+    model.compute_dtype=bf16 the module runs on bf16 copies of the fp32 weights (autocast off: its SDPA
+    refuses autocast's mixed query and value dtypes), the gradients flowing back to the fp32 weights;
+    float64 weights (the tests' reference) stay float64, as autocast leaves them."""
     R, B, T = inputs.shape
     module = _on(_key(cfg), str(inputs.device))
+    if cfg.compute_dtype == "bf16":  # the module in bf16 from the fp32 weights (its own casts, no autocast)
+        p = {n: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for n, t in p.items()}
 
     def one(params: dict[str, Tensor], ids: Tensor) -> Tensor:
         return torch.func.functional_call(module, params, (ids,), {"use_cache": False}).logits
 
-    if R == 1:
+    with torch.autocast(inputs.device.type, enabled=False):
+        out = _call(one, p, inputs)
+    return out.reshape(R, B * T, out.shape[-1])
+
+
+def _call(one, p: dict[str, Tensor], inputs: Tensor) -> Tensor:
+    """`one` for each replica: alone (R = 1, the loop engine), else under vmap (the stacked engine)."""
+    if inputs.shape[0] == 1:
         out = one({n: t[0] for n, t in p.items()}, inputs[0]).unsqueeze(0)
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=NO_BATCHING_RULE)
             out = torch.vmap(one)(p, inputs)
-    return out.reshape(R, B * T, out.shape[-1])
+    return out
