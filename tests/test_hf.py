@@ -284,3 +284,16 @@ def test_real_processes_equal_the_simulation(tmp_path, monkeypatch, name, overri
     case = test_dist.Case(["model=hf_llama_tiny", *overrides], layout, nproc)
     monkeypatch.setitem(test_dist.CASES, name, case)
     test_dist.test_real_processes_equal_the_simulation_within_rounding(tmp_path, name)
+
+
+def test_the_init_is_the_seeds_and_leaves_torchs_generator_alone():
+    """A config's initial weights are drawn under `seed` (the same seed, the same weights; another,
+    others) without touching torch's global generator; GPT-2's summary_first_dropout (0.1 by default,
+    read only by its double-heads model) is not dropout of the causal LM, so the preset builds."""
+    cfg = compose_cfg(["model=hf_gpt2_tiny"]).model
+    assert hf.base(cfg).config.summary_first_dropout > 0
+    before = torch.random.get_rng_state()
+    a, b, c = hf.init_params(cfg, 1), hf.init_params(cfg, 1), hf.init_params(cfg, 2)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["transformer.wte.weight"], c["transformer.wte.weight"])
