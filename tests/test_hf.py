@@ -23,6 +23,7 @@ from helpers import (
     rounding_floors,
     small_cfg,
 )
+from omegaconf import OmegaConf
 from references import (
     U32,
     assert_losses_within_rounding,
@@ -297,3 +298,19 @@ def test_the_init_is_the_seeds_and_leaves_torchs_generator_alone():
     assert torch.equal(torch.random.get_rng_state(), before)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["transformer.wte.weight"], c["transformer.wte.weight"])
+
+
+@pytest.mark.slow
+def test_a_prepared_corpus_trains_a_model_of_a_larger_vocabulary(tmp_path):
+    """data=prepared with model=hf: the vocabulary is the model's (300), larger than the corpus's (257,
+    bytes and the end of document), never resized; the run's config records it."""
+    from test_prepared import write_corpus
+
+    write_corpus(tmp_path / "corpus", [(200, 1, 80), (300, 1, 60)])
+    run_dir = tmp_path / "run"
+    args = [*RUN, "model=hf_llama_tiny", "model.config.vocab_size=300", "data=prepared"]
+    args += [f"data.path={tmp_path}/corpus", "inner.H=2", "phase.updates=2", f"hydra.run.dir={run_dir}"]
+    done = entry(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert OmegaConf.load(run_dir / "config.yaml").model.vocab == 300
+    assert torch.load(run_dir / "weights.pt")["model.embed_tokens.weight"].shape == (300, 64)
