@@ -47,6 +47,7 @@ class Arch(Choice):
 
     decoder = "decoder"
     multistream = "multistream"
+    hf = "hf"  # a Hugging Face causal LM (model.path or model.config; docs/hf.md)
 
 
 class Precision(Choice):

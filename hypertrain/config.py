@@ -66,6 +66,11 @@ class ModelConfig:
     # decoder (one token stream), or multistream (several token channels per position, e.g. text and
     # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each)
     arch: Arch = Arch.decoder
+    # model.arch=hf (docs/hf.md): a Hugging Face causal LM, from a local directory holding its
+    # config.json and, if any, its weights (`path`; read offline, never remote code), or built from a
+    # config's fields (`config`, with its model_type; initialised under `seed`); exactly one of the two
+    path: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
     # mixture of experts (docs/moe.md): every layer's SwiGLU MLP becomes n_experts SwiGLU experts of
     # width expert_ffn and a linear router; each token goes to its top_k experts (softmax over all,
     # the chosen k renormalised, as Mixtral), dropless; Mixtral's load-balancing loss, weighted by
@@ -94,6 +99,7 @@ class ModelConfig:
     def check(self) -> None:
         if self.is_moe:
             self.check_experts()
+        self.check_hf()
         _at_least("model.expert_ffn", self.expert_ffn, 0)
         _at_least("model.vocab", self.vocab, 0)  # 0: the data's
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
@@ -112,6 +118,25 @@ class ModelConfig:
             raise UserError(
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
             )
+
+    def check_hf(self) -> None:
+        """model.path and model.config: one of them with model.arch=hf, neither with another model
+        (what the directory or config holds is the model entry's check, `model.hf_module`)."""
+        given = [name for name in ("path", "config") if getattr(self, name)]
+        if self.arch == "hf" and len(given) != 1:
+            raise UserError(
+                f"model.arch=hf takes one of model.path and model.config, not "
+                f"{' and '.join(given) or 'neither'}; valid: model.path=DIR (a local Hugging Face model "
+                "directory) or "
+                "+model.config={model_type:llama,...}"
+            )
+        if self.arch != "hf" and given:
+            raise UserError(
+                f"model.{given[0]} is set with model.arch={self.arch!r}; "
+                "valid: model=hf (a Hugging Face model)"
+            )
+        if self.arch == "hf" and self.is_moe:
+            raise UserError("model.is_moe=true with model.arch='hf' is not built; valid: model.is_moe=false")
 
     def check_experts(self) -> None:
         """The mixture-of-experts fields (with is_moe); UserError naming the first bad one."""

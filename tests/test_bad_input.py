@@ -262,6 +262,71 @@ def _trained_on_corpus(run: Path) -> None:
 
 
 CASES = {
+    # issue 50: model=hf (docs/hf.md), a Hugging Face causal LM from a local directory or a config
+    "hf-neither-path-nor-config": Case(
+        "model=hf without a model directory or config",
+        ["model=hf"],
+        "model.arch=hf takes one of model.path and model.config, not neither",
+        "model.path=DIR (a directory save_pretrained wrote) or '+model.config={model_type:llama,...}'",
+    ),
+    "hf-path-missing": Case(
+        "model=hf with a directory that does not exist (or holds no config.json)",
+        ["model=hf", "model.path=nowhere"],
+        "model.path='nowhere' holds no readable config.json (FileNotFoundError)",
+        "a local directory save_pretrained wrote (nothing is fetched from a hub)",
+    ),
+    "hf-unknown-model-type": Case(
+        "model=hf with a config whose model_type transformers does not know",
+        ["model=hf", "model.path=m"],
+        "model.path='m': model_type 'nosuch' is not a model transformers",
+        "a model_type of transformers' CONFIG_MAPPING (llama, qwen2, qwen3, gpt2, mistral, ...)",
+        files={"m/config.json": b'{"model_type": "nosuch"}'},
+    ),
+    "hf-remote-code": Case(
+        "model=hf with a directory whose model needs remote code (auto_map)",
+        ["model=hf", "model.path=m"],
+        "model.path='m' needs remote code (its config.json has auto_map), which hypertrain never runs",
+        "a model transformers builds itself (trust_remote_code is never set)",
+        files={"m/config.json": b'{"model_type": "llama", "auto_map": {"AutoModelForCausalLM": "x.Y"}}'},
+    ),
+    "hf-not-a-causal-lm": Case(
+        "model=hf with a model that is not a causal LM",
+        ["model=hf", "+model.config={model_type:t5}"],
+        "model.config: model_type 't5' is not a causal LM",
+        "a model with a *ForCausalLM class",
+    ),
+    "hf-dropout": Case(
+        "model=hf with dropout in the built module (vmap cannot batch it)",
+        ["model=hf_gpt2_tiny", "model.config.attn_pdrop=0.1"],
+        "model.config: transformer.h.0.attn.attn_dropout drops out (p=0.1)",
+        "every dropout 0 in the config (fields the causal LM does not use, such as summary_*, do not count)",
+    ),
+    "hf-gradient-checkpointing": Case(
+        "model=hf with gradient checkpointing (vmap cannot batch it)",
+        ["model=hf_llama_tiny", "+model.config.gradient_checkpointing=true"],
+        "model.config: gradient checkpointing does not run under vmap; valid: false",
+        "leave gradient checkpointing off",
+    ),
+    "hf-flex-attention": Case(
+        "model=hf with flex attention (vmap cannot batch it)",
+        ["model=hf_llama_tiny", "+model.config.attn_implementation=flex_attention"],
+        "model.config: attention 'flex_attention' does not run under vmap; valid: sdpa, eager",
+        "attn_implementation sdpa (the default) or eager",
+    ),
+    "hf-vocab-below-data": Case(
+        "model=hf whose vocabulary is smaller than the data's ids",
+        ["model=hf_llama_tiny", "model.config.vocab_size=100"],
+        "the model's vocabulary (100, its config's vocab_size) is smaller than the data's (256)",
+        "a model with vocab_size at least the data's vocabulary (the embeddings are never resized)",
+    ),
+    "hf-without-transformers": Case(
+        "model=hf without transformers installed (here hidden by a sitecustomize)",
+        ["model=hf_llama_tiny"],
+        "model=hf needs transformers, which is not installed; valid: pip install 'hypertrain[hf]'",
+        "pip install 'hypertrain[hf]' (the dev extra includes it)",
+        files={"hide/sitecustomize.py": HIDE_MODULES.encode()},
+        env={"PYTHONPATH": f"{{cwd}}/hide{os.pathsep}{REPO}", "HIDDEN_MODULES": "transformers"},
+    ),
     # issue 38: data=prepared
     "prepared-without-path": Case(
         "a prepared corpus without its directory",
@@ -383,8 +448,8 @@ CASES = {
     "unknown-group-option": Case(
         "an option a group does not have",
         ["model=huge"],
-        "In 'train': Could not find 'model/huge'; valid: base, moe_small, moe_tiny, multistream_small, "
-        "multistream_tiny, small, tiny",
+        "In 'train': Could not find 'model/huge'; valid: base, hf, hf_gpt2_tiny, hf_llama_tiny, "
+        "hf_qwen2_tied_tiny, moe_small, moe_tiny, multistream_small, multistream_tiny, small, tiny",
         "pick one of the options listed",
         hydra=True,
     ),
@@ -405,8 +470,8 @@ CASES = {
     "schema-as-option": Case(
         "a schema's name used as an option",
         ["model=model_schema"],
-        "In 'train': Could not find 'model/model_schema'; valid: base, moe_small, moe_tiny, "
-        "multistream_small, multistream_tiny, small, tiny",
+        "In 'train': Could not find 'model/model_schema'; valid: base, hf, hf_gpt2_tiny, hf_llama_tiny, "
+        "hf_qwen2_tied_tiny, moe_small, moe_tiny, multistream_small, multistream_tiny, small, tiny",
         "schemas are not options; pick one of the options listed",
         hydra=True,
     ),
@@ -1155,8 +1220,8 @@ CASES = {
     "sweep-later-option-missing": Case(
         "a sweep over a group's options, one of which does not exist (Hydra)",
         ["-m", "model=tiny,huge"],
-        "In 'train': Could not find 'model/huge'; valid: base, moe_small, moe_tiny, multistream_small, "
-        "multistream_tiny, small, tiny",
+        "In 'train': Could not find 'model/huge'; valid: base, hf, hf_gpt2_tiny, hf_llama_tiny, "
+        "hf_qwen2_tied_tiny, moe_small, moe_tiny, multistream_small, multistream_tiny, small, tiny",
         "pick options the group has",
         hydra=True,
     ),
@@ -1788,7 +1853,8 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
     elif case.command == "export":
         done = module_command("hypertrain.export", "hypertrain.export.command", "cli", args, cwd, process)
     else:
-        done = entry([*BASE, *args], cwd, env=env, process=process)
+        hidden = "hide/sitecustomize.py" in case.files  # works at an interpreter's start only
+        done = entry([*BASE, *args], cwd, env=env, process=True if hidden else process)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr

@@ -251,6 +251,9 @@ def test_every_config_option_composes_and_validates(override):
     if override in ("data=text_files", "data=token_bin", "data=prepared"):  # each needs its data.path
         with pytest.raises(UserError, match="data.path"):
             validate(typed)
+    elif override == "model=hf":  # a Hugging Face model needs its directory or config (docs/hf.md)
+        with pytest.raises(UserError, match="model.path and model.config"):
+            validate(typed)
     else:
         validate(typed)
 

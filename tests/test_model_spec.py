@@ -26,6 +26,12 @@ CONFIGS = {
     "multistream": ModelConfig(
         d_model=32, n_layers=LAYERS, n_heads=2, n_kv_heads=2, arch="multistream", channel_vocabs=[7, 5, 5]
     ),
+    # a Hugging Face Llama (docs/hf.md): its own names, `model.layers.<i>.` (transformers is a dev extra)
+    "hf": ModelConfig(
+        arch="hf",
+        config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS)
+        | dict(num_attention_heads=2, num_key_value_heads=2, vocab_size=64),
+    ),
 }
 
 
@@ -59,10 +65,10 @@ def test_the_replica_records_hold_each_entrys_columns_filled_from_what_its_engin
 def layer_in_name(name: str) -> int | str:
     """The place today's models give a parameter, read from its name alone: `layers.<i>.` is layer i,
     the embeddings come before the layers, the final norm and the heads after them."""
-    match = re.fullmatch(r"layers\.(\d+)\..+", name)
+    match = re.fullmatch(r"(?:model\.)?layers\.(\d+)\..+", name)
     if match:
         return int(match.group(1))
-    return BEFORE if name.split(".")[0] == "emb" else AFTER
+    return BEFORE if name.split(".")[0] == "emb" or ".embed_tokens." in name else AFTER
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))

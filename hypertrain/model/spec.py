@@ -49,6 +49,7 @@ class Decoder:
     experts = False  # each layer's MLP is a mixture of experts with a router (`model.moe`)
     channels = False  # reads several token channels per position, one embedding and head each
     text = True  # its tokens are text: `python -m hypertrain.sample` decodes them
+    external = False  # a Hugging Face module (`HFModel`), not hypertrain's own
     # The run summary's figures a report's phase row adds: report column -> summary key.
     report_figures: dict[str, str] = {}
     # The columns a replica's update record adds (`engines.columns.REPLICA_COLUMNS`; NaN in a run of
@@ -230,8 +231,45 @@ class Multistream(Decoder):
         return {"loss/text": float(text[stepped].mean()), "loss/audio_mean": float(audio[stepped].mean())}
 
 
-DECODER, MOE, MULTISTREAM = Decoder(), MoEDecoder(), Multistream()
-MODELS = {"decoder": DECODER, "multistream": MULTISTREAM, "moe": MOE}
+class HFModel(Decoder):
+    """A Hugging Face causal LM (`model.arch=hf`, docs/hf.md): its parameters, their roles and layers,
+    its vocabulary and sizes are the module's own (`model.hf`, which imports torch and transformers when
+    first asked); `model.transformer.logits` calls it."""
+
+    kind = "hf"
+    external = True  # the module is Hugging Face's: `model.hf` builds and calls it
+
+    def declared(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | str]]:
+        from hypertrain.model.hf import describe
+
+        return {
+            name: (shape, role, layer if layer is not None else (BEFORE if before else AFTER))
+            for name, (shape, role, layer, before) in describe(cfg).items()
+        }
+
+    def layers(self, cfg: ModelConfig) -> int:
+        return self.sizes(cfg)["layers"]
+
+    def vocabs(self, cfg: ModelConfig) -> list[int]:
+        return [self.sizes(cfg)["vocab"]]
+
+    def sizes(self, cfg: ModelConfig) -> dict[str, int]:
+        from hypertrain.model.hf import config_fields
+
+        return config_fields(cfg)
+
+    def activation_floats(self, cfg: ModelConfig) -> tuple[int, int]:
+        """The decoder's count (`Decoder.activation_floats`) at the HF config's hidden and intermediate
+        sizes, heads, layers and vocabulary, doubled per layer: a module written for readability saves
+        more than the hand-written decoder (its masks, casts and unfused projections)."""
+        s = self.sizes(cfg)
+        d, f, h, V = s["hidden"], s["intermediate"], s["heads"], s["vocab"]
+        layer = 2 * (17 * d + 4 * f + h)
+        return s["layers"] * layer + 7 * d + 2 * f + 3 * V, 4 * d + 2 * f + 3 * V
+
+
+DECODER, MOE, MULTISTREAM, HF = Decoder(), MoEDecoder(), Multistream(), HFModel()
+MODELS = {"decoder": DECODER, "multistream": MULTISTREAM, "moe": MOE, "hf": HF}
 # Every entry's replica columns, each once, in the table's order (`engines.columns.REPLICA_COLUMNS`).
 MODEL_COLUMNS = tuple(dict.fromkeys(name for entry in MODELS.values() for name in entry.replica_columns))
 

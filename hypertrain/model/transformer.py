@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hypertrain.config import ModelConfig
-from hypertrain.model import moe
+from hypertrain.model import hf, moe
 from hypertrain.model.shapes import param_specs
 from hypertrain.model.spec import model_spec
 
@@ -39,7 +39,10 @@ Params = dict[str, Tensor]
 
 
 def init_params(cfg: ModelConfig, seed: int) -> Params:
-    """One replica's fp32 weights from `seed`: normal(0, init_std), residual outputs scaled down."""
+    """One replica's fp32 weights from `seed`: normal(0, init_std), residual outputs scaled down (a
+    Hugging Face model's: `model.hf.init_params`)."""
+    if model_spec(cfg).external:
+        return hf.init_params(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     params = {}
     for name, (shape, role) in param_specs(cfg).items():
@@ -119,7 +122,10 @@ def hidden(
 
 
 def logits(cfg: ModelConfig, p: Params, inputs: Tensor, tally: moe.RouterTally | None = None) -> Tensor:
-    """inputs int64 [R, B, T] -> logits [R, B*T, vocab] (`tally`: as in `hidden`)."""
+    """inputs int64 [R, B, T] -> logits [R, B*T, vocab] (`tally`: as in `hidden`; a Hugging Face model's
+    are its module's, `model.hf.logits`)."""
+    if model_spec(cfg).external:
+        return hf.logits(cfg, p, inputs)
     R, B, T = inputs.shape
     x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)
     return torch.bmm(hidden(cfg, p, x, B, T, tally), p["head"])
@@ -163,8 +169,9 @@ def forward(
     with _autocast(cfg, tokens.device):
         out = logits(cfg, p, inputs, tally)
     # Under bf16 autocast the logits are bf16; the loss is taken in the weights' dtype.
+    dtype = next(iter(p.values())).dtype  # every weight's
     ce = F.cross_entropy(
-        out.to(p["head"].dtype).reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
+        out.to(dtype).reshape(-1, out.shape[-1]), targets.reshape(-1), reduction="none"
     ).view(R, -1)
     if mask is None:
         loss = ce.mean(1)

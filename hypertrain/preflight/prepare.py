@@ -37,6 +37,8 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
                 f"model.arch=multistream needs data with several token channels, not data.name="
                 f"{cfg.data.name!r}; valid: data=speech, or model=tiny|small|base"
             )
+        if model_spec(model).external:  # the model's own vocabulary, never resized to the data's
+            return _external_vocab(model, int(dataset.vocab))
         if model.vocab == 0:
             return replace(model, vocab=int(dataset.vocab))
         if data_source(cfg.data).own_vocab and model.vocab != dataset.vocab:
@@ -57,6 +59,21 @@ def model_for_data(cfg: TrainConfig, dataset) -> ModelConfig:
             "valid: [] (taken from the data)"
         )
     return replace(model, channel_vocabs=vocabs)
+
+
+def _external_vocab(model: ModelConfig, data_vocab: int) -> ModelConfig:
+    """A Hugging Face model's vocabulary (its config's) as model.vocab; UserError when some id the data
+    can produce is not below it."""
+    (vocab,) = model_spec(model).vocabs(model)
+    if vocab < data_vocab:
+        raise UserError(
+            f"the model's vocabulary ({vocab}, its config's vocab_size) is smaller than the data's "
+            f"({data_vocab}): ids {vocab}..{data_vocab - 1} have no embedding; valid: a model with "
+            f"vocab_size >= {data_vocab}, or data of a smaller vocabulary"
+        )
+    if model.vocab not in (0, vocab):
+        raise UserError(f"model.vocab={model.vocab} is not the model's ({vocab}); valid: 0 (the model's)")
+    return replace(model, vocab=vocab)
 
 
 def prepare(cfg: TrainConfig, decided: Decided | None = None) -> PreparedRun:

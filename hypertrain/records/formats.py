@@ -22,7 +22,7 @@ from hypertrain.codec_table import codec_entry
 from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 VERSION_KEY = "schema_version"
 
 
@@ -178,6 +178,19 @@ def _config_6_to_7(resolved: dict) -> dict:
     return resolved
 
 
+# The fields of issue 50 (model=hf): every run before them trained hypertrain's own model
+BEFORE_ISSUE_50_MODEL = {"path": "", "config": {}}
+
+
+def _config_7_to_8(resolved: dict) -> dict:
+    """Version 7: before `model.path` and `model.config` (a Hugging Face model, docs/hf.md): such a run
+    trained one of hypertrain's own models."""
+    model = resolved.get("model")
+    if isinstance(model, dict) and any(key not in model for key in BEFORE_ISSUE_50_MODEL):
+        resolved = {**resolved, "model": BEFORE_ISSUE_50_MODEL | model}
+    return resolved
+
+
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_0_to_1,
     _config_1_to_2,
@@ -186,6 +199,7 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_4_to_5,
     _config_5_to_6,
     _config_6_to_7,
+    _config_7_to_8,
 )
 
 
@@ -295,6 +309,11 @@ def _checkpoint_6_to_7(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_7_to_8(saved: dict) -> dict:
+    """Version 7: the payload is today's (version 8 added config fields only, `_config_7_to_8`)."""
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
@@ -303,6 +322,7 @@ CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_4_to_5,
     _checkpoint_5_to_6,
     _checkpoint_6_to_7,
+    _checkpoint_7_to_8,
 )
 
 

@@ -30,6 +30,7 @@ from hypertrain.diloco.state import PreparedRun
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StoppedAtOnce, requested, settled
+from hypertrain.model.spec import model_spec
 from hypertrain.records.rows import ArrivalRow, RestartRow, ResumeRow, StartRow, UpdateRow, parse
 from hypertrain.run.trainer import train
 from hypertrain.rundir import checkpoint
@@ -228,5 +229,16 @@ def train_session(
             sys.stderr.write(restart.line() + "\n")
             sys.stderr.flush()
         summary, state = train(run, log, groups, checkpointer(log), saved)
-        torch.save({n: t.cpu() for n, t in state.theta.items()}, Path(run_dir) / "weights.pt")
+        save_weights(cfg, state.theta, Path(run_dir))
     return summary
+
+
+def save_weights(cfg, theta, run_dir: Path) -> None:
+    """The final global weights: weights.pt, and for a Hugging Face model RUN/hf (save_pretrained's,
+    `model.hf_export`; docs/hf.md)."""
+    weights = {n: t.cpu() for n, t in theta.items()}
+    torch.save(weights, run_dir / "weights.pt")
+    if model_spec(cfg.model).external:
+        from hypertrain.model.hf_export import HF_FOLDER, write_hf
+
+        write_hf(cfg.model, weights, run_dir / HF_FOLDER)

@@ -39,6 +39,7 @@ SESSION_FILES = frozenset(
         "wandb",
         checkpoint.FOLDER,
         "weights.pt",
+        "hf",  # model=hf: the final weights save_pretrained wrote (model.hf_export.HF_FOLDER)
     }
 )
 
