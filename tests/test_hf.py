@@ -314,3 +314,71 @@ def test_a_prepared_corpus_trains_a_model_of_a_larger_vocabulary(tmp_path):
     assert done.returncode == 0, done.stderr
     assert OmegaConf.load(run_dir / "config.yaml").model.vocab == 300
     assert torch.load(run_dir / "weights.pt")["model.embed_tokens.weight"].shape == (300, 64)
+
+
+# -- the tokenizer: RUN/hf's, prepare --tokenizer DIR, the export command and sample ----------------------
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "def add(a, b):\n    return a + b\n\n\nprint(add(2, 3))\n" * 6,
+    "Low-communication training: each replica takes H inner steps, then they average. " * 8,
+    "A <|endoftext|> inside a text is text, as prepare encoded it. " * 4,
+]
+BPE = dict(model="model=hf_llama_tiny", vocab="model.config.vocab_size=320")  # the corpus's 300, and more
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus(tmp_path_factory):
+    """A corpus of TEXTS prepared with a byte-level BPE of 300 tokens (its eod <|endoftext|>)."""
+    from hypertrain.data.prepare import prepare as prepare_corpus
+
+    where = tmp_path_factory.mktemp("hf-bpe")
+    (where / "texts").mkdir()
+    for i, text in enumerate(TEXTS * 3):
+        (where / "texts" / f"{i:02d}.txt").write_text(text)
+    prepare_corpus([str(where / "texts" / "*.txt")], where / "corpus", "train:300", "text", False)
+    return where
+
+
+@pytest.mark.slow  # about 4 s of CPU: a BPE trained, two corpora prepared, a model saved
+def test_run_hf_holds_the_corpus_tokenizer_and_prepare_takes_that_directory(bpe_corpus):
+    """A model=hf run on a corpus with a tokenizer.json writes it into RUN/hf beside the weights (with
+    tokenizer_config.json): AutoTokenizer.from_pretrained(RUN/hf) encodes and decodes every text as the
+    corpus's tokenizer, its one special token the corpus's eod (none added). `prepare --tokenizer DIR`
+    takes that directory's tokenizer.json: the same texts give the same ids. data=prepared with a model
+    whose vocabulary is below the corpus's is one line."""
+    from hypertrain.config import UserError
+    from hypertrain.data import corpus
+    from hypertrain.data.prepare import prepare as prepare_corpus
+    from hypertrain.run.session import save_weights
+
+    folder = bpe_corpus / "corpus"
+    cfg = compose_cfg([*RUN, *BPE.values(), "data=prepared", f"data.path={folder}"])
+    save_weights(cfg, hf.init_params(cfg.model, 0), bpe_corpus)
+    saved = bpe_corpus / "hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in saved.iterdir()
+    }
+    meta = corpus.read_meta(folder)
+    ours = corpus.Tokenizer(folder, meta)
+    theirs = transformers.AutoTokenizer.from_pretrained(saved)
+    for text in [*TEXTS, "unseen words: zebra 42 <|endoftext|>"]:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids  # no bos or eos added; a special token's spelling read as text
+        assert theirs.decode(ids) == ours.decode(ids) == text
+    assert theirs.all_special_ids == [meta.eod]
+
+    again = prepare_corpus(
+        [str(bpe_corpus / "texts" / "*.txt")], bpe_corpus / "again", str(saved), "text", False
+    )
+    assert (again.meta.vocab, again.meta.eod, again.meta.tokens_sha256) == (
+        meta.vocab,
+        meta.eod,
+        meta.tokens_sha256,
+    )
+    small = compose_cfg([*RUN, "model=hf_llama_tiny", "data=prepared", f"data.path={bpe_corpus / 'again'}"])
+    with pytest.raises(UserError) as err:
+        prepare(small)
+    assert str(err.value).startswith(
+        f"the model's vocabulary (256, its config's vocab_size) is smaller than the data's ({meta.vocab})"
+    )
