@@ -334,7 +334,7 @@ def bpe_corpus(tmp_path_factory):
 
     where = tmp_path_factory.mktemp("hf-bpe")
     (where / "texts").mkdir()
-    for i, text in enumerate(TEXTS * 3):
+    for i, text in enumerate(TEXTS * 8):
         (where / "texts" / f"{i:02d}.txt").write_text(text)
     prepare_corpus([str(where / "texts" / "*.txt")], where / "corpus", "train:300", "text", False)
     return where
@@ -382,3 +382,76 @@ def test_run_hf_holds_the_corpus_tokenizer_and_prepare_takes_that_directory(bpe_
     assert str(err.value).startswith(
         f"the model's vocabulary (256, its config's vocab_size) is smaller than the data's ({meta.vocab})"
     )
+
+
+@pytest.fixture(scope="module")
+def bpe_run(bpe_corpus):
+    """A model=hf run of 4 updates (checkpoints after 2 and 4) on the BPE corpus, its vocabulary (320)
+    above the corpus's (300)."""
+    run_dir = bpe_corpus / "run"
+    args = [*RUN, *BPE.values(), "data=prepared", f"data.path={bpe_corpus / 'corpus'}", "inner.H=2"]
+    done = entry([*args, "phase.updates=4", f"hydra.run.dir={run_dir}"], bpe_corpus)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_the_export_command_writes_a_checkpoint_of_an_hf_run(bpe_run, tmp_path):
+    """`python -m hypertrain.export RUN --checkpoint C --out DIR` for model=hf: DIR is the run's module
+    with the checkpoint's weights (`write_hf`) and RUN/hf's tokenizer; from_pretrained(DIR)'s logits are
+    the checkpoint's weights' bitwise in fp32 (the same module code, the same fp32 weights: no other
+    rounding to allow for), not the final weights'."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from hypertrain.export import command
+    from hypertrain.sample import read_run
+
+    model = read_run(bpe_run)[0]
+    path = sorted((bpe_run / "checkpoints").glob("ckpt-u*.pt"))[0]
+    theta = torch.load(path, weights_only=True)["state"]["theta"]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = command.cli([str(bpe_run), "--checkpoint", str(path), "--out", str(tmp_path / "hf")])
+    assert code == 0, err.getvalue()
+    assert out.getvalue().startswith(f"hypertrain.export: wrote {tmp_path / 'hf'}: LlamaForCausalLM (")
+    assert f"from {path} (update " in out.getvalue()
+    assert "; tokenizer.json and tokenizer_config.json of " in out.getvalue()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (bpe_run / "hf" / name).read_bytes()
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    ids = torch.randint(0, 320, (1, 2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.logits(model, {n: t.unsqueeze(0) for n, t in theta.items()}, ids)
+        got = read(input_ids=ids[0]).logits.reshape(want.shape)
+        final = hf.logits(
+            model, {n: t.unsqueeze(0) for n, t in torch.load(bpe_run / "weights.pt").items()}, ids
+        )
+    assert torch.equal(got, want)
+    assert not torch.equal(got, final)
+
+
+@pytest.mark.slow
+def test_sample_decodes_an_hf_run_with_its_corpus_tokenizer(bpe_run):
+    """`python -m hypertrain.sample` on a model=hf run: the prompt encoded and the continuation decoded
+    by the corpus's tokenizer, the continuation the module's greedy one over the corpus's ids."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from hypertrain import sample
+    from hypertrain.data import corpus
+
+    model, data, _, _ = sample.read_run(bpe_run)
+    folder = bpe_run.parent / "corpus"
+    tokenizer = corpus.Tokenizer(folder, corpus.read_meta(folder))
+    theta = torch.load(bpe_run / "weights.pt", weights_only=True)
+    prompt = "The quick brown"
+    added = sample.continuation(
+        model, theta, tokenizer.encode(prompt), tokens=6, context=32, vocab=300, eod=tokenizer.meta.eod
+    )
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = sample.cli([str(bpe_run), "--prompt", prompt, "--tokens", "6"])
+    assert code == 0, err.getvalue()
+    assert out.getvalue() == prompt + tokenizer.decode(added) + "\n"
+    assert added and all(i < 300 for i in added)
