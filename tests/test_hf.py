@@ -21,6 +21,7 @@ from helpers import (
     killed_beside_uninterrupted,
     resumed,
     rounding_floors,
+    run_rounds,
     small_cfg,
 )
 from omegaconf import OmegaConf
@@ -455,3 +456,31 @@ def test_sample_decodes_an_hf_run_with_its_corpus_tokenizer(bpe_run):
     assert code == 0, err.getvalue()
     assert out.getvalue() == prompt + tokenizer.decode(added) + "\n"
     assert added and all(i < 300 for i in added)
+
+
+@pytest.mark.slow  # dynamo traces the module for each engine's shapes: about 15 s of CPU
+@pytest.mark.parametrize("engine", ["loop", "stacked"])
+def test_compile_captures_the_hf_module_and_agrees_with_the_eager_loop(monkeypatch, engine):
+    """engine.compile=true with model=hf: torch.compile captures the module's forward and backward
+    (functional_call for the loop, vmap for the stacked engine: dynamo's graph counter moves) and the
+    run agrees with the eager loop, each against the float64 loop (helpers.assert_engines_agree: twice
+    the eager loop's own error, or its floor). The backend is aot_eager (dynamo and AOT autograd, the
+    graphs inductor would be given) to keep inductor's C++ builds out of the suite; with inductor the
+    same forward and backward ran once by hand (docs/hf.md)."""
+    from torch._dynamo.utils import counters
+
+    from hypertrain.engines import compiled, stacked
+    from hypertrain.engines.compiled import inner_step_fn
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_compiled", lambda fn: torch.compile(fn, backend="aot_eager"))
+    inner_step_fn.cache_clear()  # its compiled step is made again with the backend above, then dropped
+    try:
+        cfg = replace(hf_cfg("llama"), replicas=2)
+        on = replace(cfg, engine=replace(cfg.engine, compile=True))
+        before = counters["stats"]["unique_graphs"]
+        got = run_rounds(on, {"loop": loop, "stacked": stacked}[engine].train_replicas)
+        assert counters["stats"]["unique_graphs"] - before >= 2  # the loss and the step ran compiled
+        assert_engines_agree(cfg, got=got)
+    finally:
+        inner_step_fn.cache_clear()
