@@ -484,3 +484,23 @@ def test_compile_captures_the_hf_module_and_agrees_with_the_eager_loop(monkeypat
         assert_engines_agree(cfg, got=got)
     finally:
         inner_step_fn.cache_clear()
+
+
+def test_model_config_is_set_with_or_without_a_plus():
+    """`model=hf 'model.config={...}'` (the field is declared, its keys open as outer.optimizer_args')
+    and `'+model.config={...}'` compose the same config; on a preset, a key it has changes without `+`
+    (Hydra refuses `+` there), one it lacks is added with or without it, the others stay (dicts merge)."""
+    fields = "{model_type:llama,hidden_size:32,num_hidden_layers:1,num_attention_heads:2,vocab_size:256}"
+    plain = compose_cfg(["model=hf", f"model.config={fields}"]).model
+    plus = compose_cfg(["model=hf", f"+model.config={fields}"]).model
+    assert plain == plus and plain.config == {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 256,
+    }
+    preset = compose_cfg(["model=hf_llama_tiny"]).model.config
+    for added in ("model.config.head_dim=16", "+model.config.head_dim=16"):
+        changed = compose_cfg(["model=hf_llama_tiny", "model.config.num_hidden_layers=4", added]).model.config
+        assert changed == preset | {"num_hidden_layers": 4, "head_dim": 16}
