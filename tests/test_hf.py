@@ -341,7 +341,6 @@ def bpe_corpus(tmp_path_factory):
     return where
 
 
-@pytest.mark.slow  # about 4 s of CPU: a BPE trained, two corpora prepared, a model saved
 def test_run_hf_holds_the_corpus_tokenizer_and_prepare_takes_that_directory(bpe_corpus):
     """A model=hf run on a corpus with a tokenizer.json writes it into RUN/hf beside the weights (with
     tokenizer_config.json): AutoTokenizer.from_pretrained(RUN/hf) encodes and decodes every text as the
