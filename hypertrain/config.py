@@ -127,8 +127,7 @@ class ModelConfig:
             raise UserError(
                 f"model.arch=hf takes one of model.path and model.config, not "
                 f"{' and '.join(given) or 'neither'}; valid: model.path=DIR (a local Hugging Face model "
-                "directory) or "
-                "+model.config={model_type:llama,...}"
+                "directory) or 'model.config={model_type:llama,...}'"
             )
         if self.arch != "hf" and given:
             raise UserError(

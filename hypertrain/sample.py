@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import BYTE_VOCAB, SOURCES, corpus, data_source
+from hypertrain.data.hf_tokenizer import context_length
 from hypertrain.failures.signals import EXIT_CODES, interrupted
 from hypertrain.model.shapes import param_shapes
 from hypertrain.model.spec import model_spec
@@ -178,11 +179,13 @@ def trained_with(path: Path, meta: corpus.Meta, model: ModelConfig, facts: dict,
     """UserError unless the corpus at `path` has the tokenizer the run trained with: its vocabulary the
     run's model.vocab (data=prepared takes the corpus's) and its tokenizer.json's sha256 ("" for bytes)
     the one the run recorded (`data/tokenizer_sha256`; a run from before it was recorded: the vocabulary
-    alone). A corpus prepared again at the run's data.path would otherwise decode its ids as garbage."""
+    alone). A corpus prepared again at the run's data.path would otherwise decode its ids as garbage.
+    A Hugging Face model's vocabulary is its config's, at least the corpus's (never resized to it)."""
     tokenizer = path / corpus.TOKENIZER
     now = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if meta.tokenizer != "bytes" else ""
     then = facts.get("data/tokenizer_sha256")
-    if meta.vocab == model.vocab and then in (None, now):
+    external = model_spec(model).external
+    if (meta.vocab == model.vocab or external and meta.vocab <= model.vocab) and then in (None, now):
         return
 
     def said(sha: str | None, vocab: int) -> str:
@@ -237,12 +240,6 @@ def load_weights(args: Args, model: ModelConfig, run_ids: set[str]) -> tuple[dic
     if shapes != param_shapes(model):
         raise UserError(f"{where} does not hold the weights of {args.run_dir}'s model; valid: the run's own")
     return {name: t.float() for name, t in theta.items()}, where
-
-
-def context_length(data: DataConfig) -> int:
-    """The most tokens the model read at once in training: a window's seq_len, a document's max_len
-    (a document is cut at max_len + 1 ids, the last only a target)."""
-    return data.max_len if data.examples == "documents" else data.seq_len
 
 
 def continuation(

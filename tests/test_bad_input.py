@@ -267,7 +267,7 @@ CASES = {
         "model=hf without a model directory or config",
         ["model=hf"],
         "model.arch=hf takes one of model.path and model.config, not neither",
-        "model.path=DIR (a directory save_pretrained wrote) or '+model.config={model_type:llama,...}'",
+        "model.path=DIR (a directory save_pretrained wrote) or 'model.config={model_type:llama,...}'",
     ),
     "hf-path-missing": Case(
         "model=hf with a directory that does not exist (or holds no config.json)",
@@ -291,7 +291,7 @@ CASES = {
     ),
     "hf-not-a-causal-lm": Case(
         "model=hf with a model that is not a causal LM",
-        ["model=hf", "+model.config={model_type:t5}"],
+        ["model=hf", "model.config={model_type:t5}"],
         "model.config: model_type 't5' is not a causal LM",
         "a model with a *ForCausalLM class",
     ),

@@ -21,6 +21,7 @@ from helpers import (
     killed_beside_uninterrupted,
     resumed,
     rounding_floors,
+    run_rounds,
     small_cfg,
 )
 from omegaconf import OmegaConf
@@ -314,3 +315,191 @@ def test_a_prepared_corpus_trains_a_model_of_a_larger_vocabulary(tmp_path):
     assert done.returncode == 0, done.stderr
     assert OmegaConf.load(run_dir / "config.yaml").model.vocab == 300
     assert torch.load(run_dir / "weights.pt")["model.embed_tokens.weight"].shape == (300, 64)
+
+
+# -- the tokenizer: RUN/hf's, prepare --tokenizer DIR, the export command and sample ----------------------
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "def add(a, b):\n    return a + b\n\n\nprint(add(2, 3))\n" * 6,
+    "Low-communication training: each replica takes H inner steps, then they average. " * 8,
+    "A <|endoftext|> inside a text is text, as prepare encoded it. " * 4,
+]
+BPE = dict(model="model=hf_llama_tiny", vocab="model.config.vocab_size=320")  # the corpus's 300, and more
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus(tmp_path_factory):
+    """A corpus of TEXTS prepared with a byte-level BPE of 300 tokens (its eod <|endoftext|>)."""
+    from hypertrain.data.prepare import prepare as prepare_corpus
+
+    where = tmp_path_factory.mktemp("hf-bpe")
+    (where / "texts").mkdir()
+    for i, text in enumerate(TEXTS * 8):
+        (where / "texts" / f"{i:02d}.txt").write_text(text)
+    prepare_corpus([str(where / "texts" / "*.txt")], where / "corpus", "train:300", "text", False)
+    return where
+
+
+def test_run_hf_holds_the_corpus_tokenizer_and_prepare_takes_that_directory(bpe_corpus):
+    """A model=hf run on a corpus with a tokenizer.json writes it into RUN/hf beside the weights (with
+    tokenizer_config.json): AutoTokenizer.from_pretrained(RUN/hf) encodes and decodes every text as the
+    corpus's tokenizer, its one special token the corpus's eod (none added). `prepare --tokenizer DIR`
+    takes that directory's tokenizer.json: the same texts give the same ids. data=prepared with a model
+    whose vocabulary is below the corpus's is one line."""
+    from hypertrain.config import UserError
+    from hypertrain.data import corpus
+    from hypertrain.data.prepare import prepare as prepare_corpus
+    from hypertrain.run.session import save_weights
+
+    folder = bpe_corpus / "corpus"
+    cfg = compose_cfg([*RUN, *BPE.values(), "data=prepared", f"data.path={folder}"])
+    save_weights(cfg, hf.init_params(cfg.model, 0), bpe_corpus)
+    saved = bpe_corpus / "hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in saved.iterdir()
+    }
+    meta = corpus.read_meta(folder)
+    ours = corpus.Tokenizer(folder, meta)
+    theirs = transformers.AutoTokenizer.from_pretrained(saved)
+    for text in [*TEXTS, "unseen words: zebra 42 <|endoftext|>"]:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids  # no bos or eos added; a special token's spelling read as text
+        assert theirs.decode(ids) == ours.decode(ids) == text
+    assert theirs.all_special_ids == [meta.eod]
+
+    again = prepare_corpus(
+        [str(bpe_corpus / "texts" / "*.txt")], bpe_corpus / "again", str(saved), "text", False
+    )
+    assert (again.meta.vocab, again.meta.eod, again.meta.tokens_sha256) == (
+        meta.vocab,
+        meta.eod,
+        meta.tokens_sha256,
+    )
+    small = compose_cfg([*RUN, "model=hf_llama_tiny", "data=prepared", f"data.path={bpe_corpus / 'again'}"])
+    with pytest.raises(UserError) as err:
+        prepare(small)
+    assert str(err.value).startswith(
+        f"the model's vocabulary (256, its config's vocab_size) is smaller than the data's ({meta.vocab})"
+    )
+
+
+@pytest.fixture(scope="module")
+def bpe_run(bpe_corpus):
+    """A model=hf run of 4 updates (checkpoints after 2 and 4) on the BPE corpus, its vocabulary (320)
+    above the corpus's (300)."""
+    run_dir = bpe_corpus / "run"
+    args = [*RUN, *BPE.values(), "data=prepared", f"data.path={bpe_corpus / 'corpus'}", "inner.H=2"]
+    done = entry([*args, "phase.updates=4", f"hydra.run.dir={run_dir}"], bpe_corpus)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_the_export_command_writes_a_checkpoint_of_an_hf_run(bpe_run, tmp_path):
+    """`python -m hypertrain.export RUN --checkpoint C --out DIR` for model=hf: DIR is the run's module
+    with the checkpoint's weights (`write_hf`) and RUN/hf's tokenizer; from_pretrained(DIR)'s logits are
+    the checkpoint's weights' bitwise in fp32 (the same module code, the same fp32 weights: no other
+    rounding to allow for), not the final weights'."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from hypertrain.export import command
+    from hypertrain.sample import read_run
+
+    model = read_run(bpe_run)[0]
+    path = sorted((bpe_run / "checkpoints").glob("ckpt-u*.pt"))[0]
+    theta = torch.load(path, weights_only=True)["state"]["theta"]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = command.cli([str(bpe_run), "--checkpoint", str(path), "--out", str(tmp_path / "hf")])
+    assert code == 0, err.getvalue()
+    assert out.getvalue().startswith(f"hypertrain.export: wrote {tmp_path / 'hf'}: LlamaForCausalLM (")
+    assert f"from {path} (update " in out.getvalue()
+    assert "; tokenizer.json and tokenizer_config.json of " in out.getvalue()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (bpe_run / "hf" / name).read_bytes()
+    read = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    ids = torch.randint(0, 320, (1, 2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.logits(model, {n: t.unsqueeze(0) for n, t in theta.items()}, ids)
+        got = read(input_ids=ids[0]).logits.reshape(want.shape)
+        final = hf.logits(
+            model, {n: t.unsqueeze(0) for n, t in torch.load(bpe_run / "weights.pt").items()}, ids
+        )
+    assert torch.equal(got, want)
+    assert not torch.equal(got, final)
+
+
+@pytest.mark.slow
+def test_sample_decodes_an_hf_run_with_its_corpus_tokenizer(bpe_run):
+    """`python -m hypertrain.sample` on a model=hf run: the prompt encoded and the continuation decoded
+    by the corpus's tokenizer, the continuation the module's greedy one over the corpus's ids."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from hypertrain import sample
+    from hypertrain.data import corpus
+
+    model, data, _, _ = sample.read_run(bpe_run)
+    folder = bpe_run.parent / "corpus"
+    tokenizer = corpus.Tokenizer(folder, corpus.read_meta(folder))
+    theta = torch.load(bpe_run / "weights.pt", weights_only=True)
+    prompt = "The quick brown"
+    added = sample.continuation(
+        model, theta, tokenizer.encode(prompt), tokens=6, context=32, vocab=300, eod=tokenizer.meta.eod
+    )
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = sample.cli([str(bpe_run), "--prompt", prompt, "--tokens", "6"])
+    assert code == 0, err.getvalue()
+    assert out.getvalue() == prompt + tokenizer.decode(added) + "\n"
+    assert added and all(i < 300 for i in added)
+
+
+@pytest.mark.slow  # dynamo traces the module for each engine's shapes: about 15 s of CPU
+@pytest.mark.parametrize("engine", ["loop", "stacked"])
+def test_compile_captures_the_hf_module_and_agrees_with_the_eager_loop(monkeypatch, engine):
+    """engine.compile=true with model=hf: torch.compile captures the module's forward and backward
+    (functional_call for the loop, vmap for the stacked engine: dynamo's graph counter moves) and the
+    run agrees with the eager loop, each against the float64 loop (helpers.assert_engines_agree: twice
+    the eager loop's own error, or its floor). The backend is aot_eager (dynamo and AOT autograd, the
+    graphs inductor would be given) to keep inductor's C++ builds out of the suite; with inductor the
+    same forward and backward ran once by hand (docs/hf.md)."""
+    from torch._dynamo.utils import counters
+
+    from hypertrain.engines import compiled, stacked
+    from hypertrain.engines.compiled import inner_step_fn
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_compiled", lambda fn: torch.compile(fn, backend="aot_eager"))
+    inner_step_fn.cache_clear()  # its compiled step is made again with the backend above, then dropped
+    try:
+        cfg = replace(hf_cfg("llama"), replicas=2)
+        on = replace(cfg, engine=replace(cfg.engine, compile=True))
+        before = counters["stats"]["unique_graphs"]
+        got = run_rounds(on, {"loop": loop, "stacked": stacked}[engine].train_replicas)
+        assert counters["stats"]["unique_graphs"] - before >= 2  # the loss and the step ran compiled
+        assert_engines_agree(cfg, got=got)
+    finally:
+        inner_step_fn.cache_clear()
+
+
+def test_model_config_is_set_with_or_without_a_plus():
+    """`model=hf 'model.config={...}'` (the field is declared, its keys open as outer.optimizer_args')
+    and `'+model.config={...}'` compose the same config; on a preset, a key it has changes without `+`
+    (Hydra refuses `+` there), one it lacks is added with or without it, the others stay (dicts merge)."""
+    fields = "{model_type:llama,hidden_size:32,num_hidden_layers:1,num_attention_heads:2,vocab_size:256}"
+    plain = compose_cfg(["model=hf", f"model.config={fields}"]).model
+    plus = compose_cfg(["model=hf", f"+model.config={fields}"]).model
+    assert plain == plus and plain.config == {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 256,
+    }
+    preset = compose_cfg(["model=hf_llama_tiny"]).model.config
+    for added in ("model.config.head_dim=16", "+model.config.head_dim=16"):
+        changed = compose_cfg(["model=hf_llama_tiny", "model.config.num_hidden_layers=4", added]).model.config
+        assert changed == preset | {"num_hidden_layers": 4, "head_dim": 16}

@@ -37,8 +37,9 @@ def parser() -> Parser:
     prepare.add_argument(
         "--tokenizer",
         default="bytes",
-        help="bytes (ids 0..255, eod 256; the default), PATH/tokenizer.json, or train:V (a byte-level BPE "
-        "of V <= 2^24 tokens trained on the inputs)",
+        help="bytes (ids 0..255, eod 256; the default), PATH/tokenizer.json, DIR (a Hugging Face model "
+        "directory: its tokenizer.json), or train:V (a byte-level BPE of V <= 2^24 tokens trained on the "
+        "inputs)",
     )
     prepare.add_argument(
         "--field", default="text", help="the text field of JSONL, Parquet, Arrow and datasets (default: text)"

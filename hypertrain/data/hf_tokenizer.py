@@ -1,7 +1,9 @@
 """A prepared corpus's tokenizer as Hugging Face's `AutoTokenizer.from_pretrained(out)` reads it: `save`
 copies the corpus's tokenizer.json byte for byte and writes tokenizer_config.json beside it, naming the
 corpus's eod as the eos token when the tokenizer has it, and no other token (none is added). A corpus of
-the bytes tokenizer has no tokenizer.json: `save` writes nothing. No transformers needed.
+the bytes tokenizer has no tokenizer.json: `save` writes nothing. `corpus_of(data)` is the corpus whose
+tokenizer a run's data reads (None: data without one); `context_length(data)` the most tokens the model
+read at once. No transformers needed.
 """
 
 from __future__ import annotations
@@ -10,9 +12,26 @@ import json
 import shutil
 from pathlib import Path
 
-from hypertrain.data import corpus
+from hypertrain.config import DataConfig
+from hypertrain.data import corpus, data_source
 
 CONFIG = "tokenizer_config.json"
+
+
+def context_length(data: DataConfig) -> int:
+    """The most tokens the model read at once in training: a window's seq_len, a document's max_len
+    (a document is cut at max_len + 1 ids, the last only a target)."""
+    return data.max_len if data.examples == "documents" else data.seq_len
+
+
+def corpus_of(data: DataConfig) -> tuple[Path, corpus.Meta] | None:
+    """The prepared corpus (its directory and meta) whose tokenizer.json the data reads; None for data
+    without one (bytes: a byte's id is its value; token_bin: ids alone; a corpus of the bytes tokenizer)."""
+    if data_source(data).tokenizer != "corpus":
+        return None
+    path = Path(data.path).expanduser()
+    meta = corpus.read_meta(path)
+    return None if meta.tokenizer == "bytes" else (path, meta)
 
 
 def tokenizer_config(directory: Path, meta: corpus.Meta, context: int) -> dict:

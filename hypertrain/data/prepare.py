@@ -38,7 +38,8 @@ MAX_TRAINED_VOCAB = 1 << 24
 PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces of about this many characters, where safe
 HF_HOME = ".hf"  # Hugging Face's caches during a prepare: in the partial corpus, so they go with it
 VALID_TOKENIZER = (
-    "bytes, PATH/tokenizer.json (a Hugging Face tokenizer) or train:V (a byte-level BPE of V tokens)"
+    "bytes, PATH/tokenizer.json (a Hugging Face tokenizer), DIR (a model directory holding one) or train:V "
+    "(a byte-level BPE of V tokens)"
 )
 
 
@@ -104,6 +105,8 @@ def parse_tokenizer(spec: str) -> Tokenizer:
     import tokenizers
 
     path = Path(spec).expanduser()
+    if path.is_dir():  # a model directory (save_pretrained's, or RUN/hf): its tokenizer.json
+        path = path / corpus.TOKENIZER
     try:
         data = path.read_bytes()
         hf = tokenizers.Tokenizer.from_str(data.decode("utf-8"))

@@ -1,7 +1,8 @@
 """`python -m hypertrain.export RUN_DIR [--checkpoint PATH] --out DIR`: the run's global weights (weights.pt,
 or a checkpoint's) written to DIR as a Hugging Face model (`save_pretrained`: config.json,
-model.safetensors, generation_config.json) of the architecture its model matches (`names`), with the data's
-tokenizer where it has one (`data.hf_tokenizer`). It prints one line saying what it wrote. A mistake is one
+model.safetensors, generation_config.json) of the architecture its model matches (`names`), or for a
+model=hf run the run's own module (`model.hf_export.write_hf`), with the data's tokenizer where it has one
+(`data.hf_tokenizer`). It prints one line saying what it wrote. A mistake is one
 line `hypertrain.export: error: ...`, exit 2, nothing created; a failing write one line, exit 4 (a full
 disk) or 1, no partial DIR left (DIR is filled beside it and renamed into place); Ctrl-C one line, 130.
 """
@@ -21,11 +22,13 @@ from pathlib import Path
 
 from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import corpus, data_source, hf_tokenizer
+from hypertrain.data.hf_tokenizer import context_length
 from hypertrain.data.outdir import first_existing, first_missing, remove_made
 from hypertrain.export.names import Architecture, architecture, hf_weights
 from hypertrain.failures import DiskFull, RunFailure
 from hypertrain.failures.signals import EXIT_CODES, interrupted
-from hypertrain.sample import context_length, load_weights, read_run, trained_with
+from hypertrain.model.spec import model_spec
+from hypertrain.sample import load_weights, read_run, trained_with
 
 PROG = "hypertrain.export"
 ERROR = f"{PROG}: error:"  # every mistake's one line starts so
@@ -81,12 +84,10 @@ def tokenizer_of(
     """The prepared corpus whose tokenizer the run trained with (its directory and meta), None for data
     without a tokenizer.json (bytes: a byte's id is its value; token_bin: ids alone). UserError when the
     corpus is gone or holds another tokenizer now."""
-    if data_source(data).tokenizer != "corpus":
+    found = hf_tokenizer.corpus_of(data)
+    if found is None:
         return None
-    path = Path(data.path).expanduser()
-    meta = corpus.read_meta(path)
-    if meta.tokenizer == "bytes":
-        return None
+    path, meta = found
     if not (path / corpus.TOKENIZER).is_file():
         raise UserError(f"data.path={str(path)!r} has no {corpus.TOKENIZER}; {corpus.prepare_again(path)}")
     trained_with(path, meta, model, facts, run_dir)
@@ -166,13 +167,19 @@ def export(args: Args) -> str:
     """`args.out` written; the line saying what it holds. Everything is checked and read before it is made."""
     check_out(args.out)
     model, data, run_ids, facts = read_run(args.run_dir)
-    arch = architecture(model)
+    external = model_spec(model).external  # model=hf: the run's own module, its own config
+    arch = None if external else architecture(model)
     tokenizer = tokenizer_of(model, data, args.run_dir, facts)
     theta, where = load_weights(args, model, run_ids)
     eod = tokenizer[1].eod if tokenizer else None
 
     def fill(partial: Path) -> None:  # the place is claimed first: refused before transformers loads
-        hf_model(arch, model, theta, context_length(data), eod).save_pretrained(partial)
+        if external:
+            from hypertrain.model.hf_export import write_hf
+
+            write_hf(model, theta, partial)
+        else:
+            hf_model(arch, model, theta, context_length(data), eod).save_pretrained(partial)
         if tokenizer:
             hf_tokenizer.save(*tokenizer, partial, context_length(data))
 
@@ -184,7 +191,11 @@ def export(args: Args) -> str:
     else:
         said = f"no tokenizer (data={data.name}'s ids have none)"
     count = sum(t.numel() for t in theta.values())
-    return f"{PROG}: wrote {args.out}: {arch.class_name} ({count:,} parameters) from {where}; {said}"
+    if external:
+        from hypertrain.model.hf import base
+
+    name = type(base(model)).__name__ if external else arch.class_name
+    return f"{PROG}: wrote {args.out}: {name} ({count:,} parameters) from {where}; {said}"
 
 
 def cli(argv: list[str] | None = None) -> int:

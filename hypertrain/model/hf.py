@@ -147,6 +147,11 @@ def _on(key: tuple[str, str], device: str) -> nn.Module:
     return module if device == "cpu" else copy.deepcopy(module).to(device)
 
 
+@torch.compiler.disable  # engine.compile: a cache lookup, not traced (dynamo would trace the build itself)
+def _module(cfg: ModelConfig, device: str) -> nn.Module:
+    return _on(_key(cfg), device)
+
+
 def layer_list(module: nn.Module) -> str:
     """The name of the model's layer list: its ModuleList holding the most parameters."""
     lists = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, nn.ModuleList)]
@@ -209,7 +214,7 @@ def logits(cfg: ModelConfig, p: dict[str, Tensor], inputs: Tensor) -> Tensor:
     refuses autocast's mixed query and value dtypes), the gradients flowing back to the fp32 weights;
     float64 weights (the tests' reference) stay float64, as autocast leaves them."""
     R, B, T = inputs.shape
-    module = _on(_key(cfg), str(inputs.device))
+    module = _module(cfg, str(inputs.device))
     if cfg.compute_dtype == "bf16":  # the module in bf16 from the fp32 weights (its own casts, no autocast)
         p = {n: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for n, t in p.items()}
 

@@ -30,5 +30,8 @@ def write_hf(cfg: ModelConfig, weights: dict[str, Tensor], out: Path) -> Path:
             p.copy_(weights[name].detach().to(device=p.device, dtype=p.dtype))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a run's and the export command's output are their own lines
     module.save_pretrained(out, safe_serialization=True)
     return out

@@ -32,9 +32,10 @@ def register_configs() -> None:
     # One schema for the whole tree (it types every group's YAML); storing a schema per group would
     # list `model_schema` and the like among the options a user can pick.
     schema = OmegaConf.structured(TrainConfig)
-    # a dict field's keys are the user's (outer.optimizer_args={betas:[0.8,0.9]}): open, where Hydra's
-    # struct flag would refuse any key the default ({}) lacks
+    # a dict field's keys are the user's (outer.optimizer_args={betas:[0.8,0.9]}, model.config): open,
+    # where Hydra's struct flag would refuse any key the default ({}) lacks
     OmegaConf.set_struct(schema.outer.optimizer_args, False)
+    OmegaConf.set_struct(schema.model.config, False)  # model=hf 'model.config={model_type:llama,...}'
     cs.store(name="train_schema", node=schema)
     for name, phase in PRESETS.items():
         cs.store(group="phase", name=name, node=phase_config(phase))

@@ -235,10 +235,13 @@ def train_session(
 
 def save_weights(cfg, theta, run_dir: Path) -> None:
     """The final global weights: weights.pt, and for a Hugging Face model RUN/hf (save_pretrained's,
-    `model.hf_export`; docs/hf.md)."""
+    `model.hf_export`, with the data's tokenizer where it has one, `data.hf_tokenizer`; docs/hf.md)."""
     weights = {n: t.cpu() for n, t in theta.items()}
     torch.save(weights, run_dir / "weights.pt")
     if model_spec(cfg.model).external:
+        from hypertrain.data import hf_tokenizer
         from hypertrain.model.hf_export import HF_FOLDER, write_hf
 
-        write_hf(cfg.model, weights, run_dir / HF_FOLDER)
+        out = write_hf(cfg.model, weights, run_dir / HF_FOLDER)
+        if (found := hf_tokenizer.corpus_of(cfg.data)) is not None:
+            hf_tokenizer.save(*found, out, hf_tokenizer.context_length(cfg.data))
