@@ -9,7 +9,7 @@ import yaml
 from helpers import QUICK, entry, stderr_lines
 
 from hypertrain.records.files import read_records
-from hypertrain.records.rows import EndRow, SummaryRow
+from hypertrain.records.rows import EndRow, StartRow, SummaryRow
 
 # Seed 9 of the TPE sampler (its first 10 trials are random, whatever the values told) proposes, over
 # outer.lr log-uniform in [0.1, 3000] and inner.H in {1, 2}: lr 0.11, 0.40, 7.5, 3.5, 1810, 36.7. At lr
@@ -42,7 +42,9 @@ def study(tmp_path, name: str) -> tuple[list[dict], dict]:
     assert done.returncode == 0, done.stderr[-3000:]
     trials = yaml.safe_load((sweep / "trials.yaml").read_text())
     for trial in trials:
-        trial["end"] = read_records(sweep / trial["run_dir"])[-1]
+        rows = read_records(sweep / trial["run_dir"])
+        trial["end"] = rows[-1]
+        trial["groups"] = {r.group for r in rows if isinstance(r, StartRow)}
     failed = [line for line in stderr_lines(done.stderr) if line.startswith("hypertrain: trial failed: ")]
     assert len(failed) == 1 and "diverged" in failed[0], done.stderr[-3000:]
     return trials, yaml.safe_load((sweep / "optimization_results.yaml").read_text())
@@ -56,6 +58,7 @@ def test_an_optuna_study_tunes_the_outer_step_and_goes_on_past_a_diverging_trial
     for trial in trials:  # every trial an ordinary run directory, ended as its trial
         end = trial["end"]
         assert isinstance(end, EndRow)
+        assert trial["groups"] == {"quick-first"}  # W&B's group: the study's (experiment-sweep folder)
         if trial["number"] == DIVERGING:
             assert (trial["state"], trial["values"], end.status) == ("failed", None, "failed")
             assert end.error.startswith("diverged: ")

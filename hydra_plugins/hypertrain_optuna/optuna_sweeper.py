@@ -8,6 +8,8 @@ plugin's own config, for hypertrain's entry only); the study's loop is `hypertra
 
 from __future__ import annotations
 
+import logging
+
 try:
     from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper as PluginOptunaSweeper
 except ImportError:  # the tune extra is not installed: hydra/sweeper=optuna is unavailable, nothing else
@@ -19,6 +21,11 @@ if PluginOptunaSweeper is not None:
         """A trial whose run returns NaN (a run the divergence guard stopped) is told to Optuna as
         failed and the study goes on (the plugin's own loop ends the study there); every trial's
         number, state, value, parameters and run directory go to the sweep directory's trials.yaml."""
+
+        def __init__(self, *args, **kwargs):
+            # optuna imports alembic, which logs a line per plugin it sets up (30 lines) at Hydra's INFO
+            logging.getLogger("alembic").setLevel(logging.WARNING)
+            super().__init__(*args, **kwargs)
 
         def sweep(self, arguments):
             from hypertrain.launchers import optuna_study
