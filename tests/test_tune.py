@@ -2,12 +2,18 @@
 ordinary run directory, the best trial's value its run's final held-out loss, seeded proposals, and a
 diverging trial failed alone while the study goes on."""
 
+import json
 import math
+import shlex
+import statistics
+import sys
+from types import SimpleNamespace
 
 import pytest
 import yaml
-from helpers import QUICK, entry, stderr_lines
+from helpers import QUICK, REPO, compose_cfg, entry, stderr_lines
 
+from hypertrain.preflight.checks import validate
 from hypertrain.records.files import read_records
 from hypertrain.records.rows import EndRow, StartRow, SummaryRow
 
@@ -77,3 +83,72 @@ def test_an_optuna_study_tunes_the_outer_step_and_goes_on_past_a_diverging_trial
     # runs are deterministic (the regression fixtures), so the values and the best trial are the same too
     assert [t["values"] for t in again] == [t["values"] for t in trials]
     assert results_again == results
+
+
+# -- experiments/tuned_study.py ------------------------------------------------------------------------
+
+sys.path.insert(0, str(REPO / "experiments"))
+import tuned_study  # noqa: E402  (a script beside studies.py, which it imports by name)
+
+
+@pytest.mark.parametrize("scheme", list(tuned_study.SCHEMES))
+def test_every_schemes_runs_are_valid_configs(scheme):
+    """Each scheme's seeds run (its overrides, the search space's keys at a value) composes and passes
+    the config's checks: the study's commands are not refused after hours of others."""
+    overrides, space = tuned_study.SCHEMES[scheme]
+    tuned = [f"{spec.partition('=')[0]}=0.5" for spec in space]
+    validate(compose_cfg([*tuned_study.run_overrides(240, 8, []), *overrides, *tuned, "seed=1"]))
+
+
+def test_the_dry_run_prints_the_runs_and_their_count(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "out")
+    argv = ["tuned_study.py", out, "--schemes", "diloco,eager", "--trials", "5", "--seeds", "3", "--dry-run"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert tuned_study.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "16 runs: 2 schemes x (5 trials + 3 seeds)"
+    commands = [shlex.split(line) for line in lines[:-1]]
+    assert len(commands) == 4  # a study and a seeds sweep per scheme
+    assert "hydra.sweeper.n_trials=5" in commands[0] and "outer.overlap=eager" in commands[2]
+    assert "seed=1,2,3" in commands[1] and "outer.lr=<tuned>" in commands[1]
+    assert not (tmp_path / "out").exists()  # nothing run, nothing made
+
+
+@pytest.mark.slow
+def test_the_tuned_table_is_recomputed_from_the_run_directories(tmp_path):
+    """A tiny study of two schemes (2 trials, 2 seeds each) through the entry, then its table against
+    one computed here from the runs' metrics.jsonl alone, digit for digit."""
+    out = tmp_path / "out"
+    tiny = [
+        *QUICK[1:],
+        "phase.global_batch=32",
+    ]  # QUICK's model and data sizes (experiment=quick is COMMON's)
+    args = SimpleNamespace(out=out, schemes=["diloco", "int8"], trials=2, seeds=2, updates=4, H=2, extra=tiny)
+    assert tuned_study.run_study(args, lambda entry_args: entry(entry_args, tmp_path).returncode) == []
+    got = tuned_study.table(tuned_study.tuned_rows(out, args.schemes))
+    want = []
+    for scheme in args.schemes:
+        best = yaml.safe_load((out / scheme / "tune" / "optimization_results.yaml").read_text())[
+            "best_params"
+        ]
+        losses, bits = [], set()
+        for metrics in sorted((out / scheme / "seeds").glob("*/metrics.jsonl")):
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            summary = {k: v for row in rows if row["kind"] == "summary" for k, v in row.items()}
+            assert rows[-1]["status"] == "finished"
+            assert next(r for r in rows if r["kind"] == "start")  # a run's own records
+            losses.append(summary["eval/final_loss"])
+            bits.add(summary["comm/outer_total_bits"])
+        seeds = [
+            yaml.safe_load(p.read_text()) for p in (out / scheme / "seeds").glob("*/.hydra/overrides.yaml")
+        ]
+        assert sorted(o for over in seeds for o in over if o.startswith("seed=")) == ["seed=1", "seed=2"]
+        setting = ", ".join(f"{k.removeprefix('outer.')} {v:.4g}" for k, v in best.items())
+        mean, lo, hi, std = statistics.fmean(losses), min(losses), max(losses), statistics.stdev(losses)
+        (only,) = bits
+        want.append(
+            f"| {scheme} | {setting} | 2/2 | {mean:.4f} ({lo:.4f} to {hi:.4f}) | {std:.4f} | {only:,} |"
+        )
+    assert got[2:] == want
+    # int8 sends a quarter of fp32's bits, or a little more (the scales): the bits column is each scheme's
+    assert got[2] != got[3]
