@@ -409,6 +409,18 @@ COMPRESSION_SETTINGS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3
 COMPRESSION_SETTINGS += ("sparseloco-3%", "dct-topk", "lowrank-r1", "lowrank-r4")
 
 
+def sweeps_study() -> Table:
+    """docs/sweeps.md's Optuna study: experiments/optuna_example.py runs its 8 trials (seeded: the same
+    proposals every time) and prints its table."""
+    commands = {"sweeps-study": ("script:experiments/optuna_example.py", "{sweeps-study-runs}")}
+    columns = ("outer.lr", "outer.momentum", "inner.H", "held-out final")  # a state follows from its loss
+    cells: dict[tuple[str, str], Cell] = {}
+    for trial in map(str, range(8)):
+        cells |= {(trial, c): markdown_cell("sweeps-study", trial, c, key_columns=1) for c in columns}
+    header = "| trial | outer.lr | outer.momentum | inner.H | state | held-out final |"
+    return Table("sweeps-study", "docs/sweeps.md", header, commands, cells, cheap=False)
+
+
 def data_study() -> Table:
     """docs/data.md's study of replicas on different data: experiments/data_study.py prepares its corpus,
     trains its 4 runs (iid and by_source at H = 5 and 20) and prints the held-out loss per source."""
@@ -610,6 +622,7 @@ TABLES = {
         clock_study_compression(),
         overlap_study(),
         codec_study(),
+        sweeps_study(),
         data_study(),
         prepare_example(),
         compression_sizes(),

@@ -9,8 +9,9 @@ alone shows it). A run that fails (a non-finite loss) prints one line and exits 
 and W&B run closed. Then config -> plan -> data -> engine -> log: writes `config.yaml`, `plan.json`
 and `metrics.jsonl` in Hydra's run directory and mirrors the metrics to Weights & Biases (offline by
 default). Multirun (`-m`) sweeps run each job as its own W&B run in one group; the task function
-`main` returns the job's held-out loss to sweepers. A run that ends before its first record (a stop
-signal, a full disk, W&B that cannot start) prints one line, exits with its code
+`main` returns the job's held-out loss to sweepers (NaN for a trial of an optimizing sweeper,
+`hydra/sweeper=optuna`, that diverged: the study goes on; docs/sweeps.md). A run that ends before
+its first record (a stop signal, a full disk, W&B that cannot start) prints one line, exits with its code
 (hypertrain/failures/__init__.py) and leaves nothing of a new run behind. Under
 `torchrun --max-restarts N` a restarted worker resumes the run in its `hydra.run.dir`, which must be
 given (`torchrun_restarts`; docs/resume.md, "Restarts").
@@ -44,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hypertrain.config import MAY_CHANGE, ResumeMode, TrainConfig
 from hypertrain.distributed.layouts import launched_rank
-from hypertrain.failures import DiskFull, RankFailed, RunFailure, restarts
+from hypertrain.failures import DiskFull, Diverged, NonFiniteError, RankFailed, RunFailure, restarts
 from hypertrain.failures.signals import Preempted, StopSignals, guard_start
 from hypertrain.preflight import checked as preflight
 from hypertrain.preflight import composition, refusal
@@ -326,6 +327,9 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
                 stopped(e, signals, run_dir)
             except RunFailure as e:
                 # metrics.jsonl is flushed row by row and W&B finished with the code by RunLogger's exit.
+                if failed_trial(e):
+                    print(f"hypertrain: trial failed: {e} ({run_dir}); the study goes on", file=sys.stderr)
+                    return math.nan
                 refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
     logger.info(
         "done: held-out loss %.4f, %.1f replica-steps/s, %s",
@@ -334,6 +338,21 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
         run_dir,
     )
     return summary["eval/final_loss"]
+
+
+def failed_trial(failure: RunFailure) -> bool:
+    """Whether the run is a trial of a sweeper that optimizes its value (hydra/sweeper=optuna) and
+    diverged (the guard, a non-finite number): the task function then returns NaN, which the study
+    records as a failed trial and goes on; the run directory ends `failed` as any failed run's does.
+    Anything else that fails a run (a full disk, a dead rank, W&B) still ends the sweep."""
+    from hypertrain.launchers.sweepers import optimizing
+
+    hydra_cfg = HydraConfig.get()
+    return (
+        isinstance(failure, Diverged | NonFiniteError)
+        and hydra_cfg.mode == RunMode.MULTIRUN
+        and optimizing(hydra_cfg.sweeper)
+    )
 
 
 class engine_threads:

@@ -1,0 +1,220 @@
+"""Every scheme at its own tuned outer step, over seeds (docs/sweeps.md, issue 52): for each scheme, an Optuna
+study (`hydra/sweeper=optuna`) of N trials over its outer step on seed 0, then its best setting on K other
+seeds (1..K: the tuning seed's luck is not reported as the scheme's). Prints the tuned table: per scheme
+its tuned setting, the final held-out loss over the K seeds as mean (min to max) and standard deviation,
+and the bits one replica sent (`comm/outer_total_bits`).
+
+    python experiments/tuned_study.py OUT [--schemes diloco,eager,...] [--trials 20] [--seeds 3]
+        [--updates 240] [--H 8] [--dry-run] [EXTRA OVERRIDES ...]
+
+OUT/{scheme}/tune/ holds the study (a run per trial, trials.yaml, optimization_results.yaml),
+OUT/{scheme}/seeds/ the K runs of its best setting. --dry-run prints the runs and their count (the seeds'
+runs with the tuned values as `<tuned>`). The divergence guard stays on: a trial that diverges fails
+alone and the study goes on. A failing study or seed sweep is reported, the other schemes go on.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from studies import study_parser
+
+# R = 2, world 8, the tiny model (--updates and --H set the phase and the round); the clock of a 1B model on
+# h100 over cross_region_10g, which changes no weight but under async, where it decides the arrival order
+COMMON = [
+    "experiment=quick",
+    "logger=none",
+    "cluster=h100",
+    "cluster/inter=cross_region_10g",
+    "cluster.model_params=1000000000",
+]
+BUILT_IN = ["outer.lr=tag(log, interval(0.05, 3.0))", "outer.momentum=interval(0.0, 0.95)"]
+SCHEMES = {  # name: (the scheme's overrides, its outer step's search space)
+    "diloco": ([], BUILT_IN),
+    "delayed": (["outer.overlap=delayed"], BUILT_IN),
+    "eager": (["outer.overlap=eager"], BUILT_IN),
+    "streaming": (["outer.fragments=2"], BUILT_IN),
+    # SparseLoCo's error feedback stands in for the momentum (conf/outer/sparseloco.yaml): the lr alone
+    "sparseloco": (["outer=sparseloco"], ["outer.lr=tag(log, interval(0.1, 3.0))"]),
+    "int8": (["outer.compress=int8"], BUILT_IN),
+    "lowrank": (["outer.compress=lowrank", "outer.lowrank_rank=4", "outer.error_feedback=true"], BUILT_IN),
+    "async_dn_dylu": (
+        [
+            "outer.schedule=async",
+            "outer.async_rule=delayed_nesterov",
+            "outer.dylu=true",
+            "cluster.replica_speeds=[1,0.5]",
+        ],
+        BUILT_IN,
+    ),
+    "adam": (["outer.optimizer=torch.optim.Adam"], ["outer.lr=tag(log, interval(0.0001, 0.3))"]),
+}
+TUNING_SEED = 0
+TUNED = "<tuned>"  # a tuned value in a dry run's printed seeds command
+
+
+def space_keys(scheme: str) -> list[str]:
+    return [spec.partition("=")[0] for spec in SCHEMES[scheme][1]]
+
+
+def tune_args(out: Path, scheme: str, trials: int, run: list[str]) -> list[str]:
+    """The entry's arguments of the scheme's study: N trials, seeded sampler, on the tuning seed (`run`:
+    the overrides of every run, `run_overrides`)."""
+    overrides, space = SCHEMES[scheme]
+    return [
+        "-m",
+        *run,
+        *overrides,
+        f"seed={TUNING_SEED}",
+        "hydra/sweeper=optuna",
+        f"hydra.sweeper.n_trials={trials}",
+        "hydra.sweeper.sampler.seed=0",
+        *space,
+        f"hydra.sweep.dir={out / scheme / 'tune'}",
+    ]
+
+
+def seeds_args(out: Path, scheme: str, best: dict, seeds: int, run: list[str]) -> list[str]:
+    """The entry's arguments of the best setting on seeds 1..K (a basic multirun)."""
+    overrides, _ = SCHEMES[scheme]
+    tuned = [f"{key}={best[key]!r}" if key in best else f"{key}={TUNED}" for key in space_keys(scheme)]
+    return [
+        "-m",
+        *run,
+        *overrides,
+        *tuned,
+        "seed=" + ",".join(str(s) for s in range(1, seeds + 1)),
+        f"hydra.sweep.dir={out / scheme / 'seeds'}",
+    ]
+
+
+def run_overrides(updates: int, H: int, extra: list[str]) -> list[str]:
+    """What every run of the study has: COMMON, the phase's updates, H, the command line's extra."""
+    return [*COMMON, f"phase.updates={updates}", f"inner.H={H}", *extra]
+
+
+def best_params(out: Path, scheme: str) -> dict:
+    """The study's best trial's parameters (the plugin's optimization_results.yaml)."""
+    import yaml
+
+    return yaml.safe_load((out / scheme / "tune" / "optimization_results.yaml").read_text())["best_params"]
+
+
+def run_study(args, run: Callable[[list[str]], int]) -> list[str]:
+    """Every scheme's study, then its seeds, each through `run` (the entry's arguments -> exit code):
+    the failed commands."""
+    failed = []
+    every = run_overrides(args.updates, args.H, args.extra)
+    for scheme in args.schemes:
+        tune = tune_args(args.out, scheme, args.trials, every)
+        if run(tune):
+            failed.append(shlex.join(tune))
+            continue
+        best = best_params(args.out, scheme)
+        seeds = seeds_args(args.out, scheme, best, args.seeds, every)
+        if run(seeds):
+            failed.append(shlex.join(seeds))
+    return failed
+
+
+def final(run_dir: Path) -> tuple[str, float | None, int | None]:
+    """A seed run's status, final held-out loss and bits one replica sent (None where it has none)."""
+    from hypertrain.records.files import read_records
+    from hypertrain.records.rows import EndRow, SummaryRow
+
+    rows = read_records(run_dir)
+    summary: dict = {}
+    for row in rows:
+        if isinstance(row, SummaryRow):
+            summary |= row.values
+    status = rows[-1].status if rows and isinstance(rows[-1], EndRow) else "crashed"
+    return status, summary.get("eval/final_loss"), summary.get("comm/outer_total_bits")
+
+
+def tuned_rows(out: Path, schemes: list[str]) -> list[dict]:
+    """Per scheme: its tuned setting, and over its seeds' runs the final held-out loss's stats (None
+    unless every seed finished: a mean over the finished ones would hide those that did not) and bits."""
+    from hypertrain.report.seeds import stats
+
+    rows = []
+    for scheme in schemes:
+        runs = sorted(p.parent for p in (out / scheme / "seeds").glob("*/metrics.jsonl"))
+        finals = [final(run) for run in runs]
+        finished = [f for f in finals if f[0] == "finished"]
+        complete = bool(finals) and len(finished) == len(finals)
+        bits = sorted({f[2] for f in finished if f[2] is not None})
+        rows.append(
+            {
+                "scheme": scheme,
+                "tuned": best_params(out, scheme),
+                "finished": f"{len(finished)}/{len(finals)}",
+                "heldout_final": stats([f[1] for f in finals]) if complete else None,
+                "bits": bits[0] if len(bits) == 1 else None,
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The tuned table in markdown."""
+    from hypertrain.report.seeds import cell
+
+    lines = [
+        "| scheme | tuned setting | seeds | held-out final: mean (min to max) | std | bits/replica |",
+        "|" + "---|" * 6,
+    ]
+    for row in rows:
+        setting = ", ".join(f"{k.removeprefix('outer.')} {v:.4g}" for k, v in row["tuned"].items())
+        figure = row["heldout_final"]
+        std = "-" if figure is None else f"{figure['std']:.4f}"
+        bits = "-" if row["bits"] is None else f"{row['bits']:,}"
+        lines.append(
+            f"| {row['scheme']} | {setting} | {row['finished']} | {cell(figure, '{:.4f}')} | {std} | {bits} |"
+        )
+    return lines
+
+
+def schemes_arg(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in SCHEMES]
+    if unknown or not names:
+        raise ValueError(f"unknown scheme {unknown}; valid: {', '.join(SCHEMES)}")
+    return names
+
+
+def main() -> int:
+    parser = study_parser(__doc__)
+    parser.add_argument("--schemes", type=schemes_arg, default=list(SCHEMES), help=", ".join(SCHEMES))
+    parser.add_argument("--trials", type=int, default=20, help="the trials of each scheme's study")
+    parser.add_argument("--seeds", type=int, default=3, help="the seeds its best setting runs on")
+    parser.add_argument("--updates", type=int, default=240, help="the phase's updates (phase.updates)")
+    parser.add_argument("--H", type=int, default=8, help="inner steps per round (inner.H)")
+    args = parser.parse_intermixed_args()
+    train = [sys.executable, "-m", "hypertrain.train"]
+    if args.dry_run:
+        every = run_overrides(args.updates, args.H, args.extra)
+        for scheme in args.schemes:
+            print(shlex.join(train + tune_args(args.out, scheme, args.trials, every)))
+            print(shlex.join(train + seeds_args(args.out, scheme, {}, args.seeds, every)))
+        n = len(args.schemes) * (args.trials + args.seeds)
+        print(f"{n} runs: {len(args.schemes)} schemes x ({args.trials} trials + {args.seeds} seeds)")
+        return 0
+
+    def run(entry_args: list[str]) -> int:
+        print(shlex.join(train + entry_args), flush=True)
+        return subprocess.run(train + entry_args, stdout=subprocess.DEVNULL).returncode
+
+    failed = run_study(args, run)
+    done = [s for s in args.schemes if (args.out / s / "seeds").is_dir()]
+    print("\n".join(table(tuned_rows(args.out, done))), flush=True)
+    for cmd in failed:
+        print(f"failed: {cmd}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
