@@ -60,6 +60,18 @@ HELDOUT_ROWS_PER_PASS = (
 )
 
 
+# A field added to a section declares the value it had in every run written before it, so that such a
+# run's config upgrades to what that run did (`records.formats.fill_before`, whatever today's default
+# is), without a hand-written step per feature: `field(default=..., metadata=before(VALUE))`.
+# tests/test_formats.py lists the fields that existed when this rule began: any other needs `before`.
+BEFORE = "before"
+
+
+def before(value: Any) -> dict[str, Any]:
+    """A field's metadata: `value` is what every run written before the field existed did."""
+    return {BEFORE: value}
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"

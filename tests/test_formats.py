@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from helpers import entry, stderr_lines, tree
 from omegaconf import OmegaConf
 from record_checkpoint_fixture import FIXTURE
 
-from hypertrain.config import EngineConfig, ProcessesConfig, UserError
+from hypertrain.config import BEFORE, EngineConfig, ProcessesConfig, TrainConfig, UserError, before
 from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.records import formats
 from hypertrain.records.formats import SCHEMA_VERSION, upgrade_checkpoint, upgrade_config
@@ -314,3 +316,57 @@ def test_a_run_writes_its_schema_into_config_yaml_and_its_checkpoints(tmp_path):
         saved = torch.load(path, map_location="cpu", weights_only=True)  # builtins and tensors only
         assert saved["schema_version"] == SCHEMA_VERSION
         assert checkpoint.load(path) is not None
+
+
+# -- fields added since: their value before they existed ---------------------------------------------
+
+FIELDS_THEN = Path(__file__).parent / "assets" / "config_fields_schema7.txt"
+
+
+def config_fields(schema: type, prefix: str = ""):
+    """Every field of the config as (dotted name, its dataclass field), sections and nodes walked."""
+    for f in dataclasses.fields(schema):
+        yield prefix + f.name, f
+        kind = formats.node_type(schema, f)
+        if kind is not None:
+            yield from config_fields(kind, f"{prefix}{f.name}.")
+
+
+def test_every_field_added_since_schema_7_declares_its_value_before_it_existed():
+    """A field not in the list of schema 7's fields carries `before` (config.before), so an older run's
+    config upgrades to what that run did (formats.fill_before) with no hand-written step."""
+    then = {line for line in FIELDS_THEN.read_text().splitlines() if line and not line.startswith("#")}
+    fields = dict(config_fields(TrainConfig))
+    assert then <= fields.keys(), f"fields of schema 7 gone: {sorted(then - fields.keys())}"
+    undeclared = [name for name, f in fields.items() if name not in then and BEFORE not in f.metadata]
+    assert undeclared == [], f"new config fields without before=...: {undeclared}"
+
+
+@dataclass
+class _Node:
+    old: int = 1
+    added: float = field(default=0.5, metadata=before(0.0))
+
+
+@dataclass
+class _Section:
+    kept: str = "a"
+    mode: str = field(default="new", metadata=before("old"))
+    node: _Node = field(default_factory=_Node)
+    maybe: _Node | None = field(default=None, metadata=before(None))
+
+
+def test_a_config_lacking_a_declared_field_gets_its_value_before_not_todays_default():
+    """The rule, on a section of its own (the scan above finds one without `before`): a missing field is
+    filled with `before` (not the default), in a node too; a field present is kept; a config lacking
+    nothing is the same object."""
+    older = {"kept": "b", "node": {"old": 3}}
+    assert formats.fill_before(older, _Section) == {
+        "kept": "b",
+        "node": {"old": 3, "added": 0.0},
+        "mode": "old",
+        "maybe": None,
+    }
+    today = {"kept": "a", "mode": "new", "node": {"old": 1, "added": 0.5}, "maybe": None}
+    assert formats.fill_before(today, _Section) is today
+    assert formats.fill_before({**today, "maybe": {"old": 2}}, _Section)["maybe"] == {"old": 2, "added": 0.0}

@@ -16,10 +16,20 @@ config carries no version: it is compared key by key with the config a run resol
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from collections.abc import Callable
 
 from hypertrain.codec_table import codec_entry
-from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
+from hypertrain.config import (
+    BEFORE,
+    ChurnConfig,
+    ClusterConfig,
+    ProcessesConfig,
+    TrainConfig,
+    UserError,
+    as_builtins,
+)
 from hypertrain.records.rows import SyncRow
 
 SCHEMA_VERSION = 7
@@ -71,7 +81,10 @@ def _config_0_to_1(resolved: dict) -> dict:
     for f in dataclasses.fields(TrainConfig):  # fields added to a section since: their neutral settings
         section, default = resolved.get(f.name), getattr(neutral, f.name)
         if isinstance(section, dict) and dataclasses.is_dataclass(default):
-            missing = {k: v for k, v in as_builtins(default).items() if k not in section}
+            declared = {g.name for g in dataclasses.fields(default) if BEFORE in g.metadata}  # fill_before's
+            missing = {
+                k: v for k, v in as_builtins(default).items() if k not in section and k not in declared
+            }
             if missing:
                 resolved = {**resolved, f.name: section | missing}
     engine = resolved.get("engine")
@@ -189,16 +202,47 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
 )
 
 
+@functools.cache
+def _hints(schema: type) -> dict:
+    return typing.get_type_hints(schema)
+
+
+def node_type(schema: type, f: dataclasses.Field) -> type | None:
+    """The config dataclass a field of `schema` holds (`X`, or `X | None` for a node some runs lack);
+    None for a value."""
+    hint = _hints(schema)[f.name]
+    kinds = [hint, *typing.get_args(hint)]
+    return next((k for k in kinds if isinstance(k, type) and dataclasses.is_dataclass(k)), None)
+
+
+def fill_before(resolved: dict, schema: type = TrainConfig) -> dict:
+    """`resolved` (a config or a section of one, as plain containers) with every field that declares its
+    value before it existed (`config.before`) and that it lacks, at that value, in every section and
+    node below: what the run that wrote it did, whatever today's default is. No step per feature: a
+    field added since the last step is filled here. Returned as it is when it lacks none."""
+    out = resolved
+    for f in dataclasses.fields(schema):
+        if f.name not in resolved:
+            if BEFORE in f.metadata:
+                out = {**out, f.name: as_builtins(f.metadata[BEFORE])}
+            continue
+        kind, value = node_type(schema, f), resolved[f.name]
+        if kind is not None and isinstance(value, dict) and (filled := fill_before(value, kind)) is not value:
+            out = {**out, f.name: filled}
+    return out
+
+
 def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
     """A resolved config (a run's config.yaml, a checkpoint's) in today's shape, without its version;
     `version` where the file holding it says (a checkpoint's payload), else its own `schema_version`
-    (0 without one). Today's, unversioned, is returned as it is."""
+    (0 without one): its version's steps, then `fill_before`. Today's, unversioned, is returned as it
+    is."""
     if VERSION_KEY in resolved:
         version = version_of(resolved, what) if version is None else version
         resolved = {k: v for k, v in resolved.items() if k != VERSION_KEY}
     for step in CONFIG_STEPS[version or 0 :]:
         resolved = step(resolved)
-    return resolved
+    return fill_before(resolved)
 
 
 # -- a checkpoint's payload -----------------------------------------------------------------------
@@ -310,8 +354,9 @@ def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:
     """A checkpoint's payload (what `torch.load` gave) in today's form: its config too, its version
     `SCHEMA_VERSION`; UserError (one line) for a newer one. Today's is returned as it is."""
     version = version_of(saved, what)
-    if version == SCHEMA_VERSION:
-        return saved
+    if version == SCHEMA_VERSION:  # its config may still lack a field added since (`fill_before`)
+        config = fill_before(saved["config"]) if isinstance(saved.get("config"), dict) else None
+        return saved if config is None or config is saved["config"] else {**saved, "config": config}
     for step in CHECKPOINT_STEPS[version:]:
         saved = step(saved)
     config = upgrade_config(saved["config"], version, what)
