@@ -52,6 +52,7 @@ from hypertrain.choices import (
 )
 from hypertrain.codec_table import BLOCK_CODECS, codec_entry
 from hypertrain.errors import UserError
+from hypertrain.schedule_table import ENTRIES as SCHEDULE_ENTRIES
 from hypertrain.schedule_table import schedule_entry
 
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
@@ -194,13 +195,38 @@ def topk_kept(fraction: float, length: int) -> int:
 
 
 @dataclass
+class ArrivalsConfig:
+    """outer.arrivals: the asynchronous server's own fields (docs/async.md), a node that exists only with
+    outer.schedule=async (older spellings: outer.async_rule, outer.dn_buffer, ...: records.formats)."""
+
+    # the server's step on an arrival: naive (outer.optimizer's step on it) or delayed_nesterov (Liu et
+    # al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals; the built-in only)
+    rule: AsyncRule = AsyncRule.delayed_nesterov
+    dn_buffer: int = 0  # delayed_nesterov: N, the arrivals per momentum update; 0 = replicas (R)
+    dn_activation: float = 0.0  # delayed_nesterov: c in [0, 1/N], the momentum applied between updates
+    # arrivals within grace_s seconds of a group's first are applied together, as one mean (Decoupled
+    # DiLoCo's grace window); 0 = only exact ties
+    grace_s: float = 0.0
+    # dynamic local updates (Liu et al. Eq. 6): replica m's job is H_m = max(1, floor(v_m / max v * H))
+    dylu: bool = False
+    # the held-out loss after the server update at which the jobs applied reach each multiple of this
+    # many (and after the last); 0 = replicas (R): with ties of all R, every update
+    eval_every: int = 0
+
+    def check(self) -> None:
+        _at_least("outer.arrivals.dn_buffer", self.dn_buffer, 0)
+        _at_least("outer.arrivals.grace_s", self.grace_s, 0.0)
+        _at_least("outer.arrivals.eval_every", self.eval_every, 0)
+
+
+@dataclass
 class OuterConfig:
     name: str = "nesterov"
     # The outer optimizer (docs/concepts.md, "The outer optimizer"; `hypertrain.optim.outer`'s table):
     # nesterov (the built-in step: SGD with momentum on the mean pseudo-gradient, its fields
     # outer.momentum and outer.nesterov), or the import path of any torch.optim.Optimizer subclass
     # (torch.optim.Adam), built with lr=outer.lr and outer.optimizer_args, which the built-in's fields
-    # then do not reach. Under outer.schedule=async, outer.async_rule=naive steps it on each update.
+    # then do not reach. Under outer.schedule=async, outer.arrivals.rule=naive steps it on each update.
     optimizer: str = "nesterov"
     # a torch optimizer's keyword arguments beside lr (e.g. {betas: [0.8, 0.9]}); {} for the built-in
     optimizer_args: dict[str, Any] = field(default_factory=dict)
@@ -267,21 +293,23 @@ class OuterConfig:
     # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
     # the network clock says it arrives; no barrier).
     schedule: Schedule = Schedule.rounds
-    # async: the server's step on an arrival: naive (outer.optimizer's step on it) or delayed_nesterov
-    # (Liu et al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals; the built-in only).
-    async_rule: AsyncRule = AsyncRule.delayed_nesterov
-    dn_buffer: int = 0  # delayed_nesterov: N, the arrivals per momentum update; 0 = replicas (R)
-    dn_activation: float = 0.0  # delayed_nesterov: c in [0, 1/N], the momentum applied between updates
-    # async: arrivals within grace_s seconds of a group's first are applied together, as one mean
-    # (Decoupled DiLoCo's grace window); 0 = only exact ties.
-    grace_s: float = 0.0
-    # async: dynamic local updates (Liu et al. Eq. 6): replica m's job is H_m = max(1, floor(v_m / max v * H))
-    dylu: bool = False
-    # async: the held-out loss after the server update at which the jobs applied reach each multiple of
-    # this many (and after the last); 0 = replicas (R): with ties of all R, every update
-    async_eval_every: int = 0
+    # async only (docs/async.md): the server's own fields; None under rounds, which has no such node
+    # (setting one there is refused as a field rounds lacks: `schedule_table.ScheduleEntry.check_fields`)
+    arrivals: ArrivalsConfig | None = field(default=None, metadata=before(None))
     # pseudo-gradients averaged uniformly or weighted by the tokens each trained on (docs/async.md)
     mean_weights: MeanWeights = MeanWeights.uniform
+
+    def __post_init__(self) -> None:
+        """A schedule's own node (its entry's `node`) exists with that schedule alone: at its defaults
+        when not given; under another schedule None, unless set there (then `check` refuses it)."""
+        for entry in SCHEDULE_ENTRIES:
+            if not entry.node:
+                continue
+            node, kind = getattr(self, entry.node), OUTER_NODES[entry.node]
+            if entry.name == str(self.schedule) and node is None:
+                setattr(self, entry.node, kind())
+            elif entry.name != str(self.schedule) and node == kind():
+                setattr(self, entry.node, None)
 
     def check(self) -> None:
         _at_least("outer.lr", self.lr, 0.0)
@@ -329,10 +357,9 @@ class OuterConfig:
                 "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
         self.check_codec()
-        _at_least("outer.dn_buffer", self.dn_buffer, 0)
-        _at_least("outer.grace_s", self.grace_s, 0.0)
-        _at_least("outer.async_eval_every", self.async_eval_every, 0)
-        schedule_entry(self.schedule).check_fields(self)  # another schedule's fields stay at their defaults
+        schedule_entry(self.schedule).check_fields(self)  # another schedule's fields and nodes: none set
+        if self.arrivals is not None:
+            self.arrivals.check()
 
     def check_codec(self) -> None:
         """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap, a transform
@@ -393,6 +420,10 @@ class OuterConfig:
                 f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
                 "outer.index_bits=32"
             )
+
+
+# The outer nodes a schedule owns (its entry's `node` names one): the typed config each holds.
+OUTER_NODES: dict[str, type] = {"arrivals": ArrivalsConfig}
 
 
 @dataclass
@@ -981,13 +1012,14 @@ DERIVED = (
 def changed_fields(was: dict, now: dict) -> list[str]:
     """The keys of two flattened resolved configs whose values differ (the sections that MAY_CHANGE left
     out), what the user chose first: the config groups' choices (`model.name`: model=...), then the
-    fields set directly, in alphabetical order, then the DERIVED ones in its order (the process count
-    before the layout derived from it)."""
+    fields set directly, in alphabetical order, a section's own before a node's below it (outer.schedule
+    before outer.arrivals.*, a node that exists with one schedule alone), then the DERIVED ones in its
+    order (the process count before the layout derived from it)."""
 
     def kind(key: str) -> tuple[int, int, str]:
         if key in DERIVED:
             return (2, DERIVED.index(key), key)
-        return (0 if key.partition(".")[2] == "name" else 1, 0, key)
+        return (0 if key.partition(".")[2] == "name" else 1, key.count("."), key)
 
     keys = was.keys() | now.keys()
     differ = [k for k in keys if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE]

@@ -8,7 +8,7 @@ stacked engines agree bitwise; a run killed between server updates resumes to th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pytest
@@ -25,7 +25,7 @@ from helpers import (
 from omegaconf import OmegaConf
 
 from hypertrain.choices import Schedule
-from hypertrain.config import OuterConfig, default_of
+from hypertrain.config import OUTER_NODES, ArrivalsConfig, OuterConfig, default_of
 from hypertrain.diloco.arrivals import job_steps, replica_speeds, schedule
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.rounds import rounds
@@ -41,11 +41,16 @@ from hypertrain.schedule_table import ENTRIES, schedule_entry
 U = 2.0**-24  # fp32's unit roundoff
 
 
+ARRIVAL_FIELDS = {f.name for f in fields(ArrivalsConfig)}
+
+
 def async_cfg(speeds=(1.0, 0.5), engine="stacked", updates=8, **outer):
-    """small_cfg (R = 2, H = 2) under outer.schedule=async on modelled compute (an H100's)."""
+    """small_cfg (R = 2, H = 2) under outer.schedule=async on modelled compute (an H100's); a field of
+    async's node (`rule`, `dylu`, ...: ArrivalsConfig) goes under outer.arrivals."""
     base = small_cfg()
+    own = ArrivalsConfig(**{k: outer.pop(k) for k in list(outer) if k in ARRIVAL_FIELDS})
     return small_cfg(
-        outer=replace(base.outer, schedule=Schedule["async"], **outer),
+        outer=replace(base.outer, schedule=Schedule["async"], arrivals=own, **outer),
         cluster=replace(
             base.cluster, compute="modelled", peak_tflops=989.0, mfu=0.4, replica_speeds=list(speeds)
         ),
@@ -102,20 +107,23 @@ class FixedTiming:
 def test_dylu_gives_each_replica_its_share_of_h_by_its_speed_eq_6():
     outer = async_cfg().outer
     assert job_steps(outer, 4, [1.0, 1.0, 1.0, 0.5]) == [4, 4, 4, 4]
-    dylu = replace(outer, dylu=True)
+    dylu = replace(outer, arrivals=ArrivalsConfig(dylu=True))
     assert job_steps(dylu, 4, [1.0, 1.0, 1.0, 0.5]) == [4, 4, 4, 2]
     assert job_steps(dylu, 2, [3.0, 1.0]) == [2, 1]  # floor(2/3 * 2) = 1
     assert job_steps(dylu, 2, [10.0, 1.0]) == [2, 1]  # floor(0.2) = 0, at least 1
 
 
 def test_a_schedules_fields_written_at_their_defaults_are_accepted_under_the_other():
-    """Each schedule's own fields (its table entry's `fields`) set away from their defaults under the
-    other are refused (tests/test_bad_input.py); written out at their defaults on the command line (as a
-    preset or a copied config.yaml holds them) they pass, under rounds and under async alike."""
+    """Each schedule's own fields (its table entry's `fields` and its node's) set away from their defaults
+    under the other are refused (tests/test_bad_input.py); written out at their defaults on the command
+    line (as a preset or a copied config.yaml holds them) they pass, under rounds and under async alike."""
     base = compose_train([*QUICK, "cluster=h100"])
     for entry in ENTRIES:
         other = next(e.name for e in ENTRIES if e is not entry)
         written = [f"outer.{name}={default_of(OuterConfig, name)}" for name in entry.fields]
+        if entry.node:  # its node's fields at their defaults: the node is dropped under the other
+            node = OUTER_NODES[entry.node]()
+            written += [f"outer.{entry.node}.{f.name}={getattr(node, f.name)}" for f in fields(node)]
         validate(
             OmegaConf.to_object(
                 OmegaConf.merge(base, OmegaConf.from_dotlist([f"outer.schedule={other}", *written]))
@@ -162,7 +170,7 @@ def test_the_grace_window_gathers_arrivals_close_to_the_first():
     timing = FixedTiming((1.0, 0.9))
     apart = schedule(async_cfg().outer, 2, 2, timing, lambda k, m: 16)
     assert [[j.replica for j in u.jobs] for u in apart] == [[0], [1]]
-    together = schedule(replace(async_cfg().outer, grace_s=0.06), 2, 2, timing, lambda k, m: 16)
+    together = schedule(async_cfg(grace_s=0.06).outer, 2, 2, timing, lambda k, m: 16)
     assert [[j.replica for j in u.jobs] for u in together] == [[0, 1]]
     assert together[0].clock_s == apart[1].clock_s
 
@@ -245,14 +253,14 @@ def excess(record, reference) -> float:
 @pytest.fixture(scope="module")
 def naive_record():
     record: list = []
-    trained(async_cfg(async_rule="naive", updates=12), record)
+    trained(async_cfg(rule="naive", updates=12), record)
     return record
 
 
 @pytest.fixture(scope="module")
 def dn_record():
     record: list = []
-    trained(async_cfg(async_rule="delayed_nesterov", dn_activation=0.25, updates=12), record)
+    trained(async_cfg(rule="delayed_nesterov", dn_activation=0.25, updates=12), record)
     return record
 
 
@@ -290,7 +298,7 @@ def test_equal_speeds_are_diloco_rounds_bitwise(rule):
     does (DiLoCo's own `outer_step` on the same mean)."""
     want = trained(replace(async_cfg(), outer=replace(async_cfg().outer, schedule=Schedule["rounds"]),
                            cluster=replace(async_cfg().cluster, replica_speeds=[])))  # fmt: skip
-    got = trained(async_cfg(speeds=(), async_rule=rule))
+    got = trained(async_cfg(speeds=(), rule=rule))
     for name, t in want.items():
         assert torch.equal(got[name], t), name
 
@@ -499,7 +507,7 @@ def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_held
     from hypertrain.failures import Diverged
 
     run_dir = tmp_path / "run"
-    args = [
+    args = [  # the server's fields in their older spellings: read as outer.arrivals.*, noted in train.log
         *ASYNC,
         "outer.async_rule=naive",
         "outer.lr=20",
@@ -511,6 +519,12 @@ def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_held
     assert "diverged: the held-out loss of the global weights after server update " in done.stderr
     last = arrivals(run_dir)[-1]
     assert last["eval_loss"] > 5.5452  # ln 256, the margin 0
+    resolved = OmegaConf.load(run_dir / "config.yaml").outer
+    assert (resolved.arrivals.rule, resolved.arrivals.eval_every) == ("naive", 1)
+    assert "async_rule" not in resolved and "is now spelled" not in done.stderr  # the terminal: no notice
+    log = (run_dir / "train.log").read_text()
+    for old, new in (("async_rule", "rule"), ("async_eval_every", "eval_every")):
+        assert f"note: outer.{old}= is now spelled outer.arrivals.{new}= " in log
 
 
 def test_the_divergence_guard_stops_an_async_run_whose_pseudo_gradient_outgrows_the_weights(tmp_path):
@@ -535,7 +549,7 @@ def test_an_arrival_rows_pseudo_gradient_norm_is_the_applied_means(naive_record)
     of the pseudo-gradient the server was handed, taken here in numpy's float64: one arrival an update,
     so the mean is the delta itself; the two float64 sums of n squares differ by at most n ulps of
     float64 (2^-53 each, relative), the bound below."""
-    cfg = async_cfg(async_rule="naive", updates=12)
+    cfg = async_cfg(rule="naive", updates=12)
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     got = [(applied.delta_norm, applied.theta_norm) for applied in server_updates(run, state)]

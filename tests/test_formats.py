@@ -38,13 +38,20 @@ ASYNC_NEUTRAL = {
     "async_eval_every": 0,
     "mean_weights": "uniform",
 }
+# the same after schema 8's step: the server's fields moved into async's node, which rounds lacks
+ASYNC_TODAY = {"schedule": "rounds", "arrivals": None, "mean_weights": "uniform"}
 # issue 49's outer fields as every run before them had them (schema 7's step, written out here)
 OPTIMIZER_NEUTRAL = {"optimizer": "nesterov", "optimizer_args": {}}
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
 
 
-def test_today_is_schema_7_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 7
+def rounds_today(outer: dict) -> dict:
+    """`outer` of a rounds run as it reads after schema 8's step: ASYNC_NEUTRAL's fields as ASYNC_TODAY."""
+    return {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL} | ASYNC_TODAY
+
+
+def test_today_is_schema_8_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 8
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -139,7 +146,7 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
     # and the later steps' fields
-    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
@@ -155,7 +162,7 @@ def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undeca
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
     checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
@@ -170,7 +177,8 @@ def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_i
     """Schema 3 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
     bits but no running total); the config of version 3 is today's (but for schema 7's step)."""
     outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}
-    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer | OPTIMIZER_NEUTRAL}
+    want = rounds_today(outer) | OPTIMIZER_NEUTRAL
+    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 3}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
     older["config"] = {**older["config"], "outer": outer}
@@ -201,7 +209,7 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
     outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
     cluster = {"name": "cpu_here", "compute": "measured"}
-    want_outer = outer | ASYNC_NEUTRAL | OPTIMIZER_NEUTRAL
+    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL
     want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
     got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
     assert got == {"outer": want_outer, "cluster": want_cluster}
@@ -220,15 +228,45 @@ def test_a_version_6_config_stepped_with_the_built_in_and_its_checkpoint_holds_n
     with no arguments (its outer.momentum and outer.nesterov as written), its checkpoint as one whose
     outer state is its `outer_momentum` alone (`outer_optimizer`: None)."""
     outer = {"name": "average", "lr": 1.0, "momentum": 0.0, "nesterov": False, **ASYNC_NEUTRAL}
-    assert upgrade_config({"outer": outer, "schema_version": 6}) == {"outer": outer | OPTIMIZER_NEUTRAL}
+    want = rounds_today(outer) | OPTIMIZER_NEUTRAL
+    assert upgrade_config({"outer": outer, "schema_version": 6}) == {"outer": want}
     adam = outer | {"optimizer": "torch.optim.Adam", "optimizer_args": {"betas": [0.8, 0.9]}}
-    assert upgrade_config({"outer": adam, "schema_version": 6}) == {"outer": adam}  # as written
+    assert upgrade_config({"outer": adam, "schema_version": 6}) == {"outer": rounds_today(adam)}  # as written
     older = {**_older_payload(clock=False), "schema_version": 6}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
     got = upgrade_checkpoint(older)
     assert got["state"] == {**older["state"], "outer_optimizer": None}
     assert "outer_optimizer" not in older["state"] and got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_node():
+    """Schema 7 held the asynchronous server's fields in `outer` itself (outer.async_rule, ...): an async
+    run's move into outer.arrivals under today's names, a rounds run's (at their defaults) are dropped
+    for a node it lacks (None); its checkpoint's payload reads as it is."""
+    server = {"async_rule": "naive", "dn_buffer": 3, "dn_activation": 0.25, "grace_s": 0.5, "dylu": True}
+    server |= {"async_eval_every": 2}
+    flat = {"name": "nesterov", "lr": 0.7, "schedule": "async", **server, "mean_weights": "tokens"}
+    arrivals = {"rule": "naive", "dn_buffer": 3, "dn_activation": 0.25, "grace_s": 0.5, "dylu": True}
+    arrivals |= {"eval_every": 2}
+    want = {
+        "name": "nesterov",
+        "lr": 0.7,
+        "schedule": "async",
+        "mean_weights": "tokens",
+        "arrivals": arrivals,
+    }
+    assert upgrade_config({"outer": flat | OPTIMIZER_NEUTRAL, "schema_version": 7}) == {
+        "outer": want | OPTIMIZER_NEUTRAL
+    }
+    rounds = {"name": "nesterov", "lr": 0.7, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    assert upgrade_config({"outer": rounds, "schema_version": 7}) == {"outer": rounds_today(rounds)}
+    older = {**_older_payload(clock=False), "schema_version": 7}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
+    older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
+    older["state"]["outer_optimizer"] = None
+    got = upgrade_checkpoint(older)
+    assert got["state"] == older["state"] and got["schema_version"] == SCHEMA_VERSION
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():
@@ -334,11 +372,16 @@ def config_fields(schema: type, prefix: str = ""):
 
 def test_every_field_added_since_schema_7_declares_its_value_before_it_existed():
     """A field not in the list of schema 7's fields carries `before` (config.before), so an older run's
-    config upgrades to what that run did (formats.fill_before) with no hand-written step."""
+    config upgrades to what that run did (formats.fill_before) with no hand-written step, or is where
+    a field of then moved (formats.RETIRED: its value is the old field's); a field of then that is gone
+    moved."""
     then = {line for line in FIELDS_THEN.read_text().splitlines() if line and not line.startswith("#")}
     fields = dict(config_fields(TrainConfig))
-    assert then <= fields.keys(), f"fields of schema 7 gone: {sorted(then - fields.keys())}"
-    undeclared = [name for name, f in fields.items() if name not in then and BEFORE not in f.metadata]
+    gone = then - fields.keys()
+    assert gone == set(formats.RETIRED), f"fields of schema 7 gone, not moved: {sorted(gone)}"
+    assert set(formats.RETIRED.values()) <= fields.keys()
+    moved = set(formats.RETIRED.values())
+    undeclared = [n for n, f in fields.items() if n not in then | moved and BEFORE not in f.metadata]
     assert undeclared == [], f"new config fields without before=...: {undeclared}"
 
 

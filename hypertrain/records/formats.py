@@ -31,8 +31,9 @@ from hypertrain.config import (
     as_builtins,
 )
 from hypertrain.records.rows import SyncRow
+from hypertrain.schedule_table import recorded_entry
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 VERSION_KEY = "schema_version"
 
 
@@ -191,6 +192,37 @@ def _config_6_to_7(resolved: dict) -> dict:
     return resolved
 
 
+# Fields that moved (issue 49: the config by concern), old dotted key -> today's: config.yaml's and a
+# checkpoint's config move them (`_config_7_to_8`), the command line's spelling too (`modern_spelling`).
+RETIRED = {
+    "outer.async_rule": "outer.arrivals.rule",
+    "outer.dn_buffer": "outer.arrivals.dn_buffer",
+    "outer.dn_activation": "outer.arrivals.dn_activation",
+    "outer.grace_s": "outer.arrivals.grace_s",
+    "outer.dylu": "outer.arrivals.dylu",
+    "outer.async_eval_every": "outer.arrivals.eval_every",
+}
+
+
+def _config_7_to_8(resolved: dict) -> dict:
+    """Version 7: the asynchronous server's fields were outer's own (`outer.async_rule`, ...): they move
+    (`RETIRED`) into the node of the schedule that reads them (outer.arrivals, async's), which a run of
+    another schedule lacks (None: its values were the defaults, as the checks of then required)."""
+    outer = resolved.get("outer")
+    if not isinstance(outer, dict):
+        return resolved
+    outer, nodes = dict(outer), {}
+    for old, new in RETIRED.items():
+        key = old.removeprefix("outer.")
+        node, _, name = new.removeprefix("outer.").partition(".")
+        if old.startswith("outer.") and key in outer:
+            nodes.setdefault(node, {})[name] = outer.pop(key)
+    own = recorded_entry(outer).node
+    for node, fields in nodes.items():
+        outer[node] = fields if node == own else None
+    return {**resolved, "outer": outer}
+
+
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_0_to_1,
     _config_1_to_2,
@@ -199,6 +231,7 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_4_to_5,
     _config_5_to_6,
     _config_6_to_7,
+    _config_7_to_8,
 )
 
 
@@ -339,6 +372,11 @@ def _checkpoint_6_to_7(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_7_to_8(saved: dict) -> dict:
+    """Version 7: the payload is today's (only its config's asynchronous fields moved: `_config_7_to_8`)."""
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
@@ -347,6 +385,7 @@ CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_4_to_5,
     _checkpoint_5_to_6,
     _checkpoint_6_to_7,
+    _checkpoint_7_to_8,
 )
 
 
@@ -471,11 +510,13 @@ OLD_SPELLINGS = {  # engine=dist and its fields, before the processes had their 
 }
 
 
-def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
+def modern_spelling(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """`engine=dist engine.nproc=2 engine.layout=stacked` -> `processes=dist processes.nproc=2
-    processes.layout=replicas`, with one notice per older spelling; a sweep over engine=dist and an
-    engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse."""
-    out, notices = [], []
+    processes.layout=replicas`, with one notice per older spelling (for the terminal); a sweep over
+    engine=dist and an engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse. A
+    `RETIRED` key -> today's (`outer.async_rule=naive` -> `outer.arrivals.rule=naive`), with one notice
+    for the run's train.log alone. Returns the argv, the terminal's notices and the log's."""
+    out, notices, logged = [], [], []
     for arg in argv:
         key, sep, value = arg.partition("=")
         new = OLD_SPELLINGS.get(arg) or (OLD_SPELLINGS.get(key) and f"{OLD_SPELLINGS[key]}={value}")
@@ -486,5 +527,8 @@ def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
                 )
             notices.append(f"hypertrain: note: {arg} is now spelled {new} (engine= chooses loop or stacked)")
             arg = new
+        elif sep and key in RETIRED:
+            arg = f"{RETIRED[key]}={value}"
+            logged.append(f"{key}= is now spelled {RETIRED[key]}= (read as {arg})")
         out.append(arg)
-    return out, notices
+    return out, notices, logged
