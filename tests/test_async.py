@@ -613,3 +613,29 @@ def test_jobs_pulled_together_from_different_steps_run_apart_and_as_the_loop_eng
 
     got, want = deltas(engine), deltas("loop")
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+# outer.arrivals' fields as schema 7 spelled them, flat in outer (written out here, not read from formats)
+SCHEMA_7_NAMES = {"rule": "async_rule", "eval_every": "async_eval_every", "dn_buffer": "dn_buffer"}
+SCHEMA_7_NAMES |= {"dn_activation": "dn_activation", "grace_s": "grace_s", "dylu": "dylu"}
+
+
+def test_an_async_runs_config_and_checkpoint_as_schema_7_wrote_them_read_as_todays(tmp_path):
+    """config.yaml and the checkpoint of a finished async run, rewritten as schema 7 wrote them (the
+    server's fields flat in outer under their older names), upgrade to the run's own config today, so
+    the report, the clock and resume read such a run as it ran."""
+    from helpers import ReferenceRuns
+
+    from hypertrain.records.formats import upgrade_checkpoint, upgrade_config
+    from hypertrain.rundir import checkpoint
+
+    run = ReferenceRuns.beside(tmp_path)(ASYNC)
+    today = upgrade_config(OmegaConf.to_container(OmegaConf.load(run / "config.yaml")))
+    outer = dict(today["outer"])
+    own = outer.pop("arrivals")
+    assert own["rule"] == "delayed_nesterov" and set(own) == set(SCHEMA_7_NAMES)
+    flat = {**today, "outer": outer | {SCHEMA_7_NAMES[k]: v for k, v in own.items()}}
+    assert upgrade_config({**flat, "schema_version": 7}) == today
+    saved = checkpoint.load(checkpoint.checkpoints(run)[-1])
+    older = {**saved, "schema_version": 7, "config": flat}
+    assert upgrade_checkpoint(older)["config"] == saved["config"] == today
