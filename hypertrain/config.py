@@ -15,8 +15,10 @@ any other value, so no check here repeats it. The checks across sections and aga
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -932,6 +934,19 @@ class TrainConfig:
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UserError(f"{name}={value!r} is too small; valid: >= {low}")
+
+
+@functools.cache
+def _hints(schema: type) -> dict:
+    return typing.get_type_hints(schema)
+
+
+def node_type(schema: type, f: dataclasses.Field) -> type | None:
+    """The config dataclass a field of `schema` holds (`X`, or `X | None` for a node some runs lack);
+    None for a value."""
+    hint = _hints(schema)[f.name]
+    kinds = [hint, *typing.get_args(hint)]
+    return next((k for k in kinds if isinstance(k, type) and dataclasses.is_dataclass(k)), None)
 
 
 def default_of(section: type, name: str) -> Any:

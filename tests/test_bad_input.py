@@ -567,6 +567,13 @@ CASES = {
         "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built",
         "outer.mean_weights=uniform, or outer.overlap=none or delayed",
     ),
+    "async-field-added": Case(
+        "a key added (+) to the asynchronous server's node that no field of it is",
+        ["+outer.arrivals.foo=1"],
+        "outer.arrivals.foo is not a config field; valid: dn_activation, dn_buffer, dylu, eval_every, "
+        "grace_s, rule",
+        "a field of outer.arrivals (docs/async.md)",
+    ),
     "async-grace-negative": Case(
         "a negative grace window",
         ["outer.schedule=async", "cluster=h100", "outer.arrivals.grace_s=-1"],

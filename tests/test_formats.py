@@ -18,7 +18,7 @@ from helpers import entry, stderr_lines, tree
 from omegaconf import OmegaConf
 from record_checkpoint_fixture import FIXTURE
 
-from hypertrain.config import BEFORE, EngineConfig, ProcessesConfig, TrainConfig, UserError, before
+from hypertrain.config import BEFORE, EngineConfig, ProcessesConfig, TrainConfig, UserError, before, node_type
 from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.records import formats
 from hypertrain.records.formats import SCHEMA_VERSION, upgrade_checkpoint, upgrade_config
@@ -365,7 +365,7 @@ def config_fields(schema: type, prefix: str = ""):
     """Every field of the config as (dotted name, its dataclass field), sections and nodes walked."""
     for f in dataclasses.fields(schema):
         yield prefix + f.name, f
-        kind = formats.node_type(schema, f)
+        kind = node_type(schema, f)
         if kind is not None:
             yield from config_fields(kind, f"{prefix}{f.name}.")
 

@@ -16,8 +16,6 @@ config carries no version: it is compared key by key with the config a run resol
 from __future__ import annotations
 
 import dataclasses
-import functools
-import typing
 from collections.abc import Callable
 
 from hypertrain.codec_table import codec_entry
@@ -29,6 +27,7 @@ from hypertrain.config import (
     TrainConfig,
     UserError,
     as_builtins,
+    node_type,
 )
 from hypertrain.records.rows import SyncRow
 from hypertrain.schedule_table import recorded_entry
@@ -233,19 +232,6 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_6_to_7,
     _config_7_to_8,
 )
-
-
-@functools.cache
-def _hints(schema: type) -> dict:
-    return typing.get_type_hints(schema)
-
-
-def node_type(schema: type, f: dataclasses.Field) -> type | None:
-    """The config dataclass a field of `schema` holds (`X`, or `X | None` for a node some runs lack);
-    None for a value."""
-    hint = _hints(schema)[f.name]
-    kinds = [hint, *typing.get_args(hint)]
-    return next((k for k in kinds if isinstance(k, type) and dataclasses.is_dataclass(k)), None)
 
 
 def fill_before(resolved: dict, schema: type = TrainConfig) -> dict:
