@@ -9,7 +9,9 @@ valid. A string choice is an enum of `hypertrain.choices` (with the codec and sc
 entries say what a codec or a schedule can run with, and `errors`, the only modules of hypertrain
 imported here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
 any other value, so no check here repeats it. The checks across sections and against the plan are
-`hypertrain.preflight.checks.validate`.
+`hypertrain.preflight.checks.validate`. A field one table entry alone reads lives in that entry's node
+(`OUTER_NODES`: outer.arrivals, async's; outer.lowrank, low rank's), which exists with that entry alone;
+a field added since schema 7 declares its value before it existed (`before`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from hypertrain.choices import (
     WandbMode,
 )
 from hypertrain.codec_table import BLOCK_CODECS, codec_entry
+from hypertrain.codec_table import ENTRIES as CODEC_ENTRIES
 from hypertrain.errors import UserError
 from hypertrain.schedule_table import ENTRIES as SCHEDULE_ENTRIES
 from hypertrain.schedule_table import schedule_entry
@@ -222,6 +225,19 @@ class ArrivalsConfig:
 
 
 @dataclass
+class LowRankConfig:
+    """outer.lowrank: low rank's own fields (PowerSGD; docs/compression.md), a node that exists only with
+    outer.compress=lowrank (older spelling: outer.lowrank_rank: records.formats)."""
+
+    # the rank r of each matrix's factors P [rows, r] and Q [cols, r] (a tensor of more dims is
+    # [shape[0], rest]; r is cut to min(rows, cols)); 1-D tensors are sent exact in fp32
+    rank: int = 4
+
+    def check(self) -> None:
+        _at_least("outer.lowrank.rank", self.rank, 1)
+
+
+@dataclass
 class OuterConfig:
     name: str = "nesterov"
     # The outer optimizer (docs/concepts.md, "The outer optimizer"; `hypertrain.optim.outer`'s table):
@@ -287,10 +303,8 @@ class OuterConfig:
     # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
     # per-replica outer weights and momentum; Kale, Douillard, Donchev 2025). outer.delay must be 0.
     overlap: Overlap = Overlap.none
-    # compress=lowrank (PowerSGD; docs/compression.md): the rank r of each matrix's factors P [rows, r] and
-    # Q [cols, r] (a tensor of more dims is [shape[0], rest]; r is cut to min(rows, cols)); 1-D tensors
-    # are sent exact in fp32.
-    lowrank_rank: int = 4
+    # compress=lowrank only (PowerSGD; docs/compression.md): its own fields; None under another codec
+    lowrank: LowRankConfig | None = field(default=None, metadata=before(None))
     # Asynchronous replicas (docs/async.md): rounds (every replica syncs at a round's end) or async (a
     # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
     # the network clock says it arrives; no barrier).
@@ -302,18 +316,37 @@ class OuterConfig:
     mean_weights: MeanWeights = MeanWeights.uniform
 
     def __post_init__(self) -> None:
-        """A schedule's own node (its entry's `node`) exists with that schedule alone: at its defaults
-        when not given; under another schedule None, unless set there (then `check` refuses it)."""
-        for entry in SCHEDULE_ENTRIES:
-            if not entry.node:
-                continue
+        """A table entry's own node (its `node`: a schedule's, a codec's) exists with that entry alone:
+        at its defaults when not given; under another entry None, unless set there (`check_nodes`)."""
+        for owner, entry in node_owners():
             node, kind = getattr(self, entry.node), OUTER_NODES[entry.node]
-            if entry.name == str(self.schedule) and node is None:
+            if entry.name == str(getattr(self, owner)) and node is None:
                 setattr(self, entry.node, kind())
-            elif entry.name != str(self.schedule) and node == kind():
+            elif entry.name != str(getattr(self, owner)) and node == kind():
                 setattr(self, entry.node, None)
 
+    def check_nodes(self) -> None:
+        """A node of an entry not chosen does not exist: a field of it set is one the chosen entry lacks,
+        one line naming it and where it lives; a node that exists checks its own fields."""
+        for owner, entry in node_owners():
+            node, chosen = getattr(self, entry.node), getattr(self, owner)
+            if node is not None and entry.name != str(chosen):
+                default = type(node)()
+                name = next(
+                    f.name
+                    for f in dataclasses.fields(node)
+                    if getattr(node, f.name) != getattr(default, f.name)
+                )
+                raise UserError(
+                    f"outer.{entry.node}.{name} is not a field of outer.{owner}={chosen}: outer.{entry.node} "
+                    f"exists only with outer.{owner}={entry.name}; valid: outer.{owner}={entry.name}, or no "
+                    f"outer.{entry.node}.*"
+                )
+            if node is not None:
+                node.check()
+
     def check(self) -> None:
+        self.check_nodes()
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
@@ -359,9 +392,7 @@ class OuterConfig:
                 "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
         self.check_codec()
-        schedule_entry(self.schedule).check_fields(self)  # another schedule's fields and nodes: none set
-        if self.arrivals is not None:
-            self.arrivals.check()
+        schedule_entry(self.schedule).check_fields(self)  # another schedule's fields stay at their defaults
 
     def check_codec(self) -> None:
         """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap, a transform
@@ -372,7 +403,6 @@ class OuterConfig:
                 f"outer.compress={self.compress} with outer.reduce=two_phase: {codec.gather_only}; valid: "
                 "outer.reduce=gather"
             )
-        _at_least("outer.lowrank_rank", self.lowrank_rank, 1)
         if self.overlap != "none" and not codec.overlap:
             raise UserError(
                 f"outer.compress={self.compress} with outer.overlap={self.overlap} is not built; valid: "
@@ -424,8 +454,24 @@ class OuterConfig:
             )
 
 
-# The outer nodes a schedule owns (its entry's `node` names one): the typed config each holds.
-OUTER_NODES: dict[str, type] = {"arrivals": ArrivalsConfig}
+# The outer nodes a table entry owns (its `node` names one): the typed config each holds.
+OUTER_NODES: dict[str, type] = {"arrivals": ArrivalsConfig, "lowrank": LowRankConfig}
+
+
+def node_owners() -> list[tuple[str, Any]]:
+    """(the outer field that chooses it, the entry) of every schedule and codec entry owning a node."""
+    owners = [("schedule", entry) for entry in SCHEDULE_ENTRIES] + [("compress", e) for e in CODEC_ENTRIES]
+    return [(owner, entry) for owner, entry in owners if entry.node]
+
+
+def nodes_chosen(outer: dict) -> set[str]:
+    """The nodes a recorded outer section (plain containers, as config.yaml holds it) has: those of the
+    entries it chose (a field it lacks at its default)."""
+    return {
+        entry.node
+        for owner, entry in node_owners()
+        if str(outer.get(owner, default_of(OuterConfig, owner))) == entry.name
+    }
 
 
 @dataclass

@@ -55,25 +55,12 @@ class ScheduleEntry:
 
     def check_fields(self, outer) -> None:
         """A field another entry reads (its `fields`) stays at its default under this one: set, it would
-        change nothing. A value equal to the default (a preset's, or written out) is accepted. Another
-        entry's node does not exist here: a field of it set is a field this schedule lacks, one line
-        saying where it lives. Asked by `config.OuterConfig.check`."""
+        change nothing. A value equal to the default (a preset's, or written out) is accepted. (Another
+        entry's node does not exist here: `config.OuterConfig.check_nodes`.) Asked by
+        `config.OuterConfig.check`."""
         for other in ENTRIES:
             if other is self:
                 continue
-            node = getattr(outer, other.node) if other.node else None
-            if node is not None:  # None unless set (`OuterConfig.__post_init__`): name what is set
-                default = type(node)()
-                name = next(
-                    f.name
-                    for f in dataclasses.fields(node)
-                    if getattr(node, f.name) != getattr(default, f.name)
-                )
-                raise UserError(
-                    f"outer.{other.node}.{name} is not a field of outer.schedule={outer.schedule}: outer."
-                    f"{other.node} exists only with outer.schedule={other.name}; valid: outer.schedule="
-                    f"{other.name}, or no outer.{other.node}.*"
-                )
             for name in other.fields:
                 value, default = getattr(outer, name), _default(type(outer), name)
                 if name not in self.fields and value != default:

@@ -99,7 +99,7 @@ CODECS = {
     # int8 travels as top-k does (the payload's bytes, decoded on every process): top-k with its error
     # buffers and low rank with its Q cover the wire
     "topk-ef": ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"],
-    "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank_rank=2", "outer.error_feedback=true"],
+    "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank.rank=2", "outer.error_feedback=true"],
 }
 
 

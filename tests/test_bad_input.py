@@ -567,6 +567,13 @@ CASES = {
         "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built",
         "outer.mean_weights=uniform, or outer.overlap=none or delayed",
     ),
+    "lowrank-rank-with-topk": Case(
+        "low rank's rank (older spelling) with another codec, which ignored it",
+        ["outer.compress=topk", "outer.lowrank_rank=2"],
+        "outer.lowrank.rank is not a field of outer.compress=topk: outer.lowrank exists only with "
+        "outer.compress=lowrank; valid: outer.compress=lowrank, or no outer.lowrank.*",
+        "outer.compress=lowrank, or the rank unset",
+    ),
     "async-field-added": Case(
         "a key added (+) to the asynchronous server's node that no field of it is",
         ["+outer.arrivals.foo=1"],
@@ -752,8 +759,8 @@ CASES = {
     ),
     "lowrank-rank-0": Case(
         "a low-rank compression of rank 0 (docs/compression.md)",
-        ["outer.compress=lowrank", "outer.lowrank_rank=0"],
-        "outer.lowrank_rank=0 is too small; valid: >= 1",
+        ["outer.compress=lowrank", "outer.lowrank.rank=0"],
+        "outer.lowrank.rank=0 is too small; valid: >= 1",
         "a rank of at least 1",
     ),
     "lowrank-two_phase": Case(

@@ -46,8 +46,10 @@ REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up
 
 
 def rounds_today(outer: dict) -> dict:
-    """`outer` of a rounds run as it reads after schema 8's step: ASYNC_NEUTRAL's fields as ASYNC_TODAY."""
-    return {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL} | ASYNC_TODAY
+    """`outer` of a rounds run without low rank as it reads after schema 8's step: ASYNC_NEUTRAL's fields
+    as ASYNC_TODAY, and no low-rank node (its rank, unread, dropped)."""
+    kept = {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL and k != "lowrank_rank"}
+    return kept | ASYNC_TODAY | NO_LOWRANK
 
 
 def test_today_is_schema_8_and_its_files_pass_unchanged():
@@ -139,6 +141,9 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
 # transform, flat blocks (and the low-rank rank, which its codecs never read, at its default)
 BEFORE_ISSUE_37 = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32", "transform": "none"}
 BEFORE_ISSUE_37 |= {"tile": 0, "lowrank_rank": 4}
+# the same after schema 8's step in a run of another codec than low rank: the rank (unread) has no node
+NO_LOWRANK = {"lowrank": None}
+CODECS_TODAY = {k: v for k, v in BEFORE_ISSUE_37.items() if k != "lowrank_rank"} | NO_LOWRANK
 
 
 def test_a_version_1_config_and_checkpoint_gain_no_overlap():
@@ -146,7 +151,7 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
     # and the later steps' fields
-    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
+    then = {**outer, "overlap": "none", **CODECS_TODAY, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
@@ -162,7 +167,7 @@ def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undeca
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
     checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
+    want = {**outer, **CODECS_TODAY, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
@@ -209,7 +214,7 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
     outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
     cluster = {"name": "cpu_here", "compute": "measured"}
-    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL
+    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL | NO_LOWRANK
     want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
     got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
     assert got == {"outer": want_outer, "cluster": want_cluster}
@@ -243,7 +248,8 @@ def test_a_version_6_config_stepped_with_the_built_in_and_its_checkpoint_holds_n
 def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_node():
     """Schema 7 held the asynchronous server's fields in `outer` itself (outer.async_rule, ...): an async
     run's move into outer.arrivals under today's names, a rounds run's (at their defaults) are dropped
-    for a node it lacks (None); its checkpoint's payload reads as it is."""
+    for a node it lacks (None); low rank's rank likewise (outer.lowrank.rank in a low-rank run, else
+    dropped: unread); its checkpoint's payload reads as it is."""
     server = {"async_rule": "naive", "dn_buffer": 3, "dn_activation": 0.25, "grace_s": 0.5, "dylu": True}
     server |= {"async_eval_every": 2}
     flat = {"name": "nesterov", "lr": 0.7, "schedule": "async", **server, "mean_weights": "tokens"}
@@ -255,12 +261,16 @@ def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_no
         "schedule": "async",
         "mean_weights": "tokens",
         "arrivals": arrivals,
+        **NO_LOWRANK,
     }
     assert upgrade_config({"outer": flat | OPTIMIZER_NEUTRAL, "schema_version": 7}) == {
         "outer": want | OPTIMIZER_NEUTRAL
     }
     rounds = {"name": "nesterov", "lr": 0.7, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": rounds, "schema_version": 7}) == {"outer": rounds_today(rounds)}
+    lowrank = {"compress": "lowrank", "lowrank_rank": 2, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    want = {"compress": "lowrank", "lowrank": {"rank": 2}, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
+    assert upgrade_config({"outer": lowrank, "schema_version": 7}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 7}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}

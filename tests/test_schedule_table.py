@@ -106,11 +106,12 @@ def test_the_async_node_exists_only_with_async_a_field_of_it_set_under_rounds_is
     assert base.arrivals is None and replace(base, arrivals=ArrivalsConfig()).arrivals is None
     assert replace(base, schedule=Schedule("async")).arrivals == ArrivalsConfig()
     outer = replace(base, arrivals=ArrivalsConfig(**{name: value}))
-    assert refusal(schedule_entry("rounds").check_fields, outer) == (
+    assert refusal(outer.check_nodes) == (
         f"outer.arrivals.{name} is not a field of outer.schedule=rounds: outer.arrivals exists only with "
         "outer.schedule=async; valid: outer.schedule=async, or no outer.arrivals.*"
     )
     assert refusal(outer.check).startswith(f"outer.arrivals.{name} is not a field")
+    schedule_entry("rounds").check_fields(outer)  # the node is the config's to refuse, not the entry's
 
 
 def test_rounds_refuses_token_weights_with_eager_overlap_only():

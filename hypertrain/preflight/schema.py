@@ -35,8 +35,8 @@ def register_configs() -> None:
     # a dict field's keys are the user's (outer.optimizer_args={betas:[0.8,0.9]}): open, where Hydra's
     # struct flag would refuse any key the default ({}) lacks
     OmegaConf.set_struct(schema.outer.optimizer_args, False)
-    # a schedule's own node (outer.arrivals) is there to be set on the command line, at its defaults:
-    # the typed config drops it again under another schedule (`config.OuterConfig.__post_init__`)
+    # a table entry's own node (outer.arrivals, outer.lowrank) is there to be set on the command line, at
+    # its defaults: the typed config drops it again under another entry (`config.OuterConfig.__post_init__`)
     for node, kind in OUTER_NODES.items():
         schema.outer[node] = OmegaConf.structured(kind)
     cs.store(name="train_schema", node=schema)

@@ -28,9 +28,9 @@ from hypertrain.config import (
     UserError,
     as_builtins,
     node_type,
+    nodes_chosen,
 )
 from hypertrain.records.rows import SyncRow
-from hypertrain.schedule_table import recorded_entry
 
 SCHEMA_VERSION = 8
 VERSION_KEY = "schema_version"
@@ -124,13 +124,24 @@ BEFORE_ISSUE_37 = {
 }
 
 
+def _lacks(section: dict, before: dict, name: str = "outer") -> dict:
+    """The fields of `before` that `section` (the config's `name`) lacks, at their values there; a field
+    since moved into a node the section holds (`RETIRED`: today's shape, read as version 0) it has."""
+
+    def moved(key: str) -> bool:
+        new = RETIRED.get(f"{name}.{key}")
+        return new is not None and new.split(".")[1] in section
+
+    return {key: value for key, value in before.items() if key not in section and not moved(key)}
+
+
 def _config_2_to_3(resolved: dict) -> dict:
     """Version 2: before issue 37's codec fields (`outer.error_decay`, `index_bits`, `topk_values`,
     `transform`, `tile`, `lowrank_rank`): the run sent int32 indices and fp32 values, transformed nothing and
     never decayed its buffers, so it resumes with its own bytes."""
     outer = resolved.get("outer")
-    if isinstance(outer, dict) and any(key not in outer for key in BEFORE_ISSUE_37):
-        resolved = {**resolved, "outer": BEFORE_ISSUE_37 | outer}
+    if isinstance(outer, dict) and (missing := _lacks(outer, BEFORE_ISSUE_37)):
+        resolved = {**resolved, "outer": missing | outer}
     return resolved
 
 
@@ -172,8 +183,8 @@ def _config_5_to_6(resolved: dict) -> dict:
     speeds and `cluster.model_params`): such a run synced in rounds and its clock timed its own model."""
     for name, before in (("outer", BEFORE_ISSUE_39_OUTER), ("cluster", BEFORE_ISSUE_39_CLUSTER)):
         section = resolved.get(name)
-        if isinstance(section, dict) and any(key not in section for key in before):
-            resolved = {**resolved, name: before | section}
+        if isinstance(section, dict) and (missing := _lacks(section, before, name)):
+            resolved = {**resolved, name: missing | section}
     return resolved
 
 
@@ -200,13 +211,15 @@ RETIRED = {
     "outer.grace_s": "outer.arrivals.grace_s",
     "outer.dylu": "outer.arrivals.dylu",
     "outer.async_eval_every": "outer.arrivals.eval_every",
+    "outer.lowrank_rank": "outer.lowrank.rank",
 }
 
 
 def _config_7_to_8(resolved: dict) -> dict:
-    """Version 7: the asynchronous server's fields were outer's own (`outer.async_rule`, ...): they move
-    (`RETIRED`) into the node of the schedule that reads them (outer.arrivals, async's), which a run of
-    another schedule lacks (None: its values were the defaults, as the checks of then required)."""
+    """Version 7: the asynchronous server's fields and low rank's were outer's own (`outer.async_rule`,
+    `outer.lowrank_rank`, ...): they move (`RETIRED`) into the node of the entry that reads them
+    (outer.arrivals, async's; outer.lowrank, low rank's), which a run of another schedule or codec lacks
+    (None: the schedule's were at their defaults, as the checks of then required; the rank, unread)."""
     outer = resolved.get("outer")
     if not isinstance(outer, dict):
         return resolved
@@ -216,9 +229,11 @@ def _config_7_to_8(resolved: dict) -> dict:
         node, _, name = new.removeprefix("outer.").partition(".")
         if old.startswith("outer.") and key in outer:
             nodes.setdefault(node, {})[name] = outer.pop(key)
-    own = recorded_entry(outer).node
+    if not nodes:  # today's shape: nothing to move
+        return resolved
+    own = nodes_chosen(outer)
     for node, fields in nodes.items():
-        outer[node] = fields if node == own else None
+        outer[node] = fields if node in own else None
     return {**resolved, "outer": outer}
 
 
