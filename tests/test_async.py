@@ -639,3 +639,39 @@ def test_an_async_runs_config_and_checkpoint_as_schema_7_wrote_them_read_as_toda
     saved = checkpoint.load(checkpoint.checkpoints(run)[-1])
     older = {**saved, "schema_version": 7, "config": flat}
     assert upgrade_checkpoint(older)["config"] == saved["config"] == today
+
+
+def test_an_async_run_directory_of_schema_7_resumed_with_the_older_spellings_is_its_own_run(tmp_path):
+    """The finished async reference run rewritten as schema 7 wrote it (config.yaml and every checkpoint:
+    the server's fields flat, older names; checkpoints resealed), resumed by the command line of then
+    (outer.async_rule=..., outer.async_eval_every=...): accepted as the same run (a changed field would
+    be refused, exit 2), exit 0, with no notice of the spelling on the terminal, each in train.log."""
+    import shutil
+
+    import yaml
+    from helpers import ReferenceRuns, entry
+
+    from hypertrain.rundir import checkpoint
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(ReferenceRuns.beside(tmp_path)(ASYNC), run_dir)
+
+    def as_schema_7(config: dict) -> dict:
+        outer = dict(config["outer"])
+        own = outer.pop("arrivals")
+        return {**config, "outer": outer | {SCHEMA_7_NAMES[k]: v for k, v in own.items()}}
+
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    text = yaml.safe_dump({**as_schema_7(written), "schema_version": 7}, sort_keys=False)
+    (run_dir / "config.yaml").write_text(text)
+    for path in checkpoint.checkpoints(run_dir):
+        saved = torch.load(path, weights_only=False)
+        torch.save({**saved, "schema_version": 7, "config": as_schema_7(saved["config"])}, path)
+        checkpoint.seal(path)
+    older = ["outer.async_rule=delayed_nesterov", "outer.async_eval_every=0", "outer.dylu=false"]
+    done = entry([*ASYNC, *older, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "error" not in done.stderr and "spelled" not in done.stderr + done.stdout
+    log = (run_dir / "train.log").read_text()
+    assert "note: outer.async_rule= is now spelled outer.arrivals.rule= " in log
+    assert "note: outer.dylu= is now spelled outer.arrivals.dylu= " in log
