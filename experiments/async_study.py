@@ -33,12 +33,12 @@ COMMON = [
     "cluster.model_params=1000000000",
     "cluster.replica_speeds=[1,1,1,0.5]",
 ]
-ASYNC = ["outer.schedule=async"]  # the held-out loss every R = 4 arrivals (outer.async_eval_every=0)
+ASYNC = ["outer.schedule=async"]  # the held-out loss every R = 4 arrivals (outer.arrivals.eval_every=0)
 SETTINGS = {  # the study's rows: each setting's overrides
     "synchronous DiLoCo": [],
-    "naive async": [*ASYNC, "outer.async_rule=naive"],
-    "delayed Nesterov": [*ASYNC, "outer.async_rule=delayed_nesterov"],
-    "DN + DyLU": [*ASYNC, "outer.async_rule=delayed_nesterov", "outer.dylu=true"],
+    "naive async": [*ASYNC, "outer.arrivals.rule=naive"],
+    "delayed Nesterov": [*ASYNC, "outer.arrivals.rule=delayed_nesterov"],
+    "DN + DyLU": [*ASYNC, "outer.arrivals.rule=delayed_nesterov", "outer.arrivals.dylu=true"],
 }
 
 

@@ -27,7 +27,7 @@ from hypertrain.rundir.records import METRICS_FILE, read_metrics
 SETTINGS = (("outer.fragments", "P"), ("outer.delay", "tau"), ("outer.merge_alpha", "alpha"))
 SETTINGS += (("outer.compress", "compress"), ("outer.error_feedback", "error feedback"))
 SETTINGS += (("outer.overlap", "overlap"), ("outer.lr", "outer lr"))
-SETTINGS += (("outer.transform", "transform"), ("outer.topk_fraction", "k"), ("outer.lowrank_rank", "rank"))
+SETTINGS += (("outer.transform", "transform"), ("outer.topk_fraction", "k"), ("outer.lowrank.rank", "rank"))
 SETTINGS += (("outer.name", "outer"),)
 PLAIN = {"outer.fragments": 1, "outer.delay": 0, "outer.merge_alpha": 0.0, "outer.compress": "none"}
 PLAIN |= {"outer.overlap": "none"}
@@ -35,7 +35,9 @@ PLAIN |= {"outer.overlap": "none"}
 
 def setting(resolved: dict) -> dict:
     outer = resolved["outer"]
-    return {key: outer.get(key.split(".")[1]) for key, _ in SETTINGS}
+    values = {key: outer.get(key.split(".")[1]) for key, _ in SETTINGS}
+    values["outer.lowrank.rank"] = (outer.get("lowrank") or {}).get("rank")  # a node: low rank's alone
+    return values
 
 
 def label(values: dict) -> str:
@@ -48,7 +50,7 @@ def label(values: dict) -> str:
         if codec.endswith("topk") and values.get("outer.topk_fraction") not in (None, 0.01):
             codec += f" {values['outer.topk_fraction']:g}"
         if codec.endswith("lowrank"):
-            codec += f" r={values['outer.lowrank_rank']}"
+            codec += f" r={values['outer.lowrank.rank']}"
         parts.append(codec + (" +EF" if values["outer.error_feedback"] else ""))
     if values.get("outer.name") not in (None, "nesterov", "average"):  # a preset: outer=sparseloco
         parts.append(f"({values['outer.name']})")

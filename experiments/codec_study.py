@@ -33,8 +33,8 @@ SETTINGS = {  # the study's rows: each setting's overrides
     "sparseloco 1.6%": ["outer=sparseloco"],
     "sparseloco 3.1%": ["outer=sparseloco", "outer.topk_fraction=0.03125"],
     "dct topk 1% +EF": ["outer.compress=topk", "outer.transform=dct", "outer.error_feedback=true"],
-    "lowrank r1 +EF": ["outer.compress=lowrank", "outer.lowrank_rank=1", "outer.error_feedback=true"],
-    "lowrank r4 +EF": ["outer.compress=lowrank", "outer.lowrank_rank=4", "outer.error_feedback=true"],
+    "lowrank r1 +EF": ["outer.compress=lowrank", "outer.lowrank.rank=1", "outer.error_feedback=true"],
+    "lowrank r4 +EF": ["outer.compress=lowrank", "outer.lowrank.rank=4", "outer.error_feedback=true"],
 }
 CLOCK = ["--model-params", "1000000000", "--device", "h100", "--links", "internet_1g"]
 

@@ -119,7 +119,7 @@ Schedule.__doc__ = "outer.schedule: synchronous rounds, or asynchronous replicas
 
 
 class AsyncRule(Choice):
-    """outer.async_rule: the server's step on an arrival (docs/async.md)."""
+    """outer.arrivals.rule: the server's step on an arrival (docs/async.md)."""
 
     naive = "naive"
     delayed_nesterov = "delayed_nesterov"

@@ -52,7 +52,9 @@ class Codec:
       fields: top-k's outer.topk_values, low rank's fp32 factors), `header_bytes` per block (fp32 scale,
       or minimum and scale), `indexed` (it sends the indices of what it keeps: outer.index_bits and
       outer.topk_values shape its payload);
-    - `sends`: what travels, for a refusal that needs blocks (a WHOLE_TENSOR entry's).
+    - `sends`: what travels, for a refusal that needs blocks (a WHOLE_TENSOR entry's);
+    - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
+      alone: None under another codec, and a field of it set there is one that codec lacks.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Codec:
     header_bytes: int = 0
     indexed: bool = False
     sends: str = ""
+    node: str = ""
 
     @property
     def lossless(self) -> bool:
@@ -221,6 +224,7 @@ ENTRIES = (
         overlap=False,
         value_bits=32,
         sends="low rank sends factors of matrices",
+        node="lowrank",
     ),
 )
 TABLE: dict[str, Codec] = {entry.name: entry for entry in ENTRIES}

@@ -11,14 +11,18 @@ imported here; what one data source needs is its entry's check, `hypertrain.data
 any other value, so no check here repeats it. Two tables open to entries from outside the package take
 a str instead, a name or an import path, resolved by their checks: outer.compress (the codec table's)
 and data.name (the data sources'). The checks across sections and against the plan are
-`hypertrain.preflight.checks.validate`.
+`hypertrain.preflight.checks.validate`. A field one table entry alone reads lives in that entry's node
+(`OUTER_NODES`: outer.arrivals, async's; outer.lowrank, low rank's), which exists with that entry alone;
+a field added since schema 7 declares its value before it existed (`before`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -51,13 +55,27 @@ from hypertrain.choices import (
     WandbMode,
 )
 from hypertrain.codec_table import BLOCK_CODECS, NotACodec, codec_entry
+from hypertrain.codec_table import ENTRIES as CODEC_ENTRIES
 from hypertrain.errors import UserError
+from hypertrain.schedule_table import ENTRIES as SCHEDULE_ENTRIES
 from hypertrain.schedule_table import schedule_entry
 
 INT64_MAX = 2**63 - 1  # torch, numpy and the checkpoints hold every int of a run as a 64-bit integer
 HELDOUT_ROWS_PER_PASS = (
     64  # rows of one held-out forward pass (run.prepare batches them; run.memory sizes them)
 )
+
+
+# A field added to a section declares the value it had in every run written before it, so that such a
+# run's config upgrades to what that run did (`records.formats.fill_before`, whatever today's default
+# is), without a hand-written step per feature: `field(default=..., metadata=before(VALUE))`.
+# tests/test_formats.py lists the fields that existed when this rule began: any other needs `before`.
+BEFORE = "before"
+
+
+def before(value: Any) -> dict[str, Any]:
+    """A field's metadata: `value` is what every run written before the field existed did."""
+    return {BEFORE: value}
 
 
 @dataclass
@@ -69,8 +87,8 @@ class ModelConfig:
     # model.arch=hf (docs/hf.md): a Hugging Face causal LM, from a local directory holding its
     # config.json and, if any, its weights (`path`; read offline, never remote code), or built from a
     # config's fields (`config`, with its model_type; initialised under `seed`); exactly one of the two
-    path: str = ""
-    config: dict[str, Any] = field(default_factory=dict)
+    path: str = field(default="", metadata=before(""))
+    config: dict[str, Any] = field(default_factory=dict, metadata=before({}))
     # mixture of experts (docs/moe.md): every layer's SwiGLU MLP becomes n_experts SwiGLU experts of
     # width expert_ffn and a linear router; each token goes to its top_k experts (softmax over all,
     # the chosen k renormalised, as Mixtral), dropless; Mixtral's load-balancing loss, weighted by
@@ -206,13 +224,51 @@ def topk_kept(fraction: float, length: int) -> int:
 
 
 @dataclass
+class ArrivalsConfig:
+    """outer.arrivals: the asynchronous server's own fields (docs/async.md), a node that exists only with
+    outer.schedule=async (older spellings: outer.async_rule, outer.dn_buffer, ...: records.formats)."""
+
+    # the server's step on an arrival: naive (outer.optimizer's step on it) or delayed_nesterov (Liu et
+    # al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals; the built-in only)
+    rule: AsyncRule = AsyncRule.delayed_nesterov
+    dn_buffer: int = 0  # delayed_nesterov: N, the arrivals per momentum update; 0 = replicas (R)
+    dn_activation: float = 0.0  # delayed_nesterov: c in [0, 1/N], the momentum applied between updates
+    # arrivals within grace_s seconds of a group's first are applied together, as one mean (Decoupled
+    # DiLoCo's grace window); 0 = only exact ties
+    grace_s: float = 0.0
+    # dynamic local updates (Liu et al. Eq. 6): replica m's job is H_m = max(1, floor(v_m / max v * H))
+    dylu: bool = False
+    # the held-out loss after the server update at which the jobs applied reach each multiple of this
+    # many (and after the last); 0 = replicas (R): with ties of all R, every update
+    eval_every: int = 0
+
+    def check(self) -> None:
+        _at_least("outer.arrivals.dn_buffer", self.dn_buffer, 0)
+        _at_least("outer.arrivals.grace_s", self.grace_s, 0.0)
+        _at_least("outer.arrivals.eval_every", self.eval_every, 0)
+
+
+@dataclass
+class LowRankConfig:
+    """outer.lowrank: low rank's own fields (PowerSGD; docs/compression.md), a node that exists only with
+    outer.compress=lowrank (older spelling: outer.lowrank_rank: records.formats)."""
+
+    # the rank r of each matrix's factors P [rows, r] and Q [cols, r] (a tensor of more dims is
+    # [shape[0], rest]; r is cut to min(rows, cols)); 1-D tensors are sent exact in fp32
+    rank: int = 4
+
+    def check(self) -> None:
+        _at_least("outer.lowrank.rank", self.rank, 1)
+
+
+@dataclass
 class OuterConfig:
     name: str = "nesterov"
     # The outer optimizer (docs/concepts.md, "The outer optimizer"; `hypertrain.optim.outer`'s table):
     # nesterov (the built-in step: SGD with momentum on the mean pseudo-gradient, its fields
     # outer.momentum and outer.nesterov), or the import path of any torch.optim.Optimizer subclass
     # (torch.optim.Adam), built with lr=outer.lr and outer.optimizer_args, which the built-in's fields
-    # then do not reach. Under outer.schedule=async, outer.async_rule=naive steps it on each update.
+    # then do not reach. Under outer.schedule=async, outer.arrivals.rule=naive steps it on each update.
     optimizer: str = "nesterov"
     # a torch optimizer's keyword arguments beside lr (e.g. {betas: [0.8, 0.9]}); {} for the built-in
     optimizer_args: dict[str, Any] = field(default_factory=dict)
@@ -272,35 +328,54 @@ class OuterConfig:
     # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
     # per-replica outer weights and momentum; Kale, Douillard, Donchev 2025). outer.delay must be 0.
     overlap: Overlap = Overlap.none
-    # compress=lowrank (PowerSGD; docs/compression.md): the rank r of each matrix's factors P [rows, r] and
-    # Q [cols, r] (a tensor of more dims is [shape[0], rest]; r is cut to min(rows, cols)); 1-D tensors
-    # are sent exact in fp32.
-    lowrank_rank: int = 4
+    # compress=lowrank only (PowerSGD; docs/compression.md): its own fields; None under another codec
+    lowrank: LowRankConfig | None = field(default=None, metadata=before(None))
     # Asynchronous replicas (docs/async.md): rounds (every replica syncs at a round's end) or async (a
     # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
     # the network clock says it arrives; no barrier).
     schedule: Schedule = Schedule.rounds
-    # async: the server's step on an arrival: naive (outer.optimizer's step on it) or delayed_nesterov
-    # (Liu et al. 2024, Algorithm 3: momentum updated once per dn_buffer arrivals; the built-in only).
-    async_rule: AsyncRule = AsyncRule.delayed_nesterov
-    dn_buffer: int = 0  # delayed_nesterov: N, the arrivals per momentum update; 0 = replicas (R)
-    dn_activation: float = 0.0  # delayed_nesterov: c in [0, 1/N], the momentum applied between updates
-    # async: arrivals within grace_s seconds of a group's first are applied together, as one mean
-    # (Decoupled DiLoCo's grace window); 0 = only exact ties.
-    grace_s: float = 0.0
-    # async: dynamic local updates (Liu et al. Eq. 6): replica m's job is H_m = max(1, floor(v_m / max v * H))
-    dylu: bool = False
-    # async: the held-out loss after the server update at which the jobs applied reach each multiple of
-    # this many (and after the last); 0 = replicas (R): with ties of all R, every update
-    async_eval_every: int = 0
+    # async only (docs/async.md): the server's own fields; None under rounds, which has no such node
+    # (setting one there is refused as a field rounds lacks: `schedule_table.ScheduleEntry.check_fields`)
+    arrivals: ArrivalsConfig | None = field(default=None, metadata=before(None))
     # pseudo-gradients averaged uniformly or weighted by the tokens each trained on (docs/async.md)
     mean_weights: MeanWeights = MeanWeights.uniform
+
+    def __post_init__(self) -> None:
+        """A table entry's own node (its `node`: a schedule's, a codec's) exists with that entry alone:
+        at its defaults when not given; under another entry None, unless set there (`check_nodes`)."""
+        for owner, entry in node_owners():
+            node, kind = getattr(self, entry.node), OUTER_NODES[entry.node]
+            if entry.name == str(getattr(self, owner)) and node is None:
+                setattr(self, entry.node, kind())
+            elif entry.name != str(getattr(self, owner)) and node == kind():
+                setattr(self, entry.node, None)
+
+    def check_nodes(self) -> None:
+        """A node of an entry not chosen does not exist: a field of it set is one the chosen entry lacks,
+        one line naming it and where it lives; a node that exists checks its own fields."""
+        for owner, entry in node_owners():
+            node, chosen = getattr(self, entry.node), getattr(self, owner)
+            if node is not None and entry.name != str(chosen):
+                default = type(node)()
+                name = next(
+                    f.name
+                    for f in dataclasses.fields(node)
+                    if getattr(node, f.name) != getattr(default, f.name)
+                )
+                raise UserError(
+                    f"outer.{entry.node}.{name} is not a field of outer.{owner}={chosen}: outer.{entry.node} "
+                    f"exists only with outer.{owner}={entry.name}; valid: outer.{owner}={entry.name}, or no "
+                    f"outer.{entry.node}.*"
+                )
+            if node is not None:
+                node.check()
 
     def check(self) -> None:
         try:  # the codec's entry, a path imported here once (`codec_table.imported`): what the rest asks
             codec = codec_entry(self.compress)
         except NotACodec as error:
             raise UserError(str(error)) from None
+        self.check_nodes()
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"outer.momentum={self.momentum!r} is out of range; valid: [0, 1)")
@@ -345,9 +420,6 @@ class OuterConfig:
                 "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
         self.check_codec()
-        _at_least("outer.dn_buffer", self.dn_buffer, 0)
-        _at_least("outer.grace_s", self.grace_s, 0.0)
-        _at_least("outer.async_eval_every", self.async_eval_every, 0)
         schedule_entry(self.schedule).check_fields(self)  # another schedule's fields stay at their defaults
 
     def check_codec(self) -> None:
@@ -359,7 +431,6 @@ class OuterConfig:
                 f"outer.compress={self.compress} with outer.reduce=two_phase: {codec.gather_only}; valid: "
                 "outer.reduce=gather"
             )
-        _at_least("outer.lowrank_rank", self.lowrank_rank, 1)
         if self.overlap != "none" and not codec.overlap:
             raise UserError(
                 f"outer.compress={self.compress} with outer.overlap={self.overlap} is not built; valid: "
@@ -409,6 +480,26 @@ class OuterConfig:
                 f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
                 "outer.index_bits=32"
             )
+
+
+# The outer nodes a table entry owns (its `node` names one): the typed config each holds.
+OUTER_NODES: dict[str, type] = {"arrivals": ArrivalsConfig, "lowrank": LowRankConfig}
+
+
+def node_owners() -> list[tuple[str, Any]]:
+    """(the outer field that chooses it, the entry) of every schedule and codec entry owning a node."""
+    owners = [("schedule", entry) for entry in SCHEDULE_ENTRIES] + [("compress", e) for e in CODEC_ENTRIES]
+    return [(owner, entry) for owner, entry in owners if entry.node]
+
+
+def nodes_chosen(outer: dict) -> set[str]:
+    """The nodes a recorded outer section (plain containers, as config.yaml holds it) has: those of the
+    entries it chose (a field it lacks at its default)."""
+    return {
+        entry.node
+        for owner, entry in node_owners()
+        if str(outer.get(owner, default_of(OuterConfig, owner))) == entry.name
+    }
 
 
 @dataclass
@@ -921,6 +1012,19 @@ def _at_least(name: str, value: int | float, low: int | float) -> None:
         raise UserError(f"{name}={value!r} is too small; valid: >= {low}")
 
 
+@functools.cache
+def _hints(schema: type) -> dict:
+    return typing.get_type_hints(schema)
+
+
+def node_type(schema: type, f: dataclasses.Field) -> type | None:
+    """The config dataclass a field of `schema` holds (`X`, or `X | None` for a node some runs lack);
+    None for a value."""
+    hint = _hints(schema)[f.name]
+    kinds = [hint, *typing.get_args(hint)]
+    return next((k for k in kinds if isinstance(k, type) and dataclasses.is_dataclass(k)), None)
+
+
 def default_of(section: type, name: str) -> Any:
     """The default of dataclass `section`'s field `name` (its default_factory's value where it has one)."""
     found = next(f for f in dataclasses.fields(section) if f.name == name)
@@ -999,13 +1103,14 @@ DERIVED = (
 def changed_fields(was: dict, now: dict) -> list[str]:
     """The keys of two flattened resolved configs whose values differ (the sections that MAY_CHANGE left
     out), what the user chose first: the config groups' choices (`model.name`: model=...), then the
-    fields set directly, in alphabetical order, then the DERIVED ones in its order (the process count
-    before the layout derived from it)."""
+    fields set directly, in alphabetical order, a section's own before a node's below it (outer.schedule
+    before outer.arrivals.*, a node that exists with one schedule alone), then the DERIVED ones in its
+    order (the process count before the layout derived from it)."""
 
     def kind(key: str) -> tuple[int, int, str]:
         if key in DERIVED:
             return (2, DERIVED.index(key), key)
-        return (0 if key.partition(".")[2] == "name" else 1, 0, key)
+        return (0 if key.partition(".")[2] == "name" else 1, key.count("."), key)
 
     keys = was.keys() | now.keys()
     differ = [k for k in keys if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE]

@@ -31,15 +31,17 @@ class ScheduleEntry:
     """A table entry: `name` (its `outer.schedule` value) and what it is.
 
     - `server`: a server applies each replica's pseudo-gradient as it arrives: the outer step is the
-      server's rule (outer.async_rule's entry, `optim.outer.outer_optimizer`), the run state holds the
+      server's rule (outer.arrivals.rule's entry, `optim.outer.outer_optimizer`), the run state holds the
       server's buffer and the jobs in flight (`diloco.server.AsyncState`, one fragment), its rows are
       `arrival` rows, and a restarted session counts what it runs again in server updates and jobs
       (`run.session.restart_here`); else the syncs of rounds (one outer state per fragment);
     - `arrival_clock`: the network clock orders its pseudo-gradients, so the clock decides its weights:
       its replay is `clock.replay.arrival_clock`, its clock keeps no compute/inner/outer split, and
       re-timing it on another cluster is refused (`clock.replay.decided_by_clock`);
-    - `fields`: the outer fields only it reads; under another schedule they stay at their defaults
+    - `fields`: the flat outer fields only it reads; under another schedule they stay at their defaults
       (`check_fields`);
+    - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
+      alone: None under another schedule, and a field of it set there is one that schedule lacks;
     - `runs`: its run-side class, `module:Class`, built by `build` (`run.schedule.ScheduleBase`'s
       arguments): it yields the rows `run.trainer.train` writes, then its part of the summary.
     """
@@ -49,10 +51,12 @@ class ScheduleEntry:
     server: bool = False
     arrival_clock: bool = False
     fields: tuple[str, ...] = ()
+    node: str = ""
 
     def check_fields(self, outer) -> None:
         """A field another entry reads (its `fields`) stays at its default under this one: set, it would
-        change nothing. A value equal to the default (a preset's, or written out) is accepted. Asked by
+        change nothing. A value equal to the default (a preset's, or written out) is accepted. (Another
+        entry's node does not exist here: `config.OuterConfig.check_nodes`.) Asked by
         `config.OuterConfig.check`."""
         for other in ENTRIES:
             if other is self:
@@ -131,17 +135,18 @@ class Arrivals(ScheduleEntry):
                     f"outer.schedule=async with {what} is not built (it needs {needs}: docs/async.md, "
                     f"'Churn with async'); valid: {what.split('=')[0]}={default}, or outer.schedule=rounds"
                 )
-        N = outer.dn_buffer or cfg.replicas
-        if not 0.0 <= outer.dn_activation <= 1.0 / N:
+        own = outer.arrivals
+        N = own.dn_buffer or cfg.replicas
+        if not 0.0 <= own.dn_activation <= 1.0 / N:
             raise UserError(
-                f"outer.dn_activation={outer.dn_activation!r} is out of range; valid: [0, 1/N] = "
-                f"[0, {1.0 / N:g}] (N = outer.dn_buffer = {N})"
+                f"outer.arrivals.dn_activation={own.dn_activation!r} is out of range; valid: [0, 1/N] = "
+                f"[0, {1.0 / N:g}] (N = outer.arrivals.dn_buffer = {N})"
             )
 
 
-# In `choices.Schedule`'s order. The server's fields are async's (its rule, delayed Nesterov's N and c,
-# the grace window, dynamic local updates, its evaluations); the reduction of a round's payloads is
-# rounds' (an arrival's payload is broadcast whole).
+# In `choices.Schedule`'s order. The server's fields are async's node, outer.arrivals (its rule, delayed
+# Nesterov's N and c, the grace window, dynamic local updates, its evaluations); the reduction of a
+# round's payloads is rounds' (an arrival's payload is broadcast whole).
 ENTRIES = (
     Rounds("rounds", runs="hypertrain.run.trainer:Rounds", fields=("reduce",)),
     Arrivals(
@@ -149,7 +154,7 @@ ENTRIES = (
         runs="hypertrain.run.asynchronous:Arrivals",
         server=True,
         arrival_clock=True,
-        fields=("async_rule", "dn_buffer", "dn_activation", "grace_s", "dylu", "async_eval_every"),
+        node="arrivals",
     ),
 )
 TABLE: dict[str, ScheduleEntry] = {entry.name: entry for entry in ENTRIES}

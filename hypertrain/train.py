@@ -115,6 +115,21 @@ def multirun_first(argv: list[str]) -> list[str]:
     return [argv[0], *flags, *(a for a in argv[1:] if a not in flags)]
 
 
+# The command line's retired spellings read as today's (`formats.modern_spelling`): one notice each, for
+# the run's train.log alone, written once the run is checked (one call's own: `cli`).
+_retired: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired", default=())
+
+
+def log_only(lines: tuple[str, ...]) -> None:
+    """Each of `lines` as a note in the run's log file (the root logger's file handlers: train.log), not
+    on the terminal: a retired spelling that still works is no news to the person who typed it."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for line in lines:
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, "note: %s", (line,), None)
+        for handler in files:
+            handler.handle(record)
+
+
 # Under torchrun with restarts: the run directory every restart resumes in (one call's own: `cli`).
 _restart_dir: ContextVar[Path | None] = ContextVar("hypertrain_restart_dir", default=None)
 
@@ -195,6 +210,8 @@ def main(dict_cfg: DictConfig) -> float:
     if checked.finished is not None:  # a multirun job resumed after its run finished: nothing to do
         print(preflight.finished_notice(checked), file=sys.stderr)
         return finished_loss(run_dir)
+    if writer:
+        log_only(_retired.get())
     try:  # rank 0 holds the run directory's lock (preflight.claim) until the run ends
         return run_checked(checked, run_dir, launched, writer)
     except BaseException:  # before its first record, a new run leaves nothing (after: its records)
@@ -396,9 +413,10 @@ def _entry(args: list[str]) -> int:
         # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
         os.environ.pop("WANDB_SERVICE", None)
         argv = quote_numeric_choices(multirun_first(["hypertrain.train", *args]))
-        argv, notices = formats.modern_spelling(argv)
+        argv, notices, logged = formats.modern_spelling(argv)
         if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
             print("\n".join(notices), file=sys.stderr)
+        _retired.set(tuple(logged))  # the run's train.log says them (`log_only`), never the terminal
         argv = torchrun_restarts(argv)  # a restart by torchrun's agent resumes (resume=auto)
         guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again
         composition.check_composition(argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made

@@ -8,7 +8,7 @@ stacked engines agree bitwise; a run killed between server updates resumes to th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pytest
@@ -25,7 +25,7 @@ from helpers import (
 from omegaconf import OmegaConf
 
 from hypertrain.choices import Schedule
-from hypertrain.config import OuterConfig, default_of
+from hypertrain.config import OUTER_NODES, ArrivalsConfig, OuterConfig, default_of
 from hypertrain.diloco.arrivals import job_steps, replica_speeds, schedule
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.rounds import rounds
@@ -41,11 +41,16 @@ from hypertrain.schedule_table import ENTRIES, schedule_entry
 U = 2.0**-24  # fp32's unit roundoff
 
 
+ARRIVAL_FIELDS = {f.name for f in fields(ArrivalsConfig)}
+
+
 def async_cfg(speeds=(1.0, 0.5), engine="stacked", updates=8, **outer):
-    """small_cfg (R = 2, H = 2) under outer.schedule=async on modelled compute (an H100's)."""
+    """small_cfg (R = 2, H = 2) under outer.schedule=async on modelled compute (an H100's); a field of
+    async's node (`rule`, `dylu`, ...: ArrivalsConfig) goes under outer.arrivals."""
     base = small_cfg()
+    own = ArrivalsConfig(**{k: outer.pop(k) for k in list(outer) if k in ARRIVAL_FIELDS})
     return small_cfg(
-        outer=replace(base.outer, schedule=Schedule["async"], **outer),
+        outer=replace(base.outer, schedule=Schedule["async"], arrivals=own, **outer),
         cluster=replace(
             base.cluster, compute="modelled", peak_tflops=989.0, mfu=0.4, replica_speeds=list(speeds)
         ),
@@ -102,20 +107,23 @@ class FixedTiming:
 def test_dylu_gives_each_replica_its_share_of_h_by_its_speed_eq_6():
     outer = async_cfg().outer
     assert job_steps(outer, 4, [1.0, 1.0, 1.0, 0.5]) == [4, 4, 4, 4]
-    dylu = replace(outer, dylu=True)
+    dylu = replace(outer, arrivals=ArrivalsConfig(dylu=True))
     assert job_steps(dylu, 4, [1.0, 1.0, 1.0, 0.5]) == [4, 4, 4, 2]
     assert job_steps(dylu, 2, [3.0, 1.0]) == [2, 1]  # floor(2/3 * 2) = 1
     assert job_steps(dylu, 2, [10.0, 1.0]) == [2, 1]  # floor(0.2) = 0, at least 1
 
 
 def test_a_schedules_fields_written_at_their_defaults_are_accepted_under_the_other():
-    """Each schedule's own fields (its table entry's `fields`) set away from their defaults under the
-    other are refused (tests/test_bad_input.py); written out at their defaults on the command line (as a
-    preset or a copied config.yaml holds them) they pass, under rounds and under async alike."""
+    """Each schedule's own fields (its table entry's `fields` and its node's) set away from their defaults
+    under the other are refused (tests/test_bad_input.py); written out at their defaults on the command
+    line (as a preset or a copied config.yaml holds them) they pass, under rounds and under async alike."""
     base = compose_train([*QUICK, "cluster=h100"])
     for entry in ENTRIES:
         other = next(e.name for e in ENTRIES if e is not entry)
         written = [f"outer.{name}={default_of(OuterConfig, name)}" for name in entry.fields]
+        if entry.node:  # its node's fields at their defaults: the node is dropped under the other
+            node = OUTER_NODES[entry.node]()
+            written += [f"outer.{entry.node}.{f.name}={getattr(node, f.name)}" for f in fields(node)]
         validate(
             OmegaConf.to_object(
                 OmegaConf.merge(base, OmegaConf.from_dotlist([f"outer.schedule={other}", *written]))
@@ -162,7 +170,7 @@ def test_the_grace_window_gathers_arrivals_close_to_the_first():
     timing = FixedTiming((1.0, 0.9))
     apart = schedule(async_cfg().outer, 2, 2, timing, lambda k, m: 16)
     assert [[j.replica for j in u.jobs] for u in apart] == [[0], [1]]
-    together = schedule(replace(async_cfg().outer, grace_s=0.06), 2, 2, timing, lambda k, m: 16)
+    together = schedule(async_cfg(grace_s=0.06).outer, 2, 2, timing, lambda k, m: 16)
     assert [[j.replica for j in u.jobs] for u in together] == [[0, 1]]
     assert together[0].clock_s == apart[1].clock_s
 
@@ -245,14 +253,14 @@ def excess(record, reference) -> float:
 @pytest.fixture(scope="module")
 def naive_record():
     record: list = []
-    trained(async_cfg(async_rule="naive", updates=12), record)
+    trained(async_cfg(rule="naive", updates=12), record)
     return record
 
 
 @pytest.fixture(scope="module")
 def dn_record():
     record: list = []
-    trained(async_cfg(async_rule="delayed_nesterov", dn_activation=0.25, updates=12), record)
+    trained(async_cfg(rule="delayed_nesterov", dn_activation=0.25, updates=12), record)
     return record
 
 
@@ -290,7 +298,7 @@ def test_equal_speeds_are_diloco_rounds_bitwise(rule):
     does (DiLoCo's own `outer_step` on the same mean)."""
     want = trained(replace(async_cfg(), outer=replace(async_cfg().outer, schedule=Schedule["rounds"]),
                            cluster=replace(async_cfg().cluster, replica_speeds=[])))  # fmt: skip
-    got = trained(async_cfg(speeds=(), async_rule=rule))
+    got = trained(async_cfg(speeds=(), rule=rule))
     for name, t in want.items():
         assert torch.equal(got[name], t), name
 
@@ -499,7 +507,7 @@ def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_held
     from hypertrain.failures import Diverged
 
     run_dir = tmp_path / "run"
-    args = [
+    args = [  # the server's fields in their older spellings: read as outer.arrivals.*, noted in train.log
         *ASYNC,
         "outer.async_rule=naive",
         "outer.lr=20",
@@ -511,6 +519,12 @@ def test_the_divergence_guard_stops_an_async_run_at_the_server_update_whose_held
     assert "diverged: the held-out loss of the global weights after server update " in done.stderr
     last = arrivals(run_dir)[-1]
     assert last["eval_loss"] > 5.5452  # ln 256, the margin 0
+    resolved = OmegaConf.load(run_dir / "config.yaml").outer
+    assert (resolved.arrivals.rule, resolved.arrivals.eval_every) == ("naive", 1)
+    assert "async_rule" not in resolved and "is now spelled" not in done.stderr  # the terminal: no notice
+    log = (run_dir / "train.log").read_text()
+    for old, new in (("async_rule", "rule"), ("async_eval_every", "eval_every")):
+        assert f"note: outer.{old}= is now spelled outer.arrivals.{new}= " in log
 
 
 def test_the_divergence_guard_stops_an_async_run_whose_pseudo_gradient_outgrows_the_weights(tmp_path):
@@ -535,7 +549,7 @@ def test_an_arrival_rows_pseudo_gradient_norm_is_the_applied_means(naive_record)
     of the pseudo-gradient the server was handed, taken here in numpy's float64: one arrival an update,
     so the mean is the delta itself; the two float64 sums of n squares differ by at most n ulps of
     float64 (2^-53 each, relative), the bound below."""
-    cfg = async_cfg(async_rule="naive", updates=12)
+    cfg = async_cfg(rule="naive", updates=12)
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     got = [(applied.delta_norm, applied.theta_norm) for applied in server_updates(run, state)]
@@ -599,3 +613,65 @@ def test_jobs_pulled_together_from_different_steps_run_apart_and_as_the_loop_eng
 
     got, want = deltas(engine), deltas("loop")
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+# outer.arrivals' fields as schema 7 spelled them, flat in outer (written out here, not read from formats)
+SCHEMA_7_NAMES = {"rule": "async_rule", "eval_every": "async_eval_every", "dn_buffer": "dn_buffer"}
+SCHEMA_7_NAMES |= {"dn_activation": "dn_activation", "grace_s": "grace_s", "dylu": "dylu"}
+
+
+def test_an_async_runs_config_and_checkpoint_as_schema_7_wrote_them_read_as_todays(tmp_path):
+    """config.yaml and the checkpoint of a finished async run, rewritten as schema 7 wrote them (the
+    server's fields flat in outer under their older names), upgrade to the run's own config today, so
+    the report, the clock and resume read such a run as it ran."""
+    from helpers import ReferenceRuns
+
+    from hypertrain.records.formats import upgrade_checkpoint, upgrade_config
+    from hypertrain.rundir import checkpoint
+
+    run = ReferenceRuns.beside(tmp_path)(ASYNC)
+    today = upgrade_config(OmegaConf.to_container(OmegaConf.load(run / "config.yaml")))
+    outer = dict(today["outer"])
+    own = outer.pop("arrivals")
+    assert own["rule"] == "delayed_nesterov" and set(own) == set(SCHEMA_7_NAMES)
+    flat = {**today, "outer": outer | {SCHEMA_7_NAMES[k]: v for k, v in own.items()}}
+    assert upgrade_config({**flat, "schema_version": 7}) == today
+    saved = checkpoint.load(checkpoint.checkpoints(run)[-1])
+    older = {**saved, "schema_version": 7, "config": flat}
+    assert upgrade_checkpoint(older)["config"] == saved["config"] == today
+
+
+def test_an_async_run_directory_of_schema_7_resumed_with_the_older_spellings_is_its_own_run(tmp_path):
+    """The finished async reference run rewritten as schema 7 wrote it (config.yaml and every checkpoint:
+    the server's fields flat, older names; checkpoints resealed), resumed by the command line of then
+    (outer.async_rule=..., outer.async_eval_every=...): accepted as the same run (a changed field would
+    be refused, exit 2), exit 0, with no notice of the spelling on the terminal, each in train.log."""
+    import shutil
+
+    import yaml
+    from helpers import ReferenceRuns, entry
+
+    from hypertrain.rundir import checkpoint
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(ReferenceRuns.beside(tmp_path)(ASYNC), run_dir)
+
+    def as_schema_7(config: dict) -> dict:
+        outer = dict(config["outer"])
+        own = outer.pop("arrivals")
+        return {**config, "outer": outer | {SCHEMA_7_NAMES[k]: v for k, v in own.items()}}
+
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    text = yaml.safe_dump({**as_schema_7(written), "schema_version": 7}, sort_keys=False)
+    (run_dir / "config.yaml").write_text(text)
+    for path in checkpoint.checkpoints(run_dir):
+        saved = torch.load(path, weights_only=False)
+        torch.save({**saved, "schema_version": 7, "config": as_schema_7(saved["config"])}, path)
+        checkpoint.seal(path)
+    older = ["outer.async_rule=delayed_nesterov", "outer.async_eval_every=0", "outer.dylu=false"]
+    done = entry([*ASYNC, *older, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "error" not in done.stderr and "spelled" not in done.stderr + done.stdout
+    log = (run_dir / "train.log").read_text()
+    assert "note: outer.async_rule= is now spelled outer.arrivals.rule= " in log
+    assert "note: outer.dylu= is now spelled outer.arrivals.dylu= " in log

@@ -197,7 +197,7 @@ def run_async(cfg, engine=None):
 
 @pytest.fixture(scope="module")
 def dn_run():
-    return run_async(churn_cfg(async_rule="delayed_nesterov", dn_activation=0.25))
+    return run_async(churn_cfg(rule="delayed_nesterov", dn_activation=0.25))
 
 
 def test_a_runs_arrivals_follow_the_rules_on_its_own_clock(dn_run):
@@ -399,7 +399,7 @@ def test_the_churn_draws_cover_every_replicas_jobs():
     """The statuses are drawn for the most jobs a replica takes, ceil(updates / min H_m) (DyLU: 10 / 2)."""
     from hypertrain.diloco.arrivals import jobs_per_replica
 
-    outer = replace(async_cfg().outer, dylu=True)
+    outer = async_cfg(dylu=True).outer
     assert job_steps(outer, 4, [1.0, 0.5]) == [4, 2] and jobs_per_replica(outer, 4, 10, [1.0, 0.5]) == 5
 
 

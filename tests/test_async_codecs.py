@@ -21,6 +21,7 @@ from test_async import arrivals, async_cfg, four_one_slow
 
 import hypertrain.diloco.asynchronous as asynchronous
 from hypertrain.choices import Compressor
+from hypertrain.config import LowRankConfig
 from hypertrain.diloco.arrivals import Job
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import RunState
@@ -476,7 +477,7 @@ def expected_bytes(compress, shapes):
         ("int8", {}),
         ("int8", {"transform": "dct"}),
         ("topk", {"topk_fraction": 0.125, "error_feedback": True}),
-        ("lowrank", {"lowrank_rank": 2, "error_feedback": True}),
+        ("lowrank", {"lowrank": LowRankConfig(rank=2), "error_feedback": True}),
     ],
     ids=["fp32", "int8", "int8-dct", "topk-ef", "lowrank-ef"],
 )

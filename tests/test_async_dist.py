@@ -57,7 +57,7 @@ def assert_equal_runs(got: Path, want: Path, updates: int | None = None) -> None
 def test_real_processes_equal_the_simulation_bitwise(tmp_path, rule, layout):
     """torchrun, 2 processes, against the one-process simulation of the same run: every arrival row
     (replicas, steps, staleness, losses, clock, held-out losses) and the final weights, exactly."""
-    args = [*QUICK, *SLOW, f"outer.async_rule={rule}", *LAYOUTS[layout]]
+    args = [*QUICK, *SLOW, f"outer.arrivals.rule={rule}", *LAYOUTS[layout]]
     sim, real = both(args, tmp_path)
     assert_equal_runs(real, sim)
     assert any(len(r["replicas"]) > 1 for r in arrivals(sim)) == (layout == "replicas")  # ties: a mean
@@ -99,7 +99,7 @@ CODECS = {
     # int8 travels as top-k does (the payload's bytes, decoded on every process): top-k with its error
     # buffers and low rank with its Q cover the wire
     "topk-ef": ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"],
-    "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank_rank=2", "outer.error_feedback=true"],
+    "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank.rank=2", "outer.error_feedback=true"],
 }
 
 

@@ -19,6 +19,7 @@ from test_async_codecs import observed as codecs_observed
 
 import hypertrain.diloco.asynchronous as asynchronous
 from hypertrain.choices import Compressor
+from hypertrain.config import LowRankConfig
 from hypertrain.preflight.prepare import prepare
 
 RANK = 2
@@ -26,7 +27,7 @@ U = 2.0**-24  # fp32's unit roundoff
 
 
 def lowrank_cfg(engine="stacked", speeds=(1.0, 0.5), **outer):
-    return async_cfg(speeds, engine, compress=Compressor.lowrank, lowrank_rank=RANK, **outer)
+    return async_cfg(speeds, engine, compress=Compressor.lowrank, lowrank=LowRankConfig(rank=RANK), **outer)
 
 
 def observed(cfg):
@@ -157,7 +158,7 @@ def test_the_loop_and_stacked_engines_agree_bitwise_with_lowrank_and_error_feedb
             assert torch.equal(y[name], t), name
 
 
-LOWRANK_EF = ["outer.compress=lowrank", f"outer.lowrank_rank={RANK}", "outer.error_feedback=true"]
+LOWRANK_EF = ["outer.compress=lowrank", f"outer.lowrank.rank={RANK}", "outer.error_feedback=true"]
 
 
 def test_an_arrivals_payload_bits_are_its_factors_and_its_1d_tensors_in_fp32(tmp_path):

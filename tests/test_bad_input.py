@@ -620,16 +620,23 @@ CASES = {
     ),
     "async-dn-activation": Case(
         "a delayed Nesterov momentum activation above 1/N",
-        ["outer.schedule=async", "cluster=h100", "outer.dn_activation=0.9"],
-        "outer.dn_activation=0.9 is out of range; valid: [0, 1/N] = [0, 0.5] (N = outer.dn_buffer = 2)",
+        ["outer.schedule=async", "cluster=h100", "outer.arrivals.dn_activation=0.9"],
+        "outer.arrivals.dn_activation=0.9 is out of range; valid: [0, 1/N] = [0, 0.5] (N = "
+        "outer.arrivals.dn_buffer = 2)",
         "c in [0, 1/N]",
     ),
     "async-field-with-rounds": Case(
-        "an asynchronous field in a synchronous run",
-        ["outer.dylu=true"],
-        "outer.dylu=True needs outer.schedule=async (outer.schedule=rounds would ignore it); valid: "
-        "outer.schedule=async, or outer.dylu=False (its default)",
+        "a field of the asynchronous server's node in a synchronous run, which has no such node",
+        ["outer.arrivals.dylu=true"],
+        "outer.arrivals.dylu is not a field of outer.schedule=rounds: outer.arrivals exists only with "
+        "outer.schedule=async; valid: outer.schedule=async, or no outer.arrivals.*",
         "outer.schedule=async, or leave it unset (the other server fields likewise)",
+    ),
+    "async-field-unknown": Case(
+        "a field the asynchronous server's node does not have",
+        ["outer.schedule=async", "cluster=h100", "outer.arrivals.buffer=2"],
+        "Could not override 'outer.arrivals.buffer'. Key 'buffer' not in 'ArrivalsConfig'",
+        "a field of outer.arrivals (docs/async.md)",
     ),
     "tokens-weights-with-eager": Case(
         "token-weighted means of synchronous rounds with eager overlap (each replica's own terms)",
@@ -637,10 +644,24 @@ CASES = {
         "outer.mean_weights=tokens with outer.overlap=eager under outer.schedule=rounds is not built",
         "outer.mean_weights=uniform, or outer.overlap=none or delayed",
     ),
+    "lowrank-rank-with-topk": Case(
+        "low rank's rank (older spelling) with another codec, which ignored it",
+        ["outer.compress=topk", "outer.lowrank_rank=2"],
+        "outer.lowrank.rank is not a field of outer.compress=topk: outer.lowrank exists only with "
+        "outer.compress=lowrank; valid: outer.compress=lowrank, or no outer.lowrank.*",
+        "outer.compress=lowrank, or the rank unset",
+    ),
+    "async-field-added": Case(
+        "a key added (+) to the asynchronous server's node that no field of it is",
+        ["+outer.arrivals.foo=1"],
+        "outer.arrivals.foo is not a config field; valid: dn_activation, dn_buffer, dylu, eval_every, "
+        "grace_s, rule",
+        "a field of outer.arrivals (docs/async.md)",
+    ),
     "async-grace-negative": Case(
         "a negative grace window",
-        ["outer.grace_s=-1"],
-        "outer.grace_s=-1.0 is too small; valid: >= 0.0",
+        ["outer.schedule=async", "cluster=h100", "outer.arrivals.grace_s=-1"],
+        "outer.arrivals.grace_s=-1.0 is too small; valid: >= 0.0",
         ">= 0 seconds",
     ),
     "clock-retimes-async": Case(
@@ -725,8 +746,8 @@ CASES = {
         "an asynchronous rule given as the outer optimizer",
         ["outer.optimizer=delayed_nesterov"],
         "outer.optimizer='delayed_nesterov' is a rule of asynchronous replicas, picked by "
-        "outer.async_rule=delayed_nesterov",
-        "outer.schedule=async outer.async_rule=delayed_nesterov",
+        "outer.arrivals.rule=delayed_nesterov",
+        "outer.schedule=async outer.arrivals.rule=delayed_nesterov",
     ),
     "outer-optimizer-args-unknown": Case(
         "an argument the optimizer does not take",
@@ -765,9 +786,9 @@ CASES = {
     "outer-optimizer-delayed-nesterov": Case(
         "a torch optimizer with delayed Nesterov, the default asynchronous rule (docs/async.md)",
         ["outer.schedule=async", "cluster=h100", "outer.optimizer=torch.optim.Adam"],
-        "outer.async_rule=delayed_nesterov with outer.optimizer=torch.optim.Adam: delayed Nesterov is its "
+        "outer.arrivals.rule=delayed_nesterov with outer.optimizer=torch.optim.Adam: delayed Nesterov is its "
         "own step on the built-in's momentum",
-        "outer.async_rule=naive, or outer.optimizer=nesterov",
+        "outer.arrivals.rule=naive, or outer.optimizer=nesterov",
     ),
     "overlap-unknown": Case(
         "an outer overlap that does not exist (docs/overlap.md)",
@@ -857,8 +878,8 @@ CASES = {
     ),
     "lowrank-rank-0": Case(
         "a low-rank compression of rank 0 (docs/compression.md)",
-        ["outer.compress=lowrank", "outer.lowrank_rank=0"],
-        "outer.lowrank_rank=0 is too small; valid: >= 1",
+        ["outer.compress=lowrank", "outer.lowrank.rank=0"],
+        "outer.lowrank.rank=0 is too small; valid: >= 1",
         "a rank of at least 1",
     ),
     "lowrank-two_phase": Case(
@@ -1538,18 +1559,18 @@ CASES = {
     ),
     **{
         f"async-{field.replace('_', '-')}-with-rounds": Case(
-            f"outer.{field} (the asynchronous server's) in a synchronous run, which would ignore it",
+            f"outer.{field} (the asynchronous server's, in its older spelling) in a synchronous run",
             [f"outer.{field}={value}"],
-            f"outer.{field}={shown} needs outer.schedule=async (outer.schedule=rounds would ignore it); "
-            f"valid: outer.schedule=async, or outer.{field}={default} (its default)",
-            "outer.schedule=async, or the field at its default",
+            f"outer.arrivals.{today} is not a field of outer.schedule=rounds: outer.arrivals exists only "
+            "with outer.schedule=async; valid: outer.schedule=async, or no outer.arrivals.*",
+            "outer.schedule=async, or the field unset",
         )
-        for field, value, shown, default in (
-            ("grace_s", "0.5", "0.5", "0.0"),
-            ("async_rule", "naive", "naive", "delayed_nesterov"),
-            ("dn_buffer", "2", "2", "0"),
-            ("dn_activation", "5", "5.0", "0.0"),
-            ("async_eval_every", "2", "2", "0"),
+        for field, value, today in (
+            ("grace_s", "0.5", "grace_s"),
+            ("async_rule", "naive", "rule"),
+            ("dn_buffer", "2", "dn_buffer"),
+            ("dn_activation", "5", "dn_activation"),
+            ("async_eval_every", "2", "eval_every"),
         )
     },
     "two-phase-with-async": Case(

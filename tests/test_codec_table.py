@@ -14,7 +14,7 @@ from helpers import compose_train
 from omegaconf import OmegaConf
 
 from hypertrain.codec_table import BLOCK_CODECS, ELEMENTWISE, ENTRIES, IMPORTED, TABLE
-from hypertrain.config import UserError
+from hypertrain.config import LowRankConfig, OuterConfig, UserError
 from hypertrain.diloco import codecs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,3 +69,20 @@ def test_no_module_but_the_tables_own_compares_a_codec_name():
         if COMPARED.search(line.split("#")[0])
     ]
     assert not found, found
+
+
+def test_the_low_rank_node_exists_only_with_low_rank_a_field_of_it_set_with_another_codec_is_one_it_lacks():
+    """outer.lowrank is low rank's node (its entry's `node`): None under another codec (its rank was read by
+    low rank alone, and ignored by the others), at its defaults with lowrank; set with another codec, one
+    line naming the field and the codec it lives under."""
+    base = OuterConfig()
+    assert base.lowrank is None and OuterConfig(compress="lowrank").lowrank == LowRankConfig()
+    assert OuterConfig(compress="topk", lowrank=LowRankConfig()).lowrank is None
+    with pytest.raises(UserError) as caught:
+        OuterConfig(compress="topk", lowrank=LowRankConfig(rank=2)).check()
+    assert str(caught.value) == (
+        "outer.lowrank.rank is not a field of outer.compress=topk: outer.lowrank exists only with "
+        "outer.compress=lowrank; valid: outer.compress=lowrank, or no outer.lowrank.*"
+    )
+    OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=2)).check()
+    assert [entry.name for entry in ENTRIES if entry.node] == ["lowrank"]

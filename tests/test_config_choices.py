@@ -16,21 +16,23 @@ import yaml
 from helpers import compose_train
 from omegaconf import OmegaConf
 
-from hypertrain.choices import Choice, Compressor, EngineName, StatePolicy
+from hypertrain.choices import Choice, Compressor, EngineName, Schedule, StatePolicy
 from hypertrain.clock.timeline import Clock, Shape
-from hypertrain.config import ClusterConfig, TrainConfig, as_builtins
+from hypertrain.config import ClusterConfig, OuterConfig, TrainConfig, as_builtins
 from hypertrain.preflight.checked import resolved_config
 from hypertrain.preflight.composition import composition_error
 
 
 def choice_fields(schema: type, prefix: str = "") -> list[tuple[str, type[Choice]]]:
-    """(dotted key, its enum) for every field of `schema` typed by a Choice."""
+    """(dotted key, its enum) for every field of `schema` typed by a Choice (in a node some runs lack,
+    `X | None`, too)."""
     hints = typing.get_type_hints(schema)
     found = []
     for f in dataclasses.fields(schema):
         kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            found += choice_fields(kind, f"{prefix}{f.name}.")
+        node = next((k for k in (kind, *typing.get_args(kind)) if dataclasses.is_dataclass(k)), None)
+        if node is not None:
+            found += choice_fields(node, f"{prefix}{f.name}.")
         elif isinstance(kind, type) and issubclass(kind, Choice):
             found.append((f"{prefix}{f.name}", kind))
     return found
@@ -41,7 +43,7 @@ FIELDS = choice_fields(TrainConfig)
 
 def test_every_choice_is_named_by_its_value_and_reads_as_its_str():
     # issue 34's 20, overlap (36), transform, topk_values (37), replica_split (38),
-    # schedule, async_rule, mean_weights (39)
+    # schedule, async_rule (now outer.arrivals.rule), mean_weights (39)
     # outer.compress and data.name are str since issue 49 (a codec, a data source by import path)
     assert len(FIELDS) == 25, FIELDS
     for _, enum in FIELDS:
@@ -66,7 +68,7 @@ def test_a_choice_is_given_by_its_name_and_composes_to_its_member():
 
 
 def test_what_a_run_stores_holds_plain_str_never_a_member(tmp_path):
-    cfg = TrainConfig()
+    cfg = TrainConfig(outer=OuterConfig(schedule=Schedule["async"]))  # with async's node, outer.arrivals
     resolved = resolved_config(cfg)
     stored = [resolved, as_builtins(ClusterConfig())]
     clock = Clock(Shape.of(resolved), cfg.cluster, 1000)
@@ -76,8 +78,10 @@ def test_what_a_run_stores_holds_plain_str_never_a_member(tmp_path):
     buffer.seek(0)
     assert torch.load(buffer, weights_only=True) == stored  # a member would need its class to unpickle
     for key, _ in FIELDS:
-        section, name = key.split(".")
-        assert type(resolved[section][name]) is str, key
+        value = resolved
+        for part in key.split("."):
+            value = value[part]
+        assert type(value) is str, key
     assert type(stored[1]["compute"]) is str
     text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     assert yaml.safe_load(text)["outer"]["compress"] == "none"  # config.yaml as before: the plain value

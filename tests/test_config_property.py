@@ -32,13 +32,15 @@ from hypertrain.rundir.records import read_metrics
 
 
 def numeric_fields(schema: type, prefix: str = "") -> list[tuple[str, type]]:
-    """(dotted key, int or float) for every field of `schema` typed int or float (or Optional)."""
+    """(dotted key, int or float) for every field of `schema` typed int or float (or Optional), in its
+    sections and nodes (a node some runs lack, `X | None`, too)."""
     hints = typing.get_type_hints(schema)
     found = []
     for f in dataclasses.fields(schema):
         kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            found += numeric_fields(kind, f"{prefix}{f.name}.")
+        node = next((k for k in (kind, *typing.get_args(kind)) if dataclasses.is_dataclass(k)), None)
+        if node is not None:
+            found += numeric_fields(node, f"{prefix}{f.name}.")
             continue
         bases = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
         if len(bases) == 1 and bases[0] in (int, float):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from helpers import entry, stderr_lines, tree
 from omegaconf import OmegaConf
 from record_checkpoint_fixture import FIXTURE
 
-from hypertrain.config import EngineConfig, ProcessesConfig, UserError
+from hypertrain.config import BEFORE, EngineConfig, ProcessesConfig, TrainConfig, UserError, before, node_type
 from hypertrain.diloco.communication import ring_allreduce_bytes
 from hypertrain.records import formats
 from hypertrain.records.formats import SCHEMA_VERSION, upgrade_checkpoint, upgrade_config
@@ -36,9 +38,18 @@ ASYNC_NEUTRAL = {
     "async_eval_every": 0,
     "mean_weights": "uniform",
 }
+# the same after schema 8's step: the server's fields moved into async's node, which rounds lacks
+ASYNC_TODAY = {"schedule": "rounds", "arrivals": None, "mean_weights": "uniform"}
 # issue 49's outer fields as every run before them had them (schema 7's step, written out here)
 OPTIMIZER_NEUTRAL = {"optimizer": "nesterov", "optimizer_args": {}}
 REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up to {SCHEMA_VERSION}); valid:"
+
+
+def rounds_today(outer: dict) -> dict:
+    """`outer` of a rounds run without low rank as it reads after schema 8's step: ASYNC_NEUTRAL's fields
+    as ASYNC_TODAY, and no low-rank node (its rank, unread, dropped)."""
+    kept = {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL and k != "lowrank_rank"}
+    return kept | ASYNC_TODAY | NO_LOWRANK
 
 
 def test_today_is_schema_8_and_its_files_pass_unchanged():
@@ -130,6 +141,9 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
 # transform, flat blocks (and the low-rank rank, which its codecs never read, at its default)
 BEFORE_ISSUE_37 = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32", "transform": "none"}
 BEFORE_ISSUE_37 |= {"tile": 0, "lowrank_rank": 4}
+# the same after schema 8's step in a run of another codec than low rank: the rank (unread) has no node
+NO_LOWRANK = {"lowrank": None}
+CODECS_TODAY = {k: v for k, v in BEFORE_ISSUE_37.items() if k != "lowrank_rank"} | NO_LOWRANK
 
 
 def test_a_version_1_config_and_checkpoint_gain_no_overlap():
@@ -137,7 +151,7 @@ def test_a_version_1_config_and_checkpoint_gain_no_overlap():
     one without reductions in flight across a round and without per-replica outer state."""
     outer = {"name": "nesterov", "lr": 0.7, "fragments": 1, "delay": 0}
     # and the later steps' fields
-    then = {**outer, "overlap": "none", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    then = {**outer, "overlap": "none", **CODECS_TODAY, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 1}) == {"outer": then}
     older = {**_older_payload(clock=False), "schema_version": 1}
     older["config"] = {**older["config"], "outer": outer}
@@ -153,7 +167,7 @@ def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undeca
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
     checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, **BEFORE_ISSUE_37, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    want = {**outer, **CODECS_TODAY, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
@@ -168,7 +182,8 @@ def test_a_version_3_checkpoint_has_no_running_bits_and_its_config_reads_as_it_i
     """Schema 3 did not count each replica's outer bits: None (the resumed run's rows hold each sync's
     bits but no running total); the config of version 3 is today's (but for schema 7's step)."""
     outer = {"name": "nesterov", "lr": 0.7, "overlap": "eager", **BEFORE_ISSUE_37, **ASYNC_NEUTRAL}
-    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": outer | OPTIMIZER_NEUTRAL}
+    want = rounds_today(outer) | OPTIMIZER_NEUTRAL
+    assert upgrade_config({"outer": outer, "schema_version": 3}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 3}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None}
     older["config"] = {**older["config"], "outer": outer}
@@ -199,7 +214,7 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
     outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
     cluster = {"name": "cpu_here", "compute": "measured"}
-    want_outer = outer | ASYNC_NEUTRAL | OPTIMIZER_NEUTRAL
+    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL | NO_LOWRANK
     want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
     got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
     assert got == {"outer": want_outer, "cluster": want_cluster}
@@ -218,15 +233,50 @@ def test_a_version_6_config_stepped_with_the_built_in_and_its_checkpoint_holds_n
     with no arguments (its outer.momentum and outer.nesterov as written), its checkpoint as one whose
     outer state is its `outer_momentum` alone (`outer_optimizer`: None)."""
     outer = {"name": "average", "lr": 1.0, "momentum": 0.0, "nesterov": False, **ASYNC_NEUTRAL}
-    assert upgrade_config({"outer": outer, "schema_version": 6}) == {"outer": outer | OPTIMIZER_NEUTRAL}
+    want = rounds_today(outer) | OPTIMIZER_NEUTRAL
+    assert upgrade_config({"outer": outer, "schema_version": 6}) == {"outer": want}
     adam = outer | {"optimizer": "torch.optim.Adam", "optimizer_args": {"betas": [0.8, 0.9]}}
-    assert upgrade_config({"outer": adam, "schema_version": 6}) == {"outer": adam}  # as written
+    assert upgrade_config({"outer": adam, "schema_version": 6}) == {"outer": rounds_today(adam)}  # as written
     older = {**_older_payload(clock=False), "schema_version": 6}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
     got = upgrade_checkpoint(older)
     assert got["state"] == {**older["state"], "outer_optimizer": None}
     assert "outer_optimizer" not in older["state"] and got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_node():
+    """Schema 7 held the asynchronous server's fields in `outer` itself (outer.async_rule, ...): an async
+    run's move into outer.arrivals under today's names, a rounds run's (at their defaults) are dropped
+    for a node it lacks (None); low rank's rank likewise (outer.lowrank.rank in a low-rank run, else
+    dropped: unread); its checkpoint's payload reads as it is."""
+    server = {"async_rule": "naive", "dn_buffer": 3, "dn_activation": 0.25, "grace_s": 0.5, "dylu": True}
+    server |= {"async_eval_every": 2}
+    flat = {"name": "nesterov", "lr": 0.7, "schedule": "async", **server, "mean_weights": "tokens"}
+    arrivals = {"rule": "naive", "dn_buffer": 3, "dn_activation": 0.25, "grace_s": 0.5, "dylu": True}
+    arrivals |= {"eval_every": 2}
+    want = {
+        "name": "nesterov",
+        "lr": 0.7,
+        "schedule": "async",
+        "mean_weights": "tokens",
+        "arrivals": arrivals,
+        **NO_LOWRANK,
+    }
+    assert upgrade_config({"outer": flat | OPTIMIZER_NEUTRAL, "schema_version": 7}) == {
+        "outer": want | OPTIMIZER_NEUTRAL
+    }
+    rounds = {"name": "nesterov", "lr": 0.7, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    assert upgrade_config({"outer": rounds, "schema_version": 7}) == {"outer": rounds_today(rounds)}
+    lowrank = {"compress": "lowrank", "lowrank_rank": 2, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    want = {"compress": "lowrank", "lowrank": {"rank": 2}, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
+    assert upgrade_config({"outer": lowrank, "schema_version": 7}) == {"outer": want}
+    older = {**_older_payload(clock=False), "schema_version": 7}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
+    older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
+    older["state"]["outer_optimizer"] = None
+    got = upgrade_checkpoint(older)
+    assert got["state"] == older["state"] and got["schema_version"] == SCHEMA_VERSION
 
 
 def test_the_peak_of_a_run_that_never_synced_is_zero_and_its_ring_is_the_communication_formula():
@@ -314,3 +364,62 @@ def test_a_run_writes_its_schema_into_config_yaml_and_its_checkpoints(tmp_path):
         saved = torch.load(path, map_location="cpu", weights_only=True)  # builtins and tensors only
         assert saved["schema_version"] == SCHEMA_VERSION
         assert checkpoint.load(path) is not None
+
+
+# -- fields added since: their value before they existed ---------------------------------------------
+
+FIELDS_THEN = Path(__file__).parent / "assets" / "config_fields_schema7.txt"
+
+
+def config_fields(schema: type, prefix: str = ""):
+    """Every field of the config as (dotted name, its dataclass field), sections and nodes walked."""
+    for f in dataclasses.fields(schema):
+        yield prefix + f.name, f
+        kind = node_type(schema, f)
+        if kind is not None:
+            yield from config_fields(kind, f"{prefix}{f.name}.")
+
+
+def test_every_field_added_since_schema_7_declares_its_value_before_it_existed():
+    """A field not in the list of schema 7's fields carries `before` (config.before), so an older run's
+    config upgrades to what that run did (formats.fill_before) with no hand-written step, or is where
+    a field of then moved (formats.RETIRED: its value is the old field's); a field of then that is gone
+    moved."""
+    then = {line for line in FIELDS_THEN.read_text().splitlines() if line and not line.startswith("#")}
+    fields = dict(config_fields(TrainConfig))
+    gone = then - fields.keys()
+    assert gone == set(formats.RETIRED), f"fields of schema 7 gone, not moved: {sorted(gone)}"
+    assert set(formats.RETIRED.values()) <= fields.keys()
+    moved = set(formats.RETIRED.values())
+    undeclared = [n for n, f in fields.items() if n not in then | moved and BEFORE not in f.metadata]
+    assert undeclared == [], f"new config fields without before=...: {undeclared}"
+
+
+@dataclass
+class _Node:
+    old: int = 1
+    added: float = field(default=0.5, metadata=before(0.0))
+
+
+@dataclass
+class _Section:
+    kept: str = "a"
+    mode: str = field(default="new", metadata=before("old"))
+    node: _Node = field(default_factory=_Node)
+    maybe: _Node | None = field(default=None, metadata=before(None))
+
+
+def test_a_config_lacking_a_declared_field_gets_its_value_before_not_todays_default():
+    """The rule, on a section of its own (the scan above finds one without `before`): a missing field is
+    filled with `before` (not the default), in a node too; a field present is kept; a config lacking
+    nothing is the same object."""
+    older = {"kept": "b", "node": {"old": 3}}
+    assert formats.fill_before(older, _Section) == {
+        "kept": "b",
+        "node": {"old": 3, "added": 0.0},
+        "mode": "old",
+        "maybe": None,
+    }
+    today = {"kept": "a", "mode": "new", "node": {"old": 1, "added": 0.5}, "maybe": None}
+    assert formats.fill_before(today, _Section) is today
+    assert formats.fill_before({**today, "maybe": {"old": 2}}, _Section)["maybe"] == {"old": 2, "added": 0.0}

@@ -58,7 +58,7 @@ from helpers import (
 )
 from references import ROUNDING_FACTOR, U32, assert_losses_within_rounding, assert_within_rounding
 
-from hypertrain.config import OuterConfig
+from hypertrain.config import LowRankConfig, OuterConfig
 from hypertrain.diloco import lowrank
 from hypertrain.diloco import sync as sync_module
 from hypertrain.diloco.communication import HEADER_BYTES
@@ -325,7 +325,7 @@ def test_rank_min_rows_cols_recovers_the_mean_exactly_within_rounding():
     """At rank = min(rows, cols) P spans M's whole column space, so P Q^T = P P^T mean(M) = mean(M): the
     float64 reference recovers it within its rounding bound (checked), and the stage is within
     `check_sync`'s bound of the reference, so within that bound of the mean itself, for a wide matrix, a
-    tall one and one of three dims; lowrank_rank larger than both is cut to min(rows, cols)."""
+    tall one and one of three dims; outer.lowrank.rank larger than both is cut to min(rows, cols)."""
     shapes = {"wide": (5, 8), "tall": (8, 3), "deep": (4, 2, 3), "b": (3,)}
     R = 2
     deltas, _ = inputs(R, 7, shapes, ef=False)
@@ -504,7 +504,7 @@ def test_loop_equals_stacked(ef, churn):
     rounding floor), R = 2, H = 2, two syncs at rank 2, with and without error feedback, and with churn
     (replica 1 misses round 2: the second sync is replica 0's alone). The stage itself is the same
     function whatever engine made the pseudo-gradients."""
-    outer = OuterConfig(compress="lowrank", lowrank_rank=2, error_feedback=ef)
+    outer = OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=2), error_feedback=ef)
     cfg = replace(cfg_for(2, 2), outer=outer)
     if churn:
         cfg = replace(cfg, churn=replace(cfg.churn, events=["2:1:miss"]))
@@ -633,7 +633,7 @@ def test_real_processes_equal_the_simulation_bitwise_and_send_the_formula(tmp_pa
 # process computed by the same code on the same numbers as in the simulation (test_compression.py's
 # WHOLE), so the runs are equal, ==. Fragments (H = 4, P = 2) taken one update early: each fragment's
 # first all-gather is in flight over the delayed update, its second at the landing.
-WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2", "outer.compress=lowrank", "outer.lowrank_rank=2"]
+WHOLE = [*RUN, "engine=loop", "world=2", "replicas=2", "outer.compress=lowrank", "outer.lowrank.rank=2"]
 MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
 
 
@@ -698,7 +698,7 @@ def test_full_rank_in_the_benchmark_layout_equals_the_simulation_within_rounding
        update, torch.optim.SGD's momentum, Nesterov or not).
     fp32 Gram-Schmidt, which loses orthogonality by about u cond(P) (at full rank P is ill conditioned),
     failed both: real processes' wv 2.4 times the first bound, and weights up to 60 times the second."""
-    full = [*FULL_RANK, "outer.compress=lowrank", "outer.lowrank_rank=32"]
+    full = [*FULL_RANK, "outer.compress=lowrank", "outer.lowrank.rank=32"]
     proc = start_entry([*full, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     diloco = compose_cfg([*FULL_RANK, "outer.compress=none"])
     batches, ref, diloco32, run = simulated_beside(proc, diloco)  # float64 and fp32 DiLoCo, here
@@ -772,7 +772,7 @@ KILL_RUN = [
     "inner.H=2",
     "phase.updates=6",
     "outer.compress=lowrank",
-    "outer.lowrank_rank=2",
+    "outer.lowrank.rank=2",
     "outer.error_feedback=true",
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
@@ -789,7 +789,7 @@ KILL_FRAGMENTS = [
     "outer.fragments=2",
     "outer.delay=1",
     "outer.compress=lowrank",
-    "outer.lowrank_rank=2",
+    "outer.lowrank.rank=2",
     "outer.error_feedback=true",
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",

@@ -33,7 +33,7 @@ from test_async import async_cfg, trained
 from test_overlap import _flat, run_syncs
 
 from hypertrain.choices import Schedule
-from hypertrain.config import ChurnConfig, OuterConfig, UserError
+from hypertrain.config import ArrivalsConfig, ChurnConfig, OuterConfig, UserError
 from hypertrain.diloco.fragments import members
 from hypertrain.diloco.state import RunState
 from hypertrain.preflight import memory
@@ -268,7 +268,7 @@ def test_under_async_a_torch_optimizer_is_the_naive_rules_step_on_each_server_up
     the reference's moments carried from the first update, within `Adam64`'s bound; with equal speeds
     (both arrive together, one update a round, their mean summed and divided as a round's) Adam's
     asynchronous run is its rounds run, bitwise."""
-    cfg = async_cfg(async_rule="naive", updates=6)
+    cfg = async_cfg(rule="naive", updates=6)
     builtin = trained(cfg)
     sgd = replace(cfg.outer, optimizer="torch.optim.SGD", optimizer_args=dict(SGD_NESTEROV))
     got = trained(replace(cfg, outer=sgd))
@@ -288,11 +288,13 @@ def test_under_async_a_torch_optimizer_is_the_naive_rules_step_on_each_server_up
 
 
 def test_delayed_nesterov_with_a_torch_optimizer_is_refused_in_one_line():
-    cfg = async_cfg(async_rule="naive")
-    outer = replace(cfg.outer, async_rule="delayed_nesterov", optimizer="torch.optim.Adam")
+    cfg = async_cfg(rule="naive")
+    outer = replace(cfg.outer, arrivals=ArrivalsConfig(rule="delayed_nesterov"), optimizer="torch.optim.Adam")
     with pytest.raises(UserError) as e:
         validate(replace(cfg, outer=outer))
-    assert str(e.value).startswith("outer.async_rule=delayed_nesterov with outer.optimizer=torch.optim.Adam")
+    assert str(e.value).startswith(
+        "outer.arrivals.rule=delayed_nesterov with outer.optimizer=torch.optim.Adam"
+    )
 
 
 # -- the memory estimate ----------------------------------------------------------------------------
@@ -386,7 +388,7 @@ def test_torchrun_two_processes_equal_the_simulation_bitwise(tmp_path):
 
 KILL = [*RUN, "inner.H=2", "phase.updates=6", "checkpoint.every_updates=3", "checkpoint.keep=10", *ADAM_ARGS]
 ASYNC_ADAM = [*RUN, "outer.schedule=async", "cluster=h100", "cluster.replica_speeds=[1,0.5]", "inner.H=2"]
-ASYNC_ADAM += ["phase.updates=8", "outer.async_rule=naive", *ADAM_ARGS]
+ASYNC_ADAM += ["phase.updates=8", "outer.arrivals.rule=naive", *ADAM_ARGS]
 KILLS = {  # args, fault, the checkpoint the resume reads, where Adam's states are in it
     "fragments": ([*KILL, "outer.fragments=2"], "0:4:kill:after", 3, "outer_optimizer"),
     "eager-fragments": ([*KILL, *EAGER_FRAGMENTS], "0:4:kill:after", 3, "outer_replicas"),

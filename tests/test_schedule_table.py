@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO
 
 from hypertrain.choices import Schedule
-from hypertrain.config import TrainConfig, UserError
+from hypertrain.config import ArrivalsConfig, TrainConfig, UserError
 from hypertrain.schedule_table import ENTRIES, TABLE, recorded_entry, schedule_entry
 
 # docs/extending.md's grep, "A schedule": an `is_async`, a comparison with outer.schedule (an attribute
@@ -89,13 +89,29 @@ def refusal(check, *args) -> str:
 def test_a_field_of_the_other_schedule_away_from_its_default_is_refused_at_its_default_accepted():
     rounds, arrivals = schedule_entry("rounds"), schedule_entry("async")
     base = TrainConfig().outer
-    for name, value in (("async_rule", "naive"), ("dn_buffer", 3), ("grace_s", 0.5), ("dylu", True)):
-        message = refusal(rounds.check_fields, replace(base, **{name: value}))
-        assert message.startswith(f"outer.{name}={value} needs outer.schedule=async")
     message = refusal(arrivals.check_fields, replace(base, schedule=Schedule("async"), reduce="two_phase"))
     assert message.startswith("outer.reduce=two_phase needs outer.schedule=rounds")
     rounds.check_fields(base)  # every field at its default: nothing to refuse
-    arrivals.check_fields(replace(base, schedule=Schedule("async"), async_rule="naive", dylu=True))
+    own = ArrivalsConfig(rule="naive", dylu=True)
+    arrivals.check_fields(replace(base, schedule=Schedule("async"), arrivals=own))
+
+
+@pytest.mark.parametrize(
+    "name, value", [("rule", "naive"), ("dn_buffer", 3), ("grace_s", 0.5), ("dylu", True)]
+)
+def test_the_async_node_exists_only_with_async_a_field_of_it_set_under_rounds_is_one_it_lacks(name, value):
+    """outer.arrivals is async's node (its entry's `node`): under rounds it is None, at its defaults it is
+    dropped, set it is refused in one line naming the field and the schedule it lives under."""
+    base = TrainConfig().outer
+    assert base.arrivals is None and replace(base, arrivals=ArrivalsConfig()).arrivals is None
+    assert replace(base, schedule=Schedule("async")).arrivals == ArrivalsConfig()
+    outer = replace(base, arrivals=ArrivalsConfig(**{name: value}))
+    assert refusal(outer.check_nodes) == (
+        f"outer.arrivals.{name} is not a field of outer.schedule=rounds: outer.arrivals exists only with "
+        "outer.schedule=async; valid: outer.schedule=async, or no outer.arrivals.*"
+    )
+    assert refusal(outer.check).startswith(f"outer.arrivals.{name} is not a field")
+    schedule_entry("rounds").check_fields(outer)  # the node is the config's to refuse, not the entry's
 
 
 def test_rounds_refuses_token_weights_with_eager_overlap_only():
@@ -119,7 +135,10 @@ def test_rounds_refuses_token_weights_with_eager_overlap_only():
         ({"churn.min_quorum": 2}, "outer.schedule=async with churn.min_quorum=2 is not built"),
         ({"churn.deadline": 1.0}, "outer.schedule=async with churn.deadline=1.0 is not built"),
         # c <= 1/N, N = dn_buffer or R (R = 2 by default: 1/2)
-        ({"outer.dn_activation": 0.75}, "outer.dn_activation=0.75 is out of range; valid: [0, 1/N]"),
+        (
+            {"outer.arrivals": ArrivalsConfig(dn_activation=0.75)},
+            "outer.arrivals.dn_activation=0.75 is out of",
+        ),
     ],
 )
 def test_async_refuses_what_needs_a_round_and_measured_compute(change, starts):

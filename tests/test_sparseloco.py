@@ -537,7 +537,8 @@ OLD_TOPK = [
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
 ]
-NEW_FIELDS = ("error_decay", "index_bits", "topk_values", "transform", "tile", "lowrank_rank")  # issue 37's
+# issue 37's (its lowrank_rank is today's node outer.lowrank, null in a top-k run's config)
+NEW_FIELDS = ("error_decay", "index_bits", "topk_values", "transform", "tile", "lowrank")
 
 
 def as_schema_2(run_dir) -> None:

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hypertrain.config import InnerConfig, ModelConfig, OuterConfig, PhaseConfig
+from hypertrain.config import InnerConfig, LowRankConfig, ModelConfig, OuterConfig, PhaseConfig
 from hypertrain.diloco.codecs import decode, encode, payload_size
 from hypertrain.diloco.communication import topk
 from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
@@ -90,8 +90,8 @@ SETTINGS = {
     "sparseloco": OuterConfig(**SPARSELOCO, topk_fraction=64 / 4096),
     "sparseloco-3%": OuterConfig(**SPARSELOCO, topk_fraction=128 / 4096),
     "dct-topk": OuterConfig(compress="topk", transform="dct"),
-    "lowrank-r1": OuterConfig(compress="lowrank", lowrank_rank=1),
-    "lowrank-r4": OuterConfig(compress="lowrank", lowrank_rank=4),
+    "lowrank-r1": OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=1)),
+    "lowrank-r4": OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=4)),
 }
 
 
@@ -103,7 +103,7 @@ def payload_bytes(m: ModelConfig, outer: OuterConfig) -> int:
     """One replica's payload of `outer`'s setting for model `m`."""
     shapes = _shapes(m)
     if outer.compress == "lowrank":
-        return Factors.of(shapes, outer.lowrank_rank).payload_bytes
+        return Factors.of(shapes, outer.lowrank.rank).payload_bytes
     blocks, _ = blocks_and_order(list(shapes.values()), outer.block, outer.tile)
     return payload_size(str(outer.compress), blocks, topk(outer))
 
@@ -112,9 +112,9 @@ def stage(m: ModelConfig, outer: OuterConfig, x: torch.Tensor):
     """The setting's work for x [R, n] as a pair of thunks (encode, decode; low rank: its stage, None)."""
     shapes = _shapes(m)
     if outer.compress == "lowrank":
-        factors = Factors.of(shapes, outer.lowrank_rank)
+        factors = Factors.of(shapes, outer.lowrank.rank)
         theta = {n: torch.zeros(s) for n, s in shapes.items()}
-        q = initial_q(theta, outer.lowrank_rank, 0)
+        q = initial_q(theta, outer.lowrank.rank, 0)
         active = torch.ones(R, dtype=torch.bool)
         return (lambda: lowrank_mean(factors, x, None, active, q, ReplicaGroups(R)).wait()), None
     blocks, order = blocks_and_order(list(shapes.values()), outer.block, outer.tile)

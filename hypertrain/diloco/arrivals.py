@@ -19,9 +19,9 @@ from hypertrain.model.shapes import active_params, count_params
 
 
 def job_steps(outer: OuterConfig, H: int, speeds: list[float]) -> list[int]:
-    """Each replica's inner steps per job: H, or with outer.dylu Liu et al.'s Eq. 6,
+    """Each replica's inner steps per job: H, or with outer.arrivals.dylu Liu et al.'s Eq. 6,
     `H_m = max(1, floor(v_m / max_j v_j * H))`."""
-    if not outer.dylu:
+    if not outer.arrivals.dylu:
         return [H] * len(speeds)
     fastest = max(speeds)
     return [max(1, math.floor(v / fastest * H)) for v in speeds]
@@ -131,7 +131,7 @@ def schedule(
 
     Every replica starts its first job at 0 from the initial weights. A job of `min(H_m, left)` steps
     arrives when its compute and upload end; the server takes the earliest arrival (ties by replica
-    index) and every arrival within `outer.grace_s` of it as one update at the latest of their times;
+    index) and every arrival within `outer.arrivals.grace_s` of it as one update at the latest of their times;
     those replicas pull its weights (a download) and start their next jobs. `targets(k, m)` is the
     tokens of replica m's step k.
 
@@ -170,7 +170,7 @@ def schedule(
         at = math.inf
         if waiting:
             first = waiting[0][0]
-            group = sorted(m for arrive, m in waiting if arrive <= first + outer.grace_s)
+            group = sorted(m for arrive, m in waiting if arrive <= first + outer.arrivals.grace_s)
             at = max(flying[m].arrive_s for m in group)
         back = sorted((job.arrive_s, m) for m, job in flying.items() if job is not None and not job.arrives)
         if back and back[0][0] < at:  # a return before the update: it pulls the weights before it

@@ -28,7 +28,7 @@ FLAG_BYTES = HEADER_BYTES // 2  # the first message's header (took part), the se
 class Matrix:
     """One tensor of the flat vector, as PowerSGD sees it: elements [start, start + rows * cols) are a
     [rows, cols] matrix (a tensor of more dims is [shape[0], rest]) and its factors have `rank` columns
-    (outer.lowrank_rank, cut to min(rows, cols))."""
+    (outer.lowrank.rank, cut to min(rows, cols))."""
 
     name: str
     start: int

@@ -1,6 +1,6 @@
 """The asynchronous server's step (docs/async.md): `AsyncServer.apply(theta, deltas, tokens)` steps the
 global weights in place on one server update, the pseudo-gradients of the jobs it applies together
-(flat fp32, replica order), by outer.async_rule: naive (outer.optimizer's step on their mean) or delayed
+(flat fp32, replica order), by outer.arrivals.rule: naive (outer.optimizer's step on their mean) or delayed
 Nesterov (Liu et al. 2024), the outer optimizers' table's (`optim.outer`) steps.
 `AsyncState` is the server and the jobs in flight: an asynchronous run's part of the run state.
 """

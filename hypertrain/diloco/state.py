@@ -218,7 +218,7 @@ class RunState:
         state.totals.comm_outer_bits = [0] * cfg.replicas
         reduction = None if decided is None else decided.reduction
         if codec_entry(cfg.outer.compress).factored:
-            state.lowrank_q = initial_q(state.theta, cfg.outer.lowrank_rank, cfg.seed)
+            state.lowrank_q = initial_q(state.theta, cfg.outer.lowrank.rank, cfg.seed)
         if cfg.outer.overlap == "eager":
             state.outer_replicas = [
                 {"theta": {n: t.detach().clone() for n, t in one.items()}, "momentum": optimizer.buffers(one)}

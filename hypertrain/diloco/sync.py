@@ -250,7 +250,7 @@ class FragmentSync:
         elif codec_entry(cfg.outer.compress).factored:
             self.lowrank_q = {n: lowrank_q[n] for n in self.names if n in lowrank_q}
             shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
-            self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank_rank))
+            self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank.rank))
         else:
             shapes = [tuple(t.shape) for t in self.theta.values()]
             blocks, order = blocks_and_order(shapes, cfg.outer.block, cfg.outer.tile)

@@ -35,7 +35,7 @@ def payload_bits(outer, shapes: tuple[tuple[int, ...], ...]) -> int:
 
 def arrival_factors(outer, shapes: tuple[tuple[int, ...], ...]) -> Factors:
     """outer.compress=lowrank: which of the tensors of `shapes` (the model's, in order) are matrices."""
-    return Factors.of({str(i): shape for i, shape in enumerate(shapes)}, outer.lowrank_rank)
+    return Factors.of({str(i): shape for i, shape in enumerate(shapes)}, outer.lowrank.rank)
 
 
 class Wire:
@@ -57,7 +57,7 @@ class Wire:
         self.nbytes = payload_bits(outer, shapes) // 8
         self.numel = sum(t.numel() for t in theta.values())
         if self.factored:
-            self.factors = Factors.of({n: tuple(t.shape) for n, t in theta.items()}, outer.lowrank_rank)
+            self.factors = Factors.of({n: tuple(t.shape) for n, t in theta.items()}, outer.lowrank.rank)
         else:
             self.blocks, self.order = blocks_and_order(list(shapes), outer.block, outer.tile)
 

@@ -5,7 +5,7 @@ some global weights (`build`: a `optim.outer_steps.OuterStep`, whose `state_dict
 
 `outer_optimizer(outer)` is the run's: `outer.optimizer` names `nesterov` (the built-in) or the import
 path of any torch.optim.Optimizer subclass (`TorchOptimizer`); under outer.schedule=async,
-outer.async_rule=delayed_nesterov picks that entry (naive: the optimizer's own step on each update's
+outer.arrivals.rule=delayed_nesterov picks that entry (naive: the optimizer's own step on each update's
 mean). This module imports no torch until a torch optimizer is named, so a refusal made from the config
 alone stays torch-free; the steps are built from `diloco.outer` (torch) when a run starts.
 """
@@ -76,17 +76,17 @@ class Nesterov(OuterOptimizer):
 
 class DelayedNesterov(OuterOptimizer):
     """The asynchronous server's delayed Nesterov (Liu et al. 2024, Algorithm 3; docs/async.md): the
-    built-in's momentum, updated once per outer.dn_buffer arrivals from a buffer of them, 8 bytes a
-    parameter (the momentum and the buffer). Picked by outer.async_rule, never by outer.optimizer."""
+    built-in's momentum, updated once per outer.arrivals.dn_buffer arrivals from a buffer of them, 8 bytes a
+    parameter (the momentum and the buffer). Picked by outer.arrivals.rule, never by outer.optimizer."""
 
-    name, field, momentum = "delayed_nesterov", "outer.async_rule", True
+    name, field, momentum = "delayed_nesterov", "outer.arrivals.rule", True
 
     def check(self, outer: OuterConfig) -> None:
         if named(outer.optimizer) is not NESTEROV:
             raise UserError(
-                f"outer.async_rule=delayed_nesterov with outer.optimizer={outer.optimizer}: delayed Nesterov "
-                "is its own step on the built-in's momentum; valid: outer.async_rule=naive (the optimizer's "
-                "step on each server update's mean), or outer.optimizer=nesterov"
+                f"outer.arrivals.rule=delayed_nesterov with outer.optimizer={outer.optimizer}: delayed "
+                "Nesterov is its own step on the built-in's momentum; valid: outer.arrivals.rule=naive (the "
+                "optimizer's step on each server update's mean), or outer.optimizer=nesterov"
             )
         super().check(outer)
 
@@ -124,9 +124,9 @@ TABLE = {entry.name: entry for entry in (NESTEROV, DELAYED_NESTEROV)}
 
 
 def outer_optimizer(outer: OuterConfig) -> OuterOptimizer:
-    """The run's outer optimizer: under outer.schedule=async an outer.async_rule entry (delayed_nesterov)
+    """The run's outer optimizer: under outer.schedule=async an outer.arrivals.rule entry (delayed_nesterov)
     when there is one, else the one outer.optimizer names; UserError (one line) for a name that is none."""
-    rule = TABLE.get(outer.async_rule) if schedule_entry(outer.schedule).server else None
+    rule = TABLE.get(outer.arrivals.rule) if schedule_entry(outer.schedule).server else None
     return rule or named(outer.optimizer)
 
 

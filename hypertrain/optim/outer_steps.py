@@ -102,7 +102,7 @@ class DelayedNesterovStep(OuterStep):
     def __init__(self, outer: OuterConfig, theta: Params, momentum: Params, replicas: int):
         super().__init__(theta)
         self.outer, self.momentum = outer, momentum
-        self.N = outer.dn_buffer or replicas
+        self.N = outer.arrivals.dn_buffer or replicas
         n_params = sum(t.numel() for t in theta.values())
         self.buffer = torch.zeros(n_params, dtype=torch.float32)
         self.count = 0
@@ -118,7 +118,7 @@ class DelayedNesterovStep(OuterStep):
         k = 1 it is Algorithm 3; with one update of all N = R arrivals and c = 0 it is DiLoCo's Nesterov
         step."""
         theta, before = self.theta, self.count
-        beta, c, lr = self.outer.momentum, self.outer.dn_activation, self.outer.lr
+        beta, c, lr = self.outer.momentum, self.outer.arrivals.dn_activation, self.outer.lr
         self.buffer.add_(total)
         self.count += k
         full = self.count >= self.N

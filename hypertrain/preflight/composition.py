@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.choices import choice_error
-from hypertrain.config import TrainConfig, UserError
+from hypertrain.config import TrainConfig, UserError, node_type
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.preflight import memory
 from hypertrain.preflight.checks import validate
@@ -45,8 +45,8 @@ def check_fields(node: DictConfig, schema: type, prefix: str = "") -> None:
     for key in node:
         if key not in fields:
             raise UserError(f"{prefix}{key} is not a config field; valid: {', '.join(sorted(fields))}")
-        kind = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(kind) and isinstance(node[key], DictConfig):
+        kind = node_type(schema, fields[key])  # a section, or a node some runs lack (outer.arrivals)
+        if kind is not None and isinstance(node[key], DictConfig):
             check_fields(node[key], kind, f"{prefix}{key}.")
 
 

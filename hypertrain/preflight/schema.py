@@ -9,7 +9,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from hypertrain.choices import PhaseKind
-from hypertrain.config import LINKS, PhaseConfig, TrainConfig
+from hypertrain.config import LINKS, OUTER_NODES, PhaseConfig, TrainConfig
 from hypertrain.plan.sampling import PRESETS, Phase, StrongPhase
 
 
@@ -36,6 +36,10 @@ def register_configs() -> None:
     # where Hydra's struct flag would refuse any key the default ({}) lacks
     OmegaConf.set_struct(schema.outer.optimizer_args, False)
     OmegaConf.set_struct(schema.model.config, False)  # model=hf 'model.config={model_type:llama,...}'
+    # a table entry's own node (outer.arrivals, outer.lowrank) is there to be set on the command line, at
+    # its defaults: the typed config drops it again under another entry (`config.OuterConfig.__post_init__`)
+    for node, kind in OUTER_NODES.items():
+        schema.outer[node] = OmegaConf.structured(kind)
     cs.store(name="train_schema", node=schema)
     for name, phase in PRESETS.items():
         cs.store(group="phase", name=name, node=phase_config(phase))

@@ -19,7 +19,17 @@ import dataclasses
 from collections.abc import Callable
 
 from hypertrain.codec_table import codec_entry
-from hypertrain.config import ChurnConfig, ClusterConfig, ProcessesConfig, TrainConfig, UserError, as_builtins
+from hypertrain.config import (
+    BEFORE,
+    ChurnConfig,
+    ClusterConfig,
+    ProcessesConfig,
+    TrainConfig,
+    UserError,
+    as_builtins,
+    node_type,
+    nodes_chosen,
+)
 from hypertrain.records.rows import SyncRow
 
 SCHEMA_VERSION = 8
@@ -71,7 +81,10 @@ def _config_0_to_1(resolved: dict) -> dict:
     for f in dataclasses.fields(TrainConfig):  # fields added to a section since: their neutral settings
         section, default = resolved.get(f.name), getattr(neutral, f.name)
         if isinstance(section, dict) and dataclasses.is_dataclass(default):
-            missing = {k: v for k, v in as_builtins(default).items() if k not in section}
+            declared = {g.name for g in dataclasses.fields(default) if BEFORE in g.metadata}  # fill_before's
+            missing = {
+                k: v for k, v in as_builtins(default).items() if k not in section and k not in declared
+            }
             if missing:
                 resolved = {**resolved, f.name: section | missing}
     engine = resolved.get("engine")
@@ -111,13 +124,24 @@ BEFORE_ISSUE_37 = {
 }
 
 
+def _lacks(section: dict, before: dict, name: str = "outer") -> dict:
+    """The fields of `before` that `section` (the config's `name`) lacks, at their values there; a field
+    since moved into a node the section holds (`RETIRED`: today's shape, read as version 0) it has."""
+
+    def moved(key: str) -> bool:
+        new = RETIRED.get(f"{name}.{key}")
+        return new is not None and new.split(".")[1] in section
+
+    return {key: value for key, value in before.items() if key not in section and not moved(key)}
+
+
 def _config_2_to_3(resolved: dict) -> dict:
     """Version 2: before issue 37's codec fields (`outer.error_decay`, `index_bits`, `topk_values`,
     `transform`, `tile`, `lowrank_rank`): the run sent int32 indices and fp32 values, transformed nothing and
     never decayed its buffers, so it resumes with its own bytes."""
     outer = resolved.get("outer")
-    if isinstance(outer, dict) and any(key not in outer for key in BEFORE_ISSUE_37):
-        resolved = {**resolved, "outer": BEFORE_ISSUE_37 | outer}
+    if isinstance(outer, dict) and (missing := _lacks(outer, BEFORE_ISSUE_37)):
+        resolved = {**resolved, "outer": missing | outer}
     return resolved
 
 
@@ -159,8 +183,8 @@ def _config_5_to_6(resolved: dict) -> dict:
     speeds and `cluster.model_params`): such a run synced in rounds and its clock timed its own model."""
     for name, before in (("outer", BEFORE_ISSUE_39_OUTER), ("cluster", BEFORE_ISSUE_39_CLUSTER)):
         section = resolved.get(name)
-        if isinstance(section, dict) and any(key not in section for key in before):
-            resolved = {**resolved, name: before | section}
+        if isinstance(section, dict) and (missing := _lacks(section, before, name)):
+            resolved = {**resolved, name: missing | section}
     return resolved
 
 
@@ -178,17 +202,39 @@ def _config_6_to_7(resolved: dict) -> dict:
     return resolved
 
 
-# The fields of issue 50 (model=hf): every run before them trained hypertrain's own model
-BEFORE_ISSUE_50_MODEL = {"path": "", "config": {}}
+# Fields that moved (issue 49: the config by concern), old dotted key -> today's: config.yaml's and a
+# checkpoint's config move them (`_config_7_to_8`), the command line's spelling too (`modern_spelling`).
+RETIRED = {
+    "outer.async_rule": "outer.arrivals.rule",
+    "outer.dn_buffer": "outer.arrivals.dn_buffer",
+    "outer.dn_activation": "outer.arrivals.dn_activation",
+    "outer.grace_s": "outer.arrivals.grace_s",
+    "outer.dylu": "outer.arrivals.dylu",
+    "outer.async_eval_every": "outer.arrivals.eval_every",
+    "outer.lowrank_rank": "outer.lowrank.rank",
+}
 
 
 def _config_7_to_8(resolved: dict) -> dict:
-    """Version 7: before `model.path` and `model.config` (a Hugging Face model, docs/hf.md): such a run
-    trained one of hypertrain's own models."""
-    model = resolved.get("model")
-    if isinstance(model, dict) and any(key not in model for key in BEFORE_ISSUE_50_MODEL):
-        resolved = {**resolved, "model": BEFORE_ISSUE_50_MODEL | model}
-    return resolved
+    """Version 7: the asynchronous server's fields and low rank's were outer's own (`outer.async_rule`,
+    `outer.lowrank_rank`, ...): they move (`RETIRED`) into the node of the entry that reads them
+    (outer.arrivals, async's; outer.lowrank, low rank's), which a run of another schedule or codec lacks
+    (None: the schedule's were at their defaults, as the checks of then required; the rank, unread)."""
+    outer = resolved.get("outer")
+    if not isinstance(outer, dict):
+        return resolved
+    outer, nodes = dict(outer), {}
+    for old, new in RETIRED.items():
+        key = old.removeprefix("outer.")
+        node, _, name = new.removeprefix("outer.").partition(".")
+        if old.startswith("outer.") and key in outer:
+            nodes.setdefault(node, {})[name] = outer.pop(key)
+    if not nodes:  # today's shape: nothing to move
+        return resolved
+    own = nodes_chosen(outer)
+    for node, fields in nodes.items():
+        outer[node] = fields if node in own else None
+    return {**resolved, "outer": outer}
 
 
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
@@ -203,16 +249,34 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
 )
 
 
+def fill_before(resolved: dict, schema: type = TrainConfig) -> dict:
+    """`resolved` (a config or a section of one, as plain containers) with every field that declares its
+    value before it existed (`config.before`) and that it lacks, at that value, in every section and
+    node below: what the run that wrote it did, whatever today's default is. No step per feature: a
+    field added since the last step is filled here. Returned as it is when it lacks none."""
+    out = resolved
+    for f in dataclasses.fields(schema):
+        if f.name not in resolved:
+            if BEFORE in f.metadata:
+                out = {**out, f.name: as_builtins(f.metadata[BEFORE])}
+            continue
+        kind, value = node_type(schema, f), resolved[f.name]
+        if kind is not None and isinstance(value, dict) and (filled := fill_before(value, kind)) is not value:
+            out = {**out, f.name: filled}
+    return out
+
+
 def upgrade_config(resolved: dict, version: int | None = None, what: str = "the config") -> dict:
     """A resolved config (a run's config.yaml, a checkpoint's) in today's shape, without its version;
     `version` where the file holding it says (a checkpoint's payload), else its own `schema_version`
-    (0 without one). Today's, unversioned, is returned as it is."""
+    (0 without one): its version's steps, then `fill_before`. Today's, unversioned, is returned as it
+    is."""
     if VERSION_KEY in resolved:
         version = version_of(resolved, what) if version is None else version
         resolved = {k: v for k, v in resolved.items() if k != VERSION_KEY}
     for step in CONFIG_STEPS[version or 0 :]:
         resolved = step(resolved)
-    return resolved
+    return fill_before(resolved)
 
 
 # -- a checkpoint's payload -----------------------------------------------------------------------
@@ -310,7 +374,7 @@ def _checkpoint_6_to_7(saved: dict) -> dict:
 
 
 def _checkpoint_7_to_8(saved: dict) -> dict:
-    """Version 7: the payload is today's (version 8 added config fields only, `_config_7_to_8`)."""
+    """Version 7: the payload is today's (only its config's asynchronous fields moved: `_config_7_to_8`)."""
     return saved
 
 
@@ -330,8 +394,9 @@ def upgrade_checkpoint(saved: dict, what: str = "the checkpoint") -> dict:
     """A checkpoint's payload (what `torch.load` gave) in today's form: its config too, its version
     `SCHEMA_VERSION`; UserError (one line) for a newer one. Today's is returned as it is."""
     version = version_of(saved, what)
-    if version == SCHEMA_VERSION:
-        return saved
+    if version == SCHEMA_VERSION:  # its config may still lack a field added since (`fill_before`)
+        config = fill_before(saved["config"]) if isinstance(saved.get("config"), dict) else None
+        return saved if config is None or config is saved["config"] else {**saved, "config": config}
     for step in CHECKPOINT_STEPS[version:]:
         saved = step(saved)
     config = upgrade_config(saved["config"], version, what)
@@ -446,11 +511,13 @@ OLD_SPELLINGS = {  # engine=dist and its fields, before the processes had their 
 }
 
 
-def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
+def modern_spelling(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """`engine=dist engine.nproc=2 engine.layout=stacked` -> `processes=dist processes.nproc=2
-    processes.layout=replicas`, with one notice per older spelling; a sweep over engine=dist and an
-    engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse."""
-    out, notices = [], []
+    processes.layout=replicas`, with one notice per older spelling (for the terminal); a sweep over
+    engine=dist and an engine (`engine=loop,dist`) is two axes now and is left for Hydra to refuse. A
+    `RETIRED` key -> today's (`outer.async_rule=naive` -> `outer.arrivals.rule=naive`), with one notice
+    for the run's train.log alone. Returns the argv, the terminal's notices and the log's."""
+    out, notices, logged = [], [], []
     for arg in argv:
         key, sep, value = arg.partition("=")
         new = OLD_SPELLINGS.get(arg) or (OLD_SPELLINGS.get(key) and f"{OLD_SPELLINGS[key]}={value}")
@@ -461,5 +528,8 @@ def modern_spelling(argv: list[str]) -> tuple[list[str], list[str]]:
                 )
             notices.append(f"hypertrain: note: {arg} is now spelled {new} (engine= chooses loop or stacked)")
             arg = new
+        elif sep and key in RETIRED:
+            arg = f"{RETIRED[key]}={value}"
+            logged.append(f"{key}= is now spelled {RETIRED[key]}= (read as {arg})")
         out.append(arg)
-    return out, notices
+    return out, notices, logged

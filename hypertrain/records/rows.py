@@ -333,7 +333,9 @@ class ArrivalRow(Row):
     staleness_mean: float = _maybe("the mean of `staleness`")
     pseudo_grad_norm: float | None = _maybe("the norm of the pseudo-gradient applied (the jobs' mean)")
     clock_s: float = _maybe("the network clock at the update (docs/async.md)")
-    eval_loss: float | None = _maybe("every outer.async_eval_every arrivals: the new weights' held-out loss")
+    eval_loss: float | None = _maybe(
+        "every outer.arrivals.eval_every arrivals: the new weights' held-out loss"
+    )
     absent: list[dict] | None = _maybe(
         "with churn: the absent jobs that returned since the previous update (the last update: and after "
         "it), each {replica, job, first, steps} (docs/async.md, Churn with async)"

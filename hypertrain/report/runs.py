@@ -72,7 +72,7 @@ class Run:
         """The held-out curve of the global weights, in order: every `eval` row (the one before
         training; with fragments, one after every round of H updates and at the end) and every `sync`
         or `arrival` row that holds an `eval_loss` (DiLoCo's one sync per round; a fragment's sync holds
-        none; outer.schedule=async: every outer.async_eval_every arrivals, `update` counting server
+        none; outer.schedule=async: every outer.arrivals.eval_every arrivals, `update` counting server
         updates)."""
         return [
             row

@@ -1,6 +1,6 @@
 """`Arrivals`: outer.schedule=async as `train`'s schedule, the server updates (`diloco.asynchronous`) and
 their records: an `arrival` row per server update, the held-out loss of the
-server's weights whenever the jobs applied reach a multiple of outer.async_eval_every (and after the
+server's weights whenever the jobs applied reach a multiple of outer.arrivals.eval_every (and after the
 last), under the divergence guard (its held-out verdict, then the applied pseudo-gradient's ratio to the
 weights), the outer bytes counted (`moved_bytes`), the network clock fed, the checkpoints asked for,
 a stop after the update a signal arrived in; then the run's `async/` summary.
@@ -84,7 +84,7 @@ class Arrivals(ScheduleBase):
         run, state, groups, checkpointer = self.run, self.state, self.groups, self.checkpointer
         cfg = run.cfg
         clock = state.clock if groups.is_writer else None
-        every = cfg.outer.async_eval_every or cfg.replicas
+        every = cfg.outer.arrivals.eval_every or cfg.replicas
         start = time.perf_counter()
         n_params = sum(t.numel() for t in state.theta.values())
         for applied in server_updates(run, state, groups=groups):
