@@ -72,7 +72,7 @@ def test_eager_overlap_loop_equals_stacked():
             "outer.schedule=async",
             "cluster=h100",
             "cluster.replica_speeds=[1.0,2.0]",
-            "outer.async_rule=naive",
+            "outer.arrivals.rule=naive",
         ],
         ["churn.events=[2:1:leave,3:1:rejoin]", "outer.merge_alpha=0.5", "outer.mean_weights=tokens"],
     ],
