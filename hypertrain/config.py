@@ -543,6 +543,9 @@ class ProcessesConfig:
     # restart resuming from the newest checkpoint (docs/resume.md, "Restarts"); under torchrun its
     # --max-restarts decides (0 here, or the same number)
     max_restarts: int = 0
+    # dist, benchmark layout: each replica's weights, gradients and inner optimizer state sharded over
+    # its L ranks with FSDP2, the sync per shard (docs/distributed.md, "Sharded replicas")
+    shard: bool = False
 
     def check(self) -> None:
         _at_least("processes.nproc", self.nproc, 0)
@@ -558,9 +561,10 @@ class ProcessesConfig:
                 f"processes.timeout_s={self.timeout_s:g} is out of range; valid: 1 to {TIMEOUT_MAX_S} "
                 "seconds (a year)"
             )
-        if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts):
+        if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts or self.shard):
             what = f"processes.nproc={self.nproc}" if self.nproc else f"processes.layout={self.layout!r}"
             what = f"processes.max_restarts={self.max_restarts}" if self.max_restarts else what
+            what = "processes.shard=true" if self.shard else what
             raise UserError(
                 f"{what} applies to processes=dist only (now processes={self.name}); valid: processes=dist"
             )

@@ -1,0 +1,89 @@
+"""The collectives of one process of a sharded run (`processes.shard=true`, benchmark layout):
+`ShardedReplicaGroups` is `DistReplicaGroups` where this process holds, of every parameter, only its
+replica's dim-0 shard `shard_of` (FSDP2's cut: `torch.chunk` into L, the last ones possibly empty).
+
+The run's state (global weights, outer state, the replica's weights and inner state) holds local shards
+(`local_part`); the sync's sum is the all-reduce of this rank's shard over its cross-replica group (the R
+ranks holding the same shard), never gathered; the inner step is `distributed.fsdp_engine`'s. Only the
+held-out evaluation and weights.pt gather the global weights (`whole`); norms are taken over the shards
+(`norm_over_shards`). docs/distributed.md, "Sharded replicas".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hypertrain.distributed.collectives import DistReplicaGroups, _all_gather, _Flight, collective
+from hypertrain.distributed.groups import Done, InFlight
+from hypertrain.distributed.layouts import Layout
+from hypertrain.model.transformer import Params
+
+
+def shard_of(full: Tensor, local_rank: int, L: int) -> Tensor:
+    """Local rank `local_rank`'s dim-0 shard of `full` among L, as FSDP2 cuts it (a copy)."""
+    chunks = torch.chunk(full, L, dim=0)
+    if local_rank < len(chunks):
+        return chunks[local_rank].clone()
+    return full.new_empty((0, *full.shape[1:]))
+
+
+class ShardedReplicaGroups(DistReplicaGroups):
+    """The collectives of a sharded run (see the module docstring)."""
+
+    def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
+        super().__init__(layout, rank, device, timeout_s)
+        from hypertrain.distributed import fsdp_engine  # the engine this layout imposes
+
+        self.engine = fsdp_engine.ShardedEngine(self)
+
+    def local_part(self, theta: Params) -> Params:
+        self._rows = {n: t.shape[0] for n, t in theta.items()}  # `whole` cuts the padding off with it
+        return {n: shard_of(t, self.local_rank, self.L) for n, t in theta.items()}
+
+    def whole(self, theta: Params) -> Params:
+        """The whole tensors from every rank's shards: one all-gather per tensor in the replica group."""
+        out = {}
+        with collective("the global weights' gather"):
+            for name, local in theta.items():
+                rows = local.shape[0]
+                per = -(-self._rows[name] // self.L)
+                padded = local.new_zeros((per, *local.shape[1:]))
+                padded[:rows] = local
+                gathered = local.new_empty((per * self.L, *local.shape[1:]))
+                _all_gather(gathered, padded, group=self.replica_group)
+                out[name] = gathered[: self._rows[name]]
+        return out
+
+    def norm_over_shards(self, norm: float) -> float:
+        """The norm of the whole vector from each rank's norm of its shard (one all-reduce in the replica)."""
+        square = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)
+        with collective("the norm's all-reduce"):
+            dist.all_reduce(square, group=self.replica_group)
+        return math.sqrt(float(square))
+
+    def average_in_replica(self, grads: Params, loss: Tensor) -> None:
+        """The update's loss and statistics averaged over the replica's ranks (FSDP2 reduce-scatters the
+        gradients itself, `fsdp_engine`)."""
+        flat = loss.reshape(-1).clone()
+        self._timed("inner", flat, lambda: dist.all_reduce(flat, group=self.replica_group))
+        flat /= self.L
+        loss.copy_(flat.view_as(loss))
+
+    def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
+        """This rank's shard of the sum, summed over its cross-replica group only: nothing is gathered."""
+        if self.total_replicas == 1:
+            return Done(flat)
+        out = flat.clone()
+        return _Flight(
+            self, out, self._start(out, lambda: dist.all_reduce(out, group=self.cross_group, async_op=True))
+        )
+
+    def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
+        raise NotImplementedError("outer.overlap=eager is refused with processes.shard=true")
+
+    def check_replicas_identical(self, params: Params) -> None:
+        """The ranks of a replica hold different shards by design: nothing to compare."""
