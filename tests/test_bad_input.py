@@ -1041,6 +1041,13 @@ CASES = {
         "processes=dist with 3 processes, world.size=8 and replicas=4 fits no layout; valid: benchmark",
         "processes = world.size, or a divisor of replicas",
     ),
+    "shard-with-replicas-layout": Case(
+        "sharded replicas (processes.shard=true) under the replicas layout",
+        ["processes=dist", "processes.shard=true", "world.size=8", "replicas=4", "processes.nproc=2"],
+        "processes.shard=true needs the benchmark layout (processes = world.size = 8); the replicas layout "
+        "holds whole replicas in one process",
+        "processes.nproc=0 (processes = world.size), or processes.shard=false",
+    ),
     "cuda-on-a-cpu-build": Case(
         "a CUDA device on a machine or torch build without one",
         ["engine.device=cuda"],
