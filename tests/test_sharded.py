@@ -1,0 +1,103 @@
+"""Sharded replicas (`processes.shard=true`, docs/distributed.md "Sharded replicas") on real processes.
+
+Parity. W = 4, R = 2 (L = 2 ranks per replica), the tiny decoder with AdamW and its gradient clip,
+variable-length documents, H = 2, 5 updates (3 syncs), the last a tail of one id (replica 1 skips it,
+rank 1 of replica 0 has none: it adds FSDP2's zeros). The sharded run must equal the unsharded
+benchmark-layout run of the same config **bitwise** (per-replica losses, held-out losses, weights.pt):
+- a block's forward and backward are the same code on the same (all-gathered) weights and the same
+  microbatches; a rank's gradient sums its microbatches in the same order (FSDP2 reduces once, at the
+  last microbatch);
+- FSDP2 on gloo reduces by a sum, then divides by L (`set_force_sum_reduction_for_comms`), as layout (a)'s
+  all-reduce and `/ L`: with L = 2 the sum is one addition of two terms (commutative, so exact whatever
+  the order) and the division by 2 exact;
+- AdamW is elementwise, so its step on a shard is the step on those elements of the whole tensor;
+- the sync's sum over the R = 2 replicas is per element, as in layout (a)'s sharded sync;
+- the one reordering is the clip's float64 sum of squares (per shard, then over the L ranks), which
+  rounds to a float32 norm: that is where the two runs could differ by one float32 ulp of the norm, and
+  did not here (a deterministic difference would fail this test every time, not now and then).
+Both also equal the simulation within test_dist's bound (twice the fp32 simulation's own error against
+the float64 reference, or its floor), which is how layout (a) is proved equal to the simulation.
+
+Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DIST, compose_cfg, entry, finish, rounding_floors, simulated_beside, start_entry
+from references import assert_losses_within_rounding, assert_within_rounding
+from test_dist import tail_offset
+
+from hypertrain.rundir.records import read_metrics
+
+SHARDED = [
+    *DIST,
+    "world=4",
+    "replicas=2",
+    "data.examples=documents",
+    "data.max_len=64",
+    "data.max_examples=4",
+    "inner.H=2",
+    "phase.updates=5",
+    "checkpoint.every=0",
+]
+
+
+def _records(run_dir):
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished", rows[-1]
+    losses = [r["loss"] for r in rows if r["kind"] == "update"]
+    evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    return losses, evals, syncs, torch.load(run_dir / "weights.pt")
+
+
+@pytest.mark.slow  # two 4-process runs on real processes, about 40-60 s on 2 cores
+def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path):
+    overrides = [*SHARDED, tail_offset(SHARDED, 1)]
+    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
+    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
+    cfg = compose_cfg(overrides)
+    batches, ref, sim, run = simulated_beside(sharded, cfg)
+    for proc in (sharded, whole):
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, syncs, weights = _records(tmp_path / "s")
+    w_losses, w_evals, w_syncs, w_weights = _records(tmp_path / "w")
+
+    assert losses == w_losses and evals == w_evals
+    assert all(torch.equal(weights[n], w_weights[n]) for n in w_weights) and set(weights) == set(w_weights)
+    # the sync rows' figures are the whole replica's (norms over the shards; bytes per replica)
+    for mine, theirs in zip(syncs, w_syncs, strict=True):
+        for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+    assert sum(x is not None for x in losses[-1]) == 1  # the tail was exercised
+
+    # Equal to the simulation as layout (a) is (tests/test_dist.py's bound).
+    ref_losses, ref_evals, ref_theta = ref
+    sim_losses, sim_evals, sim_theta = sim
+    loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
+    heldout_floor = rounding_floors(cfg, [run.heldout], 1)[0]
+    assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor)
+    rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    assert_losses_within_rounding(rows(evals), rows(sim_evals), rows(ref_evals), heldout_floor)
+    for n, t in ref_theta.items():
+        assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["outer.compress=int8"], "outer.compress=int8 is not built with processes.shard=true"),
+        (["inner=muon"], "inner=muon (it orthogonalizes whole matrices) is not built with processes.shard"),
+        (["checkpoint.every=1"], "a checkpoint (sharded checkpoints are not built yet) is not built"),
+        (["world=2"], "processes.shard=true with world.size=2 and replicas=2 shards nothing"),
+    ],
+)
+def test_what_sharding_does_not_build_is_one_line(tmp_path, extra, says):
+    done = entry([*SHARDED, "processes.shard=true", *extra], tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"hypertrain: error: {says}"), line
+    assert list(tmp_path.iterdir()) == []
