@@ -15,8 +15,10 @@ benchmark-layout run of the same config **bitwise** (per-replica losses, held-ou
 - the one reordering is the clip's float64 sum of squares (per shard, then over the L ranks), which
   rounds to a float32 norm: that is where the two runs could differ by one float32 ulp of the norm, and
   did not here (a deterministic difference would fail this test every time, not now and then).
-Both also equal the simulation within test_dist's bound (twice the fp32 simulation's own error against
-the float64 reference, or its floor), which is how layout (a) is proved equal to the simulation.
+The same for Streaming DiLoCo (two fragments, outer.delay 1: the sync's reduction in flight while the
+replica trains). The first case also equals the simulation within test_dist's bound (twice the fp32
+simulation's own error against the float64 reference, or its floor), which is how layout (a) is proved
+equal to the simulation.
 
 Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
 """
@@ -48,18 +50,33 @@ def _records(run_dir):
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished", rows[-1]
     losses = [r["loss"] for r in rows if r["kind"] == "update"]
-    evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync")]
+    evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync") and r.get("eval_loss") is not None]
     syncs = [r for r in rows if r["kind"] == "sync"]
     return losses, evals, syncs, torch.load(run_dir / "weights.pt")
 
 
-@pytest.mark.slow  # two 4-process runs on real processes, about 40-60 s on 2 cores
-def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path):
-    overrides = [*SHARDED, tail_offset(SHARDED, 1)]
+# Streaming DiLoCo on shards: two fragments, each pseudo-gradient taken one update before it lands (its
+# all-reduce over the cross-replica group in flight while FSDP2 trains on the replica group), H 4, 8 updates.
+STREAMING = [
+    *SHARDED[:-4],
+    "inner.H=4",
+    "outer.fragments=2",
+    "outer.delay=1",
+    "phase.updates=8",
+    "checkpoint.every=0",
+]
+CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming"}
+
+
+@pytest.mark.slow  # two 4-process runs on real processes, about 40-60 s each case on 2 cores
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path, name):
+    streaming = CASES[name] == "streaming"
+    overrides = STREAMING if streaming else [*SHARDED, tail_offset(SHARDED, 1)]
     sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
     whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
     cfg = compose_cfg(overrides)
-    batches, ref, sim, run = simulated_beside(sharded, cfg)
+    simulated = None if streaming else simulated_beside(sharded, cfg)
     for proc in (sharded, whole):
         done = finish(proc)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -72,9 +89,13 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
     for mine, theirs in zip(syncs, w_syncs, strict=True):
         for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+    if streaming:  # the held-out losses are the eval rows' (test_dist's streaming case has the bound)
+        assert len(syncs) >= 4 and len(evals) == 3, (len(syncs), len(evals))  # 2 rounds x 2 fragments
+        return
     assert sum(x is not None for x in losses[-1]) == 1  # the tail was exercised
 
     # Equal to the simulation as layout (a) is (tests/test_dist.py's bound).
+    batches, ref, sim, run = simulated
     ref_losses, ref_evals, ref_theta = ref
     sim_losses, sim_evals, sim_theta = sim
     loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))

@@ -1,6 +1,6 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, codecs, fragments, overlap, delay, async, churn, Muon, models other than the own
+(the replicas layout, codecs, overlap, async, churn, Muon, models other than the own
 decoder, compiled steps, checkpoints), naming the option and what is valid. No torch here.
 """
 
@@ -32,9 +32,7 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
     outer, spec = cfg.outer, model_spec(cfg.model)
     refused = [
         (outer.compress != "none", f"outer.compress={outer.compress}", "outer.compress=none"),
-        (outer.fragments > 1, f"outer.fragments={outer.fragments}", "outer.fragments=1"),
         (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
-        (outer.delay > 0, f"outer.delay={outer.delay}", "outer.delay=0"),
         (outer.is_async, "outer.schedule=async", "outer.schedule=rounds"),
         (cfg.churn.enabled, "churn", "churn.enabled=false"),
         (cfg.inner.name == "muon", "inner=muon (it orthogonalizes whole matrices)", "inner=adamw"),
