@@ -973,6 +973,9 @@ def check_int64(node: Any, prefix: str = "") -> None:
 # The sections that never change a number of the run: a resumed run may change them, the run's hash
 # and the report's comparison leave them out.
 MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")
+# single fields a resumed run may change: a sharded run's checkpoint holds whole tensors, as an unsharded
+# run's does, so either loads into the other (docs/distributed.md, "Sharded replicas")
+MAY_CHANGE_FIELDS = ("processes.shard",)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -1012,7 +1015,11 @@ def changed_fields(was: dict, now: dict) -> list[str]:
         return (0 if key.partition(".")[2] == "name" else 1, 0, key)
 
     keys = was.keys() | now.keys()
-    differ = [k for k in keys if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE]
+    differ = [
+        k
+        for k in keys
+        if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE and k not in MAY_CHANGE_FIELDS
+    ]
     return sorted(differ, key=kind)
 
 

@@ -93,6 +93,8 @@ class Collectives(Protocol):
 
     def norm_over_shards(self, norm: float) -> float: ...
 
+    def local_state(self, saved: dict) -> dict: ...
+
     def before_round(self, updates: range) -> None: ...
 
     def comm_stats(self) -> dict: ...
@@ -197,6 +199,10 @@ class ReplicaGroups:
     def norm_over_shards(self, norm: float) -> float:
         """The whole vector's norm from this process's norm of what it holds of it."""
         return norm
+
+    def local_state(self, saved: dict) -> dict:
+        """A checkpoint's run state (`RunState.state_dict`, whole tensors) as this process holds it."""
+        return saved
 
     def before_round(self, updates: range) -> None:
         """Called as a round (or the part of one up to a checkpoint) starts: real processes wait for

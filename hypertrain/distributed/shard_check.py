@@ -1,7 +1,8 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, codecs, overlap, async, churn, Muon, models other than the own
-decoder, compiled steps, checkpoints), naming the option and what is valid. No torch here.
+(the replicas layout, codecs, overlap, async, churn, Muon, models other than the own decoder, compiled
+steps, checkpoints of a reduction in flight or of a torch outer optimizer), naming the option and what
+is valid. No torch here.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             "processes.shard=false"
         )
     outer, spec = cfg.outer, model_spec(cfg.model)
+    checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.every_updates > 0
     refused = [
         (outer.compress != "none", f"outer.compress={outer.compress}", "outer.compress=none"),
         (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
@@ -39,9 +41,14 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
         (spec.kind != "decoder", f"model {cfg.model.name} ({spec.kind})", "the own decoder (model=tiny ...)"),
         (cfg.engine.compile, "engine.compile=true", "engine.compile=false"),
         (
-            cfg.checkpoint.every > 0 or cfg.checkpoint.every_updates > 0,
-            "a checkpoint (sharded checkpoints are not built yet)",
-            "checkpoint.every=0 checkpoint.every_updates=0",
+            checkpoints and outer.delay > 0,
+            f"a checkpoint with outer.delay={outer.delay} (a reduction in flight on the shards)",
+            "checkpoint.every=0 checkpoint.every_updates=0, or outer.delay=0",
+        ),
+        (
+            checkpoints and "." in outer.optimizer,
+            f"a checkpoint with outer.optimizer={outer.optimizer} (its state on the shards)",
+            "checkpoint.every=0 checkpoint.every_updates=0, or outer.optimizer=nesterov",
         ),
     ]
     for bad, what, valid in refused:

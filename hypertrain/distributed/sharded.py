@@ -82,6 +82,42 @@ class ShardedReplicaGroups(DistReplicaGroups):
             self, out, self._start(out, lambda: dist.all_reduce(out, group=self.cross_group, async_op=True))
         )
 
+    def gather_replicas(self, records: list) -> list | None:
+        """A checkpoint's replica records, each replica's inner moments and mid-round weights made whole
+        in its replica group first (the checkpoint is the unsharded run's, so any L loads it)."""
+        return super().gather_replicas([self._whole_record(r) for r in records])
+
+    def _whole_record(self, record: dict) -> dict:
+        def whole(part: Params) -> Params:  # [1, shard...] -> [1, whole...], on the CPU
+            gathered = self.whole({n: t[0].to(self.device) for n, t in part.items()})
+            return {n: t.unsqueeze(0).cpu() for n, t in gathered.items()}
+
+        inner = record["inner"]
+        out = dict(record, inner={**inner, "m": whole(inner["m"]), "v": whole(inner["v"])})
+        if record["params"] is not None:
+            out["params"] = whole(record["params"])
+        return out
+
+    def local_state(self, saved: dict) -> dict:
+        """A whole checkpoint's state cut to this rank's shards: the global weights, outer momentum, every
+        replica's inner moments and mid-round weights (a sharded run's checkpoint, or an unsharded one's)."""
+        j, L = self.local_rank, self.L
+
+        def cut(part: Params, axis: int = 0) -> Params:
+            if axis == 0:
+                return {n: shard_of(t, j, L) for n, t in part.items()}
+            return {n: shard_of(t[0], j, L).unsqueeze(0) for n, t in part.items()}
+
+        inner = [{**x, "m": cut(x["m"], 1), "v": cut(x["v"], 1)} for x in saved["inner"]]
+        rounds = saved["round_params"]
+        return dict(
+            saved,
+            theta=cut(saved["theta"]),
+            outer_momentum=cut(saved["outer_momentum"]),
+            inner=inner,
+            round_params=None if rounds is None else [cut(p, 1) for p in rounds],
+        )
+
     def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
         raise NotImplementedError("outer.overlap=eager is refused with processes.shard=true")
 

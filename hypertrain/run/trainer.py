@@ -378,7 +378,7 @@ def train(
     keep_freed_memory()
     state = RunState.start(cfg, groups.local_part(initial_weights(run)), groups.replicas, run.decided)
     if saved is not None:
-        state.load_state_dict(saved)
+        state.load_state_dict(groups.local_state(saved))  # sharded replicas: this process's shards
         state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
     log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups)))

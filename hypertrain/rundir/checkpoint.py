@@ -261,10 +261,13 @@ class Checkpointer:
         """Write a checkpoint of `state` now (every process calls it); its path on the writer."""
         mid = state.mid_round
         every = self.groups.gather_replicas([_on_cpu(r) for r in state.replica_records()])
+        # sharded replicas: the whole global weights and outer momentum (every process takes part)
+        weights, momentum = self.groups.whole(state.theta), self.groups.whole(state.outer.momentum)
         self.saved_at = state.next_update
         if not self.groups.is_writer:
             return None
         saved = state.state_dict(every)
+        saved["theta"], saved["outer_momentum"] = weights, momentum
         saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
         payload = {
             "format": FORMAT,
