@@ -20,10 +20,15 @@ replica trains). The first case also equals the simulation within test_dist's bo
 simulation's own error against the float64 reference, or its floor), which is how layout (a) is proved
 equal to the simulation.
 
+Checkpoints: a sharded run killed mid-run resumes bitwise, sharded or not (its checkpoint holds whole
+tensors).
+
 Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -107,12 +112,44 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
         assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
 
 
+# Checkpoints: H 2, 6 updates, a checkpoint after every sync; rank 1 (replica 0's second shard) killed as
+# round 2 starts, after the checkpoint of update 2.
+RESUMED = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
+
+
+@pytest.mark.slow  # four 4-process runs, about 2 min on 2 cores
+def test_a_killed_sharded_run_resumes_bitwise_sharded_or_unsharded(tmp_path):
+    """The sharded checkpoint is today's single file (the shards gathered, whole tensors): resumed sharded
+    it finishes bitwise the uninterrupted sharded run; resumed unsharded (processes.shard=false, the same
+    file) too, since the two runs are bitwise equal (above)."""
+    whole = start_entry([*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
+    killed = entry(
+        [*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
+    )
+    assert killed.returncode == 3, killed.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("*.pt")] == ["ckpt-u0000002.pt"]
+    shutil.copytree(tmp_path / "k", tmp_path / "u")
+    assert finish(whole).returncode == 0
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    for where, shard in (("k", "true"), ("u", "false")):
+        done = entry(
+            [*RESUMED, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", "resume=true"],
+            tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = torch.load(tmp_path / where / "weights.pt")
+        assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+
 @pytest.mark.parametrize(
     "extra, says",
     [
         (["outer.compress=int8"], "outer.compress=int8 is not built with processes.shard=true"),
         (["inner=muon"], "inner=muon (it orthogonalizes whole matrices) is not built with processes.shard"),
-        (["checkpoint.every=1"], "a checkpoint (sharded checkpoints are not built yet) is not built"),
+        (
+            ["outer.fragments=2", "outer.delay=1", "inner.H=4", "phase.updates=4", "checkpoint.every=1"],
+            "a checkpoint with outer.delay=1",
+        ),
         (["world=2"], "processes.shard=true with world.size=2 and replicas=2 shards nothing"),
     ],
 )
