@@ -99,7 +99,11 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
         return
     assert sum(x is not None for x in losses[-1]) == 1  # the tail was exercised
 
-    # Equal to the simulation as layout (a) is (tests/test_dist.py's bound).
+    assert_equals_the_simulation(cfg, simulated, losses, evals, weights)
+
+
+def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None:
+    """Equal to the simulation as layout (a) is (tests/test_dist.py's bound)."""
     batches, ref, sim, run = simulated
     ref_losses, ref_evals, ref_theta = ref
     sim_losses, sim_evals, sim_theta = sim
@@ -110,6 +114,25 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
     assert_losses_within_rounding(rows(evals), rows(sim_evals), rows(ref_evals), heldout_floor)
     for n, t in ref_theta.items():
         assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
+
+
+# L = 4 (W = 8, R = 2): the sums of four ranks' terms may be ordered differently by gloo's reduce-scatter
+# (and by the one-number all-reduce of the loss) than by layout (a)'s all-reduce of one long buffer, so the
+# sharded run is not bitwise the unsharded one (measured: the last bit of a loss, weights within 6e-8);
+# it equals the simulation within test_dist's bound, whose argument holds for any L a power of two (the
+# same count of roundings, in another order).
+L4 = [*DIST, "world=8", "replicas=2", "inner.H=2", "phase.updates=4", "checkpoint.every=0"]
+
+
+@pytest.mark.slow  # one 8-process run, about 90 s on 2 cores
+def test_a_sharded_run_at_four_ranks_per_replica_equals_the_simulation_within_rounding(tmp_path):
+    sharded = start_entry([*L4, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
+    cfg = compose_cfg(L4)
+    simulated = simulated_beside(sharded, cfg)
+    done = finish(sharded)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, _, weights = _records(tmp_path / "s")
+    assert_equals_the_simulation(cfg, simulated, losses, evals, weights)
 
 
 # Checkpoints: H 2, 6 updates, a checkpoint after every sync; rank 1 (replica 0's second shard) killed as
