@@ -16,7 +16,9 @@ benchmark-layout run of the same config **bitwise** (per-replica losses, held-ou
   rounds to a float32 norm: that is where the two runs could differ by one float32 ulp of the norm, and
   did not here (a deterministic difference would fail this test every time, not now and then).
 The same for Streaming DiLoCo (two fragments, outer.delay 1: the sync's reduction in flight while the
-replica trains). The first case also equals the simulation within test_dist's bound (twice the fp32
+replica trains), and for Muon (each shape's matrices all-gathered for its Newton-Schulz step, the same
+batched call on the same matrices as unsharded) with torch.optim.Adam as the outer optimizer and the
+averaged inner state. The first case also equals the simulation within test_dist's bound (twice the fp32
 simulation's own error against the float64 reference, or its floor), which is how layout (a) is proved
 equal to the simulation.
 
@@ -70,14 +72,29 @@ STREAMING = [
     "phase.updates=8",
     "checkpoint.every=0",
 ]
-CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming"}
+# Muon (its matrices gathered, one shape at a time, for the step), a torch.optim outer optimizer stepping
+# the shards (.grad on the local shard) and the averaged inner state (moments summed per shard).
+MUON = [
+    *DIST,
+    "world=4",
+    "replicas=2",
+    "inner.H=2",
+    "phase.updates=4",
+    "checkpoint.every=0",
+    "inner=muon",
+    "outer.optimizer=torch.optim.Adam",
+    "outer.lr=0.01",
+    "inner.state_policy=average",
+]
+CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming", "muon-adam-average": "muon"}
 
 
 @pytest.mark.slow  # two 4-process runs on real processes, about 40-60 s each case on 2 cores
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path, name):
-    streaming = CASES[name] == "streaming"
-    overrides = STREAMING if streaming else [*SHARDED, tail_offset(SHARDED, 1)]
+    kind = CASES[name]
+    streaming = kind != "tail"  # compared with the unsharded run alone
+    overrides = {"streaming": STREAMING, "muon": MUON}.get(kind) or [*SHARDED, tail_offset(SHARDED, 1)]
     sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
     whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
     cfg = compose_cfg(overrides)
@@ -94,8 +111,9 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
     for mine, theirs in zip(syncs, w_syncs, strict=True):
         for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
-    if streaming:  # the held-out losses are the eval rows' (test_dist's streaming case has the bound)
-        assert len(syncs) >= 4 and len(evals) == 3, (len(syncs), len(evals))  # 2 rounds x 2 fragments
+    if kind == "streaming":  # the held-out losses are the eval rows' (2 rounds x 2 fragments)
+        assert len(syncs) >= 4 and len(evals) == 3, (len(syncs), len(evals))
+    if streaming:
         return
     assert sum(x is not None for x in losses[-1]) == 1  # the tail was exercised
 
@@ -168,7 +186,7 @@ def test_a_killed_sharded_run_resumes_bitwise_sharded_or_unsharded(tmp_path):
     "extra, says",
     [
         (["outer.compress=int8"], "outer.compress=int8 is not built with processes.shard=true"),
-        (["inner=muon"], "inner=muon (it orthogonalizes whole matrices) is not built with processes.shard"),
+        (["churn.p_miss=0.1"], "churn is not built with processes.shard=true"),
         (
             ["outer.fragments=2", "outer.delay=1", "inner.H=4", "phase.updates=4", "checkpoint.every=1"],
             "a checkpoint with outer.delay=1",

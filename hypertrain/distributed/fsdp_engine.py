@@ -3,13 +3,15 @@ the replica's own 1-D group (never the run's 2-D mesh, which would be HSDP: data
 block, then the root.
 
 `ShardedEngine(groups)` is an engine (`engines.contract.Engine`) for this rank's one replica: every
-parameter, gradient and AdamW moment is this rank's dim-0 shard (`sharded.shard_of`). An update runs
+parameter, gradient and AdamW moment is this rank's dim-0 shard (`shard_of`). An update runs
 the microbatches of the rank's plan share with layout (a)'s loss weights; FSDP2 all-gathers each block
 for its forward and backward and reduce-scatters the gradient sum once, at the last microbatch (gloo
 has no average: a sum, then a division by L, as layout (a)'s all-reduce and `/ L`); the clip takes
 the global norm over the shards (one float64 all-reduce); AdamW steps the local shards
-(`optim.inner.inner_step`, elementwise). A rank without microbatches in an update its replica trains
-runs one zero-weight microbatch, so it adds exact zeros to the reduce-scatter, as layout (a)'s zeros.
+(`optim.inner.inner_step`, elementwise); Muon gathers its matrices, one shape at a time, steps them
+whole on every rank of the replica (the same bits everywhere) and keeps its shards. A rank without
+microbatches in an update its replica trains runs one zero-weight microbatch, so it adds exact zeros to
+the reduce-scatter, as layout (a)'s zeros.
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ from torch.distributed.fsdp import fully_shard
 from hypertrain.config import ModelConfig, TrainConfig
 from hypertrain.engines.contract import Assignment, ReplicaResult, StopAfter, check_finite, timed_average
 from hypertrain.model import transformer as tf
-from hypertrain.model.shapes import param_specs
+from hypertrain.model.shapes import param_shapes, param_specs
 from hypertrain.optim.inner import CLIP_EPS, OptState, inner_step, per_replica
+
+
+def shard_of(full: Tensor, local_rank: int, L: int) -> Tensor:
+    """Local rank `local_rank`'s dim-0 shard of `full` among L, as FSDP2 cuts it (a copy)."""
+    chunks = torch.chunk(full, L, dim=0)
+    if local_rank < len(chunks):
+        return chunks[local_rank].clone()
+    return full.new_empty((0, *full.shape[1:]))
 
 
 def _key(name: str) -> str:
@@ -170,10 +180,40 @@ class ShardedEngine:
         grads = {n: p.grad.to_local().unsqueeze(0) for n, p in params.items()}
         norms = self._clip(cfg, grads)
         local = {n: p.to_local().unsqueeze(0) for n, p in params.items()}
-        inner_step(replace(cfg.inner, grad_clip=0.0), local, grads, state, assign.lr(cfg, t))
+        inner, lr = replace(cfg.inner, grad_clip=0.0), assign.lr(cfg, t)
+        muon = [n for n in local if n not in state.v]  # init_state gave AdamW's parameters their `v`
+        if muon:
+            self._muon(cfg, inner, local, grads, state, lr, muon)
+        adam = [n for n in local if n in state.v]
+        moments = OptState({n: state.m[n] for n in adam}, state.v, state.step, state.fragment_of)
+        inner_step(inner, {n: local[n] for n in adam}, {n: grads[n] for n in adam}, moments, lr)
         check_finite(stats[:, 0], norms, grads, [assign.replica], assign.global_step0 + t)
         self.model.zero_grad(set_to_none=True)
         return float(stats[0, 0]), time.perf_counter() - begin, reduced
+
+    @torch.no_grad()
+    def _muon(self, cfg: TrainConfig, inner, local, grads, state: OptState, lr, names: list[str]) -> None:
+        """Muon's step on whole matrices, one shape at a time: this shape's weights, gradients and momenta
+        all-gathered in the replica, stepped as `inner_step` steps them (Newton-Schulz batched over the
+        same matrices in the same order), and this rank's shards kept; the step counts move once, with
+        AdamW's."""
+        shapes = param_shapes(cfg.model)
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for n in names:
+            groups.setdefault(tuple(shapes[n]), []).append(n)
+        j, L = self.groups.local_rank, self.groups.L
+        for members in groups.values():
+
+            def whole(part: dict[str, Tensor], members=members) -> dict[str, Tensor]:
+                gathered = self.groups.whole({n: part[n][0] for n in members})
+                return {n: t.unsqueeze(0) for n, t in gathered.items()}
+
+            weights, momenta = whole(local), whole(state.m)
+            kept = OptState(momenta, {}, state.step.clone(), state.fragment_of)
+            inner_step(inner, weights, whole(grads), kept, lr)
+            for n in members:
+                local[n][0].copy_(shard_of(weights[n][0], j, L))
+                state.m[n][0].copy_(shard_of(momenta[n][0], j, L))
 
     def _clip(self, cfg: TrainConfig, grads: dict[str, Tensor]) -> Tensor:
         """The global gradient norm [1] over the replica's shards (float64 squares summed, then summed

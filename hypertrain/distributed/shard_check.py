@@ -1,6 +1,6 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, codecs, overlap, async, churn, Muon, models other than the own decoder, compiled
+(the replicas layout, codecs, overlap, async, churn, models other than the own decoder, compiled
 steps, checkpoints of a reduction in flight or of a torch outer optimizer), naming the option and what
 is valid. No torch here.
 """
@@ -37,7 +37,6 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
         (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
         (outer.is_async, "outer.schedule=async", "outer.schedule=rounds"),
         (cfg.churn.enabled, "churn", "churn.enabled=false"),
-        (cfg.inner.name == "muon", "inner=muon (it orthogonalizes whole matrices)", "inner=adamw"),
         (spec.kind != "decoder", f"model {cfg.model.name} ({spec.kind})", "the own decoder (model=tiny ...)"),
         (cfg.engine.compile, "engine.compile=true", "engine.compile=false"),
         (

@@ -1,6 +1,7 @@
 """The collectives of one process of a sharded run (`processes.shard=true`, benchmark layout):
 `ShardedReplicaGroups` is `DistReplicaGroups` where this process holds, of every parameter, only its
-replica's dim-0 shard `shard_of` (FSDP2's cut: `torch.chunk` into L, the last ones possibly empty).
+replica's dim-0 shard `fsdp_engine.shard_of` (FSDP2's cut: `torch.chunk` into L, the last ones possibly
+empty).
 
 The run's state (global weights, outer state, the replica's weights and inner state) holds local shards
 (`local_part`); the sync's sum is the all-reduce of this rank's shard over its cross-replica group (the R
@@ -18,17 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hypertrain.distributed.collectives import DistReplicaGroups, _all_gather, _Flight, collective
+from hypertrain.distributed.fsdp_engine import ShardedEngine, shard_of
 from hypertrain.distributed.groups import Done, InFlight
 from hypertrain.distributed.layouts import Layout
 from hypertrain.model.transformer import Params
-
-
-def shard_of(full: Tensor, local_rank: int, L: int) -> Tensor:
-    """Local rank `local_rank`'s dim-0 shard of `full` among L, as FSDP2 cuts it (a copy)."""
-    chunks = torch.chunk(full, L, dim=0)
-    if local_rank < len(chunks):
-        return chunks[local_rank].clone()
-    return full.new_empty((0, *full.shape[1:]))
 
 
 class ShardedReplicaGroups(DistReplicaGroups):
@@ -36,9 +30,7 @@ class ShardedReplicaGroups(DistReplicaGroups):
 
     def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
         super().__init__(layout, rank, device, timeout_s)
-        from hypertrain.distributed import fsdp_engine  # the engine this layout imposes
-
-        self.engine = fsdp_engine.ShardedEngine(self)
+        self.engine = ShardedEngine(self)  # the engine this layout imposes
 
     def local_part(self, theta: Params) -> Params:
         self._rows = {n: t.shape[0] for n, t in theta.items()}  # `whole` cuts the padding off with it
