@@ -111,6 +111,20 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
     for mine, theirs in zip(syncs, w_syncs, strict=True):
         for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+    # The summary's per-rank bytes (rank 0's): 1/L of the whole, plus at most one dim-0 slice per tensor
+    # (FSDP2's uneven cut); the gradients as the weights, AdamW's m and v twice them (Muon keeps no v).
+    summary = {
+        k: v
+        for r in read_metrics(tmp_path / "s" / "metrics.jsonl")
+        if r["kind"] == "summary"
+        for k, v in r.items()
+    }
+    whole_bytes = 4 * sum(t.numel() for t in w_weights.values())
+    slices = 4 * sum(t.numel() // t.shape[0] for t in w_weights.values())
+    assert whole_bytes / 2 <= summary["memory/rank_weights_bytes"] <= whole_bytes / 2 + slices
+    assert summary["memory/rank_gradients_bytes"] == summary["memory/rank_weights_bytes"]
+    if kind != "muon":
+        assert summary["memory/rank_inner_state_bytes"] == 2 * summary["memory/rank_weights_bytes"]
     if kind == "streaming":  # the held-out losses are the eval rows' (2 rounds x 2 fragments)
         assert len(syncs) >= 4 and len(evals) == 3, (len(syncs), len(evals))
     if streaming:

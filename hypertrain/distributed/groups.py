@@ -95,6 +95,8 @@ class Collectives(Protocol):
 
     def local_state(self, saved: dict) -> dict: ...
 
+    def memory_facts(self, state) -> dict: ...
+
     def before_round(self, updates: range) -> None: ...
 
     def comm_stats(self) -> dict: ...
@@ -203,6 +205,11 @@ class ReplicaGroups:
     def local_state(self, saved: dict) -> dict:
         """A checkpoint's run state (`RunState.state_dict`, whole tensors) as this process holds it."""
         return saved
+
+    def memory_facts(self, state) -> dict:
+        """The run summary's per-process bytes of the run state's tensors, where a layout reports them
+        (sharded replicas); none here."""
+        return {}
 
     def before_round(self, updates: range) -> None:
         """Called as a round (or the part of one up to a checkpoint) starts: real processes wait for

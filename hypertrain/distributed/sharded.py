@@ -110,6 +110,23 @@ class ShardedReplicaGroups(DistReplicaGroups):
             round_params=None if rounds is None else [cut(p, 1) for p in rounds],
         )
 
+    def memory_facts(self, state) -> dict:
+        """This rank's bytes of its replica's weights (and as many of gradients), of its inner optimizer
+        state and of the global weights and outer state: its shards (rank 0's, the largest: FSDP2's first
+        chunks are the longest)."""
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        inner = state.inner[0]
+        weights = size(state.theta.values())
+        return {
+            "memory/rank_weights_bytes": weights,
+            "memory/rank_gradients_bytes": weights,
+            "memory/rank_inner_state_bytes": size([*inner.m.values(), *inner.v.values()]),
+            "memory/rank_outer_state_bytes": weights + size(state.outer.momentum.values()),
+        }
+
     def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
         raise NotImplementedError("outer.overlap=eager is refused with processes.shard=true")
 

@@ -381,7 +381,7 @@ def train(
         state.load_state_dict(groups.local_state(saved))  # sharded replicas: this process's shards
         state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
-    log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups)))
+    log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups) | groups.memory_facts(state)))
     eval_loss, sources = first_eval(run, state, log, writer, saved is not None, groups.whole(state.theta))
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
