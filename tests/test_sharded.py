@@ -89,7 +89,7 @@ MUON = [
 CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming", "muon-adam-average": "muon"}
 
 
-@pytest.mark.slow  # two 4-process runs on real processes, about 40-60 s each case on 2 cores
+@pytest.mark.slow  # two 4-process runs on real processes, 64-90 s each case on 2 cores (measured)
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path, name):
     kind = CASES[name]
@@ -156,7 +156,7 @@ def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None
 L4 = [*DIST, "world=8", "replicas=2", "inner.H=2", "phase.updates=4", "checkpoint.every=0"]
 
 
-@pytest.mark.slow  # one 8-process run, about 90 s on 2 cores
+@pytest.mark.slow  # one 8-process run, about 100 s on 2 cores
 def test_a_sharded_run_at_four_ranks_per_replica_equals_the_simulation_within_rounding(tmp_path):
     sharded = start_entry([*L4, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
     cfg = compose_cfg(L4)
@@ -172,7 +172,7 @@ def test_a_sharded_run_at_four_ranks_per_replica_equals_the_simulation_within_ro
 RESUMED = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
 
 
-@pytest.mark.slow  # four 4-process runs, about 2 min on 2 cores
+@pytest.mark.slow  # four 4-process runs, about 100 s on 2 cores
 def test_a_killed_sharded_run_resumes_bitwise_sharded_or_unsharded(tmp_path):
     """The sharded checkpoint is today's single file (the shards gathered, whole tensors): resumed sharded
     it finishes bitwise the uninterrupted sharded run; resumed unsharded (processes.shard=false, the same
