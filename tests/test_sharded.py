@@ -23,7 +23,7 @@ simulation's own error against the float64 reference, or its floor), which is ho
 equal to the simulation.
 
 Checkpoints: a sharded run killed mid-run resumes bitwise, sharded or not (its checkpoint holds whole
-tensors).
+tensors), and at another world.size (L = 4) within the simulation's bound.
 
 Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
 """
@@ -148,35 +148,23 @@ def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None
         assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
 
 
-# L = 4 (W = 8, R = 2): the sums of four ranks' terms may be ordered differently by gloo's reduce-scatter
-# (and by the one-number all-reduce of the loss) than by layout (a)'s all-reduce of one long buffer, so the
-# sharded run is not bitwise the unsharded one (measured: the last bit of a loss, weights within 6e-8);
-# it equals the simulation within test_dist's bound, whose argument holds for any L a power of two (the
-# same count of roundings, in another order).
-L4 = [*DIST, "world=8", "replicas=2", "inner.H=2", "phase.updates=4", "checkpoint.every=0"]
-
-
-@pytest.mark.slow  # one 8-process run, about 100 s on 2 cores
-def test_a_sharded_run_at_four_ranks_per_replica_equals_the_simulation_within_rounding(tmp_path):
-    sharded = start_entry([*L4, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
-    cfg = compose_cfg(L4)
-    simulated = simulated_beside(sharded, cfg)
-    done = finish(sharded)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses, evals, _, weights = _records(tmp_path / "s")
-    assert_equals_the_simulation(cfg, simulated, losses, evals, weights)
-
-
 # Checkpoints: H 2, 6 updates, a checkpoint after every sync; rank 1 (replica 0's second shard) killed as
 # round 2 starts, after the checkpoint of update 2.
 RESUMED = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
 
 
-@pytest.mark.slow  # four 4-process runs, about 100 s on 2 cores
-def test_a_killed_sharded_run_resumes_bitwise_sharded_or_unsharded(tmp_path):
+@pytest.mark.slow  # four 4-process runs and one of 8, about 190 s on 2 cores
+def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_replica(tmp_path):
     """The sharded checkpoint is today's single file (the shards gathered, whole tensors): resumed sharded
     it finishes bitwise the uninterrupted sharded run; resumed unsharded (processes.shard=false, the same
-    file) too, since the two runs are bitwise equal (above)."""
+    file) too, since the two runs are bitwise equal (above).
+
+    Resumed at world.size=8 (L = 4, R = 2: the checkpoint cut into four shards) it is not bitwise: the
+    sums of four ranks' terms are ordered differently by gloo's reduce-scatter (and the loss's one-number
+    all-reduce) than by layout (a)'s all-reduce of one long buffer (measured on a fresh W = 8 run: one
+    loss's last bit, weights within 6e-8). It equals the simulation within test_dist's bound, whose
+    argument holds for any L a power of two (the same count of roundings, in another order), over the
+    whole run: the two rounds before the checkpoint at L = 2, the one after at L = 4."""
     whole = start_entry([*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
     killed = entry(
         [*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
@@ -184,6 +172,7 @@ def test_a_killed_sharded_run_resumes_bitwise_sharded_or_unsharded(tmp_path):
     assert killed.returncode == 3, killed.stderr[-2000:]
     assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("*.pt")] == ["ckpt-u0000002.pt"]
     shutil.copytree(tmp_path / "k", tmp_path / "u")
+    shutil.copytree(tmp_path / "k", tmp_path / "r")
     assert finish(whole).returncode == 0
     expected = torch.load(tmp_path / "full" / "weights.pt")
     for where, shard in (("k", "true"), ("u", "false")):
@@ -194,6 +183,18 @@ def test_a_killed_sharded_run_resumes_bitwise_sharded_or_unsharded(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         got = torch.load(tmp_path / where / "weights.pt")
         assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+    eight = [x if x != "world=4" else "world=8" for x in RESUMED]
+    resumed = start_entry(
+        [*eight, "processes.shard=true", f"hydra.run.dir={tmp_path / 'r'}", "resume=true"], tmp_path
+    )
+    cfg = compose_cfg(eight)
+    simulated = simulated_beside(resumed, cfg)
+    done = finish(resumed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, _, weights = _records(tmp_path / "r")
+    assert len(losses) == 6
+    assert_equals_the_simulation(cfg, simulated, losses, evals, weights)
 
 
 @pytest.mark.parametrize(
