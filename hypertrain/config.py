@@ -634,6 +634,9 @@ class ProcessesConfig:
     # restart resuming from the newest checkpoint (docs/resume.md, "Restarts"); under torchrun its
     # --max-restarts decides (0 here, or the same number)
     max_restarts: int = 0
+    # dist, benchmark layout: each replica's weights, gradients and inner optimizer state sharded over
+    # its L ranks with FSDP2, the sync per shard (docs/distributed.md, "Sharded replicas")
+    shard: bool = field(default=False, metadata=before(False))
 
     def check(self) -> None:
         _at_least("processes.nproc", self.nproc, 0)
@@ -649,9 +652,10 @@ class ProcessesConfig:
                 f"processes.timeout_s={self.timeout_s:g} is out of range; valid: 1 to {TIMEOUT_MAX_S} "
                 "seconds (a year)"
             )
-        if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts):
+        if self.name != "dist" and (self.nproc or self.layout != "auto" or self.max_restarts or self.shard):
             what = f"processes.nproc={self.nproc}" if self.nproc else f"processes.layout={self.layout!r}"
             what = f"processes.max_restarts={self.max_restarts}" if self.max_restarts else what
+            what = "processes.shard=true" if self.shard else what
             raise UserError(
                 f"{what} applies to processes=dist only (now processes={self.name}); valid: processes=dist"
             )
@@ -1073,6 +1077,9 @@ def check_int64(node: Any, prefix: str = "") -> None:
 # The sections that never change a number of the run: a resumed run may change them, the run's hash
 # and the report's comparison leave them out.
 MAY_CHANGE = ("logger", "checkpoint", "guard", "resume")
+# single fields a resumed run may change: a sharded run's checkpoint holds whole tensors, as an unsharded
+# run's does, so either loads into the other (docs/distributed.md, "Sharded replicas")
+MAY_CHANGE_FIELDS = ("processes.shard",)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -1113,7 +1120,11 @@ def changed_fields(was: dict, now: dict) -> list[str]:
         return (0 if key.partition(".")[2] == "name" else 1, key.count("."), key)
 
     keys = was.keys() | now.keys()
-    differ = [k for k in keys if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE]
+    differ = [
+        k
+        for k in keys
+        if was.get(k) != now.get(k) and k.split(".")[0] not in MAY_CHANGE and k not in MAY_CHANGE_FIELDS
+    ]
     return sorted(differ, key=kind)
 
 

@@ -288,7 +288,7 @@ def write_start(checked: preflight.Checked, run_dir: Path, run, identity: dict) 
             "processes=dist: %d processes, %s layout, engine=%s",
             processes.nproc,
             processes.layout,
-            run.cfg.engine.name,
+            "sharded replicas (FSDP2)" if processes.shard else run.cfg.engine.name,
         )
     if run.cfg.engine.compile:
         logger.info("engine.compile=true: the first updates and held-out eval include compilation")

@@ -1181,6 +1181,13 @@ CASES = {
         "processes=dist with 3 processes, world.size=8 and replicas=4 fits no layout; valid: benchmark",
         "processes = world.size, or a divisor of replicas",
     ),
+    "shard-with-replicas-layout": Case(
+        "sharded replicas (processes.shard=true) under the replicas layout",
+        ["processes=dist", "processes.shard=true", "world.size=8", "replicas=4", "processes.nproc=2"],
+        "processes.shard=true needs the benchmark layout (processes = world.size = 8); the replicas layout "
+        "holds whole replicas in one process",
+        "processes.nproc=0 (processes = world.size), or processes.shard=false",
+    ),
     "cuda-on-a-cpu-build": Case(
         "a CUDA device on a machine or torch build without one",
         ["engine.device=cuda"],
@@ -1792,8 +1799,9 @@ CASES = {
         "`python -m hypertrain.export` on a run of a model no Hugging Face architecture matches (the "
         "multistream model)",
         ["run", "--out", "hf"],
-        "a multistream model has no Hugging Face architecture to export to; valid: model.arch=decoder "
-        "(Llama's LlamaForCausalLM) or model.is_moe=true (Mixtral's MixtralForCausalLM)",
+        "a multistream model has no Hugging Face architecture to export to; valid: the own decoder "
+        "(model=tiny|small|base: Llama's LlamaForCausalLM) or its mixture of experts "
+        "(model=moe_tiny|moe_small: Mixtral's MixtralForCausalLM)",
         "a run of the decoder (exported as Llama) or of the mixture of experts (as Mixtral)",
         setup=copy_of_earlier(_model_arch("multistream")),
         command="export",

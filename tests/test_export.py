@@ -126,8 +126,9 @@ def test_a_model_without_an_architecture_is_one_line_naming_what_is_supported():
     with pytest.raises(command.UserError) as err:
         command.architecture(ModelConfig(arch="multistream", channel_vocabs=[8, 8]))
     assert str(err.value) == (
-        "a multistream model has no Hugging Face architecture to export to; valid: model.arch=decoder "
-        "(Llama's LlamaForCausalLM) or model.is_moe=true (Mixtral's MixtralForCausalLM)"
+        "a multistream model has no Hugging Face architecture to export to; valid: the own decoder "
+        "(model=tiny|small|base: Llama's LlamaForCausalLM) or its mixture of experts "
+        "(model=moe_tiny|moe_small: Mixtral's MixtralForCausalLM)"
     )
 
 

@@ -137,8 +137,8 @@ def rounds(
     `stop` says so. Cuts change no number: a replica goes on from the weights and state it reached.
     With `groups` of several processes every process runs this same loop on its own replicas."""
     cfg = run.cfg
-    engine = engine or engine_for(cfg.engine.name)
     groups = groups or ReplicaGroups(cfg.replicas)
+    engine = engine or groups.engine or engine_for(cfg.engine.name)  # sharded replicas impose theirs
     average = groups.average_in_replica if groups.rank_share() is not None else None
     schedule = Schedule.of(cfg, run.updates)
     fragments = members(cfg)

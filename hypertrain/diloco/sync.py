@@ -40,6 +40,7 @@ from hypertrain.diloco.pending import Pending, Reduced, Reduction
 from hypertrain.diloco.tiles import blocks_and_order
 from hypertrain.distributed import decided
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
+from hypertrain.model.shapes import param_shapes
 from hypertrain.model.transformer import Params
 from hypertrain.optim.inner import OptState, sync_inner_states
 from hypertrain.optim.outer import outer_optimizer
@@ -242,6 +243,9 @@ class FragmentSync:
             ]
         self.errors = None if errors is None else [{n: e[n] for n in self.names} for e in errors]
         self.params = sum(t.numel() for t in self.theta.values())
+        if cfg.processes.shard:  # this process holds dim-0 shards: a sync's figures count whole tensors
+            whole = param_shapes(cfg.model)
+            self.params = sum(math.prod(whole[n]) for n in self.names)
         self.whole_model = len(self.names) == len(theta)
         reduction = decided.reduction(cfg.outer) if reduction is None else reduction
         self.lowrank_q = None
@@ -356,8 +360,9 @@ class FragmentSync:
         """The landed reduction's figures on `landing` (`stepped`: this process's replicas' flags at the
         take), the weights' norm taken before the outer step changes them in place."""
         landing.synced = communicated.synced
-        landing.theta_norm = weights_norm(self.theta)
-        landing.delta_norm = math.sqrt(float(communicated.mean.double().pow(2).sum()))
+        landing.theta_norm = groups.norm_over_shards(weights_norm(self.theta))
+        delta_norm = math.sqrt(float(communicated.mean.double().pow(2).sum()))
+        landing.delta_norm = groups.norm_over_shards(delta_norm)
         landing.outer_bytes = self.reducer.sent_bytes(communicated, self)
         landing.payload_bytes = communicated.payload_bytes
         landing.compress_error = communicated.compress_error

@@ -87,6 +87,16 @@ class Collectives(Protocol):
 
     def check_replicas_identical(self, params: Params) -> None: ...
 
+    def local_part(self, theta: Params) -> Params: ...
+
+    def whole(self, theta: Params) -> Params: ...
+
+    def norm_over_shards(self, norm: float) -> float: ...
+
+    def local_state(self, saved: dict) -> dict: ...
+
+    def memory_facts(self, state) -> dict: ...
+
     def before_round(self, updates: range) -> None: ...
 
     def comm_stats(self) -> dict: ...
@@ -102,6 +112,7 @@ class ReplicaGroups:
     layout = "simulation"
     backend = "none"  # torch.distributed's backend (gloo, nccl) when there are several processes
     rank, size = 0, 1  # this process among the P processes
+    engine = None  # the engine a layout imposes (sharded replicas: `distributed.fsdp_engine`), else None
 
     def __init__(self, replicas: int):
         self.total_replicas = replicas
@@ -178,6 +189,27 @@ class ReplicaGroups:
 
     def check_replicas_identical(self, params: Params) -> None:
         """Raise if the ranks of a replica hold different weights (they must be bitwise equal)."""
+
+    def local_part(self, theta: Params) -> Params:
+        """What of the whole global weights this process holds (sharded replicas: its shards; else all)."""
+        return theta
+
+    def whole(self, theta: Params) -> Params:
+        """The whole global weights from what each process holds (every process calls it together)."""
+        return theta
+
+    def norm_over_shards(self, norm: float) -> float:
+        """The whole vector's norm from this process's norm of what it holds of it."""
+        return norm
+
+    def local_state(self, saved: dict) -> dict:
+        """A checkpoint's run state (`RunState.state_dict`, whole tensors) as this process holds it."""
+        return saved
+
+    def memory_facts(self, state) -> dict:
+        """The run summary's per-process bytes of the run state's tensors, where a layout reports them
+        (sharded replicas); none here."""
+        return {}
 
     def before_round(self, updates: range) -> None:
         """Called as a round (or the part of one up to a checkpoint) starts: real processes wait for

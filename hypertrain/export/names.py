@@ -83,7 +83,8 @@ MIXTRAL = Architecture("mixtral", "MixtralForCausalLM", _mixtral_fields, _expert
 # Model entry -> the architecture it matches; an entry not here (the multistream model) has none.
 ARCHITECTURES = {DECODER: LLAMA, MOE: MIXTRAL}
 SUPPORTED = (
-    "model.arch=decoder (Llama's LlamaForCausalLM) or model.is_moe=true (Mixtral's MixtralForCausalLM)"
+    "the own decoder (model=tiny|small|base: Llama's LlamaForCausalLM) or its mixture of experts "
+    "(model=moe_tiny|moe_small: Mixtral's MixtralForCausalLM)"
 )
 
 

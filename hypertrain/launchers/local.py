@@ -39,6 +39,7 @@ from hypertrain.distributed import slurm_env
 from hypertrain.distributed.collectives import DistReplicaGroups, collective, first_line
 from hypertrain.distributed.decided import Decided
 from hypertrain.distributed.layouts import LaunchedRank, launched_rank
+from hypertrain.distributed.sharded import ShardedReplicaGroups
 from hypertrain.failures import RankFailed, RunFailure, fault_points, restarts
 from hypertrain.failures.signals import STOP_SIGNALS, Preempted, StoppedAtOnce, StopSignals
 from hypertrain.records.files import merged_summary
@@ -154,7 +155,8 @@ def run_worker(job: WorkerJob, run=None) -> dict | None:
         run_dir, resume_from, finished = told
         if finished:  # restarted after a worker died in its teardown: the run had finished
             return _finished_summary(Path(run_dir)) if rank == 0 else None
-        groups = DistReplicaGroups(decided.layout, rank, device, cfg.processes.timeout_s)
+        kind = ShardedReplicaGroups if cfg.processes.shard else DistReplicaGroups
+        groups = kind(decided.layout, rank, device, cfg.processes.timeout_s)
         run = replace(run, cfg=cfg, decided=decided) if run is not None else prepare(cfg, decided)
         same_run_everywhere(run, job.resolved, rank, processes)
         if resume is None and resume_from is not None:

@@ -50,6 +50,7 @@ class Decoder:
     channels = False  # reads several token channels per position, one embedding and head each
     text = True  # its tokens are text: `python -m hypertrain.sample` decodes them
     external = False  # a Hugging Face module (`HFModel`), not hypertrain's own
+    shardable = True  # processes.shard=true builds it: FSDP2 per layer block (distributed.shard_check)
     # The run summary's figures a report's phase row adds: report column -> summary key.
     report_figures: dict[str, str] = {}
     # The columns a replica's update record adds (`engines.columns.REPLICA_COLUMNS`; NaN in a run of
@@ -169,6 +170,7 @@ class MoEDecoder(Decoder):
     n_experts SwiGLU experts and a router; its update rows add the router's figures."""
 
     kind = "decoder (model.is_moe=true)"
+    shardable = False
     experts = True
     replica_columns = ("router_aux", "expert_min", "expert_max")  # ROUTER_FIGURES, in order
 
@@ -201,6 +203,7 @@ class Multistream(Decoder):
     add the text and mean audio losses, its report the frames per second."""
 
     kind = "multistream"
+    shardable = False
     channels = True
     text = False
     report_figures = {"frames_per_s": "bench/frames_per_s"}
@@ -238,6 +241,7 @@ class HFModel(Decoder):
 
     kind = "hf"
     external = True  # the module is Hugging Face's: `model.hf` builds and calls it
+    shardable = False
 
     def declared(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | str]]:
         from hypertrain.model.hf import describe

@@ -20,6 +20,7 @@ from hypertrain.data.corpus import read_meta
 from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import LayoutError
+from hypertrain.distributed.shard_check import check_shard
 from hypertrain.model.spec import model_spec
 from hypertrain.optim import outer as outer_optimizers
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
@@ -162,6 +163,7 @@ def validate(cfg: TrainConfig) -> Decided:
     check_data_for_model(cfg)
     check_sources(cfg)
     decided = check_layout(cfg)
+    check_shard(cfg, decided.layout)
     check_fragments(cfg)
     check_deadline(cfg)
     check_overlap(cfg)

@@ -199,7 +199,9 @@ def train_session(
 
     if not groups.is_writer:  # takes part in the checkpoints' gathers; writes nothing
         with stopping(run_dir):
-            return train(run, None, groups, checkpointer(NoLog()), saved)[0]
+            summary, state = train(run, None, groups, checkpointer(NoLog()), saved)
+            groups.whole(state.theta)  # sharded replicas: the writer's weights.pt gathers the shards
+            return summary
     wandb_id = None if resume is None else resume.saved["wandb_run_id"]
     run_id = None if resume is None else resume.saved["run_id"]  # None: a new id (RunLogger)
     if resume is None and restart is not None:  # restarted from the start: still the same run
@@ -229,7 +231,7 @@ def train_session(
             sys.stderr.write(restart.line() + "\n")
             sys.stderr.flush()
         summary, state = train(run, log, groups, checkpointer(log), saved)
-        save_weights(cfg, state.theta, Path(run_dir))
+        save_weights(cfg, groups.whole(state.theta), Path(run_dir))
     return summary
 
 

@@ -29,6 +29,7 @@ from hypertrain.engines.throughput import Throughput
 from hypertrain.failures import restarts, signals
 from hypertrain.model.shapes import active_params, count_params
 from hypertrain.model.spec import model_spec
+from hypertrain.model.transformer import Params
 from hypertrain.preflight.prepare import initial_weights
 from hypertrain.records.rows import EvalRow, Row, SummaryRow, SyncRow, UpdateRow
 from hypertrain.run.evaluation import heldout_eval
@@ -159,12 +160,12 @@ def churn_summary(totals, fragments: int) -> dict:
     }
 
 
-def row_heldout(run: PreparedRun, state: RunState, rnd: Segment) -> list[tuple[float, dict]]:
+def row_heldout(run: PreparedRun, theta: Params, rnd: Segment) -> list[tuple[float, dict]]:
     """The writer's held-out evaluation (`heldout_eval`) at the end of the round `rnd`, of the weights
     each landing left: the copy a landing kept (`Landing.weights`: another landed after it, as
     outer.overlap's flush after the landing due at the phase's end), else the global weights now; one
-    per sync of `rnd`, then the global weights' own last (what the round ends on)."""
-    now = heldout_eval(run, state.theta)
+    per sync of `rnd`, then the global weights' own last (what the round ends on): `theta`, whole."""
+    now = heldout_eval(run, theta)
     return [now if sync.weights is None else heldout_eval(run, sync.weights) for sync in rnd.syncs] + [now]
 
 
@@ -179,7 +180,8 @@ def after_syncs(
     verdict (`sync_verdict`): a non-finite held-out loss or a divergence stops them all here, the
     writer's rows holding finite figures."""
     cfg = run.cfg
-    heldout = row_heldout(run, state, rnd) if groups.is_writer and rnd.ends_round else None
+    theta = groups.whole(state.theta) if rnd.ends_round else None  # every process: sharded ones gather
+    heldout = row_heldout(run, theta, rnd) if groups.is_writer and rnd.ends_round else None
     eval_loss, channels = (math.nan, {}) if heldout is None else heldout[-1]
     channels = dict(channels)
     sources = channels.pop("eval_loss_sources", None)
@@ -252,11 +254,13 @@ def run_facts(run: PreparedRun, groups: Collectives) -> dict:
     }
 
 
-def first_eval(run: PreparedRun, state: RunState, log, writer: bool, resumed: bool) -> tuple[float, list]:
-    """The held-out loss of the weights the run starts from (the writer's; NaN elsewhere) and each
-    source's; a new run's own row of it (a resumed run's metrics.jsonl holds it already), which the
-    writer's network clock keeps."""
-    eval_loss, channels = heldout_eval(run, state.theta) if writer else (math.nan, {})
+def first_eval(
+    run: PreparedRun, state: RunState, log, writer: bool, resumed: bool, theta: Params
+) -> tuple[float, list]:
+    """The held-out loss of the weights the run starts from (`theta`, whole; the writer's, NaN
+    elsewhere) and each source's; a new run's own row of it (a resumed run's metrics.jsonl holds it
+    already), which the writer's network clock keeps."""
+    eval_loss, channels = heldout_eval(run, theta) if writer else (math.nan, {})
     sources = channels.pop("eval_loss_sources", None)
     if not resumed:
         if writer and state.clock is not None:
@@ -373,13 +377,13 @@ def train(
     log = log if log is not None else NoLog()
     writer = groups.is_writer
     keep_freed_memory()
-    state = RunState.start(cfg, initial_weights(run), groups.replicas, run.decided)
+    state = RunState.start(cfg, groups.local_part(initial_weights(run)), groups.replicas, run.decided)
     if saved is not None:
-        state.load_state_dict(saved)
+        state.load_state_dict(groups.local_state(saved))  # sharded replicas: this process's shards
         state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
-    log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups)))
-    eval_loss, sources = first_eval(run, state, log, writer, resumed=saved is not None)
+    log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups) | groups.memory_facts(state)))
+    eval_loss, sources = first_eval(run, state, log, writer, saved is not None, groups.whole(state.theta))
     progress = Progress(run.updates, cfg.logger.progress if writer else "never", state.next_update)
     progress.eval_loss = eval_loss
     start = time.perf_counter()

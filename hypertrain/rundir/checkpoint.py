@@ -29,6 +29,10 @@ FOLDER = "checkpoints"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
 _NAME = re.compile(r"ckpt-u(\d+)\.pt$")
 
+# what a sharded run may change on resume beside MAY_CHANGE: its world (hence L = world.size / replicas,
+# and the process count and layout derived from it); the checkpoint holds whole tensors, cut to any L
+RESHARDED = ("world.size", "processes.nproc", "processes.layout")
+
 PLAN_KEYS = ("data/fingerprint", "plan/union_sha256", "plan/data_order_sha256")
 
 
@@ -179,6 +183,8 @@ def compatible(saved: dict, resolved: dict, plan_facts: dict) -> None:
     payload: its config in today's shape)."""
     before, now = flatten(saved["config"]), flatten(resolved)
     changed = changed_fields(before, now)
+    if now.get("processes.shard"):  # sharded replicas reshard: another L (world.size) with the same R
+        changed = [k for k in changed if k not in RESHARDED]
     # A longer phase changes the default decay (it ends at the phase's last update) along with it.
     longer = now.get("phase.updates", 0) > before.get("phase.updates", 0)
     extended = longer and set(changed) <= {"phase.updates", "inner.decay_steps"}
@@ -261,10 +267,13 @@ class Checkpointer:
         """Write a checkpoint of `state` now (every process calls it); its path on the writer."""
         mid = state.mid_round
         every = self.groups.gather_replicas([_on_cpu(r) for r in state.replica_records()])
+        # sharded replicas: the whole global weights and outer momentum (every process takes part)
+        weights, momentum = self.groups.whole(state.theta), self.groups.whole(state.outer.momentum)
         self.saved_at = state.next_update
         if not self.groups.is_writer:
             return None
         saved = state.state_dict(every)
+        saved["theta"], saved["outer_momentum"] = weights, momentum
         saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
         payload = {
             "format": FORMAT,

@@ -1,0 +1,57 @@
+"""What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
+`check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
+(the replicas layout, codecs, overlap, async, churn, models other than the own decoder, compiled
+steps, checkpoints of a reduction in flight or of a torch outer optimizer), naming the option and what
+is valid. No torch here.
+"""
+
+from __future__ import annotations
+
+from hypertrain.codec_table import codec_entry
+from hypertrain.config import TrainConfig, UserError
+from hypertrain.distributed.layouts import Layout
+from hypertrain.model.spec import model_spec
+from hypertrain.schedule_table import schedule_entry
+
+NOT_BUILT = "is not built with processes.shard=true (docs/distributed.md, 'Sharded replicas')"
+
+
+def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
+    """UserError (one line) when `processes.shard=true` meets what it does not build."""
+    if not cfg.processes.shard:
+        return
+    if layout is not None and layout.kind != "benchmark":
+        raise UserError(
+            f"processes.shard=true needs the benchmark layout (processes = world.size = {cfg.world.size}); "
+            f"the {layout.kind} layout holds whole replicas in one process; valid: processes.nproc=0 "
+            f"with processes.layout=auto or benchmark, or processes.shard=false"
+        )
+    if layout is not None and layout.ranks_per_replica == 1:
+        raise UserError(
+            f"processes.shard=true with world.size={cfg.world.size} and replicas={cfg.replicas} shards "
+            "nothing (one rank per replica); valid: world.size a multiple of replicas above it, or "
+            "processes.shard=false"
+        )
+    outer, spec = cfg.outer, model_spec(cfg.model)
+    checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.every_updates > 0
+    refused = [
+        (not codec_entry(outer.compress).lossless, f"outer.compress={outer.compress}", "outer.compress=none"),
+        (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
+        (schedule_entry(outer.schedule).server, f"outer.schedule={outer.schedule}", "outer.schedule=rounds"),
+        (cfg.churn.enabled, "churn", "churn.enabled=false"),
+        (not spec.shardable, f"model {cfg.model.name} ({spec.kind})", "the own decoder (model=tiny ...)"),
+        (cfg.engine.compile, "engine.compile=true", "engine.compile=false"),
+        (
+            checkpoints and outer.delay > 0,
+            f"a checkpoint with outer.delay={outer.delay} (a reduction in flight on the shards)",
+            "checkpoint.every=0 checkpoint.every_updates=0, or outer.delay=0",
+        ),
+        (
+            checkpoints and "." in outer.optimizer,
+            f"a checkpoint with outer.optimizer={outer.optimizer} (its state on the shards)",
+            "checkpoint.every=0 checkpoint.every_updates=0, or outer.optimizer=nesterov",
+        ),
+    ]
+    for bad, what, valid in refused:
+        if bad:
+            raise UserError(f"{what} {NOT_BUILT}; valid: {valid}, or processes.shard=false")

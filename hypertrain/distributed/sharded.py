@@ -1,0 +1,134 @@
+"""The collectives of one process of a sharded run (`processes.shard=true`, benchmark layout):
+`ShardedReplicaGroups` is `DistReplicaGroups` where this process holds, of every parameter, only its
+replica's dim-0 shard `fsdp_engine.shard_of` (FSDP2's cut: `torch.chunk` into L, the last ones possibly
+empty).
+
+The run's state (global weights, outer state, the replica's weights and inner state) holds local shards
+(`local_part`); the sync's sum is the all-reduce of this rank's shard over its cross-replica group (the R
+ranks holding the same shard), never gathered; the inner step is `distributed.fsdp_engine`'s. Only the
+held-out evaluation and weights.pt gather the global weights (`whole`); norms are taken over the shards
+(`norm_over_shards`). docs/distributed.md, "Sharded replicas".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hypertrain.distributed.collectives import DistReplicaGroups, _all_gather, _Flight, collective
+from hypertrain.distributed.fsdp_engine import ShardedEngine, shard_of
+from hypertrain.distributed.groups import Done, InFlight
+from hypertrain.distributed.layouts import Layout
+from hypertrain.model.transformer import Params
+
+
+class ShardedReplicaGroups(DistReplicaGroups):
+    """The collectives of a sharded run (see the module docstring)."""
+
+    def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
+        super().__init__(layout, rank, device, timeout_s)
+        self.engine = ShardedEngine(self)  # the engine this layout imposes
+
+    def local_part(self, theta: Params) -> Params:
+        self._rows = {n: t.shape[0] for n, t in theta.items()}  # `whole` cuts the padding off with it
+        return {n: shard_of(t, self.local_rank, self.L) for n, t in theta.items()}
+
+    def whole(self, theta: Params) -> Params:
+        """The whole tensors from every rank's shards: one all-gather per tensor in the replica group."""
+        out = {}
+        with collective("the global weights' gather"):
+            for name, local in theta.items():
+                rows = local.shape[0]
+                per = -(-self._rows[name] // self.L)
+                padded = local.new_zeros((per, *local.shape[1:]))
+                padded[:rows] = local
+                gathered = local.new_empty((per * self.L, *local.shape[1:]))
+                _all_gather(gathered, padded, group=self.replica_group)
+                out[name] = gathered[: self._rows[name]]
+        return out
+
+    def norm_over_shards(self, norm: float) -> float:
+        """The norm of the whole vector from each rank's norm of its shard (one all-reduce in the replica)."""
+        square = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)
+        with collective("the norm's all-reduce"):
+            dist.all_reduce(square, group=self.replica_group)
+        return math.sqrt(float(square))
+
+    def average_in_replica(self, grads: Params, loss: Tensor) -> None:
+        """The update's loss and statistics averaged over the replica's ranks (FSDP2 reduce-scatters the
+        gradients itself, `fsdp_engine`)."""
+        flat = loss.reshape(-1).clone()
+        self._timed("inner", flat, lambda: dist.all_reduce(flat, group=self.replica_group))
+        flat /= self.L
+        loss.copy_(flat.view_as(loss))
+
+    def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
+        """This rank's shard of the sum, summed over its cross-replica group only: nothing is gathered."""
+        if self.total_replicas == 1:
+            return Done(flat)
+        out = flat.clone()
+        return _Flight(
+            self, out, self._start(out, lambda: dist.all_reduce(out, group=self.cross_group, async_op=True))
+        )
+
+    def gather_replicas(self, records: list) -> list | None:
+        """A checkpoint's replica records, each replica's inner moments and mid-round weights made whole
+        in its replica group first (the checkpoint is the unsharded run's, so any L loads it)."""
+        return super().gather_replicas([self._whole_record(r) for r in records])
+
+    def _whole_record(self, record: dict) -> dict:
+        def whole(part: Params) -> Params:  # [1, shard...] -> [1, whole...], on the CPU
+            gathered = self.whole({n: t[0].to(self.device) for n, t in part.items()})
+            return {n: t.unsqueeze(0).cpu() for n, t in gathered.items()}
+
+        inner = record["inner"]
+        out = dict(record, inner={**inner, "m": whole(inner["m"]), "v": whole(inner["v"])})
+        if record["params"] is not None:
+            out["params"] = whole(record["params"])
+        return out
+
+    def local_state(self, saved: dict) -> dict:
+        """A whole checkpoint's state cut to this rank's shards: the global weights, outer momentum, every
+        replica's inner moments and mid-round weights (a sharded run's checkpoint, or an unsharded one's)."""
+        j, L = self.local_rank, self.L
+
+        def cut(part: Params, axis: int = 0) -> Params:
+            if axis == 0:
+                return {n: shard_of(t, j, L) for n, t in part.items()}
+            return {n: shard_of(t[0], j, L).unsqueeze(0) for n, t in part.items()}
+
+        inner = [{**x, "m": cut(x["m"], 1), "v": cut(x["v"], 1)} for x in saved["inner"]]
+        rounds = saved["round_params"]
+        return dict(
+            saved,
+            theta=cut(saved["theta"]),
+            outer_momentum=cut(saved["outer_momentum"]),
+            inner=inner,
+            round_params=None if rounds is None else [cut(p, 1) for p in rounds],
+        )
+
+    def memory_facts(self, state) -> dict:
+        """This rank's bytes of its replica's weights (and as many of gradients), of its inner optimizer
+        state and of the global weights and outer state: its shards (rank 0's, the largest: FSDP2's first
+        chunks are the longest)."""
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        inner = state.inner[0]
+        weights = size(state.theta.values())
+        return {
+            "memory/rank_weights_bytes": weights,
+            "memory/rank_gradients_bytes": weights,
+            "memory/rank_inner_state_bytes": size([*inner.m.values(), *inner.v.values()]),
+            "memory/rank_outer_state_bytes": weights + size(state.outer.momentum.values()),
+        }
+
+    def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
+        raise NotImplementedError("outer.overlap=eager is refused with processes.shard=true")
+
+    def check_replicas_identical(self, params: Params) -> None:
+        """The ranks of a replica hold different shards by design: nothing to compare."""

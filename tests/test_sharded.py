@@ -1,0 +1,217 @@
+"""Sharded replicas (`processes.shard=true`, docs/distributed.md "Sharded replicas") on real processes.
+
+Parity. W = 4, R = 2 (L = 2 ranks per replica), the tiny decoder with AdamW and its gradient clip,
+variable-length documents, H = 2, 5 updates (3 syncs), the last a tail of one id (replica 1 skips it,
+rank 1 of replica 0 has none: it adds FSDP2's zeros). The sharded run must equal the unsharded
+benchmark-layout run of the same config **bitwise** (per-replica losses, held-out losses, weights.pt):
+- a block's forward and backward are the same code on the same (all-gathered) weights and the same
+  microbatches; a rank's gradient sums its microbatches in the same order (FSDP2 reduces once, at the
+  last microbatch);
+- FSDP2 on gloo reduces by a sum, then divides by L (`set_force_sum_reduction_for_comms`), as layout (a)'s
+  all-reduce and `/ L`: with L = 2 the sum is one addition of two terms (commutative, so exact whatever
+  the order) and the division by 2 exact;
+- AdamW is elementwise, so its step on a shard is the step on those elements of the whole tensor;
+- the sync's sum over the R = 2 replicas is per element, as in layout (a)'s sharded sync;
+- the one reordering is the clip's float64 sum of squares (per shard, then over the L ranks), which
+  rounds to a float32 norm: that is where the two runs could differ by one float32 ulp of the norm, and
+  did not here (a deterministic difference would fail this test every time, not now and then).
+The same for Streaming DiLoCo (two fragments, outer.delay 1: the sync's reduction in flight while the
+replica trains), and for Muon (each shape's matrices all-gathered for its Newton-Schulz step, the same
+batched call on the same matrices as unsharded) with torch.optim.Adam as the outer optimizer and the
+averaged inner state. The first case also equals the simulation within test_dist's bound (twice the fp32
+simulation's own error against the float64 reference, or its floor), which is how layout (a) is proved
+equal to the simulation.
+
+Checkpoints: a sharded run killed mid-run resumes bitwise, sharded or not (its checkpoint holds whole
+tensors), and at another world.size (L = 4) within the simulation's bound.
+
+Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import DIST, compose_cfg, entry, finish, rounding_floors, simulated_beside, start_entry
+from references import assert_losses_within_rounding, assert_within_rounding
+from test_dist import tail_offset
+
+from hypertrain.rundir.records import read_metrics
+
+SHARDED = [
+    *DIST,
+    "world=4",
+    "replicas=2",
+    "data.examples=documents",
+    "data.max_len=64",
+    "data.max_examples=4",
+    "inner.H=2",
+    "phase.updates=5",
+    "checkpoint.every=0",
+]
+
+
+def _records(run_dir):
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished", rows[-1]
+    losses = [r["loss"] for r in rows if r["kind"] == "update"]
+    evals = [r["eval_loss"] for r in rows if r["kind"] in ("eval", "sync") and r.get("eval_loss") is not None]
+    syncs = [r for r in rows if r["kind"] == "sync"]
+    return losses, evals, syncs, torch.load(run_dir / "weights.pt")
+
+
+# Streaming DiLoCo on shards: two fragments, each pseudo-gradient taken one update before it lands (its
+# all-reduce over the cross-replica group in flight while FSDP2 trains on the replica group), H 4, 8 updates.
+STREAMING = [
+    *SHARDED[:-4],
+    "inner.H=4",
+    "outer.fragments=2",
+    "outer.delay=1",
+    "phase.updates=8",
+    "checkpoint.every=0",
+]
+# Muon (its matrices gathered, one shape at a time, for the step), a torch.optim outer optimizer stepping
+# the shards (.grad on the local shard) and the averaged inner state (moments summed per shard).
+MUON = [
+    *DIST,
+    "world=4",
+    "replicas=2",
+    "inner.H=2",
+    "phase.updates=4",
+    "checkpoint.every=0",
+    "inner=muon",
+    "outer.optimizer=torch.optim.Adam",
+    "outer.lr=0.01",
+    "inner.state_policy=average",
+]
+CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming", "muon-adam-average": "muon"}
+
+
+@pytest.mark.slow  # two 4-process runs on real processes, 64-90 s each case on 2 cores (measured)
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path, name):
+    kind = CASES[name]
+    streaming = kind != "tail"  # compared with the unsharded run alone
+    overrides = {"streaming": STREAMING, "muon": MUON}.get(kind) or [*SHARDED, tail_offset(SHARDED, 1)]
+    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
+    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
+    cfg = compose_cfg(overrides)
+    simulated = None if streaming else simulated_beside(sharded, cfg)
+    for proc in (sharded, whole):
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, syncs, weights = _records(tmp_path / "s")
+    w_losses, w_evals, w_syncs, w_weights = _records(tmp_path / "w")
+
+    assert losses == w_losses and evals == w_evals
+    assert all(torch.equal(weights[n], w_weights[n]) for n in w_weights) and set(weights) == set(w_weights)
+    # the sync rows' figures are the whole replica's (norms over the shards; bytes per replica)
+    for mine, theirs in zip(syncs, w_syncs, strict=True):
+        for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+    # The summary's per-rank bytes (rank 0's): 1/L of the whole, plus at most one dim-0 slice per tensor
+    # (FSDP2's uneven cut); the gradients as the weights, AdamW's m and v twice them (Muon keeps no v).
+    summary = {
+        k: v
+        for r in read_metrics(tmp_path / "s" / "metrics.jsonl")
+        if r["kind"] == "summary"
+        for k, v in r.items()
+    }
+    whole_bytes = 4 * sum(t.numel() for t in w_weights.values())
+    slices = 4 * sum(t.numel() // t.shape[0] for t in w_weights.values())
+    assert whole_bytes / 2 <= summary["memory/rank_weights_bytes"] <= whole_bytes / 2 + slices
+    assert summary["memory/rank_gradients_bytes"] == summary["memory/rank_weights_bytes"]
+    if kind != "muon":
+        assert summary["memory/rank_inner_state_bytes"] == 2 * summary["memory/rank_weights_bytes"]
+    if kind == "streaming":  # the held-out losses are the eval rows' (2 rounds x 2 fragments)
+        assert len(syncs) >= 4 and len(evals) == 3, (len(syncs), len(evals))
+    if streaming:
+        return
+    assert sum(x is not None for x in losses[-1]) == 1  # the tail was exercised
+
+    assert_equals_the_simulation(cfg, simulated, losses, evals, weights)
+
+
+def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None:
+    """Equal to the simulation as layout (a) is (tests/test_dist.py's bound)."""
+    batches, ref, sim, run = simulated
+    ref_losses, ref_evals, ref_theta = ref
+    sim_losses, sim_evals, sim_theta = sim
+    loss_floor, weight_floor = rounding_floors(cfg, batches, len(ref_losses))
+    heldout_floor = rounding_floors(cfg, [run.heldout], 1)[0]
+    assert_losses_within_rounding(losses, sim_losses, ref_losses, loss_floor)
+    rows = lambda xs: [[x] for x in xs]  # noqa: E731
+    assert_losses_within_rounding(rows(evals), rows(sim_evals), rows(ref_evals), heldout_floor)
+    for n, t in ref_theta.items():
+        assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
+
+
+# Checkpoints: H 2, 6 updates, a checkpoint after every sync; rank 1 (replica 0's second shard) killed as
+# round 2 starts, after the checkpoint of update 2.
+RESUMED = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
+
+
+@pytest.mark.slow  # four 4-process runs and one of 8, about 190 s on 2 cores
+def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_replica(tmp_path):
+    """The sharded checkpoint is today's single file (the shards gathered, whole tensors): resumed sharded
+    it finishes bitwise the uninterrupted sharded run; resumed unsharded (processes.shard=false, the same
+    file) too, since the two runs are bitwise equal (above).
+
+    Resumed at world.size=8 (L = 4, R = 2: the checkpoint cut into four shards) it is not bitwise: the
+    sums of four ranks' terms are ordered differently by gloo's reduce-scatter (and the loss's one-number
+    all-reduce) than by layout (a)'s all-reduce of one long buffer (measured on a fresh W = 8 run: one
+    loss's last bit, weights within 6e-8). It equals the simulation within test_dist's bound, whose
+    argument holds for any L a power of two (the same count of roundings, in another order), over the
+    whole run: the two rounds before the checkpoint at L = 2, the one after at L = 4."""
+    whole = start_entry([*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
+    killed = entry(
+        [*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
+    )
+    assert killed.returncode == 3, killed.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("*.pt")] == ["ckpt-u0000002.pt"]
+    shutil.copytree(tmp_path / "k", tmp_path / "u")
+    shutil.copytree(tmp_path / "k", tmp_path / "r")
+    assert finish(whole).returncode == 0
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    for where, shard in (("k", "true"), ("u", "false")):
+        done = entry(
+            [*RESUMED, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", "resume=true"],
+            tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = torch.load(tmp_path / where / "weights.pt")
+        assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+    eight = [x if x != "world=4" else "world=8" for x in RESUMED]
+    resumed = start_entry(
+        [*eight, "processes.shard=true", f"hydra.run.dir={tmp_path / 'r'}", "resume=true"], tmp_path
+    )
+    cfg = compose_cfg(eight)
+    simulated = simulated_beside(resumed, cfg)
+    done = finish(resumed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, _, weights = _records(tmp_path / "r")
+    assert len(losses) == 6
+    assert_equals_the_simulation(cfg, simulated, losses, evals, weights)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["outer.compress=int8"], "outer.compress=int8 is not built with processes.shard=true"),
+        (["churn.p_miss=0.1"], "churn is not built with processes.shard=true"),
+        (
+            ["outer.fragments=2", "outer.delay=1", "inner.H=4", "phase.updates=4", "checkpoint.every=1"],
+            "a checkpoint with outer.delay=1",
+        ),
+        (["world=2"], "processes.shard=true with world.size=2 and replicas=2 shards nothing"),
+    ],
+)
+def test_what_sharding_does_not_build_is_one_line(tmp_path, extra, says):
+    done = entry([*SHARDED, "processes.shard=true", *extra], tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"hypertrain: error: {says}"), line
+    assert list(tmp_path.iterdir()) == []
