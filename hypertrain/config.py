@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from hypertrain.choices import (
-    Arch,
     AsyncRule,
     Backend,
     Compute,
@@ -83,7 +82,8 @@ class ModelConfig:
     name: str = "tiny"
     # decoder (one token stream), or multistream (several token channels per position, e.g. text and
     # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each)
-    arch: Arch = Arch.decoder
+    # or the import path (module.NAME) of a model entry outside the package (docs/extending.md, "A model")
+    arch: str = "decoder"
     # model.arch=hf (docs/hf.md): a Hugging Face causal LM, from a local directory holding its
     # config.json and, if any, its weights (`path`; read offline, never remote code), or built from a
     # config's fields (`config`, with its model_type; initialised under `seed`); exactly one of the two
