@@ -8,9 +8,10 @@ raising `UserError` (a `ValueError`) with one line naming the field, the bad val
 valid. A string choice is an enum of `hypertrain.choices` (with the codec and schedule tables, whose
 entries say what a codec or a schedule can run with, and `errors`, the only modules of hypertrain
 imported here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
-any other value, so no check here repeats it. Two tables open to entries from outside the package take
-a str instead, a name or an import path, resolved by their checks: outer.compress (the codec table's)
-and data.name (the data sources'). The checks across sections and against the plan are
+any other value, so no check here repeats it. Three tables open to entries from outside the package
+take a str instead, a name or an import path, resolved by their checks: outer.compress (the codec
+table's), data.name (the data sources') and model.arch (the models', `model.spec.model_spec`). The
+checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`. A field one table entry alone reads lives in that entry's node
 (`OUTER_NODES`: outer.arrivals, async's; outer.lowrank, low rank's), which exists with that entry alone;
 a field added since schema 7 declares its value before it existed (`before`).
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from hypertrain.choices import (
-    Arch,
     AsyncRule,
     Backend,
     Compute,
@@ -81,9 +81,11 @@ def before(value: Any) -> dict[str, Any]:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    # decoder (one token stream), or multistream (several token channels per position, e.g. text and
-    # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each)
-    arch: Arch = Arch.decoder
+    # decoder (one token stream), multistream (several token channels per position, e.g. text and
+    # audio codebooks per frame: the input is the sum of the channels' embeddings, one head each), hf
+    # (below), or the import path (module.NAME) of a model entry outside the package (docs/extending.md,
+    # "A model"; resolved by the preflight's check, `model.spec.model_spec`)
+    arch: str = "decoder"
     # model.arch=hf (docs/hf.md): a Hugging Face causal LM, from a local directory holding its
     # config.json and, if any, its weights (`path`; read offline, never remote code), or built from a
     # config's fields (`config`, with its model_type; initialised under `seed`); exactly one of the two

@@ -715,6 +715,27 @@ CASES = {
         "data.name='hypertrain.data.BYTE_VOCAB' names a int, not a data source",
         "a hypertrain.data.DataSource instance",
     ),
+    # issue 49: models (`model.arch`: a name of the table, or a model entry by import path;
+    # hypertrain/model/spec.py)
+    "model-arch-unknown": Case(
+        "a model that is neither the table's nor an import path",
+        ["model.arch=rnn"],
+        "model.arch='rnn' is not a model; valid: decoder, multistream, hf, or the import path (module.NAME) "
+        "of a hypertrain.model.spec.ModuleModel entry",
+        "a model of the table, or a path such as gated_conv.MODEL (docs/extending.md)",
+    ),
+    "model-arch-no-module": Case(
+        "a model's import path whose module is not installed",
+        ["model.arch=nosuch.MODEL"],
+        "model.arch='nosuch.MODEL' does not import (No module named 'nosuch')",
+        "a path that imports (its folder on PYTHONPATH)",
+    ),
+    "model-arch-not-a-model": Case(
+        "a model's import path that names something other than a model entry",
+        ["model.arch=hypertrain.model.spec.DECODER"],
+        "model.arch='hypertrain.model.spec.DECODER' names a Decoder, not a model entry",
+        "a hypertrain.model.spec.ModuleModel instance",
+    ),
     # issue 49: outer optimizers (`outer.optimizer`: the built-in or a torch.optim.Optimizer by import path;
     # hypertrain/optim/outer.py)
     "outer-optimizer-unknown": Case(

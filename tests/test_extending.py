@@ -9,7 +9,10 @@ command line its section of the page gives, through the entry:
   here leaves out, and the outer momentum took the mean of what it sends; on 2 real processes the
   same command gives the simulation's weights and sync rows, bitwise;
 - a data source (experiments/extend/tsv_column.py, a TSV file's column): the run's examples are the
-  windows of that column's bytes, each once, and nothing else.
+  windows of that column's bytes, each once, and nothing else;
+- a model (experiments/extend/gated_conv.py, a gated causal-convolution LM): the stacked engine agrees
+  with the eager loop within rounding, the run trains the module's own parameters, and two fragments
+  share out its layers.
 
 A command is read from the page and run in this process (its module put on sys.path as the page's
 PYTHONPATH puts it); the same config is then trained again with every sync recorded, its final weights
@@ -30,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_weights, compose_cfg, entry
+from helpers import assert_engines_agree, assert_same_weights, compose_cfg, entry
 from references import U32
 from test_overlap import _flat, _snapshot, run_syncs
 
@@ -326,3 +329,38 @@ def test_the_pages_tsv_source_runs_and_trains_on_the_windows_of_its_columns_byte
     )
     assert summary["data/fingerprint"] == dataset.fingerprint
     assert summary["data/samples"] == len(dataset) - cfg.data.heldout
+
+
+@pytest.mark.slow
+def test_the_pages_gated_conv_model_trains_its_own_parameters_split_by_its_layers(tmp_path, monkeypatch):
+    """The page's model command (experiments/extend/gated_conv.py, a gated causal-convolution LM, no
+    attention): (a) the stacked engine (vmap over [R, ...] parameters) = the eager loop (functional_call
+    one replica at a time), each against the float64 loop, within twice the loop's own error or twice
+    the fp32 floor (helpers.assert_engines_agree, references.py's derivation); (b) the run trained the
+    module's own parameters, by its names, every one moved; (c) outer.fragments=2 shares out its list of
+    layers, the embedding with the first layer, the final norm and head with the last."""
+    folders, args = page_command("## A model")
+    assert folders == [ROOT / "experiments" / "extend"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    weights = torch.load(tmp_path / "run" / "weights.pt")
+
+    import gated_conv
+
+    cfg = compose_cfg(args)
+    assert cfg.model.arch == "gated_conv.MODEL" and cfg.outer.fragments == 2
+    module = gated_conv.build(cfg.model)
+    assert weights.keys() == dict(module.named_parameters()).keys()  # its names, and only its
+    assert not any(isinstance(m, torch.nn.MultiheadAttention) for m in module.modules())
+    run = prepare(cfg)
+    start = initial_weights(run)
+    assert all(not torch.equal(weights[n], t) for n, t in start.items()), "a parameter never trained"
+
+    layer = [sorted(n for n in weights if n.startswith(f"layers.{i}.")) for i in range(cfg.model.n_layers)]
+    first, last = members(run.cfg)
+    assert sorted(first) == sorted(["emb.weight", *layer[0]])
+    assert sorted(last) == sorted([*layer[1], "norm.weight", "head.weight"])
+
+    assert_engines_agree(cfg)

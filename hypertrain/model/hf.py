@@ -7,12 +7,16 @@ names); `init_params(cfg, seed)` the directory's weights or the config's init un
 generator untouched); `logits(cfg, p, inputs)` runs R replicas: `torch.func.functional_call` for R = 1
 (the loop engine), the same under `torch.vmap` over `[R, ...]` parameters for R > 1 (the stacked
 engine), the module's buffers shared. Whatever cannot be read or batched is a `UserError` (one line).
+The same machinery runs a model entry from outside the package (`model.arch=module.NAME`, a
+`model.spec.ModuleModel`): its `factory` builds the module, its `layer_list` and `head` place and role.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import importlib
 import json
 import warnings
 from pathlib import Path
@@ -37,8 +41,26 @@ def _transformers():
     return transformers
 
 
-def _key(cfg: ModelConfig) -> tuple[str, str]:
-    return cfg.path, json.dumps(dict(cfg.config), sort_keys=True, default=str)
+def _key(cfg: ModelConfig) -> tuple[str, str, str]:
+    """What builds the module: a Hugging Face model's path and config, an outside entry's whole section."""
+    if cfg.arch == "hf":
+        return "hf", cfg.path, json.dumps(dict(cfg.config), sort_keys=True, default=str)
+    return str(cfg.arch), "", json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+
+
+def _outside(path: str):
+    """The `ModuleModel` entry at the import path `path` (the config's check resolved it already)."""
+    module, _, attribute = path.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _build_outside(cfg: ModelConfig, seed: int) -> nn.Module:
+    """An outside entry's module (CPU, fp32, eval) from its factory, initialised under `seed`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = _outside(str(cfg.arch)).factory(cfg)
+    _check_batchable(module, str(cfg.arch))
+    return module.float().eval()
 
 
 def _read_config(path: str):
@@ -96,6 +118,8 @@ def _has_weights(where: Path) -> bool:
 
 def _build(cfg: ModelConfig, seed: int) -> nn.Module:
     """A real instance (CPU, fp32, eval): the directory's weights, or initialised under `seed`."""
+    if cfg.arch != "hf":
+        return _build_outside(cfg, seed)
     tf = _transformers()
     if cfg.path:
         config, where = _read_config(cfg.path)
@@ -131,8 +155,10 @@ def _check_batchable(module: nn.Module, what: str) -> None:
 
 
 @functools.cache
-def _base(key: tuple[str, str]) -> nn.Module:
-    path, config = key
+def _base(key: tuple[str, str, str]) -> nn.Module:
+    arch, path, config = key
+    if arch != "hf":
+        return _build(ModelConfig(**json.loads(config)), 0)
     return _build(ModelConfig(arch="hf", path=path, config=json.loads(config)), 0)
 
 
@@ -142,7 +168,7 @@ def base(cfg: ModelConfig) -> nn.Module:
 
 
 @functools.cache
-def _on(key: tuple[str, str], device: str) -> nn.Module:
+def _on(key: tuple[str, str, str], device: str) -> nn.Module:
     module = _base(key)
     return module if device == "cpu" else copy.deepcopy(module).to(device)
 
@@ -160,15 +186,18 @@ def layer_list(module: nn.Module) -> str:
     return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[0]
 
 
-def describe(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | None, bool]]:
+def describe(
+    cfg: ModelConfig, layers: str | None = None, head: str | None = None
+) -> dict[str, tuple[tuple[int, ...], str, int | None, bool]]:
     """Name -> (shape, role, layer index or None, before the layers) of every parameter, tied ones once:
     the embeddings (every nn.Embedding) and an untied output head are AdamW's, like every 1-D tensor
     (`norm`); the other matrices are Muon's (`hidden`). Outside the layer list a parameter sits before
-    the layers when the module registers it before them."""
+    the layers when the module registers it before them. An outside entry names its layer list and its
+    head's submodule (`layers`, `head`); a Hugging Face model's are found."""
     module = base(cfg)
-    layers = layer_list(module) + "."
+    layers = (layers or layer_list(module)) + "."
     embeddings = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
-    head = module.get_output_embeddings()
+    head = module.get_submodule(head) if head else getattr(module, "get_output_embeddings", lambda: None)()
     head_id = None if head is None else id(head.weight)
     out, seen_layer = {}, False
     for name, p in module.named_parameters():
@@ -202,7 +231,7 @@ def config_fields(cfg: ModelConfig) -> dict:
 
 def init_params(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
     """One replica's fp32 weights: the directory's, else the config's initialisation under `seed`."""
-    pretrained = bool(cfg.path) and _has_weights(Path(cfg.path).expanduser())
+    pretrained = cfg.arch == "hf" and bool(cfg.path) and _has_weights(Path(cfg.path).expanduser())
     module = base(cfg) if pretrained else _build(cfg, seed)
     return {name: p.detach().clone() for name, p in sorted(module.named_parameters())}
 
@@ -219,6 +248,8 @@ def logits(cfg: ModelConfig, p: dict[str, Tensor], inputs: Tensor) -> Tensor:
         p = {n: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for n, t in p.items()}
 
     def one(params: dict[str, Tensor], ids: Tensor) -> Tensor:
+        if cfg.arch != "hf":  # an outside entry's module returns its logits [B, T, vocab]
+            return torch.func.functional_call(module, params, (ids,))
         return torch.func.functional_call(module, params, (ids,), {"use_cache": False}).logits
 
     with torch.autocast(inputs.device.type, enabled=False):

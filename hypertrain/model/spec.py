@@ -9,8 +9,12 @@ config's names. No torch and no Hydra here: `cfg` is a plain `ModelConfig`.
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib
 import math
 
+from hypertrain.choices import Arch
 from hypertrain.config import ModelConfig, UserError
 
 # What a parameter is for; the inner optimizer picks its rule by role (Muon takes `hidden`; a mixture
@@ -51,6 +55,7 @@ class Decoder:
     text = True  # its tokens are text: `python -m hypertrain.sample` decodes them
     external = False  # a Hugging Face module (`HFModel`), not hypertrain's own
     shardable = True  # processes.shard=true builds it: FSDP2 per layer block (distributed.shard_check)
+    module = False  # an nn.Module `model.hf` builds and calls (`HFModel`, an outside `ModuleModel`)
     # The run summary's figures a report's phase row adds: report column -> summary key.
     report_figures: dict[str, str] = {}
     # The columns a replica's update record adds (`engines.columns.REPLICA_COLUMNS`; NaN in a run of
@@ -242,6 +247,7 @@ class HFModel(Decoder):
     kind = "hf"
     external = True  # the module is Hugging Face's: `model.hf` builds and calls it
     shardable = False
+    module = True
 
     def declared(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | str]]:
         from hypertrain.model.hf import describe
@@ -272,15 +278,72 @@ class HFModel(Decoder):
         return s["layers"] * layer + 7 * d + 2 * f + 3 * V, 4 * d + 2 * f + 3 * V
 
 
+class ModuleModel(Decoder):
+    """A causal LM from outside the package (`model.arch=module.NAME`, docs/extending.md, "A model"): any
+    torch nn.Module, built by `factory(cfg)` (the model section: its `vocab`, `d_model`, `n_layers`, ...)
+    under the run's seed, called on token ids [B, T] for logits [B, T, vocab] by `model.hf`'s machinery
+    (functional_call; vmap for the stacked engine). Its parameters are placed by `layers`, the name of its
+    list of layers (an nn.ModuleList: the fragments share them out), before or after them by where the
+    module registers them; roles as a Hugging Face model's (`model.hf.describe`), the `head` submodule's
+    weight the head. Its vocabulary is `model.vocab` (0: the data's)."""
+
+    module = True
+    shardable = False  # FSDP2 of an outside module is not built (distributed.shard_check)
+
+    def __init__(self, factory, layers: str = "layers", head: str = "head", kind: str = "module"):
+        self.factory, self.layer_list, self.head, self.kind = factory, layers, head, kind
+
+    def declared(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | str]]:
+        from hypertrain.model.hf import describe
+
+        return {
+            name: (shape, role, layer if layer is not None else (BEFORE if before else AFTER))
+            for name, (shape, role, layer, before) in describe(cfg, self.layer_list, self.head).items()
+        }
+
+    def layers(self, cfg: ModelConfig) -> int:
+        return 1 + max((p for *_, p in self.declared(cfg).values() if isinstance(p, int)), default=-1)
+
+
 DECODER, MOE, MULTISTREAM, HF = Decoder(), MoEDecoder(), Multistream(), HFModel()
 MODELS = {"decoder": DECODER, "multistream": MULTISTREAM, "moe": MOE, "hf": HF}
 # Every entry's replica columns, each once, in the table's order (`engines.columns.REPLICA_COLUMNS`).
 MODEL_COLUMNS = tuple(dict.fromkeys(name for entry in MODELS.values() for name in entry.replica_columns))
 
 
+ARCHS = tuple(a.value for a in Arch)  # model.arch's names (moe is model.is_moe on top of decoder)
+IMPORTED = "the import path (module.NAME) of a hypertrain.model.spec.ModuleModel entry"
+
+
 def model_spec(cfg: ModelConfig) -> ModelSpec:
-    """The run's model entry, from `model.arch` and `model.is_moe` (the one place they are read); `cfg`
-    may also be a run's config.yaml section as read (the report), written before `is_moe` existed."""
+    """The run's model entry, from `model.arch` and `model.is_moe` (the one place they are read): the
+    table's, or the entry at the import path `model.arch` (a dot in it; `imported`); UserError (one line)
+    for neither. `cfg` may also be a run's config.yaml section as read (the report), written before
+    `is_moe` existed."""
     if getattr(cfg, "is_moe", False):  # with model.arch=decoder (ModelConfig.check refuses another)
         return MOE
-    return MODELS[cfg.arch]  # a Choice hashes as its string
+    arch = str(cfg.arch)
+    if arch in ARCHS:
+        return MODELS[arch]
+    if "." in arch:
+        return imported(arch)
+    raise UserError(f"model.arch={arch!r} is not a model; valid: {', '.join(ARCHS)}, or {IMPORTED}")
+
+
+@functools.cache
+def imported(path: str) -> ModuleModel:
+    """The `ModuleModel` at the import path `path` (module.NAME), its `kind` made `path` (what messages
+    say); UserError (one line) when the path does not import or names no `ModuleModel`."""
+    module, _, attribute = path.rpartition(".")
+    try:
+        entry = getattr(importlib.import_module(module), attribute)
+    except Exception as error:  # a missing module or attribute, or a module that fails as it imports
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise UserError(f"model.arch={path!r} does not import ({reason}); valid: {IMPORTED}") from None
+    if not isinstance(entry, ModuleModel):
+        raise UserError(
+            f"model.arch={path!r} names a {type(entry).__name__}, not a model entry; valid: {IMPORTED}"
+        )
+    entry = copy.copy(entry)
+    entry.kind = path
+    return entry

@@ -41,7 +41,7 @@ Params = dict[str, Tensor]
 def init_params(cfg: ModelConfig, seed: int) -> Params:
     """One replica's fp32 weights from `seed`: normal(0, init_std), residual outputs scaled down (a
     Hugging Face model's: `model.hf.init_params`)."""
-    if model_spec(cfg).external:
+    if model_spec(cfg).module:
         return hf.init_params(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     params = {}
@@ -124,7 +124,7 @@ def hidden(
 def logits(cfg: ModelConfig, p: Params, inputs: Tensor, tally: moe.RouterTally | None = None) -> Tensor:
     """inputs int64 [R, B, T] -> logits [R, B*T, vocab] (`tally`: as in `hidden`; a Hugging Face model's
     are its module's, `model.hf.logits`)."""
-    if model_spec(cfg).external:
+    if model_spec(cfg).module:
         return hf.logits(cfg, p, inputs)
     R, B, T = inputs.shape
     x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)

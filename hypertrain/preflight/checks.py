@@ -159,6 +159,7 @@ def validate(cfg: TrainConfig) -> Decided:
     Returns what the config decides: the layout, device, backend and reduction the run reads after."""
     cfg.check()
     data_source(cfg.data).check(cfg.data)  # what the data source needs of the data fields
+    model_spec(cfg.model)  # model.arch's entry: the table's, or one imported from outside (once)
     check_world(cfg)
     check_data_for_model(cfg)
     check_sources(cfg)
