@@ -307,12 +307,46 @@ def test_training_the_byte_decoder_on_speech_is_refused():
         validate(TrainConfig(data=DataConfig(name="speech")))
 
 
-@pytest.mark.slow
-def test_the_default_build_holds_the_seeds_stream_and_the_held_out_slice(tmp_path):
-    cfg = DataConfig(name="speech", cache_dir=str(tmp_path))
-    dataset = speech.speech_dataset(cfg)
-    assert dataset.n_total >= 16384 + cfg.heldout
-    print(dataset.description, f"built in {dataset.manifest['figures']['build_seconds']:.0f} s")
+SAMPLED = 2048  # chosen sentences spoken here: 8 blocks of synth.BLOCK (~10 s on 2 cores)
+FALSE_PASS = 1e-4  # the most probability that a default build too short to hold the stream passes
+
+
+@pytest.mark.slow  # the source's sentences, the tokenizer and 2048 sentences spoken (~20 s)
+def test_the_default_build_holds_the_seeds_stream_and_the_held_out_slice():
+    """The default build (17,000 sentences) keeps at least 16,384 + heldout utterances; a sentence is
+    dropped when a word's tokens do not fit its frames (build.py). Without the full build (~3 min):
+    the build's own selection and tokenizer, then a seeded uniform sample of SAMPLED chosen sentences
+    spoken and aligned as the build does. If the population held D >= D_MIN drops (too few kept),
+    the sample would show at most the drops seen with hypergeometric probability P(X <= d) <=
+    P(X <= d | D_MIN) (it falls as D grows), asserted <= FALSE_PASS. The one assumption: a sentence's
+    drop does not depend on the sentences espeak-ng spoke before it in its block."""
+    from scipy.stats import hypergeom
+
+    from hypertrain.data.speech import align, corpus, text
+    from hypertrain.data.speech.build import _sample
+
+    cfg = DataConfig(name="speech")
+    recipe = cache.recipe(cfg)
+    with synth.pool(synth.workers()) as parse_pool:
+        found = corpus.sentences(
+            recipe.source, cfg.speech_max_words, lambda f, *a: parse_pool.starmap(f, zip(*a, strict=True), 16)
+        )
+    chosen = _sample(found.texts, cfg.speech_sentences, cfg.speech_seed)
+    assert len(chosen) == cfg.speech_sentences == 17000
+    tokens = text.word_tokens(text.fit(chosen, cfg.text_vocab), [s.split() for s in chosen])
+    picked = np.sort(np.random.default_rng(2024).choice(len(chosen), SAMPLED, replace=False)).tolist()
+    spoken = synth.speak_blocks(
+        [chosen[i] for i in picked], cfg.speech_voice, cfg.speech_rate, cfg.mel_bins, synth.workers()
+    )
+    dropped = sum(
+        align.place_tokens(align.frame_spans(spans, len(frames)), [len(w) for w in tokens[i]], len(frames))
+        is None
+        for (frames, spans), i in zip(spoken, picked, strict=True)
+    )
+    d_min = len(chosen) - (16384 + cfg.heldout) + 1  # this many drops would leave one utterance short
+    chance = hypergeom.cdf(dropped, len(chosen), d_min, SAMPLED)
+    print(f"{dropped} of {SAMPLED} sampled sentences dropped; P(so few | {d_min} drops) = {chance:.2g}")
+    assert chance <= FALSE_PASS
 
 
 # -- voices espeak-ng does not list, and the build lock (issue 21) ---------------------------------

@@ -345,8 +345,8 @@ def unigram_entropies(dataset, ids) -> list[float]:
 
 @pytest.mark.slow
 def test_the_multistream_model_learns_text_and_audio(tmp_path):
-    """multistream_tiny, one replica, every training utterance of a 6000-sentence build once (about
-    320 updates of 16; the build takes ~50 s and the run ~40 s on 2 cores): the held-out text loss
+    """multistream_tiny, one replica, every training utterance of a 4000-sentence build once (182
+    updates of 16; the build takes ~35 s and the run ~30 s on 2 cores): the held-out text loss
     and the held-out mean audio loss each end below 0.9 x their unigram baselines (the audio one
     against the mean of the codebooks' entropies)."""
     from helpers import compose_cfg, finish, start_entry
@@ -357,7 +357,7 @@ def test_the_multistream_model_learns_text_and_audio(tmp_path):
     overrides = [
         *[a for a in SPEECH if not a.startswith("data.heldout")],
         "data.heldout=64",
-        "data.speech_sentences=6000",
+        "data.speech_sentences=4000",
         f"data.cache_dir={tmp_path / 'cache'}",
         "model=multistream_tiny",
         "logger=none",
