@@ -41,12 +41,12 @@ SCHEMES = {  # name: (the scheme's overrides, its outer step's search space)
     # SparseLoCo's error feedback stands in for the momentum (conf/outer/sparseloco.yaml): the lr alone
     "sparseloco": (["outer=sparseloco"], ["outer.lr=tag(log, interval(0.1, 3.0))"]),
     "int8": (["outer.compress=int8"], BUILT_IN),
-    "lowrank": (["outer.compress=lowrank", "outer.lowrank_rank=4", "outer.error_feedback=true"], BUILT_IN),
+    "lowrank": (["outer.compress=lowrank", "outer.lowrank.rank=4", "outer.error_feedback=true"], BUILT_IN),
     "async_dn_dylu": (
         [
             "outer.schedule=async",
-            "outer.async_rule=delayed_nesterov",
-            "outer.dylu=true",
+            "outer.arrivals.rule=delayed_nesterov",
+            "outer.arrivals.dylu=true",
             "cluster.replica_speeds=[1,0.5]",
         ],
         BUILT_IN,
