@@ -645,8 +645,9 @@ CASES = {
         "outer.mean_weights=uniform, or outer.overlap=none or delayed",
     ),
     "lowrank-rank-with-topk": Case(
-        "low rank's rank (older spelling) with another codec, which ignored it",
-        ["outer.compress=topk", "outer.lowrank_rank=2"],
+        "low rank's rank with another codec (its older spelling, outer.lowrank_rank, which that codec "
+        "ignored, is dropped with a note in train.log)",
+        ["outer.compress=topk", "outer.lowrank.rank=2"],
         "outer.lowrank.rank is not a field of outer.compress=topk: outer.lowrank exists only with "
         "outer.compress=lowrank; valid: outer.compress=lowrank, or no outer.lowrank.*",
         "outer.compress=lowrank, or the rank unset",

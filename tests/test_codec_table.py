@@ -86,3 +86,23 @@ def test_the_low_rank_node_exists_only_with_low_rank_a_field_of_it_set_with_anot
     )
     OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=2)).check()
     assert [entry.name for entry in ENTRIES if entry.node] == ["lowrank"]
+
+
+def test_the_older_spelling_of_low_ranks_rank_with_another_codec_is_dropped_with_a_note(tmp_path):
+    """outer.lowrank_rank=2 with outer.compress=int8 worked before low rank had its node (int8 ignored
+    the rank): it still runs, the rank dropped (no outer.lowrank node in config.yaml), a note in
+    train.log only; today's spelling there is refused (the test above). With lowrank it is read as
+    outer.lowrank.rank."""
+    from helpers import RUN, entry
+    from omegaconf import OmegaConf
+
+    for codec, node in (("int8", None), ("lowrank", {"rank": 2})):
+        run_dir = tmp_path / codec
+        args = [*RUN, "phase.updates=1", f"outer.compress={codec}", "outer.lowrank_rank=2"]
+        done = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "has no effect" not in done.stderr + done.stdout and "spelled" not in done.stderr + done.stdout
+        written = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").outer)
+        assert written["lowrank"] == node
+        dropped = "note: outer.lowrank_rank=2 has no effect with outer.compress=int8: dropped"
+        assert (dropped in (run_dir / "train.log").read_text()) == (node is None)
