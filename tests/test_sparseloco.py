@@ -399,7 +399,9 @@ def test_stacked_equals_the_loop_with_sparseloco():
 
 def preset() -> OuterConfig:
     """`outer=sparseloco`, from its own file (conf/outer/sparseloco.yaml)."""
-    return OuterConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml")))
+    written = OmegaConf.load(REPO / "conf/outer/sparseloco.yaml")
+    loaded = OmegaConf.merge(OmegaConf.structured(OuterConfig), written)
+    return OmegaConf.to_object(loaded)  # typed, its node outer.topk a TopKConfig
 
 
 def test_the_preset_is_templars_compressor_on_the_tiny_models_tensors():
