@@ -106,8 +106,8 @@ def test_the_sparseloco_presets_bits_are_templars_bytes(tmp_path):
     ceil(k / 4) bytes of 2-bit values and ceil(3k / 2) of 12-bit indices, k = `templar_k`(64, its length)
     (the 32-wide test model: its norms of 32 whole, its 32 x 96 FFN in 32 x 48 chunks), and the message's
     8-byte header; both replicas at both syncs."""
-    preset = OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
-    cfg = small_cfg(outer=OuterConfig(**preset))
+    preset = OmegaConf.merge(OuterConfig, OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
+    cfg = small_cfg(outer=OmegaConf.to_object(preset))  # typed: its node outer.topk a TopKConfig
     shapes = [tuple(t.shape) for t in initial_weights(prepare(cfg)).values()]
     k = math.ceil(cfg.outer.topk.fraction * cfg.outer.tile**2)
     counts = [templar_k(k, len(c)) for s in shapes for c in templar_chunks(s, cfg.outer.tile)]
