@@ -88,7 +88,7 @@ class Transform(Choice):
 
 
 class TopkValues(Choice):
-    """outer.topk_values: how top-k's kept values travel (hypertrain.diloco.codecs.TopK)."""
+    """outer.topk.values: how top-k's kept values travel (hypertrain.diloco.codecs.TopK)."""
 
     fp32 = "fp32"
     fp16 = "fp16"

@@ -49,9 +49,9 @@ class Codec:
     - `error_feedback`: what it leaves out can be fed back (none leaves nothing out);
     - `overlap`: it runs under outer.overlap (else not built);
     - wire format: `value_bits` (32: fp32; 8 or 4: a code a value, packed per block; 0: set by other
-      fields: top-k's outer.topk_values, low rank's fp32 factors), `header_bytes` per block (fp32 scale,
-      or minimum and scale), `indexed` (it sends the indices of what it keeps: outer.index_bits and
-      outer.topk_values shape its payload);
+      fields: top-k's outer.topk.values, low rank's fp32 factors), `header_bytes` per block (fp32 scale,
+      or minimum and scale), `indexed` (it sends the indices of what it keeps: outer.topk.index_bits and
+      outer.topk.values shape its payload);
     - `sends`: what travels, for a refusal that needs blocks (a WHOLE_TENSOR entry's);
     - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
       alone: None under another codec, and a field of it set there is one that codec lacks.
@@ -179,8 +179,8 @@ class Nibbles(Quantizer):
 
 @dataclass(frozen=True)
 class TopK(Codec):
-    """Top-k: each block's largest magnitudes, their values (outer.topk_values) and indices
-    (outer.index_bits); `spec` is a `diloco.codecs.TopK`."""
+    """Top-k: each block's largest magnitudes, their values (outer.topk.values) and indices
+    (outer.topk.index_bits); `spec` is a `diloco.codecs.TopK`."""
 
     def fields(self, kernels, lengths, blocks, spec) -> list:
         return kernels.topk_fields(lengths, blocks, spec)
@@ -216,7 +216,13 @@ ENTRIES = (
         magnitudes=E3M0,
         midpoints=_midpoints(E3M0),
     ),
-    TopK("topk", BLOCKWISE, gather_only="top-k payloads cannot be summed shard by shard", indexed=True),
+    TopK(
+        "topk",
+        BLOCKWISE,
+        gather_only="top-k payloads cannot be summed shard by shard",
+        indexed=True,
+        node="topk",
+    ),
     Codec(
         "lowrank",
         WHOLE_TENSOR,

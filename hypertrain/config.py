@@ -251,6 +251,26 @@ class ArrivalsConfig:
 
 
 @dataclass
+class TopKConfig:
+    """outer.topk: top-k's own fields (docs/compression.md), a node that exists only with outer.compress=topk
+    (older spellings: outer.topk_fraction, outer.index_bits, outer.topk_values: records.formats)."""
+
+    fraction: float = 0.01  # the fraction of each block sent, in (0, 1]
+    # 32 (int32 indices in the vector) or 12 (each index within its block, two in three bytes;
+    # outer.block <= 4096 and an even k of a whole block)
+    index_bits: int = 32
+    # how the kept values travel: fp32, fp16, int8 (one fp32 scale per block) or two_bit (templar's: per
+    # tensor an fp32 shift and four fp32 reconstruction values, then 2 bits a value)
+    values: TopkValues = TopkValues.fp32
+
+    def check(self) -> None:
+        if not 0.0 < self.fraction <= 1.0:
+            raise UserError(f"outer.topk.fraction={self.fraction!r} is out of range; valid: (0, 1]")
+        if self.index_bits not in (32, 12):
+            raise UserError(f"outer.topk.index_bits={self.index_bits!r} is not valid; valid: 32 or 12")
+
+
+@dataclass
 class LowRankConfig:
     """outer.lowrank: low rank's own fields (PowerSGD; docs/compression.md), a node that exists only with
     outer.compress=lowrank (older spelling: outer.lowrank_rank: records.formats)."""
@@ -293,7 +313,7 @@ class OuterConfig:
     # Compressed pseudo-gradients (docs/compression.md): what each replica sends at a sync. none (fp32,
     # a summing all-reduce), int8, uint8 (min-max), fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0 (a sign and a power
     # of two in 4 bits; these with one fp32 scale per block), or topk (the largest-magnitude
-    # outer.topk_fraction of each block, fp32 values and int32 indices), lowrank; or the import path
+    # outer.topk.fraction of each block, fp32 values and int32 indices), lowrank; or the import path
     # (module.NAME) of a codec entry outside the package (docs/extending.md, "A codec"). Each replica's
     # contribution is its own decoded payload.
     compress: str = "none"
@@ -304,7 +324,9 @@ class OuterConfig:
     # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
     reduce: Reduction = Reduction.gather
-    topk_fraction: float = 0.01  # compress=topk: the fraction of each block sent, in (0, 1]
+    # compress=topk only: its own fields (fraction, index_bits, values); None under another codec. The
+    # fields several codecs share (block, tile, transform, reduce, error_decay) stay outer's own.
+    topk: TopKConfig | None = field(default=None, metadata=before(None))
     # What each block becomes before the codec: none (itself) or dct (its orthonormal DCT-II coefficients,
     # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
     # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
@@ -319,12 +341,6 @@ class OuterConfig:
     # SparseLoCo's decay beta of the error buffers (Sarfi et al. 2025; docs/compression.md): a replica
     # compresses u = beta * e + delta and keeps e <- u - decoded; 1.0 = plain error feedback, in [0, 1].
     error_decay: float = 1.0
-    # compress=topk: 32 (int32 indices in the vector) or 12 (each index within its block, two in three
-    # bytes; outer.block <= 4096 and an even k of a whole block).
-    index_bits: int = 32
-    # compress=topk: how the kept values travel: fp32, fp16, int8 (one fp32 scale per block) or two_bit
-    # (templar's: per tensor an fp32 shift and four fp32 reconstruction values, then 2 bits a value).
-    topk_values: TopkValues = TopkValues.fp32
     # An outer step overlapping a whole round (docs/overlap.md): none (today's sync), delayed (the
     # reduction started at the end of round t is applied at the end of round t+1, while round t+1
     # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
@@ -386,8 +402,6 @@ class OuterConfig:
         if not 0.0 <= self.merge_alpha <= 1.0:
             raise UserError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
         _at_least("outer.block", self.block, 1)
-        if not 0.0 < self.topk_fraction <= 1.0:
-            raise UserError(f"outer.topk_fraction={self.topk_fraction!r} is out of range; valid: (0, 1]")
         if self.error_feedback and not codec.error_feedback:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
@@ -445,7 +459,7 @@ class OuterConfig:
             )
 
     def check_sparseloco(self) -> None:
-        """error_decay, index_bits and topk_values (SparseLoCo's pieces)."""
+        """error_decay, and top-k's index_bits against the blocks (SparseLoCo's pieces)."""
         if not 0.0 <= self.error_decay <= 1.0:
             raise UserError(f"outer.error_decay={self.error_decay!r} is out of range; valid: [0, 1]")
         if self.error_decay != 1.0 and not self.error_feedback:
@@ -453,39 +467,32 @@ class OuterConfig:
                 f"outer.error_decay={self.error_decay!r} without error feedback decays no buffer; valid: "
                 "outer.error_feedback=true, or outer.error_decay=1.0"
             )
-        if self.index_bits not in (32, 12):
-            raise UserError(f"outer.index_bits={self.index_bits!r} is not valid; valid: 32 or 12")
-        if not codec_entry(self.compress).indexed and (self.index_bits != 32 or self.topk_values != "fp32"):
-            raise UserError(
-                f"outer.index_bits={self.index_bits} outer.topk_values={self.topk_values} with "
-                f"outer.compress={self.compress}: they shape top-k's payload only; valid: "
-                "outer.compress=topk, or outer.index_bits=32 outer.topk_values=fp32"
-            )
-        if self.index_bits != 12:
+        if self.topk is None or self.topk.index_bits != 12:  # top-k's node: with outer.compress=topk alone
             return
         if self.block > 4096:
             raise UserError(
-                f"outer.index_bits=12 with outer.block={self.block}: 12 bits index a block of at most 4096; "
-                "valid: outer.block <= 4096, or outer.index_bits=32"
+                f"outer.topk.index_bits=12 with outer.block={self.block}: 12 bits index a block of at most "
+                "4096; valid: outer.block <= 4096, or outer.topk.index_bits=32"
             )
-        k = topk_kept(self.topk_fraction, self.block)
+        k = topk_kept(self.topk.fraction, self.block)
         if k % 2 and self.block < 2:  # a block of one value keeps k = 1 at any fraction: no even k exists
             raise UserError(
-                f"outer.index_bits=12 with outer.block={self.block} keeps k = 1 of each block, an odd number "
-                "(12-bit indices pack two in three bytes); valid: outer.block >= 2, or outer.index_bits=32"
+                f"outer.topk.index_bits=12 with outer.block={self.block} keeps k = 1 of each block, an odd "
+                "number (12-bit indices pack two in three bytes); valid: outer.block >= 2, or "
+                "outer.topk.index_bits=32"
             )
         if k % 2:
             even = k + 1 if k < self.block else k - 1
             raise UserError(
-                f"outer.index_bits=12 with outer.topk_fraction={self.topk_fraction!r} keeps k = {k} of a "
-                f"{self.block}-value block, an odd number (12-bit indices pack two in three bytes); valid: "
-                f"an even k, e.g. outer.topk_fraction={even / self.block!r} (k = {even}), or "
-                "outer.index_bits=32"
+                f"outer.topk.index_bits=12 with outer.topk.fraction={self.topk.fraction!r} keeps k = {k} of "
+                f"a {self.block}-value block, an odd number (12-bit indices pack two in three bytes); valid: "
+                f"an even k, e.g. outer.topk.fraction={even / self.block!r} (k = {even}), or "
+                "outer.topk.index_bits=32"
             )
 
 
 # The outer nodes a table entry owns (its `node` names one): the typed config each holds.
-OUTER_NODES: dict[str, type] = {"arrivals": ArrivalsConfig, "lowrank": LowRankConfig}
+OUTER_NODES: dict[str, type] = {"arrivals": ArrivalsConfig, "lowrank": LowRankConfig, "topk": TopKConfig}
 
 
 def node_owners() -> list[tuple[str, Any]]:

@@ -211,7 +211,7 @@ def main(dict_cfg: DictConfig) -> float:
         print(preflight.finished_notice(checked), file=sys.stderr)
         return finished_loss(run_dir)
     if writer:
-        log_only(_retired.get())
+        log_only(_retired.get() + checked.notes)
     try:  # rank 0 holds the run directory's lock (preflight.claim) until the run ends
         return run_checked(checked, run_dir, launched, writer)
     except BaseException:  # before its first record, a new run leaves nothing (after: its records)
@@ -413,10 +413,12 @@ def _entry(args: list[str]) -> int:
         # hold its id there ("run ID is in use") when this session resumes it. Each entry starts its own.
         os.environ.pop("WANDB_SERVICE", None)
         argv = quote_numeric_choices(multirun_first(["hypertrain.train", *args]))
+        given = tuple(k for a in argv if (k := a.partition("=")[0]) in formats.RETIRED)
         argv, notices, logged = formats.modern_spelling(argv)
         if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
             print("\n".join(notices), file=sys.stderr)
         _retired.set(tuple(logged))  # the run's train.log says them (`log_only`), never the terminal
+        composition.retired_given.set(given)  # a codec's field another codec ignored: dropped, noted
         argv = torchrun_restarts(argv)  # a restart by torchrun's agent resumes (resume=auto)
         guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again
         composition.check_composition(argv[1:])  # Hydra's own mistakes: one line, exit 2, nothing made

@@ -21,7 +21,7 @@ from test_async import arrivals, async_cfg, four_one_slow
 
 import hypertrain.diloco.asynchronous as asynchronous
 from hypertrain.choices import Compressor
-from hypertrain.config import LowRankConfig
+from hypertrain.config import LowRankConfig, TopKConfig
 from hypertrain.diloco.arrivals import Job
 from hypertrain.diloco.asynchronous import server_updates
 from hypertrain.diloco.state import RunState
@@ -183,7 +183,7 @@ def test_the_other_elementwise_codecs_apply_their_documented_values(codec):
 
 def test_topk_with_error_feedback_follows_the_buffer_recursion_at_every_arrival_of_a_replica():
     fraction = 0.125
-    cfg = codec_cfg("topk", topk_fraction=fraction, error_feedback=True)
+    cfg = codec_cfg("topk", topk=TopKConfig(fraction=fraction), error_feedback=True)
     sizes, calls, applied, state = observed(cfg)
     flat_applied = [d for deltas in applied for d in deltas]
     e = torch.zeros(sum(sizes), dtype=torch.float64)
@@ -222,7 +222,9 @@ def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback
     weights and every error buffer equal the loop engine's; with the DCT transform and with tiles too."""
     got = []
     for engine in ("stacked", "loop"):
-        outer = dict(compress=Compressor.topk, topk_fraction=0.125, error_feedback=True, dylu=True, **extra)
+        outer = dict(
+            compress=Compressor.topk, topk=TopKConfig(fraction=0.125), error_feedback=True, dylu=True, **extra
+        )
         base = async_cfg(engine=engine, **outer)
         cfg = four_one_slow(base, engine)
         got.append(observed(cfg)[3])
@@ -238,7 +240,7 @@ def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback
 CODEC = ["outer.compress=int8", f"outer.block={BLOCK}"]
 TOPK_EF = [
     "outer.compress=topk",
-    "outer.topk_fraction=0.125",
+    "outer.topk.fraction=0.125",
     "outer.error_feedback=true",
     f"outer.block={BLOCK}",
 ]
@@ -364,7 +366,7 @@ def test_topk_with_the_dct_and_error_feedback_keeps_each_blocks_largest_coeffici
     `dct_tolerance`; the buffer left is x - C(x), in the parameter domain (DeMo's residual). A replica
     without its buffer would send another payload (negative control)."""
     fraction = 0.125
-    cfg = codec_cfg("topk", topk_fraction=fraction, error_feedback=True, transform="dct")
+    cfg = codec_cfg("topk", topk=TopKConfig(fraction=fraction), error_feedback=True, transform="dct")
     sizes, calls, applied, state = observed(cfg)
     C, keep = dct_matrix(BLOCK), math.ceil(fraction * BLOCK)
     flat_applied = [d for deltas in applied for d in deltas]
@@ -420,7 +422,7 @@ def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_e
     (negative control)."""
     fraction = 0.125
     cfg = async_cfg(
-        compress=Compressor.topk, topk_fraction=fraction, error_feedback=True, tile=TILE, block=16
+        compress=Compressor.topk, topk=TopKConfig(fraction=fraction), error_feedback=True, tile=TILE, block=16
     )
     run = prepare(cfg)
     shapes = [tuple(t.shape) for t in initial_weights(run).values()]
@@ -476,7 +478,7 @@ def expected_bytes(compress, shapes):
         ("none", {}),
         ("int8", {}),
         ("int8", {"transform": "dct"}),
-        ("topk", {"topk_fraction": 0.125, "error_feedback": True}),
+        ("topk", {"topk": TopKConfig(fraction=0.125), "error_feedback": True}),
         ("lowrank", {"lowrank": LowRankConfig(rank=2), "error_feedback": True}),
     ],
     ids=["fp32", "int8", "int8-dct", "topk-ef", "lowrank-ef"],

@@ -98,7 +98,7 @@ def test_two_processes_a_replica_equal_the_simulation_within_rounding_and_resume
 CODECS = {
     # int8 travels as top-k does (the payload's bytes, decoded on every process): top-k with its error
     # buffers and low rank with its Q cover the wire
-    "topk-ef": ["outer.compress=topk", "outer.topk_fraction=0.125", "outer.error_feedback=true"],
+    "topk-ef": ["outer.compress=topk", "outer.topk.fraction=0.125", "outer.error_feedback=true"],
     "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank.rank=2", "outer.error_feedback=true"],
 }
 

@@ -645,8 +645,9 @@ CASES = {
         "outer.mean_weights=uniform, or outer.overlap=none or delayed",
     ),
     "lowrank-rank-with-topk": Case(
-        "low rank's rank (older spelling) with another codec, which ignored it",
-        ["outer.compress=topk", "outer.lowrank_rank=2"],
+        "low rank's rank with another codec (its older spelling, outer.lowrank_rank, which that codec "
+        "ignored, is dropped with a note in train.log)",
+        ["outer.compress=topk", "outer.lowrank.rank=2"],
         "outer.lowrank.rank is not a field of outer.compress=topk: outer.lowrank exists only with "
         "outer.compress=lowrank; valid: outer.compress=lowrank, or no outer.lowrank.*",
         "outer.compress=lowrank, or the rank unset",
@@ -862,27 +863,30 @@ CASES = {
     ),
     "index-bits-unknown": Case(
         "top-k indices of a width not built",
-        ["outer.compress=topk", "outer.index_bits=16"],
-        "outer.index_bits=16 is not valid; valid: 32 or 12",
-        "outer.index_bits=32 or 12",
+        ["outer.compress=topk", "outer.topk.index_bits=16"],
+        "outer.topk.index_bits=16 is not valid; valid: 32 or 12",
+        "outer.topk.index_bits=32 or 12",
     ),
     "topk-settings-without-topk": Case(
-        "top-k's index or value format with another compressor",
-        ["outer.compress=int8", "outer.topk_values=two_bit"],
-        "outer.index_bits=32 outer.topk_values=two_bit with outer.compress=int8: they shape top-k's payload",
-        "outer.compress=topk, or leave them at 32 and fp32",
+        "top-k's own fields (its node, outer.topk) with another compressor (their older spellings, "
+        "outer.topk_values and the like, which that compressor ignored or refused, are dropped with a note "
+        "in train.log)",
+        ["outer.compress=int8", "outer.topk.values=two_bit"],
+        "outer.topk.values is not a field of outer.compress=int8: outer.topk exists only with "
+        "outer.compress=topk; valid: outer.compress=topk, or no outer.topk.*",
+        "outer.compress=topk, or top-k's fields unset",
     ),
     "index-bits-12-large-block": Case(
         "12-bit indices in blocks longer than 4096",
-        ["outer.compress=topk", "outer.index_bits=12", "outer.block=8192"],
-        "outer.index_bits=12 with outer.block=8192: 12 bits index a block of at most 4096",
-        "outer.block <= 4096, or outer.index_bits=32",
+        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.block=8192"],
+        "outer.topk.index_bits=12 with outer.block=8192: 12 bits index a block of at most 4096",
+        "outer.block <= 4096, or outer.topk.index_bits=32",
     ),
     "index-bits-12-odd-k": Case(
         "12-bit indices with an odd number kept per block",
-        ["outer.compress=topk", "outer.index_bits=12", "outer.block=4096", "outer.topk_fraction=0.03"],
-        "outer.index_bits=12 with outer.topk_fraction=0.03 keeps k = 123 of a 4096-value block, an odd",
-        "a fraction whose k is even (the line names one), or outer.index_bits=32",
+        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.block=4096", "outer.topk.fraction=0.03"],
+        "outer.topk.index_bits=12 with outer.topk.fraction=0.03 keeps k = 123 of a 4096-value block, an odd",
+        "a fraction whose k is even (the line names one), or outer.topk.index_bits=32",
     ),
     "tile-without-block-codec": Case(
         "2-D tiles of the blocks with no block codec (docs/compression.md)",
@@ -1610,11 +1614,11 @@ CASES = {
     ),
     "index-bits-12-with-blocks-of-one": Case(
         "12-bit top-k indices with blocks of one value (k = 1 each: no even k exists; the advice was "
-        "outer.topk_fraction=0.0, itself refused)",
-        ["outer.compress=topk", "outer.index_bits=12", "outer.block=1"],
-        "outer.index_bits=12 with outer.block=1 keeps k = 1 of each block, an odd number (12-bit indices "
-        "pack two in three bytes); valid: outer.block >= 2, or outer.index_bits=32",
-        "outer.block >= 2, or outer.index_bits=32",
+        "outer.topk.fraction=0.0, itself refused)",
+        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.block=1"],
+        "outer.topk.index_bits=12 with outer.block=1 keeps k = 1 of each block, an odd number (12-bit "
+        "indices pack two in three bytes); valid: outer.block >= 2, or outer.topk.index_bits=32",
+        "outer.block >= 2, or outer.topk.index_bits=32",
     ),
     "resume-shorter-phase": Case(
         "resume with a shorter phase.updates (it may change, but only to a longer phase)",

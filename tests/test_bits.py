@@ -18,7 +18,7 @@ from matplotlib.image import imread
 from omegaconf import OmegaConf
 from references import templar_chunks, templar_k
 
-from hypertrain.config import ChurnConfig, OuterConfig
+from hypertrain.config import ChurnConfig, OuterConfig, TopKConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.communication import HEADER_BYTES, contribution_bits
 from hypertrain.preflight.prepare import initial_weights, prepare
@@ -49,7 +49,7 @@ CASES = {  # name: the outer config, and the bits of one replica's contribution 
         lambda sizes, R, block: 8 * (codecs.payload_size("int8", codecs.Blocks(sizes, block)) + HEADER_BYTES),
     ),
     "topk-12-bit-two-bit": (  # SparseLoCo's packing: the bits follow the payload the codec packs
-        OuterConfig(compress="topk", topk_fraction=0.0625, index_bits=12, topk_values="two_bit"),
+        OuterConfig(compress="topk", topk=TopKConfig(fraction=0.0625, index_bits=12, values="two_bit")),
         lambda sizes, R, block: (
             8
             * (
@@ -106,10 +106,10 @@ def test_the_sparseloco_presets_bits_are_templars_bytes(tmp_path):
     ceil(k / 4) bytes of 2-bit values and ceil(3k / 2) of 12-bit indices, k = `templar_k`(64, its length)
     (the 32-wide test model: its norms of 32 whole, its 32 x 96 FFN in 32 x 48 chunks), and the message's
     8-byte header; both replicas at both syncs."""
-    preset = OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
-    cfg = small_cfg(outer=OuterConfig(**preset))
+    preset = OmegaConf.merge(OuterConfig, OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
+    cfg = small_cfg(outer=OmegaConf.to_object(preset))  # typed: its node outer.topk a TopKConfig
     shapes = [tuple(t.shape) for t in initial_weights(prepare(cfg)).values()]
-    k = math.ceil(cfg.outer.topk_fraction * cfg.outer.tile**2)
+    k = math.ceil(cfg.outer.topk.fraction * cfg.outer.tile**2)
     counts = [templar_k(k, len(c)) for s in shapes for c in templar_chunks(s, cfg.outer.tile)]
     payload = 20 * len(shapes) + sum(math.ceil(c / 4) + math.ceil(3 * c / 2) for c in counts)
     params = sum(math.prod(s) for s in shapes)

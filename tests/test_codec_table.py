@@ -85,4 +85,46 @@ def test_the_low_rank_node_exists_only_with_low_rank_a_field_of_it_set_with_anot
         "outer.compress=lowrank; valid: outer.compress=lowrank, or no outer.lowrank.*"
     )
     OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=2)).check()
-    assert [entry.name for entry in ENTRIES if entry.node] == ["lowrank"]
+    assert [entry.name for entry in ENTRIES if entry.node] == ["topk", "lowrank"]
+
+
+def test_the_older_spelling_of_low_ranks_rank_with_another_codec_is_dropped_with_a_note(tmp_path):
+    """outer.lowrank_rank=2 with outer.compress=int8 worked before low rank had its node (int8 ignored
+    the rank): it still runs, the rank dropped (no outer.lowrank node in config.yaml), a note in
+    train.log only; today's spelling there is refused (the test above). With lowrank it is read as
+    outer.lowrank.rank."""
+    from helpers import RUN, entry
+    from omegaconf import OmegaConf
+
+    for codec, node in (("int8", None), ("lowrank", {"rank": 2})):
+        run_dir = tmp_path / codec
+        args = [*RUN, "phase.updates=1", f"outer.compress={codec}", "outer.lowrank_rank=2"]
+        done = entry([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "has no effect" not in done.stderr + done.stdout and "spelled" not in done.stderr + done.stdout
+        written = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").outer)
+        assert written["lowrank"] == node
+        dropped = "note: outer.lowrank_rank=2 has no effect with outer.compress=int8: dropped"
+        assert (dropped in (run_dir / "train.log").read_text()) == (node is None)
+
+
+def test_top_ks_older_spellings_read_as_its_node_and_dropped_with_a_note_under_another_codec(tmp_path):
+    """outer.topk_fraction, outer.index_bits and outer.topk_values (before top-k had its node) still run:
+    with top-k read as outer.topk.*, with int8 (which ignored the fraction) dropped, each with a note in
+    train.log only; config.yaml holds the node, or none (null)."""
+    from helpers import RUN, entry
+    from omegaconf import OmegaConf
+
+    older = ["outer.topk_fraction=0.5", "outer.index_bits=12", "outer.topk_values=fp16"]
+    for codec, node in (("int8", None), ("topk", {"fraction": 0.5, "index_bits": 12, "values": "fp16"})):
+        run_dir = tmp_path / codec
+        done = entry(
+            [*RUN, "phase.updates=1", f"outer.compress={codec}", *older, f"hydra.run.dir={run_dir}"], tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        assert "has no effect" not in done.stderr + done.stdout and "spelled" not in done.stderr + done.stdout
+        assert OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").outer)["topk"] == node
+        log = (run_dir / "train.log").read_text()
+        assert "note: outer.index_bits= is now spelled outer.topk.index_bits= " in log
+        dropped = "note: outer.topk_fraction=0.5 has no effect with outer.compress=int8: dropped"
+        assert (dropped in log) == (node is None)

@@ -66,7 +66,7 @@ from helpers import (
 from omegaconf import OmegaConf
 from references import U32, templar_chunks, templar_k
 
-from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, WorldConfig
+from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, TopKConfig, WorldConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean, topk
@@ -115,7 +115,7 @@ def outer_cfg(
         compress=codec,
         reduce=reduce,
         block=block,
-        topk_fraction=fraction,
+        topk=TopKConfig(fraction=fraction) if codec == "topk" else None,  # top-k's node: with top-k alone
         error_feedback=ef,
         transform=transform,
     )
@@ -350,10 +350,9 @@ def test_one_replica_whose_message_is_not_whole_fp32_words_gets_its_own_contribu
     assert size % 4, f"{codec} {spec}: {size} bytes, a multiple of 4 would not test the stride"
     gen = torch.Generator().manual_seed(48)
     x = torch.randn(1, TINY.numel, generator=gen)
-    outer = replace(
-        outer_cfg(codec, reduce, fraction=spec.fraction, ef=True), index_bits=spec.index_bits,
-        topk_values=spec.values,
-    )  # fmt: skip
+    outer = outer_cfg(codec, reduce, fraction=spec.fraction, ef=True)
+    if codec == "topk":
+        outer = replace(outer, topk=TopKConfig(spec.fraction, spec.index_bits, spec.values))
     errors = torch.zeros(1, TINY.numel)
     reduction = compressed_mean(outer, x, errors, torch.tensor([True]), TINY, ReplicaGroups(1))
     result = reduction.wait()
@@ -440,7 +439,7 @@ class StageCase:
     def outer(self) -> OuterConfig:
         outer = outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef, self.transform)
         if self.sparseloco:  # k = 4 of a whole block of 32 (even); ragged ones keep 1 or 2
-            outer = replace(outer, error_decay=0.9, index_bits=12, topk_values="two_bit")
+            outer = replace(outer, error_decay=0.9, topk=replace(outer.topk, index_bits=12, values="two_bit"))
         return outer
 
 
@@ -713,18 +712,18 @@ WHOLE_CASES = {
     # SparseLoCo's pieces (issue 37): k = 8 of a block of 128, two_bit values, 12-bit indices, decay 0.9
     "topk-sparseloco": [
         "outer.compress=topk",
-        "outer.topk_fraction=0.0625",
+        "outer.topk.fraction=0.0625",
         "outer.error_feedback=true",
         "outer.error_decay=0.9",
-        "outer.index_bits=12",
-        "outer.topk_values=two_bit",
+        "outer.topk.index_bits=12",
+        "outer.topk.values=two_bit",
     ],
     "fp4-two_phase": ["outer.compress=fp4_e2m1", "outer.reduce=two_phase"],
     "e3m0-gather": ["outer.compress=e3m0"],
     "dct-topk-ef": [
         "outer.compress=topk",
         "outer.transform=dct",
-        "outer.topk_fraction=0.05",
+        "outer.topk.fraction=0.05",
         "outer.error_feedback=true",
     ],
     # SparseLoCo's chunks (issue 37; templar's, issue 48): 4 x 4 tiles of every matrix, one tile a block of
@@ -733,7 +732,7 @@ WHOLE_CASES = {
         "outer.compress=topk",
         "outer.tile=4",
         "outer.block=16",
-        "outer.topk_fraction=0.125",
+        "outer.topk.fraction=0.125",
         "outer.error_feedback=true",
     ],
     # fragments: H = 4, P = 2 (a fragment every 2 updates), taken one update early (in flight meanwhile)
@@ -784,7 +783,8 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=True)
     blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
     tiled = ([tuple(t.shape) for t in weights.values()], outer.tile) if outer.tile else None
-    spec = (outer.topk_fraction, outer.topk_values, outer.index_bits)
+    own = outer.topk or TopKConfig()  # None under another codec than top-k
+    spec = (own.fraction, str(own.values), own.index_bits)
     b = payload_formula(outer.compress, blocks, *spec, tiled=tiled)
     assert all(r["payload_bytes"] == b for r in syncs), (b, syncs)
 
@@ -799,7 +799,7 @@ KILL_RUN = [
     "inner.H=2",
     "phase.updates=6",
     "outer.compress=topk",
-    "outer.topk_fraction=0.05",
+    "outer.topk.fraction=0.05",
     "outer.error_feedback=true",
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
@@ -968,14 +968,14 @@ BAD = {
     "unknown-reduction": (["outer.compress=int8", "outer.reduce=ring"], "outer.reduce='ring' is not valid"),
     "block-0": (["outer.compress=int8", "outer.block=0"], "outer.block=0 is too small; valid: >= 1"),
     "fraction-0": (
-        ["outer.compress=topk", "outer.topk_fraction=0"],
-        "outer.topk_fraction=0.0 is out of range; valid: (0, 1]",
+        ["outer.compress=topk", "outer.topk.fraction=0"],
+        "outer.topk.fraction=0.0 is out of range; valid: (0, 1]",
     ),
     "fraction-1.5": (
-        ["outer.compress=topk", "outer.topk_fraction=1.5"],
-        "outer.topk_fraction=1.5 is out of range; valid: (0, 1]",
+        ["outer.compress=topk", "outer.topk.fraction=1.5"],
+        "outer.topk.fraction=1.5 is out of range; valid: (0, 1]",
     ),
-    "fraction-nan": (["outer.compress=topk", "outer.topk_fraction=nan"], "outer.topk_fraction=nan is not"),
+    "fraction-nan": (["outer.compress=topk", "outer.topk.fraction=nan"], "outer.topk.fraction=nan is not"),
     "error-feedback-with-none": (
         ["outer.error_feedback=true"],
         "outer.error_feedback=true with outer.compress=none has nothing to feed back",
@@ -1019,7 +1019,13 @@ def test_a_block_beyond_every_tensor_trains_as_one_block_per_tensor(codec):
     """Issue 48 item 12: outer.block=2^62 once overflowed torch's storage at the first sync. A block never
     crosses a tensor, so it is each tensor one block: the run (stacked, 2 syncs, top-k with error
     feedback) equals the run at outer.block = the largest tensor's size, losses and weights exactly."""
-    base = small_cfg(outer=OuterConfig(compress=codec, topk_fraction=0.25, error_feedback=codec == "topk"))
+    base = small_cfg(
+        outer=OuterConfig(
+            compress=codec,
+            topk=TopKConfig(fraction=0.25) if codec == "topk" else None,
+            error_feedback=codec == "topk",
+        )
+    )
     largest = max(t.numel() for t in init_params(base.model, seed=0).values())
     runs = [
         run_rounds(replace(base, outer=replace(base.outer, block=block)), stacked.train_replicas)
@@ -1044,7 +1050,7 @@ def test_compress_none_spelled_out_is_the_default_run_bitwise(tmp_path):
         "outer.compress=none",
         "outer.reduce=gather",
         "outer.block=128",
-        "outer.topk_fraction=0.01",
+        "outer.topk.fraction=0.01",
         "outer.transform=none",
         "outer.error_feedback=false",
     ]

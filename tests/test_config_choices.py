@@ -42,7 +42,7 @@ FIELDS = choice_fields(TrainConfig)
 
 
 def test_every_choice_is_named_by_its_value_and_reads_as_its_str():
-    # issue 34's 20, overlap (36), transform, topk_values (37), replica_split (38),
+    # issue 34's 20, overlap (36), transform, topk.values (37), replica_split (38),
     # schedule, async_rule (now outer.arrivals.rule), mean_weights (39)
     # outer.compress, data.name and model.arch are str since issue 49 (a codec, a data source, a model by
     # import path)
@@ -69,7 +69,7 @@ def test_a_choice_is_given_by_its_name_and_composes_to_its_member():
 
 
 def test_what_a_run_stores_holds_plain_str_never_a_member(tmp_path):
-    cfg = TrainConfig(outer=OuterConfig(schedule=Schedule["async"]))  # with async's node, outer.arrivals
+    cfg = TrainConfig(outer=OuterConfig(schedule=Schedule["async"], compress="topk"))  # outer.arrivals, .topk
     resolved = resolved_config(cfg)
     stored = [resolved, as_builtins(ClusterConfig())]
     clock = Clock(Shape.of(resolved), cfg.cluster, 1000)
@@ -85,4 +85,4 @@ def test_what_a_run_stores_holds_plain_str_never_a_member(tmp_path):
         assert type(value) is str, key
     assert type(stored[1]["compute"]) is str
     text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    assert yaml.safe_load(text)["outer"]["compress"] == "none"  # config.yaml as before: the plain value
+    assert yaml.safe_load(text)["outer"]["compress"] == "topk"  # config.yaml as before: the plain value

@@ -46,10 +46,10 @@ REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up
 
 
 def rounds_today(outer: dict) -> dict:
-    """`outer` of a rounds run without low rank as it reads after schema 8's step: ASYNC_NEUTRAL's fields
-    as ASYNC_TODAY, and no low-rank node (its rank, unread, dropped)."""
-    kept = {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL and k != "lowrank_rank"}
-    return kept | ASYNC_TODAY | NO_LOWRANK
+    """`outer` of a rounds run without low rank or top-k as it reads after schema 8's step: ASYNC_NEUTRAL's
+    fields as ASYNC_TODAY, and no low-rank or top-k node (their fields, unread, dropped)."""
+    kept = {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL and k not in CODEC_OWN}
+    return kept | ASYNC_TODAY | NO_CODEC_NODES
 
 
 def test_today_is_schema_8_and_its_files_pass_unchanged():
@@ -141,9 +141,11 @@ def test_the_unversioned_checkpoint_step_gives_todays_payload(clock):
 # transform, flat blocks (and the low-rank rank, which its codecs never read, at its default)
 BEFORE_ISSUE_37 = {"error_decay": 1.0, "index_bits": 32, "topk_values": "fp32", "transform": "none"}
 BEFORE_ISSUE_37 |= {"tile": 0, "lowrank_rank": 4}
-# the same after schema 8's step in a run of another codec than low rank: the rank (unread) has no node
-NO_LOWRANK = {"lowrank": None}
-CODECS_TODAY = {k: v for k, v in BEFORE_ISSUE_37.items() if k != "lowrank_rank"} | NO_LOWRANK
+# the same after schema 8's step in a run of another codec than low rank and top-k: their own fields
+# (unread) have no node
+CODEC_OWN = ("lowrank_rank", "topk_fraction", "index_bits", "topk_values")
+NO_CODEC_NODES = {"lowrank": None, "topk": None}
+CODECS_TODAY = {k: v for k, v in BEFORE_ISSUE_37.items() if k not in CODEC_OWN} | NO_CODEC_NODES
 
 
 def test_a_version_1_config_and_checkpoint_gain_no_overlap():
@@ -167,7 +169,8 @@ def test_a_version_2_config_and_checkpoint_send_int32_indices_fp32_values_undeca
     index_bits=32, topk_values=fp32, transform=none (the bytes it sent, so it resumes with them), its
     checkpoint's state unchanged (but for schema 3's step: no running bits)."""
     outer = {"compress": "topk", "topk_fraction": 0.05, "error_feedback": True, "overlap": "none"}
-    want = {**outer, **CODECS_TODAY, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
+    want = {k: v for k, v in outer.items() if k != "topk_fraction"} | CODECS_TODAY | ASYNC_TODAY
+    want |= OPTIMIZER_NEUTRAL | {"topk": {"fraction": 0.05, "index_bits": 32, "values": "fp32"}}
     assert upgrade_config({"outer": outer, "schema_version": 2}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 2}
     older["config"] = {**older["config"], "outer": outer}
@@ -214,7 +217,7 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
     outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
     cluster = {"name": "cpu_here", "compute": "measured"}
-    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL | NO_LOWRANK
+    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL | NO_CODEC_NODES
     want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
     got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
     assert got == {"outer": want_outer, "cluster": want_cluster}
@@ -248,8 +251,9 @@ def test_a_version_6_config_stepped_with_the_built_in_and_its_checkpoint_holds_n
 def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_node():
     """Schema 7 held the asynchronous server's fields in `outer` itself (outer.async_rule, ...): an async
     run's move into outer.arrivals under today's names, a rounds run's (at their defaults) are dropped
-    for a node it lacks (None); low rank's rank likewise (outer.lowrank.rank in a low-rank run, else
-    dropped: unread); its checkpoint's payload reads as it is."""
+    for a node it lacks (None); low rank's rank and top-k's fields likewise (outer.lowrank.rank in a
+    low-rank run, outer.topk.* in a top-k run, else dropped: unread); its checkpoint's payload reads as
+    it is."""
     server = {"async_rule": "naive", "dn_buffer": 3, "dn_activation": 0.25, "grace_s": 0.5, "dylu": True}
     server |= {"async_eval_every": 2}
     flat = {"name": "nesterov", "lr": 0.7, "schedule": "async", **server, "mean_weights": "tokens"}
@@ -261,7 +265,7 @@ def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_no
         "schedule": "async",
         "mean_weights": "tokens",
         "arrivals": arrivals,
-        **NO_LOWRANK,
+        **NO_CODEC_NODES,
     }
     assert upgrade_config({"outer": flat | OPTIMIZER_NEUTRAL, "schema_version": 7}) == {
         "outer": want | OPTIMIZER_NEUTRAL
@@ -269,8 +273,13 @@ def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_no
     rounds = {"name": "nesterov", "lr": 0.7, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
     assert upgrade_config({"outer": rounds, "schema_version": 7}) == {"outer": rounds_today(rounds)}
     lowrank = {"compress": "lowrank", "lowrank_rank": 2, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
-    want = {"compress": "lowrank", "lowrank": {"rank": 2}, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL}
+    want = {"compress": "lowrank", "lowrank": {"rank": 2}, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL, "topk": None}
     assert upgrade_config({"outer": lowrank, "schema_version": 7}) == {"outer": want}
+    top = {"compress": "topk", "topk_fraction": 0.25, "index_bits": 12, "topk_values": "two_bit"}
+    top |= {"lowrank_rank": 4, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
+    want = {"compress": "topk", "topk": {"fraction": 0.25, "index_bits": 12, "values": "two_bit"}}
+    want |= {**ASYNC_TODAY, **OPTIMIZER_NEUTRAL, "lowrank": None}
+    assert upgrade_config({"outer": top, "schema_version": 7}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 7}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}

@@ -14,7 +14,7 @@ import pytest
 from helpers import QUICK, compose_cfg, entry, error_lines
 
 from hypertrain.choices import Compressor
-from hypertrain.config import INT64_MAX, InnerConfig, ModelConfig, OuterConfig, UserError
+from hypertrain.config import INT64_MAX, InnerConfig, ModelConfig, OuterConfig, TopKConfig, UserError
 from hypertrain.model.shapes import count_params, param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
@@ -128,7 +128,7 @@ def test_the_estimate_bounds_a_stacked_runs_measured_peak(d_model, replicas, glo
 CODEC_OUTERS = {  # the codecs' settings whose padded blocks differ: flat, beyond every tensor, tiles, DCT
     "int8-128": OuterConfig(compress="int8"),
     "int8-beyond-every-tensor": OuterConfig(compress="int8", block=2_000_000),
-    "sparseloco-tiles": OuterConfig(compress="topk", block=4096, tile=64, topk_fraction=1 / 64),
+    "sparseloco-tiles": OuterConfig(compress="topk", block=4096, tile=64, topk=TopKConfig(fraction=1 / 64)),
     "topk-dct-ragged": OuterConfig(compress="topk", block=100, transform="dct"),
 }
 

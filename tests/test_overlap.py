@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from references import ROUNDING_FACTOR
 
 from hypertrain.clock.replay import clock_of, run_cluster
-from hypertrain.config import OuterConfig
+from hypertrain.config import OuterConfig, TopKConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.fragments import members
@@ -113,8 +113,9 @@ def _codec(cfg, names, like, x64: torch.Tensor) -> torch.Tensor:
         return x64
     x = x64.float()
     blocks = Blocks(tuple(like[n].numel() for n in names), cfg.outer.block)
-    code = codecs.encode(cfg.outer.compress, x, blocks, cfg.outer.topk_fraction)
-    return codecs.decode(cfg.outer.compress, code, blocks, cfg.outer.topk_fraction).double()
+    fraction = (cfg.outer.topk or TopKConfig()).fraction  # top-k's node: None under another codec
+    code = codecs.encode(cfg.outer.compress, x, blocks, fraction)
+    return codecs.decode(cfg.outer.compress, code, blocks, fraction).double()
 
 
 def _nesterov(outer, theta, buf, g):

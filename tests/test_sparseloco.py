@@ -28,7 +28,7 @@ from helpers import (
 from omegaconf import OmegaConf
 from references import U32, templar_chunks, templar_k, templar_topk
 
-from hypertrain.config import ModelConfig, OuterConfig
+from hypertrain.config import ModelConfig, OuterConfig, TopKConfig
 from hypertrain.diloco.codecs import Blocks, TopK, decode, encode, payload_size
 from hypertrain.diloco.communication import compressed_mean, topk
 from hypertrain.diloco.tiles import blocks_and_order
@@ -267,11 +267,9 @@ def outer(beta: float, values: str = "fp32", bits: int = 32) -> OuterConfig:
     return OuterConfig(
         compress="topk",
         block=4,
-        topk_fraction=0.5,
+        topk=TopKConfig(fraction=0.5, index_bits=bits, values=values),
         error_feedback=True,
         error_decay=beta,
-        index_bits=bits,
-        topk_values=values,
     )
 
 
@@ -374,11 +372,9 @@ def test_decay_1_fp32_values_are_todays_numbers_bitwise_and_12_bit_indices_the_s
 
 SPARSELOCO = dict(
     compress="topk",
-    topk_fraction=0.0625,
+    topk=TopKConfig(fraction=0.0625, index_bits=12, values="two_bit"),
     error_feedback=True,
     error_decay=0.9,
-    index_bits=12,
-    topk_values="two_bit",
 )
 
 
@@ -393,7 +389,9 @@ def test_stacked_equals_the_loop_with_sparseloco():
     assert losses == loop_losses
     assert all(torch.equal(theta[n], loop_theta[n]) for n in theta)
     plain = run_rounds(
-        replace(cfg, outer=OuterConfig(compress="topk", topk_fraction=0.0625, error_feedback=True)),
+        replace(
+            cfg, outer=OuterConfig(compress="topk", topk=TopKConfig(fraction=0.0625), error_feedback=True)
+        ),
         stacked.train_replicas,
     )[1]
     assert any(not torch.equal(theta[n], plain[n]) for n in theta)  # the settings did change the run
@@ -401,7 +399,9 @@ def test_stacked_equals_the_loop_with_sparseloco():
 
 def preset() -> OuterConfig:
     """`outer=sparseloco`, from its own file (conf/outer/sparseloco.yaml)."""
-    return OuterConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/outer/sparseloco.yaml")))
+    written = OmegaConf.load(REPO / "conf/outer/sparseloco.yaml")
+    loaded = OmegaConf.merge(OmegaConf.structured(OuterConfig), written)
+    return OmegaConf.to_object(loaded)  # typed, its node outer.topk a TopKConfig
 
 
 def test_the_preset_is_templars_compressor_on_the_tiny_models_tensors():
@@ -451,7 +451,7 @@ def test_the_preset_is_templars_compressor_on_the_tiny_models_tensors():
 
 def topk_kept_of_a_tile(outer: OuterConfig) -> int:
     """templar's `topk_compression` of the preset: its fraction of a whole T x T tile (64 of 4096)."""
-    return math.ceil(outer.topk_fraction * outer.tile * outer.tile)
+    return math.ceil(outer.topk.fraction * outer.tile * outer.tile)
 
 
 def test_the_preset_with_one_replica_syncs_and_sends_nothing(tmp_path):
@@ -472,11 +472,11 @@ KILL_RUN = [
     "inner.H=2",
     "phase.updates=6",
     "outer.compress=topk",
-    "outer.topk_fraction=0.0625",
+    "outer.topk.fraction=0.0625",
     "outer.error_feedback=true",
     "outer.error_decay=0.9",
-    "outer.index_bits=12",
-    "outer.topk_values=two_bit",
+    "outer.topk.index_bits=12",
+    "outer.topk.values=two_bit",
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
 ]
@@ -537,23 +537,32 @@ OLD_TOPK = [
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
 ]
-# issue 37's (its lowrank_rank is today's node outer.lowrank, null in a top-k run's config)
-NEW_FIELDS = ("error_decay", "index_bits", "topk_values", "transform", "tile", "lowrank")
+# issue 37's (its lowrank_rank is today's node outer.lowrank, null in a top-k run's config; its index_bits
+# and topk_values, with topk_fraction, today's node outer.topk)
+NEW_FIELDS = ("error_decay", "transform", "tile", "lowrank")
+
+
+def schema_2_outer(outer: dict) -> dict:
+    """`outer` as schema 2 wrote it: without issue 37's fields, top-k's fraction flat."""
+    kept = {k: v for k, v in outer.items() if k not in (*NEW_FIELDS, "topk")}
+    return kept | {"topk_fraction": outer["topk"]["fraction"]}
 
 
 def as_schema_2(run_dir) -> None:
     """The run directory as schema 2 wrote it: config.yaml and every checkpoint's config without
     SparseLoCo's fields, under schema_version 2 (each checkpoint resealed: a whole, older file)."""
+    import yaml
+
     config = run_dir / "config.yaml"
-    lines = config.read_text().splitlines(keepends=True)
-    assert lines[0] == f"schema_version: {formats.SCHEMA_VERSION}\n"
-    kept_lines = [x for x in lines[1:] if x.strip().split(":")[0] not in NEW_FIELDS]
-    assert len(kept_lines) == len(lines) - 1 - len(NEW_FIELDS)
-    config.write_text("schema_version: 2\n" + "".join(kept_lines))
+    written = yaml.safe_load(config.read_text())
+    assert written.pop("schema_version") == formats.SCHEMA_VERSION
+    assert set(NEW_FIELDS) <= set(written["outer"]) and written["outer"]["topk"]["index_bits"] == 32
+    older = {"schema_version": 2, **written, "outer": schema_2_outer(written["outer"])}
+    config.write_text(yaml.safe_dump(older, sort_keys=False))
     for path in sorted((run_dir / "checkpoints").glob("ckpt-u*.pt")):
         saved = torch.load(path, weights_only=False)
         saved["schema_version"] = 2
-        saved["config"]["outer"] = {k: v for k, v in saved["config"]["outer"].items() if k not in NEW_FIELDS}
+        saved["config"]["outer"] = schema_2_outer(saved["config"]["outer"])
         torch.save(saved, path)
         seal(path)
 

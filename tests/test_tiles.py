@@ -71,7 +71,7 @@ def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_p
     tensors' own positions; the buffer keeps what was left, in parameter order; the mean is the replicas'
     contributions averaged. Ties are avoided by distinct magnitudes; the mean of R = 2 fp32 values is one
     fp32 addition and an exact halving, so it is within u |a + b| / 2 of the float64 mean (u = 2^-24)."""
-    from hypertrain.config import OuterConfig
+    from hypertrain.config import OuterConfig, TopKConfig
     from hypertrain.diloco.communication import compressed_mean
     from hypertrain.distributed.groups import ReplicaGroups
 
@@ -83,7 +83,9 @@ def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_p
     deltas = torch.stack([torch.randperm(n, generator=gen) + 1.0 for _ in range(R)]) / n
     deltas *= torch.randint(0, 2, (R, n), generator=gen) * 2 - 1
     errors = torch.zeros(R, n)
-    outer = OuterConfig(compress="topk", block=T * T, tile=T, topk_fraction=k / (T * T), error_feedback=True)
+    outer = OuterConfig(
+        compress="topk", block=T * T, tile=T, topk=TopKConfig(fraction=k / (T * T)), error_feedback=True
+    )
     blocks, order = blocks_and_order(shapes, T * T, T)
     active = torch.tensor([True] * R)
     got = compressed_mean(outer, deltas, errors, active, blocks, ReplicaGroups(R), order=order).wait()
@@ -101,7 +103,9 @@ def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_p
     assert torch.equal(errors.double(), deltas.double() - sent)  # what was not sent, exactly, in place
     want = sent.mean(0)
     assert float((got.mean.double() - want).abs().max()) <= 2.0**-24 * float(want.abs().max())
-    flat = OuterConfig(compress="topk", block=T * T, topk_fraction=k / (T * T), error_feedback=True)
+    flat = OuterConfig(
+        compress="topk", block=T * T, topk=TopKConfig(fraction=k / (T * T)), error_feedback=True
+    )
     plain_blocks = Blocks(tuple(sizes), T * T)
     plain = compressed_mean(flat, deltas, torch.zeros(R, n), active, plain_blocks, ReplicaGroups(R)).wait()
     assert not torch.equal(plain.mean, got.mean)  # the flat blocks choose other values
@@ -112,11 +116,11 @@ def test_templars_count_is_kept_of_every_chunk_shorter_or_not():
     too, all 64 of a 1-D tensor of 64 (one chunk), 2 of a chunk of 3, 1 of a chunk of 1: the payload is
     templar's count of kept values whatever the chunk's length (`templar_k`), in fewer bytes than the
     share of each chunk would keep for the 1-D tensor and more for the 64 x 44 chunks."""
-    from hypertrain.config import OuterConfig
+    from hypertrain.config import OuterConfig, TopKConfig
     from hypertrain.diloco.communication import topk
 
     shapes = [(64, 64), (64, 176), (64,), (3,), (1,)]
-    outer = OuterConfig(compress="topk", block=4096, tile=64, topk_fraction=1 / 64, index_bits=12)
+    outer = OuterConfig(compress="topk", block=4096, tile=64, topk=TopKConfig(fraction=1 / 64, index_bits=12))
     blocks, _ = blocks_and_order(shapes, 4096, 64)
     chunks = [len(c) for s in shapes for c in templar_chunks(s, 64)]
     assert list(blocks.cuts) == [4096, 2816, 64, 3, 1] and blocks.count == len(chunks) == 1 + 4 + 1 + 1 + 1

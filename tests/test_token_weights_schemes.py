@@ -32,6 +32,7 @@ from test_async_codecs import BLOCK, blocks_of, grid_reference
 from test_lowrank import RANK, SHAPES, gamma, matrices, power_iteration64, warm_starts
 from test_lowrank import inputs as lowrank_inputs
 
+from hypertrain.config import TopKConfig
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.communication import compressed_mean
 from hypertrain.diloco.fragments import fragment_of
@@ -50,7 +51,9 @@ def documents_cfg(engine: str = "stacked", **outer):
     """R = 3 replicas, H = 4, 8 updates on documents of unequal length (their tokens differ per replica
     and window), one layer (two fragments at most), token-weighted; `outer` on top."""
     base = cfg_for(R=R, H=H)
-    outer = {"mean_weights": "tokens", "block": BLOCK, "topk_fraction": FRACTION} | outer
+    outer = {"mean_weights": "tokens", "block": BLOCK} | outer
+    if str(outer.get("compress")) == "topk":  # top-k's node exists with top-k alone
+        outer = {"topk": TopKConfig(fraction=FRACTION)} | outer
     cfg = replace(
         base,
         data=replace(base.data, examples="documents", max_len=48, max_examples=4),
@@ -373,7 +376,7 @@ def test_low_rank_weighs_both_factors_and_the_exact_tensors():
 # period (delayed), top-k with error feedback, token-weighted
 WHOLE = [*QUICK, "logger=none", *DOCUMENTS, "replicas=4", "inner.H=4", "phase.updates=12",
          "outer.mean_weights=tokens", "outer.fragments=2", "outer.overlap=delayed", "outer.compress=topk",
-         "outer.topk_fraction=0.25", "outer.error_feedback=true"]  # fmt: skip
+         "outer.topk.fraction=0.25", "outer.error_feedback=true"]  # fmt: skip
 MEASURED = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
 
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hypertrain.config import InnerConfig, LowRankConfig, ModelConfig, OuterConfig, PhaseConfig
+from hypertrain.config import InnerConfig, LowRankConfig, ModelConfig, OuterConfig, PhaseConfig, TopKConfig
 from hypertrain.diloco.codecs import decode, encode, payload_size
 from hypertrain.diloco.communication import topk
 from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
@@ -83,12 +83,12 @@ def round_seconds(m: ModelConfig, H: int, rows: int, repeats: int) -> float:
 
 
 # The settings, each an OuterConfig (the block codecs at block 128; SparseLoCo's at its preset's).
-SPARSELOCO = dict(compress="topk", block=4096, tile=64, topk_values="two_bit", index_bits=12)
+SPARSELOCO = dict(compress="topk", block=4096, tile=64)
 SETTINGS = {
     **{c: OuterConfig(compress=c) for c in ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0")},
     "topk": OuterConfig(compress="topk"),
-    "sparseloco": OuterConfig(**SPARSELOCO, topk_fraction=64 / 4096),
-    "sparseloco-3%": OuterConfig(**SPARSELOCO, topk_fraction=128 / 4096),
+    "sparseloco": OuterConfig(**SPARSELOCO, topk=TopKConfig(64 / 4096, index_bits=12, values="two_bit")),
+    "sparseloco-3%": OuterConfig(**SPARSELOCO, topk=TopKConfig(128 / 4096, index_bits=12, values="two_bit")),
     "dct-topk": OuterConfig(compress="topk", transform="dct"),
     "lowrank-r1": OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=1)),
     "lowrank-r4": OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=4)),

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from hypertrain.codec_table import codec_entry
-from hypertrain.config import OuterConfig, TrainConfig
+from hypertrain.config import OuterConfig, TopKConfig, TrainConfig
 from hypertrain.diloco import codecs
 from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.pending import Reduced, Reduction
@@ -236,8 +236,8 @@ class CompressedMean:
 def topk(outer: OuterConfig) -> codecs.TopK:
     """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it):
     with outer.tile T every chunk keeps what a whole T x T tile does (`codecs.kept`, templar's count)."""
-    chunk = outer.tile * outer.tile
-    return codecs.TopK(outer.topk_fraction, outer.index_bits, str(outer.topk_values), chunk)
+    chunk, own = outer.tile * outer.tile, outer.topk or TopKConfig()  # None under another codec
+    return codecs.TopK(own.fraction, own.index_bits, str(own.values), chunk)
 
 
 def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) -> Tensor:

@@ -26,6 +26,7 @@ from hypertrain.preflight.composition import (
     check_experiment,
     check_fields,
     check_labels,
+    drop_unread,
     remove_rejected_job_dir,
     remove_rejected_sweep_dir,
     task_part,
@@ -73,6 +74,7 @@ class Checked:
     own: frozenset[str] = frozenset()  # the entries of run_dir that are this run's (besides the lock)
     session: bool = False  # resume=auto without a checkpoint in a directory an earlier session wrote
     lock: RunLock | None = None  # held once `claim` has taken it
+    notes: tuple[str, ...] = ()  # for train.log alone: retired spellings dropped (`drop_unread`)
 
 
 def prepare_checked(
@@ -90,7 +92,8 @@ def prepare_checked(
     check_experiment(choices)
     fault_points.check()
     check_fields(task_cfg, TrainConfig)
-    cfg: TrainConfig = OmegaConf.to_object(task_cfg)
+    unread, notes = drop_unread(task_cfg)
+    cfg: TrainConfig = OmegaConf.to_object(unread)
     check_labels(cfg, choices)
     decided = validate(cfg)  # the layout, device, backend and reduction, decided once: read after
     asked = ResumeRequest.of(cfg.resume)  # the one reading of `resume`
@@ -123,7 +126,7 @@ def prepare_checked(
 
     run = prepare(cfg, decided)
     memory.check(run.cfg, run.dataset.max_length, decided)  # again with the data's longest example (speech's)
-    checked = Checked(run, run_dir, found, own=own, session=session)
+    checked = Checked(run, run_dir, found, own=own, session=session, notes=notes)
     if found is not None:
         path, saved = found
         checkpoint.compatible(saved, resolved_config(run.cfg), run.plan_facts)

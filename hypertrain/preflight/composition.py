@@ -11,16 +11,18 @@ import importlib.util
 import os
 import re
 import shutil
+from contextvars import ContextVar
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.choices import choice_error
-from hypertrain.config import TrainConfig, UserError, node_type
+from hypertrain.config import OUTER_NODES, TrainConfig, UserError, default_of, node_owners, node_type
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.preflight import memory
 from hypertrain.preflight.checks import validate
 from hypertrain.preflight.refusal import fail
+from hypertrain.records.formats import RETIRED
 from hypertrain.rundir.directory import close_log_files
 from hypertrain.rundir.records import METRICS_FILE
 
@@ -29,6 +31,30 @@ LABELLED_GROUPS = ("model", "outer", "phase")
 
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+
+# The retired keys (`formats.RETIRED`) the command line gave, as typed (outer.lowrank_rank): set by the
+# entry (hypertrain.train), read by `drop_unread`.
+retired_given: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired_given", default=())
+
+
+def drop_unread(task: DictConfig) -> tuple[DictConfig, tuple[str, ...]]:
+    """A codec's field given by its older spelling with another codec (`outer.lowrank_rank=2` with
+    outer.compress=topk), which that codec ignored then: reset to its default in a copy of `task`, so the
+    node the run lacks stays unset, with a note for train.log. Today's spelling there is refused
+    (`config.OuterConfig.check_nodes`), and so is a schedule's field under another schedule, as it was."""
+    task = copy.deepcopy(task)
+    outer, notes = task.outer, []
+    for key in retired_given.get():
+        node, _, name = RETIRED[key].removeprefix("outer.").partition(".")
+        owner, entry = next((o, e) for o, e in node_owners() if e.node == node)
+        chosen = str(outer[owner])
+        if owner != "compress" or chosen == entry.name or outer[node] is None:
+            continue
+        value = outer[node][name]
+        with read_write(outer), open_dict(outer):
+            outer[node][name] = default_of(OUTER_NODES[node], name)
+        notes.append(f"{key}={value} has no effect with outer.{owner}={chosen}: dropped")
+    return task, tuple(notes)
 
 
 def check_experiment(choices: dict) -> None:

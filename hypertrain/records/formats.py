@@ -212,14 +212,18 @@ RETIRED = {
     "outer.dylu": "outer.arrivals.dylu",
     "outer.async_eval_every": "outer.arrivals.eval_every",
     "outer.lowrank_rank": "outer.lowrank.rank",
+    "outer.topk_fraction": "outer.topk.fraction",
+    "outer.index_bits": "outer.topk.index_bits",
+    "outer.topk_values": "outer.topk.values",
 }
 
 
 def _config_7_to_8(resolved: dict) -> dict:
-    """Version 7: the asynchronous server's fields and low rank's were outer's own (`outer.async_rule`,
-    `outer.lowrank_rank`, ...): they move (`RETIRED`) into the node of the entry that reads them
-    (outer.arrivals, async's; outer.lowrank, low rank's), which a run of another schedule or codec lacks
-    (None: the schedule's were at their defaults, as the checks of then required; the rank, unread)."""
+    """Version 7: the asynchronous server's fields, low rank's and top-k's were outer's own
+    (`outer.async_rule`, `outer.lowrank_rank`, `outer.topk_fraction`, ...): they move (`RETIRED`) into the
+    node of the entry that reads them (outer.arrivals, async's; outer.lowrank, low rank's; outer.topk,
+    top-k's), which a run of another schedule or codec lacks (None: the schedule's were at their defaults,
+    as the checks of then required; a codec's, unread)."""
     outer = resolved.get("outer")
     if not isinstance(outer, dict):
         return resolved
