@@ -15,6 +15,8 @@ import torch
 from helpers import RUN, entry, read_metrics
 from references import U32
 
+from hypertrain.report import cli as report
+
 transformers = pytest.importorskip("transformers")
 
 HF = "model=hf_llama_tiny"
@@ -79,9 +81,10 @@ def test_eager_overlap_loop_equals_stacked():
     ids=["async", "churn-tokens"],
 )
 def test_asynchronous_replicas_and_churn_run_to_the_end(tmp_path, extra):
-    """The asynchronous server and churn with an HF Llama: the run finishes, every loss it records is
-    finite (an update row's per replica, an arrival's), and RUN/hf holds the final global weights (those
-    of weights.pt, bitwise)."""
+    """The asynchronous server (its clock's modelled compute) and churn with an HF Llama: the run
+    finishes, every loss it records is finite (an update row's per replica, an arrival's), RUN/hf holds
+    the final global weights (those of weights.pt, bitwise), the summary counts the module's parameters
+    and the report reads the run."""
     run = [*RUN, HF, "replicas=2", "world=2", "inner.H=2", "phase.updates=8", *extra]
     done = entry([*run, f"hydra.run.dir={tmp_path}"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -92,3 +95,10 @@ def test_asynchronous_replicas_and_churn_run_to_the_end(tmp_path, extra):
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     for n, t in weights.items():
         assert torch.equal(exported[n], t), n
+    # the clock's modelled compute counts the module's own parameters (tied ones once), and the report
+    # reads the run
+    summary = next(r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "summary")
+    module = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert summary["model/params"] == sum(p.numel() for p in module.parameters())
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "report.md").is_file()
