@@ -178,33 +178,12 @@ def rounds(
         last_landing = max((i for i, (kind, _) in enumerate(events) if kind != TAKE), default=-1)
         for i, (kind, p) in enumerate(events):
             if kind == TAKE:
-                params = state.round_params
-                groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in fragments[p]})
-                stepped, facts = state.stepped_in(p), None
-                if churned is not None:  # only the contributors' pseudo-gradients reach the sync
-                    window = schedule.window(p, count)  # the updates its pseudo-gradient holds
-                    facts = churned.facts(part.index, window, p)
-                    contributors = facts.contributors
-                    stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
-                weights = None
-                if cfg.outer.mean_weights == "tokens":
-                    weights = token_weights(run, schedule.window(p, count), facts)
-                state.syncs[p].take(params, stepped, count, groups, facts, weights)
+                _take(run, state, schedule, groups, churned, part.index, p, fragments[p], count)
             else:  # LAND, or FLUSH (outer.overlap: the phase's last reduction)
-                sync = state.syncs[p]
-                # outer.overlap: a landing lands the sync taken a period earlier (`due`)
-                pending = sync.due if schedule.overlap and kind != FLUSH else sync.pending
-                if churned is not None and pending is not None and pending.churn is None:  # from a checkpoint
-                    k = (pending.taken_at - 1) // cfg.inner.H + 1 if schedule.overlap else part.index
-                    pending.churn = churned.facts(k, schedule.window(p, pending.taken_at), p)
-                merged = None if restart else state.round_params
-                landing = (sync.flush if kind == FLUSH else sync.land)(state.inner, merged, groups)
-                landing.measured = groups.comm_stats()  # this landing's (and the updates' before it)
-                if landing.churn is not None and merged is not None:
-                    # who did not contribute restarts from the global weights
-                    churn.restart_others(landing.churn, state.theta, fragments[p], merged, groups.replicas)
-                if evaluated and i < last_landing:  # the next landing changes the weights in place
-                    landing.weights = {n: t.detach().clone() for n, t in state.theta.items()}
+                keep = evaluated and i < last_landing  # the next landing changes the weights in place
+                landing = _land(
+                    run, state, schedule, groups, churned, part.index, p, fragments[p], kind, restart, keep
+                )
                 part.syncs.append(landing)
                 for flags in state.round_stepped:
                     flags[p] = False
@@ -214,6 +193,69 @@ def rounds(
         if restart and part.syncs:
             state.round_params = state.round_stepped = None
         yield part
+
+
+def _take(
+    run: PreparedRun,
+    state: RunState,
+    schedule: Schedule,
+    groups: Collectives,
+    churned: churn.Churn | None,
+    index: int,
+    p: int,
+    names: list[str],
+    count: int,
+) -> None:
+    """Fragment `p`'s (parameters `names`) sync takes the replicas' round weights after update `count`
+    (round `index`): only the contributors' pseudo-gradients with churn, token-weighted under
+    outer.mean_weights=tokens."""
+    cfg = run.cfg
+    params = state.round_params
+    groups.check_replicas_identical({n: torch.cat([q[n] for q in params]) for n in names})
+    stepped, facts = state.stepped_in(p), None
+    if churned is not None:  # only the contributors' pseudo-gradients reach the sync
+        window = schedule.window(p, count)  # the updates its pseudo-gradient holds
+        facts = churned.facts(index, window, p)
+        contributors = facts.contributors
+        stepped = [s and m in contributors for s, m in zip(stepped, groups.replicas, strict=True)]
+    weights = None
+    if cfg.outer.mean_weights == "tokens":
+        weights = token_weights(run, schedule.window(p, count), facts)
+    state.syncs[p].take(params, stepped, count, groups, facts, weights)
+
+
+def _land(
+    run: PreparedRun,
+    state: RunState,
+    schedule: Schedule,
+    groups: Collectives,
+    churned: churn.Churn | None,
+    index: int,
+    p: int,
+    names: list[str],
+    kind: str,
+    restart: bool,
+    keep: bool,
+) -> Landing:
+    """Fragment `p`'s (parameters `names`) LAND or FLUSH event in round `index`: lands its pending sync
+    into `state` (merging into the round weights unless `restart`); returns the landing, holding a copy
+    of the global weights when `keep`."""
+    cfg = run.cfg
+    sync = state.syncs[p]
+    # outer.overlap: a landing lands the sync taken a period earlier (`due`)
+    pending = sync.due if schedule.overlap and kind != FLUSH else sync.pending
+    if churned is not None and pending is not None and pending.churn is None:  # from a checkpoint
+        k = (pending.taken_at - 1) // cfg.inner.H + 1 if schedule.overlap else index
+        pending.churn = churned.facts(k, schedule.window(p, pending.taken_at), p)
+    merged = None if restart else state.round_params
+    landing = (sync.flush if kind == FLUSH else sync.land)(state.inner, merged, groups)
+    landing.measured = groups.comm_stats()  # this landing's (and the updates' before it)
+    if landing.churn is not None and merged is not None:
+        # who did not contribute restarts from the global weights
+        churn.restart_others(landing.churn, state.theta, names, merged, groups.replicas)
+    if keep:
+        landing.weights = {n: t.detach().clone() for n, t in state.theta.items()}
+    return landing
 
 
 def token_weights(run: PreparedRun, window: range, facts) -> list[float] | None:

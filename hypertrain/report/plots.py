@@ -299,33 +299,9 @@ def clock_plot(
     groups = _singles(runs, groups)
     drawn, lines = line_styles([runs[group[0]] for group in groups], keys)
     every = labels(runs, names, keys, flags, groups)
-    timed = []  # (a group's runs the clock could time, its legend entry, its line)
-    for group, label, style in zip(groups, every, lines, strict=True):
-        members = [i for i in group if clocks[i] is not None]
-        if members:
-            timed.append((members, label, style))
-    ends = [
-        max((p["clock_s"] for p in clocks[i]["heldout"]), default=0.0) for group, _, _ in timed for i in group
-    ]
-    spread = [end for end in ends if end > 0]
-    log = bool(spread) and max(spread) > LOG_SPAN * min(spread)
+    timed, log = _timed_groups(groups, every, lines, clocks)
     fig, (ax,) = _figure(CLOCK_SIZE, 1)
-    series = []
-    for group, label, style in timed:
-        curves = [
-            [
-                (p["update"], p["clock_s"], p["eval_loss"])
-                for p in clocks[i]["heldout"]
-                if p["eval_loss"] is not None
-            ]
-            for i in group
-        ]
-        xs, mean, low, high = band(curves)
-        kept = [k for k, x in enumerate(xs) if x > 0 or not log]
-        curve = tuple([values[k] for k in kept] for values in (xs, mean, low, high))
-        ax.plot(curve[0], curve[1], label=label, markersize=3, **style)
-        _band(ax, curve, style["color"])
-        series.append(label)
+    series = _draw_clock_curves(ax, timed, clocks, log)
     if target is not None:
         ax.axhline(target, color="grey", linestyle=":", linewidth=1.5, label=f"target {target:.4f}")
         series.append(f"target {target:.4f}")
@@ -347,7 +323,55 @@ def clock_plot(
         CLOCK_FILE,
         size,
         title=f"Held-out loss against simulated seconds{at}",
-        caption="The global weights' held-out loss (the curve of the held-out plot) at the network "
+        caption=_clock_caption(where, log, timed),
+        series=series,
+    )
+
+
+def _timed_groups(
+    groups: list[list[int]], every: list[str], lines: list[dict], clocks: list[dict | None]
+) -> tuple[list[tuple[list[int], str, dict]], bool]:
+    """Each group's runs the clock could time with its legend entry and line (groups with none left
+    out), and whether time goes on a log axis (the timed runs' nonzero totals differ by > LOG_SPAN)."""
+    timed = []  # (a group's runs the clock could time, its legend entry, its line)
+    for group, label, style in zip(groups, every, lines, strict=True):
+        members = [i for i in group if clocks[i] is not None]
+        if members:
+            timed.append((members, label, style))
+    ends = [
+        max((p["clock_s"] for p in clocks[i]["heldout"]), default=0.0) for group, _, _ in timed for i in group
+    ]
+    spread = [end for end in ends if end > 0]
+    log = bool(spread) and max(spread) > LOG_SPAN * min(spread)
+    return timed, log
+
+
+def _draw_clock_curves(ax, timed: list[tuple[list[int], str, dict]], clocks: list[dict | None], log: bool):
+    """Draw each timed group's mean held-out loss against its mean clock with its min-max band on `ax`
+    (points at 0 s left out on a log axis); returns the legend entries drawn, in order."""
+    series = []
+    for group, label, style in timed:
+        curves = [
+            [
+                (p["update"], p["clock_s"], p["eval_loss"])
+                for p in clocks[i]["heldout"]
+                if p["eval_loss"] is not None
+            ]
+            for i in group
+        ]
+        xs, mean, low, high = band(curves)
+        kept = [k for k, x in enumerate(xs) if x > 0 or not log]
+        curve = tuple([values[k] for k in kept] for values in (xs, mean, low, high))
+        ax.plot(curve[0], curve[1], label=label, markersize=3, **style)
+        _band(ax, curve, style["color"])
+        series.append(label)
+    return series
+
+
+def _clock_caption(where: str, log: bool, timed: list[tuple[list[int], str, dict]]) -> str:
+    """The clock plot's caption: what is drawn on `where`, plus the log-axis and seeds notes if any."""
+    return (
+        "The global weights' held-out loss (the curve of the held-out plot) at the network "
         f"clock's simulated seconds on {where} (docs/clock.md): before training at 0 s, after every sync "
         "or evaluation at the clock after the syncs of its update. Dotted: the target loss of `time to "
         "target s`."
@@ -360,8 +384,7 @@ def clock_plot(
             SEEDS_NOTE.replace(" at each update", " clock and loss at each update")
             if any(len(g) > 1 for g, _, _ in timed)
             else ""
-        ),
-        series=series,
+        )
     )
 
 

@@ -41,18 +41,7 @@ def build(recipe: cache.Recipe, directory: Path, progress: bool | None = None) -
     processes = synth.workers()
     bar = tqdm(total=1, unit="step", disable=None if progress is None else not progress, file=sys.stderr)
     bar.set_description("sentences")
-    with synth.pool(processes) as parse_pool:
-        found = corpus.sentences(
-            source,
-            cfg.speech_max_words,
-            lambda f, *a: parse_pool.starmap(f, zip(*a, strict=True), _PARSE_CHUNK),
-        )
-    chosen = _sample(found.texts, cfg.speech_sentences, cfg.speech_seed)
-    if not chosen:
-        raise cache.BuildError(
-            f"{source.label}: no prose sentence to speak; valid: English sentences of at least "
-            f"{corpus.MIN_WORDS} words (docs/audio.md: the filter)"
-        )
+    found, chosen = _choose(recipe, processes)
     lap("sentences")
     bar.update()
     bar.reset(total=len(chosen))
@@ -66,19 +55,7 @@ def build(recipe: cache.Recipe, directory: Path, progress: bool | None = None) -
     tokenizer = text.fit(chosen, cfg.text_vocab)
     word_lists = [sentence.split() for sentence in chosen]
     tokens = text.word_tokens(tokenizer, word_lists)
-    kept, rows = [], []
-    for i, ((frames, spans), word_ids) in enumerate(zip(spoken, tokens, strict=True)):
-        ranges = align.frame_spans(spans, len(frames))
-        positions = align.place_tokens(ranges, [len(w) for w in word_ids], len(frames))
-        if positions is None:
-            continue
-        row = np.full(len(frames), text.PAD, dtype=np.uint16)
-        for start, ids in zip(positions.tolist(), word_ids, strict=True):
-            row[start : start + len(ids)] = ids
-        kept.append(i)
-        rows.append(row)
-    if not kept:
-        raise cache.BuildError("no sentence could be aligned")
+    kept, rows = _align_rows(spoken, tokens)
     lap("tokens")
     mel = np.concatenate([spoken[i][0] for i in kept])
     frames_per_example = np.array([len(r) for r in rows], dtype=np.int64)
@@ -99,8 +76,67 @@ def build(recipe: cache.Recipe, directory: Path, progress: bool | None = None) -
     lap("quantiser")
     bar.close()
 
-    figures = {
-        "source": source.label,
+    figures = _figures(source.label, found, chosen, word_lists, kept, rows, frames_per_example, errors, usage)
+    figures["step_seconds"] = seconds  # laps still to come ("write") land in it
+    figures["processes"] = processes
+    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".building-", dir=directory.parent))
+    try:
+        _save_arrays(staging, rows, all_codes, frames_per_example, kept, chosen, quantizer, tokenizer)
+        lap("write")
+        figures["build_seconds"] = time.perf_counter() - started
+        manifest = {
+            "inputs": recipe.inputs,
+            "key": recipe.key,
+            "content_sha256": cache.content_digest(staging),
+            "figures": figures,
+        }
+        (staging / cache.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _publish(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return read_manifest(directory)
+
+
+def _choose(recipe: cache.Recipe, processes: int) -> tuple[corpus.Sentences, list[str]]:
+    """The source's prose sentences (parsed on `processes` workers) and the recipe's seeded sample of them."""
+    cfg, source = recipe.cfg, recipe.source
+    with synth.pool(processes) as parse_pool:
+        found = corpus.sentences(
+            source,
+            cfg.speech_max_words,
+            lambda f, *a: parse_pool.starmap(f, zip(*a, strict=True), _PARSE_CHUNK),
+        )
+    chosen = _sample(found.texts, cfg.speech_sentences, cfg.speech_seed)
+    if not chosen:
+        raise cache.BuildError(
+            f"{source.label}: no prose sentence to speak; valid: English sentences of at least "
+            f"{corpus.MIN_WORDS} words (docs/audio.md: the filter)"
+        )
+    return found, chosen
+
+
+def _align_rows(spoken: list, tokens: list) -> tuple[list[int], list[np.ndarray]]:
+    """The indices of the sentences whose tokens fit their frames, and each one's frame-aligned token row."""
+    kept, rows = [], []
+    for i, ((frames, spans), word_ids) in enumerate(zip(spoken, tokens, strict=True)):
+        ranges = align.frame_spans(spans, len(frames))
+        positions = align.place_tokens(ranges, [len(w) for w in word_ids], len(frames))
+        if positions is None:
+            continue
+        row = np.full(len(frames), text.PAD, dtype=np.uint16)
+        for start, ids in zip(positions.tolist(), word_ids, strict=True):
+            row[start : start + len(ids)] = ids
+        kept.append(i)
+        rows.append(row)
+    if not kept:
+        raise cache.BuildError("no sentence could be aligned")
+    return kept, rows
+
+
+def _figures(label, found, chosen, word_lists, kept, rows, frames_per_example, errors, usage) -> dict:
+    """The manifest's figures of a build up to build_seconds (None: filled by `build`), in their order."""
+    return {
+        "source": label,
         "sentences_found": len(found.texts),
         "duplicate_sentences": found.duplicates,
         "unparsed_files": found.unparsed,
@@ -118,38 +154,32 @@ def build(recipe: cache.Recipe, directory: Path, progress: bool | None = None) -
         ],
         "error_db2_by_stages": errors,
         "codebook_usage": usage,
-        "build_seconds": None,  # filled below
-        "step_seconds": seconds,
-        "processes": processes,
+        "build_seconds": None,
     }
-    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".building-", dir=directory.parent))
+
+
+def _save_arrays(
+    staging: Path, rows, all_codes, frames_per_example, kept, chosen, quantizer, tokenizer
+) -> None:
+    """Write the build's arrays, spoken sentences, quantiser and tokenizer into `staging`."""
+    np.save(staging / cache.TEXT, np.concatenate(rows))
+    np.save(staging / cache.CODES, all_codes)
+    np.save(staging / cache.FRAMES, frames_per_example)
+    np.save(staging / cache.KEPT, np.array(kept, dtype=np.int64))
+    (staging / cache.SPOKEN).write_text("".join(s + "\n" for s in chosen))
+    np.save(staging / cache.QUANTIZER_MEAN, quantizer.mean)
+    np.save(staging / cache.QUANTIZER_CODEBOOKS, quantizer.codebooks)
+    tokenizer.save(str(staging / cache.TOKENIZER))
+
+
+def _publish(staging: Path, directory: Path) -> None:
+    """Rename the finished `staging` to `directory`, readable by all; keeps another process's build."""
+    os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide a shared cache from its other users
     try:
-        np.save(staging / cache.TEXT, np.concatenate(rows))
-        np.save(staging / cache.CODES, all_codes)
-        np.save(staging / cache.FRAMES, frames_per_example)
-        np.save(staging / cache.KEPT, np.array(kept, dtype=np.int64))
-        (staging / cache.SPOKEN).write_text("".join(s + "\n" for s in chosen))
-        np.save(staging / cache.QUANTIZER_MEAN, quantizer.mean)
-        np.save(staging / cache.QUANTIZER_CODEBOOKS, quantizer.codebooks)
-        tokenizer.save(str(staging / cache.TOKENIZER))
-        lap("write")
-        figures["build_seconds"] = time.perf_counter() - started
-        manifest = {
-            "inputs": recipe.inputs,
-            "key": recipe.key,
-            "content_sha256": cache.content_digest(staging),
-            "figures": figures,
-        }
-        (staging / cache.MANIFEST).write_text(json.dumps(manifest, indent=1))
-        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide a shared cache from its other users
-        try:
-            os.rename(staging, directory)
-        except OSError:  # another process finished the same build first: keep theirs
-            if not (directory / cache.MANIFEST).exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return read_manifest(directory)
+        os.rename(staging, directory)
+    except OSError:  # another process finished the same build first: keep theirs
+        if not (directory / cache.MANIFEST).exists():
+            raise
 
 
 def read_manifest(directory: Path) -> dict:
