@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from hypertrain.clock.replay import clock_of, time_to_loss
 from hypertrain.records.formats import upgrade_config
-from hypertrain.report.retime import compose_cluster
+from hypertrain.report.clock.retime import compose_cluster
 from hypertrain.rundir.records import METRICS_FILE, read_metrics
 
 SETTINGS = (("outer.fragments", "P"), ("outer.delay", "tau"), ("outer.merge_alpha", "alpha"))

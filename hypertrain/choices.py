@@ -81,14 +81,14 @@ Compressor.__doc__ = "outer.compress: what each replica sends at a sync (hypertr
 
 class Transform(Choice):
     """outer.transform: what each block of a pseudo-gradient becomes before the codec (and after the
-    decoder, inverted): itself, or its orthonormal DCT-II coefficients (hypertrain.diloco.codecs)."""
+    decoder, inverted): itself, or its orthonormal DCT-II coefficients (hypertrain.codecs.kernels)."""
 
     none = "none"
     dct = "dct"
 
 
 class TopkValues(Choice):
-    """outer.topk.values: how top-k's kept values travel (hypertrain.diloco.codecs.TopK)."""
+    """outer.topk.values: how top-k's kept values travel (hypertrain.codecs.kernels.TopK)."""
 
     fp32 = "fp32"
     fp16 = "fp16"

@@ -1,15 +1,16 @@
 """The codec table (docs/compression.md): every `outer.compress` value is one entry, registered once in
 `TABLE`, declaring what it can do (its scope, two_phase, error feedback, overlap, its wire format) and
-holding its encode/decode; `choices.Compressor` and `diloco.codecs.CODECS` are read from it, and the rest
+holding its encode/decode; `choices.Compressor` and `codecs.kernels.CODECS` are read from it, and the rest
 of the code asks an entry (`codec_entry(name)`), never compares a name. An entry may also live outside the
 package: `outer.compress=module.NAME` names a `Codec` by its import path (docs/extending.md, "A codec"),
 imported once per process; `codec_entry` returns it under that path as its name.
 
 Imports nothing of hypertrain and no torch (but the module an import path names; the config's enum comes
 from here, and a refusal made from the config alone stays torch-free): an entry's encode/decode pick
-`diloco.codecs`'s kernels and their parameters, the kernels handed to them by that module (`kernels`, a
+`codecs.kernels`'s kernels and their parameters, the kernels handed to them by that module (`kernels`, a
 layer above). Low rank (PowerSGD) is
-its own reduction (`diloco.lowrank`): an entry that declares it (`factored`), with no encode/decode here.
+its own reduction (`diloco.exchange.lowrank`): an entry that declares it (`factored`), with no encode/decode
+here.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ class Codec:
 
     @property
     def factored(self) -> bool:
-        """It sends factors of each tensor, its own reduction (low rank: `diloco.lowrank`, warm-started
+        """It sends factors of each tensor, its own reduction (low rank: `diloco.exchange.lowrank`,
+        warm-started
         from the run state's `lowrank_q`), not payloads of blocks."""
         return self.scope == WHOLE_TENSOR
 
     @property
     def blocks(self) -> bool:
-        """A block codec (`diloco.codecs`): it cuts the pseudo-gradient in blocks (outer.block, outer.tile,
+        """A block codec (`codecs.kernels`): it cuts the pseudo-gradient in blocks (outer.block, outer.tile,
         outer.transform; the memory estimate's padded blocks)."""
         return self.scope in (ELEMENTWISE, BLOCKWISE)
 
@@ -180,7 +182,7 @@ class Nibbles(Quantizer):
 @dataclass(frozen=True)
 class TopK(Codec):
     """Top-k: each block's largest magnitudes, their values (outer.topk.values) and indices
-    (outer.topk.index_bits); `spec` is a `diloco.codecs.TopK`."""
+    (outer.topk.index_bits); `spec` is a `codecs.kernels.TopK`."""
 
     def fields(self, kernels, lengths, blocks, spec) -> list:
         return kernels.topk_fields(lengths, blocks, spec)

@@ -32,7 +32,8 @@ class ScheduleEntry:
 
     - `server`: a server applies each replica's pseudo-gradient as it arrives: the outer step is the
       server's rule (outer.arrivals.rule's entry, `optim.outer.outer_optimizer`), the run state holds the
-      server's buffer and the jobs in flight (`diloco.server.AsyncState`, one fragment), its rows are
+      server's buffer and the jobs in flight (`diloco.asynchrony.server.AsyncState`, one fragment), its rows
+      are
       `arrival` rows, and a restarted session counts what it runs again in server updates and jobs
       (`run.session.restart_here`); else the syncs of rounds (one outer state per fragment);
     - `arrival_clock`: the network clock orders its pseudo-gradients, so the clock decides its weights:

@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 
 from hypertrain.choices import Schedule
 from hypertrain.config import OUTER_NODES, ArrivalsConfig, OuterConfig, default_of
-from hypertrain.diloco.arrivals import job_steps, replica_speeds, schedule
-from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.asynchrony.arrivals import job_steps, replica_speeds, schedule
+from hypertrain.diloco.asynchrony.asynchronous import server_updates
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.preflight.checks import validate
@@ -181,7 +181,7 @@ def test_a_last_job_is_cut_to_the_steps_left():
 
 
 def test_the_arrival_order_is_a_pure_function_of_the_config(tmp_path):
-    from hypertrain.diloco.asynchronous import arrival_schedule
+    from hypertrain.diloco.asynchrony.asynchronous import arrival_schedule
 
     cfg = async_cfg(speeds=(1.0, 0.7), dylu=True)
     assert arrival_schedule(prepare(cfg)) == arrival_schedule(prepare(cfg))
@@ -386,7 +386,7 @@ def test_a_run_records_an_arrival_per_server_update_and_the_async_summary(tmp_pa
 
 def test_arrivals_applied_together_are_one_mean_uniform_or_weighted_by_tokens():
     """g = sum_i w_i delta_i / sum_i w_i, and S = k g: worked out by hand on exact numbers."""
-    from hypertrain.diloco.server import contribution
+    from hypertrain.diloco.asynchrony.server import contribution
 
     deltas = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     total, mean = contribution(deltas, [1, 3], "uniform")
@@ -421,7 +421,7 @@ def test_the_clock_command_refuses_to_retime_an_async_run_on_another_cluster_or_
 
     from helpers import tree
 
-    from hypertrain.report import retime
+    from hypertrain.report.clock import retime
 
     run = ReferenceRuns.beside(tmp_path)(ASYNC)
     before = tree(run)
@@ -485,7 +485,7 @@ def test_a_jobs_seconds_are_the_modelled_steps_over_its_speed_times_its_jobs_str
     """Timing.of(cfg): a step of t tokens takes 6 N t / (peak * mfu) / v_m * exp(sigma z), z the
     standard normals of default_rng([seed, j]) for the replica's j-th job; a message alpha + 4 N / beta."""
 
-    from hypertrain.diloco.arrivals import Timing
+    from hypertrain.diloco.asynchrony.arrivals import Timing
     from hypertrain.model.shapes import count_params
 
     base = async_cfg()
@@ -599,8 +599,8 @@ def test_jobs_pulled_together_from_different_steps_run_apart_and_as_the_loop_eng
     """Two jobs of one length pulled at one update, at different steps of their replicas (their lr
     differs): the stacked engine stacks only replicas at one step, so they run in two calls, each as the
     loop engine runs it."""
-    from hypertrain.diloco.arrivals import Job
-    from hypertrain.diloco.asynchronous import run_jobs
+    from hypertrain.diloco.asynchrony.arrivals import Job
+    from hypertrain.diloco.asynchrony.asynchronous import run_jobs
     from hypertrain.engines import engine_for
 
     def deltas(name: str) -> list[torch.Tensor]:

@@ -34,8 +34,8 @@ from test_async import ASYNC, FixedTiming, arrivals, async_cfg, excess, four_one
 from hypertrain.choices import RejoinState
 from hypertrain.config import ChurnConfig
 from hypertrain.data.batches import targets_of
-from hypertrain.diloco.arrivals import Timing, job_steps, schedule
-from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.asynchrony.arrivals import Timing, job_steps, schedule
+from hypertrain.diloco.asynchrony.asynchronous import server_updates
 from hypertrain.diloco.churn import Schedule
 from hypertrain.diloco.state import RunState
 from hypertrain.engines import engine_for
@@ -397,7 +397,7 @@ def test_real_processes_with_churn_equal_the_simulation_bitwise(tmp_path):
 
 def test_the_churn_draws_cover_every_replicas_jobs():
     """The statuses are drawn for the most jobs a replica takes, ceil(updates / min H_m) (DyLU: 10 / 2)."""
-    from hypertrain.diloco.arrivals import jobs_per_replica
+    from hypertrain.diloco.asynchrony.arrivals import jobs_per_replica
 
     outer = async_cfg(dylu=True).outer
     assert job_steps(outer, 4, [1.0, 0.5]) == [4, 2] and jobs_per_replica(outer, 4, 10, [1.0, 0.5]) == 5

@@ -19,13 +19,13 @@ from helpers import ReferenceRuns, assert_same_weights, killed_beside_uninterrup
 from references import templar_topk
 from test_async import arrivals, async_cfg, four_one_slow
 
-import hypertrain.diloco.asynchronous as asynchronous
+import hypertrain.diloco.asynchrony.asynchronous as asynchronous
 from hypertrain.choices import Compressor
 from hypertrain.config import LowRankConfig, TopKConfig
-from hypertrain.diloco.arrivals import Job
-from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.asynchrony.arrivals import Job
+from hypertrain.diloco.asynchrony.asynchronous import server_updates
+from hypertrain.diloco.exchange.wire import Wire
 from hypertrain.diloco.state import RunState
-from hypertrain.diloco.wire import Wire
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records.files import read_records

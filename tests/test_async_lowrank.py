@@ -17,7 +17,7 @@ from helpers import ReferenceRuns, assert_same_weights, killed_beside_uninterrup
 from test_async import ASYNC, arrivals, async_cfg, four_one_slow
 from test_async_codecs import observed as codecs_observed
 
-import hypertrain.diloco.asynchronous as asynchronous
+import hypertrain.diloco.asynchrony.asynchronous as asynchronous
 from hypertrain.choices import Compressor
 from hypertrain.config import LowRankConfig
 from hypertrain.preflight.prepare import prepare

@@ -180,7 +180,7 @@ sys.meta_path.insert(0, NotInstalled())
 
 def prepared_corpus(earlier: Path, cwd: Path) -> None:
     """A setup: cwd/corpus holds the corpus prepared from cwd/docs.txt with the bytes tokenizer."""
-    from hypertrain.data.prepare import prepare
+    from hypertrain.data.preparation.prepare import prepare
 
     prepare([str(cwd / "docs.txt")], cwd / "corpus", "bytes", "text", progress=False)
 
@@ -201,7 +201,7 @@ _HELD_LOCKS = []  # another_prepare_running's locks: held until the session ends
 def another_prepare_running(earlier: Path, cwd: Path) -> None:
     """A setup: cwd/corpus is being prepared by another process: the lock beside it is held through a
     file this test opened (flock refuses a second open file, in this process or another)."""
-    from hypertrain.data.lockfile import LockFile
+    from hypertrain.data.preparation.lockfile import LockFile
 
     lock = LockFile(cwd / ".corpus.lock")
     assert lock.acquire(wait=False)
@@ -1903,7 +1903,9 @@ def refused(name: str, tmp_path: Path, earlier: Path, process: bool | None = Non
         hidden = "hide/sitecustomize.py" in case.files  # works at an interpreter's start only
         done = data_command(args, cwd, env=env, process=bool(process or hidden))
     elif case.command == "clock":
-        done = module_command("hypertrain.clock", "hypertrain.report.retime", "main", args, cwd, process)
+        done = module_command(
+            "hypertrain.clock", "hypertrain.report.clock.retime", "main", args, cwd, process
+        )
     elif case.command == "export":
         done = module_command("hypertrain.export", "hypertrain.export.command", "cli", args, cwd, process)
     else:

@@ -18,9 +18,9 @@ from matplotlib.image import imread
 from omegaconf import OmegaConf
 from references import templar_chunks, templar_k
 
+from hypertrain.codecs import kernels as codecs
 from hypertrain.config import ChurnConfig, OuterConfig, TopKConfig
-from hypertrain.diloco import codecs
-from hypertrain.diloco.communication import HEADER_BYTES, contribution_bits
+from hypertrain.diloco.exchange.communication import HEADER_BYTES, contribution_bits
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records import formats
 from hypertrain.records.rows import SyncRow

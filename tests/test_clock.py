@@ -44,7 +44,7 @@ from hypertrain.config import (
 )
 from hypertrain.records import formats
 from hypertrain.records.rows import UpdateRow
-from hypertrain.report import retime
+from hypertrain.report.clock import retime
 from hypertrain.rundir.records import read_metrics
 
 GIGABIT = 1e9 / 8  # bytes per second

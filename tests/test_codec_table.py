@@ -14,8 +14,8 @@ from helpers import compose_train
 from omegaconf import OmegaConf
 
 from hypertrain.codec_table import BLOCK_CODECS, ELEMENTWISE, ENTRIES, IMPORTED, TABLE
+from hypertrain.codecs import kernels as codecs
 from hypertrain.config import LowRankConfig, OuterConfig, UserError
-from hypertrain.diloco import codecs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The pseudo-gradient codecs (hypertrain/diloco/codecs.py) against float64 references written here from each
+"""The pseudo-gradient codecs (hypertrain/codecs/kernels.py) against float64 references written here from each
 format's definition, never by calling the code under test: exact codes and values on hand-picked inputs,
 exact bytes and the grid's error bound on random ones, top-k's tie rule, payload sizes, shards; the DCT
 transform against a float64 matrix DCT-II written here. A deliberately broken variant (a wrong e3m0 bias, an
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hypertrain import codec_table
-from hypertrain.diloco import codecs
-from hypertrain.diloco.codecs import CODECS, Blocks, decode, encode, payload_size, topk_kept
+from hypertrain.codecs import kernels as codecs
+from hypertrain.codecs.kernels import CODECS, Blocks, decode, encode, payload_size, topk_kept
 
 QUANTIZERS = ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0")
 EPS = 2.0**-24  # fp32's unit roundoff: |fl(a op b) - a op b| <= EPS * |a op b| for normal results

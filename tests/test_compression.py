@@ -66,10 +66,10 @@ from helpers import (
 from omegaconf import OmegaConf
 from references import U32, templar_chunks, templar_k
 
+from hypertrain.codecs import kernels as codecs
+from hypertrain.codecs.kernels import Blocks
 from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, TopKConfig, WorldConfig
-from hypertrain.diloco import codecs
-from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import HEADER_BYTES, compressed_mean, topk
+from hypertrain.diloco.exchange.communication import HEADER_BYTES, compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.failures import NonFiniteError, RankFailed

@@ -146,7 +146,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory) -> Path:
     """A tiny run (4 updates) on a corpus of TEXTS prepared with a byte-level BPE of 300 tokens."""
-    from hypertrain.data.prepare import prepare
+    from hypertrain.data.preparation.prepare import prepare
 
     where = tmp_path_factory.mktemp("export")
     for i, text in enumerate(TEXTS * 6):

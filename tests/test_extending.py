@@ -38,7 +38,7 @@ from references import U32
 from test_overlap import _flat, _snapshot, run_syncs
 
 from hypertrain.data import build_dataset
-from hypertrain.diloco.communication import HEADER_BYTES
+from hypertrain.diloco.exchange.communication import HEADER_BYTES
 from hypertrain.diloco.fragments import members
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from record_checkpoint_fixture import FIXTURE
 
 from hypertrain.config import BEFORE, EngineConfig, ProcessesConfig, TrainConfig, UserError, before, node_type
-from hypertrain.diloco.communication import ring_allreduce_bytes
+from hypertrain.diloco.exchange.communication import ring_allreduce_bytes
 from hypertrain.records import formats
 from hypertrain.records.formats import SCHEMA_VERSION, upgrade_checkpoint, upgrade_config
 from hypertrain.report.runs import ReportInputError, load_run

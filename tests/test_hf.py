@@ -331,7 +331,7 @@ BPE = dict(model="model=hf_llama_tiny", vocab="model.config.vocab_size=320")  # 
 @pytest.fixture(scope="module")
 def bpe_corpus(tmp_path_factory):
     """A corpus of TEXTS prepared with a byte-level BPE of 300 tokens (its eod <|endoftext|>)."""
-    from hypertrain.data.prepare import prepare as prepare_corpus
+    from hypertrain.data.preparation.prepare import prepare as prepare_corpus
 
     where = tmp_path_factory.mktemp("hf-bpe")
     (where / "texts").mkdir()
@@ -349,7 +349,7 @@ def test_run_hf_holds_the_corpus_tokenizer_and_prepare_takes_that_directory(bpe_
     whose vocabulary is below the corpus's is one line."""
     from hypertrain.config import UserError
     from hypertrain.data import corpus
-    from hypertrain.data.prepare import prepare as prepare_corpus
+    from hypertrain.data.preparation.prepare import prepare as prepare_corpus
     from hypertrain.run.session import save_weights
 
     folder = bpe_corpus / "corpus"

@@ -21,6 +21,7 @@ LAYERS = (
     "schedule_table",  # the schedules, one entry each, and what each is: imports nothing but errors
     "choices",  # the config's string choices as enums: imports nothing of hypertrain but the two tables
     "config",  # the schema: imports nothing of hypertrain but its choices
+    "codecs",  # the codecs' kernels and their blocks: torch, the codec table and the config
     "records",  # the rows a run writes (metrics.jsonl): their fields, JSON form and W&B keys
     "failures",  # how a run fails: exit codes, stop signals, the test-only fault points
     "plan",  # the sample plan: numpy only

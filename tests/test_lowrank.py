@@ -59,10 +59,10 @@ from helpers import (
 from references import ROUNDING_FACTOR, U32, assert_losses_within_rounding, assert_within_rounding
 
 from hypertrain.config import LowRankConfig, OuterConfig
-from hypertrain.diloco import lowrank
 from hypertrain.diloco import sync as sync_module
-from hypertrain.diloco.communication import HEADER_BYTES
-from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
+from hypertrain.diloco.exchange import lowrank
+from hypertrain.diloco.exchange.communication import HEADER_BYTES
+from hypertrain.diloco.exchange.lowrank import Factors, initial_q, lowrank_mean
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.failures import NonFiniteError
 from hypertrain.rundir.records import read_metrics

@@ -138,7 +138,7 @@ def test_the_codecs_padded_blocks_are_counted_from_one_layer_as_the_sync_cuts_th
     """Issue 48 item 12: the estimate's blocks (`codec_memory.codec_layout`, one layer's shapes times the
     layers) are the sync's own (`tiles.blocks_and_order` of every tensor): the padded slots, the values,
     the longest block and every distinct block length (the DCT's matrices), for each setting."""
-    from hypertrain.diloco.tiles import blocks_and_order
+    from hypertrain.codecs.tiles import blocks_and_order
     from hypertrain.model.shapes import param_shapes
     from hypertrain.preflight.codec_memory import codec_layout
 
@@ -182,8 +182,8 @@ from dataclasses import replace
 from pathlib import Path
 import torch
 from hypertrain.config import ModelConfig, OuterConfig, TrainConfig
-from hypertrain.diloco.communication import compressed_mean
-from hypertrain.diloco.tiles import blocks_and_order
+from hypertrain.diloco.exchange.communication import compressed_mean
+from hypertrain.codecs.tiles import blocks_and_order
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.model.shapes import param_shapes
 from hypertrain.preflight.codec_memory import codec_bytes

@@ -17,7 +17,7 @@ from helpers import run_losses, small_cfg
 from references import U32
 
 from hypertrain.config import InnerConfig, PhaseConfig, UserError
-from hypertrain.diloco.communication import ring_allreduce_bytes, round_bytes
+from hypertrain.diloco.exchange.communication import ring_allreduce_bytes, round_bytes
 from hypertrain.engines.contract import check_finite
 from hypertrain.failures import NonFiniteError
 from hypertrain.model.shapes import count_params

@@ -37,9 +37,9 @@ from omegaconf import OmegaConf
 from references import ROUNDING_FACTOR
 
 from hypertrain.clock.replay import clock_of, run_cluster
+from hypertrain.codecs import kernels as codecs
+from hypertrain.codecs.kernels import Blocks
 from hypertrain.config import OuterConfig, TopKConfig
-from hypertrain.diloco import codecs
-from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.fragments import members
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
@@ -348,7 +348,7 @@ def test_each_sync_row_holds_the_heldout_loss_of_the_weights_that_exist_at_its_c
     evaluation of the same fp32 weights. With the target the final loss (below every earlier one), the
     time to target is the flush's clock: never before the last landing."""
     from hypertrain.diloco.sync import FragmentSync
-    from hypertrain.report.clocks import run_clock
+    from hypertrain.report.clock.clocks import run_clock
     from hypertrain.report.runs import load_run
     from hypertrain.report.table import table_rows
     from hypertrain.run import session

@@ -26,7 +26,7 @@ from hypertrain.config import UserError
 from hypertrain.data import corpus
 from hypertrain.data.__main__ import main
 from hypertrain.data.bpe import byte_level_bpe
-from hypertrain.data.prepare import prepare, private_hf_home
+from hypertrain.data.preparation.prepare import prepare, private_hf_home
 from hypertrain.failures import DiskFull
 
 REPO = Path(__file__).resolve().parents[1]
@@ -298,7 +298,8 @@ def test_an_empty_output_directory_is_filled(tmp_path, inputs):
 # the temporary directory but before its rename, Ctrl-C (KeyboardInterrupt) or SIGTERM while encoding.
 INTERRUPTED = """
 import os, signal, sys
-from hypertrain.data import __main__ as command, corpus, prepare
+from hypertrain.data import __main__ as command, corpus
+from hypertrain.data.preparation import prepare
 
 stop, written, encoded = sys.argv[1], corpus.write, prepare.encode
 if stop == "kill-before-rename":
@@ -526,7 +527,7 @@ def test_a_long_document_is_encoded_a_batch_at_a_time_to_the_ids_of_the_whole(tm
     """One document 40 times the batch (scaled down: pieces of 64 characters, batches of 512): no
     encode_batch call gets more than a batch (the whole document went to one call: 188 bytes of memory a
     character), and the stored ids are tokenizers' own for the whole document."""
-    from hypertrain.data import prepare as module
+    from hypertrain.data.preparation import prepare as module
 
     monkeypatch.setattr(module, "PIECE_CHARS", 64)
     monkeypatch.setattr(module, "BATCH_CHARS", 512)
@@ -574,7 +575,7 @@ def test_a_full_disk_is_one_line_exit_4_and_leaves_nothing(tmp_path, inputs, mon
 def test_a_read_only_filesystem_is_one_line_and_leaves_nothing(tmp_path, inputs, monkeypatch, capsys, where):
     """EROFS injected in this process (no read-only filesystem can be mounted here) for whatever is created
     under `ro`, a folder or a file: one line, exit 2, nothing made."""
-    from hypertrain.data import lockfile
+    from hypertrain.data.preparation import lockfile
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -605,7 +606,7 @@ def test_a_mount_point_is_refused_before_any_work_and_a_bind_mount_at_the_rename
     after all the work. os.path.ismount's answer and the rename's EBUSY are injected in this process: the
     first is refused before an input is read, the second (a bind mount ismount cannot see) at the rename,
     both in one line, exit 2, the mount point as it was, nothing beside it."""
-    from hypertrain.data import prepare as module
+    from hypertrain.data.preparation import prepare as module
 
     out = tmp_path / "mnt"
     out.mkdir()
@@ -635,7 +636,7 @@ def test_a_second_prepare_on_the_same_out_is_refused_while_the_first_writes(tmp_
     in a traceback. Now the first holds the lock beside --out (here a thread of this process, stopped
     while encoding; flock refuses a second open file the same as another process): the second is one
     line, exit 2, and the first's corpus is whole; the same command again has nothing to do."""
-    from hypertrain.data import prepare as module
+    from hypertrain.data.preparation import prepare as module
 
     out = tmp_path / "corpus"
     encoding, go, encoded = threading.Event(), threading.Event(), module.encode

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from hypertrain.config import ModelConfig
 from hypertrain.model.shapes import param_specs
 from hypertrain.report import cli as report
-from hypertrain.report import retime
+from hypertrain.report.clock import retime
 from hypertrain.report.runs import load_run, read_rows, run_status
 from hypertrain.report.table import DIFFERENT_DATA, OTHER_ORDER
 from hypertrain.rundir.records import read_metrics

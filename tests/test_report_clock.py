@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from hypertrain.clock.replay import clock_of
 from hypertrain.config import LINKS, ClusterConfig
 from hypertrain.report import cli as report
-from hypertrain.report import retime
+from hypertrain.report.clock import retime
 from hypertrain.rundir.records import read_metrics
 
 RUNS = {

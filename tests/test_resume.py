@@ -63,7 +63,7 @@ from helpers import (
 from hypertrain.config import DERIVED, ResumeMode, ResumeRequest, TrainConfig, UserError, flatten
 from hypertrain.failures import RankFailed
 from hypertrain.report import cli as report
-from hypertrain.report import retime
+from hypertrain.report.clock import retime
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.checkpoint import SUPERSEDED_FILE, digest_path, seal
 from hypertrain.rundir.records import METRICS_FILE, read_metrics

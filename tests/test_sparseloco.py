@@ -28,10 +28,10 @@ from helpers import (
 from omegaconf import OmegaConf
 from references import U32, templar_chunks, templar_k, templar_topk
 
+from hypertrain.codecs.kernels import Blocks, TopK, decode, encode, payload_size
+from hypertrain.codecs.tiles import blocks_and_order
 from hypertrain.config import ModelConfig, OuterConfig, TopKConfig
-from hypertrain.diloco.codecs import Blocks, TopK, decode, encode, payload_size
-from hypertrain.diloco.communication import compressed_mean, topk
-from hypertrain.diloco.tiles import blocks_and_order
+from hypertrain.diloco.exchange.communication import compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
 from hypertrain.model.shapes import param_specs

@@ -102,7 +102,7 @@ def worker(rank: int, world: int, scheme: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hypertrain.diloco.communication import exact_mean
+    from hypertrain.diloco.exchange.communication import exact_mean
     from hypertrain.distributed.collectives import DistReplicaGroups
     from hypertrain.distributed.layouts import choose_layout
     from hypertrain.model.transformer import forward, init_params
@@ -325,7 +325,7 @@ def ranks(world: int, scheme: str) -> None:
     import torch  # noqa: F401
     from helpers import fork_ranks  # the script's folder, tests/, is on sys.path
 
-    import hypertrain.diloco.communication  # noqa: F401
+    import hypertrain.diloco.exchange.communication  # noqa: F401
     import hypertrain.distributed.collectives  # noqa: F401
     import hypertrain.model.transformer  # noqa: F401
 

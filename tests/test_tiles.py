@@ -1,4 +1,4 @@
-"""outer.tile: the order and the chunks of the block codecs (hypertrain/diloco/tiles.py), against
+"""outer.tile: the order and the chunks of the block codecs (hypertrain/codecs/tiles.py), against
 SparseLoCo's production rule (templar's `src/tplr/compress.py`, written independently in
 tests/references.py: each side of a tensor cut at its largest divisor <= T, a matrix read chunk after
 chunk, a 1-D tensor in runs), by indexing the tensors themselves, not from the permutation the module
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from references import templar_chunks, templar_k, templar_topk
 
-from hypertrain.diloco.codecs import Blocks, payload_size
-from hypertrain.diloco.tiles import blocks_and_order, from_tiles, tile_order, to_tiles
+from hypertrain.codecs.kernels import Blocks, payload_size
+from hypertrain.codecs.tiles import blocks_and_order, from_tiles, tile_order, to_tiles
 
 # T = 4: sides that are multiples of 4; a 1-D tensor of a prime 5 (runs of 1); a stack of 3 matrices; a
 # matrix of sides 6 and 7 (chunks of 3 x 1); one of 12 x 6 (4 x 3); one narrower than T (2 x 3, whole)
@@ -72,7 +72,7 @@ def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_p
     contributions averaged. Ties are avoided by distinct magnitudes; the mean of R = 2 fp32 values is one
     fp32 addition and an exact halving, so it is within u |a + b| / 2 of the float64 mean (u = 2^-24)."""
     from hypertrain.config import OuterConfig, TopKConfig
-    from hypertrain.diloco.communication import compressed_mean
+    from hypertrain.diloco.exchange.communication import compressed_mean
     from hypertrain.distributed.groups import ReplicaGroups
 
     shapes, R, k = [(8, 12), (20,), (6, 7)], 2, 4
@@ -117,7 +117,7 @@ def test_templars_count_is_kept_of_every_chunk_shorter_or_not():
     templar's count of kept values whatever the chunk's length (`templar_k`), in fewer bytes than the
     share of each chunk would keep for the 1-D tensor and more for the 64 x 44 chunks."""
     from hypertrain.config import OuterConfig, TopKConfig
-    from hypertrain.diloco.communication import topk
+    from hypertrain.diloco.exchange.communication import topk
 
     shapes = [(64, 64), (64, 176), (64,), (3,), (1,)]
     outer = OuterConfig(compress="topk", block=4096, tile=64, topk=TopKConfig(fraction=1 / 64, index_bits=12))

@@ -18,10 +18,10 @@ from helpers import assert_engines_agree, cfg_for, observe
 from references import assert_outer_step
 from test_churn_deadline import UPDATES, H, R, deadline_cfg, finished_by_rule
 
+from hypertrain.diloco.asynchrony.server import contribution
+from hypertrain.diloco.asynchrony.server import token_weights as rule
 from hypertrain.diloco.outer import pseudo_gradient_sum
 from hypertrain.diloco.rounds import rounds, token_weights
-from hypertrain.diloco.server import contribution
-from hypertrain.diloco.server import token_weights as rule
 from hypertrain.diloco.state import RunState
 from hypertrain.preflight.checks import validate
 from hypertrain.preflight.prepare import initial_weights, prepare

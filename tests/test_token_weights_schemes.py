@@ -32,11 +32,11 @@ from test_async_codecs import BLOCK, blocks_of, grid_reference
 from test_lowrank import RANK, SHAPES, gamma, matrices, power_iteration64, warm_starts
 from test_lowrank import inputs as lowrank_inputs
 
+from hypertrain.codecs.kernels import Blocks
 from hypertrain.config import TopKConfig
-from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import compressed_mean
+from hypertrain.diloco.exchange.communication import compressed_mean
+from hypertrain.diloco.exchange.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.fragments import fragment_of
-from hypertrain.diloco.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.rounds import rounds
 from hypertrain.diloco.state import RunState
 from hypertrain.distributed.groups import ReplicaGroups

@@ -29,11 +29,11 @@ import time
 
 import torch
 
+from hypertrain.codecs.kernels import decode, encode, payload_size
+from hypertrain.codecs.tiles import blocks_and_order, to_tiles
 from hypertrain.config import InnerConfig, LowRankConfig, ModelConfig, OuterConfig, PhaseConfig, TopKConfig
-from hypertrain.diloco.codecs import decode, encode, payload_size
-from hypertrain.diloco.communication import topk
-from hypertrain.diloco.lowrank import Factors, initial_q, lowrank_mean
-from hypertrain.diloco.tiles import blocks_and_order, to_tiles
+from hypertrain.diloco.exchange.communication import topk
+from hypertrain.diloco.exchange.lowrank import Factors, initial_q, lowrank_mean
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.model.shapes import count_params, param_roles, param_shapes
 from hypertrain.model.transformer import forward as model_forward

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]
 
 from hypertrain.data import corpus  # noqa: E402
-from hypertrain.data.prepare import prepare  # noqa: E402
+from hypertrain.data.preparation.prepare import prepare  # noqa: E402
 
 PREPARE_TARGET, LOADER_TARGET = 0.8, 1.0
 TRAINED_VOCAB, SAMPLE_MB = 4096, 2
@@ -77,7 +77,7 @@ def bench_prepare(root: Path, documents: list[str], tokenizer: Path, repeats: in
     """Seconds of prepare end to end and of encode_batch alone, interleaved; the last corpus written."""
     import tokenizers
 
-    from hypertrain.data.inputs import BATCH_CHARS
+    from hypertrain.data.preparation.inputs import BATCH_CHARS
 
     loaded = tokenizers.Tokenizer.from_file(str(tokenizer))
     loaded.encode_special_tokens = True  # as prepare encodes

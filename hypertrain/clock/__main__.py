@@ -1,7 +1,8 @@
-"""python -m hypertrain.clock: the network clock of finished runs on a cluster (hypertrain.report.retime)."""
+"""python -m hypertrain.clock: the network clock of finished runs on a cluster
+(hypertrain.report.clock.retime)."""
 
 import sys
 
-from hypertrain.report.retime import main
+from hypertrain.report.clock.retime import main
 
 sys.exit(main())

@@ -51,7 +51,7 @@ def parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    from hypertrain.data.prepare import prepare, summary
+    from hypertrain.data.preparation.prepare import prepare, summary
 
     try:
         prepared = prepare(args.inputs, args.out, args.tokenizer, args.field, False if args.quiet else None)

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from hypertrain.data.batches import ReplicaBatch, targets_of
-from hypertrain.diloco import churn, server
+from hypertrain.diloco import churn
+from hypertrain.diloco.asynchrony import server
 from hypertrain.diloco.fragments import FLUSH, TAKE, Schedule, members
 from hypertrain.diloco.state import PreparedRun, RunState
 from hypertrain.diloco.sync import Landing

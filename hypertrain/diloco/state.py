@@ -29,11 +29,11 @@ from hypertrain.codec_table import codec_entry
 from hypertrain.config import TrainConfig
 from hypertrain.data.batches import ReplicaBatch, update_batch
 from hypertrain.data.datasets import Dataset
+from hypertrain.diloco.asynchrony.server import AsyncServer, AsyncState
+from hypertrain.diloco.exchange.lowrank import initial_q
 from hypertrain.diloco.fragments import fragment_of, members
-from hypertrain.diloco.lowrank import initial_q
 from hypertrain.diloco.outer import OuterState, OuterStep
 from hypertrain.diloco.pending import Pending
-from hypertrain.diloco.server import AsyncServer, AsyncState
 from hypertrain.diloco.sync import FragmentSync
 from hypertrain.distributed.decided import Decided
 from hypertrain.model.shapes import active_params, count_params, param_roles

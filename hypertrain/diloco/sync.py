@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 import torch
 
 from hypertrain.codec_table import codec_entry
+from hypertrain.codecs.kernels import Blocks
+from hypertrain.codecs.tiles import blocks_and_order
 from hypertrain.config import OuterConfig, TrainConfig
 from hypertrain.diloco.churn import RoundFacts
-from hypertrain.diloco.codecs import Blocks
-from hypertrain.diloco.communication import (
+from hypertrain.diloco.exchange.communication import (
     compressed_mean,
     contribution_bits,
     exact_mean,
     ring_allreduce_bytes,
 )
-from hypertrain.diloco.lowrank import Factors, lowrank_mean
+from hypertrain.diloco.exchange.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.outer import (
     OuterState,
     OuterStep,
@@ -37,7 +38,6 @@ from hypertrain.diloco.outer import (
     weights_norm,
 )
 from hypertrain.diloco.pending import Pending, Reduced, Reduction
-from hypertrain.diloco.tiles import blocks_and_order
 from hypertrain.distributed import decided
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.model.shapes import param_shapes

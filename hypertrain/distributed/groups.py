@@ -9,7 +9,7 @@ it is (`rank_share`); averaging a replica's gradients and loss over its ranks ev
 returns an `InFlight` to wait for); every replica's per-update records on the writer
 once per round (`gather_round`); whether some process was asked to stop (`max_over_processes`), and
 every replica's state for a checkpoint (`gather_replicas`); and whether this process writes the
-run (`is_writer`). An asynchronous run (`diloco.asynchronous`) asks besides for each arrival, from
+run (`is_writer`). An asynchronous run (`diloco.asynchrony.asynchronous`) asks besides for each arrival, from
 its replica's process to every process (`share_arrival`).
 `ReplicaGroups` is the one-process case, where every collective is the identity; the real
 processes of `processes=dist` (`distributed.collectives`) subclass it with torch.distributed collectives.

@@ -23,7 +23,7 @@ from pathlib import Path
 from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import corpus, data_source, hf_tokenizer
 from hypertrain.data.hf_tokenizer import context_length
-from hypertrain.data.outdir import first_existing, first_missing, remove_made
+from hypertrain.data.preparation.outdir import first_existing, first_missing, remove_made
 from hypertrain.export.names import Architecture, architecture, hf_weights
 from hypertrain.failures import DiskFull, RunFailure
 from hypertrain.failures.signals import EXIT_CODES, interrupted

@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 
 from hypertrain.choices import Transform
 from hypertrain.codec_table import BLOCKWISE, codec_entry
+from hypertrain.codecs.chunks import block_length
 from hypertrain.config import ModelConfig, OuterConfig, TrainConfig
-from hypertrain.diloco.chunks import block_length
 from hypertrain.model.shapes import param_specs
 
 # Bytes per padded slot of the blocks (C blocks of the longest block's W values, tiles.blocks_and_order),
-# read from hypertrain/diloco/codecs.py:
+# read from hypertrain/codecs/kernels.py:
 # - once, the cached int64 maps: `_layout`'s slot of each element and padding (16) and `_packing`'s
 #   payload byte of each slot and slot of each byte (32, for a quantizer's one byte a value);
 INDEX_BYTES = 48

@@ -297,7 +297,7 @@ CHURN_TOTALS = {
 
 
 def _ring_bytes(participants: int, params: int) -> int:
-    """The fp32 ring's bytes per participant (`diloco.communication.ring_allreduce_bytes`, which this
+    """The fp32 ring's bytes per participant (`diloco.exchange.communication.ring_allreduce_bytes`, which this
     layer cannot import; tests/test_formats.py checks they agree)."""
     return 0 if participants <= 1 else int(2 * (participants - 1) / participants * params * 4)
 
@@ -447,11 +447,13 @@ def upgrade_sync_row(row: SyncRow, resolved: dict, run_params: int) -> SyncRow:
     return dataclasses.replace(row, taken_at=taken, params=params)
 
 
-HEADER_BYTES = 8  # a compressed message's header (`diloco.communication.HEADER_BYTES`; tests/test_bits.py)
+HEADER_BYTES = 8  # a compressed message's header (`diloco.exchange.communication.HEADER_BYTES`;
+# tests/test_bits.py)
 
 
 def _contribution_bits(outer: dict, replicas: int, params: int, payload_bytes: int | None) -> int:
-    """`diloco.communication.contribution_bits`, which this layer cannot import (tests/test_bits.py checks
+    """`diloco.exchange.communication.contribution_bits`, which this layer cannot import (tests/test_bits.py
+    checks
     they agree)."""
     if replicas <= 1:
         return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 from hypertrain.records.rows import EndRow
 from hypertrain.report import phases
 from hypertrain.report.bits import bits_figures, bits_section
-from hypertrain.report.clocks import parse_target, run_clock, target_loss
+from hypertrain.report.clock.clocks import parse_target, run_clock, target_loss
 from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, heldout_plot, phases_plot, spread_plot
 from hypertrain.report.render import Section, html, markdown

@@ -1,4 +1,5 @@
-"""`Arrivals`: outer.schedule=async as `train`'s schedule, the server updates (`diloco.asynchronous`) and
+"""`Arrivals`: outer.schedule=async as `train`'s schedule, the server updates
+(`diloco.asynchrony.asynchronous`) and
 their records: an `arrival` row per server update, the held-out loss of the
 server's weights whenever the jobs applied reach a multiple of outer.arrivals.eval_every (and after the
 last), under the divergence guard (its held-out verdict, then the applied pseudo-gradient's ratio to the
@@ -12,8 +13,8 @@ import math
 import time
 from collections.abc import Iterator
 
-from hypertrain.diloco.arrivals import Job, ServerUpdate
-from hypertrain.diloco.asynchronous import server_updates
+from hypertrain.diloco.asynchrony.arrivals import Job, ServerUpdate
+from hypertrain.diloco.asynchrony.asynchronous import server_updates
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, heldout_verdict, pseudo_grad_verdict, stop_on_verdict
 from hypertrain.diloco.state import Totals
 from hypertrain.failures import signals

@@ -19,7 +19,7 @@ import torch
 
 from hypertrain.clock.timeline import Clock
 from hypertrain.diloco.churn import chain_digest
-from hypertrain.diloco.communication import inner_bytes
+from hypertrain.diloco.exchange.communication import inner_bytes
 from hypertrain.diloco.fragments import Schedule
 from hypertrain.diloco.guard import HELDOUT_NON_FINITE, stop_on_verdict, sync_verdict
 from hypertrain.diloco.rounds import Segment, StopCheck, rounds

@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from hypertrain.config import DataConfig, UserError
-from hypertrain.data.lockfile import LockFile
+from hypertrain.data.preparation.lockfile import LockFile
 from hypertrain.data.speech import corpus
 from hypertrain.data.speech.speech import Speaker
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from hypertrain.clock.replay import clock_of, decided_by_clock, run_cluster, run_params, time_to_loss
 from hypertrain.config import ClusterConfig, UserError
-from hypertrain.report.clocks import cluster_text, parse_target, target_loss
+from hypertrain.report.clock.clocks import cluster_text, parse_target, target_loss
 from hypertrain.report.command import VALID_OUT, check_out, print_out
 from hypertrain.report.plots import clock_plot, file_safe
 from hypertrain.report.render import Section, markdown

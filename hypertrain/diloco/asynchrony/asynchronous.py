@@ -1,5 +1,6 @@
 """The asynchronous run loop (outer.schedule=async, docs/async.md): `server_updates(run, state)` walks the
-arrival schedule (`diloco.arrivals`), applies each server update (`diloco.server`) and runs the next job
+arrival schedule (`diloco.asynchrony.arrivals`), applies each server update (`diloco.asynchrony.server`) and
+runs the next job
 of every replica that pulled, on the engine, from the weights it pulled; it yields an `Applied` per update,
 `state` advanced past it (its `asynchronous` part: `server.AsyncState`, what a checkpoint saves).
 
@@ -9,7 +10,7 @@ process from its replica's (`Collectives.share_arrival`, a broadcast), so every 
 server update to the same bits as the simulation.
 
 With a codec (outer.compress, docs/async.md "Codecs") an arriving job's pseudo-gradient is encoded by its
-replica's process as a round encodes a replica's contribution (`diloco.wire.Wire`: its error-feedback
+replica's process as a round encodes a replica's contribution (`diloco.exchange.wire.Wire`: its error-feedback
 buffer added first; the tiles, the codec and the transform, or lowrank's one power iteration from the
 server's Q), the broadcast carries the payload's bytes, and every process decodes them: the same bits
 everywhere.
@@ -25,11 +26,11 @@ import torch
 
 from hypertrain.codec_table import codec_entry
 from hypertrain.data.batches import targets_of
-from hypertrain.diloco.arrivals import Job, ServerUpdate, Timing, jobs_per_replica, schedule
+from hypertrain.diloco.asynchrony.arrivals import Job, ServerUpdate, Timing, jobs_per_replica, schedule
 from hypertrain.diloco.churn import Schedule, count_arrivals, reset_inner_state
+from hypertrain.diloco.exchange.wire import Wire, payload_bits
 from hypertrain.diloco.outer import pseudo_gradients, weights_norm
 from hypertrain.diloco.state import PreparedRun, RunState
-from hypertrain.diloco.wire import Wire, payload_bits
 from hypertrain.distributed.groups import Collectives, ReplicaGroups
 from hypertrain.engines import engine_for
 from hypertrain.engines.contract import Assignment, Engine

@@ -11,10 +11,10 @@ import math
 import torch
 
 from hypertrain.codec_table import codec_entry
-from hypertrain.diloco import codecs
-from hypertrain.diloco.communication import contribution_payload, fed_back, payload_decoded, topk
-from hypertrain.diloco.lowrank import Factors, from_power_step, power_step
-from hypertrain.diloco.tiles import blocks_and_order, to_tiles
+from hypertrain.codecs import kernels as codecs
+from hypertrain.codecs.tiles import blocks_and_order, to_tiles
+from hypertrain.diloco.exchange.communication import contribution_payload, fed_back, payload_decoded, topk
+from hypertrain.diloco.exchange.lowrank import Factors, from_power_step, power_step
 from hypertrain.model.transformer import Params
 
 

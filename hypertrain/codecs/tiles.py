@@ -18,8 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from hypertrain.diloco.chunks import block_length, chunk_sides
-from hypertrain.diloco.codecs import Blocks
+from hypertrain.codecs.chunks import block_length, chunk_sides
+from hypertrain.codecs.kernels import Blocks
 
 
 def tile_order(shapes: list[tuple[int, ...]], tile: int) -> Tensor | None:

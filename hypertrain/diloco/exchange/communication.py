@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from hypertrain.codec_table import codec_entry
+from hypertrain.codecs import kernels as codecs
+from hypertrain.codecs.kernels import Blocks
+from hypertrain.codecs.tiles import from_tiles, to_tiles
 from hypertrain.config import OuterConfig, TopKConfig, TrainConfig
-from hypertrain.diloco import codecs
-from hypertrain.diloco.codecs import Blocks
 from hypertrain.diloco.pending import Reduced, Reduction
-from hypertrain.diloco.tiles import from_tiles, to_tiles
 from hypertrain.distributed.groups import Collectives, InFlight
 from hypertrain.failures import NonFiniteError
 

@@ -17,7 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hypertrain.diloco.communication import HEADER_BYTES, fed_back, mean_in_replica_order, refuse_non_finite
+from hypertrain.diloco.exchange.communication import (
+    HEADER_BYTES,
+    fed_back,
+    mean_in_replica_order,
+    refuse_non_finite,
+)
 from hypertrain.diloco.pending import Reduced
 from hypertrain.distributed.groups import Collectives
 

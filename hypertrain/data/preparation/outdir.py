@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hypertrain.config import UserError
-from hypertrain.data.lockfile import LockFile
+from hypertrain.data.preparation.lockfile import LockFile
 from hypertrain.failures import DiskFull, RunFailure
 
 

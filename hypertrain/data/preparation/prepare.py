@@ -24,8 +24,8 @@ import numpy as np
 from hypertrain.config import UserError
 from hypertrain.data import corpus
 from hypertrain.data.bpe import byte_level_bpe, cuts_keep_tokens, pieces
-from hypertrain.data.inputs import BATCH_CHARS, Input, Reader, check_disjoint, open_input
-from hypertrain.data.outdir import claimed, put_in_place, write_error
+from hypertrain.data.preparation.inputs import BATCH_CHARS, Input, Reader, check_disjoint, open_input
+from hypertrain.data.preparation.outdir import claimed, put_in_place, write_error
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # an existing special token among these ends documents
 TRAINED_EOD = "<|endoftext|>"
