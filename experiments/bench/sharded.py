@@ -1,5 +1,6 @@
 """What `processes.shard=true` saves per rank (issue 51, "Memory"): one replica (R = 1) of `model=small`
-trained by L = 1 (unsharded), 2 and 4 ranks (real processes under torchrun, gloo, one torch thread each).
+at d_model 198 (MODEL) trained by L = 1 (unsharded), 2 and 4 ranks (real processes under torchrun,
+gloo, one torch thread each).
 
 Each rank runs the entry in this file's worker (`--worker`), which records, per rank: the bytes of the
 run state's tensors this rank holds, taken by a hook on `memory_facts` (called on every rank with the
@@ -26,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# model=small widened to d_model 198 (3 heads of 66, one key/value head): 198 rows cut into 4 are
+# 50, 50, 50, 48, so L = 4 pads (rank 0 holds more than 1/4) and the check's slice allowance is exercised.
+MODEL = ["model=small", "model.d_model=198", "model.n_heads=3", "model.n_kv_heads=1"]
 PARTS = ("weights", "gradients", "inner_state", "outer_state")
 # Tensors per parameter in each part: weights; gradients; AdamW's m, v; the global weights, outer momentum.
 PER_PARAM = {"weights": 1, "gradients": 1, "inner_state": 2, "outer_state": 2}
@@ -61,7 +65,7 @@ def launch(L: int, updates: int, root: Path) -> dict:
     out.mkdir()
     args = [
         "experiment=quick",
-        "model=small",
+        *MODEL,
         "logger=none",
         "processes=dist",
         f"world={L}",
@@ -100,7 +104,9 @@ def main() -> int:
     whole = runs[1]["ranks"][0]["bytes"]
     tensors = [t for t in runs[1]["weights"].values() if t.dim() > 0]
     slice_bytes = sum(t[0].numel() * t.element_size() for t in tensors)  # one dim-0 slice per parameter
-    print(f"model=small: {sum(t.numel() for t in tensors):,} parameters in {len(tensors)} tensors (fp32)")
+    print(
+        f"{' '.join(MODEL)}: {sum(t.numel() for t in tensors):,} parameters in {len(tensors)} tensors (fp32)"
+    )
     head = "| L | rank | weights B | gradients B | inner state B | outer state B | peak RSS MiB | s/update |"
     head += " ratio to L=1 (w, g, in, out) | check |"
     print(head)
