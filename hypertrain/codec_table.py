@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from dataclasses import dataclass
+
+from hypertrain.import_path import entry_at
 
 # What an entry's payload is made of, and so what may go around it:
 IDENTITY = "identity"  # none: the fp32 values, summed by an all-reduce (exact)
@@ -261,14 +262,5 @@ def codec_entry(name: str) -> Codec:
 def imported(path: str) -> Codec:
     """The `Codec` at the import path `path` (module.NAME), its `name` made `path` (what the config and
     the records say); NotACodec (one line) when the path does not import or names no `Codec`."""
-    module, _, attribute = path.rpartition(".")
-    try:
-        entry = getattr(importlib.import_module(module), attribute)
-    except Exception as error:  # a missing module or attribute, or a module that fails as it imports
-        reason = " ".join(str(error).split()) or type(error).__name__
-        raise NotACodec(f"outer.compress={path!r} does not import ({reason}); valid: {IMPORTED}") from None
-    if not isinstance(entry, Codec):
-        raise NotACodec(
-            f"outer.compress={path!r} names a {type(entry).__name__}, not a codec entry; valid: {IMPORTED}"
-        )
+    entry = entry_at("outer.compress", path, Codec, "a codec entry", IMPORTED, NotACodec)
     return dataclasses.replace(entry, name=path)

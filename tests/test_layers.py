@@ -17,7 +17,8 @@ from helpers import REPO
 # Lowest first: a module may import its own package and the layers before it, never one after it.
 LAYERS = (
     "errors",  # UserError, a user's mistake (one line, exit 2): imports nothing
-    "codec_table",  # the codecs, one entry each, and what each can do: imports nothing of hypertrain
+    "import_path",  # a component named by its import path (module.NAME): imports nothing of hypertrain
+    "codec_table",  # the codecs, one entry each, and what each can do: imports nothing but import_path
     "schedule_table",  # the schedules, one entry each, and what each is: imports nothing but errors
     "choices",  # the config's string choices as enums: imports nothing of hypertrain but the two tables
     "config",  # the schema: imports nothing of hypertrain but its choices

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from hypertrain.config import DataConfig, UserError
+from hypertrain.import_path import entry_at
 
 if TYPE_CHECKING:
     from hypertrain.data.datasets import Dataset
@@ -197,16 +197,7 @@ def data_source(d: DataConfig) -> DataSource:
 def imported(path: str) -> DataSource:
     """The `DataSource` at the import path `path` (module.NAME), its `name` made `path` (what the config
     and messages say); UserError (one line) when the path does not import or names no `DataSource`."""
-    module, _, attribute = path.rpartition(".")
-    try:
-        entry = getattr(importlib.import_module(module), attribute)
-    except Exception as error:  # a missing module or attribute, or a module that fails as it imports
-        reason = " ".join(str(error).split()) or type(error).__name__
-        raise UserError(f"data.name={path!r} does not import ({reason}); valid: {IMPORTED}") from None
-    if not isinstance(entry, DataSource):
-        raise UserError(
-            f"data.name={path!r} names a {type(entry).__name__}, not a data source; valid: {IMPORTED}"
-        )
+    entry = entry_at("data.name", path, DataSource, "a data source", IMPORTED, UserError)
     return dataclasses.replace(entry, name=path)
 
 

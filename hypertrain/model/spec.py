@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import math
 
 from hypertrain.choices import Arch
 from hypertrain.config import ModelConfig, UserError
+from hypertrain.import_path import entry_at
 
 # What a parameter is for; the inner optimizer picks its rule by role (Muon takes `hidden`; a mixture
 # of experts' router is AdamW's, as the embeddings and heads are).
@@ -334,16 +334,7 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
 def imported(path: str) -> ModuleModel:
     """The `ModuleModel` at the import path `path` (module.NAME), its `kind` made `path` (what messages
     say); UserError (one line) when the path does not import or names no `ModuleModel`."""
-    module, _, attribute = path.rpartition(".")
-    try:
-        entry = getattr(importlib.import_module(module), attribute)
-    except Exception as error:  # a missing module or attribute, or a module that fails as it imports
-        reason = " ".join(str(error).split()) or type(error).__name__
-        raise UserError(f"model.arch={path!r} does not import ({reason}); valid: {IMPORTED}") from None
-    if not isinstance(entry, ModuleModel):
-        raise UserError(
-            f"model.arch={path!r} names a {type(entry).__name__}, not a model entry; valid: {IMPORTED}"
-        )
+    entry = entry_at("model.arch", path, ModuleModel, "a model entry", IMPORTED, UserError)
     entry = copy.copy(entry)
     entry.kind = path
     return entry
