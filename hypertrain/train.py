@@ -115,11 +115,6 @@ def multirun_first(argv: list[str]) -> list[str]:
     return [argv[0], *flags, *(a for a in argv[1:] if a not in flags)]
 
 
-# The command line's retired spellings read as today's (`formats.modern_spelling`): one notice each, for
-# the run's train.log alone, written once the run is checked (one call's own: `cli`).
-_retired: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired", default=())
-
-
 def log_only(lines: tuple[str, ...]) -> None:
     """Each of `lines` as a note in the run's log file (the root logger's file handlers: train.log), not
     on the terminal: a retired spelling that still works is no news to the person who typed it."""
@@ -211,7 +206,7 @@ def main(dict_cfg: DictConfig) -> float:
         print(preflight.finished_notice(checked), file=sys.stderr)
         return finished_loss(run_dir)
     if writer:
-        log_only(_retired.get() + checked.notes)
+        log_only(composition.retired_notes.get() + checked.notes)
     try:  # rank 0 holds the run directory's lock (preflight.claim) until the run ends
         return run_checked(checked, run_dir, launched, writer)
     except BaseException:  # before its first record, a new run leaves nothing (after: its records)
@@ -417,7 +412,7 @@ def _entry(args: list[str]) -> int:
         argv, notices, logged = formats.modern_spelling(argv)
         if notices and (launched_rank() is None or launched_rank().rank == 0):  # once, not per rank
             print("\n".join(notices), file=sys.stderr)
-        _retired.set(tuple(logged))  # the run's train.log says them (`log_only`), never the terminal
+        composition.retired_notes.set(tuple(logged))  # train.log alone says them (`log_only`)
         composition.retired_given.set(given)  # a codec's field another codec ignored: dropped, noted
         argv = torchrun_restarts(argv)  # a restart by torchrun's agent resumes (resume=auto)
         guard_start(directory.abandon_unstarted)  # a stop before training: what a new run made goes again

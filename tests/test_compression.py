@@ -784,7 +784,8 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
     tiled = ([tuple(t.shape) for t in weights.values()], outer.tile) if outer.tile else None
     own = outer.topk or TopKConfig()  # None under another codec than top-k
-    spec = (own.fraction, str(own.values), own.index_bits)
+    # own["values"], not own.values: on the config.yaml read back (a DictConfig) .values is Mapping's method
+    spec = (own.fraction, str(own["values"] if outer.topk else own.values), own.index_bits)
     b = payload_formula(outer.compress, blocks, *spec, tiled=tiled)
     assert all(r["payload_bytes"] == b for r in syncs), (b, syncs)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hypertrain.config import ModelConfig
-from hypertrain.model import hf, moe
+from hypertrain.model import moe
 from hypertrain.model.shapes import param_specs
 from hypertrain.model.spec import model_spec
 
@@ -41,7 +41,9 @@ Params = dict[str, Tensor]
 def init_params(cfg: ModelConfig, seed: int) -> Params:
     """One replica's fp32 weights from `seed`: normal(0, init_std), residual outputs scaled down (a
     Hugging Face model's: `model.hf.init_params`)."""
-    if model_spec(cfg).module:
+    if model_spec(cfg).module:  # imported here: model.hf imports torch._dynamo (runs without it do not)
+        from hypertrain.model import hf
+
         return hf.init_params(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     params = {}
@@ -125,6 +127,8 @@ def logits(cfg: ModelConfig, p: Params, inputs: Tensor, tally: moe.RouterTally |
     """inputs int64 [R, B, T] -> logits [R, B*T, vocab] (`tally`: as in `hidden`; a Hugging Face model's
     are its module's, `model.hf.logits`)."""
     if model_spec(cfg).module:
+        from hypertrain.model import hf
+
         return hf.logits(cfg, p, inputs)
     R, B, T = inputs.shape
     x = embed(p["emb"], inputs).view(R, B * T, cfg.d_model)

@@ -35,6 +35,11 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 # The retired keys (`formats.RETIRED`) the command line gave, as typed (outer.lowrank_rank): set by the
 # entry (hypertrain.train), read by `drop_unread`.
 retired_given: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired_given", default=())
+# The command line's retired spellings read as today's (`formats.modern_spelling`): one notice each, for
+# the run's train.log alone, written once the run is checked (one call's own: `hypertrain.train.cli`).
+# Here, not in the entry: a sweep's launcher pickles the entry's task function, and a context variable
+# of the entry's own module (run as __main__) would go with it by value (cloudpickle refuses it).
+retired_notes: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired", default=())
 
 
 def drop_unread(task: DictConfig) -> tuple[DictConfig, tuple[str, ...]]:
