@@ -104,10 +104,28 @@ SOAK = (
 )
 
 
+# Cases the quick loop (`-m 'not slow'`, under 3 minutes on 2 cores) leaves to the full run: a further
+# real-process run or kill of a kind the quick loop keeps one case of (test_dist's torchrun case, the
+# codec stage on real processes, low rank's bitwise exchange, the stacked resume and preemption).
+SLOW = (
+    "tests/test_lowrank.py::test_real_processes_equal_the_simulation_exactly_in_whole_runs[ef]",
+    "tests/test_bits.py::test_real_processes_record_the_simulations_bits",
+    "tests/test_dist.py::test_real_processes_equal_the_simulation_with_fragments_delay_and_churn",
+    "tests/test_overlap.py::test_real_processes_equal_the_simulation[replicas-eager]",
+    "tests/test_entry.py::test_a_sweep_runs_every_job_as_its_own_wandb_run_in_one_group[basic]",
+    "tests/test_lowrank.py::test_killed_with_warm_starts_and_error_buffers_resumes_bit_identically[mid-round]",
+    "tests/test_churn.py::test_killed_with_a_fragment_in_flight_mid_absence_resumes_bit_identically",
+    "tests/test_compression.py::test_killed_with_error_buffers_resumes_bit_identically[stacked-dct]",
+    "tests/test_sparseloco.py::test_killed_with_decayed_buffers_resumes_bit_identically",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark the SOAK cases `soak` and `slow`: the README's test command deselects them (`-m 'not soak'` in
-    pyproject's addopts), `pytest -m soak` runs them."""
+    pyproject's addopts), `pytest -m soak` runs them. Mark the SLOW cases `slow`."""
     for item in items:
         if item.nodeid.startswith(SOAK):
             item.add_marker(pytest.mark.soak)
+            item.add_marker(pytest.mark.slow)
+        elif item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
