@@ -349,6 +349,7 @@ def _is_gloo_rendezvous_stall(case: Case) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 def test_collective_formulas_match_gloo_on_a_rate_limited_link(topology):
     assert set(topology.mtus()) == {MTU}
     at_rate, at_gigabit = _launch(topology, [RATE_BITS, GIGABIT])

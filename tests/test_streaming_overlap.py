@@ -413,6 +413,7 @@ def assert_overlapped(rep: dict) -> str:
 
 
 @pytest.mark.slow  # a rate-limited link, as tests/test_clock_link.py's
+@pytest.mark.timed
 def test_the_delayed_outer_reduction_overlaps_compute_on_a_rate_limited_link(throttled_netns):
     for rep in run_ranks(*throttled_netns, "streaming"):
         who = assert_overlapped(rep)
@@ -420,6 +421,7 @@ def test_the_delayed_outer_reduction_overlaps_compute_on_a_rate_limited_link(thr
 
 
 @pytest.mark.slow  # a rate-limited link
+@pytest.mark.timed
 def test_a_whole_round_overlap_round_takes_the_reduction_not_the_sum(throttled_netns):
     """outer.overlap=delayed (issue 36): rounds whose compute is about 3/4 of the reduction, run by
     `FragmentSync.take` / `land` / `flush` on the outer process group, each take about the reduction's
