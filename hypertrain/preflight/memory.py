@@ -26,6 +26,7 @@ from hypertrain.config import HELDOUT_ROWS_PER_PASS, INT64_MAX, ModelConfig, Tra
 from hypertrain.data import data_source
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import launched_rank
+from hypertrain.engines import replicas_at_once
 from hypertrain.model.shapes import ROLES, param_specs
 from hypertrain.model.spec import model_spec
 from hypertrain.optim.outer import outer_optimizer
@@ -231,7 +232,7 @@ def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | No
     model = model_with_vocabs(cfg)
     by_role = params_by_role(model)
     workers, entry, replicas, streams = processes(cfg, decided)
-    stacked = 1 if cfg.engine.name == "loop" else min(cfg.engine.stack or replicas, replicas)
+    stacked = replicas_at_once(cfg.engine.name, cfg.engine.stack, replicas)
     share = -(-ids_per_update(cfg) // cfg.replicas)  # a replica's ids at an update: V_m = U[m::R]
     share = -(-share // streams)  # a rank's part of it under the benchmark layout
     row = row_ids(cfg, longest)
