@@ -12,7 +12,6 @@ if __name__ == "__main__":  # first of all: a Ctrl-C during the imports below is
 
     guard_command("hypertrain.sample")
 
-import argparse
 import hashlib
 import math
 import signal
@@ -27,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import BYTE_VOCAB, SOURCES, corpus, data_source
 from hypertrain.data.hf_tokenizer import context_length
+from hypertrain.errors import Parser
 from hypertrain.failures.signals import EXIT_CODES, interrupted
 from hypertrain.model.shapes import param_shapes
 from hypertrain.model.spec import model_spec
@@ -64,14 +64,11 @@ class TextCodec:
     eod: int | None = None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage block
-        raise UserError(f"{message}; {USAGE}")
-
-
 def parse(argv: list[str]) -> Args:
     """The command line, each value checked; UserError (one line) naming the first bad one."""
-    parser = _Parser(prog=f"python -m {PROG}", allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser = Parser(
+        prog=f"python -m {PROG}", allow_abbrev=False, description=__doc__.split("\n\n")[0], valid=USAGE
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("--prompt", required=True, help="the text to continue (not empty)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to add, at least 1 (default 200)")

@@ -9,7 +9,6 @@ disk) or 1, no partial DIR left (DIR is filled beside it and renamed into place)
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import shutil
@@ -24,6 +23,7 @@ from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import corpus, data_source, hf_tokenizer
 from hypertrain.data.hf_tokenizer import context_length
 from hypertrain.data.preparation.outdir import first_existing, first_missing, remove_made
+from hypertrain.errors import Parser
 from hypertrain.export.names import Architecture, architecture, hf_weights
 from hypertrain.failures import DiskFull, RunFailure
 from hypertrain.failures.signals import EXIT_CODES, interrupted
@@ -43,14 +43,11 @@ class Args:
     checkpoint: Path | None = None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage block
-        raise UserError(f"{message}; {USAGE}")
-
-
 def parse(argv: list[str]) -> Args:
     """The command line, each value checked; UserError (one line) naming the first bad one."""
-    parser = _Parser(prog=f"python -m {PROG}", allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser = Parser(
+        prog=f"python -m {PROG}", allow_abbrev=False, description=__doc__.split("\n\n")[0], valid=USAGE
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
     parser.add_argument("--checkpoint", help="a checkpoint file of the run, in place of weights.pt")
