@@ -47,6 +47,39 @@ def test_parameter_bytes_are_torchs_numel_times_itemsize_exactly(name):
         assert count == sum(t.numel() for n, t in params.items() if roles[n] == role), role
 
 
+@pytest.mark.parametrize("name", ["tiny", "gqa-three-layers", "explicit-d_ff"])
+def test_a_sharded_ranks_parameters_are_its_first_dim_0_chunks_as_fsdp2_cuts_them(name):
+    """processes.shard=true: rank 0 of a replica's L ranks holds the first of each parameter's
+    `torch.chunk(t, L, dim=0)` (FSDP2's cut, its first chunks the longest), counted here by torch on the
+    real tensors; the estimate counts it from the shapes. At L = 1, the whole replica."""
+    model = MODELS[name]
+    params = init_params(model, seed=0)
+    roles = param_roles(model)
+    for L in (1, 2, 3, 4):
+        by_role = memory.params_by_role(model, L)
+        for role, count in by_role.items():
+            chunks = [t.chunk(L, dim=0)[0].numel() for n, t in params.items() if roles[n] == role]
+            assert count == sum(chunks), (L, role)
+
+
+def test_a_sharded_runs_estimate_holds_a_ranks_shards_and_what_fsdp2_gathers():
+    """The estimate of a sharded run (W = 4, R = 2: L = 2) against the same run unsharded: its weights,
+    gradients and optimizer state are a rank's shards (`rank_weights`, below half the replica's plus a
+    dim-0 row per tensor), plus what FSDP2 holds whole at the peak (`gathered_bytes`: the root, two
+    blocks and the larger unit's gradient)."""
+    argv = [*QUICK, "processes=dist", "world=4", "replicas=2"]
+    whole = memory.estimate(compose_cfg(argv))
+    sharded_cfg = compose_cfg([*argv, "processes.shard=true"])
+    sharded = memory.estimate(sharded_cfg)
+    params = init_params(sharded_cfg.model, seed=0)
+    rows = sum(t[0].numel() for t in params.values()) * 4  # one dim-0 row of each tensor, fp32
+    assert whole.rank_weights == whole.weights == sharded.weights
+    assert whole.weights / 2 <= sharded.rank_weights <= whole.weights / 2 + rows
+    # AdamW: every part of the state (weights, gradients, m, v, the outer momentum) is per parameter alike
+    scaled = whole.state * sharded.rank_weights / whole.weights
+    assert sharded.state == pytest.approx(scaled + memory.gathered_bytes(sharded_cfg.model), rel=1e-12)
+
+
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
 def test_optimizer_state_bytes_are_torchs_allocation_exactly(inner):
     """m for every parameter, v for AdamW's only: W + A bytes per replica, as init_state allocates."""

@@ -53,6 +53,7 @@ class Estimate:
 
     params: int  # one replica's parameters
     weights: int  # their bytes
+    rank_weights: int  # the bytes of them a worker holds: all, or a sharded replica's rank 0's shards
     state: int  # on the device: weights, gradients, optimizer state, the step's temporaries
     activations: int  # on the device: one microbatch's forward and backward (or a held-out pass)
     codec: int  # on the device: a block codec's sync of every replica (`codec_memory.codec_bytes`)
@@ -91,18 +92,31 @@ def model_with_vocabs(cfg: TrainConfig) -> ModelConfig:
     return replace(m, channel_vocabs=data_source(d).channel_vocabs(d) or [m.vocab])
 
 
-def _counts_by_role(model: ModelConfig) -> dict[str, int]:
+def _counts_by_role(model: ModelConfig, shards: int) -> dict[str, int]:
     counts = dict.fromkeys(ROLES, 0)
     for shape, role in param_specs(model).values():
-        counts[role] += math.prod(shape)
+        counts[role] += math.ceil(shape[0] / shards) * math.prod(shape[1:]) if shape else 1
     return counts
 
 
-def params_by_role(model: ModelConfig) -> dict[str, int]:
+def params_by_role(model: ModelConfig, shards: int = 1) -> dict[str, int]:
     """One replica's parameters per role (`model.ROLES`), from the shapes of the model without
-    layers and with one: the layers are alike, so `n_layers` is a factor, never a loop."""
-    base, one = _counts_by_role(replace(model, n_layers=0)), _counts_by_role(replace(model, n_layers=1))
+    layers and with one: the layers are alike, so `n_layers` is a factor, never a loop. `shards`: L of
+    a sharded replica, whose rank 0 holds the first of each parameter's L dim-0 chunks, ceil(dim 0 / L)
+    rows (FSDP2 cuts as `torch.chunk` does; its first chunks are the longest)."""
+    base = _counts_by_role(replace(model, n_layers=0), shards)
+    one = _counts_by_role(replace(model, n_layers=1), shards)
     return {role: base[role] + model.n_layers * (one[role] - base[role]) for role in ROLES}
+
+
+def gathered_bytes(model: ModelConfig) -> int:
+    """What FSDP2 holds whole beside a sharded replica's shards at its peak (fsdp_engine: one unit per
+    block, then the root): the root's weights (gathered for the forward and kept until the backward,
+    FSDP2's root is not resharded after its forward), a block's and the next one's (prefetched), and the
+    larger unit's whole gradient before its reduce-scatter."""
+    root = sum(params_by_role(replace(model, n_layers=0)).values())
+    block = sum(params_by_role(replace(model, n_layers=1)).values()) - root
+    return (root + 2 * block + max(root, block)) * FLOAT_BYTES
 
 
 def ids_per_update(cfg: TrainConfig) -> int:
@@ -232,6 +246,8 @@ def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | No
     model = model_with_vocabs(cfg)
     by_role = params_by_role(model)
     workers, entry, replicas, streams = processes(cfg, decided)
+    shards = decided.layout.ranks_per_replica if cfg.processes.shard and decided.layout else 1
+    rank_by_role = params_by_role(model, shards)
     stacked = replicas_at_once(cfg.engine.name, cfg.engine.stack, replicas)
     share = -(-ids_per_update(cfg) // cfg.replicas)  # a replica's ids at an update: V_m = U[m::R]
     share = -(-share // streams)  # a rank's part of it under the benchmark layout
@@ -245,10 +261,12 @@ def estimate(cfg: TrainConfig, longest: int | None = None, decided: Decided | No
     per_id = row * (channels * ID_BYTES + (1 if variable else 0))  # a padded row's ids and its mask
     round_updates = min(cfg.inner.H, cfg.phase.updates)  # assignments() builds a round's batches at once
     params = sum(by_role.values())
+    state = model_state_bytes(cfg, rank_by_role, replicas, stacked)  # a sharded rank's: its shards'
     return Estimate(
         params=params,
         weights=params * FLOAT_BYTES,
-        state=model_state_bytes(cfg, by_role, replicas, stacked),
+        rank_weights=sum(rank_by_role.values()) * FLOAT_BYTES,
+        state=state + (gathered_bytes(model) if shards > 1 else 0),
         activations=activations,
         codec=codec_bytes(cfg, model),
         batches=(round_updates * replicas * share + cfg.data.heldout) * per_id,
@@ -367,14 +385,15 @@ def parts(cfg: TrainConfig, est: Estimate, scope: str) -> list[tuple[int, str, l
     times = 1 if scope == "gpu" else est.workers
     per = f" in each of {est.workers} processes" if est.workers > 1 and scope != "gpu" else ""
     stacked = f", {est.stacked} computed at once" if est.stacked != est.replicas else ""
+    shard = f", a rank's shards {readable(est.rank_weights)}" if est.rank_weights != est.weights else ""
     dist = (
         ["processes.nproc" if cfg.processes.nproc else "world.size"] if cfg.processes.name == "dist" else []
     )
     device = [
         (
             times * est.state,
-            f"weights {readable(est.weights)} ({_count(est.params)} parameters) x "
-            f"{est.state / est.weights:,.1f} copies for {est.replicas} replicas{stacked}{per}: weights, "
+            f"weights {readable(est.weights)} ({_count(est.params)} parameters){shard} x "
+            f"{est.state / est.rank_weights:,.1f} copies for {est.replicas} replicas{stacked}{per}: weights, "
             "gradients, optimizer state, the global weights",
             [*model, "replicas"],
         ),
