@@ -113,7 +113,9 @@ class Overlap(Choice):
 
 # outer.schedule: one member per entry of the schedule table (`hypertrain.schedule_table`, which declares
 # what each is), in its order: rounds (every replica syncs at a round's end) or async (docs/async.md: each
-# replica's pseudo-gradient is applied when it arrives); `async` is a keyword, so the functional form
+# replica's pseudo-gradient is applied when it arrives); `async` is a keyword, so the functional form.
+# The field itself is a str: one of these, or the import path of an entry outside the package, which
+# OmegaConf could not check (`OuterConfig.check` does)
 Schedule = Choice("Schedule", [(name, name) for name in SCHEDULE_TABLE])
 Schedule.__doc__ = "outer.schedule: synchronous rounds, or asynchronous replicas (docs/async.md)."
 

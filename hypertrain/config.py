@@ -8,9 +8,10 @@ raising `UserError` (a `ValueError`) with one line naming the field, the bad val
 valid. A string choice is an enum of `hypertrain.choices` (with the codec and schedule tables, whose
 entries say what a codec or a schedule can run with, and `errors`, the only modules of hypertrain
 imported here; what one data source needs is its entry's check, `hypertrain.data`): OmegaConf refuses
-any other value, so no check here repeats it. Three tables open to entries from outside the package
+any other value, so no check here repeats it. Four tables open to entries from outside the package
 take a str instead, a name or an import path, resolved by their checks: outer.compress (the codec
-table's), data.name (the data sources') and model.arch (the models', `model.spec.model_spec`). The
+table's), outer.schedule (the schedule table's), data.name (the data sources') and model.arch (the
+models', `model.spec.model_spec`). The
 checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`. A field one table entry alone reads lives in that entry's node
 (`OUTER_NODES`: outer.arrivals, async's; outer.lowrank, low rank's), which exists with that entry alone;
@@ -47,7 +48,6 @@ from hypertrain.choices import (
     Reduction,
     RejoinState,
     ReplicaSplit,
-    Schedule,
     StatePolicy,
     TokenDtype,
     TopkValues,
@@ -350,8 +350,9 @@ class OuterConfig:
     lowrank: LowRankConfig | None = field(default=None, metadata=before(None))
     # Asynchronous replicas (docs/async.md): rounds (every replica syncs at a round's end) or async (a
     # replica's job of H_m inner steps from the weights it pulled; its pseudo-gradient is applied when
-    # the network clock says it arrives; no barrier).
-    schedule: Schedule = Schedule.rounds
+    # the network clock says it arrives; no barrier); or the import path (module.NAME) of a schedule
+    # entry outside the package (docs/extending.md, "A schedule").
+    schedule: str = "rounds"
     # async only (docs/async.md): the server's own fields; None under rounds, which has no such node
     # (setting one there is refused as a field rounds lacks: `schedule_table.ScheduleEntry.check_fields`)
     arrivals: ArrivalsConfig | None = field(default=None, metadata=before(None))
@@ -393,6 +394,7 @@ class OuterConfig:
             codec = codec_entry(self.compress)
         except NotACodec as error:
             raise UserError(str(error)) from None
+        schedule = schedule_entry(self.schedule)  # a path imported here once (`schedule_table.imported`)
         self.check_nodes()
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
@@ -436,7 +438,7 @@ class OuterConfig:
                 "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
         self.check_codec()
-        schedule_entry(self.schedule).check_fields(self)  # another schedule's fields stay at their defaults
+        schedule.check_fields(self)  # another schedule's fields stay at their defaults
 
     def check_codec(self) -> None:
         """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap, a transform

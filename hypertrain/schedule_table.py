@@ -2,21 +2,24 @@
 registered once in `TABLE`, declaring what the rest of the code asks of it (a server, a clock that orders
 its arrivals, the outer fields of its own, the run-side class that runs it) and refusing what it is not
 built with (`check_fields`, `check`); `choices.Schedule` is read from it, and the rest of the code asks an
-entry (`schedule_entry(name)`), never compares a name.
+entry (`schedule_entry(name)`), never compares a name. `outer.schedule` also takes the import path
+(module.NAME) of an entry defined outside the package (`imported`; docs/extending.md, "A schedule").
 
-Imports nothing of hypertrain but `errors` and no torch (the config's enum and refusals come from here):
-an entry's `build` imports its run-side class (`runs`, an import path into `hypertrain.run`) only when a
-run is built.
+Imports nothing of hypertrain but `errors` and `import_path`, and no torch (the config's enum and
+refusals come from here): an entry's `build` imports its run-side class (`runs`, an import path into
+`hypertrain.run`) only when a run is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
 
 from hypertrain.errors import UserError
+from hypertrain.import_path import entry_at
 
 
 def _default(section: type, name: str) -> Any:
@@ -44,7 +47,9 @@ class ScheduleEntry:
     - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
       alone: None under another schedule, and a field of it set there is one that schedule lacks;
     - `runs`: its run-side class, `module:Class`, built by `build` (`run.schedule.ScheduleBase`'s
-      arguments): it yields the rows `run.trainer.train` writes, then its part of the summary.
+      arguments): it yields the rows `run.trainer.train` writes, then its part of the summary;
+    - `round_at(H, u)`: the round of rounds' run-side class holding update u (`diloco.fragments.Schedule`
+      asks it where rounds end, so where syncs land): rounds of inner.H by default.
     """
 
     name: str
@@ -53,6 +58,11 @@ class ScheduleEntry:
     arrival_clock: bool = False
     fields: tuple[str, ...] = ()
     node: str = ""
+
+    def round_at(self, H: int, u: int) -> tuple[int, int]:
+        """The round holding update `u` (0-based, counted from the phase's start; `H` is inner.H): its first
+        update and its length. Rounds of H: syncs after counts H, 2H, ... (and the phase's end)."""
+        return u // H * H, H
 
     def check_fields(self, outer) -> None:
         """A field another entry reads (its `fields`) stays at its default under this one: set, it would
@@ -85,7 +95,12 @@ class ScheduleEntry:
 @dataclass(frozen=True)
 class Rounds(ScheduleEntry):
     """outer.schedule=rounds: every replica syncs at a round's end (DiLoCo), or each of outer.fragments
-    fragments once per round (Streaming DiLoCo), with outer.delay, outer.merge_alpha and outer.overlap."""
+    fragments once per round (Streaming DiLoCo), with outer.delay, outer.merge_alpha and outer.overlap.
+    A subclass (an entry from outside, docs/extending.md) inherits its run-side class, its fields and its
+    refusals, and may override `round_at` (where its rounds end) and `check`."""
+
+    runs: str = "hypertrain.run.trainer:Rounds"
+    fields: tuple[str, ...] = ("reduce",)
 
     def check(self, cfg) -> None:
         outer = cfg.outer
@@ -149,7 +164,7 @@ class Arrivals(ScheduleEntry):
 # Nesterov's N and c, the grace window, dynamic local updates, its evaluations); the reduction of a
 # round's payloads is rounds' (an arrival's payload is broadcast whole).
 ENTRIES = (
-    Rounds("rounds", runs="hypertrain.run.trainer:Rounds", fields=("reduce",)),
+    Rounds("rounds"),
     Arrivals(
         "async",
         runs="hypertrain.run.asynchronous:Arrivals",
@@ -165,9 +180,28 @@ TABLE: dict[str, ScheduleEntry] = {entry.name: entry for entry in ENTRIES}
 BEFORE = "rounds"
 
 
+IMPORTED = "the import path (module.NAME) of a hypertrain.schedule_table.ScheduleEntry entry"
+
+
 def schedule_entry(name: str) -> ScheduleEntry:
-    """The entry of `outer.schedule=name` (a `choices.Schedule` member or its str)."""
-    return TABLE[str(name)]
+    """The entry of `outer.schedule=name` (a `choices.Schedule` member or its str): the table's entry of
+    that name, or the entry at the import path `name` (a dot in it; `imported`); UserError for neither."""
+    entry = TABLE.get(str(name))
+    if entry is not None:
+        return entry
+    if "." in str(name):
+        return imported(str(name))
+    raise UserError(
+        f"outer.schedule={str(name)!r} is not a schedule; valid: {', '.join(TABLE)}, or {IMPORTED}"
+    )
+
+
+@functools.cache
+def imported(path: str) -> ScheduleEntry:
+    """The `ScheduleEntry` at the import path `path` (module.NAME), its `name` made `path` (what the config
+    and the records say); UserError (one line) when the path does not import or names no entry."""
+    entry = entry_at("outer.schedule", path, ScheduleEntry, "a schedule entry", IMPORTED, UserError)
+    return dataclasses.replace(entry, name=path)
 
 
 def recorded_entry(outer: dict | None) -> ScheduleEntry:

@@ -737,6 +737,27 @@ CASES = {
         "model.arch='hypertrain.model.spec.DECODER' names a Decoder, not a model entry",
         "a hypertrain.model.spec.ModuleModel instance",
     ),
+    # issue 49: schedules (`outer.schedule`: a name of the table, or a schedule entry by import path;
+    # hypertrain/schedule_table.py)
+    "outer-schedule-unknown": Case(
+        "a schedule that is neither the table's nor an import path",
+        ["outer.schedule=local_sgd"],
+        "outer.schedule='local_sgd' is not a schedule; valid: rounds, async, or the import path "
+        "(module.NAME) of a hypertrain.schedule_table.ScheduleEntry entry",
+        "rounds or async, or a path such as post_local.POST_LOCAL (docs/extending.md)",
+    ),
+    "outer-schedule-no-module": Case(
+        "a schedule's import path whose module is not installed",
+        ["outer.schedule=nosuch.SCHEDULE"],
+        "outer.schedule='nosuch.SCHEDULE' does not import (No module named 'nosuch')",
+        "a path that imports (its folder on PYTHONPATH)",
+    ),
+    "outer-schedule-not-a-schedule": Case(
+        "a schedule's import path that names something other than a schedule entry",
+        ["outer.schedule=hypertrain.schedule_table.ENTRIES"],
+        "outer.schedule='hypertrain.schedule_table.ENTRIES' names a tuple, not a schedule entry",
+        "a hypertrain.schedule_table.ScheduleEntry instance",
+    ),
     # issue 49: outer optimizers (`outer.optimizer`: the built-in or a torch.optim.Optimizer by import path;
     # hypertrain/optim/outer.py)
     "outer-optimizer-unknown": Case(

@@ -12,7 +12,11 @@ command line its section of the page gives, through the entry:
   windows of that column's bytes, each once, and nothing else;
 - a model (experiments/extend/gated_conv.py, a gated causal-convolution LM): the stacked engine agrees
   with the eager loop within rounding, the run trains the module's own parameters, and two fragments
-  share out its layers.
+  share out its layers;
+- a schedule (experiments/extend/post_local.py, post-local SGD: Lin et al. 2020, arXiv:1808.07217,
+  Section 3): the run syncs after exactly the counts the paper's statement gives, each sync is a float64
+  outer step of the mean pseudo-gradient, the stacked engine agrees with the loop, and a run killed
+  between syncs resumes bit-identically.
 
 A command is read from the page and run in this process (its module put on sys.path as the page's
 PYTHONPATH puts it); the same config is then trained again with every sync recorded, its final weights
@@ -33,9 +37,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_engines_agree, assert_same_weights, compose_cfg, entry
+from helpers import (
+    KILLED,
+    assert_engines_agree,
+    assert_identical,
+    assert_same_weights,
+    compose_cfg,
+    entry,
+    resumed,
+)
 from references import U32
-from test_overlap import _flat, _snapshot, run_syncs
+from test_overlap import _flat, _nesterov, _snapshot, run_syncs, step_bound
 
 from hypertrain.data import build_dataset
 from hypertrain.diloco.exchange.communication import HEADER_BYTES
@@ -364,3 +376,78 @@ def test_the_pages_gated_conv_model_trains_its_own_parameters_split_by_its_layer
     assert sorted(last) == sorted([*layer[1], "norm.weight", "head.weight"])
 
     assert_engines_agree(cfg)
+
+
+def post_local_counts(updates: int, H: int, switch_at: int) -> list[int]:
+    """The paper's statement (Lin et al. 2020, Section 3): mini-batch SGD (a sync after every update) up
+    to t' = `switch_at`, then local SGD (a sync every H updates from t'); the phase's end syncs too."""
+    return [c for c in range(1, updates + 1) if c <= switch_at or (c - switch_at) % H == 0 or c == updates]
+
+
+def test_the_pages_post_local_schedule_syncs_where_the_paper_says_each_a_float64_outer_step(
+    tmp_path, monkeypatch
+):
+    """The page's schedule command (experiments/extend/post_local.py): its sync rows are after exactly
+    the counts of the paper's statement, not rounds' (every H); each sync, from the run's weights and
+    the replicas' before it, is one float64 Nesterov step of their mean pseudo-gradient within the fp32
+    rounding of that step (test_overlap.step_bound's derivation); the command's weights are the run's."""
+    folders, args = page_command("## A schedule")
+    assert folders == [ROOT / "experiments" / "extend"]
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    done = entry([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    import post_local
+
+    cfg = compose_cfg(args)
+    assert cfg.outer.schedule == "post_local.POST_LOCAL" and cfg.outer.fragments == 1
+    updates = sum(r["kind"] == "update" for r in rows)
+    want = post_local_counts(updates, cfg.inner.H, post_local.POST_LOCAL.switch_at)
+    assert [r["update"] for r in rows if r["kind"] == "sync"] == want
+    assert want != post_local_counts(updates, cfg.inner.H, 0)  # rounds' syncs: the check tells them apart
+    assert want[: post_local.POST_LOCAL.switch_at] == [1, 2] and len(want) >= 4
+
+    syncs, state = run_syncs(cfg)
+    assert_same_weights(torch.load(tmp_path / "run" / "weights.pt"), state.theta)
+    assert len(syncs) == len(want)
+    names = list(state.theta)
+    for before, landed, after, _ in syncs:
+        assert landed == [0]
+        theta, buf = _flat(before["theta"], names), _flat(before["momentum"], names)
+        d = theta - torch.stack([_flat(x, names) for x in before["X"]])
+        g = d.mean(0)
+        new, _ = _nesterov(cfg.outer, theta, buf, g)
+        bound = step_bound(cfg.outer, cfg.replicas, theta, buf, g, d)
+        assert float((_flat(after["theta"], names) - new).norm()) <= bound
+
+
+@pytest.mark.slow
+def test_the_pages_post_local_schedule_on_both_engines_and_killed_between_syncs_resumes_bit_identically(
+    tmp_path, monkeypatch
+):
+    """The page's schedule command: (a) the stacked engine = the eager loop, each against the float64 loop,
+    within twice the loop's own error or twice the fp32 floor (helpers.assert_engines_agree); (b) killed
+    (SIGKILL, a real process importing the entry from PYTHONPATH) after update 4, in local SGD's first
+    round, its newest checkpoint the mid-round one at 3, the resumed run equals the uninterrupted command
+    exactly: every row, the held-out losses, the summary, weights.pt."""
+    folders, args = page_command("## A schedule")
+    for folder in folders:
+        monkeypatch.syspath_prepend(str(folder))
+    assert_engines_agree(compose_cfg(args))
+
+    reference = tmp_path / "reference"
+    assert entry([*args, f"hydra.run.dir={reference}"], tmp_path).returncode == 0
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([*map(str, folders), str(ROOT)]))
+    killing = [*args, "checkpoint.every_updates=3", "checkpoint.keep=10"]
+    run_dir = tmp_path / "run"
+    killed = entry([*killing, f"hydra.run.dir={run_dir}"], tmp_path, "0:4:kill:after")
+    assert killed.returncode == KILLED, killed.stderr[-2000:]
+    assert not (run_dir / "weights.pt").exists()
+    resumed(killing, run_dir, tmp_path)
+    resumes = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert [r["from"] for r in resumes if r["kind"] == "resume"] == [
+        str(run_dir / "checkpoints" / "ckpt-u0000003.pt")
+    ]
+    assert_identical(run_dir, reference)

@@ -19,7 +19,7 @@ LAYERS = (
     "errors",  # UserError, a user's mistake (one line, exit 2): imports nothing
     "import_path",  # a component named by its import path (module.NAME): imports nothing of hypertrain
     "codec_table",  # the codecs, one entry each, and what each can do: imports nothing but import_path
-    "schedule_table",  # the schedules, one entry each, and what each is: imports nothing but errors
+    "schedule_table",  # the schedules, one entry each, and what each is: imports errors, import_path
     "choices",  # the config's string choices as enums: imports nothing of hypertrain but the two tables
     "config",  # the schema: imports nothing of hypertrain but its choices
     "codecs",  # the codecs' kernels and their blocks: torch, the codec table and the config

@@ -5,6 +5,8 @@ fragments holds, and at which update counts a fragment's pseudo-gradient is take
 Counts are updates done since the phase's start (update u, 0-based, ends at count u + 1). Fragment p
 lands after counts k*H + (p+1)*H/P and is taken tau counts before; the phase's end flushes every
 fragment in order 0..P-1 (`Schedule.events`). P = 1, tau = 0 is DiLoCo's one sync per round of H.
+Rounds are of H unless the outer.schedule entry ends them elsewhere (`ScheduleEntry.round_at`, an entry
+from outside the package: a round of length L then stands for H above).
 With outer.overlap a fragment's landing at its sync point lands the sync taken at its previous one (a
 whole period in flight), and the phase's end lands the last one too (FLUSH, after every fragment's
 take and landing).
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.model.spec import AFTER, BEFORE, model_spec
+from hypertrain.schedule_table import BEFORE as FIRST_SCHEDULE
+from hypertrain.schedule_table import TABLE, ScheduleEntry, schedule_entry
 
 TAKE, LAND, FLUSH = "take", "land", "flush"
 
@@ -69,26 +73,30 @@ def check(cfg: TrainConfig) -> None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The streaming schedule of a phase of `updates` updates."""
+    """The streaming schedule of a phase of `updates` updates. Its rounds are the schedule entry's
+    (`entry.round_at`: rounds of H, or an entry's own from outside the package); each round's length a
+    multiple of P, and tau below its length / P."""
 
     H: int
     P: int
     tau: int
     updates: int
     overlap: bool = False  # outer.overlap: each fragment's last sync lands at the phase's end (FLUSH)
+    entry: ScheduleEntry = TABLE[FIRST_SCHEDULE]  # outer.schedule's: where its rounds end
 
     @classmethod
     def of(cls, cfg: TrainConfig, updates: int) -> Schedule:
         overlap = cfg.outer.overlap != "none"
-        return cls(cfg.inner.H, cfg.outer.fragments, cfg.outer.delay, updates, overlap)
+        entry = schedule_entry(cfg.outer.schedule)
+        return cls(cfg.inner.H, cfg.outer.fragments, cfg.outer.delay, updates, overlap, entry)
 
-    @property
-    def stride(self) -> int:
-        return self.H // self.P
+    def round_of(self, u: int) -> tuple[int, int]:
+        """The round holding update u (0-based): its first update and its length."""
+        return self.entry.round_at(self.H, u)
 
-    def land_point(self, p: int, k: int) -> int:
-        """The count after which fragment p's sync of period k lands."""
-        return k * self.H + (p + 1) * self.stride
+    def land_in(self, p: int, start: int, length: int) -> int:
+        """The count after which fragment p's sync of the round (`start`, `length`) lands."""
+        return start + (p + 1) * (length // self.P)
 
     def events(self, count: int) -> list[tuple[str, int]]:
         """What happens after `count` updates, in order: (TAKE or LAND, fragment). A landing at a count
@@ -98,9 +106,10 @@ class Schedule:
         out: list[tuple[str, int]] = []
         if count <= 0 or count > self.updates:
             return out
-        offset = count % self.H or self.H  # the count within its period, 1..H
-        if offset % self.stride == 0:
-            p = offset // self.stride - 1
+        start, length = self.round_of(count - 1)
+        offset, stride = count - start, length // self.P  # the count within its round, 1..length
+        if offset % stride == 0:
+            p = offset // stride - 1
             if self.tau == 0:
                 out.append((TAKE, p))
             out.append((LAND, p))
@@ -111,17 +120,17 @@ class Schedule:
                     out += [(LAND, p)] if self._in_flight(p, count) else [(TAKE, p), (LAND, p)]
             if self.overlap:
                 out += [(FLUSH, p) for p in range(self.P)]
-        elif self.tau and (offset + self.tau) % self.stride == 0:
-            out.append((TAKE, (offset + self.tau) // self.stride - 1))
+        elif self.tau and (offset + self.tau) % stride == 0:
+            out.append((TAKE, (offset + self.tau) // stride - 1))
         return out
 
     def _in_flight(self, p: int, count: int) -> bool:
         """Whether fragment p was taken at a count < `count` and has not landed by it."""
         if not self.tau:
             return False
-        k = (count - 1) // self.H  # the period `count` lies in (counts kH+1 .. kH+H)
-        for period in (k, k + 1):
-            land = self.land_point(p, period)
+        start, length = self.round_of(count - 1)  # the round `count` lies in
+        for round_start, round_length in ((start, length), self.round_of(start + length)):
+            land = self.land_in(p, round_start, round_length)
             if land - self.tau < count < land:
                 return True
         return False
@@ -135,19 +144,23 @@ class Schedule:
 
     def previous_land(self, count: int) -> int:
         """The count of the last regular landing before `count` (0 at the phase's start)."""
-        return (count - 1) // self.stride * self.stride
+        start, length = self.round_of(count - 1)
+        stride = length // self.P
+        return start + (count - 1 - start) // stride * stride
 
     def is_period_end(self, count: int) -> bool:
-        """A round of H updates ends here (or the phase does): the held-out eval and checkpoints."""
-        return count == self.updates or count % self.H == 0
+        """A round ends here (or the phase does): the held-out eval and checkpoints."""
+        return count == self.updates or sum(self.round_of(count - 1)) == count
 
     def since_land(self, u: int) -> tuple[int, ...]:
         """Update u's (0-based) step within each fragment's own round: updates since the fragment's
         last landing (the phase's start if none); what the lr's re-warmup counts."""
+        start, length = self.round_of(u)
         out = []
         for p in range(self.P):
-            first = (p + 1) * self.stride  # the count of p's first landing
-            last = 0 if u < first else first + ((u - first) // self.H) * self.H
+            last = self.land_in(p, start, length)  # p's landing in u's round, else in the round before
+            if last > u:
+                last = self.land_in(p, *self.round_of(start - 1)) if start else 0
             out.append(u - last)
         return tuple(out)
 
