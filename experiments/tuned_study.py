@@ -1,13 +1,16 @@
 """Every scheme at its own tuned outer step, over seeds (docs/sweeps.md, issue 52): for each scheme, an Optuna
 study (`hydra/sweeper=optuna`) of N trials over its outer step on seed 0, then its best setting on K other
-seeds (1..K: the tuning seed's luck is not reported as the scheme's). Prints the tuned table: per scheme
+seeds (1..K: the tuning seed's luck is not reported as the scheme's). Prints the report's tuned table
+(`hypertrain.report.tuned.study`; `python -m hypertrain.report OUT` shows it with its plot): per scheme
 its tuned setting, the final held-out loss over the K seeds as mean (min to max) and standard deviation,
-and the bits one replica sent (`comm/outer_total_bits`).
+the bits one replica sent (`comm/outer_total_bits`), and the network clock's time to DiLoCo's mean final
+loss on three links.
 
     python experiments/tuned_study.py OUT [--schemes diloco,eager,...] [--trials 20] [--seeds 3]
         [--updates 240] [--H 8] [--dry-run] [EXTRA OVERRIDES ...]
 
-OUT/{scheme}/tune/ holds the study (a run per trial, trials.yaml, optimization_results.yaml),
+OUT/tuned_study.json names the schemes and the reference (diloco) for the report; OUT/{scheme}/tune/ holds
+the study (a run per trial, trials.yaml, optimization_results.yaml),
 OUT/{scheme}/seeds/ the K runs of its best setting. --dry-run prints the runs and their count (the seeds'
 runs with the tuned values as `<tuned>`). The divergence guard stays on: a trial that diverges fails
 alone and the study goes on. A failing study or seed sweep is reported, the other schemes go on.
