@@ -5,6 +5,7 @@ diverging trial failed alone while the study goes on."""
 import json
 import math
 import shlex
+import shutil
 import statistics
 import sys
 from dataclasses import replace
@@ -233,3 +234,31 @@ def test_a_mean_curve_reaches_the_target_at_its_first_point_at_or_below_it():
     assert [time_to(curve, target) for target in (5.0, 4.5, 4.0, 3.0, 2.99, None)] == [
         0.0, 1.5, 1.5, 3.0, None, None,
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("manifest", "says"),
+    [
+        ("{not json", "cannot be read"),
+        ('{"schemes": "diloco", "reference": "diloco"}', "has no list of schemes"),
+    ],
+)
+def test_a_study_whose_manifest_is_not_one_is_refused_in_one_line_with_nothing_written(
+    tiny_study, tmp_path, manifest, says
+):
+    out, schemes = tiny_study
+    study = tmp_path / "study"
+    for scheme in schemes:  # the seed runs alone, and the manifest spoilt
+        shutil.copytree(
+            out / scheme / "seeds", study / scheme / "seeds", ignore=shutil.ignore_patterns("report")
+        )
+    (study / "tuned_study.json").write_text(manifest)
+    report = tmp_path / "report"
+    done = in_process(
+        [str(study), "--out", str(report)], tmp_path, main=report_main, module="hypertrain.report"
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"hypertrain.report: error: {study / 'tuned_study.json'} {says}")
+    assert line.endswith("as experiments/tuned_study.py writes") and not report.exists()

@@ -38,6 +38,7 @@ from hypertrain.report.table import (
     table_rows,
 )
 from hypertrain.report.tuned.section import tuned_sections
+from hypertrain.report.tuned.study import study_roots
 from hypertrain.rundir.directory import REPORT_FOLDER
 
 PROG = "python -m hypertrain.report"
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         found = find_runs(paths)
         out = _out(args.out, paths)
         runs = [load_run(path) for path in found]
+        study_roots(runs)  # a tuned study's manifest that cannot be read: one line before anything is written
     except ReportInputError as e:
         print(f"{ERROR} {e}", file=sys.stderr)
         return 2

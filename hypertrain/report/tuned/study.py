@@ -19,7 +19,7 @@ import yaml
 from hypertrain.clock.replay import clock_of, decided_by_clock, run_cluster
 from hypertrain.config import LINKS, UserError
 from hypertrain.report.bits import run_bits
-from hypertrain.report.runs import Run
+from hypertrain.report.runs import ReportInputError, Run
 from hypertrain.report.seeds import band, cell, stats
 
 MANIFEST = "tuned_study.json"  # written by experiments/tuned_study.py into its output folder
@@ -27,17 +27,38 @@ TIMED_ON = ("datacenter_100g", "cross_region_10g", "internet_1g")  # the links o
 NOT_REACHED = "not reached"
 
 
+VALID_MANIFEST = (
+    'valid: a JSON object {"schemes": [names], "reference": name}, as experiments/tuned_study.py writes'
+)
+
+
 def study_roots(runs: list[Run]) -> list[Path]:
     """The tuned studies the runs belong to (a seed run's `<study>/<scheme>/seeds/<job>`, with the
-    study's MANIFEST), each once, in the runs' order."""
+    study's MANIFEST), each once, in the runs' order; ReportInputError for a manifest that is not one."""
     roots = [
-        run.path.parents[2] for run in runs if run.path.parent.name == "seeds" and len(run.path.parents) > 2
+        p.parents[2] for p in (run.path for run in runs) if p.parent.name == "seeds" and len(p.parents) > 2
     ]
-    return [root for root in dict.fromkeys(roots) if (root / MANIFEST).is_file()]
+    found = [root for root in dict.fromkeys(roots) if (root / MANIFEST).is_file()]
+    for root in found:
+        manifest(root)
+    return found
 
 
 def manifest(root: Path) -> dict:
-    return json.loads((root / MANIFEST).read_text())
+    """The study's MANIFEST; ReportInputError naming it when it is not one."""
+    path = root / MANIFEST
+    try:
+        about = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReportInputError(
+            f"{path} cannot be read ({' '.join(str(e).split())[:120]}); {VALID_MANIFEST}"
+        ) from None
+    names = about.get("schemes") if isinstance(about, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ReportInputError(f"{path} has no list of schemes; {VALID_MANIFEST}")
+    if not isinstance(about.get("reference"), str):
+        raise ReportInputError(f"{path} names no reference scheme; {VALID_MANIFEST}")
+    return about
 
 
 def tuned_setting(scheme_dir: Path) -> dict | None:
