@@ -155,6 +155,11 @@ def study_rows(root: Path, runs: list[Run]) -> tuple[list[dict], float | None, s
     return rows, target, reference
 
 
+def _value(value) -> str:
+    """A tuned parameter: a number to 4 significant digits, anything else (a `choice` of names) as it is."""
+    return f"{value:.4g}" if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
 def _time_cell(row: dict, link: str, target: float | None) -> str:
     if link in row["untimed"] or target is None:
         return "-"
@@ -168,7 +173,9 @@ def tuned_cells(rows: list[dict], target: float | None, reference: str) -> tuple
     titles += [f"{link} s to {reference}'s loss" for link in TIMED_ON]
     body = []
     for row in rows:
-        setting = ", ".join(f"{k.removeprefix('outer.')} {v:.4g}" for k, v in (row["tuned"] or {}).items())
+        setting = ", ".join(
+            f"{k.removeprefix('outer.')} {_value(v)}" for k, v in (row["tuned"] or {}).items()
+        )
         loss, bits = row["heldout_final"], row["bits"]
         body.append(
             [
