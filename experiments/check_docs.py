@@ -421,6 +421,32 @@ def sweeps_study() -> Table:
     return Table("sweeps-study", "docs/sweeps.md", header, commands, cells, cheap=False)
 
 
+TUNED_SCHEMES = ("diloco", "eager", "int8")
+TUNED_EXAMPLE = (
+    "script:experiments/tuned_study.py",
+    "{tuned-example-runs}",
+    "--schemes",
+    ",".join(TUNED_SCHEMES),
+)
+TUNED_EXAMPLE += ("--trials", "6", "--seeds", "3", "--updates", "8", "--H", "2", "model.d_model=32")
+TUNED_EXAMPLE += ("data.seq_len=32", "data.heldout=64", "phase.global_batch=32")
+TUNED_LINKS = ("datacenter_100g", "cross_region_10g", "internet_1g")  # hypertrain.report.tuned.study's
+
+
+def tuned_example() -> Table:
+    """docs/sweeps.md's tuned study: experiments/tuned_study.py's 27 runs (seeded studies, deterministic
+    runs) and the report's tuned table it prints: every cell."""
+    columns = ("tuned setting", "seeds", "held-out final: mean (min to max)", "std", "bits/replica")
+    columns += tuple(f"{link} s to diloco's loss" for link in TUNED_LINKS)
+    cells = {
+        (s, c): markdown_cell("tuned-example", s, c, key_columns=1) for s in TUNED_SCHEMES for c in columns
+    }
+    header = "| " + " | ".join(("scheme", *columns)) + " |"
+    return Table(
+        "tuned-example", "docs/sweeps.md", header, {"tuned-example": TUNED_EXAMPLE}, cells, cheap=False
+    )
+
+
 def data_study() -> Table:
     """docs/data.md's study of replicas on different data: experiments/data_study.py prepares its corpus,
     trains its 4 runs (iid and by_source at H = 5 and 20) and prints the held-out loss per source."""
@@ -623,6 +649,7 @@ TABLES = {
         overlap_study(),
         codec_study(),
         sweeps_study(),
+        tuned_example(),
         data_study(),
         prepare_example(),
         compression_sizes(),

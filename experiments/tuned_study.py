@@ -1,13 +1,16 @@
 """Every scheme at its own tuned outer step, over seeds (docs/sweeps.md, issue 52): for each scheme, an Optuna
 study (`hydra/sweeper=optuna`) of N trials over its outer step on seed 0, then its best setting on K other
-seeds (1..K: the tuning seed's luck is not reported as the scheme's). Prints the tuned table: per scheme
+seeds (1..K: the tuning seed's luck is not reported as the scheme's). Prints the report's tuned table
+(`hypertrain.report.tuned.study`; `python -m hypertrain.report OUT` shows it with its plot): per scheme
 its tuned setting, the final held-out loss over the K seeds as mean (min to max) and standard deviation,
-and the bits one replica sent (`comm/outer_total_bits`).
+the bits one replica sent (`comm/outer_total_bits`), and the network clock's time to DiLoCo's mean final
+loss on three links.
 
     python experiments/tuned_study.py OUT [--schemes diloco,eager,...] [--trials 20] [--seeds 3]
         [--updates 240] [--H 8] [--dry-run] [EXTRA OVERRIDES ...]
 
-OUT/{scheme}/tune/ holds the study (a run per trial, trials.yaml, optimization_results.yaml),
+OUT/tuned_study.json names the schemes and the reference (diloco) for the report; OUT/{scheme}/tune/ holds
+the study (a run per trial, trials.yaml, optimization_results.yaml),
 OUT/{scheme}/seeds/ the K runs of its best setting. --dry-run prints the runs and their count (the seeds'
 runs with the tuned values as `<tuned>`). The divergence guard stays on: a trial that diverges fails
 alone and the study goes on. A failing study or seed sweep is reported, the other schemes go on.
@@ -15,6 +18,7 @@ alone and the study goes on. A failing study or seed sweep is reported, the othe
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -53,6 +57,7 @@ SCHEMES = {  # name: (the scheme's overrides, its outer step's search space)
     ),
     "adam": (["outer.optimizer=torch.optim.Adam"], ["outer.lr=tag(log, interval(0.0001, 0.3))"]),
 }
+REFERENCE = "diloco"  # the scheme whose mean final loss the report times the others to
 TUNING_SEED = 0
 TUNED = "<tuned>"  # a tuned value in a dry run's printed seeds command
 
@@ -104,11 +109,22 @@ def best_params(out: Path, scheme: str) -> dict:
     return yaml.safe_load((out / scheme / "tune" / "optimization_results.yaml").read_text())["best_params"]
 
 
+def write_manifest(args, every: list[str]) -> None:
+    """OUT/tuned_study.json: what the report reads the study by (`hypertrain.report.tuned.study`): the
+    schemes in order, the reference whose loss the others are timed to, and the study's settings."""
+    from hypertrain.report.tuned.study import MANIFEST
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    about = {"schemes": args.schemes, "reference": REFERENCE, "trials": args.trials, "seeds": args.seeds}
+    (args.out / MANIFEST).write_text(json.dumps(about | {"overrides": every}, indent=2) + "\n")
+
+
 def run_study(args, run: Callable[[list[str]], int]) -> list[str]:
     """Every scheme's study, then its seeds, each through `run` (the entry's arguments -> exit code):
     the failed commands."""
     failed = []
     every = run_overrides(args.updates, args.H, args.extra)
+    write_manifest(args, every)
     for scheme in args.schemes:
         tune = tune_args(args.out, scheme, args.trials, every)
         if run(tune):
@@ -121,61 +137,15 @@ def run_study(args, run: Callable[[list[str]], int]) -> list[str]:
     return failed
 
 
-def final(run_dir: Path) -> tuple[str, float | None, int | None]:
-    """A seed run's status, final held-out loss and bits one replica sent (None where it has none)."""
-    from hypertrain.records.files import read_records
-    from hypertrain.records.rows import EndRow, SummaryRow
+def tuned_table(out: Path) -> list[str]:
+    """The report's tuned table of the study in `out` (`python -m hypertrain.report OUT` shows it too)."""
+    from hypertrain.report.phases import markdown_table
+    from hypertrain.report.runs import find_runs, load_run
+    from hypertrain.report.tuned.study import study_rows, tuned_cells
 
-    rows = read_records(run_dir)
-    summary: dict = {}
-    for row in rows:
-        if isinstance(row, SummaryRow):
-            summary |= row.values
-    status = rows[-1].status if rows and isinstance(rows[-1], EndRow) else "crashed"
-    return status, summary.get("eval/final_loss"), summary.get("comm/outer_total_bits")
-
-
-def tuned_rows(out: Path, schemes: list[str]) -> list[dict]:
-    """Per scheme: its tuned setting, and over its seeds' runs the final held-out loss's stats (None
-    unless every seed finished: a mean over the finished ones would hide those that did not) and bits."""
-    from hypertrain.report.seeds import stats
-
-    rows = []
-    for scheme in schemes:
-        runs = sorted(p.parent for p in (out / scheme / "seeds").glob("*/metrics.jsonl"))
-        finals = [final(run) for run in runs]
-        finished = [f for f in finals if f[0] == "finished"]
-        complete = bool(finals) and len(finished) == len(finals)
-        bits = sorted({f[2] for f in finished if f[2] is not None})
-        rows.append(
-            {
-                "scheme": scheme,
-                "tuned": best_params(out, scheme),
-                "finished": f"{len(finished)}/{len(finals)}",
-                "heldout_final": stats([f[1] for f in finals]) if complete else None,
-                "bits": bits[0] if len(bits) == 1 else None,
-            }
-        )
-    return rows
-
-
-def table(rows: list[dict]) -> list[str]:
-    """The tuned table in markdown."""
-    from hypertrain.report.seeds import cell
-
-    lines = [
-        "| scheme | tuned setting | seeds | held-out final: mean (min to max) | std | bits/replica |",
-        "|" + "---|" * 6,
-    ]
-    for row in rows:
-        setting = ", ".join(f"{k.removeprefix('outer.')} {v:.4g}" for k, v in row["tuned"].items())
-        figure = row["heldout_final"]
-        std = "-" if figure is None else f"{figure['std']:.4f}"
-        bits = "-" if row["bits"] is None else f"{row['bits']:,}"
-        lines.append(
-            f"| {row['scheme']} | {setting} | {row['finished']} | {cell(figure, '{:.4f}')} | {std} | {bits} |"
-        )
-    return lines
+    runs = [load_run(path) for path in find_runs([out])]
+    rows, target, reference = study_rows(out.resolve(), runs)
+    return markdown_table(*tuned_cells(rows, target, reference))
 
 
 def schemes_arg(text: str) -> list[str]:
@@ -209,8 +179,8 @@ def main() -> int:
         return subprocess.run(train + entry_args, stdout=subprocess.DEVNULL).returncode
 
     failed = run_study(args, run)
-    done = [s for s in args.schemes if (args.out / s / "seeds").is_dir()]
-    print("\n".join(table(tuned_rows(args.out, done))), flush=True)
+    if any((args.out / s / "seeds").is_dir() for s in args.schemes):
+        print("\n".join(tuned_table(args.out)), flush=True)
     for cmd in failed:
         print(f"failed: {cmd}", file=sys.stderr)
     return 1 if failed else 0

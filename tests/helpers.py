@@ -11,6 +11,7 @@ import hashlib
 import io
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -762,3 +763,38 @@ def fork_ranks(world: int, worker) -> None:
     worker(0)
     failed = [pid for pid in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
     sys.exit(1 if failed else 0)
+
+
+# -- the report's page in a real browser -------------------------------------------------------------
+
+CHROMIUM = next(
+    (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None
+)
+MARK = (
+    "<script>window.addEventListener('load', () => { document.body.dataset.images = "
+    "Array.from(document.images).map(i => i.complete && i.naturalWidth > 0 ? 'ok' : 'broken').join(' '); });"
+    "</script></body>"
+)
+
+
+def load_in_chromium(page: Path, profile: Path) -> tuple[list[str], list[str]]:
+    """The page's images as 'ok' / 'broken' after its load event, and Chromium's console lines."""
+    done = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--user-data-dir={profile}",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    marked = re.search(r'data-images="([^"]*)"', done.stdout)
+    assert marked, f"the page was not loaded: {done.stderr[-2000:]}"
+    return marked.group(1).split(), [line for line in done.stderr.splitlines() if ":CONSOLE" in line]

@@ -27,7 +27,18 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_ENV, QUICK, ReferenceRuns, entry, finish, start_entry, tree
+from helpers import (
+    CHROMIUM,
+    FAULT_ENV,
+    MARK,
+    QUICK,
+    ReferenceRuns,
+    entry,
+    finish,
+    load_in_chromium,
+    start_entry,
+    tree,
+)
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
@@ -386,39 +397,6 @@ def test_every_png_decodes_at_its_stated_size(made_report):
         assert f'width="{plot["width"]}" height="{plot["height"]}"' in page
 
 
-CHROMIUM = next(
-    (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None
-)
-MARK = (
-    "<script>window.addEventListener('load', () => { document.body.dataset.images = "
-    "Array.from(document.images).map(i => i.complete && i.naturalWidth > 0 ? 'ok' : 'broken').join(' '); });"
-    "</script></body>"
-)
-
-
-def _load_in_chromium(page: Path, profile: Path) -> tuple[list[str], list[str]]:
-    """The page's images as 'ok' / 'broken' after its load event, and Chromium's console lines."""
-    done = subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--enable-logging=stderr",
-            "--v=0",
-            f"--user-data-dir={profile}",
-            "--dump-dom",
-            page.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    marked = re.search(r'data-images="([^"]*)"', done.stdout)
-    assert marked, f"the page was not loaded: {done.stderr[-2000:]}"
-    return marked.group(1).split(), [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
-
-
 @pytest.mark.slow
 def test_the_page_loads_in_chromium_with_every_image_and_no_console_message(made_report, tmp_path):
     out, record, _ = made_report
@@ -432,7 +410,7 @@ def test_the_page_loads_in_chromium_with_every_image_and_no_console_message(made
     assert CHROMIUM, "no chromium on PATH: Debian's `chromium`, installed by `scripts/setup --dev`"
     marked = tmp_path / "report.html"
     marked.write_text(page.replace("</body>", MARK))
-    images, console = _load_in_chromium(marked, tmp_path / "profile")
+    images, console = load_in_chromium(marked, tmp_path / "profile")
     assert images == ["ok"] * len(record["plots"]) and not console, (images, console)
     # The same check on a page with one image cut short and one console message must fail.
     first = page.index("base64,") + len("base64,")
@@ -442,7 +420,7 @@ def test_the_page_loads_in_chromium_with_every_image_and_no_console_message(made
         + "AAAA"
         + page[first + 4000 :].replace("</body>", "<script>console.error('x')</script>" + MARK)
     )
-    images, console = _load_in_chromium(broken, tmp_path / "profile")
+    images, console = load_in_chromium(broken, tmp_path / "profile")
     assert images.count("broken") == 1 and len(console) == 1
 
 

@@ -5,17 +5,35 @@ diverging trial failed alone while the study goes on."""
 import json
 import math
 import shlex
+import shutil
 import statistics
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import yaml
-from helpers import QUICK, REPO, compose_cfg, entry, stderr_lines
+from helpers import (
+    CHROMIUM,
+    MARK,
+    QUICK,
+    REPO,
+    compose_cfg,
+    entry,
+    in_process,
+    load_in_chromium,
+    stderr_lines,
+)
+from matplotlib.image import imread
+from omegaconf import OmegaConf
 
+from hypertrain.clock.replay import clock_of, run_cluster
+from hypertrain.config import LINKS
 from hypertrain.preflight.checks import validate
 from hypertrain.records.files import read_records
 from hypertrain.records.rows import EndRow, StartRow, SummaryRow
+from hypertrain.report.cli import main as report_main
+from hypertrain.report.tuned.study import time_to
 
 # Seed 9 of the TPE sampler (its first 10 trials are random, whatever the values told) proposes, over
 # outer.lr log-uniform in [0.1, 3000] and inner.H in {1, 2}: lr 0.11, 0.40, 7.5, 3.5, 1810, 36.7. At lr
@@ -114,41 +132,133 @@ def test_the_dry_run_prints_the_runs_and_their_count(tmp_path, capsys, monkeypat
     assert not (tmp_path / "out").exists()  # nothing run, nothing made
 
 
-@pytest.mark.slow
-def test_the_tuned_table_is_recomputed_from_the_run_directories(tmp_path):
-    """A tiny study of two schemes (2 trials, 2 seeds each) through the entry, then its table against
-    one computed here from the runs' metrics.jsonl alone, digit for digit."""
-    out = tmp_path / "out"
+LINKS_TIMED = ("datacenter_100g", "cross_region_10g", "internet_1g")  # docs/sweeps.md: the report's three
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    """A tiny study through the entry: two schemes (int8 sends about a quarter of DiLoCo's bits), 2
+    trials each, their best setting on 2 seeds; 4 updates at H = 2 of QUICK's model and data."""
+    tmp = tmp_path_factory.mktemp("tuned")
+    out = tmp / "out"
     tiny = [
         *QUICK[1:],
         "phase.global_batch=32",
     ]  # QUICK's model and data sizes (experiment=quick is COMMON's)
     args = SimpleNamespace(out=out, schemes=["diloco", "int8"], trials=2, seeds=2, updates=4, H=2, extra=tiny)
-    assert tuned_study.run_study(args, lambda entry_args: entry(entry_args, tmp_path).returncode) == []
-    got = tuned_study.table(tuned_study.tuned_rows(out, args.schemes))
-    want = []
-    for scheme in args.schemes:
+    assert tuned_study.run_study(args, lambda entry_args: entry(entry_args, tmp).returncode) == []
+    return out, args.schemes
+
+
+def seed_runs(folder) -> list[dict]:
+    """A scheme's seed runs as their files say: rows of metrics.jsonl, the summary, the resolved config."""
+    runs = []
+    for metrics in sorted(folder.glob("*/metrics.jsonl")):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert rows[-1]["kind"] == "end" and rows[-1]["status"] == "finished"
+        summary = {k: v for row in rows if row["kind"] == "summary" for k, v in row.items()}
+        resolved = OmegaConf.to_container(OmegaConf.load(metrics.parent / "config.yaml"), resolve=True)
+        runs.append({"rows": rows, "summary": summary, "resolved": resolved})
+    return runs
+
+
+def recomputed_table(out, schemes: list[str]) -> list[str]:
+    """The tuned table's rows from the run directories alone: the seeds' final held-out losses
+    (`eval/final_loss`: mean, min, max, stdev with n - 1), their bits (`comm/outer_total_bits`), and per
+    link the mean over the seeds of the clock and of the held-out loss at each evaluation (the clock
+    itself is `replay.clock_of`'s on the run's cluster with the link swapped in: tests/test_clock.py
+    checks it), the mean clock at the first mean loss at or below DiLoCo's mean final loss."""
+    runs = {scheme: seed_runs(out / scheme / "seeds") for scheme in schemes}
+    target = statistics.fmean(run["summary"]["eval/final_loss"] for run in runs["diloco"])
+    lines = []
+    for scheme in schemes:
         best = yaml.safe_load((out / scheme / "tune" / "optimization_results.yaml").read_text())[
             "best_params"
         ]
-        losses, bits = [], set()
-        for metrics in sorted((out / scheme / "seeds").glob("*/metrics.jsonl")):
-            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-            summary = {k: v for row in rows if row["kind"] == "summary" for k, v in row.items()}
-            assert rows[-1]["status"] == "finished"
-            assert next(r for r in rows if r["kind"] == "start")  # a run's own records
-            losses.append(summary["eval/final_loss"])
-            bits.add(summary["comm/outer_total_bits"])
-        seeds = [
-            yaml.safe_load(p.read_text()) for p in (out / scheme / "seeds").glob("*/.hydra/overrides.yaml")
-        ]
-        assert sorted(o for over in seeds for o in over if o.startswith("seed=")) == ["seed=1", "seed=2"]
         setting = ", ".join(f"{k.removeprefix('outer.')} {v:.4g}" for k, v in best.items())
+        losses = [run["summary"]["eval/final_loss"] for run in runs[scheme]]
         mean, lo, hi, std = statistics.fmean(losses), min(losses), max(losses), statistics.stdev(losses)
-        (only,) = bits
-        want.append(
-            f"| {scheme} | {setting} | 2/2 | {mean:.4f} ({lo:.4f} to {hi:.4f}) | {std:.4f} | {only:,} |"
+        (bits,) = {run["summary"]["comm/outer_total_bits"] for run in runs[scheme]}
+        seeds = ",".join(str(run["resolved"]["seed"]) for run in runs[scheme])
+        times = []
+        for link in LINKS_TIMED:
+            curves = []
+            for run in runs[scheme]:
+                cluster = replace(run_cluster(run["resolved"]), inter=replace(LINKS[link]))
+                curves.append(clock_of(run["rows"], run["resolved"], cluster)["heldout"])
+            assert len({tuple(p["update"] for p in curve) for curve in curves}) == 1  # the same evaluations
+            points = [
+                (statistics.fmean(p["clock_s"] for p in at), statistics.fmean(p["eval_loss"] for p in at))
+                for at in zip(*curves, strict=True)
+            ]
+            reached = [seconds for seconds, loss in points if loss <= target]
+            times.append(f"{reached[0]:.4g}" if reached else "not reached")
+            if (
+                scheme == "diloco"
+            ):  # its mean curve ends at its mean final loss: reached at its last evaluation
+                assert reached[0] == points[-1][0]
+        cells = [scheme, setting, f"2/2 ({seeds})", f"{mean:.4f} ({lo:.4f} to {hi:.4f})", f"{std:.4f}"]
+        lines.append("| " + " | ".join([*cells, f"{bits:,}", *times]) + " |")
+    return lines
+
+
+@pytest.mark.slow
+def test_the_reports_tuned_table_is_recomputed_from_the_run_directories(tiny_study, tmp_path):
+    """`python -m hypertrain.report OUT` on a tiny study: its tuned table (report.md, and the table
+    tuned_study.py prints) against one computed here from the runs' files, digit for digit; its plot a
+    PNG of the stated size that loads in Chromium with the page."""
+    out, schemes = tiny_study
+    done = in_process([str(out)], tmp_path, main=report_main, module="hypertrain.report")
+    assert done.returncode == 0, done.stderr[-3000:]
+    markdown = (out / "report" / "report.md").read_text().splitlines()
+    heading = markdown.index("## Tuned study: out")
+    end = heading + 6 + len(schemes)  # the heading, a blank, the intro, a blank, titles, rule, a row each
+    table = markdown[heading + 4 : end]
+    assert markdown[end] == ""
+    want = recomputed_table(out, schemes)
+    assert table[2:] == want and tuned_study.tuned_table(out)[2:] == want
+    assert "not reached" not in want[0] and want[0] != want[1]  # int8's bits and times are its own
+    record = json.loads((out / "report" / "report.json").read_text())
+    (plot,) = [p for p in record["plots"] if p["file"] == "tuned-out.png"]
+    assert imread(out / "report" / plot["file"]).shape[:2] == (plot["height"], plot["width"])
+    assert plot["series"][: len(schemes)] == [f"{scheme} (2/2 seeds)" for scheme in schemes]
+    assert CHROMIUM, "no chromium on PATH: Debian's `chromium`, installed by `scripts/setup --dev`"
+    page = tmp_path / "report.html"
+    page.write_text((out / "report" / "report.html").read_text().replace("</body>", MARK))
+    images, console = load_in_chromium(page, tmp_path / "profile")
+    assert images == ["ok"] * len(record["plots"]) and not console, (images, console)
+
+
+def test_a_mean_curve_reaches_the_target_at_its_first_point_at_or_below_it():
+    curve = ([0.0, 1.5, 3.0], [5.0, 4.0, 3.0], [5.0, 3.9, 2.9], [5.0, 4.1, 3.1])  # seeds.band's shape
+    assert [time_to(curve, target) for target in (5.0, 4.5, 4.0, 3.0, 2.99, None)] == [
+        0.0, 1.5, 1.5, 3.0, None, None,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("manifest", "says"),
+    [
+        ("{not json", "cannot be read"),
+        ('{"schemes": "diloco", "reference": "diloco"}', "has no list of schemes"),
+    ],
+)
+def test_a_study_whose_manifest_is_not_one_is_refused_in_one_line_with_nothing_written(
+    tiny_study, tmp_path, manifest, says
+):
+    out, schemes = tiny_study
+    study = tmp_path / "study"
+    for scheme in schemes:  # the seed runs alone, and the manifest spoilt
+        shutil.copytree(
+            out / scheme / "seeds", study / scheme / "seeds", ignore=shutil.ignore_patterns("report")
         )
-    assert got[2:] == want
-    # int8 sends a quarter of fp32's bits, or a little more (the scales): the bits column is each scheme's
-    assert got[2] != got[3]
+    (study / "tuned_study.json").write_text(manifest)
+    report = tmp_path / "report"
+    done = in_process(
+        [str(study), "--out", str(report)], tmp_path, main=report_main, module="hypertrain.report"
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"hypertrain.report: error: {study / 'tuned_study.json'} {says}")
+    assert line.endswith("as experiments/tuned_study.py writes") and not report.exists()

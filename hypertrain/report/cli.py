@@ -37,6 +37,8 @@ from hypertrain.report.table import (
     phase_of,
     table_rows,
 )
+from hypertrain.report.tuned.section import tuned_sections
+from hypertrain.report.tuned.study import study_roots
 from hypertrain.rundir.directory import REPORT_FOLDER
 
 PROG = "python -m hypertrain.report"
@@ -189,6 +191,20 @@ def phases_sections(runs: list[Run], out: Path) -> tuple[list[Section], dict]:
     return sections, tables
 
 
+def run_notes(runs: list[Run], rows: list[dict], untimed: tuple) -> list[str]:
+    """A note per run that ended with an error, and per run the clock could not time."""
+    ends = [run.rows[-1] if run.rows else None for run in runs]  # an end row is a session's last
+    failures = [
+        f"{row['run']} {row['status']}: {end.error}"
+        for row, end in zip(rows, ends, strict=True)
+        if isinstance(end, EndRow) and end.error is not None
+    ]
+    cannot = [
+        f"{row['run']}: no simulated clock ({why})" for row, why in zip(rows, untimed, strict=True) if why
+    ]
+    return failures + cannot
+
+
 def build(
     runs: list[Run], out: Path, command: str, given_target: float | None = None
 ) -> tuple[list[Section], dict, str]:
@@ -206,19 +222,10 @@ def build(
     plot_keys = [key for key in keys if key not in SEED_KEYS] if grouped(groups) else keys
     table = phases.cells([flat(row) for row in rows], columns(keys, rows))
     marked = [bool(row["data"]) or row["status"] != "finished" for row in rows]
-    ends = [run.rows[-1] if run.rows else None for run in runs]  # an end row is a session's last
-    failures = [
-        f"{row['run']} {row['status']}: {end.error}"
-        for row, end in zip(rows, ends, strict=True)
-        if isinstance(end, EndRow) and end.error is not None
-    ]
-    cannot = [
-        f"{row['run']}: no simulated clock ({why})" for row, why in zip(rows, untimed, strict=True) if why
-    ]
     differ = ", ".join(f"`{key}`" for key in keys) or "nothing"
     intro = f"{len(runs)} runs, made by `{command}`. Config values that differ between them: {differ}."
     notes = [*NOTES, *([ASYNC_NOTE] if any(run.of_kind("arrival") for run in runs) else [])]
-    notes += [*clock_notes(target, rule, clusters), data_note(runs, flags), *failures, *cannot]
+    notes += [*clock_notes(target, rule, clusters), data_note(runs, flags), *run_notes(runs, rows, untimed)]
     sections = [Section("Runs", [intro], table, marked, notes)]
     if grouped(groups):
         sections.append(seeds_section(group_table))
@@ -242,6 +249,8 @@ def build(
         sections.append(Section("Per-replica training loss (runs with R > 1)", plots=spreads))
     phase_sections, phase_tables = phases_sections(runs, out)
     sections += phase_sections
+    tuned, tuned_record, tuned_text = tuned_sections(runs, out)
+    sections += tuned
     record = {
         "command": command,
         "keys": keys,
@@ -257,12 +266,14 @@ def build(
         "plots": [asdict(plot) for section in sections for plot in section.plots],
         "phases": phase_tables,
         "sources": source_table,
+        "tuned": tuned_record,
     }
     terminal = "\n".join(phases.markdown_table(*table, pad=True))
     if grouped(groups):
         terminal += "\n\nOver seeds:\n" + "\n".join(
             phases.markdown_table(*group_columns(group_table), pad=True)
         )
+    terminal += tuned_text
     if target is not None:
         terminal += f"\ntime to target s: to held-out loss {target:.4f} ({rule})"
     return sections, record, terminal
@@ -296,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         found = find_runs(paths)
         out = _out(args.out, paths)
         runs = [load_run(path) for path in found]
+        study_roots(runs)  # a tuned study's manifest that cannot be read: one line before anything is written
     except ReportInputError as e:
         print(f"{ERROR} {e}", file=sys.stderr)
         return 2
