@@ -114,7 +114,7 @@ def test_real_processes_with_a_codec_equal_the_simulation_and_resume_from_sigter
     server update 7: every process stops after update 7 (exit 143) with a checkpoint holding every
     replica's job in flight and error buffer, gathered from both processes, and the server's Q; resume=true
     ends with the simulation's arrival rows and weights, exactly."""
-    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec], "outer.block=32"]
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec], "outer.codec.block=32"]
     sim, real = both(args, tmp_path)
     assert_equal_runs(real, sim, updates=12)
     n = sum(t.numel() for t in torch.load(sim / "weights.pt").values())
