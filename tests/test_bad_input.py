@@ -853,7 +853,9 @@ CASES = {
     "error-decay-with-none": Case(
         "an error decay with no compressor (nothing left out to feed back)",
         ["outer.codec.error_decay=0.9"],
-        "outer.codec.error_decay=0.9 is not read by outer.compress=none; valid: a codec that reads it (",
+        "outer.codec.error_decay=0.9 is not read by outer.compress=none; valid: a codec that reads it (int8, "
+        "uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk, lowrank), or outer.codec.error_decay=1.0 (its "
+        "default)",
         "a compressor with outer.error_feedback=true, or outer.codec.error_decay=1.0",
     ),
     "error-decay-range": Case(
@@ -935,7 +937,8 @@ CASES = {
     "lowrank-with-transform": Case(
         "low rank with the DCT transform",
         ["outer.compress=lowrank", "outer.codec.transform=dct"],
-        "outer.codec.transform=dct is not read by outer.compress=lowrank; valid: a codec that reads it",
+        "outer.codec.transform=dct is not read by outer.compress=lowrank; valid: a codec that reads it (int8, "
+        "uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk), or outer.codec.transform=none (its default)",
         "outer.codec.transform=none, or a block codec",
     ),
     "negative-restarts": Case(
