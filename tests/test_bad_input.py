@@ -938,7 +938,8 @@ CASES = {
         "low rank with the DCT transform",
         ["outer.compress=lowrank", "outer.codec.transform=dct"],
         "outer.codec.transform=dct is not read by outer.compress=lowrank; valid: a codec that reads it "
-        "(int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk), or outer.codec.transform=none (its default)",
+        "(int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk), or outer.codec.transform=none (its "
+        "default)",
         "outer.codec.transform=none, or a block codec",
     ),
     "negative-restarts": Case(
