@@ -118,9 +118,8 @@ class ModelConfig:
     compute_dtype: Precision = Precision.fp32  # fp32, or bf16 autocast (weights and optimizer stay fp32)
 
     def check(self) -> None:
-        if self.is_moe:
+        if self.is_moe:  # which models take experts, model.path or model.config: `model.spec.check_model`
             self.check_experts()
-        self.check_hf()
         _at_least("model.expert_ffn", self.expert_ffn, 0)
         _at_least("model.vocab", self.vocab, 0)  # 0: the data's
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
@@ -140,30 +139,8 @@ class ModelConfig:
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
             )
 
-    def check_hf(self) -> None:
-        """model.path and model.config: one of them with model.arch=hf, neither with another model
-        (what the directory or config holds is the model entry's check, `model.hf_module`)."""
-        given = [name for name in ("path", "config") if getattr(self, name)]
-        if self.arch == "hf" and len(given) != 1:
-            raise UserError(
-                f"model.arch=hf takes one of model.path and model.config, not "
-                f"{' and '.join(given) or 'neither'}; valid: model.path=DIR (a local Hugging Face model "
-                "directory) or 'model.config={model_type:llama,...}'"
-            )
-        if self.arch != "hf" and given:
-            raise UserError(
-                f"model.{given[0]} is set with model.arch={self.arch!r}; "
-                "valid: model=hf (a Hugging Face model)"
-            )
-        if self.arch == "hf" and self.is_moe:
-            raise UserError("model.is_moe=true with model.arch='hf' is not built; valid: model.is_moe=false")
-
     def check_experts(self) -> None:
         """The mixture-of-experts fields (with is_moe); UserError naming the first bad one."""
-        if self.arch != "decoder":
-            raise UserError(
-                f"model.is_moe=true with model.arch={self.arch!r} is not built; valid: model.arch=decoder"
-            )
         _at_least("model.n_experts", self.n_experts, 2)
         if not 1 <= self.top_k <= self.n_experts:
             raise UserError(
