@@ -21,6 +21,7 @@ from test_async import arrivals, async_cfg, four_one_slow
 
 import hypertrain.diloco.asynchrony.asynchronous as asynchronous
 from hypertrain.choices import Compressor
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import LowRankConfig, TopKConfig
 from hypertrain.diloco.asynchrony.arrivals import Job
 from hypertrain.diloco.asynchrony.asynchronous import server_updates
@@ -40,7 +41,12 @@ GRIDS = {  # the magnitudes over the block's scale, and the scale's divisor M (d
 
 
 def codec_cfg(compress, engine="stacked", **outer):
-    return async_cfg(engine=engine, compress=Compressor[compress], block=BLOCK, **outer)
+    return async_cfg(engine=engine, compress=Compressor[compress], **blocks_for(compress), **outer)
+
+
+def blocks_for(compress: str) -> dict:
+    """outer.codec.block=BLOCK where the codec reads it (`Codec.takes`: a block codec's)."""
+    return {"block": BLOCK} if "block" in codec_entry(compress).takes else {}
 
 
 def observed(cfg, also=None):
@@ -487,7 +493,7 @@ def test_an_arrivals_broadcast_carries_exactly_its_payload_bits(compress, outer)
     """The tensor handed to `share_arrival` (under processes=dist, the broadcast) is the payload's bytes,
     uint8, exactly payload_bits / 8 of the arrival's row (and the count written above where it has one);
     fp32 without a codec."""
-    cfg = async_cfg(compress=Compressor[compress], block=BLOCK, **outer)
+    cfg = async_cfg(compress=Compressor[compress], **blocks_for(compress), **outer)
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     shapes = [tuple(t.shape) for t in state.theta.values()]
