@@ -27,7 +27,11 @@ from hypertrain.rundir.records import METRICS_FILE, read_metrics
 SETTINGS = (("outer.fragments", "P"), ("outer.delay", "tau"), ("outer.merge_alpha", "alpha"))
 SETTINGS += (("outer.compress", "compress"), ("outer.error_feedback", "error feedback"))
 SETTINGS += (("outer.overlap", "overlap"), ("outer.lr", "outer lr"))
-SETTINGS += (("outer.transform", "transform"), ("outer.topk.fraction", "k"), ("outer.lowrank.rank", "rank"))
+SETTINGS += (
+    ("outer.codec.transform", "transform"),
+    ("outer.topk.fraction", "k"),
+    ("outer.lowrank.rank", "rank"),
+)
 SETTINGS += (("outer.name", "outer"),)
 PLAIN = {"outer.fragments": 1, "outer.delay": 0, "outer.merge_alpha": 0.0, "outer.compress": "none"}
 PLAIN |= {"outer.overlap": "none"}
@@ -45,8 +49,8 @@ def label(values: dict) -> str:
     parts.append(f"alpha={values['outer.merge_alpha']}")
     if values["outer.compress"] not in (None, "none"):
         codec = values["outer.compress"]
-        if values.get("outer.transform") not in (None, "none"):  # docs/compression.md, issue 37
-            codec = f"{values['outer.transform']} {codec}"
+        if values.get("outer.codec.transform") not in (None, "none"):  # docs/compression.md, issue 37
+            codec = f"{values['outer.codec.transform']} {codec}"
         if codec.endswith("topk") and values.get("outer.topk.fraction") not in (None, 0.01):
             codec += f" {values['outer.topk.fraction']:g}"
         if codec.endswith("lowrank"):

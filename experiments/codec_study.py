@@ -32,7 +32,7 @@ SETTINGS = {  # the study's rows: each setting's overrides
     "topk 1% +EF": ["outer.compress=topk", "outer.error_feedback=true"],
     "sparseloco 1.6%": ["outer=sparseloco"],
     "sparseloco 3.1%": ["outer=sparseloco", "outer.topk.fraction=0.03125"],
-    "dct topk 1% +EF": ["outer.compress=topk", "outer.transform=dct", "outer.error_feedback=true"],
+    "dct topk 1% +EF": ["outer.compress=topk", "outer.codec.transform=dct", "outer.error_feedback=true"],
     "lowrank r1 +EF": ["outer.compress=lowrank", "outer.lowrank.rank=1", "outer.error_feedback=true"],
     "lowrank r4 +EF": ["outer.compress=lowrank", "outer.lowrank.rank=4", "outer.error_feedback=true"],
 }

@@ -80,7 +80,7 @@ Compressor.__doc__ = "outer.compress: what each replica sends at a sync (hypertr
 
 
 class Transform(Choice):
-    """outer.transform: what each block of a pseudo-gradient becomes before the codec (and after the
+    """outer.codec.transform: what each block of a pseudo-gradient becomes before the codec (and after the
     decoder, inverted): itself, or its orthonormal DCT-II coefficients (hypertrain.codecs.kernels)."""
 
     none = "none"

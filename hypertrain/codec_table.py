@@ -56,7 +56,10 @@ class Codec:
       outer.topk.values shape its payload);
     - `sends`: what travels, for a refusal that needs blocks (a WHOLE_TENSOR entry's);
     - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
-      alone: None under another codec, and a field of it set there is one that codec lacks.
+      alone: None under another codec, and a field of it set there is one that codec lacks;
+    - `takes`: the fields of outer.codec (`config.CodecConfig`, the node the codecs share) it reads, from
+      what it is: a block codec the blocks' size, order and transform, a codec that feeds back what it
+      leaves out the buffers' decay; under it the others stay at their defaults.
     """
 
     name: str
@@ -84,9 +87,14 @@ class Codec:
         return self.scope == WHOLE_TENSOR
 
     @property
+    def takes(self) -> tuple[str, ...]:
+        """The fields of outer.codec this codec reads (`config.CodecConfig`; the class docstring)."""
+        return ("block", "tile", "transform") * self.blocks + ("error_decay",) * self.error_feedback
+
+    @property
     def blocks(self) -> bool:
-        """A block codec (`codecs.kernels`): it cuts the pseudo-gradient in blocks (outer.block, outer.tile,
-        outer.transform; the memory estimate's padded blocks)."""
+        """A block codec (`codecs.kernels`): it cuts the pseudo-gradient in blocks (outer.codec.block, tile
+        and transform; the memory estimate's padded blocks)."""
         return self.scope in (ELEMENTWISE, BLOCKWISE)
 
     def fields(self, kernels, lengths, blocks, spec) -> list:

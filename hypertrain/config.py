@@ -15,7 +15,8 @@ models', `model.spec.model_spec`). The
 checks across sections and against the plan are
 `hypertrain.preflight.checks.validate`. A field one table entry alone reads lives in that entry's node
 (`OUTER_NODES`: outer.arrivals, async's; outer.lowrank, low rank's), which exists with that entry alone;
-a field added since schema 7 declares its value before it existed (`before`).
+the fields several codecs share live in outer.codec, each read by the codecs whose entry takes it; a field
+added since schema 7 declares its value before it existed (`before`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from hypertrain.choices import (
     Transform,
     WandbMode,
 )
-from hypertrain.codec_table import BLOCK_CODECS, NotACodec, codec_entry
 from hypertrain.codec_table import ENTRIES as CODEC_ENTRIES
+from hypertrain.codec_table import NotACodec, codec_entry
 from hypertrain.errors import UserError
 from hypertrain.schedule_table import ENTRIES as SCHEDULE_ENTRIES
 from hypertrain.schedule_table import schedule_entry
@@ -117,9 +118,8 @@ class ModelConfig:
     compute_dtype: Precision = Precision.fp32  # fp32, or bf16 autocast (weights and optimizer stay fp32)
 
     def check(self) -> None:
-        if self.is_moe:
+        if self.is_moe:  # which models take experts, model.path or model.config: `model.spec.check_model`
             self.check_experts()
-        self.check_hf()
         _at_least("model.expert_ffn", self.expert_ffn, 0)
         _at_least("model.vocab", self.vocab, 0)  # 0: the data's
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
@@ -139,30 +139,8 @@ class ModelConfig:
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
             )
 
-    def check_hf(self) -> None:
-        """model.path and model.config: one of them with model.arch=hf, neither with another model
-        (what the directory or config holds is the model entry's check, `model.hf_module`)."""
-        given = [name for name in ("path", "config") if getattr(self, name)]
-        if self.arch == "hf" and len(given) != 1:
-            raise UserError(
-                f"model.arch=hf takes one of model.path and model.config, not "
-                f"{' and '.join(given) or 'neither'}; valid: model.path=DIR (a local Hugging Face model "
-                "directory) or 'model.config={model_type:llama,...}'"
-            )
-        if self.arch != "hf" and given:
-            raise UserError(
-                f"model.{given[0]} is set with model.arch={self.arch!r}; "
-                "valid: model=hf (a Hugging Face model)"
-            )
-        if self.arch == "hf" and self.is_moe:
-            raise UserError("model.is_moe=true with model.arch='hf' is not built; valid: model.is_moe=false")
-
     def check_experts(self) -> None:
         """The mixture-of-experts fields (with is_moe); UserError naming the first bad one."""
-        if self.arch != "decoder":
-            raise UserError(
-                f"model.is_moe=true with model.arch={self.arch!r} is not built; valid: model.arch=decoder"
-            )
         _at_least("model.n_experts", self.n_experts, 2)
         if not 1 <= self.top_k <= self.n_experts:
             raise UserError(
@@ -257,7 +235,7 @@ class TopKConfig:
 
     fraction: float = 0.01  # the fraction of each block sent, in (0, 1]
     # 32 (int32 indices in the vector) or 12 (each index within its block, two in three bytes;
-    # outer.block <= 4096 and an even k of a whole block)
+    # outer.codec.block <= 4096 and an even k of a whole block)
     index_bits: int = 32
     # how the kept values travel: fp32, fp16, int8 (one fp32 scale per block) or two_bit (templar's: per
     # tensor an fp32 shift and four fp32 reconstruction values, then 2 bits a value)
@@ -281,6 +259,61 @@ class LowRankConfig:
 
     def check(self) -> None:
         _at_least("outer.lowrank.rank", self.rank, 1)
+
+
+@dataclass
+class CodecConfig:
+    """outer.codec: the fields several codecs share (docs/compression.md); each codec's entry says which it
+    reads (`codec_table.Codec.takes`), and under a codec that does not read one it stays at its default
+    (`check_taken`). Older spellings: outer.block, outer.tile, outer.transform, outer.error_decay
+    (records.formats)."""
+
+    # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk; beyond the
+    # largest tensor synced it is that tensor's size (each tensor one block: tiles.blocks_and_order)
+    block: int = 128
+    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.codec.block) or T
+    # (SparseLoCo's chunks, templar's rule: each side cut at its largest divisor <= T, a matrix read chunk
+    # after chunk, one chunk a block, T x T tiles where the sides are multiples of T; top-k keeps a whole
+    # tile's k of every chunk; outer.codec.block must be T * T). The block codecs'.
+    tile: int = 0
+    # What each block becomes before the codec: none (itself) or dct (its orthonormal DCT-II coefficients,
+    # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
+    # feedback stays in the parameter domain. The block codecs'.
+    transform: Transform = Transform.none
+    # SparseLoCo's decay beta of the error buffers (Sarfi et al. 2025; docs/compression.md): a replica
+    # compresses u = beta * e + delta and keeps e <- u - decoded; 1.0 = plain error feedback, in [0, 1].
+    # The codecs' that feed back what they leave out (with outer.error_feedback=true).
+    error_decay: float = 1.0
+
+    def check_taken(self, codec) -> None:
+        """A field the codec's entry `codec` does not read (`takes`) stays at its default: one line naming
+        it, its value and the codecs that read it."""
+        for f in dataclasses.fields(self):
+            value, default = getattr(self, f.name), default_of(CodecConfig, f.name)
+            if f.name in codec.takes or value == default:
+                continue
+            readers = [entry.name for entry in CODEC_ENTRIES if f.name in entry.takes]
+            raise UserError(
+                f"outer.codec.{f.name}={_plain(value)} is not read by outer.compress={codec.name}; valid: a "
+                f"codec that reads it ({', '.join(readers)}), or outer.codec.{f.name}={_plain(default)} (its "
+                "default)"
+            )
+
+    def check(self) -> None:
+        _at_least("outer.codec.block", self.block, 1)
+        _at_least("outer.codec.tile", self.tile, 0)
+        if self.tile and self.block != self.tile * self.tile:
+            raise UserError(
+                f"outer.codec.tile={self.tile} with outer.codec.block={self.block}: a tile is one block; "
+                f"valid: outer.codec.block={self.tile * self.tile}, or outer.codec.tile=0"
+            )
+        if not 0.0 <= self.error_decay <= 1.0:
+            raise UserError(f"outer.codec.error_decay={self.error_decay!r} is out of range; valid: [0, 1]")
+
+
+def _plain(value: Any) -> str:
+    """A field's value as the command line writes it (an enum by its value)."""
+    return str(value.value if isinstance(value, Enum) else value)
 
 
 @dataclass
@@ -317,30 +350,17 @@ class OuterConfig:
     # (module.NAME) of a codec entry outside the package (docs/extending.md, "A codec"). Each replica's
     # contribution is its own decoded payload.
     compress: str = "none"
-    # values per block (a tensor's last block may be shorter): one scale, or one top-k chunk; beyond the
-    # largest tensor synced it is that tensor's size (each tensor one block: tiles.blocks_and_order)
-    block: int = 128
     # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
     # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
     # all-gathered: fewer bytes, a second quantization); topk always gathers.
     reduce: Reduction = Reduction.gather
-    # compress=topk only: its own fields (fraction, index_bits, values); None under another codec. The
-    # fields several codecs share (block, tile, transform, reduce, error_decay) stay outer's own.
+    # compress=topk only: its own fields (fraction, index_bits, values); None under another codec
     topk: TopKConfig | None = field(default=None, metadata=before(None))
-    # What each block becomes before the codec: none (itself) or dct (its orthonormal DCT-II coefficients,
-    # as DeMo's chunks: top-k then keeps the largest frequency components; decoded by the inverse). Error
-    # feedback stays in the parameter domain. A transform of what is sent: needs a compressor.
-    transform: Transform = Transform.none
-    # The blocks' order: 0 (each tensor's values in order, cut in blocks of outer.block) or T (SparseLoCo's
-    # chunks, templar's rule: each side cut at its largest divisor <= T, a matrix read chunk after chunk,
-    # one chunk a block, T x T tiles where the sides are multiples of T; top-k keeps a whole tile's k of
-    # every chunk; outer.block must be T * T). Needs a block codec.
-    tile: int = 0
+    # the fields several codecs share (block, tile, transform, error_decay), each read by the codecs whose
+    # entry takes it (`codec_table.Codec.takes`); under another codec a field stays at its default
+    codec: CodecConfig = field(default_factory=CodecConfig, metadata=before(CodecConfig()))
     # Error feedback: what compression left out of a replica's pseudo-gradient is added to its next one.
     error_feedback: bool = False
-    # SparseLoCo's decay beta of the error buffers (Sarfi et al. 2025; docs/compression.md): a replica
-    # compresses u = beta * e + delta and keeps e <- u - decoded; 1.0 = plain error feedback, in [0, 1].
-    error_decay: float = 1.0
     # An outer step overlapping a whole round (docs/overlap.md): none (today's sync), delayed (the
     # reduction started at the end of round t is applied at the end of round t+1, while round t+1
     # trains) or eager (as delayed, each replica's own fresh pseudo-gradient in place of its stale one,
@@ -403,29 +423,13 @@ class OuterConfig:
         _at_least("outer.delay", self.delay, 0)
         if not 0.0 <= self.merge_alpha <= 1.0:
             raise UserError(f"outer.merge_alpha={self.merge_alpha!r} is out of range; valid: [0, 1]")
-        _at_least("outer.block", self.block, 1)
         if self.error_feedback and not codec.error_feedback:
             raise UserError(
                 "outer.error_feedback=true with outer.compress=none has nothing to feed back; valid: a "
                 "compressor, or outer.error_feedback=false"
             )
-        _at_least("outer.tile", self.tile, 0)
-        if self.tile and not codec.blocks:
-            raise UserError(
-                f"outer.tile={self.tile} with outer.compress={self.compress}: tiles order the blocks of a "
-                f"block codec; valid: a block codec ({BLOCK_CODECS[0]}, ..., {BLOCK_CODECS[-1]}), or "
-                "outer.tile=0"
-            )
-        if self.tile and self.block != self.tile * self.tile:
-            raise UserError(
-                f"outer.tile={self.tile} with outer.block={self.block}: a tile is one block; valid: "
-                f"outer.block={self.tile * self.tile}, or outer.tile=0"
-            )
-        if self.transform != "none" and codec.lossless:
-            raise UserError(
-                f"outer.transform={self.transform} with outer.compress=none: the fp32 all-reduce sends no "
-                "blocks to transform; valid: a compressor, or outer.transform=none"
-            )
+        self.codec.check_taken(codec)
+        self.codec.check()
         self.check_sparseloco()
         if self.overlap != "none" and self.delay:
             raise UserError(
@@ -441,8 +445,7 @@ class OuterConfig:
         schedule.check_fields(self)  # another schedule's fields stay at their defaults
 
     def check_codec(self) -> None:
-        """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap, a transform
-        of blocks it does not send; and low rank's rank."""
+        """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap."""
         codec = codec_entry(self.compress)
         if self.reduce == "two_phase" and codec.gather_only:
             raise UserError(
@@ -454,41 +457,36 @@ class OuterConfig:
                 f"outer.compress={self.compress} with outer.overlap={self.overlap} is not built; valid: "
                 "outer.overlap=none, or another outer.compress"
             )
-        if self.transform != "none" and not codec.blocks:
-            raise UserError(
-                f"outer.compress={self.compress} with outer.transform={self.transform}: {codec.sends}, not "
-                "blocks to transform; valid: outer.transform=none"
-            )
 
     def check_sparseloco(self) -> None:
         """error_decay, and top-k's index_bits against the blocks (SparseLoCo's pieces)."""
-        if not 0.0 <= self.error_decay <= 1.0:
-            raise UserError(f"outer.error_decay={self.error_decay!r} is out of range; valid: [0, 1]")
-        if self.error_decay != 1.0 and not self.error_feedback:
+        decay = self.codec.error_decay
+        if decay != 1.0 and not self.error_feedback:
             raise UserError(
-                f"outer.error_decay={self.error_decay!r} without error feedback decays no buffer; valid: "
-                "outer.error_feedback=true, or outer.error_decay=1.0"
+                f"outer.codec.error_decay={decay!r} without error feedback decays no buffer; valid: "
+                "outer.error_feedback=true, or outer.codec.error_decay=1.0"
             )
         if self.topk is None or self.topk.index_bits != 12:  # top-k's node: with outer.compress=topk alone
             return
-        if self.block > 4096:
+        block = self.codec.block
+        if block > 4096:
             raise UserError(
-                f"outer.topk.index_bits=12 with outer.block={self.block}: 12 bits index a block of at most "
-                "4096; valid: outer.block <= 4096, or outer.topk.index_bits=32"
+                f"outer.topk.index_bits=12 with outer.codec.block={block}: 12 bits index a block of at most "
+                "4096; valid: outer.codec.block <= 4096, or outer.topk.index_bits=32"
             )
-        k = topk_kept(self.topk.fraction, self.block)
-        if k % 2 and self.block < 2:  # a block of one value keeps k = 1 at any fraction: no even k exists
+        k = topk_kept(self.topk.fraction, block)
+        if k % 2 and block < 2:  # a block of one value keeps k = 1 at any fraction: no even k exists
             raise UserError(
-                f"outer.topk.index_bits=12 with outer.block={self.block} keeps k = 1 of each block, an odd "
-                "number (12-bit indices pack two in three bytes); valid: outer.block >= 2, or "
+                f"outer.topk.index_bits=12 with outer.codec.block={block} keeps k = 1 of each block, an odd "
+                "number (12-bit indices pack two in three bytes); valid: outer.codec.block >= 2, or "
                 "outer.topk.index_bits=32"
             )
         if k % 2:
-            even = k + 1 if k < self.block else k - 1
+            even = k + 1 if k < block else k - 1
             raise UserError(
                 f"outer.topk.index_bits=12 with outer.topk.fraction={self.topk.fraction!r} keeps k = {k} of "
-                f"a {self.block}-value block, an odd number (12-bit indices pack two in three bytes); valid: "
-                f"an even k, e.g. outer.topk.fraction={even / self.block!r} (k = {even}), or "
+                f"a {block}-value block, an odd number (12-bit indices pack two in three bytes); valid: "
+                f"an even k, e.g. outer.topk.fraction={even / block!r} (k = {even}), or "
                 "outer.topk.index_bits=32"
             )
 

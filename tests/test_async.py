@@ -25,7 +25,7 @@ from helpers import (
 from omegaconf import OmegaConf
 
 from hypertrain.choices import Schedule
-from hypertrain.config import OUTER_NODES, ArrivalsConfig, OuterConfig, default_of
+from hypertrain.config import OUTER_NODES, ArrivalsConfig, CodecConfig, OuterConfig, default_of
 from hypertrain.diloco.asynchrony.arrivals import job_steps, replica_speeds, schedule
 from hypertrain.diloco.asynchrony.asynchronous import server_updates
 from hypertrain.diloco.rounds import rounds
@@ -42,15 +42,18 @@ U = 2.0**-24  # fp32's unit roundoff
 
 
 ARRIVAL_FIELDS = {f.name for f in fields(ArrivalsConfig)}
+CODEC_FIELDS = {f.name for f in fields(CodecConfig)}
 
 
 def async_cfg(speeds=(1.0, 0.5), engine="stacked", updates=8, **outer):
     """small_cfg (R = 2, H = 2) under outer.schedule=async on modelled compute (an H100's); a field of
-    async's node (`rule`, `dylu`, ...: ArrivalsConfig) goes under outer.arrivals."""
+    async's node (`rule`, `dylu`, ...: ArrivalsConfig) goes under outer.arrivals, a field the codecs share
+    (`block`, `tile`, ...: CodecConfig) under outer.codec."""
     base = small_cfg()
     own = ArrivalsConfig(**{k: outer.pop(k) for k in list(outer) if k in ARRIVAL_FIELDS})
+    codec = CodecConfig(**{k: outer.pop(k) for k in list(outer) if k in CODEC_FIELDS})
     return small_cfg(
-        outer=replace(base.outer, schedule=Schedule["async"], arrivals=own, **outer),
+        outer=replace(base.outer, schedule=Schedule["async"], arrivals=own, codec=codec, **outer),
         cluster=replace(
             base.cluster, compute="modelled", peak_tflops=989.0, mfu=0.4, replica_speeds=list(speeds)
         ),

@@ -21,6 +21,7 @@ from test_async import arrivals, async_cfg, four_one_slow
 
 import hypertrain.diloco.asynchrony.asynchronous as asynchronous
 from hypertrain.choices import Compressor
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import LowRankConfig, TopKConfig
 from hypertrain.diloco.asynchrony.arrivals import Job
 from hypertrain.diloco.asynchrony.asynchronous import server_updates
@@ -40,7 +41,12 @@ GRIDS = {  # the magnitudes over the block's scale, and the scale's divisor M (d
 
 
 def codec_cfg(compress, engine="stacked", **outer):
-    return async_cfg(engine=engine, compress=Compressor[compress], block=BLOCK, **outer)
+    return async_cfg(engine=engine, compress=Compressor[compress], **blocks_for(compress), **outer)
+
+
+def blocks_for(compress: str) -> dict:
+    """outer.codec.block=BLOCK where the codec reads it (`Codec.takes`: a block codec's)."""
+    return {"block": BLOCK} if "block" in codec_entry(compress).takes else {}
 
 
 def observed(cfg, also=None):
@@ -83,7 +89,7 @@ def observed(cfg, also=None):
 
 
 def blocks_of(x, sizes):
-    """The blocks of the flat vector `x` (outer.block values, never across a tensor): slices."""
+    """The blocks of the flat vector `x` (outer.codec.block values, never across a tensor): slices."""
     out, start = [], 0
     for size in sizes:
         for a in range(0, size, BLOCK):
@@ -237,12 +243,12 @@ def test_the_loop_and_stacked_engines_agree_bitwise_with_topk_and_error_feedback
             assert torch.equal(b[name], t), name
 
 
-CODEC = ["outer.compress=int8", f"outer.block={BLOCK}"]
+CODEC = ["outer.compress=int8", f"outer.codec.block={BLOCK}"]
 TOPK_EF = [
     "outer.compress=topk",
     "outer.topk.fraction=0.125",
     "outer.error_feedback=true",
-    f"outer.block={BLOCK}",
+    f"outer.codec.block={BLOCK}",
 ]
 
 
@@ -273,7 +279,7 @@ def test_an_async_run_records_each_arrivals_payload_bits_and_their_total(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [[], ["outer.transform=dct"], ["outer.tile=4", "outer.block=16"]],
+    [[], ["outer.codec.transform=dct"], ["outer.codec.tile=4", "outer.codec.block=16"]],
     ids=["plain", "dct", "tile"],
 )
 def test_a_run_with_topk_and_error_feedback_killed_between_server_updates_resumes_bitwise(tmp_path, extra):
@@ -308,7 +314,7 @@ def test_a_non_finite_pseudo_gradient_reaches_the_server_as_nan_and_leaves_the_b
     assert not torch.equal(errors[0]["w"], torch.full((64,), 0.25))
 
 
-# -- the DCT transform and tiles (outer.transform=dct, outer.tile) ------------------------------------------
+# -- the DCT transform and tiles (outer.codec.transform=dct, outer.codec.tile) --------------------------
 
 U = 2.0**-24  # fp32's unit roundoff
 
@@ -416,10 +422,10 @@ def tile_topk_reference(x, shapes, fraction, tile=TILE):
 
 
 def test_topk_with_tiles_and_error_feedback_keeps_each_tiles_largest_values_at_every_arrival():
-    """outer.tile=4 (blocks of 16 = 4 x 4 tiles; templar's chunks of the others): every arrival's payload
-    is each chunk's largest magnitudes of x = e + delta, exactly (top-k moves values, no arithmetic), and
-    the buffer left is x - C(x); the same top-k over blocks of 16 in the parameters' own order is not
-    (negative control)."""
+    """outer.codec.tile=4 (blocks of 16 = 4 x 4 tiles; templar's chunks of the others): every arrival's
+    payload is each chunk's largest magnitudes of x = e + delta, exactly (top-k moves values, no
+    arithmetic), and the buffer left is x - C(x); the same top-k over blocks of 16 in the parameters' own
+    order is not (negative control)."""
     fraction = 0.125
     cfg = async_cfg(
         compress=Compressor.topk, topk=TopKConfig(fraction=fraction), error_feedback=True, tile=TILE, block=16
@@ -487,7 +493,7 @@ def test_an_arrivals_broadcast_carries_exactly_its_payload_bits(compress, outer)
     """The tensor handed to `share_arrival` (under processes=dist, the broadcast) is the payload's bytes,
     uint8, exactly payload_bits / 8 of the arrival's row (and the count written above where it has one);
     fp32 without a codec."""
-    cfg = async_cfg(compress=Compressor[compress], block=BLOCK, **outer)
+    cfg = async_cfg(compress=Compressor[compress], **blocks_for(compress), **outer)
     run = prepare(cfg)
     state = RunState.start(run.cfg, initial_weights(run))
     shapes = [tuple(t.shape) for t in state.theta.values()]

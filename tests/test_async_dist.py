@@ -98,7 +98,8 @@ def test_two_processes_a_replica_equal_the_simulation_within_rounding_and_resume
 CODECS = {
     # int8 travels as top-k does (the payload's bytes, decoded on every process): top-k with its error
     # buffers and low rank with its Q cover the wire
-    "topk-ef": ["outer.compress=topk", "outer.topk.fraction=0.125", "outer.error_feedback=true"],
+    "topk-ef": ["outer.compress=topk", "outer.topk.fraction=0.125", "outer.error_feedback=true"]
+    + ["outer.codec.block=32"],
     "lowrank-ef": ["outer.compress=lowrank", "outer.lowrank.rank=2", "outer.error_feedback=true"],
 }
 
@@ -114,7 +115,7 @@ def test_real_processes_with_a_codec_equal_the_simulation_and_resume_from_sigter
     server update 7: every process stops after update 7 (exit 143) with a checkpoint holding every
     replica's job in flight and error buffer, gathered from both processes, and the server's Q; resume=true
     ends with the simulation's arrival rows and weights, exactly."""
-    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec], "outer.block=32"]
+    args = [*QUICK, *SLOW, *LAYOUTS["replicas"], *CODECS[codec]]
     sim, real = both(args, tmp_path)
     assert_equal_runs(real, sim, updates=12)
     n = sum(t.numel() for t in torch.load(sim / "weights.pt").values())

@@ -859,28 +859,37 @@ CASES = {
     ),
     "transform-unknown": Case(
         "a transform before the codec that does not exist (docs/compression.md)",
-        ["outer.compress=topk", "outer.transform=fft"],
-        "outer.transform='fft' is not valid; valid: 'none', 'dct'",
+        ["outer.compress=topk", "outer.codec.transform=fft"],
+        "outer.codec.transform='fft' is not valid; valid: 'none', 'dct'",
         "none or dct",
     ),
     "transform-with-none": Case(
-        "a DCT of the pseudo-gradient with no compressor",
-        ["outer.transform=dct"],
-        "outer.transform=dct with outer.compress=none: the fp32 all-reduce sends no blocks to transform; "
-        "valid: a compressor, or outer.transform=none",
-        "a compressor (outer.compress=topk, e3m0, ...), or outer.transform=none",
+        "a DCT of the pseudo-gradient with no compressor (a field of outer.codec, the fields the codecs "
+        "share, with a codec whose entry does not read it)",
+        ["outer.codec.transform=dct"],
+        "outer.codec.transform=dct is not read by outer.compress=none; valid: a codec that reads it (int8, "
+        "uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk), or outer.codec.transform=none (its default)",
+        "a block codec (outer.compress=topk, e3m0, ...), or outer.codec.transform=none",
+    ),
+    "error-decay-with-none": Case(
+        "an error decay with no compressor (nothing left out to feed back)",
+        ["outer.codec.error_decay=0.9"],
+        "outer.codec.error_decay=0.9 is not read by outer.compress=none; valid: a codec that reads it (int8, "
+        "uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk, lowrank), or outer.codec.error_decay=1.0 (its "
+        "default)",
+        "a compressor with outer.error_feedback=true, or outer.codec.error_decay=1.0",
     ),
     "error-decay-range": Case(
         "an error decay outside [0, 1] (docs/compression.md)",
-        ["outer.compress=topk", "outer.error_feedback=true", "outer.error_decay=1.5"],
-        "outer.error_decay=1.5 is out of range; valid: [0, 1]",
+        ["outer.compress=topk", "outer.error_feedback=true", "outer.codec.error_decay=1.5"],
+        "outer.codec.error_decay=1.5 is out of range; valid: [0, 1]",
         "a decay beta in [0, 1] (1 = plain error feedback)",
     ),
     "error-decay-without-feedback": Case(
         "an error decay without error feedback",
-        ["outer.compress=topk", "outer.error_decay=0.9"],
-        "outer.error_decay=0.9 without error feedback decays no buffer",
-        "outer.error_feedback=true, or outer.error_decay=1.0",
+        ["outer.compress=topk", "outer.codec.error_decay=0.9"],
+        "outer.codec.error_decay=0.9 without error feedback decays no buffer",
+        "outer.error_feedback=true, or outer.codec.error_decay=1.0",
     ),
     "index-bits-unknown": Case(
         "top-k indices of a width not built",
@@ -899,28 +908,34 @@ CASES = {
     ),
     "index-bits-12-large-block": Case(
         "12-bit indices in blocks longer than 4096",
-        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.block=8192"],
-        "outer.topk.index_bits=12 with outer.block=8192: 12 bits index a block of at most 4096",
-        "outer.block <= 4096, or outer.topk.index_bits=32",
+        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.codec.block=8192"],
+        "outer.topk.index_bits=12 with outer.codec.block=8192: 12 bits index a block of at most 4096",
+        "outer.codec.block <= 4096, or outer.topk.index_bits=32",
     ),
     "index-bits-12-odd-k": Case(
         "12-bit indices with an odd number kept per block",
-        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.block=4096", "outer.topk.fraction=0.03"],
+        [
+            "outer.compress=topk",
+            "outer.topk.index_bits=12",
+            "outer.codec.block=4096",
+            "outer.topk.fraction=0.03",
+        ],
         "outer.topk.index_bits=12 with outer.topk.fraction=0.03 keeps k = 123 of a 4096-value block, an odd",
         "a fraction whose k is even (the line names one), or outer.topk.index_bits=32",
     ),
     "tile-without-block-codec": Case(
         "2-D tiles of the blocks with no block codec (docs/compression.md)",
-        ["outer.tile=64", "outer.block=4096"],
-        "outer.tile=64 with outer.compress=none: tiles order the blocks of a block codec; valid: a block "
-        "codec (int8, ..., topk), or outer.tile=0",
-        "a block codec, or outer.tile=0",
+        ["outer.codec.tile=64"],
+        "outer.codec.tile=64 is not read by outer.compress=none; valid: a codec that reads it (int8, uint8, "
+        "fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk), or outer.codec.tile=0 (its default)",
+        "a block codec, or outer.codec.tile=0",
     ),
     "tile-not-the-block": Case(
         "a tile that is not one block",
-        ["outer.compress=topk", "outer.tile=64"],
-        "outer.tile=64 with outer.block=128: a tile is one block; valid: outer.block=4096, or outer.tile=0",
-        "outer.block = outer.tile squared",
+        ["outer.compress=topk", "outer.codec.tile=64"],
+        "outer.codec.tile=64 with outer.codec.block=128: a tile is one block; valid: outer.codec.block=4096, "
+        "or outer.codec.tile=0",
+        "outer.codec.block = outer.codec.tile squared",
     ),
     "lowrank-rank-0": Case(
         "a low-rank compression of rank 0 (docs/compression.md)",
@@ -942,9 +957,11 @@ CASES = {
     ),
     "lowrank-with-transform": Case(
         "low rank with the DCT transform",
-        ["outer.compress=lowrank", "outer.transform=dct"],
-        "outer.compress=lowrank with outer.transform=dct: low rank sends factors of matrices",
-        "outer.transform=none",
+        ["outer.compress=lowrank", "outer.codec.transform=dct"],
+        "outer.codec.transform=dct is not read by outer.compress=lowrank; valid: a codec that reads it "
+        "(int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, topk), or outer.codec.transform=none (its "
+        "default)",
+        "outer.codec.transform=none, or a block codec",
     ),
     "negative-restarts": Case(
         "a negative number of restarts",
@@ -1025,16 +1042,17 @@ CASES = {
         "model.d_model=1000000, model.n_layers=2, model.vocab=256, replicas=2 need about 2.5 PB",
         "values that fit; no job runs and no sweep directory is left",
     ),
-    # issue 48: outer.block beyond every tensor. Such a block is the largest tensor's size (each tensor one
-    # block, docs/compression.md), so 2^62 runs on the default model; the codec's padding of every tensor
-    # to the largest is in the memory estimate: 9,003 tensors (1,000 layers) padded to the 32-million-value
-    # embedding need 23 TB, refused at start (2^62 once overflowed torch's storage at the first sync).
+    # issue 48: outer.codec.block beyond every tensor. Such a block is the largest tensor's size (each
+    # tensor one block, docs/compression.md), so 2^62 runs on the default model; the codec's padding of
+    # every tensor to the largest is in the memory estimate: 9,003 tensors (1,000 layers) padded to the
+    # 32-million-value embedding need 23 TB, refused at start (2^62 once overflowed torch's storage at the
+    # first sync).
     "block-beyond-every-tensor-padding-cannot-fit": Case(
-        "an outer.block beyond every tensor on a model of many tensors and a large embedding: each tensor "
-        "one block, every block padded to the largest",
-        ["outer.compress=int8", "outer.block=4611686018427387904", "model.n_layers=1000"]
+        "an outer.codec.block beyond every tensor on a model of many tensors and a large embedding: each "
+        "tensor one block, every block padded to the largest",
+        ["outer.compress=int8", "outer.codec.block=4611686018427387904", "model.n_layers=1000"]
         + ["model.vocab=1000000"],
-        "outer.compress=int8, outer.block=4611686018427387904, model.d_model=32, model.n_layers=1000, "
+        "outer.compress=int8, outer.codec.block=4611686018427387904, model.d_model=32, model.n_layers=1000, "
         "model.vocab=1000000, replicas=2 need about 23.1 TB",
         "a block the tensors fill (the default 128), or fewer, more even tensors",
     ),
@@ -1636,10 +1654,10 @@ CASES = {
     "index-bits-12-with-blocks-of-one": Case(
         "12-bit top-k indices with blocks of one value (k = 1 each: no even k exists; the advice was "
         "outer.topk.fraction=0.0, itself refused)",
-        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.block=1"],
-        "outer.topk.index_bits=12 with outer.block=1 keeps k = 1 of each block, an odd number (12-bit "
-        "indices pack two in three bytes); valid: outer.block >= 2, or outer.topk.index_bits=32",
-        "outer.block >= 2, or outer.topk.index_bits=32",
+        ["outer.compress=topk", "outer.topk.index_bits=12", "outer.codec.block=1"],
+        "outer.topk.index_bits=12 with outer.codec.block=1 keeps k = 1 of each block, an odd number (12-bit "
+        "indices pack two in three bytes); valid: outer.codec.block >= 2, or outer.topk.index_bits=32",
+        "outer.codec.block >= 2, or outer.topk.index_bits=32",
     ),
     "resume-shorter-phase": Case(
         "resume with a shorter phase.updates (it may change, but only to a longer phase)",

@@ -76,7 +76,7 @@ def test_a_syncs_bits_per_parameter_are_its_contributions_wire_bytes_over_its_pa
     outer, expected = CASES[case]
     cfg = small_cfg(outer=outer, churn=MISS)
     sizes, R = _sizes(cfg), cfg.replicas
-    sent = expected(sizes, R, cfg.outer.block)
+    sent = expected(sizes, R, cfg.outer.codec.block)
     rows = run_losses(cfg, tmp_path)
     syncs = _syncs(rows)
     assert len(syncs) == 2 and all(r["params"] == sum(sizes) for r in syncs)
@@ -109,8 +109,8 @@ def test_the_sparseloco_presets_bits_are_templars_bytes(tmp_path):
     preset = OmegaConf.merge(OuterConfig, OmegaConf.load(REPO / "conf/outer/sparseloco.yaml"))
     cfg = small_cfg(outer=OmegaConf.to_object(preset))  # typed: its node outer.topk a TopKConfig
     shapes = [tuple(t.shape) for t in initial_weights(prepare(cfg)).values()]
-    k = math.ceil(cfg.outer.topk.fraction * cfg.outer.tile**2)
-    counts = [templar_k(k, len(c)) for s in shapes for c in templar_chunks(s, cfg.outer.tile)]
+    k = math.ceil(cfg.outer.topk.fraction * cfg.outer.codec.tile**2)
+    counts = [templar_k(k, len(c)) for s in shapes for c in templar_chunks(s, cfg.outer.codec.tile)]
     payload = 20 * len(shapes) + sum(math.ceil(c / 4) + math.ceil(3 * c / 2) for c in counts)
     params = sum(math.prod(s) for s in shapes)
     syncs = _syncs(run_losses(cfg, tmp_path))

@@ -128,3 +128,59 @@ def test_top_ks_older_spellings_read_as_its_node_and_dropped_with_a_note_under_a
         assert "note: outer.index_bits= is now spelled outer.topk.index_bits= " in log
         dropped = "note: outer.topk_fraction=0.5 has no effect with outer.compress=int8: dropped"
         assert (dropped in log) == (node is None)
+
+
+SHARED = {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.5}  # each off its default
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_a_shared_codec_field_is_set_only_with_a_codec_whose_entry_takes_it(entry):
+    """outer.codec's fields are read by the codecs whose entry says so (`Codec.takes`: a block codec the
+    blocks' size, order and transform, a codec that feeds back the buffers' decay): set with one, it
+    passes the check; with another, one line naming the field, its value and the codecs that read it."""
+    from hypertrain.config import CodecConfig
+
+    assert (
+        entry.takes == ("block", "tile", "transform") * entry.blocks + ("error_decay",) * entry.error_feedback
+    )
+    for name, value in SHARED.items():
+        square = {"block": 16} if name == "tile" and name in entry.takes else {}  # a tile is one block
+        node = CodecConfig(**{name: value} | square)
+        outer = OuterConfig(compress=entry.name, codec=node, error_feedback=entry.error_feedback)
+        if name in entry.takes:
+            outer.check()
+            continue
+        with pytest.raises(UserError) as refused:
+            outer.check()
+        readers = ", ".join(e.name for e in ENTRIES if name in e.takes)
+        assert str(refused.value).startswith(
+            f"outer.codec.{name}={value} is not read by outer.compress={entry.name}; valid: a codec that "
+            f"reads it ({readers}), or outer.codec.{name}="
+        )
+
+
+def test_the_shared_fields_older_spellings_read_as_outer_codec_and_an_unread_block_is_dropped(tmp_path):
+    """outer.block, outer.tile, outer.transform and outer.error_decay (before outer.codec) still run: read
+    as outer.codec.* with a note in train.log only; outer.block with compress=none (which ignored it) is
+    dropped with a note; config.yaml holds the node."""
+    from helpers import RUN, entry
+
+    runs = {
+        "int8": (
+            ["outer.block=16", "outer.tile=4", "outer.transform=dct", "outer.error_feedback=true"],
+            ["outer.error_decay=0.5"],
+            {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.5},
+        ),
+        "none": (["outer.block=64"], [], {"block": 128, "tile": 0, "transform": "none", "error_decay": 1.0}),
+    }
+    for codec, (given, more, node) in runs.items():
+        run_dir = tmp_path / codec
+        args = [*RUN, "phase.updates=1", f"outer.compress={codec}", *given, *more, f"hydra.run.dir={run_dir}"]
+        done = entry(args, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "has no effect" not in done.stderr + done.stdout and "spelled" not in done.stderr + done.stdout
+        assert OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").outer)["codec"] == node
+        log = (run_dir / "train.log").read_text()
+        assert "note: outer.block= is now spelled outer.codec.block= " in log
+        dropped = "note: outer.block=64 has no effect with outer.compress=none: dropped"
+        assert (dropped in log) == (codec == "none")

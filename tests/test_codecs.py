@@ -589,7 +589,7 @@ def test_bad_arguments_are_refused_in_one_line():
         decode("int8", torch.zeros(1, 21, dtype=torch.uint8), blocks)
 
 
-# --- the DCT transform (outer.transform=dct) ----------------------------------------------------------
+# --- the DCT transform (outer.codec.transform=dct) ----------------------------------------------------------
 
 DCT_SIZES, DCT_BLOCK = (300, 128, 77, 5, 1), 64  # ragged last blocks: 44, 13, 5, 1 (each its own length)
 

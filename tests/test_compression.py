@@ -68,7 +68,15 @@ from references import U32, templar_chunks, templar_k
 
 from hypertrain.codecs import kernels as codecs
 from hypertrain.codecs.kernels import Blocks
-from hypertrain.config import DataConfig, ModelConfig, OuterConfig, PhaseConfig, TopKConfig, WorldConfig
+from hypertrain.config import (
+    CodecConfig,
+    DataConfig,
+    ModelConfig,
+    OuterConfig,
+    PhaseConfig,
+    TopKConfig,
+    WorldConfig,
+)
 from hypertrain.diloco.exchange.communication import HEADER_BYTES, compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
@@ -114,10 +122,9 @@ def outer_cfg(
     return OuterConfig(
         compress=codec,
         reduce=reduce,
-        block=block,
+        codec=CodecConfig(block=block, transform=transform),
         topk=TopKConfig(fraction=fraction) if codec == "topk" else None,  # top-k's node: with top-k alone
         error_feedback=ef,
-        transform=transform,
     )
 
 
@@ -439,7 +446,8 @@ class StageCase:
     def outer(self) -> OuterConfig:
         outer = outer_cfg(self.codec, self.reduce, STAGE_BLOCKS.block, 0.1, self.ef, self.transform)
         if self.sparseloco:  # k = 4 of a whole block of 32 (even); ragged ones keep 1 or 2
-            outer = replace(outer, error_decay=0.9, topk=replace(outer.topk, index_bits=12, values="two_bit"))
+            codec = replace(outer.codec, error_decay=0.9)
+            outer = replace(outer, codec=codec, topk=replace(outer.topk, index_bits=12, values="two_bit"))
         return outer
 
 
@@ -548,7 +556,7 @@ def test_the_stage_on_real_processes_equals_the_simulation_bitwise(tmp_path, wor
     a replica that did not step in some cases; error feedback in some) and the simulation
     (`ReplicaGroups`, all replicas here) runs it on all rows. For int8 and fp4_e2m1 with gather and
     two_phase, top-k with gather, uint8 with gather, fp8_e4m3 and e3m0 with two_phase, top-k with gather and
-    fp4_e2m1 with two_phase after the DCT (outer.transform=dct), under the replicas
+    fp4_e2m1 with two_phase after the DCT (outer.codec.transform=dct), under the replicas
     layout (P = 2: R = 2 and R = 4 with two replicas per process; P = 4: R = 4) and the benchmark
     layout W = 4, R = 2 (L = 2): every rank's decoded mean,
     count, figures (per-replica compression errors, payload bytes, the formula's bytes) and error
@@ -714,7 +722,7 @@ WHOLE_CASES = {
         "outer.compress=topk",
         "outer.topk.fraction=0.0625",
         "outer.error_feedback=true",
-        "outer.error_decay=0.9",
+        "outer.codec.error_decay=0.9",
         "outer.topk.index_bits=12",
         "outer.topk.values=two_bit",
     ],
@@ -722,7 +730,7 @@ WHOLE_CASES = {
     "e3m0-gather": ["outer.compress=e3m0"],
     "dct-topk-ef": [
         "outer.compress=topk",
-        "outer.transform=dct",
+        "outer.codec.transform=dct",
         "outer.topk.fraction=0.05",
         "outer.error_feedback=true",
     ],
@@ -730,8 +738,8 @@ WHOLE_CASES = {
     # 16, k = 2 of it, and of every chunk of the 1-D tensors (runs of 4)
     "topk-tiles-ef": [
         "outer.compress=topk",
-        "outer.tile=4",
-        "outer.block=16",
+        "outer.codec.tile=4",
+        "outer.codec.block=16",
         "outer.topk.fraction=0.125",
         "outer.error_feedback=true",
     ],
@@ -781,8 +789,8 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
         assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
     outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
     weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=True)
-    blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.block)
-    tiled = ([tuple(t.shape) for t in weights.values()], outer.tile) if outer.tile else None
+    blocks = Blocks(tuple(t.numel() for t in weights.values()), outer.codec.block)
+    tiled = ([tuple(t.shape) for t in weights.values()], outer.codec.tile) if outer.codec.tile else None
     own = outer.topk or TopKConfig()  # None under another codec than top-k
     # own["values"], not own.values: on the config.yaml read back (a DictConfig) .values is Mapping's method
     spec = (own.fraction, str(own["values"] if outer.topk else own.values), own.index_bits)
@@ -809,7 +817,7 @@ KILL_ENGINES = {
     "stacked": ([], "0:4:kill:after", KILLED),
     "dist": (["processes=dist", "world=2", "replicas=2"], "1:4:kill:after", RankFailed.exit_code),
     # DeMo's chunked DCT before the top-k: the buffers hold what was not sent, in the parameter domain
-    "stacked-dct": (["outer.transform=dct"], "0:4:kill:after", KILLED),
+    "stacked-dct": (["outer.codec.transform=dct"], "0:4:kill:after", KILLED),
 }
 
 
@@ -823,7 +831,7 @@ def buffers(path: Path) -> list[dict]:
 def test_killed_with_error_buffers_resumes_bit_identically(tmp_path, engine):
     """Invariant 9 with error feedback: top-k (5%) with error feedback, SIGKILL after update 4's inner
     step (under processes=dist rank 1 dies and the run fails; stacked-dct: the top-k of each block's DCT
-    coefficients, outer.transform=dct); the newest checkpoint is the mid-round one
+    coefficients, outer.codec.transform=dct); the newest checkpoint is the mid-round one
     at 3, whose `state['errors']` holds every replica's non-zero buffer (what the sync at 2 did not
     send). `resume=true` goes on from it and equals an uninterrupted run exactly (`assert_identical_but`:
     update rows, sync rows with their payload bytes and compression errors, held-out losses, summary,
@@ -878,8 +886,8 @@ def payload_formula(
     and an fp32 scale per block; fp4_e2m1 and e3m0 two values per byte, packed per block, and a scale;
     top-k, for each of ceil(f x L) entries of a block of L, its value (fp32 4 bytes, fp16 2, int8 1 and
     an fp32 scale per block, two_bit 2 bits packed per block and 20 bytes per tensor) and its index (int32,
-    or 12 bits: two in three bytes, an odd last one in two). `tiled` (the tensors' shapes, outer.tile T):
-    the blocks are templar's chunks and top-k keeps `templar_k` of a whole tile's ceil(f T^2) of each
+    or 12 bits: two in three bytes, an odd last one in two). `tiled` (the tensors' shapes, outer.codec.tile
+    T): the blocks are templar's chunks and top-k keeps `templar_k` of a whole tile's ceil(f T^2) of each
     (tests/references.py)."""
     lengths = block_lengths(blocks)
     ks = [kept(fraction, length) for length in lengths]
@@ -967,7 +975,10 @@ BAD = {
         "topk, lowrank, or the import path",
     ),
     "unknown-reduction": (["outer.compress=int8", "outer.reduce=ring"], "outer.reduce='ring' is not valid"),
-    "block-0": (["outer.compress=int8", "outer.block=0"], "outer.block=0 is too small; valid: >= 1"),
+    "block-0": (
+        ["outer.compress=int8", "outer.codec.block=0"],
+        "outer.codec.block=0 is too small; valid: >= 1",
+    ),
     "fraction-0": (
         ["outer.compress=topk", "outer.topk.fraction=0"],
         "outer.topk.fraction=0.0 is out of range; valid: (0, 1]",
@@ -986,13 +997,12 @@ BAD = {
         "outer.compress=topk with outer.reduce=two_phase",
     ),
     "unknown-transform": (
-        ["outer.compress=topk", "outer.transform=fft"],
-        "outer.transform='fft' is not valid",
+        ["outer.compress=topk", "outer.codec.transform=fft"],
+        "outer.codec.transform='fft' is not valid",
     ),
     "transform-with-none": (
-        ["outer.transform=dct"],
-        "outer.transform=dct with outer.compress=none: the fp32 all-reduce sends no blocks to transform; "
-        "valid: a compressor, or outer.transform=none",
+        ["outer.codec.transform=dct"],
+        "outer.codec.transform=dct is not read by outer.compress=none; valid: a codec that reads it (int8, ",
     ),
 }
 # the same checks as unknown-compressor and fraction-1.5; both transforms' also in test_bad_input.py
@@ -1017,9 +1027,9 @@ def test_a_bad_compression_setting_is_one_line_exit_2_and_creates_nothing(tmp_pa
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
 def test_a_block_beyond_every_tensor_trains_as_one_block_per_tensor(codec):
-    """Issue 48 item 12: outer.block=2^62 once overflowed torch's storage at the first sync. A block never
-    crosses a tensor, so it is each tensor one block: the run (stacked, 2 syncs, top-k with error
-    feedback) equals the run at outer.block = the largest tensor's size, losses and weights exactly."""
+    """Issue 48 item 12: outer.codec.block=2^62 once overflowed torch's storage at the first sync. A block
+    never crosses a tensor, so it is each tensor one block: the run (stacked, 2 syncs, top-k with error
+    feedback) equals the run at outer.codec.block = the largest tensor's size, losses and weights exactly."""
     base = small_cfg(
         outer=OuterConfig(
             compress=codec,
@@ -1029,7 +1039,9 @@ def test_a_block_beyond_every_tensor_trains_as_one_block_per_tensor(codec):
     )
     largest = max(t.numel() for t in init_params(base.model, seed=0).values())
     runs = [
-        run_rounds(replace(base, outer=replace(base.outer, block=block)), stacked.train_replicas)
+        run_rounds(
+            replace(base, outer=replace(base.outer, codec=CodecConfig(block=block))), stacked.train_replicas
+        )
         for block in (2**62, largest)
     ]
     (losses, theta), (want_losses, want_theta) = runs
@@ -1050,9 +1062,9 @@ def test_compress_none_spelled_out_is_the_default_run_bitwise(tmp_path):
         *plain,
         "outer.compress=none",
         "outer.reduce=gather",
-        "outer.block=128",
+        "outer.codec.block=128",
         "outer.topk.fraction=0.01",
-        "outer.transform=none",
+        "outer.codec.transform=none",
         "outer.error_feedback=false",
     ]
     runs = {"plain": ReferenceRuns.beside(tmp_path)(plain), "spelled": tmp_path / "spelled"}

@@ -165,8 +165,8 @@ def ternary_syncs(cfg):
 
 
 def blockwise(x: torch.Tensor, sizes: list[int], block: int) -> list[torch.Tensor]:
-    """A flat vector of tensors of `sizes` values cut in the codec's blocks (outer.tile=0): each tensor's
-    values in blocks of `block`, its last shorter, none crossing a tensor's boundary."""
+    """A flat vector of tensors of `sizes` values cut in the codec's blocks (outer.codec.tile=0): each
+    tensor's values in blocks of `block`, its last shorter, none crossing a tensor's boundary."""
     return [b for t in x.split(sizes) for b in t.split(block)]
 
 
@@ -225,7 +225,7 @@ def ternary_checks(cfg, syncs, scale: str = "absmean"):
             d = theta - _flat(before["X"][m], names)
             u = d + torch.cat([errors_before[m][n] for n in names])
             e_after = torch.cat([errors_after[m][n] for n in names])
-            per.append(replica_check(u, d, e_after, sizes, cfg.outer.block, TERNARY.eps, scale))
+            per.append(replica_check(u, d, e_after, sizes, cfg.outer.codec.block, TERNARY.eps, scale))
         checks += [check for check, *_ in per]
         decoded, eq, gamma = (torch.stack(x).mean(0) for x in list(zip(*per, strict=True))[1:])
         m_before, m_after = (_flat(x["momentum"], names) for x in (before, after))
@@ -259,7 +259,7 @@ def test_the_pages_ternary_codec_runs_and_every_sync_is_the_papers_absmean_quant
     assert all(means), means
     # the wire format reached the records: per block an fp32 gamma and ceil(L / 4) bytes of codes
     sizes = [t.numel() for t in state.theta.values()]
-    blocks = [len(b) for b in blockwise(torch.zeros(sum(sizes)), sizes, cfg.outer.block)]
+    blocks = [len(b) for b in blockwise(torch.zeros(sum(sizes)), sizes, cfg.outer.codec.block)]
     payload = sum(4 + -(-L // 4) for L in blocks)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     sync_rows = [row for row in rows if row["kind"] == "sync"]

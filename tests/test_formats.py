@@ -46,14 +46,15 @@ REFUSED = f"was written by a newer hypertrain (schema {NEWER}, this one reads up
 
 
 def rounds_today(outer: dict) -> dict:
-    """`outer` of a rounds run without low rank or top-k as it reads after schema 8's step: ASYNC_NEUTRAL's
-    fields as ASYNC_TODAY, and no low-rank or top-k node (their fields, unread, dropped)."""
-    kept = {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL and k not in CODEC_OWN}
-    return kept | ASYNC_TODAY | NO_CODEC_NODES
+    """`outer` of a rounds run of no codec as it reads after schema 9's step: ASYNC_NEUTRAL's fields as
+    ASYNC_TODAY, no low-rank or top-k node (their fields, unread, dropped), and the codecs' shared fields
+    in outer.codec at their defaults (none reads them)."""
+    kept = {k: v for k, v in outer.items() if k not in ASYNC_NEUTRAL and k not in CODEC_OWN + CODEC_SHARED}
+    return kept | ASYNC_TODAY | NO_CODEC_NODES | {"codec": CODEC_NEUTRAL}
 
 
-def test_today_is_schema_8_and_its_files_pass_unchanged():
-    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 8
+def test_today_is_schema_9_and_its_files_pass_unchanged():
+    assert SCHEMA_VERSION == len(formats.CONFIG_STEPS) == len(formats.CHECKPOINT_STEPS) == 9
     today = {"replicas": 2, "engine": dataclasses.asdict(EngineConfig())}
     today["processes"] = dataclasses.asdict(ProcessesConfig())
     assert upgrade_config(today) is today
@@ -145,7 +146,11 @@ BEFORE_ISSUE_37 |= {"tile": 0, "lowrank_rank": 4}
 # (unread) have no node
 CODEC_OWN = ("lowrank_rank", "topk_fraction", "index_bits", "topk_values")
 NO_CODEC_NODES = {"lowrank": None, "topk": None}
-CODECS_TODAY = {k: v for k, v in BEFORE_ISSUE_37.items() if k not in CODEC_OWN} | NO_CODEC_NODES
+# the fields several codecs share, in outer.codec since schema 9's step, as every run before issue 37 had
+# them (and outer.block's default, 128, since compression began)
+CODEC_SHARED = ("block", "tile", "transform", "error_decay")
+CODEC_NEUTRAL = {"block": 128, "tile": 0, "transform": "none", "error_decay": 1.0}
+CODECS_TODAY = NO_CODEC_NODES | {"codec": CODEC_NEUTRAL}
 
 
 def test_a_version_1_config_and_checkpoint_gain_no_overlap():
@@ -217,7 +222,7 @@ def test_a_version_5_config_synced_in_rounds_and_timed_its_own_model_and_its_che
     fields neutral, no speeds and the clock on the trained model; its checkpoint holds no async state."""
     outer = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
     cluster = {"name": "cpu_here", "compute": "measured"}
-    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL | NO_CODEC_NODES
+    want_outer = outer | ASYNC_TODAY | OPTIMIZER_NEUTRAL | CODECS_TODAY
     want_cluster = cluster | {"replica_speeds": [], "speed_sigma": 0.0, "speed_seed": 0, "model_params": 0}
     got = upgrade_config({"outer": outer, "cluster": cluster, "schema_version": 5})
     assert got == {"outer": want_outer, "cluster": want_cluster}
@@ -265,7 +270,7 @@ def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_no
         "schedule": "async",
         "mean_weights": "tokens",
         "arrivals": arrivals,
-        **NO_CODEC_NODES,
+        **CODECS_TODAY,
     }
     assert upgrade_config({"outer": flat | OPTIMIZER_NEUTRAL, "schema_version": 7}) == {
         "outer": want | OPTIMIZER_NEUTRAL
@@ -274,13 +279,42 @@ def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_no
     assert upgrade_config({"outer": rounds, "schema_version": 7}) == {"outer": rounds_today(rounds)}
     lowrank = {"compress": "lowrank", "lowrank_rank": 2, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
     want = {"compress": "lowrank", "lowrank": {"rank": 2}, **ASYNC_TODAY, **OPTIMIZER_NEUTRAL, "topk": None}
+    want |= {"codec": CODEC_NEUTRAL}
     assert upgrade_config({"outer": lowrank, "schema_version": 7}) == {"outer": want}
     top = {"compress": "topk", "topk_fraction": 0.25, "index_bits": 12, "topk_values": "two_bit"}
     top |= {"lowrank_rank": 4, **ASYNC_NEUTRAL, **OPTIMIZER_NEUTRAL}
     want = {"compress": "topk", "topk": {"fraction": 0.25, "index_bits": 12, "values": "two_bit"}}
-    want |= {**ASYNC_TODAY, **OPTIMIZER_NEUTRAL, "lowrank": None}
+    want |= {**ASYNC_TODAY, **OPTIMIZER_NEUTRAL, "lowrank": None, "codec": CODEC_NEUTRAL}
     assert upgrade_config({"outer": top, "schema_version": 7}) == {"outer": want}
     older = {**_older_payload(clock=False), "schema_version": 7}
+    older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
+    older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
+    older["state"]["outer_optimizer"] = None
+    got = upgrade_checkpoint(older)
+    assert got["state"] == older["state"] and got["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_version_8_config_had_the_codecs_shared_fields_flat_they_move_into_outer_codec():
+    """Schema 8 held the fields several codecs share in `outer` itself (outer.block, tile, transform,
+    error_decay): they move into outer.codec, as written where the run's codec read them (a top-k run's
+    block, tile, transform and decay; a low-rank run's decay), at their defaults where it did not (a
+    none run's block 64 and a low-rank run's block 32 were accepted and never read); today's shape (an
+    outer.codec) reads as it is; a checkpoint's payload reads as it is."""
+    today = {"arrivals": None, "topk": None, "lowrank": None, **OPTIMIZER_NEUTRAL}
+    sparse = {"compress": "topk", "block": 16, "tile": 4, "transform": "dct", "error_decay": 0.9}
+    topk = {"fraction": 0.25, "index_bits": 32, "values": "fp32"}
+    want = {"compress": "topk", "codec": {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.9}}
+    got = upgrade_config({"outer": sparse | today | {"topk": topk}, "schema_version": 8})
+    assert got == {"outer": want | today | {"topk": topk}}
+    plain = {"compress": "none", "block": 64, "tile": 0, "transform": "none", "error_decay": 1.0}
+    want = {"compress": "none", "codec": CODEC_NEUTRAL}
+    assert upgrade_config({"outer": plain | today, "schema_version": 8}) == {"outer": want | today}
+    lowrank = {"compress": "lowrank", "block": 32, "error_decay": 0.5, "lowrank": {"rank": 2}}
+    want = {"compress": "lowrank", "codec": CODEC_NEUTRAL | {"error_decay": 0.5}, "lowrank": {"rank": 2}}
+    assert upgrade_config({"outer": today | lowrank, "schema_version": 8}) == {"outer": today | want}
+    now = {"outer": {"compress": "int8", "codec": CODEC_NEUTRAL | {"block": 32}} | today}
+    assert upgrade_config({**now, "schema_version": 8}) == now
+    older = {**_older_payload(clock=False), "schema_version": 8}
     older["state"] = {**older["state"], "in_flight": None, "outer_replicas": None, "async": None}
     older["state"]["totals"] = {**older["state"]["totals"], "comm_outer_bits": None}
     older["state"]["outer_optimizer"] = None

@@ -893,7 +893,7 @@ def test_the_clock_gathers_p_at_the_take_and_q_at_the_landing(tmp_path):
 
 
 def test_the_error_decay_decays_the_buffer_low_rank_compresses():
-    """outer.error_decay reaches low rank as it reaches the codecs (`communication.fed_back`): what the
+    """outer.codec.error_decay reaches low rank as it reaches the codecs (`communication.fed_back`): what the
     stage compresses is delta + beta e, bitwise the same expression; beta = 1 is delta + e."""
     shapes = {"w": (4, 6), "b": (3,)}
     deltas, errors = inputs(2, 3, shapes, ef=True)

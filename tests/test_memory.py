@@ -14,7 +14,15 @@ import pytest
 from helpers import QUICK, compose_cfg, entry, error_lines
 
 from hypertrain.choices import Compressor
-from hypertrain.config import INT64_MAX, InnerConfig, ModelConfig, OuterConfig, TopKConfig, UserError
+from hypertrain.config import (
+    INT64_MAX,
+    CodecConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    TopKConfig,
+    UserError,
+)
 from hypertrain.model.shapes import count_params, param_roles
 from hypertrain.model.transformer import init_params
 from hypertrain.optim.inner import init_state
@@ -160,9 +168,11 @@ def test_the_estimate_bounds_a_stacked_runs_measured_peak(d_model, replicas, glo
 
 CODEC_OUTERS = {  # the codecs' settings whose padded blocks differ: flat, beyond every tensor, tiles, DCT
     "int8-128": OuterConfig(compress="int8"),
-    "int8-beyond-every-tensor": OuterConfig(compress="int8", block=2_000_000),
-    "sparseloco-tiles": OuterConfig(compress="topk", block=4096, tile=64, topk=TopKConfig(fraction=1 / 64)),
-    "topk-dct-ragged": OuterConfig(compress="topk", block=100, transform="dct"),
+    "int8-beyond-every-tensor": OuterConfig(compress="int8", codec=CodecConfig(block=2_000_000)),
+    "sparseloco-tiles": OuterConfig(
+        compress="topk", codec=CodecConfig(block=4096, tile=64), topk=TopKConfig(fraction=1 / 64)
+    ),
+    "topk-dct-ragged": OuterConfig(compress="topk", codec=CodecConfig(block=100, transform="dct")),
 }
 
 
@@ -178,7 +188,7 @@ def test_the_codecs_padded_blocks_are_counted_from_one_layer_as_the_sync_cuts_th
     model = MODELS[name]
     shapes = list(param_shapes(model).values())
     for outer in CODEC_OUTERS.values():
-        blocks, _ = blocks_and_order(shapes, outer.block, outer.tile)
+        blocks, _ = blocks_and_order(shapes, outer.codec.block, outer.codec.tile)
         lengths = {
             min(cut, size - start)
             for size, cut in zip(blocks.sizes, blocks.cuts, strict=True)
@@ -190,20 +200,22 @@ def test_the_codecs_padded_blocks_are_counted_from_one_layer_as_the_sync_cuts_th
 
 
 def test_a_block_beyond_every_tensor_is_estimated_padded_to_the_largest_not_to_the_block():
-    """Issue 48 item 12: outer.block=2,000,000 on the tiny model (133,440 parameters, 21 tensors, the
+    """Issue 48 item 12: outer.codec.block=2,000,000 on the tiny model (133,440 parameters, 21 tensors, the
     largest 16,384) pads 21 blocks to 16,384 values, not to two million, so its estimate is within a small
     factor of block 128's; a run whose padding cannot fit (many tensors, a large vocabulary, one block
-    each) is refused in one line naming outer.block (the catalogue's case)."""
+    each) is refused in one line naming outer.codec.block (the catalogue's case)."""
     plain = compose_cfg([])
     assert memory.estimate(plain).codec == 0
 
     def codec(cfg, **outer):
-        return replace(cfg, outer=replace(cfg.outer, compress=Compressor.int8, **outer))
+        return replace(cfg, outer=replace(cfg.outer, compress=Compressor.int8, codec=CodecConfig(**outer)))
 
     small, large = (memory.estimate(codec(plain, block=b)).codec for b in (128, 2_000_000))
     assert 0 < small < large < 4 * small
     many = replace(plain, model=replace(plain.model, n_layers=1000, vocab=1_000_000))
-    with pytest.raises(UserError, match=r"^outer.compress=int8, outer.block=4611686018427387904, .* TB"):
+    with pytest.raises(
+        UserError, match=r"^outer.compress=int8, outer.codec.block=4611686018427387904, .* TB"
+    ):
         memory.check(codec(many, block=2**62))
 
 
@@ -214,7 +226,7 @@ import json, re, sys
 from dataclasses import replace
 from pathlib import Path
 import torch
-from hypertrain.config import ModelConfig, OuterConfig, TrainConfig
+from hypertrain.config import CodecConfig, ModelConfig, OuterConfig, TrainConfig
 from hypertrain.diloco.exchange.communication import compressed_mean
 from hypertrain.codecs.tiles import blocks_and_order
 from hypertrain.distributed.groups import ReplicaGroups
@@ -225,14 +237,15 @@ def status(key):
     return int(re.search(rf"{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 def sync(outer, shapes, R):
-    blocks, order = blocks_and_order(shapes, outer.block, outer.tile)
+    blocks, order = blocks_and_order(shapes, outer.codec.block, outer.codec.tile)
     x = torch.randn(R, blocks.numel, generator=torch.Generator().manual_seed(0)) / 100
     errors = torch.zeros_like(x) if outer.error_feedback else None
     active = torch.ones(R, dtype=torch.bool)
     compressed_mean(outer, x, errors, active, blocks, ReplicaGroups(R), order=order).wait()
 
 outer, R = eval(sys.argv[1]), int(sys.argv[2])
-sync(replace(outer, block=16, tile=4 if outer.tile else 0), [(8, 8), (5,)], R)
+small = replace(outer.codec, block=16, tile=4 if outer.codec.tile else 0)
+sync(replace(outer, codec=small), [(8, 8), (5,)], R)
 Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the RSS now
 before = status("VmRSS")
 sync(outer, list(param_shapes(ModelConfig()).values()), R)
@@ -246,8 +259,12 @@ print(json.dumps({"peak": status("VmHWM") - before, "estimate": estimate}))
 @pytest.mark.parametrize(
     "outer, replicas",
     [
-        ('OuterConfig(compress="int8", block=2_000_000)', 16),
-        ('OuterConfig(compress="topk", block=4096, tile=64, transform="dct", error_feedback=True)', 2),
+        ('OuterConfig(compress="int8", codec=CodecConfig(block=2_000_000))', 16),
+        (
+            'OuterConfig(compress="topk", codec=CodecConfig(block=4096, tile=64, transform="dct"), '
+            "error_feedback=True)",
+            2,
+        ),
     ],
     ids=["int8-beyond-every-tensor", "topk-tiles-dct-feedback"],
 )

@@ -118,7 +118,8 @@ def test_a_model_with_other_names_is_split_by_its_own_layers(monkeypatch):
 
 def test_no_model_name_or_flag_is_compared_outside_the_model_package_and_the_configs_checks():
     """The model's facts are asked of its entry: `model.arch` and `model.is_moe` are read by
-    `model_spec` (and the config's own validation), nowhere else in the package."""
+    `model_spec` and `check_model` (and is_moe by the config's own check of the experts' fields), nowhere
+    else in the package; the config compares no model name (what an entry takes is its own)."""
     pattern = re.compile(r"is_moe|\.arch ==|\.arch !=|\.arch in")
     package = ROOT / "hypertrain"
     found = [
@@ -129,3 +130,6 @@ def test_no_model_name_or_flag_is_compared_outside_the_model_package_and_the_con
         if pattern.search(line)
     ]
     assert found == []
+    names = re.compile(r"\.arch ==|\.arch !=|\.arch in")
+    config = (package / "config.py").read_text().splitlines()
+    assert [i for i, line in enumerate(config, 1) if names.search(line)] == []

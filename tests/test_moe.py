@@ -60,6 +60,7 @@ from hypertrain.diloco.state import RunState
 from hypertrain.engines import loop, stacked
 from hypertrain.model import moe
 from hypertrain.model.shapes import param_roles
+from hypertrain.model.spec import check_model
 from hypertrain.model.transformer import forward, init_params, logits, objective
 from hypertrain.optim.inner import init_state, inner_step, newton_schulz, uses_muon
 from hypertrain.preflight.checks import validate
@@ -99,8 +100,10 @@ def moe_cfg(R: int, H: int, stack: int = 0, model: dict | None = None, **inner):
     ],
 )
 def test_a_bad_mixture_is_one_line_naming_the_value_and_what_is_valid(fields, says):
+    model = ModelConfig(**(EXPERTS | fields))
     with pytest.raises(UserError) as err:
-        ModelConfig(**(EXPERTS | fields)).check()
+        check_model(model)  # what model.arch's entry takes (is_moe), then the section's own fields
+        model.check()
     assert str(err.value) == says
 
 

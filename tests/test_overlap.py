@@ -112,7 +112,7 @@ def _codec(cfg, names, like, x64: torch.Tensor) -> torch.Tensor:
     if cfg.outer.compress == "none":
         return x64
     x = x64.float()
-    blocks = Blocks(tuple(like[n].numel() for n in names), cfg.outer.block)
+    blocks = Blocks(tuple(like[n].numel() for n in names), cfg.outer.codec.block)
     fraction = (cfg.outer.topk or TopKConfig()).fraction  # top-k's node: None under another codec
     code = codecs.encode(cfg.outer.compress, x, blocks, fraction)
     return codecs.decode(cfg.outer.compress, code, blocks, fraction).double()

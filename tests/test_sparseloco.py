@@ -30,7 +30,7 @@ from references import U32, templar_chunks, templar_k, templar_topk
 
 from hypertrain.codecs.kernels import Blocks, TopK, decode, encode, payload_size
 from hypertrain.codecs.tiles import blocks_and_order
-from hypertrain.config import ModelConfig, OuterConfig, TopKConfig
+from hypertrain.config import CodecConfig, ModelConfig, OuterConfig, TopKConfig
 from hypertrain.diloco.exchange.communication import compressed_mean, topk
 from hypertrain.distributed.groups import ReplicaGroups
 from hypertrain.engines import loop, stacked
@@ -266,10 +266,9 @@ TINY = Blocks((10, 7, 16), 4)  # ragged: blocks 4, 4, 2 | 4, 3 | 4 x 4
 def outer(beta: float, values: str = "fp32", bits: int = 32) -> OuterConfig:
     return OuterConfig(
         compress="topk",
-        block=4,
+        codec=CodecConfig(block=4, error_decay=beta),
         topk=TopKConfig(fraction=0.5, index_bits=bits, values=values),
         error_feedback=True,
-        error_decay=beta,
     )
 
 
@@ -341,7 +340,7 @@ def test_error_decay_follows_the_recursion_at_every_sync_and_telescopes(values):
 
 
 def test_decay_1_fp32_values_are_todays_numbers_bitwise_and_12_bit_indices_the_same_in_fewer_bytes():
-    """outer.error_decay=1.0, topk_values=fp32, index_bits=32 spelled out is today's stage bitwise:
+    """outer.codec.error_decay=1.0, topk_values=fp32, index_bits=32 spelled out is today's stage bitwise:
     x = delta + e, d = decode(encode(x)) of the bare fraction (today's call), e <- x - d, the mean in
     replica order; index_bits=12 gives the same decoded means and buffers, bitwise, with each block's
     4k index bytes down to ceil(3k / 2)."""
@@ -374,7 +373,7 @@ SPARSELOCO = dict(
     compress="topk",
     topk=TopKConfig(fraction=0.0625, index_bits=12, values="two_bit"),
     error_feedback=True,
-    error_decay=0.9,
+    codec=CodecConfig(error_decay=0.9),
 )
 
 
@@ -420,9 +419,9 @@ def test_the_preset_is_templars_compressor_on_the_tiny_models_tensors():
     shapes = [shape for shape, _ in param_specs(ModelConfig()).values()]
     assert {(64, 176), (176, 64), (64,)} <= set(shapes)
     sizes = [math.prod(s) for s in shapes]
-    n, tile, k = sum(sizes), outer.tile, topk_kept_of_a_tile(outer)
-    blocks, order = blocks_and_order(shapes, outer.block, tile)
-    beta = f32(outer.error_decay)  # torch multiplies fp32 by a Python float rounded to fp32
+    n, tile, k = sum(sizes), outer.codec.tile, topk_kept_of_a_tile(outer)
+    blocks, order = blocks_and_order(shapes, outer.codec.block, tile)
+    beta = f32(outer.codec.error_decay)  # torch multiplies fp32 by a Python float rounded to fp32
     gen = torch.Generator().manual_seed(11)
     errors, e_ref = torch.zeros(R, n), np.zeros((R, n))
     for _ in range(5):
@@ -451,7 +450,7 @@ def test_the_preset_is_templars_compressor_on_the_tiny_models_tensors():
 
 def topk_kept_of_a_tile(outer: OuterConfig) -> int:
     """templar's `topk_compression` of the preset: its fraction of a whole T x T tile (64 of 4096)."""
-    return math.ceil(outer.topk.fraction * outer.tile * outer.tile)
+    return math.ceil(outer.topk.fraction * outer.codec.tile * outer.codec.tile)
 
 
 def test_the_preset_with_one_replica_syncs_and_sends_nothing(tmp_path):
@@ -474,7 +473,7 @@ KILL_RUN = [
     "outer.compress=topk",
     "outer.topk.fraction=0.0625",
     "outer.error_feedback=true",
-    "outer.error_decay=0.9",
+    "outer.codec.error_decay=0.9",
     "outer.topk.index_bits=12",
     "outer.topk.values=two_bit",
     "checkpoint.every_updates=3",
@@ -537,15 +536,16 @@ OLD_TOPK = [
     "checkpoint.every_updates=3",
     "checkpoint.keep=10",
 ]
-# issue 37's (its lowrank_rank is today's node outer.lowrank, null in a top-k run's config; its index_bits
-# and topk_values, with topk_fraction, today's node outer.topk)
-NEW_FIELDS = ("error_decay", "transform", "tile", "lowrank")
+# issue 37's (its error_decay, transform and tile are today's node outer.codec, beside outer.block of then;
+# its lowrank_rank today's node outer.lowrank, null in a top-k run's config; its index_bits and
+# topk_values, with topk_fraction, today's node outer.topk)
+NEW_FIELDS = ("codec", "lowrank")
 
 
 def schema_2_outer(outer: dict) -> dict:
-    """`outer` as schema 2 wrote it: without issue 37's fields, top-k's fraction flat."""
+    """`outer` as schema 2 wrote it: without issue 37's fields, top-k's fraction and the block flat."""
     kept = {k: v for k, v in outer.items() if k not in (*NEW_FIELDS, "topk")}
-    return kept | {"topk_fraction": outer["topk"]["fraction"]}
+    return kept | {"topk_fraction": outer["topk"]["fraction"], "block": outer["codec"]["block"]}
 
 
 def as_schema_2(run_dir) -> None:
@@ -557,6 +557,7 @@ def as_schema_2(run_dir) -> None:
     written = yaml.safe_load(config.read_text())
     assert written.pop("schema_version") == formats.SCHEMA_VERSION
     assert set(NEW_FIELDS) <= set(written["outer"]) and written["outer"]["topk"]["index_bits"] == 32
+    assert set(written["outer"]["codec"]) == {"block", "error_decay", "transform", "tile"}
     older = {"schema_version": 2, **written, "outer": schema_2_outer(written["outer"])}
     config.write_text(yaml.safe_dump(older, sort_keys=False))
     for path in sorted((run_dir / "checkpoints").glob("ckpt-u*.pt")):

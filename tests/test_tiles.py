@@ -1,8 +1,8 @@
-"""outer.tile: the order and the chunks of the block codecs (hypertrain/codecs/tiles.py), against
+"""outer.codec.tile: the order and the chunks of the block codecs (hypertrain/codecs/tiles.py), against
 SparseLoCo's production rule (templar's `src/tplr/compress.py`, written independently in
 tests/references.py: each side of a tensor cut at its largest divisor <= T, a matrix read chunk after
 chunk, a 1-D tensor in runs), by indexing the tensors themselves, not from the permutation the module
-builds; and `outer.block` beyond every tensor: each tensor one block. Every check of an order is exact:
+builds; and `outer.codec.block` beyond every tensor: each tensor one block. Every check of an order is exact:
 a permutation moves values and does no arithmetic.
 """
 
@@ -64,14 +64,14 @@ def test_no_tile_or_chunks_of_whole_rows_is_the_identity():
 
 
 def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_parameter_order():
-    """The compressed stage with outer.tile (`compressed_mean`, gather, error feedback): each replica's
+    """The compressed stage with outer.codec.tile (`compressed_mean`, gather, error feedback): each replica's
     contribution is, per chunk of each tensor (templar's: 4 x 4 tiles of the 8 x 12 matrix, runs of 4
     of the 1-D tensor of 20, 3 x 1 chunks of the 6 x 7 matrix), its `templar_k(k, length)` largest
     magnitudes (k = 4 of a whole tile: all 4 of a run, 2 of a 3-value chunk), the rest zero, in the
     tensors' own positions; the buffer keeps what was left, in parameter order; the mean is the replicas'
     contributions averaged. Ties are avoided by distinct magnitudes; the mean of R = 2 fp32 values is one
     fp32 addition and an exact halving, so it is within u |a + b| / 2 of the float64 mean (u = 2^-24)."""
-    from hypertrain.config import OuterConfig, TopKConfig
+    from hypertrain.config import CodecConfig, OuterConfig, TopKConfig
     from hypertrain.diloco.exchange.communication import compressed_mean
     from hypertrain.distributed.groups import ReplicaGroups
 
@@ -84,7 +84,10 @@ def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_p
     deltas *= torch.randint(0, 2, (R, n), generator=gen) * 2 - 1
     errors = torch.zeros(R, n)
     outer = OuterConfig(
-        compress="topk", block=T * T, tile=T, topk=TopKConfig(fraction=k / (T * T)), error_feedback=True
+        compress="topk",
+        codec=CodecConfig(block=T * T, tile=T),
+        topk=TopKConfig(fraction=k / (T * T)),
+        error_feedback=True,
     )
     blocks, order = blocks_and_order(shapes, T * T, T)
     active = torch.tensor([True] * R)
@@ -104,7 +107,10 @@ def test_a_tiled_top_k_sync_sends_each_chunks_largest_and_keeps_the_buffers_in_p
     want = sent.mean(0)
     assert float((got.mean.double() - want).abs().max()) <= 2.0**-24 * float(want.abs().max())
     flat = OuterConfig(
-        compress="topk", block=T * T, topk=TopKConfig(fraction=k / (T * T)), error_feedback=True
+        compress="topk",
+        codec=CodecConfig(block=T * T),
+        topk=TopKConfig(fraction=k / (T * T)),
+        error_feedback=True,
     )
     plain_blocks = Blocks(tuple(sizes), T * T)
     plain = compressed_mean(flat, deltas, torch.zeros(R, n), active, plain_blocks, ReplicaGroups(R)).wait()
@@ -116,11 +122,12 @@ def test_templars_count_is_kept_of_every_chunk_shorter_or_not():
     too, all 64 of a 1-D tensor of 64 (one chunk), 2 of a chunk of 3, 1 of a chunk of 1: the payload is
     templar's count of kept values whatever the chunk's length (`templar_k`), in fewer bytes than the
     share of each chunk would keep for the 1-D tensor and more for the 64 x 44 chunks."""
-    from hypertrain.config import OuterConfig, TopKConfig
+    from hypertrain.config import CodecConfig, OuterConfig, TopKConfig
     from hypertrain.diloco.exchange.communication import topk
 
     shapes = [(64, 64), (64, 176), (64,), (3,), (1,)]
-    outer = OuterConfig(compress="topk", block=4096, tile=64, topk=TopKConfig(fraction=1 / 64, index_bits=12))
+    codec = CodecConfig(block=4096, tile=64)
+    outer = OuterConfig(compress="topk", codec=codec, topk=TopKConfig(fraction=1 / 64, index_bits=12))
     blocks, _ = blocks_and_order(shapes, 4096, 64)
     chunks = [len(c) for s in shapes for c in templar_chunks(s, 64)]
     assert list(blocks.cuts) == [4096, 2816, 64, 3, 1] and blocks.count == len(chunks) == 1 + 4 + 1 + 1 + 1
@@ -131,8 +138,8 @@ def test_templars_count_is_kept_of_every_chunk_shorter_or_not():
 
 
 def test_a_block_beyond_every_tensor_is_each_tensor_one_block():
-    """outer.block larger than the largest tensor is capped at it (issue 48 item 12): the same Blocks,
-    so the same bytes and values, as outer.block = the largest tensor's size, each tensor one block
+    """outer.codec.block larger than the largest tensor is capped at it (issue 48 item 12): the same Blocks,
+    so the same bytes and values, as outer.codec.block = the largest tensor's size, each tensor one block
     (int8: n + 4 bytes per tensor), padded to that size, never to the size written (2^62 once raised
     torch's storage overflow, 2,000,000 padded every tensor of a 133k-parameter model to it)."""
     shapes = [(32, 96), (96,), (7, 5), (1,)]

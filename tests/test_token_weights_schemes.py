@@ -10,6 +10,7 @@ exactly); the uniform mean is not it (negative control); loop = stacked bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -32,8 +33,9 @@ from test_async_codecs import BLOCK, blocks_of, grid_reference
 from test_lowrank import RANK, SHAPES, gamma, matrices, power_iteration64, warm_starts
 from test_lowrank import inputs as lowrank_inputs
 
+from hypertrain.codec_table import codec_entry
 from hypertrain.codecs.kernels import Blocks
-from hypertrain.config import TopKConfig
+from hypertrain.config import CodecConfig, TopKConfig
 from hypertrain.diloco.exchange.communication import compressed_mean
 from hypertrain.diloco.exchange.lowrank import Factors, lowrank_mean
 from hypertrain.diloco.fragments import fragment_of
@@ -51,9 +53,12 @@ def documents_cfg(engine: str = "stacked", **outer):
     """R = 3 replicas, H = 4, 8 updates on documents of unequal length (their tokens differ per replica
     and window), one layer (two fragments at most), token-weighted; `outer` on top."""
     base = cfg_for(R=R, H=H)
-    outer = {"mean_weights": "tokens", "block": BLOCK} | outer
+    outer = {"mean_weights": "tokens"} | outer
     if str(outer.get("compress")) == "topk":  # top-k's node exists with top-k alone
         outer = {"topk": TopKConfig(fraction=FRACTION)} | outer
+    blocks = {"block": BLOCK} if "block" in codec_entry(outer.get("compress", "none")).takes else {}
+    shared = {k: outer.pop(k) for k in [f.name for f in dataclasses.fields(CodecConfig)] if k in outer}
+    outer["codec"] = CodecConfig(**blocks | shared)  # the fields the codecs share (`Codec.takes`)
     cfg = replace(
         base,
         data=replace(base.data, examples="documents", max_len=48, max_examples=4),
@@ -161,7 +166,9 @@ def contributions(cfg, deltas, errors, left):
         # tests/test_async_codecs.py's bound for the grid's fp32 scale and product: 4 U32 amax
         d = torch.stack([grid_reference("int8", x, sizes) for x in deltas])
         return d, 4 * U32 * deltas.abs().amax(1).double(), None
-    x = deltas + errors["e"]  # fp32, as the run adds them (outer.error_decay = 1), from the test's buffers
+    x = (
+        deltas + errors["e"]
+    )  # fp32, as the run adds them (outer.codec.error_decay = 1), from the test's buffers
     d = topk_of(x, left, sizes)
     return d, torch.zeros(len(deltas)), x - d.float()  # the kept values are x's own: exact
 

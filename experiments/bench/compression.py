@@ -3,7 +3,7 @@ most 5% of a round at H = 30 for 16 replicas of model=base).
 
 For the default model (ModelConfig(), 133,440 parameters, whose norm weights make ragged blocks) and
 model=base (4,484,352, every tensor a multiple of 128), R = 16 stacked replicas: each block codec at
-outer.block 128 (top-k at its default fraction, 1%), SparseLoCo's recipe (`outer=sparseloco`: k 64 of
+outer.codec.block 128 (top-k at its default fraction, 1%), SparseLoCo's recipe (`outer=sparseloco`: k 64 of
 each chunk, 64 x 64 tiles and templar's chunks of the others, two_bit values, 12-bit indices; and its 3%
 variant, k 128), top-k after the DCT,
 and PowerSGD's low rank at r = 1 and 4. A block codec's seconds are `encode` of x [16, n] (every replica's
@@ -31,7 +31,15 @@ import torch
 
 from hypertrain.codecs.kernels import decode, encode, payload_size
 from hypertrain.codecs.tiles import blocks_and_order, to_tiles
-from hypertrain.config import InnerConfig, LowRankConfig, ModelConfig, OuterConfig, PhaseConfig, TopKConfig
+from hypertrain.config import (
+    CodecConfig,
+    InnerConfig,
+    LowRankConfig,
+    ModelConfig,
+    OuterConfig,
+    PhaseConfig,
+    TopKConfig,
+)
 from hypertrain.diloco.exchange.communication import topk
 from hypertrain.diloco.exchange.lowrank import Factors, initial_q, lowrank_mean
 from hypertrain.distributed.groups import ReplicaGroups
@@ -83,13 +91,13 @@ def round_seconds(m: ModelConfig, H: int, rows: int, repeats: int) -> float:
 
 
 # The settings, each an OuterConfig (the block codecs at block 128; SparseLoCo's at its preset's).
-SPARSELOCO = dict(compress="topk", block=4096, tile=64)
+SPARSELOCO = dict(compress="topk", codec=CodecConfig(block=4096, tile=64))
 SETTINGS = {
     **{c: OuterConfig(compress=c) for c in ("int8", "uint8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "e3m0")},
     "topk": OuterConfig(compress="topk"),
     "sparseloco": OuterConfig(**SPARSELOCO, topk=TopKConfig(64 / 4096, index_bits=12, values="two_bit")),
     "sparseloco-3%": OuterConfig(**SPARSELOCO, topk=TopKConfig(128 / 4096, index_bits=12, values="two_bit")),
-    "dct-topk": OuterConfig(compress="topk", transform="dct"),
+    "dct-topk": OuterConfig(compress="topk", codec=CodecConfig(transform="dct")),
     "lowrank-r1": OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=1)),
     "lowrank-r4": OuterConfig(compress="lowrank", lowrank=LowRankConfig(rank=4)),
 }
@@ -104,7 +112,7 @@ def payload_bytes(m: ModelConfig, outer: OuterConfig) -> int:
     shapes = _shapes(m)
     if outer.compress == "lowrank":
         return Factors.of(shapes, outer.lowrank.rank).payload_bytes
-    blocks, _ = blocks_and_order(list(shapes.values()), outer.block, outer.tile)
+    blocks, _ = blocks_and_order(list(shapes.values()), outer.codec.block, outer.codec.tile)
     return payload_size(str(outer.compress), blocks, topk(outer))
 
 
@@ -117,8 +125,8 @@ def stage(m: ModelConfig, outer: OuterConfig, x: torch.Tensor):
         q = initial_q(theta, outer.lowrank.rank, 0)
         active = torch.ones(R, dtype=torch.bool)
         return (lambda: lowrank_mean(factors, x, None, active, q, ReplicaGroups(R)).wait()), None
-    blocks, order = blocks_and_order(list(shapes.values()), outer.block, outer.tile)
-    codec, spec, transform = str(outer.compress), topk(outer), str(outer.transform)
+    blocks, order = blocks_and_order(list(shapes.values()), outer.codec.block, outer.codec.tile)
+    codec, spec, transform = str(outer.compress), topk(outer), str(outer.codec.transform)
     held = {}
 
     def enc():

@@ -3,7 +3,7 @@ Models are in 1.58 Bits", arXiv:2402.17764, eqs. 1-3) as a codec of the pseudo-g
 outside the package: a `hypertrain.codec_table.Codec` entry, named on the command line by its import path
 (outer.compress=ternary.TERNARY; docs/extending.md, "A codec").
 
-Per block of outer.block values x (a tensor's last block may be shorter): gamma = mean |x| over the
+Per block of outer.codec.block values x (a tensor's last block may be shorter): gamma = mean |x| over the
 block's own values, codes RoundClip(x / (gamma + eps), -1, 1) = max(-1, min(1, round(x / (gamma + eps))))
 (round half to even), sent as gamma in fp32 then 2 bits a code, four a byte; decoded code * gamma. What
 it leaves out is what outer.error_feedback=true feeds into the next sync.

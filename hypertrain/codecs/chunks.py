@@ -1,4 +1,4 @@
-"""The sides of the chunks a tensor is cut into by the block codecs (`outer.block`, `outer.tile`), as
+"""The sides of the chunks a tensor is cut into by the block codecs (`outer.codec.block` and `tile`), as
 SparseLoCo's production code cuts them (templar's `src/tplr/compress.py`, `_get_smaller_split`): plain
 integer arithmetic on shapes, no torch, so the memory estimate reads the same geometry `tiles` applies.
 """
@@ -29,6 +29,6 @@ def chunk_sides(shape: tuple[int, ...], tile: int) -> tuple[int, ...]:
 
 def block_length(shape: tuple[int, ...], block: int, tile: int) -> int:
     """The length of a whole block of a tensor of `shape` (its last block may be shorter): its chunk's
-    under tile T > 0, else outer.block; never more than the tensor holds (at least 1)."""
+    under tile T > 0, else outer.codec.block; never more than the tensor holds (at least 1)."""
     size = math.prod(shape)
     return math.prod(chunk_sides(tuple(shape), tile)) if tile else max(1, min(block, size))

@@ -119,7 +119,7 @@ class TopK:
     values and int32 indices): the fraction of each block kept, the index width (32: int32 index in the
     vector; 12: the index within its block, two per three bytes, blocks of at most 4096), how the
     kept values travel (fp32, fp16, int8 with one fp32 scale per block, two_bit: templar's per tensor),
-    and `chunk`: 0 (each block keeps its fraction) or a whole tile's values (outer.tile's T * T: each
+    and `chunk`: 0 (each block keeps its fraction) or a whole tile's values (outer.codec.tile's T * T: each
     block keeps what a whole tile does, templar's count; `kept`)."""
 
     fraction: float

@@ -1,11 +1,11 @@
-"""2-D tiles for the block codecs (`outer.tile`): how a flat pseudo-gradient's values are ordered and cut
+"""2-D tiles for the block codecs (`outer.codec.tile`): how a flat pseudo-gradient's values are ordered, cut
 into blocks, as SparseLoCo chunks its tensors (Sarfi et al. 2025, arXiv 2508.15706, section 3; its
 production code, templar's `src/tplr/compress.py`: `ChunkingTransformer` and `_get_smaller_split`).
 With tile T each side of a tensor is cut at its largest divisor <= T (a side of 64 at 64, of 176 at 44):
 a matrix (the last two sides of a tensor of more dimensions, each leading index its own matrix) of
 h x w chunks is read chunk after chunk, the chunk grid row-major and each chunk's values row-major, one
 chunk a block of h * w values; a 1-D tensor is cut in runs of w. `blocks_and_order` gives the Blocks
-and the order for any `outer.block` and tile (docs/compression.md, "Tiles").
+and the order for any `outer.codec.block` and tile (docs/compression.md, "Tiles").
 
 The order is a permutation inside each tensor, so applying it and its inverse moves values without
 arithmetic (bitwise); the blocks never cross a tensor's boundary.
@@ -41,10 +41,10 @@ def tile_order(shapes: list[tuple[int, ...]], tile: int) -> Tensor | None:
 
 
 def blocks_and_order(shapes: list[tuple[int, ...]], block: int, tile: int) -> tuple[Blocks, Tensor | None]:
-    """The Blocks and the order (`tile_order`) of the tensors of `shapes` under outer.block and
-    outer.tile: tile 0, each tensor cut in runs of `block`; tile T, each tensor in its chunks (T * T
+    """The Blocks and the order (`tile_order`) of the tensors of `shapes` under outer.codec.block and
+    outer.codec.tile: tile 0, each tensor cut in runs of `block`; tile T, each tensor in its chunks (T * T
     values for a matrix whose sides are multiples of T). The Blocks' width is the longest block there is:
-    `block` at most, and no longer than the largest tensor (a larger outer.block is that tensor's size,
+    `block` at most, and no longer than the largest tensor (a larger outer.codec.block is that tensor's size,
     each tensor one block: a block never crosses a tensor, so the bytes and values are the same, without
     padding every block to the size written)."""
     sizes = tuple(math.prod(shape) for shape in shapes)

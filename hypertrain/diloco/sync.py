@@ -130,7 +130,7 @@ class CodecReducer:
     outer.reduce (`communication.compressed_mean`); one participant sends what the codec reports."""
 
     def __init__(self, outer: OuterConfig, blocks: Blocks, order=None):
-        """`order`: the blocks' order over the fragment's parameters (outer.tile; None: their own)."""
+        """`order`: the blocks' order over the fragment's parameters (outer.codec.tile; None: their own)."""
         self.outer, self.blocks, self.order = outer, blocks, order
 
     def start(
@@ -182,7 +182,7 @@ class LowRankReducer:
         deltas = pseudo_gradients(sync.theta, replica_params)
         errors = sync.flat_errors()
         store = None if errors is None else sync.store_errors
-        decay, q = sync.cfg.outer.error_decay, sync.lowrank_q
+        decay, q = sync.cfg.outer.codec.error_decay, sync.lowrank_q
         return lowrank_mean(self.factors, deltas, errors, active, q, groups, store, count, decay, weights)
 
     def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups, weights=None):
@@ -257,7 +257,7 @@ class FragmentSync:
             self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank.rank))
         else:
             shapes = [tuple(t.shape) for t in self.theta.values()]
-            blocks, order = blocks_and_order(shapes, cfg.outer.block, cfg.outer.tile)
+            blocks, order = blocks_and_order(shapes, cfg.outer.codec.block, cfg.outer.codec.tile)
             self.reducer = CodecReducer(cfg.outer, blocks, order)
 
     def flat_errors(self):

@@ -56,6 +56,10 @@ class Decoder:
     external = False  # a Hugging Face module (`HFModel`), not hypertrain's own
     shardable = True  # processes.shard=true builds it: FSDP2 per layer block (distributed.shard_check)
     module = False  # an nn.Module `model.hf` builds and calls (`HFModel`, an outside `ModuleModel`)
+    # The model fields it takes (`check_model`): model.is_moe=true makes its MLPs experts (`MoEDecoder`);
+    # it is built from exactly one of model.path and model.config (a Hugging Face model's), else neither
+    takes_experts = True
+    sourced = False
     # The run summary's figures a report's phase row adds: report column -> summary key.
     report_figures: dict[str, str] = {}
     # The columns a replica's update record adds (`engines.columns.REPLICA_COLUMNS`; NaN in a run of
@@ -209,6 +213,7 @@ class Multistream(Decoder):
 
     kind = "multistream"
     shardable = False
+    takes_experts = False
     channels = True
     text = False
     report_figures = {"frames_per_s": "bench/frames_per_s"}
@@ -248,6 +253,8 @@ class HFModel(Decoder):
     external = True  # the module is Hugging Face's: `model.hf` builds and calls it
     shardable = False
     module = True
+    takes_experts = False
+    sourced = True
 
     def declared(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, int | str]]:
         from hypertrain.model.hf import describe
@@ -289,6 +296,7 @@ class ModuleModel(Decoder):
 
     module = True
     shardable = False  # FSDP2 of an outside module is not built (distributed.shard_check)
+    takes_experts = False
 
     def __init__(self, factory, layers: str = "layers", head: str = "head", kind: str = "module"):
         self.factory, self.layer_list, self.head, self.kind = factory, layers, head, kind
@@ -320,14 +328,43 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
     table's, or the entry at the import path `model.arch` (a dot in it; `imported`); UserError (one line)
     for neither. `cfg` may also be a run's config.yaml section as read (the report), written before
     `is_moe` existed."""
-    if getattr(cfg, "is_moe", False):  # with model.arch=decoder (ModelConfig.check refuses another)
+    if getattr(cfg, "is_moe", False):  # on an entry that takes experts (`check_model` refuses another)
         return MOE
-    arch = str(cfg.arch)
+    return arch_entry(str(cfg.arch))
+
+
+def arch_entry(arch: str) -> ModelSpec:
+    """The entry `model.arch=arch` names: the table's, or the one at the import path `arch` (a dot in it;
+    `imported`); UserError (one line) for neither."""
     if arch in ARCHS:
         return MODELS[arch]
     if "." in arch:
         return imported(arch)
     raise UserError(f"model.arch={arch!r} is not a model; valid: {', '.join(ARCHS)}, or {IMPORTED}")
+
+
+def check_model(cfg: ModelConfig) -> ModelSpec:
+    """The model fields `model.arch`'s entry declares it takes, against those given: model.is_moe=true
+    (`takes_experts`), model.path and model.config (`sourced`: exactly one; else neither); UserError (one
+    line) naming the field and what is valid. Returns the run's entry (`model_spec`). Asked by
+    `preflight.checks.validate`; what the directory or config holds is the entry's own (`model.hf`)."""
+    arch = str(cfg.arch)
+    entry = arch_entry(arch)
+    if cfg.is_moe and not entry.takes_experts:
+        built = " or ".join(f"model.arch={name}" for name in ARCHS if MODELS[name].takes_experts)
+        raise UserError(f"model.is_moe=true with model.arch={arch!r} is not built; valid: {built}")
+    given = [name for name in ("path", "config") if getattr(cfg, name)]
+    if entry.sourced and len(given) != 1:
+        raise UserError(
+            f"model.arch={arch} takes one of model.path and model.config, not "
+            f"{' and '.join(given) or 'neither'}; valid: model.path=DIR (a local Hugging Face model "
+            "directory) or 'model.config={model_type:llama,...}'"
+        )
+    if not entry.sourced and given:
+        raise UserError(
+            f"model.{given[0]} is set with model.arch={arch!r}; valid: model=hf (a Hugging Face model)"
+        )
+    return model_spec(cfg)
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from hypertrain.diloco import fragments
 from hypertrain.distributed.decided import Decided, decide
 from hypertrain.distributed.layouts import LayoutError
 from hypertrain.distributed.shard_check import check_shard
-from hypertrain.model.spec import model_spec
+from hypertrain.model.spec import check_model, model_spec
 from hypertrain.optim import outer as outer_optimizers
 from hypertrain.plan.sampling import MAX_WORLD, PlanError, StrongPhase, WeakPhase
 from hypertrain.schedule_table import schedule_entry
@@ -157,9 +157,9 @@ def check_layout(cfg: TrainConfig) -> Decided:
 def validate(cfg: TrainConfig) -> Decided:
     """Every check that can be made without the data; UserError (one line) at the first mistake.
     Returns what the config decides: the layout, device, backend and reduction the run reads after."""
+    check_model(cfg.model)  # model.arch's entry (the table's, or one imported once) and the fields it takes
     cfg.check()
     data_source(cfg.data).check(cfg.data)  # what the data source needs of the data fields
-    model_spec(cfg.model)  # model.arch's entry: the table's, or one imported from outside (once)
     check_world(cfg)
     check_data_for_model(cfg)
     check_sources(cfg)

@@ -62,14 +62,14 @@ class CodecLayout:
 
 
 def codec_layout(outer: OuterConfig, model: ModelConfig) -> CodecLayout:
-    """`model`'s tensors cut by outer.block and outer.tile, from the shapes outside the layers and one
+    """`model`'s tensors cut by outer.codec.block and tile, from the shapes outside the layers and one
     layer's, the latter counted n_layers times."""
     outside, layer = codec_shapes(model)
     blocks = params = longest = 0
     lengths: set[int] = set()
     for shapes, times in ((outside, 1), (layer, model.n_layers)):
         for shape in shapes if times else []:
-            size, length = math.prod(shape), block_length(shape, outer.block, outer.tile)
+            size, length = math.prod(shape), block_length(shape, outer.codec.block, outer.codec.tile)
             blocks += times * -(-size // length)
             params += times * size
             longest = max(longest, length)
@@ -88,7 +88,7 @@ def codec_bytes(cfg: TrainConfig, model: ModelConfig) -> int:
     if not codec.blocks:
         return 0
     layout, rows = codec_layout(outer, model), cfg.replicas
-    transformed = Transform(outer.transform) == Transform.dct
+    transformed = Transform(outer.codec.transform) == Transform.dct
     per_slot = (TOPK_ROW_BYTES if codec.scope == BLOCKWISE else ROW_BYTES) + (
         DCT_ROW_BYTES if transformed else 0
     )

@@ -17,12 +17,21 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hypertrain.choices import choice_error
-from hypertrain.config import OUTER_NODES, TrainConfig, UserError, default_of, node_owners, node_type
+from hypertrain.codec_table import NotACodec, codec_entry
+from hypertrain.config import (
+    OUTER_NODES,
+    CodecConfig,
+    TrainConfig,
+    UserError,
+    default_of,
+    node_owners,
+    node_type,
+)
 from hypertrain.distributed.layouts import launched_rank
 from hypertrain.preflight import memory
 from hypertrain.preflight.checks import validate
 from hypertrain.preflight.refusal import fail
-from hypertrain.records.formats import RETIRED
+from hypertrain.records.formats import RETIRED, UNREAD_ELSEWHERE
 from hypertrain.rundir.directory import close_log_files
 from hypertrain.rundir.records import METRICS_FILE
 
@@ -42,22 +51,36 @@ retired_given: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired_give
 retired_notes: ContextVar[tuple[str, ...]] = ContextVar("hypertrain_retired", default=())
 
 
+def _taken(compress: str) -> tuple[str, ...]:
+    """The outer.codec fields the codec `compress` reads; all of them for no codec (refused later)."""
+    try:
+        return codec_entry(compress).takes
+    except NotACodec:
+        return tuple(f.name for f in dataclasses.fields(CodecConfig))
+
+
 def drop_unread(task: DictConfig) -> tuple[DictConfig, tuple[str, ...]]:
     """A codec's field given by its older spelling with another codec (`outer.lowrank_rank=2` with
-    outer.compress=topk), which that codec ignored then: reset to its default in a copy of `task`, so the
-    node the run lacks stays unset, with a note for train.log. Today's spelling there is refused
-    (`config.OuterConfig.check_nodes`), and so is a schedule's field under another schedule, as it was."""
+    outer.compress=topk, `outer.block=64` with outer.compress=none), which that codec ignored then: reset to
+    its default in a copy of `task`, so the node the run lacks stays unset, with a note for train.log.
+    Today's spelling there is refused (`config.OuterConfig.check_nodes`, `CodecConfig.check_taken`), and
+    so is a schedule's field under another schedule, or a codec field the checks of then refused."""
     task = copy.deepcopy(task)
     outer, notes = task.outer, []
     for key in retired_given.get():
         node, _, name = RETIRED[key].removeprefix("outer.").partition(".")
-        owner, entry = next((o, e) for o, e in node_owners() if e.node == node)
-        chosen = str(outer[owner])
-        if owner != "compress" or chosen == entry.name or outer[node] is None:
-            continue
+        if node == "codec":  # the codecs' shared node: a field the chosen codec does not read
+            owner, kind, chosen = "compress", CodecConfig, str(outer.compress)
+            if key not in UNREAD_ELSEWHERE or name in _taken(chosen):
+                continue
+        else:
+            owner, entry = next((o, e) for o, e in node_owners() if e.node == node)
+            kind, chosen = OUTER_NODES[node], str(outer[owner])
+            if owner != "compress" or chosen == entry.name or outer[node] is None:
+                continue
         value = outer[node][name]
         with read_write(outer), open_dict(outer):
-            outer[node][name] = default_of(OUTER_NODES[node], name)
+            outer[node][name] = default_of(kind, name)
         notes.append(f"{key}={value} has no effect with outer.{owner}={chosen}: dropped")
     return task, tuple(notes)
 

@@ -405,8 +405,11 @@ def parts(cfg: TrainConfig, est: Estimate, scope: str) -> list[tuple[int, str, l
         ),
     ]
     if est.codec:
-        shaping = (("outer.tile", cfg.outer.tile), ("outer.transform", cfg.outer.transform == Transform.dct))
-        codec = ["outer.compress", "outer.block"] + [field for field, used in shaping if used]
+        shaping = (
+            ("outer.codec.tile", cfg.outer.codec.tile),
+            ("outer.codec.transform", cfg.outer.codec.transform == Transform.dct),
+        )
+        codec = ["outer.compress", "outer.codec.block"] + [field for field, used in shaping if used]
         device.append(
             (
                 times * est.codec,

@@ -23,6 +23,7 @@ from hypertrain.config import (
     BEFORE,
     ChurnConfig,
     ClusterConfig,
+    CodecConfig,
     ProcessesConfig,
     TrainConfig,
     UserError,
@@ -32,7 +33,7 @@ from hypertrain.config import (
 )
 from hypertrain.records.rows import SyncRow
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 VERSION_KEY = "schema_version"
 
 
@@ -203,8 +204,9 @@ def _config_6_to_7(resolved: dict) -> dict:
 
 
 # Fields that moved (issue 49: the config by concern), old dotted key -> today's: config.yaml's and a
-# checkpoint's config move them (`_config_7_to_8`), the command line's spelling too (`modern_spelling`).
-RETIRED = {
+# checkpoint's config move them (`_config_7_to_8`, `_config_8_to_9`), the command line's spelling too
+# (`modern_spelling`).
+RETIRED_IN_8 = {
     "outer.async_rule": "outer.arrivals.rule",
     "outer.dn_buffer": "outer.arrivals.dn_buffer",
     "outer.dn_activation": "outer.arrivals.dn_activation",
@@ -216,6 +218,16 @@ RETIRED = {
     "outer.index_bits": "outer.topk.index_bits",
     "outer.topk_values": "outer.topk.values",
 }
+RETIRED_IN_9 = {  # the fields several codecs share, into outer.codec (`config.CodecConfig`)
+    "outer.block": "outer.codec.block",
+    "outer.tile": "outer.codec.tile",
+    "outer.transform": "outer.codec.transform",
+    "outer.error_decay": "outer.codec.error_decay",
+}
+RETIRED = RETIRED_IN_8 | RETIRED_IN_9
+# Of `RETIRED_IN_9`, the field a codec that does not read it accepted, unread (the checks of then refused
+# the others there): its older spelling under such a codec is dropped with a note (`composition.drop_unread`)
+UNREAD_ELSEWHERE = ("outer.block",)
 
 
 def _config_7_to_8(resolved: dict) -> dict:
@@ -228,7 +240,7 @@ def _config_7_to_8(resolved: dict) -> dict:
     if not isinstance(outer, dict):
         return resolved
     outer, nodes = dict(outer), {}
-    for old, new in RETIRED.items():
+    for old, new in RETIRED_IN_8.items():
         key = old.removeprefix("outer.")
         node, _, name = new.removeprefix("outer.").partition(".")
         if old.startswith("outer.") and key in outer:
@@ -241,6 +253,24 @@ def _config_7_to_8(resolved: dict) -> dict:
     return {**resolved, "outer": outer}
 
 
+def _config_8_to_9(resolved: dict) -> dict:
+    """Version 8: the fields several codecs share were outer's own (`outer.block`, `tile`, `transform`,
+    `error_decay`): they move (`RETIRED_IN_9`) into outer.codec, a field the run's codec did not read at
+    its default (only outer.block could differ there, unread; the checks of then refused the others), as
+    today's check requires. Today's shape (an outer.codec) is returned as it is."""
+    outer = resolved.get("outer")
+    if not isinstance(outer, dict) or "codec" in outer:
+        return resolved
+    outer, codec = dict(outer), as_builtins(CodecConfig())
+    taken = codec_entry(outer.get("compress", "none")).takes
+    for old in RETIRED_IN_9:
+        key = old.removeprefix("outer.")
+        if key in outer:
+            value = outer.pop(key)
+            codec[key] = value if key in taken else codec[key]
+    return {**resolved, "outer": {**outer, "codec": codec}}
+
+
 CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_0_to_1,
     _config_1_to_2,
@@ -250,6 +280,7 @@ CONFIG_STEPS: tuple[Callable[[dict], dict], ...] = (
     _config_5_to_6,
     _config_6_to_7,
     _config_7_to_8,
+    _config_8_to_9,
 )
 
 
@@ -382,6 +413,11 @@ def _checkpoint_7_to_8(saved: dict) -> dict:
     return saved
 
 
+def _checkpoint_8_to_9(saved: dict) -> dict:
+    """Version 8: the payload is today's (only its config's codec fields moved: `_config_8_to_9`)."""
+    return saved
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_0_to_1,
     _checkpoint_1_to_2,
@@ -391,6 +427,7 @@ CHECKPOINT_STEPS: tuple[Callable[[dict], dict], ...] = (
     _checkpoint_5_to_6,
     _checkpoint_6_to_7,
     _checkpoint_7_to_8,
+    _checkpoint_8_to_9,
 )
 
 

@@ -164,7 +164,7 @@ class CompressedMean:
         self.outer, self.blocks, self.groups, self.order = outer, blocks, groups, order
         self.weights = weights
         self.replicas, self.result, self.done = groups.total_replicas, None, False
-        codec, fraction, transform = outer.compress, topk(outer), outer.transform
+        codec, fraction, transform = outer.compress, topk(outer), outer.codec.transform
         if outer.reduce == "gather":
             payload = codecs.encode(codec, x, blocks, fraction, transform)
             self.b = payload.shape[1]
@@ -186,7 +186,7 @@ class CompressedMean:
             return self.result
         self.done = True
         codec, fraction, R = self.outer.compress, topk(self.outer), self.replicas
-        transform = self.outer.transform
+        transform = self.outer.codec.transform
         if self.outer.reduce == "gather":
             rows = self.flight.wait()  # [R, header + b] in replica order
             active, errors = _header(rows)
@@ -235,8 +235,9 @@ class CompressedMean:
 
 def topk(outer: OuterConfig) -> codecs.TopK:
     """Top-k's settings of `outer` (what the codecs take where a fraction goes; other codecs ignore it):
-    with outer.tile T every chunk keeps what a whole T x T tile does (`codecs.kept`, templar's count)."""
-    chunk, own = outer.tile * outer.tile, outer.topk or TopKConfig()  # None under another codec
+    with outer.codec.tile T every chunk keeps what a whole T x T tile does (`codecs.kept`, templar's
+    count)."""
+    chunk, own = outer.codec.tile * outer.codec.tile, outer.topk or TopKConfig()  # None under another codec
     return codecs.TopK(own.fraction, own.index_bits, str(own.values), chunk)
 
 
@@ -244,17 +245,20 @@ def contribution_payload(outer: OuterConfig, x_tiled: Tensor, blocks: Blocks) ->
     """Rows [R, n] in the blocks' order (`tiles.to_tiles`) -> their payloads, uint8 [R, b] (outer's codec
     and transform): what a replica's contribution to a round, or an arrival, encodes to; `payload_decoded`
     gives back d, the value the sender keeps (PCCL's self-quantize rule: d = decode(encode(x)))."""
-    return codecs.encode(outer.compress, x_tiled, blocks, topk(outer), outer.transform)
+    return codecs.encode(outer.compress, x_tiled, blocks, topk(outer), outer.codec.transform)
 
 
 def payload_decoded(outer: OuterConfig, payload: Tensor, blocks: Blocks, order: Tensor | None) -> Tensor:
     """Payloads uint8 [R, b] -> each one decoded, in parameter order (the inverse of `tiles.to_tiles`)."""
-    return from_tiles(codecs.decode(outer.compress, payload, blocks, topk(outer), outer.transform), order)
+    return from_tiles(
+        codecs.decode(outer.compress, payload, blocks, topk(outer), outer.codec.transform), order
+    )
 
 
 def fed_back(deltas: Tensor, errors: Tensor | None, decay: float) -> Tensor:
     """What a replica compresses: its pseudo-gradient plus its error buffer decayed by `decay` (beta,
-    outer.error_decay; SparseLoCo's u = beta * e + delta), the pseudo-gradient alone without feedback."""
+    outer.codec.error_decay; SparseLoCo's u = beta * e + delta), the pseudo-gradient alone without
+    feedback."""
     if errors is None:
         return deltas
     if decay == 1.0:
@@ -289,17 +293,18 @@ def compressed_mean(
     """Start a compressed sync of this process's replicas' pseudo-gradients `deltas` [R_local, n]
     (with error feedback, `errors` [R_local, n] is added first and updated in place). Each replica's
     contribution is its own decoded payload (PCCL's self-quantize rule): d_m = decode(encode(x_m)),
-    x_m = delta_m + beta * e_m (beta = outer.error_decay; at 1, delta_m + e_m); then e_m <- x_m - d_m for
-    the replicas that took part (error feedback), the others keep theirs, undecayed. With
-    outer.transform=dct the codec sees each block's DCT coefficients and d_m is their inverse, so e_m stays
-    in the parameter domain (as DeMo's momentum residual), and two_phase's shard means are summed there and
-    re-transformed. Returns the started `CompressedMean`; raises NonFiniteError (every process, agreed)
-    when a pseudo-gradient that would be sent is not finite, before anything is sent, naming the replica
-    (the highest-numbered, when several are) and the sync's `update`. `order` (outer.tile): the blocks'
-    order, `tiles.tile_order` (None: the parameters' own); the buffers and the mean stay in parameter
-    order. `weights` (outer.mean_weights=tokens): every replica's token weight, fp32 [R]: the mean is
-    `sum_m w_m d_m`; the buffers stay each replica's own, unweighted (e_m <- x_m - d_m)."""
-    x = fed_back(deltas, errors, outer.error_decay)
+    x_m = delta_m + beta * e_m (beta = outer.codec.error_decay; at 1, delta_m + e_m); then e_m <- x_m - d_m
+    for the replicas that took part (error feedback), the others keep theirs, undecayed. With
+    outer.codec.transform=dct the codec sees each block's DCT coefficients and d_m is their inverse, so e_m
+    stays in the parameter domain (as DeMo's momentum residual), and two_phase's shard means are summed
+    there and re-transformed. Returns the started `CompressedMean`; raises NonFiniteError (every process,
+    agreed) when a pseudo-gradient that would be sent is not finite, before anything is sent, naming the
+    replica (the highest-numbered, when several are) and the sync's `update`. `order` (outer.codec.tile):
+    the blocks' order, `tiles.tile_order` (None: the parameters' own); the buffers and the mean stay in
+    parameter order. `weights` (outer.mean_weights=tokens): every replica's token weight, fp32 [R]: the
+    mean is `sum_m w_m d_m`; the buffers stay each replica's own, unweighted (e_m <- x_m - d_m).
+    """
+    x = fed_back(deltas, errors, outer.codec.error_decay)
     refuse_non_finite(x, active, groups, update)
     x_tiled = to_tiles(x, order)
     decoded = payload_decoded(outer, contribution_payload(outer, x_tiled, blocks), blocks, order)

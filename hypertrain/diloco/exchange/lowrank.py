@@ -283,7 +283,7 @@ def lowrank_mean(
     weights: Tensor | None = None,
 ) -> LowRankMean:
     """Start a low-rank sync of this process's replicas' pseudo-gradients `deltas` [R_local, n] (with
-    error feedback, `errors` [R_local, n], decayed by `decay` (outer.error_decay), is added first and,
+    error feedback, `errors` [R_local, n], decayed by `decay` (outer.codec.error_decay), is added first and,
     once the sync is waited for, updated in place and handed to `store`), warm-started from `q` (each
     matrix's [cols, r], updated in place at the wait). Raises NonFiniteError (every process, agreed)
     when an input that would be sent is not finite, before anything is sent, naming the replica (the

@@ -29,7 +29,7 @@ def payload_bits(outer, shapes: tuple[tuple[int, ...], ...]) -> int:
         return codec.value_bits * sum(math.prod(shape) for shape in shapes)
     if codec.factored:
         return 8 * arrival_factors(outer, shapes).payload_bytes
-    blocks, _ = blocks_and_order(list(shapes), outer.block, outer.tile)
+    blocks, _ = blocks_and_order(list(shapes), outer.codec.block, outer.codec.tile)
     return 8 * codecs.payload_size(outer.compress, blocks, topk(outer))
 
 
@@ -59,11 +59,12 @@ class Wire:
         if self.factored:
             self.factors = Factors.of({n: tuple(t.shape) for n, t in theta.items()}, outer.lowrank.rank)
         else:
-            self.blocks, self.order = blocks_and_order(list(shapes), outer.block, outer.tile)
+            self.blocks, self.order = blocks_and_order(list(shapes), outer.codec.block, outer.codec.tile)
 
     def fed_back(self, replica: int, delta: torch.Tensor) -> torch.Tensor:
-        """x [1, n]: `delta` plus the replica's buffer decayed by outer.error_decay (delta alone without)."""
-        return fed_back(delta[None], self._flat(replica), self.outer.error_decay)
+        """x [1, n]: `delta` plus the replica's buffer decayed by outer.codec.error_decay (delta alone
+        without)."""
+        return fed_back(delta[None], self._flat(replica), self.outer.codec.error_decay)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, n], finite -> the payload's bytes, uint8 [`nbytes`]."""
