@@ -97,7 +97,7 @@ class TopkValues(Choice):
 
 
 class Reduction(Choice):
-    """outer.reduce: how compressed payloads are reduced."""
+    """outer.codec.reduce: how compressed payloads are reduced."""
 
     gather = "gather"
     two_phase = "two_phase"

@@ -46,7 +46,7 @@ class Codec:
     """A table entry: `name` (its `outer.compress` value) and what it can do.
 
     - `scope`: IDENTITY, ELEMENTWISE, BLOCKWISE or WHOLE_TENSOR (above);
-    - `two_phase`: outer.reduce=two_phase can decode, sum and re-encode a shard of its payloads (else
+    - `two_phase`: outer.codec.reduce=two_phase can decode, sum and re-encode a shard of its payloads (else
       `gather_only` says why not);
     - `error_feedback`: what it leaves out can be fed back (none leaves nothing out);
     - `overlap`: it runs under outer.overlap (else not built);
@@ -58,8 +58,8 @@ class Codec:
     - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
       alone: None under another codec, and a field of it set there is one that codec lacks;
     - `takes`: the fields of outer.codec (`config.CodecConfig`, the node the codecs share) it reads, from
-      what it is: a block codec the blocks' size, order and transform, a codec that feeds back what it
-      leaves out the buffers' decay; under it the others stay at their defaults.
+      what it is: a block codec the blocks' size, order, transform and reduction, a codec that feeds back
+      what it leaves out the buffers' decay; under it the others stay at their defaults.
     """
 
     name: str
@@ -89,7 +89,7 @@ class Codec:
     @property
     def takes(self) -> tuple[str, ...]:
         """The fields of outer.codec this codec reads (`config.CodecConfig`; the class docstring)."""
-        return ("block", "tile", "transform") * self.blocks + ("error_decay",) * self.error_feedback
+        return ("block", "tile", "transform", "reduce") * self.blocks + ("error_decay",) * self.error_feedback
 
     @property
     def blocks(self) -> bool:

@@ -284,6 +284,11 @@ class CodecConfig:
     # compresses u = beta * e + delta and keeps e <- u - decoded; 1.0 = plain error feedback, in [0, 1].
     # The codecs' that feed back what they leave out (with outer.error_feedback=true).
     error_decay: float = 1.0
+    # How the payloads are reduced: gather (every payload to every process, decoded and summed in replica
+    # order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
+    # all-gathered: fewer bytes, a second quantization; a codec whose entry says `gather_only` refuses it).
+    # The block codecs'.
+    reduce: Reduction = field(default=Reduction.gather, metadata=before(Reduction.gather))
 
     def check_taken(self, codec) -> None:
         """A field the codec's entry `codec` does not read (`takes`) stays at its default: one line naming
@@ -350,10 +355,6 @@ class OuterConfig:
     # (module.NAME) of a codec entry outside the package (docs/extending.md, "A codec"). Each replica's
     # contribution is its own decoded payload.
     compress: str = "none"
-    # How compressed payloads are reduced: gather (every payload to every process, decoded and summed in
-    # replica order) or two_phase (shards by replica index, all-to-all, each shard's mean re-encoded and
-    # all-gathered: fewer bytes, a second quantization); topk always gathers.
-    reduce: Reduction = Reduction.gather
     # compress=topk only: its own fields (fraction, index_bits, values); None under another codec
     topk: TopKConfig | None = field(default=None, metadata=before(None))
     # the fields several codecs share (block, tile, transform, error_decay), each read by the codecs whose
@@ -374,7 +375,7 @@ class OuterConfig:
     # entry outside the package (docs/extending.md, "A schedule").
     schedule: str = "rounds"
     # async only (docs/async.md): the server's own fields; None under rounds, which has no such node
-    # (setting one there is refused as a field rounds lacks: `schedule_table.ScheduleEntry.check_fields`)
+    # (setting one there is refused as a field rounds lacks: `OuterConfig.check_nodes`)
     arrivals: ArrivalsConfig | None = field(default=None, metadata=before(None))
     # pseudo-gradients averaged uniformly or weighted by the tokens each trained on (docs/async.md)
     mean_weights: MeanWeights = MeanWeights.uniform
@@ -414,7 +415,7 @@ class OuterConfig:
             codec = codec_entry(self.compress)
         except NotACodec as error:
             raise UserError(str(error)) from None
-        schedule = schedule_entry(self.schedule)  # a path imported here once (`schedule_table.imported`)
+        schedule_entry(self.schedule)  # refused when none; a path imported once (`schedule_table.imported`)
         self.check_nodes()
         _at_least("outer.lr", self.lr, 0.0)
         if not 0.0 <= self.momentum < 1.0:
@@ -442,15 +443,14 @@ class OuterConfig:
                 "valid: outer.merge_alpha=0, or outer.overlap=none"
             )
         self.check_codec()
-        schedule.check_fields(self)  # another schedule's fields stay at their defaults
 
     def check_codec(self) -> None:
         """What the codec's entry (`codec_table`) says it cannot run with: two_phase, overlap."""
         codec = codec_entry(self.compress)
-        if self.reduce == "two_phase" and codec.gather_only:
+        if self.codec.reduce == "two_phase" and codec.gather_only:
             raise UserError(
-                f"outer.compress={self.compress} with outer.reduce=two_phase: {codec.gather_only}; valid: "
-                "outer.reduce=gather"
+                f"outer.compress={self.compress} with outer.codec.reduce=two_phase: {codec.gather_only}; "
+                "valid: outer.codec.reduce=gather"
             )
         if self.overlap != "none" and not codec.overlap:
             raise UserError(

@@ -1,7 +1,7 @@
 """The schedule table (docs/extending.md, "A schedule"): every `outer.schedule` value is one entry,
 registered once in `TABLE`, declaring what the rest of the code asks of it (a server, a clock that orders
-its arrivals, the outer fields of its own, the run-side class that runs it) and refusing what it is not
-built with (`check_fields`, `check`); `choices.Schedule` is read from it, and the rest of the code asks an
+its arrivals, the node of its own outer fields, the run-side class that runs it) and refusing what it is
+not built with (`check`); `choices.Schedule` is read from it, and the rest of the code asks an
 entry (`schedule_entry(name)`), never compares a name. `outer.schedule` also takes the import path
 (module.NAME) of an entry defined outside the package (`imported`; docs/extending.md, "A schedule").
 
@@ -16,17 +16,9 @@ import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any
 
 from hypertrain.errors import UserError
 from hypertrain.import_path import entry_at
-
-
-def _default(section: type, name: str) -> Any:
-    """The default of dataclass `section`'s field `name` (`config.default_of`, which this layer cannot
-    import)."""
-    found = next(f for f in dataclasses.fields(section) if f.name == name)
-    return found.default_factory() if found.default is dataclasses.MISSING else found.default
 
 
 @dataclass(frozen=True)
@@ -42,8 +34,6 @@ class ScheduleEntry:
     - `arrival_clock`: the network clock orders its pseudo-gradients, so the clock decides its weights:
       its replay is `clock.replay.arrival_clock`, its clock keeps no compute/inner/outer split, and
       re-timing it on another cluster is refused (`clock.replay.decided_by_clock`);
-    - `fields`: the flat outer fields only it reads; under another schedule they stay at their defaults
-      (`check_fields`);
     - `node`: the outer field holding its own typed config (`config.OUTER_NODES`), which exists with it
       alone: None under another schedule, and a field of it set there is one that schedule lacks;
     - `runs`: its run-side class, `module:Class`, built by `build` (`run.schedule.ScheduleBase`'s
@@ -56,30 +46,12 @@ class ScheduleEntry:
     runs: str
     server: bool = False
     arrival_clock: bool = False
-    fields: tuple[str, ...] = ()
     node: str = ""
 
     def round_at(self, H: int, u: int) -> tuple[int, int]:
         """The round holding update `u` (0-based, counted from the phase's start; `H` is inner.H): its first
         update and its length. Rounds of H: syncs after counts H, 2H, ... (and the phase's end)."""
         return u // H * H, H
-
-    def check_fields(self, outer) -> None:
-        """A field another entry reads (its `fields`) stays at its default under this one: set, it would
-        change nothing. A value equal to the default (a preset's, or written out) is accepted. (Another
-        entry's node does not exist here: `config.OuterConfig.check_nodes`.) Asked by
-        `config.OuterConfig.check`."""
-        for other in ENTRIES:
-            if other is self:
-                continue
-            for name in other.fields:
-                value, default = getattr(outer, name), _default(type(outer), name)
-                if name not in self.fields and value != default:
-                    raise UserError(
-                        f"outer.{name}={value} needs outer.schedule={other.name} (outer.schedule="
-                        f"{outer.schedule} would ignore it); valid: outer.schedule={other.name}, or "
-                        f"outer.{name}={default} (its default)"
-                    )
 
     def check(self, cfg) -> None:
         """What this schedule is not built with across the config's sections (`cfg` a `TrainConfig`);
@@ -100,7 +72,6 @@ class Rounds(ScheduleEntry):
     refusals, and may override `round_at` (where its rounds end) and `check`."""
 
     runs: str = "hypertrain.run.trainer:Rounds"
-    fields: tuple[str, ...] = ("reduce",)
 
     def check(self, cfg) -> None:
         outer = cfg.outer
@@ -132,6 +103,7 @@ class Arrivals(ScheduleEntry):
             (outer.overlap != "none", f"outer.overlap={outer.overlap}"),
             (bool(outer.delay), f"outer.delay={outer.delay}"),
             (bool(outer.merge_alpha), f"outer.merge_alpha={outer.merge_alpha!r}"),
+            (outer.codec.reduce != "gather", f"outer.codec.reduce={outer.codec.reduce}"),  # one payload whole
             (bool(cfg.checkpoint.every_updates), f"checkpoint.every_updates={cfg.checkpoint.every_updates}"),
         ]
         for refused, what in unbuilt:
@@ -161,8 +133,8 @@ class Arrivals(ScheduleEntry):
 
 
 # In `choices.Schedule`'s order. The server's fields are async's node, outer.arrivals (its rule, delayed
-# Nesterov's N and c, the grace window, dynamic local updates, its evaluations); the reduction of a
-# round's payloads is rounds' (an arrival's payload is broadcast whole).
+# Nesterov's N and c, the grace window, dynamic local updates, its evaluations); outer.codec.reduce's
+# two_phase is rounds' alone (an arrival's payload is broadcast whole).
 ENTRIES = (
     Rounds("rounds"),
     Arrivals(

@@ -945,9 +945,9 @@ CASES = {
     ),
     "lowrank-two_phase": Case(
         "low rank with the two-phase reduction",
-        ["outer.compress=lowrank", "outer.reduce=two_phase"],
-        "outer.compress=lowrank with outer.reduce=two_phase",
-        "outer.reduce=gather",
+        ["outer.compress=lowrank", "outer.codec.reduce=two_phase"],
+        "outer.codec.reduce=two_phase is not read by outer.compress=lowrank",
+        "outer.codec.reduce=gather (its default)",
     ),
     "lowrank-with-overlap": Case(
         "low rank with a whole-round overlap",
@@ -1645,11 +1645,11 @@ CASES = {
         )
     },
     "two-phase-with-async": Case(
-        "outer.reduce=two_phase (a round's reduction) under async, whose payloads travel whole",
-        ["outer.schedule=async", "cluster=h100", "outer.compress=int8", "outer.reduce=two_phase"],
-        "outer.reduce=two_phase needs outer.schedule=rounds (outer.schedule=async would ignore it); valid: "
-        "outer.schedule=rounds, or outer.reduce=gather (its default)",
-        "outer.reduce=gather, or outer.schedule=rounds",
+        "outer.codec.reduce=two_phase (a round's reduction) under async, whose payloads travel whole",
+        ["outer.schedule=async", "cluster=h100", "outer.compress=int8", "outer.codec.reduce=two_phase"],
+        "outer.schedule=async with outer.codec.reduce=two_phase is not built (docs/async.md); valid: "
+        "outer.schedule=rounds, or outer.codec.reduce at its default",
+        "outer.schedule=rounds, or outer.codec.reduce at its default",
     ),
     "index-bits-12-with-blocks-of-one": Case(
         "12-bit top-k indices with blocks of one value (k = 1 each: no even k exists; the advice was "

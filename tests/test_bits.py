@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from references import templar_chunks, templar_k
 
 from hypertrain.codecs import kernels as codecs
-from hypertrain.config import ChurnConfig, OuterConfig, TopKConfig
+from hypertrain.config import ChurnConfig, CodecConfig, OuterConfig, TopKConfig
 from hypertrain.diloco.exchange.communication import HEADER_BYTES, contribution_bits
 from hypertrain.preflight.prepare import initial_weights, prepare
 from hypertrain.records import formats
@@ -59,7 +59,7 @@ CASES = {  # name: the outer config, and the bits of one replica's contribution 
         ),
     ),
     "fp4-two-phase": (  # one message per shard, each its own header
-        OuterConfig(compress="fp4_e2m1", reduce="two_phase"),
+        OuterConfig(compress="fp4_e2m1", codec=CodecConfig(reduce="two_phase")),
         lambda sizes, R, block: (
             8
             * sum(

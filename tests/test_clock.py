@@ -171,7 +171,7 @@ def _args(tmp_path, name: str, extra: list[str]) -> list[str]:
 
 
 STREAMING = ["world=2", "replicas=2", "inner.H=4", "phase.updates=8", "outer.fragments=2", "outer.delay=1"]
-COMPRESSED = ["outer.compress=int8", "outer.reduce=two_phase"]
+COMPRESSED = ["outer.compress=int8", "outer.codec.reduce=two_phase"]
 MODELLED = ["cluster=h100", "cluster.straggler.sigma=0.3"]  # a clock that reads no timing
 
 

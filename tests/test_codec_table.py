@@ -130,23 +130,35 @@ def test_top_ks_older_spellings_read_as_its_node_and_dropped_with_a_note_under_a
         assert (dropped in log) == (node is None)
 
 
-SHARED = {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.5}  # each off its default
+SHARED = {
+    "block": 16,
+    "tile": 4,
+    "transform": "dct",
+    "reduce": "two_phase",
+    "error_decay": 0.5,
+}  # none default
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_a_shared_codec_field_is_set_only_with_a_codec_whose_entry_takes_it(entry):
     """outer.codec's fields are read by the codecs whose entry says so (`Codec.takes`: a block codec the
-    blocks' size, order and transform, a codec that feeds back the buffers' decay): set with one, it
-    passes the check; with another, one line naming the field, its value and the codecs that read it."""
+    blocks' size, order, transform and reduction, a codec that feeds back the buffers' decay): set with one,
+    it passes the check (two_phase: unless the entry says it gathers only, one line saying why); with
+    another, one line naming the field, its value and the codecs that read it."""
     from hypertrain.config import CodecConfig
 
     assert (
-        entry.takes == ("block", "tile", "transform") * entry.blocks + ("error_decay",) * entry.error_feedback
+        entry.takes
+        == ("block", "tile", "transform", "reduce") * entry.blocks + ("error_decay",) * entry.error_feedback
     )
     for name, value in SHARED.items():
         square = {"block": 16} if name == "tile" and name in entry.takes else {}  # a tile is one block
         node = CodecConfig(**{name: value} | square)
         outer = OuterConfig(compress=entry.name, codec=node, error_feedback=entry.error_feedback)
+        if name in entry.takes and name == "reduce" and entry.gather_only:
+            with pytest.raises(UserError, match=f"two_phase: {entry.gather_only}; valid: outer.codec.reduce"):
+                outer.check()
+            continue
         if name in entry.takes:
             outer.check()
             continue
@@ -160,18 +172,22 @@ def test_a_shared_codec_field_is_set_only_with_a_codec_whose_entry_takes_it(entr
 
 
 def test_the_shared_fields_older_spellings_read_as_outer_codec_and_an_unread_block_is_dropped(tmp_path):
-    """outer.block, outer.tile, outer.transform and outer.error_decay (before outer.codec) still run: read
-    as outer.codec.* with a note in train.log only; outer.block with compress=none (which ignored it) is
-    dropped with a note; config.yaml holds the node."""
+    """outer.block, outer.tile, outer.transform, outer.reduce and outer.error_decay (before outer.codec)
+    still run: read as outer.codec.* with a note in train.log only; outer.block and outer.reduce with
+    compress=none (which ignored them) are dropped with a note; config.yaml holds the node."""
     from helpers import RUN, entry
 
     runs = {
         "int8": (
             ["outer.block=16", "outer.tile=4", "outer.transform=dct", "outer.error_feedback=true"],
-            ["outer.error_decay=0.5"],
-            {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.5},
+            ["outer.error_decay=0.5", "outer.reduce=two_phase"],
+            {"block": 16, "tile": 4, "transform": "dct", "reduce": "two_phase", "error_decay": 0.5},
         ),
-        "none": (["outer.block=64"], [], {"block": 128, "tile": 0, "transform": "none", "error_decay": 1.0}),
+        "none": (
+            ["outer.block=64", "outer.reduce=two_phase"],
+            [],
+            {"block": 128, "tile": 0, "transform": "none", "reduce": "gather", "error_decay": 1.0},
+        ),
     }
     for codec, (given, more, node) in runs.items():
         run_dir = tmp_path / codec
@@ -183,4 +199,6 @@ def test_the_shared_fields_older_spellings_read_as_outer_codec_and_an_unread_blo
         log = (run_dir / "train.log").read_text()
         assert "note: outer.block= is now spelled outer.codec.block= " in log
         dropped = "note: outer.block=64 has no effect with outer.compress=none: dropped"
+        assert (dropped in log) == (codec == "none")
+        dropped = "note: outer.reduce=two_phase has no effect with outer.compress=none: dropped"
         assert (dropped in log) == (codec == "none")

@@ -121,8 +121,7 @@ def outer_cfg(
 ):
     return OuterConfig(
         compress=codec,
-        reduce=reduce,
-        codec=CodecConfig(block=block, transform=transform),
+        codec=CodecConfig(block=block, transform=transform, reduce=reduce),
         topk=TopKConfig(fraction=fraction) if codec == "topk" else None,  # top-k's node: with top-k alone
         error_feedback=ef,
     )
@@ -726,7 +725,7 @@ WHOLE_CASES = {
         "outer.topk.index_bits=12",
         "outer.topk.values=two_bit",
     ],
-    "fp4-two_phase": ["outer.compress=fp4_e2m1", "outer.reduce=two_phase"],
+    "fp4-two_phase": ["outer.compress=fp4_e2m1", "outer.codec.reduce=two_phase"],
     "e3m0-gather": ["outer.compress=e3m0"],
     "dct-topk-ef": [
         "outer.compress=topk",
@@ -785,7 +784,7 @@ def test_real_processes_equal_the_simulation_exactly_with_compression(tmp_path, 
     assert_identical_but(tmp_path / "dist", tmp_path / "sim", skip=MEASURED)
     syncs = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "sync"]
     assert syncs and all(r["payload_bytes"] > 0 and len(r["compress_error"]) == 2 for r in syncs)
-    if "outer.reduce=two_phase" not in extra:
+    if "outer.codec.reduce=two_phase" not in extra:
         assert all(r["comm_measured_outer_bytes"] == HEADER_BYTES + r["payload_bytes"] for r in syncs), syncs
     outer = OmegaConf.load(tmp_path / "dist" / "config.yaml").outer
     weights = torch.load(tmp_path / "dist" / "weights.pt", weights_only=True)
@@ -974,7 +973,10 @@ BAD = {
         "outer.compress='int4' is not a codec; valid: none, int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0, "
         "topk, lowrank, or the import path",
     ),
-    "unknown-reduction": (["outer.compress=int8", "outer.reduce=ring"], "outer.reduce='ring' is not valid"),
+    "unknown-reduction": (
+        ["outer.compress=int8", "outer.codec.reduce=ring"],
+        "outer.codec.reduce='ring' is not valid",
+    ),
     "block-0": (
         ["outer.compress=int8", "outer.codec.block=0"],
         "outer.codec.block=0 is too small; valid: >= 1",
@@ -993,8 +995,8 @@ BAD = {
         "outer.error_feedback=true with outer.compress=none has nothing to feed back",
     ),
     "topk-two_phase": (
-        ["outer.compress=topk", "outer.reduce=two_phase"],
-        "outer.compress=topk with outer.reduce=two_phase",
+        ["outer.compress=topk", "outer.codec.reduce=two_phase"],
+        "outer.compress=topk with outer.codec.reduce=two_phase",
     ),
     "unknown-transform": (
         ["outer.compress=topk", "outer.codec.transform=fft"],
@@ -1061,7 +1063,7 @@ def test_compress_none_spelled_out_is_the_default_run_bitwise(tmp_path):
     spelled = [
         *plain,
         "outer.compress=none",
-        "outer.reduce=gather",
+        "outer.codec.reduce=gather",
         "outer.codec.block=128",
         "outer.topk.fraction=0.01",
         "outer.codec.transform=none",

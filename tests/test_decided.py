@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from helpers import REPO
 
-from hypertrain.config import OuterConfig, ProcessesConfig, TrainConfig, WorldConfig
+from hypertrain.config import CodecConfig, OuterConfig, ProcessesConfig, TrainConfig, WorldConfig
 from hypertrain.distributed.decided import decide
 from hypertrain.distributed.layouts import LayoutError
 from hypertrain.preflight.checks import validate
@@ -58,8 +58,9 @@ def test_a_worker_takes_its_local_ranks_device():
     ("compress", "reduce", "reduction"),
     [("none", "gather", "exact"), ("int8", "gather", "gather"), ("int8", "two_phase", "two_phase")],
 )
-def test_the_reduction_is_exact_without_a_codec_else_outer_reduce(compress, reduce, reduction):
-    assert decide(TrainConfig(outer=OuterConfig(compress=compress, reduce=reduce))).reduction == reduction
+def test_the_reduction_is_exact_without_a_codec_else_outer_codec_reduce(compress, reduce, reduction):
+    outer = OuterConfig(compress=compress, codec=CodecConfig(reduce=reduce))
+    assert decide(TrainConfig(outer=outer)).reduction == reduction
 
 
 def test_validate_returns_what_the_config_decides():

@@ -149,7 +149,7 @@ NO_CODEC_NODES = {"lowrank": None, "topk": None}
 # the fields several codecs share, in outer.codec since schema 9's step, as every run before issue 37 had
 # them (and outer.block's default, 128, since compression began)
 CODEC_SHARED = ("block", "tile", "transform", "error_decay")
-CODEC_NEUTRAL = {"block": 128, "tile": 0, "transform": "none", "error_decay": 1.0}
+CODEC_NEUTRAL = {"block": 128, "tile": 0, "transform": "none", "reduce": "gather", "error_decay": 1.0}
 CODECS_TODAY = NO_CODEC_NODES | {"codec": CODEC_NEUTRAL}
 
 
@@ -296,19 +296,26 @@ def test_a_version_7_config_had_the_servers_fields_flat_they_move_into_asyncs_no
 
 def test_a_version_8_config_had_the_codecs_shared_fields_flat_they_move_into_outer_codec():
     """Schema 8 held the fields several codecs share in `outer` itself (outer.block, tile, transform,
-    error_decay): they move into outer.codec, as written where the run's codec read them (a top-k run's
-    block, tile, transform and decay; a low-rank run's decay), at their defaults where it did not (a
-    none run's block 64 and a low-rank run's block 32 were accepted and never read); today's shape (an
+    reduce, error_decay): they move into outer.codec, as written where the run's codec read them (a top-k
+    run's block, tile, transform and decay; an int8 run's block and two_phase reduction; a low-rank run's
+    decay), at their defaults where it did not (a none run's block 64 and two_phase reduction and a
+    low-rank run's block 32 were accepted and never read); today's shape (an
     outer.codec) reads as it is; a checkpoint's payload reads as it is."""
     today = {"arrivals": None, "topk": None, "lowrank": None, **OPTIMIZER_NEUTRAL}
     sparse = {"compress": "topk", "block": 16, "tile": 4, "transform": "dct", "error_decay": 0.9}
     topk = {"fraction": 0.25, "index_bits": 32, "values": "fp32"}
-    want = {"compress": "topk", "codec": {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.9}}
+    want = {
+        "compress": "topk",
+        "codec": CODEC_NEUTRAL | {"block": 16, "tile": 4, "transform": "dct", "error_decay": 0.9},
+    }
     got = upgrade_config({"outer": sparse | today | {"topk": topk}, "schema_version": 8})
     assert got == {"outer": want | today | {"topk": topk}}
-    plain = {"compress": "none", "block": 64, "tile": 0, "transform": "none", "error_decay": 1.0}
+    plain = {"compress": "none", "block": 64, "tile": 0, "transform": "none", "reduce": "two_phase"}
     want = {"compress": "none", "codec": CODEC_NEUTRAL}
     assert upgrade_config({"outer": plain | today, "schema_version": 8}) == {"outer": want | today}
+    quantized = {"compress": "int8", "block": 64, "reduce": "two_phase"}
+    want = {"compress": "int8", "codec": CODEC_NEUTRAL | {"block": 64, "reduce": "two_phase"}}
+    assert upgrade_config({"outer": quantized | today, "schema_version": 8}) == {"outer": want | today}
     lowrank = {"compress": "lowrank", "block": 32, "error_decay": 0.5, "lowrank": {"rank": 2}}
     want = {"compress": "lowrank", "codec": CODEC_NEUTRAL | {"error_decay": 0.5}, "lowrank": {"rank": 2}}
     assert upgrade_config({"outer": today | lowrank, "schema_version": 8}) == {"outer": today | want}

@@ -543,9 +543,15 @@ NEW_FIELDS = ("codec", "lowrank")
 
 
 def schema_2_outer(outer: dict) -> dict:
-    """`outer` as schema 2 wrote it: without issue 37's fields, top-k's fraction and the block flat."""
+    """`outer` as schema 2 wrote it: without issue 37's fields, top-k's fraction, the block and the reduction
+    flat."""
     kept = {k: v for k, v in outer.items() if k not in (*NEW_FIELDS, "topk")}
-    return kept | {"topk_fraction": outer["topk"]["fraction"], "block": outer["codec"]["block"]}
+    codec = outer["codec"]
+    return kept | {
+        "topk_fraction": outer["topk"]["fraction"],
+        "block": codec["block"],
+        "reduce": codec["reduce"],
+    }
 
 
 def as_schema_2(run_dir) -> None:
@@ -557,7 +563,7 @@ def as_schema_2(run_dir) -> None:
     written = yaml.safe_load(config.read_text())
     assert written.pop("schema_version") == formats.SCHEMA_VERSION
     assert set(NEW_FIELDS) <= set(written["outer"]) and written["outer"]["topk"]["index_bits"] == 32
-    assert set(written["outer"]["codec"]) == {"block", "error_decay", "transform", "tile"}
+    assert set(written["outer"]["codec"]) == {"block", "error_decay", "transform", "tile", "reduce"}
     older = {"schema_version": 2, **written, "outer": schema_2_outer(written["outer"])}
     config.write_text(yaml.safe_dump(older, sort_keys=False))
     for path in sorted((run_dir / "checkpoints").glob("ckpt-u*.pt")):

@@ -305,7 +305,7 @@ WEIGHTS = torch.tensor([0.5, 0.125, 0.375])  # exact in fp32: T = (4, 1, 3) / 8
 
 
 def test_two_phase_re_encodes_the_weighted_sum_of_the_decoded_shards():
-    """outer.reduce=two_phase with int8: each block's mean is grid(sum_m w_m d_m) with d_m the grid of
+    """outer.codec.reduce=two_phase with int8: each block's mean is grid(sum_m w_m d_m) with d_m the grid of
     x_m (tests/test_async_codecs.py's reference), the sum formed in fp32 in replica order as documented,
     so the second quantization sees the same fp32 numbers (bound: the grid's 4 U32 amax); the uniform
     mean's grid is not it."""

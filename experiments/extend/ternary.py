@@ -57,7 +57,7 @@ class AbsMeanTernary(Quantizer):
 TERNARY = AbsMeanTernary(
     "ternary",
     ELEMENTWISE,
-    gather_only="this example is checked under outer.reduce=gather only (tests/test_extending.py)",
+    gather_only="this example is checked under outer.codec.reduce=gather only (tests/test_extending.py)",
     value_bits=2,
     header_bytes=4,
 )

@@ -74,7 +74,7 @@ class Shape:
             int(outer["fragments"]),
             int(outer["delay"]),
             str(outer["compress"]),
-            str(outer["reduce"]),
+            str((outer.get("codec") or outer).get("reduce", "gather")),
             str(outer.get("overlap", "none")),
             str(outer.get("schedule", BEFORE)),
         )

@@ -127,7 +127,7 @@ class ExactReducer:
 
 class CodecReducer:
     """outer.compress=a codec: each replica's payload, with its error-feedback buffer, reduced by
-    outer.reduce (`communication.compressed_mean`); one participant sends what the codec reports."""
+    outer.codec.reduce (`communication.compressed_mean`); one participant sends what the codec reports."""
 
     def __init__(self, outer: OuterConfig, blocks: Blocks, order=None):
         """`order`: the blocks' order over the fragment's parameters (outer.codec.tile; None: their own)."""
@@ -369,7 +369,7 @@ class FragmentSync:
         landing.landing_bytes = communicated.landing_bytes
         outer = self.cfg.outer
         bits = contribution_bits(
-            outer.compress, outer.reduce, self.cfg.replicas, self.params, communicated.payload_bytes
+            outer.compress, outer.codec.reduce, self.cfg.replicas, self.params, communicated.payload_bytes
         )
         took_part = self.reducer.took_part(communicated, stepped, groups)
         if took_part is not None:

@@ -41,8 +41,8 @@ class Decided:
 
 
 def reduction(outer: OuterConfig) -> str:
-    """The sync's reduction: `exact` (outer.compress=none: fp32 sums), else outer.reduce."""
-    return "exact" if codec_entry(outer.compress).lossless else outer.reduce
+    """The sync's reduction: `exact` (outer.compress=none: fp32 sums), else outer.codec.reduce."""
+    return "exact" if codec_entry(outer.compress).lossless else outer.codec.reduce
 
 
 def backend(cfg: TrainConfig) -> str | None:

@@ -59,6 +59,14 @@ def _taken(compress: str) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(CodecConfig))
 
 
+def _lossless(compress: str) -> bool:
+    """The codec `compress` sends the values themselves (none); False for no codec (refused later)."""
+    try:
+        return codec_entry(compress).lossless
+    except NotACodec:
+        return False
+
+
 def drop_unread(task: DictConfig) -> tuple[DictConfig, tuple[str, ...]]:
     """A codec's field given by its older spelling with another codec (`outer.lowrank_rank=2` with
     outer.compress=topk, `outer.block=64` with outer.compress=none), which that codec ignored then: reset to
@@ -72,6 +80,8 @@ def drop_unread(task: DictConfig) -> tuple[DictConfig, tuple[str, ...]]:
         if node == "codec":  # the codecs' shared node: a field the chosen codec does not read
             owner, kind, chosen = "compress", CodecConfig, str(outer.compress)
             if key not in UNREAD_ELSEWHERE or name in _taken(chosen):
+                continue
+            if UNREAD_ELSEWHERE[key] and not _lossless(chosen):  # refused then, refused now
                 continue
         else:
             owner, entry = next((o, e) for o, e in node_owners() if e.node == node)

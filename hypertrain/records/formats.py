@@ -223,11 +223,14 @@ RETIRED_IN_9 = {  # the fields several codecs share, into outer.codec (`config.C
     "outer.tile": "outer.codec.tile",
     "outer.transform": "outer.codec.transform",
     "outer.error_decay": "outer.codec.error_decay",
+    "outer.reduce": "outer.codec.reduce",
 }
 RETIRED = RETIRED_IN_8 | RETIRED_IN_9
-# Of `RETIRED_IN_9`, the field a codec that does not read it accepted, unread (the checks of then refused
-# the others there): its older spelling under such a codec is dropped with a note (`composition.drop_unread`)
-UNREAD_ELSEWHERE = ("outer.block",)
+# Of `RETIRED_IN_9`, the fields a codec that does not read them accepted, unread (the checks of then refused
+# the others there): the older spelling under such a codec is dropped with a note (`composition.drop_unread`).
+# The value: whether only a lossless codec (none) accepted it so (outer.reduce=two_phase: the lossy codecs
+# that do not read it, low rank's, refused it).
+UNREAD_ELSEWHERE = {"outer.block": False, "outer.reduce": True}
 
 
 def _config_7_to_8(resolved: dict) -> dict:
@@ -255,9 +258,9 @@ def _config_7_to_8(resolved: dict) -> dict:
 
 def _config_8_to_9(resolved: dict) -> dict:
     """Version 8: the fields several codecs share were outer's own (`outer.block`, `tile`, `transform`,
-    `error_decay`): they move (`RETIRED_IN_9`) into outer.codec, a field the run's codec did not read at
-    its default (only outer.block could differ there, unread; the checks of then refused the others), as
-    today's check requires. Today's shape (an outer.codec) is returned as it is."""
+    `error_decay`, `reduce`): they move (`RETIRED_IN_9`) into outer.codec, a field the run's codec did not
+    read at its default (only outer.block and outer.reduce could differ there, unread; the checks of then
+    refused the others), as today's check requires. Today's shape (an outer.codec) is returned as it is."""
     outer = resolved.get("outer")
     if not isinstance(outer, dict) or "codec" in outer:
         return resolved
@@ -497,7 +500,11 @@ def _contribution_bits(outer: dict, replicas: int, params: int, payload_bytes: i
     codec = codec_entry(outer["compress"])
     if codec.lossless:
         return codec.value_bits * params
-    messages = 1 if str(outer.get("reduce", "gather")) == "gather" else replicas
+    messages = (
+        1
+        if str((outer.get("codec") or {}).get("reduce", outer.get("reduce", "gather"))) == "gather"
+        else replicas
+    )
     return 8 * (int(payload_bytes) + messages * HEADER_BYTES)
 
 

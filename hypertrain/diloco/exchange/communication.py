@@ -165,7 +165,7 @@ class CompressedMean:
         self.weights = weights
         self.replicas, self.result, self.done = groups.total_replicas, None, False
         codec, fraction, transform = outer.compress, topk(outer), outer.codec.transform
-        if outer.reduce == "gather":
+        if outer.codec.reduce == "gather":
             payload = codecs.encode(codec, x, blocks, fraction, transform)
             self.b = payload.shape[1]
             self.flight = groups.start_all_gather_replicas(_message(payload, active, errors))
@@ -187,7 +187,7 @@ class CompressedMean:
         self.done = True
         codec, fraction, R = self.outer.compress, topk(self.outer), self.replicas
         transform = self.outer.codec.transform
-        if self.outer.reduce == "gather":
+        if self.outer.codec.reduce == "gather":
             rows = self.flight.wait()  # [R, header + b] in replica order
             active, errors = _header(rows)
             if not any(active):
