@@ -54,7 +54,8 @@ def sharded_inner_s(
     each rank) for its forward and again for its backward, the root's once (FSDP2 keeps the root
     gathered from its forward to its backward); once per update, each unit's gradient reduce-scattered.
     Each collective is one unit's, so its latency counts per unit; 0 for n <= 1."""
-    per_microbatch = all_gather_s(root_bytes / n, n, link) + 2 * blocks * all_gather_s(block_bytes / n, n, link)
+    root, block = all_gather_s(root_bytes / n, n, link), all_gather_s(block_bytes / n, n, link)
+    per_microbatch = root + 2 * blocks * block
     once = reduce_scatter_s(root_bytes, n, link) + blocks * reduce_scatter_s(block_bytes, n, link)
     return max(int(microbatches), 1) * per_microbatch + once
 
