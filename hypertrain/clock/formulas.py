@@ -37,6 +37,29 @@ def all_gather_s(nbytes_each: float, n: int, link: Link) -> float:
     return (n - 1) * (link.latency + nbytes_each / link.bandwidth)
 
 
+def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
+    """A ring reduce-scatter of `nbytes` on each of `n` participants, each left with the sum of one nth:
+    n-1 steps of one message of nbytes/n, `(n-1)(alpha + nbytes/(n*beta))` (Thakur et al. 2005: the
+    first half of the ring all-reduce); 0 for n <= 1."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+
+
+def sharded_inner_s(
+    root_bytes: float, block_bytes: float, blocks: int, microbatches: int, n: int, link: Link
+) -> float:
+    """One update's collectives of a replica sharded over `n` ranks by FSDP2, one unit per block, then
+    the root (distributed/fsdp_engine.py): per microbatch, each block's weights all-gathered (1/n from
+    each rank) for its forward and again for its backward, the root's once (FSDP2 keeps the root
+    gathered from its forward to its backward); once per update, each unit's gradient reduce-scattered.
+    Each collective is one unit's, so its latency counts per unit; 0 for n <= 1."""
+    root, block = all_gather_s(root_bytes / n, n, link), all_gather_s(block_bytes / n, n, link)
+    per_microbatch = root + 2 * blocks * block
+    once = reduce_scatter_s(root_bytes, n, link) + blocks * reduce_scatter_s(block_bytes, n, link)
+    return max(int(microbatches), 1) * per_microbatch + once
+
+
 def all_to_all_s(nbytes_each: float, n: int, link: Link) -> float:
     """An all-to-all of one payload of `nbytes_each` cut into n shards: n-1 steps of one shard,
     `(n-1)(alpha + b/(n*beta))` (pairwise exchange, Thakur et al. 2005); 0 for n <= 1."""

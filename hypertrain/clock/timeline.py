@@ -8,9 +8,10 @@ replay (`replay.clock_of`) feeds it a finished run's rows: one arithmetic, so on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from hypertrain.clock.formulas import (
     Link,
@@ -19,9 +20,11 @@ from hypertrain.clock.formulas import (
     exposed_s,
     modelled_compute_s,
     ring_allreduce_s,
+    sharded_inner_s,
 )
 from hypertrain.codec_table import codec_entry
-from hypertrain.config import ClusterConfig, StragglerConfig, as_builtins
+from hypertrain.config import ClusterConfig, ModelConfig, StragglerConfig, as_builtins
+from hypertrain.model.shapes import count_params
 from hypertrain.records.rows import SyncRow, UpdateRow
 from hypertrain.schedule_table import BEFORE, schedule_entry
 
@@ -48,10 +51,18 @@ def replica_speeds(cluster: ClusterConfig, replicas: int) -> list[float]:
     return [float(v) for v in np.exp(cluster.speed_sigma * z)]
 
 
+def block_params(model: dict) -> int:
+    """The parameters of one layer block of a model (a resolved config's `model`): the model with one
+    layer less the model without layers (the layers are alike)."""
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+    return count_params(replace(cfg, n_layers=1)) - count_params(replace(cfg, n_layers=0))
+
+
 @dataclass(frozen=True)
 class Shape:
     """What of a run's config the clock reads: R, the L ranks of a replica, H, the fragments, their
-    delay and the outer exchange's scheme."""
+    delay and the outer exchange's scheme; with `processes.shard` (FSDP2 in a replica) its `blocks`
+    layer blocks of `block_params` parameters each (0 and 0 unsharded)."""
 
     replicas: int
     ranks_per_replica: int
@@ -62,11 +73,16 @@ class Shape:
     reduce: str
     overlap: str = "none"  # outer.overlap: a landing's reduction was taken at the fragment's last sync point
     schedule: str = BEFORE  # outer.schedule: its entry says if its clock orders arrivals (`Clock.arrival`)
+    blocks: int = 0  # processes.shard=true: the FSDP2 units besides the root (model.n_layers); 0 unsharded
+    block_params: int = 0  # the parameters of one of them
 
     @classmethod
     def of(cls, resolved: dict) -> Shape:
-        """From a resolved config as plain containers (config.yaml, or `dataclasses.asdict(cfg)`)."""
+        """From a resolved config as plain containers (config.yaml, or `dataclasses.asdict(cfg)`); a config
+        written before `processes.shard` is unsharded."""
         R, outer = int(resolved["replicas"]), resolved["outer"]
+        sharded = bool((resolved.get("processes") or {}).get("shard", False))
+        blocks = int(resolved["model"]["n_layers"]) if sharded else 0
         return cls(
             R,
             int(resolved["world"]["size"]) // R,
@@ -77,6 +93,8 @@ class Shape:
             str((outer.get("codec") or outer).get("reduce", "gather")),
             str(outer.get("overlap", "none")),
             str(outer.get("schedule", BEFORE)),
+            blocks,
+            block_params(resolved["model"]) if sharded else 0,
         )
 
     @property
@@ -107,6 +125,8 @@ class Clock:
         share = 1.0 if active_params is None else int(active_params) / self.run_params  # 1 when dense
         self.active = self.params * share
         self.intra, self.inter = Link.of(cluster.intra), Link.of(cluster.inter)
+        block = shape.block_params * self.scale  # a sharded replica's units, at the timed size
+        self.units = (self.params - shape.blocks * block, block)  # (the root: the rest, a block)
         self.total_s = self.compute_s = self.inner_s = self.outer_exposed_s = self.outer_hidden_s = 0.0
         self.since_compute_s = self.since_inner_s = 0.0  # since the previous landing
         self.recent: dict[int, float] = {}  # the compute seconds of the last H updates, by update count
@@ -116,7 +136,7 @@ class Clock:
 
     def update(self, row: UpdateRow) -> float:
         """An `update` row (`update`, `round`, `loss`, `tokens`, `rank_seconds`): its compute, then the
-        inner ring all-reduce of the fp32 gradient among a replica's L ranks. Replicas run on their own
+        communication among a replica's L ranks (`inner_seconds`). Replicas run on their own
         between syncs: each stepping replica's step (modelled from its tokens, or the slowest process's
         measured seconds) times its straggler factor over its speed (`replica_speeds`) adds to its seconds
         since the round's start, and the
@@ -138,7 +158,7 @@ class Clock:
             if did:
                 self.ahead[m] += seconds * float(factors[m]) / self.speeds[m]
         compute = max(self.ahead) - before
-        inner = ring_allreduce_s(FP32_BYTES * self.params, shape.ranks_per_replica, self.intra)
+        inner = self.inner_seconds(row)
         u = int(row.update)
         self.recent[u] = compute
         for old in [v for v in self.recent if v <= u - shape.H]:
@@ -149,6 +169,16 @@ class Clock:
         self.since_inner_s += inner
         self.total_s += compute + inner
         return self.total_s
+
+    def inner_seconds(self, row: UpdateRow) -> float:
+        """An update's communication inside a replica of L ranks over `intra`: the ring all-reduce of the
+        fp32 gradient; sharded (`Shape.blocks`), FSDP2's all-gathers per microbatch (the row's
+        `grad_accum`, 1 when it holds none) and reduce-scatters per unit (`formulas.sharded_inner_s`)."""
+        L = self.shape.ranks_per_replica
+        if not self.shape.blocks:
+            return ring_allreduce_s(FP32_BYTES * self.params, L, self.intra)
+        root, block = (FP32_BYTES * n for n in self.units)
+        return sharded_inner_s(root, block, self.shape.blocks, row.grad_accum or 1, L, self.intra)
 
     def sync(self, row: SyncRow) -> dict:
         """A `sync` row (`update`, `taken_at`, `params`, `comm_outer_bytes`, `payload_bytes`: what the
