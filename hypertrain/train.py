@@ -328,6 +328,12 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
                 except Preempted as e:
                     stopped(e, signals, run_dir)
                 except RankFailed as e:
+                    if failed_trial(e):  # rank 0's end row: the guard stopped it
+                        print(
+                            f"hypertrain: trial failed: {e.writer_error} ({run_dir}); the study goes on",
+                            file=sys.stderr,
+                        )
+                        return math.nan
                     refusal.fail(f"run failed: {e} ({run_dir})", code=e.exit_code)
         if not writer:
             return math.nan
@@ -354,17 +360,16 @@ def run_checked(checked: preflight.Checked, run_dir: Path, launched, writer: boo
 
 def failed_trial(failure: RunFailure) -> bool:
     """Whether the run is a trial of a sweeper that optimizes its value (hydra/sweeper=optuna) and
-    diverged (the guard, a non-finite number): the task function then returns NaN, which the study
-    records as a failed trial and goes on; the run directory ends `failed` as any failed run's does.
+    diverged (the guard, a non-finite number; under processes=dist the guard, as rank 0's end row says):
+    the task function then returns NaN, which the study records as a failed trial and goes on; the run
+    directory ends `failed` as any failed run's does.
     Anything else that fails a run (a full disk, a dead rank, W&B) still ends the sweep."""
     from hypertrain.launchers.sweepers import optimizing
 
     hydra_cfg = HydraConfig.get()
-    return (
-        isinstance(failure, Diverged | NonFiniteError)
-        and hydra_cfg.mode == RunMode.MULTIRUN
-        and optimizing(hydra_cfg.sweeper)
-    )
+    diverged = isinstance(failure, Diverged | NonFiniteError)
+    diverged = diverged or (isinstance(failure, RankFailed) and failure.diverged)  # processes=dist
+    return diverged and hydra_cfg.mode == RunMode.MULTIRUN and optimizing(hydra_cfg.sweeper)
 
 
 class engine_threads:

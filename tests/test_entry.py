@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CONF, HIDE_PLUGINS, QUICK, compose_train, entry
+from helpers import CONF, HIDE_PLUGINS, QUICK, compose_cfg, compose_train, entry
 from omegaconf import OmegaConf
 
 from hypertrain import plan
@@ -270,6 +270,23 @@ def test_the_slurm_launcher_presets_compose_for_a_plain_cpu_cluster():
         assert launcher._target_ == "hydra_plugins.hypertrain_slurm.slurm_launcher.SlurmLauncher"
         assert (launcher.gpus_per_node, launcher.gres, launcher.partition) == (None, None, None)
         assert launcher.tasks_per_node * launcher.nodes == tasks and launcher.max_num_timeout > 0
+
+
+def test_a_sharded_slurm_job_whose_tasks_make_another_layout_is_refused_before_submitting():
+    """processes.shard=true is built for the benchmark layout: a slurm_dist job whose tasks make the
+    replicas layout (2 tasks, world 4, 2 replicas) is refused by the sweep's preflight, before sbatch,
+    where each job's own preflight would fail on the cluster; with 4 tasks the same run passes."""
+    from hypertrain.launchers.slurm import check_job
+
+    cfg = compose_cfg([*QUICK, "processes=dist", "world=4", "replicas=2", "processes.shard=true"])
+    with pytest.raises(UserError) as refused:
+        check_job(cfg, 2)
+    assert str(refused.value) == (
+        "processes.shard=true needs the benchmark layout (processes = world.size = 4), but the job's 2 "
+        "SLURM tasks make the replicas layout; valid: hydra.launcher.nodes x tasks_per_node = 4, or "
+        "processes.shard=false"
+    )
+    check_job(cfg, 4)
 
 
 def test_a_typo_in_a_field_is_rejected_by_the_schema():

@@ -8,7 +8,8 @@ What each test proves, against an independent run of the same config on this mac
   sweep's (`<sweep>/<num>_w<W>_r<R>_h<H>/`, one W&B run per job, one group for the sweep);
 - one `hydra/launcher=slurm_dist` job of 2 tasks is one processes=dist run of 2 processes, ranks and
   rendezvous taken from SLURM's environment, equal to torchrun's run of 2 processes; task 1 creates
-  nothing;
+  nothing; the same job with `processes.shard=true` (nothing else to type) is a sharded run, equal to
+  torchrun's unsharded one bitwise (as tests/test_sharded.py proves the sharded layout at L = 2);
 - a job stopped by `scancel --signal=USR2` (submitit's warning; here a 2-task job, so both ranks must
   agree where to stop) or by `scontrol requeue` (SIGTERM) checkpoints, is requeued, resumes in the
   same job directory from its checkpoint (the default sweep directory, whose name holds a time, is
@@ -34,7 +35,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAULT_ENV, QUICK, assert_identical, assert_same_weights, finish, outcome, start_entry
+from helpers import (
+    FAULT_ENV,
+    QUICK,
+    assert_identical,
+    assert_identical_but,
+    assert_same_weights,
+    finish,
+    outcome,
+    start_entry,
+)
 from slurm_cluster import END_TIMEOUT_S, RPC_S, SCHED_INTERVAL_S, SLOWDOWN, STOP_CPU_S
 
 from hypertrain.rundir.checkpoint import SUPERSEDED_FILE
@@ -257,33 +267,56 @@ def test_a_slurm_sweep_equals_the_basic_launchers_sweep_job_for_job(cluster, tmp
 # -- one multi-task job: the tasks are the ranks -------------------------------------------------
 
 
+# The sweep's second job is the same run sharded (processes.shard=true: L = 2 ranks of its one replica),
+# submitted with nothing else changed. It must equal torchrun's unsharded run bitwise for the reason
+# tests/test_sharded.py gives for L = 2 (the same block code on the same gathered weights; the
+# reduce-scatter's sum of two terms exact in any order, the division by 2 exact; AdamW and the sync
+# elementwise). The bytes measured at the collectives are left out: FSDP2's collectives are not counted
+# (the sharded run measures its loss all-reduce alone) and one replica sends nothing across replicas.
+SHARD_SKIP = ("comm_measured_inner_bytes", "comm_measured_outer_bytes")
+# The two jobs each take both cores, so they run one after the other: the second waits for the
+# first's end and one more start.
+TWO_JOBS_S = SWEEP_TIMEOUT_S + STATE_TIMEOUT_S + JOB_START_S + JOB_CPU_S * SLOWDOWN
+
+
 def test_a_two_task_slurm_job_equals_torchrun_with_two_processes_exactly(cluster, tmp_path):
     dist = [*RUN, "processes=dist", "world=2", "replicas=1"]
     slurm_dir = tmp_path / "slurm"
     submitted = start_sweep(
-        [*dist, "hydra/launcher=slurm_dist", f"hydra.sweep.dir={slurm_dir}"], tmp_path, cluster
+        [*dist, "processes.shard=false,true", "hydra/launcher=slurm_dist", f"hydra.sweep.dir={slurm_dir}"],
+        tmp_path,
+        cluster,
     )
     torchrun = finish(start_entry([*dist, f"hydra.run.dir={tmp_path / 'torchrun'}"], tmp_path, torchrun=2))
-    done = wait_sweep(submitted, tmp_path, cluster)
+    done = wait_sweep(submitted, tmp_path, cluster, timeout=TWO_JOBS_S)
     assert done.returncode == 0, done.stderr[-3000:] + job_logs(tmp_path)
     assert torchrun.returncode == 0, torchrun.stderr
 
-    job = slurm_dir / "0_w2_r1_h3"
+    job, sharded = slurm_dir / "0_w2_r1_h3", slurm_dir / "1_w2_r1_h3"
     assert_identical(job, tmp_path / "torchrun")
-    rows = read_metrics(job / METRICS_FILE)
-    summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
-    assert summary["env/processes"] == 2 and summary["engine/layout"] == "benchmark"
-    assert "nproc: 2" in (job / "config.yaml").read_text()
+    assert_identical_but(sharded, tmp_path / "torchrun", skip=SHARD_SKIP)
+    for run_dir in (job, sharded):
+        rows = read_metrics(run_dir / METRICS_FILE)
+        summary = {k: v for r in rows if r["kind"] == "summary" for k, v in r.items()}
+        assert summary["env/processes"] == 2 and summary["engine/layout"] == "benchmark"
+        assert "nproc: 2" in (run_dir / "config.yaml").read_text()
+        assert ("memory/rank_weights_bytes" in summary) == (run_dir == sharded)  # a rank's shards' bytes
+    assert "shard: true" in (sharded / "config.yaml").read_text()
+    assert "engine=sharded replicas (FSDP2)" in (sharded / "train.log").read_text()
 
-    # One SLURM job of two tasks, srun's (no torchrun inside), each task one rank.
-    (job_id,) = submitit_jobs(slurm_dir)
-    assert wait_state(cluster, job_id, "COMPLETED").get("NumTasks") == "2"
-    folder = slurm_dir / ".submitit" / job_id
-    script = (folder / f"{job_id}_submission.sh").read_text()
+    # One SLURM job of two tasks per Hydra job (an array of two), srun's (no torchrun inside), each
+    # task one rank. The array's script is in the array's own folder, each job's logs in its own.
+    jobs = submitit_jobs(slurm_dir)
+    assert len(jobs) == 2, jobs
+    array = jobs[0].split("_")[0]
+    script = (slurm_dir / ".submitit" / array / f"{array}_submission.sh").read_text()
     assert "srun" in script and "torchrun" not in script
-    for task in (0, 1):
-        log = (folder / f"{job_id}_{task}_log.out").read_text()  # submitit's own lines
-        assert f"global_rank={task}(2)" in log, log[-2000:]
+    for job_id in jobs:
+        assert wait_state(cluster, job_id, "COMPLETED").get("NumTasks") == "2"
+        folder = slurm_dir / ".submitit" / job_id
+        for task in (0, 1):
+            log = (folder / f"{job_id}_{task}_log.out").read_text()  # submitit's own lines
+            assert f"global_rank={task}(2)" in log, log[-2000:]
     # Task 1 created nothing: the job directory holds what torchrun's rank 0 wrote, and nothing else
     # appeared in the working directory (its Hydra would have written .hydra/ and a log somewhere).
     assert {p.name for p in job.iterdir()} == {p.name for p in (tmp_path / "torchrun").iterdir()}

@@ -103,6 +103,43 @@ def test_an_optuna_study_tunes_the_outer_step_and_goes_on_past_a_diverging_trial
     assert results_again == results
 
 
+# The same under processes=dist (world 2: two self-launched ranks per trial), as cheap as it goes: two
+# trials, two updates of H 1. Seed 0 of the TPE sampler proposes lr 3000, then 0.7 (its first trials are
+# random); at 3000 the held-out loss after the first sync is far above the guard's ln 256 + 1 nats (the
+# study above: 300 already stops). Rank 0 ends the run's records `failed` on the guard's line, the
+# self-launching entry returns NaN for it, and the second trial runs and completes.
+DIST_STUDY = [
+    "-m",
+    *QUICK,
+    "logger=none",
+    "processes=dist",
+    "world=2",
+    "phase.updates=2",
+    "inner.H=1",
+    "hydra/sweeper=optuna",
+    "hydra.sweeper.n_trials=2",
+    "hydra.sweeper.sampler.seed=0",
+    "outer.lr=choice(0.7, 3000)",
+]
+
+
+@pytest.mark.slow
+def test_a_diverging_trial_of_a_processes_dist_study_fails_alone_and_the_study_goes_on(tmp_path):
+    sweep = tmp_path / "study"
+    done = entry([*DIST_STUDY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = yaml.safe_load((sweep / "trials.yaml").read_text())
+    assert [(t["number"], t["params"]["outer.lr"]) for t in trials] == [(0, 3000), (1, 0.7)]
+    diverged, went_on = trials
+    assert (diverged["state"], diverged["values"]) == ("failed", None)
+    end = read_records(sweep / diverged["run_dir"])[-1]
+    assert isinstance(end, EndRow) and end.status == "failed" and end.error.startswith("diverged: "), end
+    assert went_on["state"] == "complete"
+    assert went_on["values"] == [final_loss(sweep / went_on["run_dir"])]
+    failed = [line for line in stderr_lines(done.stderr) if line.startswith("hypertrain: trial failed: ")]
+    assert len(failed) == 1 and failed[0].startswith("hypertrain: trial failed: diverged: "), done.stderr
+
+
 # -- experiments/tuned_study.py ------------------------------------------------------------------------
 
 sys.path.insert(0, str(REPO / "experiments"))

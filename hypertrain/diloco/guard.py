@@ -10,7 +10,7 @@ import math
 from hypertrain.data.batches import is_multistream
 from hypertrain.diloco.rounds import Segment
 from hypertrain.diloco.state import PreparedRun
-from hypertrain.failures import Diverged, NonFiniteError
+from hypertrain.failures import DIVERGED_LINE, Diverged, NonFiniteError
 
 
 def uniform_loss(run: PreparedRun) -> tuple[float, str]:
@@ -44,7 +44,7 @@ def heldout_verdict(run: PreparedRun, eval_loss: float | None, after: str) -> tu
         uniform, how = uniform_loss(run)
         if eval_loss > uniform + guard.heldout_margin:
             return HELDOUT_ABOVE_UNIFORM, (
-                f"diverged: the held-out loss of the global weights after {after} is "
+                f"{DIVERGED_LINE}the held-out loss of the global weights after {after} is "
                 f"{eval_loss:.4f}, more than guard.heldout_margin={guard.heldout_margin:g} nats above the "
                 f"uniform prediction's {uniform:.4f} ({how}); the run stops"
             )
@@ -86,7 +86,7 @@ def pseudo_grad_verdict(
     if not guard.enabled or delta_norm <= guard.pseudo_grad_ratio * theta_norm:
         return 0, ""
     return PSEUDO_GRAD, (
-        f"diverged: the pseudo-gradient norm at {where} is {delta_norm:.4g}, more than "
+        f"{DIVERGED_LINE}the pseudo-gradient norm at {where} is {delta_norm:.4g}, more than "
         f"guard.pseudo_grad_ratio={guard.pseudo_grad_ratio:g} times the {weights} norm {theta_norm:.4g}; "
         "the run stops"
     )

@@ -21,6 +21,9 @@ class NonFiniteError(RunFailure):
     exit_code = 1
 
 
+DIVERGED_LINE = "diverged: "  # how the guard's Diverged line begins on rank 0 (diloco/guard.py)
+
+
 class Diverged(RunFailure):
     """The divergence guard (`guard.*`): at a sync, the held-out loss lies more than guard.heldout_margin
     above the uniform prediction's, or the pseudo-gradient's norm exceeds guard.pseudo_grad_ratio times
@@ -30,9 +33,16 @@ class Diverged(RunFailure):
 
 
 class RankFailed(RunFailure):
-    """processes=dist: a collective failed or timed out, as another rank died, hung or failed."""
+    """processes=dist: a collective failed or timed out, as another rank died, hung or failed.
+    `writer_error`: the self-launch's rank 0 end row's line, where it wrote one."""
 
     exit_code = 3
+    writer_error: str | None = None
+
+    @property
+    def diverged(self) -> bool:
+        """Whether rank 0 stopped the run on the divergence guard's verdict (its `Diverged` line)."""
+        return (self.writer_error or "").startswith(DIVERGED_LINE)
 
 
 class DiskFull(RunFailure):

@@ -331,6 +331,7 @@ def _ended(job: WorkerJob, since: int, failed: RankFailed | None, signum: int | 
     if failed is None:
         failed = RankFailed(f"rank 0 failed: {error}")
     failed.exit_code = code
+    failed.writer_error = error  # a sweeper's study tells a divergence by it (train.failed_trial)
     raise failed
 
 

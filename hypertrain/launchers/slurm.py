@@ -182,7 +182,8 @@ def job_tasks(launcher: DictConfig) -> int:
 
 def check_job(cfg: TrainConfig, tasks: int) -> None:
     """The run's config is valid, and a job of `tasks` > 1 SLURM tasks is one processes=dist run whose
-    processes are the tasks (processes.nproc 0 or the tasks; the tasks fit a layout)."""
+    processes are the tasks (processes.nproc 0 or the tasks; the tasks fit a layout, one that
+    processes.shard=true is built for)."""
     e = cfg.processes
     if tasks > 1 and e.name != "dist":
         raise UserError(
@@ -198,13 +199,19 @@ def check_job(cfg: TrainConfig, tasks: int) -> None:
     if tasks == 1:
         return
     try:
-        decide(cfg, processes=tasks)  # as each task's own preflight will, with the job's tasks as P
+        decided = decide(cfg, processes=tasks)  # as each task's own preflight will, the job's tasks as P
     except LayoutError as error:
         raise UserError(
             f"{str(error).split('; valid:')[0]} (the job's {tasks} SLURM tasks); valid: "
             f"world.size={tasks} (benchmark layout), or replicas a multiple of {tasks} (stacked), "
             "or hydra.launcher.tasks_per_node/nodes to match"
         ) from None
+    if e.shard and decided.layout.kind != "benchmark":  # validate took processes.nproc's layout
+        raise UserError(
+            f"processes.shard=true needs the benchmark layout (processes = world.size = {cfg.world.size}), "
+            f"but the job's {tasks} SLURM tasks make the {decided.layout.kind} layout; valid: "
+            f"hydra.launcher.nodes x tasks_per_node = {cfg.world.size}, or processes.shard=false"
+        )
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
