@@ -9,6 +9,7 @@ from a sharded run's checkpoint). Keys: `theta/NAME`, `outer_momentum/NAME`, `in
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,5 +105,7 @@ def load_whole(folder: Path, saved: dict) -> dict:
         key: torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in _wanted(folder, saved["replicas"]).items()
     }
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it reads in one process: it is asked to
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
     return _filled(saved, tensors)
