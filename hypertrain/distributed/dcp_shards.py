@@ -59,15 +59,12 @@ def save(folder: Path, state, groups) -> None:
     each, and rank 0 DCP's `.metadata`); a collective over every process."""
     import torch.distributed.checkpoint as dcp
 
-    from hypertrain.distributed.collectives import collective
-
     local = state.state_dict()
     tensors = {
         key: _as_dtensor(t.detach().contiguous(), groups.whole_shape(key.rsplit("/", 1)[1], t), groups.mesh)
         for key, t in _keys(local, local["replicas"]).items()
     }
-    with collective("the checkpoint's shards' write"):
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
 
 
 def _wanted(folder: Path, replicas: list[int]) -> dict:
@@ -84,7 +81,6 @@ def load_shards(folder: Path, saved: dict, groups) -> dict:
     read from `folder` (written at any L); a collective over every process."""
     import torch.distributed.checkpoint as dcp
 
-    from hypertrain.distributed.collectives import collective
     from hypertrain.distributed.fsdp_engine import shard_of
 
     tensors = {}
@@ -92,8 +88,7 @@ def load_shards(folder: Path, saved: dict, groups) -> dict:
         whole = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device="meta")
         local = torch.zeros_like(shard_of(whole, groups.local_rank, groups.L), device=groups.device)
         tensors[key] = _as_dtensor(local, tuple(meta.size), groups.mesh)
-    with collective("the checkpoint's shards' read"):
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder))
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder))
     return _filled(saved, {k: t.to_local() for k, t in tensors.items()})
 
 

@@ -94,7 +94,8 @@ class ShardedReplicaGroups(DistReplicaGroups):
 
     def checkpoint_shards(self, folder: Path, state) -> None:
         """Every rank writes its shards of `state` into `folder` with DCP (`dcp_shards.save`)."""
-        dcp_shards.save(folder, state, self)
+        with collective("the checkpoint's shards' write"):
+            dcp_shards.save(folder, state, self)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -113,7 +114,8 @@ class ShardedReplicaGroups(DistReplicaGroups):
         tensors cut here: the global weights, outer momentum, every replica's inner moments and mid-round
         weights."""
         if saved.get("shards_at") is not None:
-            return dcp_shards.load_shards(Path(saved["shards_at"]), saved, self)
+            with collective("the checkpoint's shards' read"):
+                return dcp_shards.load_shards(Path(saved["shards_at"]), saved, self)
         j, L = self.local_rank, self.L
 
         def cut(part: Params, axis: int = 0) -> Params:
