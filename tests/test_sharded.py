@@ -165,7 +165,7 @@ RESUMED = [
 SHARD_FILES = [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "run.pt"]
 
 
-@pytest.mark.slow  # four 4-process runs (one restarted) and one of 8, about 200 s on 2 cores
+@pytest.mark.slow  # four 4-process runs (one restarted) and one of 8: 229-283 s on 2 shared cores (load 13)
 def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_replica(tmp_path):
     """The sharded checkpoint is torch.distributed.checkpoint's folder, one shard file per rank
     (`ckpt-u0000003.dcp`). The killed run, restarted from its mid-round checkpoint, finishes bitwise the
