@@ -220,7 +220,7 @@ def load_weights(args: Args, model: ModelConfig, run_ids: set[str]) -> tuple[dic
         where = str(path)
     else:
         path = args.checkpoint
-        if not path.is_file():
+        if not checkpoint.is_checkpoint(path):
             raise UserError(
                 f"--checkpoint={path} is not a file; valid: a checkpoint of {args.run_dir} "
                 f"({args.run_dir / checkpoint.FOLDER}/ckpt-u*.pt)"
@@ -231,7 +231,12 @@ def load_weights(args: Args, model: ModelConfig, run_ids: set[str]) -> tuple[dic
                 f"--checkpoint={path} is of run {saved['run_id']}, not of {args.run_dir} "
                 f"({', '.join(sorted(run_ids))}); valid: a checkpoint of {args.run_dir}"
             )
-        theta = saved["state"]["theta"]
+        state = saved["state"]
+        if state.get("shards_at") is not None:  # a sharded run's folder: its tensors read whole
+            from hypertrain.distributed.dcp_shards import load_whole
+
+            state = load_whole(Path(state["shards_at"]), state)
+        theta = state["theta"]
         where = f"{path} (update {saved['state']['next_update']})"
     shapes = {name: tuple(t.shape) for name, t in theta.items()} if isinstance(theta, dict) else None
     if shapes != param_shapes(model):

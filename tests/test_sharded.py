@@ -22,8 +22,9 @@ averaged inner state. The first case also equals the simulation within test_dist
 simulation's own error against the float64 reference, or its floor), which is how layout (a) is proved
 equal to the simulation.
 
-Checkpoints: a sharded run killed mid-run resumes bitwise, sharded or not (its checkpoint holds whole
-tensors), and at another world.size (L = 4) within the simulation's bound.
+Checkpoints: a sharded run killed mid-round restarts bitwise from its DCP checkpoint (one shard file per
+rank), which also resumes unsharded bitwise, and at another world.size (L = 4) within the simulation's
+bound.
 
 Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
 """
@@ -38,6 +39,7 @@ from helpers import DIST, compose_cfg, entry, finish, rounding_floors, simulated
 from references import assert_losses_within_rounding, assert_within_rounding
 from test_dist import tail_offset
 
+from hypertrain.rundir import checkpoint
 from hypertrain.rundir.records import read_metrics
 
 SHARDED = [
@@ -148,45 +150,70 @@ def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None
         assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
 
 
-# Checkpoints: H 2, 6 updates, a checkpoint after every sync; rank 1 (replica 0's second shard) killed as
-# round 2 starts, after the checkpoint of update 2.
-RESUMED = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
+# Checkpoints: H 2, 6 updates, a checkpoint after every update (the mid-round ones hold the round's
+# weights too), all kept; rank 1 (replica 0's second shard) killed (SIGKILL) as the second half of round 2
+# starts, after the mid-round checkpoint of update 3; the run restarts its ranks itself (max_restarts).
+RESUMED = [
+    *SHARDED[:-3],
+    "inner.H=2",
+    "phase.updates=6",
+    "processes.timeout_s=5",
+    "checkpoint.every_updates=1",
+    "checkpoint.keep=10",
+    "processes.max_restarts=1",
+]
+SHARD_FILES = [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "run.pt"]
 
 
-@pytest.mark.slow  # four 4-process runs and one of 8, about 190 s on 2 cores
+@pytest.mark.slow  # four 4-process runs (one restarted) and one of 8: 229-283 s on 2 shared cores (load 13)
 def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_replica(tmp_path):
-    """The sharded checkpoint is today's single file (the shards gathered, whole tensors): resumed sharded
-    it finishes bitwise the uninterrupted sharded run; resumed unsharded (processes.shard=false, the same
-    file) too, since the two runs are bitwise equal (above).
+    """The sharded checkpoint is torch.distributed.checkpoint's folder, one shard file per rank
+    (`ckpt-u0000003.dcp`). The killed run, restarted from its mid-round checkpoint, finishes bitwise the
+    uninterrupted sharded run; that checkpoint resumed unsharded (processes.shard=false: its tensors read
+    whole) too, since the two runs are bitwise equal (above).
 
-    Resumed at world.size=8 (L = 4, R = 2: the checkpoint cut into four shards) it is not bitwise: the
-    sums of four ranks' terms are ordered differently by gloo's reduce-scatter (and the loss's one-number
-    all-reduce) than by layout (a)'s all-reduce of one long buffer (measured on a fresh W = 8 run: one
-    loss's last bit, weights within 6e-8). It equals the simulation within test_dist's bound, whose
-    argument holds for any L a power of two (the same count of roundings, in another order), over the
-    whole run: the two rounds before the checkpoint at L = 2, the one after at L = 4."""
+    Resumed at world.size=8 (L = 4, R = 2: DCP reads the shards written at L = 2 as four; the reshard
+    itself is bitwise, tests/test_sharded_checkpoint.py) it is not bitwise: the sums of four ranks' terms
+    are ordered differently by gloo's reduce-scatter (and the loss's one-number all-reduce) than by layout
+    (a)'s all-reduce of one long buffer (measured on a fresh W = 8 run: one loss's last bit, weights within
+    6e-8). It equals the simulation within test_dist's bound, whose argument holds for any L a power of
+    two (the same count of roundings, in another order), over the whole run: the updates before the
+    checkpoint at L = 2, the ones after at L = 4."""
     whole = start_entry([*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
     killed = entry(
-        [*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
+        [*RESUMED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"],
+        tmp_path,
+        fault="1:4:kill",
     )
-    assert killed.returncode == 3, killed.stderr[-2000:]
-    assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("*.pt")] == ["ckpt-u0000002.pt"]
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    mid = tmp_path / "k" / "checkpoints" / "ckpt-u0000003.dcp"
+    (restart,) = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if r["kind"] == "restart"]
+    assert restart["from"] == str(mid), restart
+    assert sorted(p.name for p in mid.iterdir()) == SHARD_FILES
+    assert checkpoint.load(mid)["state"]["round_params"] is not None  # mid-round: the round's weights
     shutil.copytree(tmp_path / "k", tmp_path / "u")
     shutil.copytree(tmp_path / "k", tmp_path / "r")
     assert finish(whole).returncode == 0
     expected = torch.load(tmp_path / "full" / "weights.pt")
-    for where, shard in (("k", "true"), ("u", "false")):
-        done = entry(
-            [*RESUMED, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", "resume=true"],
-            tmp_path,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        got = torch.load(tmp_path / where / "weights.pt")
-        assert all(torch.equal(got[n], expected[n]) for n in expected), where
+    got = torch.load(tmp_path / "k" / "weights.pt")
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    done = entry(
+        [
+            *RESUMED,
+            "processes.shard=false",
+            f"hydra.run.dir={tmp_path / 'u'}",
+            f"resume={tmp_path / 'u' / mid.relative_to(tmp_path / 'k')}",
+        ],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = torch.load(tmp_path / "u" / "weights.pt")
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
 
     eight = [x if x != "world=4" else "world=8" for x in RESUMED]
+    at = tmp_path / "r" / mid.relative_to(tmp_path / "k")
     resumed = start_entry(
-        [*eight, "processes.shard=true", f"hydra.run.dir={tmp_path / 'r'}", "resume=true"], tmp_path
+        [*eight, "processes.shard=true", f"hydra.run.dir={tmp_path / 'r'}", f"resume={at}"], tmp_path
     )
     cfg = compose_cfg(eight)
     simulated = simulated_beside(resumed, cfg)

@@ -55,6 +55,7 @@ class Collectives(Protocol):
     size: int  # P
     total_replicas: int  # R
     replicas: list[int]  # the replicas this process trains
+    checkpoints_by_shard: bool  # each process writes its shards of a checkpoint (sharded replicas)
 
     @property
     def is_writer(self) -> bool: ...
@@ -95,6 +96,8 @@ class Collectives(Protocol):
 
     def local_state(self, saved: dict) -> dict: ...
 
+    def checkpoint_shards(self, folder, state) -> None: ...
+
     def memory_facts(self, state) -> dict: ...
 
     def before_round(self, updates: range) -> None: ...
@@ -113,6 +116,7 @@ class ReplicaGroups:
     backend = "none"  # torch.distributed's backend (gloo, nccl) when there are several processes
     rank, size = 0, 1  # this process among the P processes
     engine = None  # the engine a layout imposes (sharded replicas: `distributed.fsdp_engine`), else None
+    checkpoints_by_shard = False  # sharded replicas: each rank writes its shards (`checkpoint_shards`)
 
     def __init__(self, replicas: int):
         self.total_replicas = replicas
@@ -203,8 +207,19 @@ class ReplicaGroups:
         return norm
 
     def local_state(self, saved: dict) -> dict:
-        """A checkpoint's run state (`RunState.state_dict`, whole tensors) as this process holds it."""
+        """A checkpoint's run state (`RunState.state_dict`) as this process holds it: whole tensors (a
+        sharded run's checkpoint, `checkpoint.load` left them in its folder, read whole here)."""
+        if saved.get("shards_at") is not None:
+            from pathlib import Path
+
+            from hypertrain.distributed.dcp_shards import load_whole
+
+            return load_whole(Path(saved["shards_at"]), saved)
         return saved
+
+    def checkpoint_shards(self, folder, state) -> None:
+        """Sharded replicas only (`checkpoints_by_shard`): write this process's shards into `folder`."""
+        raise NotImplementedError("a checkpoint of whole tensors is written by rank 0 alone")
 
     def memory_facts(self, state) -> dict:
         """The run summary's per-process bytes of the run state's tensors, where a layout reports them

@@ -7,17 +7,22 @@ The run's state (global weights, outer state, the replica's weights and inner st
 (`local_part`); the sync's sum is the all-reduce of this rank's shard over its cross-replica group (the R
 ranks holding the same shard), never gathered; the inner step is `distributed.fsdp_engine`'s. Only the
 held-out evaluation and weights.pt gather the global weights (`whole`); norms are taken over the shards
-(`norm_over_shards`). docs/distributed.md, "Sharded replicas".
+(`norm_over_shards`); a checkpoint's tensors are written and read as shards with
+torch.distributed.checkpoint (`checkpoint_shards`, `local_state`: `dcp_shards`). docs/distributed.md,
+"Sharded replicas".
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
+from hypertrain.distributed import dcp_shards
 from hypertrain.distributed.collectives import DistReplicaGroups, _all_gather, _Flight, collective
 from hypertrain.distributed.fsdp_engine import ShardedEngine, shard_of
 from hypertrain.distributed.groups import Done, InFlight
@@ -28,9 +33,12 @@ from hypertrain.model.transformer import Params
 class ShardedReplicaGroups(DistReplicaGroups):
     """The collectives of a sharded run (see the module docstring)."""
 
+    checkpoints_by_shard = True
+
     def __init__(self, layout: Layout, rank: int, device: torch.device, timeout_s: float):
         super().__init__(layout, rank, device, timeout_s)
         self.engine = ShardedEngine(self)  # the engine this layout imposes
+        self._mesh: DeviceMesh | None = None
 
     def local_part(self, theta: Params) -> Params:
         self._rows = {n: t.shape[0] for n, t in theta.items()}  # `whole` cuts the padding off with it
@@ -75,24 +83,39 @@ class ShardedReplicaGroups(DistReplicaGroups):
         )
 
     def gather_replicas(self, records: list) -> list | None:
-        """A checkpoint's replica records, each replica's inner moments and mid-round weights made whole
-        in its replica group first (the checkpoint is the unsharded run's, so any L loads it)."""
-        return super().gather_replicas([self._whole_record(r) for r in records])
+        """A checkpoint's replica records without the tensors each rank writes as its shards
+        (`checkpoint_shards`): the inner moments and mid-round weights, left empty (`{}`)."""
 
-    def _whole_record(self, record: dict) -> dict:
-        def whole(part: Params) -> Params:  # [1, shard...] -> [1, whole...], on the CPU
-            gathered = self.whole({n: t[0].to(self.device) for n, t in part.items()})
-            return {n: t.unsqueeze(0).cpu() for n, t in gathered.items()}
+        def light(record: dict) -> dict:
+            inner = dict(record["inner"], m={}, v={})
+            return dict(record, inner=inner, params=None if record["params"] is None else {})
 
-        inner = record["inner"]
-        out = dict(record, inner={**inner, "m": whole(inner["m"]), "v": whole(inner["v"])})
-        if record["params"] is not None:
-            out["params"] = whole(record["params"])
-        return out
+        return super().gather_replicas([light(r) for r in records])
+
+    def checkpoint_shards(self, folder: Path, state) -> None:
+        """Every rank writes its shards of `state` into `folder` with DCP (`dcp_shards.save`)."""
+        with collective("the checkpoint's shards' write"):
+            dcp_shards.save(folder, state, self)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The replica's ranks as a 1-D mesh: its checkpoint tensors are DTensors sharded over it."""
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.replica_group, self.device.type)
+        return self._mesh
+
+    def whole_shape(self, name: str, local: Tensor) -> tuple[int, ...]:
+        """The whole tensor's shape of which `local` (no replica axis) is this rank's shard."""
+        return (self._rows[name], *local.shape[1:])
 
     def local_state(self, saved: dict) -> dict:
-        """A whole checkpoint's state cut to this rank's shards: the global weights, outer momentum, every
-        replica's inner moments and mid-round weights (a sharded run's checkpoint, or an unsharded one's)."""
+        """A checkpoint's state cut to this rank's shards: a sharded run's (DCP) read as shards for this
+        run's L, whatever L wrote it (`dcp_shards.load_shards`); a single file's (an unsharded run's) whole
+        tensors cut here: the global weights, outer momentum, every replica's inner moments and mid-round
+        weights."""
+        if saved.get("shards_at") is not None:
+            with collective("the checkpoint's shards' read"):
+                return dcp_shards.load_shards(Path(saved["shards_at"]), saved, self)
         j, L = self.local_rank, self.L
 
         def cut(part: Params, axis: int = 0) -> Params:

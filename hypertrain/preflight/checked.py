@@ -147,7 +147,7 @@ def recheck(checked: Checked) -> None:
     run_dir = checked.run_dir
     if checked.resume is not None:
         path, saved = checked.resume
-        if not path.is_file():
+        if not checkpoint.is_checkpoint(path):
             raise UserError(f"checkpoint {path} is gone; valid: resume from a checkpoint that exists")
         checkpoint.records_match(run_dir, path, saved)
     elif checked.session:

@@ -237,7 +237,7 @@ def stop_here(
     if checkpointer.saved_at != state.next_update:
         checkpointer.save(state)
     groups.max_over_processes(0)  # the others wait until rank 0 has written it, then leave together
-    path = checkpoint.path_for(checkpointer.run_dir, state.next_update)
+    path = checkpoint.path_for(checkpointer.run_dir, state.next_update, groups.checkpoints_by_shard)
     raise signals.Preempted(f"stopped by {name} {where}; checkpoint {path}; resume=auto goes on", signum)
 
 

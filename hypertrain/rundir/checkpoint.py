@@ -2,7 +2,9 @@
 on resume.
 
 `Checkpointer` writes `run_dir/checkpoints/ckpt-u<next update>.pt` and beside it the sha256 of its
-bytes (`ckpt-u<next update>.pt.sha256`, in place before the checkpoint is); `load` checks it (torch's
+bytes (`ckpt-u<next update>.pt.sha256`, in place before the checkpoint is); a sharded run writes the
+folder `ckpt-u<next update>.dcp` instead, one shard file per rank (`checkpoint_folder`, with the digest
+of each file beside it). `load` checks the digests (torch's
 zip reader checks no CRC: a flipped byte loads silently), `find` gives the newest that loads and
 matches, `compatible` and `records_match` refuse (one line) a resume that does not belong to the run,
 and `rewind_metrics` cuts metrics.jsonl back to it. docs/resume.md has the contents and every rule.
@@ -22,22 +24,31 @@ from hypertrain.config import MAY_CHANGE, UserError, changed_fields, flatten, se
 from hypertrain.failures import fault_points
 from hypertrain.records import formats
 from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
+from hypertrain.rundir import checkpoint_folder
 from hypertrain.rundir.records import METRICS_FILE
 
 FORMAT = 1
 FOLDER = "checkpoints"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
-_NAME = re.compile(r"ckpt-u(\d+)\.pt$")
+_NAME = re.compile(r"ckpt-u(\d+)\.(pt|dcp)$")
 
 # what a sharded run may change on resume beside MAY_CHANGE: its world (hence L = world.size / replicas,
-# and the process count and layout derived from it); the checkpoint holds whole tensors, cut to any L
+# and the process count and layout derived from it); a single file's whole tensors are cut to any L, a
+# sharded run's DCP folder is read resharded to any L
 RESHARDED = ("world.size", "processes.nproc", "processes.layout")
 
 PLAN_KEYS = ("data/fingerprint", "plan/union_sha256", "plan/data_order_sha256")
 
 
-def path_for(run_dir: Path, next_update: int) -> Path:
-    return Path(run_dir) / FOLDER / f"ckpt-u{next_update:07d}.pt"
+def path_for(run_dir: Path, next_update: int, sharded: bool = False) -> Path:
+    """The checkpoint of `next_update`: a file, or (`sharded`: a sharded run's) a folder."""
+    return Path(run_dir) / FOLDER / f"ckpt-u{next_update:07d}.{'dcp' if sharded else 'pt'}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is one checkpoint: a file, or a sharded run's folder named as one."""
+    path = Path(path)
+    return path.is_file() or (path.is_dir() and _NAME.search(path.name) is not None)
 
 
 def digest_path(path: Path) -> Path:
@@ -98,13 +109,18 @@ def write(path: Path, payload: dict, keep: int, ours: list[str] | None = None) -
         os.fsync(folder)
     finally:
         os.close(folder)
+    prune(path, keep, ours)
+    return path.stat().st_size, time.perf_counter() - start
+
+
+def prune(path: Path, keep: int, ours: list[str] | None) -> None:
+    """Keep the newest `keep` checkpoints beside `path` (just written); with `ours` only those named."""
     if ours is not None and path.name not in ours:
         ours.append(path.name)
     for old in checkpoints(path.parent.parent)[:-keep]:
         if ours is None or old.name in ours:
-            old.unlink(missing_ok=True)
+            checkpoint_folder.remove(old)
             digest_path(old).unlink(missing_ok=True)
-    return path.stat().st_size, time.perf_counter() - start
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -116,7 +132,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
             f"{folder} is not a folder, so the run cannot keep its checkpoints there; valid: that file "
             "moved away (a run's checkpoints/ is a folder it makes)"
         )
-    found = [p for p in folder.glob("ckpt-u*.pt") if _NAME.search(p.name)] if folder.is_dir() else []
+    found = [p for p in folder.glob("ckpt-u*") if _NAME.search(p.name)] if folder.is_dir() else []
     return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
 
 
@@ -127,9 +143,12 @@ def load(path: Path, weights_only: bool = False) -> dict:
     (`records.formats.upgrade_checkpoint`); one of a newer schema is refused (`formats.NewerSchema`).
     `weights_only`: torch's safe unpickler (tensors, containers and numbers only: a reader such as
     `python -m hypertrain.sample` runs no code a file names)."""
-    import torch  # only to read one: a refusal made from the config alone never imports it
-
     digest = digest_path(path)
+    if path.is_dir():  # a sharded run's: its tensors stay in the folder (`shards_at`), read as shards
+        checkpoint_folder.verify(path)
+        saved = _payload(path, path / checkpoint_folder.STATE_FILE, weights_only)
+        saved["state"]["shards_at"] = str(path)
+        return saved
     if digest.is_file():
         want, got = digest.read_text().strip(), _sha256(path)
         if got != want:
@@ -137,15 +156,7 @@ def load(path: Path, weights_only: bool = False) -> dict:
                 f"checkpoint {path} is not the one that was written (its sha256 {got[:16]}... differs "
                 f"from {digest.name}'s {want[:16]}...); valid: a checkpoint whose bytes match its digest"
             )
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
-        raise UserError(
-            f"checkpoint {path} cannot be read ({type(e).__name__}); valid: a whole checkpoint"
-        ) from None
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise UserError(f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint")
-    saved = formats.upgrade_checkpoint(saved, f"checkpoint {path}")
+    saved = _payload(path, path, weights_only)
     if saved["sealed"] and not digest.is_file():
         raise UserError(
             f"checkpoint {path} was written with a digest, and {digest.name} is missing; valid: a "
@@ -154,11 +165,26 @@ def load(path: Path, weights_only: bool = False) -> dict:
     return saved
 
 
+def _payload(path: Path, file: Path, weights_only: bool) -> dict:
+    """Checkpoint `path`'s payload read from `file` (itself, or a folder's run.pt), in today's form."""
+    import torch  # only to read one: a refusal made from the config alone never imports it
+
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # truncated zip, not a torch file, unreadable: all mean "not usable"
+        raise UserError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}); valid: a whole checkpoint"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise UserError(f"{path} is not a hypertrain checkpoint (format {FORMAT}); valid: a whole checkpoint")
+    return formats.upgrade_checkpoint(saved, f"checkpoint {path}")
+
+
 def find(path: Path) -> tuple[Path, dict] | None:
     """The checkpoint `path` names (a file), or the newest usable one of the run directory `path`;
     None when the directory has none. A corrupt newest one falls back to the one before, warning."""
     path = Path(path)
-    if path.is_file():
+    if is_checkpoint(path):
         return path, load(path)
     found = checkpoints(path)
     unreadable: UserError | None = None  # the newest one that did not load
@@ -264,31 +290,33 @@ class Checkpointer:
             self.save(state)
 
     def save(self, state) -> Path | None:
-        """Write a checkpoint of `state` now (every process calls it); its path on the writer."""
-        mid = state.mid_round
+        """Write a checkpoint of `state` now (every process calls it); its path on the writer. A sharded
+        run's tensors are written by every rank as its shards (DCP), the rest by the writer; otherwise
+        the writer gathers the replicas' states and writes one file."""
+        mid, sharded = state.mid_round, self.groups.checkpoints_by_shard
         every = self.groups.gather_replicas([_on_cpu(r) for r in state.replica_records()])
-        # sharded replicas: the whole global weights and outer momentum (every process takes part)
-        weights, momentum = self.groups.whole(state.theta), self.groups.whole(state.outer.momentum)
+        path = path_for(self.run_dir, state.next_update, sharded)
+        if sharded:
+            start = time.perf_counter()
+            if self.groups.is_writer:
+                checkpoint_folder.prepare(path)
+            self.groups.max_over_processes(0)  # the folder is there before any rank writes into it
+            self.groups.checkpoint_shards(checkpoint_folder.temporary(path), state)
+        else:  # the whole global weights and outer momentum
+            weights, momentum = self.groups.whole(state.theta), self.groups.whole(state.outer.momentum)
         self.saved_at = state.next_update
         if not self.groups.is_writer:
             return None
         saved = state.state_dict(every)
-        saved["theta"], saved["outer_momentum"] = weights, momentum
+        saved["theta"], saved["outer_momentum"] = ({}, {}) if sharded else (weights, momentum)
         saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
-        payload = {
-            "format": FORMAT,
-            formats.VERSION_KEY: formats.SCHEMA_VERSION,
-            "sealed": True,  # its digest is written beside it: one missing is refused (`load`)
-            "state": saved,
-            "config": self.resolved,
-            "plan": self.plan,
-            "metrics_bytes": self.log.position(),
-            "metrics_sha256": self.log.digest(),
-            "run_id": self.log.run_id,
-            "wandb_run_id": self.log.wandb_run_id,
-        }
-        path = path_for(self.run_dir, state.next_update)
-        size, seconds = write(path, payload, self.keep, self.ours)
+        payload = self._payload(saved)
+        if sharded:
+            size = checkpoint_folder.finish(path, lambda file: _save_synced(payload, file), _fault(payload))
+            prune(path, self.keep, self.ours)
+            seconds = time.perf_counter() - start
+        else:
+            size, seconds = write(path, payload, self.keep, self.ours)
         self.log.write(
             CheckpointRow(
                 update=state.next_update,
@@ -301,19 +329,48 @@ class Checkpointer:
         )
         return path
 
+    def _payload(self, saved: dict) -> dict:
+        return {
+            "format": FORMAT,
+            formats.VERSION_KEY: formats.SCHEMA_VERSION,
+            "sealed": True,  # its digest is written beside it: one missing is refused (`load`)
+            "state": saved,
+            "config": self.resolved,
+            "plan": self.plan,
+            "metrics_bytes": self.log.position(),
+            "metrics_sha256": self.log.digest(),
+            "run_id": self.log.run_id,
+            "wandb_run_id": self.log.wandb_run_id,
+        }
+
+
+def _save_synced(payload: dict, file: Path) -> None:
+    import torch
+
+    with open(file, "wb") as out:
+        torch.save(payload, out)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _fault(payload: dict):
+    """Tests only: the fault point between a checkpoint's digest and its rename (`write`'s)."""
+    update = payload["state"]["next_update"]
+    return lambda: fault_points.act(0, "checkpoint", range(update - 1, update))
+
 
 def drop_later(run_dir: Path, next_update: int) -> list[Path]:
     """Remove the run's checkpoints past `next_update`: resuming from an earlier one abandons them
     (their records are superseded), and they must never be found as the newest again; and the
-    temporary file of a write that a kill cut short (`write` renames a whole one into place)."""
+    temporary file or folder of a write that a kill cut short (a whole one is renamed into place)."""
     later = [p for p in checkpoints(run_dir) if int(_NAME.search(p.name).group(1)) > next_update]
     folder = Path(run_dir) / FOLDER
-    cut_short = sorted(folder.glob("ckpt-u*.tmp")) if folder.is_dir() else []
+    cut_short = sorted(folder.glob("ckpt-u*.tmp")) if folder.is_dir() else []  # a file or a folder
     for path in later + cut_short:
-        path.unlink(missing_ok=True)
+        checkpoint_folder.remove(path)
         digest_path(path).unlink(missing_ok=True)
     kept = {p.name for p in checkpoints(run_dir)}
-    for digest in sorted(folder.glob("ckpt-u*.pt.sha256")) if folder.is_dir() else []:
+    for digest in sorted(folder.glob("ckpt-u*.sha256")) if folder.is_dir() else []:
         if digest.name.removesuffix(".sha256") not in kept:  # a kill between the digest and its checkpoint
             digest.unlink()
     return later

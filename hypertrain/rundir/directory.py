@@ -400,7 +400,7 @@ def resume_target(asked: ResumeRequest, run_dir: Path) -> tuple[Path, tuple[Path
             )
         return run_dir, found
     path = asked.path
-    if path.is_file():
+    if checkpoint.is_checkpoint(path):  # a file, or a sharded run's folder
         check_checkpoint_place(asked.given, path)
         return path.parent.parent, (path, checkpoint.load(path))
     found = checkpoint.find(path) if path.is_dir() else None
