@@ -1,13 +1,13 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, codecs, overlap, async, churn, models other than the own decoder, compiled
-steps, checkpoints of a reduction in flight or of a torch outer optimizer), naming the option and what
-is valid. No torch here.
+(the replicas layout, codecs other than the quantizers, outer.tile and outer.transform, overlap, async,
+churn, models other than the own decoder, compiled steps, checkpoints of a reduction in flight or of a
+torch outer optimizer), naming the option and what is valid. No torch here.
 """
 
 from __future__ import annotations
 
-from hypertrain.codec_table import codec_entry
+from hypertrain.codec_table import ELEMENTWISE, TABLE, codec_entry
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import Layout
 from hypertrain.model.spec import model_spec
@@ -32,10 +32,23 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             "nothing (one rank per replica); valid: world.size a multiple of replicas above it, or "
             "processes.shard=false"
         )
-    outer, spec = cfg.outer, model_spec(cfg.model)
+    outer, spec, codec = cfg.outer, model_spec(cfg.model), codec_entry(cfg.outer.compress)
     checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.every_updates > 0
+    quantizers = ", ".join(name for name, entry in TABLE.items() if entry.scope == ELEMENTWISE)
+    quantizers = f"outer.compress=none or a quantizer ({quantizers})"
     refused = [
-        (not codec_entry(outer.compress).lossless, f"outer.compress={outer.compress}", "outer.compress=none"),
+        (
+            not (codec.lossless or codec.scope == ELEMENTWISE),
+            f"outer.compress={outer.compress} (a {codec.scope} codec: its blocks or tensors are not cut "
+            "on shards)",
+            quantizers,
+        ),
+        (codec.blocks and outer.tile > 0, f"outer.tile={outer.tile}", "outer.tile=0"),
+        (
+            codec.blocks and outer.transform != "none",
+            f"outer.transform={outer.transform}",
+            "outer.transform=none",
+        ),
         (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
         (schedule_entry(outer.schedule).server, f"outer.schedule={outer.schedule}", "outer.schedule=rounds"),
         (cfg.churn.enabled, "churn", "churn.enabled=false"),

@@ -75,8 +75,9 @@ class ShardedReplicaGroups(DistReplicaGroups):
         )
 
     def gather_replicas(self, records: list) -> list | None:
-        """A checkpoint's replica records, each replica's inner moments and mid-round weights made whole
-        in its replica group first (the checkpoint is the unsharded run's, so any L loads it)."""
+        """A checkpoint's replica records, each replica's inner moments, mid-round weights and
+        error-feedback buffers made whole in its replica group first (the checkpoint is the unsharded
+        run's, so any L loads it)."""
         return super().gather_replicas([self._whole_record(r) for r in records])
 
     def _whole_record(self, record: dict) -> dict:
@@ -86,13 +87,16 @@ class ShardedReplicaGroups(DistReplicaGroups):
 
         inner = record["inner"]
         out = dict(record, inner={**inner, "m": whole(inner["m"]), "v": whole(inner["v"])})
+        if record["errors"] is not None:  # error feedback's buffers, per shard like the moments
+            out["errors"] = whole(record["errors"])
         if record["params"] is not None:
             out["params"] = whole(record["params"])
         return out
 
     def local_state(self, saved: dict) -> dict:
         """A whole checkpoint's state cut to this rank's shards: the global weights, outer momentum, every
-        replica's inner moments and mid-round weights (a sharded run's checkpoint, or an unsharded one's)."""
+        replica's inner moments, mid-round weights and error-feedback buffers (a sharded run's checkpoint,
+        or an unsharded one's)."""
         j, L = self.local_rank, self.L
 
         def cut(part: Params, axis: int = 0) -> Params:
@@ -101,13 +105,14 @@ class ShardedReplicaGroups(DistReplicaGroups):
             return {n: shard_of(t[0], j, L).unsqueeze(0) for n, t in part.items()}
 
         inner = [{**x, "m": cut(x["m"], 1), "v": cut(x["v"], 1)} for x in saved["inner"]]
-        rounds = saved["round_params"]
+        rounds, errors = saved["round_params"], saved["errors"]
         return dict(
             saved,
             theta=cut(saved["theta"]),
             outer_momentum=cut(saved["outer_momentum"]),
             inner=inner,
             round_params=None if rounds is None else [cut(p, 1) for p in rounds],
+            errors=None if errors is None else [cut(e, 1) for e in errors],
         )
 
     def memory_facts(self, state) -> dict:
