@@ -38,6 +38,7 @@ from helpers import DIST, compose_cfg, entry, finish, rounding_floors, simulated
 from references import assert_losses_within_rounding, assert_within_rounding
 from test_dist import tail_offset
 
+from hypertrain.rundir import checkpoint
 from hypertrain.rundir.records import read_metrics
 
 SHARDED = [
@@ -148,6 +149,56 @@ def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None
         assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
 
 
+# int8 with error feedback: the tail config, 4 updates (2 syncs), a checkpoint after each. The norms (32
+# values: one int8 block of the 128-value width) are cut 16 + 16 at L = 2, so both ranks gather them and
+# encode the straddling block; every matrix's shard boundary (512, 1536, 4096 values) is a block's.
+INT8 = [
+    *SHARDED[:-2],
+    "phase.updates=4",
+    "checkpoint.every=1",
+    "outer.compress=int8",
+    "outer.error_feedback=true",
+]
+
+
+@pytest.mark.slow  # two 4-process runs side by side, about 60 s on 2 cores (measured)
+def test_a_sharded_run_with_int8_and_error_feedback_equals_the_unsharded_run_bitwise(tmp_path):
+    """Bitwise, as the fp32 case above, because every int8 block holds the same values in both runs: a
+    shard boundary on a block boundary leaves the block whole in one shard, and a block it cuts is
+    encoded whole from the gathered tensor by each rank holding part of it (the same kernel on the same
+    values, the same scale and codes); the decoded values, the error feedback e <- x - d and the mean
+    over the replicas (summed per element in replica order, across the cross-replica group) are then
+    elementwise, the same operations on the same numbers. The compression error's two norms are
+    summed over the shards (a float64 reordering, rounded to fp32), hence approx at fp32's 2^-23.
+    The checkpoints hold the error-feedback buffers whole (gathered from the shards): equal to the
+    unsharded run's bitwise, and not zero (they are used)."""
+    overrides = [*INT8, tail_offset(INT8, 1)]
+    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
+    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
+    for proc in (sharded, whole):
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, syncs, weights = _records(tmp_path / "s")
+    w_losses, w_evals, w_syncs, w_weights = _records(tmp_path / "w")
+    assert losses == w_losses and evals == w_evals
+    assert all(torch.equal(weights[n], w_weights[n]) for n in w_weights) and set(weights) == set(w_weights)
+    assert len(syncs) == 2
+    for mine, theirs in zip(syncs, w_syncs, strict=True):
+        assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=1e-12)
+        assert mine["compress_error"] == pytest.approx(theirs["compress_error"], rel=2**-23)
+        # the replica's ranks send the straddling blocks twice: more bytes, at most a block per tensor
+        extra = mine["payload_bytes"] - theirs["payload_bytes"]
+        assert 0 < extra <= len(w_weights) * (4 + 128), extra
+    (s_last,) = checkpoint.checkpoints(tmp_path / "s")[-1:]
+    (w_last,) = checkpoint.checkpoints(tmp_path / "w")[-1:]
+    assert s_last.name == w_last.name == "ckpt-u0000004.pt"
+    mine, theirs = (checkpoint.load(p)["state"]["errors"] for p in (s_last, w_last))
+    for m, (e, w_e) in enumerate(zip(mine, theirs, strict=True)):
+        assert set(e) == set(w_e)
+        assert all(torch.equal(e[n], w_e[n]) for n in w_e), m
+        assert any(bool(w_e[n].any()) for n in w_e)
+
+
 # Checkpoints: H 2, 6 updates, a checkpoint after every sync; rank 1 (replica 0's second shard) killed as
 # round 2 starts, after the checkpoint of update 2.
 RESUMED = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
@@ -200,7 +251,7 @@ def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_rep
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["outer.compress=int8"], "outer.compress=int8 is not built with processes.shard=true"),
+        (["outer.compress=topk"], "outer.compress=topk (a blockwise codec"),
         (["churn.p_miss=0.1"], "churn is not built with processes.shard=true"),
         (
             ["outer.fragments=2", "outer.delay=1", "inner.H=4", "phase.updates=4", "checkpoint.every=1"],
