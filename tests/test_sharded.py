@@ -149,11 +149,13 @@ def assert_equals_the_simulation(cfg, simulated, losses, evals, weights) -> None
         assert_within_rounding(weights[n], sim_theta[n], t, weight_floor * float(t.norm()), n)
 
 
-# int8 with error feedback: the tail config, 4 updates (2 syncs), a checkpoint after each. The norms (32
-# values: one int8 block of the 128-value width) are cut 16 + 16 at L = 2, so both ranks gather them and
-# encode the straddling block; every matrix's shard boundary (512, 1536, 4096 values) is a block's.
-INT8 = [
+# A Hugging Face Llama (model=hf_llama_tiny: d 64, 2 layers, SwiGLU 176) with int8 and error feedback: the
+# tail config, 4 updates (2 syncs), a checkpoint after each. Its norms (64 values: one int8 block of the
+# 128-value width) are cut 32 + 32 at L = 2, so both ranks gather them and encode the straddling block;
+# every matrix's shard boundary (2048, 5632, 8192 values) is a block's. One case for both (the budget).
+HF_INT8 = [
     *SHARDED[:-2],
+    "model=hf_llama_tiny",
     "phase.updates=4",
     "checkpoint.every=1",
     "outer.compress=int8",
@@ -162,17 +164,20 @@ INT8 = [
 
 
 @pytest.mark.slow  # two 4-process runs side by side, about 60 s on 2 cores (measured)
-def test_a_sharded_run_with_int8_and_error_feedback_equals_the_unsharded_run_bitwise(tmp_path):
-    """Bitwise, as the fp32 case above, because every int8 block holds the same values in both runs: a
-    shard boundary on a block boundary leaves the block whole in one shard, and a block it cuts is
-    encoded whole from the gathered tensor by each rank holding part of it (the same kernel on the same
-    values, the same scale and codes); the decoded values, the error feedback e <- x - d and the mean
-    over the replicas (summed per element in replica order, across the cross-replica group) are then
-    elementwise, the same operations on the same numbers. The compression error's two norms are
-    summed over the shards (a float64 reordering, rounded to fp32), hence approx at fp32's 2^-23.
-    The checkpoints hold the error-feedback buffers whole (gathered from the shards): equal to the
-    unsharded run's bitwise, and not zero (they are used)."""
-    overrides = [*INT8, tail_offset(INT8, 1)]
+def test_a_sharded_hf_llama_with_int8_and_error_feedback_equals_the_unsharded_run_bitwise(tmp_path):
+    """The Llama sharded per decoder layer then the root: its forward and backward are the module's own
+    code on the same all-gathered weights (`hf.logits` calls the same module with the same weights
+    unsharded), the rest as for the own decoder above (the same reduce-scatter of two terms at L = 2).
+    int8 stays bitwise because every block holds the same values in both runs: a shard boundary on a
+    block boundary leaves the block whole in one shard, and a block it cuts is encoded whole from the
+    gathered tensor by each rank holding part of it (the same kernel on the same values: the same scale
+    and codes); the decoded values, the error feedback e <- x - d and the mean over the replicas (summed
+    per element in replica order, over the cross-replica group) are elementwise, the same operations on
+    the same numbers. The compression error's two norms are summed over the shards (a float64
+    reordering, then rounded to fp32), hence approx at fp32's 2^-23. The checkpoints hold the
+    error-feedback buffers whole (gathered from the shards): equal to the unsharded run's bitwise, and
+    not zero (they are used)."""
+    overrides = [*HF_INT8, tail_offset(HF_INT8, 1)]
     sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
     whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
     for proc in (sharded, whole):

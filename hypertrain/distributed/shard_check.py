@@ -52,8 +52,17 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
         (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
         (schedule_entry(outer.schedule).server, f"outer.schedule={outer.schedule}", "outer.schedule=rounds"),
         (cfg.churn.enabled, "churn", "churn.enabled=false"),
-        (not spec.shardable, f"model {cfg.model.name} ({spec.kind})", "the own decoder (model=tiny ...)"),
+        (
+            not spec.shardable,
+            f"model {cfg.model.name} ({spec.kind})",
+            "the own decoder (model=tiny ...) or model=hf",
+        ),
         (cfg.engine.compile, "engine.compile=true", "engine.compile=false"),
+        (
+            spec.module and cfg.model.compute_dtype == "bf16",
+            f"model {cfg.model.name} with model.compute_dtype=bf16",
+            "model.compute_dtype=fp32",
+        ),
         (
             checkpoints and outer.delay > 0,
             f"a checkpoint with outer.delay={outer.delay} (a reduction in flight on the shards)",
