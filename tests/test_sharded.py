@@ -271,3 +271,52 @@ def test_what_sharding_does_not_build_is_one_line(tmp_path, extra, says):
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"hypertrain: error: {says}"), line
     assert list(tmp_path.iterdir()) == []
+
+
+class _ReplicaOf:
+    """The replica group's gather (`groups.whole`) in one process: the whole tensors, known here."""
+
+    def __init__(self, whole):
+        self.whole_tensors = whole
+
+    def whole(self, part):
+        return {n: self.whole_tensors[n] for n in part}
+
+
+@pytest.mark.slow  # in-process, well under a second
+@pytest.mark.parametrize("L", [2, 3, 4])
+@pytest.mark.parametrize("codec", ["int8", "fp4_e2m1", "uint8"])
+def test_a_shards_window_decodes_to_its_values_of_the_whole_tensors_encoding_bitwise(L, codec):
+    """Each rank's window (the whole blocks its FSDP2 shard touches) encoded alone and decoded gives, on
+    the rank's own values, the bits of the whole vector's encoding: every block is the same block. The
+    shapes mix cuts on block boundaries, cuts inside a block (a 64-value norm, 33 rows of 8), rows that
+    do not divide by L, an empty last shard (2 rows at L = 3, 4) and a tensor smaller than a block."""
+    from hypertrain.codecs import kernels
+    from hypertrain.codecs.tiles import blocks_and_order
+    from hypertrain.diloco.exchange.shard_windows import Windows
+    from hypertrain.distributed.fsdp_engine import shard_of
+
+    shapes = {"a": (64,), "b": (33, 8), "c": (256, 32), "d": (2, 5), "e": (96, 16)}
+    gen = torch.Generator().manual_seed(0)
+    whole = {n: torch.randn(s, generator=gen) * (1 + i) for i, (n, s) in enumerate(shapes.items())}
+    blocks, _ = blocks_and_order(list(shapes.values()), 128, 0)
+    flat = torch.cat([t.reshape(-1) for t in whole.values()])[None]
+    expected = kernels.decode(codec, kernels.encode(codec, flat, blocks), blocks)[0]
+    expected = dict(zip(shapes, expected.split([t.numel() for t in whole.values()]), strict=True))
+    groups, straddled = _ReplicaOf(whole), set()
+    for j in range(L):
+        windows = Windows.of(shapes, blocks.block, j, L)
+        own = {n: shard_of(t, j, L) for n, t in whole.items()}  # FSDP2's cut, as the run holds it
+        x = torch.cat([t.reshape(-1) for t in own.values()])[None]
+        wide = windows.widen(x, groups)
+        got = windows.own(kernels.decode(codec, kernels.encode(codec, wide, windows.blocks), windows.blocks))[
+            0
+        ]
+        mine = dict(zip(shapes, got.split([t.numel() for t in own.values()]), strict=True))
+        for n, t in own.items():
+            want = shard_of(expected[n].view(shapes[n]), j, L)
+            assert torch.equal(mine[n].view(t.shape), want), (n, j)
+        straddled |= windows.gathered
+    # 64 = 32 + 32 inside one block at L = 2; c's cuts (every 8192 / L values) on boundaries at L = 2, 4,
+    # and at L = 3 after 86 rows (2752 values, inside block 22)
+    assert "a" in straddled and ("c" in straddled) == (L == 3)
