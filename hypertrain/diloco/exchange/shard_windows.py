@@ -124,7 +124,7 @@ class OwnPart:
         if done is None:
             return None
         b, mine = self.windows.payload_bytes(self.outer), self.reduction.b
-        sent = done.sent_bytes * b // mine if mine else 0  # the formulas are linear in the payload's bytes
+        sent = round(done.sent_bytes * b / mine) if mine else 0  # (R - 1) b, or 2 (R - 1) / R b
         mean = self.windows.own(done.mean[None])[0]
         return Reduced(mean, done.synced, sent, b, done.compress_error)
 
