@@ -273,6 +273,30 @@ def test_what_sharding_does_not_build_is_one_line(tmp_path, extra, says):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.soak  # a further case of the kill family above: four 4-process runs, 137 s on 2 loaded cores
+@pytest.mark.slow
+def test_a_killed_sharded_run_with_int8_error_feedback_resumes_bitwise_sharded_or_not(tmp_path):
+    """The error-feedback buffers are per shard: the checkpoint holds them whole (gathered as the inner
+    moments are) and each rank cuts its shards out again on resume, so the resumed run, sharded or not
+    (the unsharded run is bitwise the sharded one, above), finishes bitwise the uninterrupted one."""
+    codec = [*RESUMED, "outer.compress=int8", "outer.error_feedback=true"]
+    whole = start_entry([*codec, "processes.shard=true", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
+    killed = entry(
+        [*codec, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
+    )
+    assert killed.returncode == 3, killed.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("*.pt")] == ["ckpt-u0000002.pt"]
+    shutil.copytree(tmp_path / "k", tmp_path / "u")
+    assert finish(whole).returncode == 0
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    for where, shard in (("k", "true"), ("u", "false")):
+        args = [*codec, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", "resume=true"]
+        done = entry(args, tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = torch.load(tmp_path / where / "weights.pt")
+        assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+
 class _ReplicaOf:
     """The replica group's gather (`groups.whole`) in one process: the whole tensors, known here."""
 
