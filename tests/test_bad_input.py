@@ -1235,6 +1235,19 @@ CASES = {
         "outer.tile=8 is not built with processes.shard=true",
         "outer.tile=0, or processes.shard=false",
     ),
+    "shard-with-hf-bf16": Case(
+        "sharded replicas (processes.shard=true) of a Hugging Face model in bf16",
+        [
+            "processes=dist",
+            "processes.shard=true",
+            "world.size=4",
+            "replicas=2",
+            "model=hf_llama_tiny",
+            "model.compute_dtype=bf16",
+        ],
+        "model hf_llama_tiny with model.compute_dtype=bf16 is not built with processes.shard=true",
+        "model.compute_dtype=fp32, or processes.shard=false",
+    ),
     "cuda-on-a-cpu-build": Case(
         "a CUDA device on a machine or torch build without one",
         ["engine.device=cuda"],
