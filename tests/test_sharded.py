@@ -39,6 +39,7 @@ from helpers import DIST, compose_cfg, entry, finish, rounding_floors, simulated
 from references import assert_losses_within_rounding, assert_within_rounding
 from test_dist import tail_offset
 
+from hypertrain.distributed import dcp_shards
 from hypertrain.rundir import checkpoint
 from hypertrain.rundir.records import read_metrics
 
@@ -163,6 +164,60 @@ RESUMED = [
     "processes.max_restarts=1",
 ]
 SHARD_FILES = [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "run.pt"]
+# A Hugging Face Llama (model=hf_llama_tiny: d 64, 2 layers, SwiGLU 176) with int8 and error feedback: the
+# tail config, 4 updates (2 syncs), a checkpoint after each. Its norms (64 values: one int8 block of the
+# 128-value width) are cut 32 + 32 at L = 2, so both ranks gather them and encode the straddling block;
+# every matrix's shard boundary (2048, 5632, 8192 values) is a block's. One case for both (the budget).
+HF_INT8 = [
+    *SHARDED[:-2],
+    "model=hf_llama_tiny",
+    "phase.updates=4",
+    "checkpoint.every=1",
+    "outer.compress=int8",
+    "outer.error_feedback=true",
+]
+
+
+@pytest.mark.slow  # two 4-process runs side by side, about 60 s on 2 cores (measured)
+def test_a_sharded_hf_llama_with_int8_and_error_feedback_equals_the_unsharded_run_bitwise(tmp_path):
+    """The Llama sharded per decoder layer then the root: its forward and backward are the module's own
+    code on the same all-gathered weights (`hf.logits` calls the same module with the same weights
+    unsharded), the rest as for the own decoder above (the same reduce-scatter of two terms at L = 2).
+    int8 stays bitwise because every block holds the same values in both runs: a shard boundary on a
+    block boundary leaves the block whole in one shard, and a block it cuts is encoded whole from the
+    gathered tensor by each rank holding part of it (the same kernel on the same values: the same scale
+    and codes); the decoded values, the error feedback e <- x - d and the mean over the replicas (summed
+    per element in replica order, over the cross-replica group) are elementwise, the same operations on
+    the same numbers. The compression error's two norms are summed over the shards (a float64
+    reordering, then rounded to fp32), hence approx at fp32's 2^-23. The sharded run's DCP checkpoint
+    holds the error-feedback buffers as shards: read whole (`dcp_shards.load_whole`), equal to the
+    unsharded run's bitwise, and not zero (they are used)."""
+    overrides = [*HF_INT8, tail_offset(HF_INT8, 1)]
+    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
+    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
+    for proc in (sharded, whole):
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses, evals, syncs, weights = _records(tmp_path / "s")
+    w_losses, w_evals, w_syncs, w_weights = _records(tmp_path / "w")
+    assert losses == w_losses and evals == w_evals
+    assert all(torch.equal(weights[n], w_weights[n]) for n in w_weights) and set(weights) == set(w_weights)
+    assert len(syncs) == 2
+    for mine, theirs in zip(syncs, w_syncs, strict=True):
+        assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=1e-12)
+        assert mine["compress_error"] == pytest.approx(theirs["compress_error"], rel=2**-23)
+        # the replica's ranks send the straddling blocks twice: more bytes, at most a block per tensor
+        extra = mine["payload_bytes"] - theirs["payload_bytes"]
+        assert 0 < extra <= len(w_weights) * (4 + 128), extra
+    (s_last,) = checkpoint.checkpoints(tmp_path / "s")[-1:]
+    (w_last,) = checkpoint.checkpoints(tmp_path / "w")[-1:]
+    assert (s_last.name, w_last.name) == ("ckpt-u0000004.dcp", "ckpt-u0000004.pt")
+    mine = dcp_shards.load_whole(s_last, checkpoint.load(s_last)["state"])["errors"]
+    theirs = checkpoint.load(w_last)["state"]["errors"]
+    for m, (e, w_e) in enumerate(zip(mine, theirs, strict=True)):
+        assert set(e) == set(w_e)
+        assert all(torch.equal(e[n], w_e[n]) for n in w_e), m
+        assert any(bool(w_e[n].any()) for n in w_e)
 
 
 @pytest.mark.slow  # four 4-process runs (one restarted) and one of 8: 229-283 s on 2 shared cores (load 13)
@@ -227,7 +282,7 @@ def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_rep
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["outer.compress=int8"], "outer.compress=int8 is not built with processes.shard=true"),
+        (["outer.compress=topk"], "outer.compress=topk (a blockwise codec"),
         (["churn.p_miss=0.1"], "churn is not built with processes.shard=true"),
         (
             ["outer.fragments=2", "outer.delay=1", "inner.H=4", "phase.updates=4", "checkpoint.every=1"],
@@ -242,3 +297,77 @@ def test_what_sharding_does_not_build_is_one_line(tmp_path, extra, says):
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"hypertrain: error: {says}"), line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.soak  # a further case of the kill family above: four 4-process runs, 137 s on 2 loaded cores
+@pytest.mark.slow
+def test_a_killed_sharded_run_with_int8_error_feedback_resumes_bitwise_sharded_or_not(tmp_path):
+    """The error-feedback buffers are per shard: the DCP checkpoint holds them as shards (as the inner
+    moments), read back as this run's shards, or whole by an unsharded run, so the resumed run, sharded or not
+    (the unsharded run is bitwise the sharded one, above), finishes bitwise the uninterrupted one."""
+    codec = [*SHARDED[:-3], "inner.H=2", "phase.updates=6", "processes.timeout_s=5"]
+    codec += ["outer.compress=int8", "outer.error_feedback=true"]
+    whole = start_entry([*codec, "processes.shard=true", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
+    killed = entry(
+        [*codec, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
+    )
+    assert killed.returncode == 3, killed.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("ckpt-u*")] == ["ckpt-u0000002.dcp"]
+    shutil.copytree(tmp_path / "k", tmp_path / "u")
+    assert finish(whole).returncode == 0
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    for where, shard in (("k", "true"), ("u", "false")):
+        args = [*codec, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", "resume=true"]
+        done = entry(args, tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = torch.load(tmp_path / where / "weights.pt")
+        assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+
+class _ReplicaOf:
+    """The replica group's gather (`groups.whole`) in one process: the whole tensors, known here."""
+
+    def __init__(self, whole):
+        self.whole_tensors = whole
+
+    def whole(self, part):
+        return {n: self.whole_tensors[n] for n in part}
+
+
+@pytest.mark.slow  # in-process, well under a second
+@pytest.mark.parametrize("L", [2, 3, 4])
+@pytest.mark.parametrize("codec", ["int8", "fp4_e2m1", "uint8"])
+def test_a_shards_window_decodes_to_its_values_of_the_whole_tensors_encoding_bitwise(L, codec):
+    """Each rank's window (the whole blocks its FSDP2 shard touches) encoded alone and decoded gives, on
+    the rank's own values, the bits of the whole vector's encoding: every block is the same block. The
+    shapes mix cuts on block boundaries, cuts inside a block (a 64-value norm, 33 rows of 8), rows that
+    do not divide by L, an empty last shard (2 rows at L = 3, 4) and a tensor smaller than a block."""
+    from hypertrain.codecs import kernels
+    from hypertrain.codecs.tiles import blocks_and_order
+    from hypertrain.diloco.exchange.shard_windows import Windows
+    from hypertrain.distributed.fsdp_engine import shard_of
+
+    shapes = {"a": (64,), "b": (33, 8), "c": (256, 32), "d": (2, 5), "e": (96, 16)}
+    gen = torch.Generator().manual_seed(0)
+    whole = {n: torch.randn(s, generator=gen) * (1 + i) for i, (n, s) in enumerate(shapes.items())}
+    blocks, _ = blocks_and_order(list(shapes.values()), 128, 0)
+    flat = torch.cat([t.reshape(-1) for t in whole.values()])[None]
+    expected = kernels.decode(codec, kernels.encode(codec, flat, blocks), blocks)[0]
+    expected = dict(zip(shapes, expected.split([t.numel() for t in whole.values()]), strict=True))
+    groups, straddled = _ReplicaOf(whole), set()
+    for j in range(L):
+        windows = Windows.of(shapes, blocks.block, j, L)
+        own = {n: shard_of(t, j, L) for n, t in whole.items()}  # FSDP2's cut, as the run holds it
+        x = torch.cat([t.reshape(-1) for t in own.values()])[None]
+        wide = windows.widen(x, groups)
+        got = windows.own(kernels.decode(codec, kernels.encode(codec, wide, windows.blocks), windows.blocks))[
+            0
+        ]
+        mine = dict(zip(shapes, got.split([t.numel() for t in own.values()]), strict=True))
+        for n, t in own.items():
+            want = shard_of(expected[n].view(shapes[n]), j, L)
+            assert torch.equal(mine[n].view(t.shape), want), (n, j)
+        straddled |= windows.gathered
+    # 64 = 32 + 32 inside one block at L = 2; c's cuts (every 8192 / L values) on boundaries at L = 2, 4,
+    # and at L = 3 after 86 rows (2752 values, inside block 22)
+    assert "a" in straddled and ("c" in straddled) == (L == 3)

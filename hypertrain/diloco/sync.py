@@ -29,6 +29,7 @@ from hypertrain.diloco.exchange.communication import (
     ring_allreduce_bytes,
 )
 from hypertrain.diloco.exchange.lowrank import Factors, lowrank_mean
+from hypertrain.diloco.exchange.shard_windows import Windows, windowed_mean
 from hypertrain.diloco.outer import (
     OuterState,
     OuterStep,
@@ -166,6 +167,31 @@ class CodecReducer:
         return [error is not None for error in result.compress_error]
 
 
+class ShardedCodecReducer(CodecReducer):
+    """outer.compress=a quantizer with processes.shard=true: this rank's shards of the pseudo-gradient and
+    error buffer, encoded over the whole blocks they touch (`shard_windows.windowed_mean`), exchanged over
+    its cross-replica group; one participant's bytes are the replica's ranks' together."""
+
+    def __init__(self, outer: OuterConfig, shapes: dict[str, tuple[int, ...]], width: int):
+        """`shapes`: the fragment's whole tensors; `width`: the unsharded run's block."""
+        self.outer, self.shapes, self.width, self.windows = outer, shapes, width, None
+
+    def start(
+        self, sync: FragmentSync, replica_params: Params, active, count: int, groups, weights=None
+    ) -> Reduction:
+        if self.windows is None:
+            self.windows = Windows.of(self.shapes, self.width, groups.local_rank, groups.L)
+        errors = sync.flat_errors()
+        deltas = pseudo_gradients(sync.theta, replica_params)
+        reduction = windowed_mean(self.outer, deltas, errors, active, self.windows, groups, count, weights)
+        if errors is not None:
+            sync.store_errors(errors)
+        return reduction
+
+    def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups, weights=None):
+        raise NotImplementedError("outer.overlap with processes.shard=true is refused by shard_check")
+
+
 class LowRankReducer:
     """outer.compress=lowrank: PowerSGD's rank-r factors of each matrix, warm-started from the fragment's
     `lowrank_q`, all-gathered twice and summed in replica order, the 1-D tensors exact
@@ -255,6 +281,10 @@ class FragmentSync:
             self.lowrank_q = {n: lowrank_q[n] for n in self.names if n in lowrank_q}
             shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
             self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank.rank))
+        elif cfg.processes.shard:  # the unsharded run's blocks, of the whole tensors (tile 0: no order)
+            shapes = {n: tuple(param_shapes(cfg.model)[n]) for n in self.names}
+            width = blocks_and_order(list(shapes.values()), cfg.outer.codec.block, 0)[0].block
+            self.reducer = ShardedCodecReducer(cfg.outer, shapes, width)
         else:
             shapes = [tuple(t.shape) for t in self.theta.values()]
             blocks, order = blocks_and_order(shapes, cfg.outer.codec.block, cfg.outer.codec.tile)

@@ -1,10 +1,11 @@
 """A sharded run's checkpoint tensors through `torch.distributed.checkpoint` (DCP): `save` has every
-rank write its shards of the global weights, the outer momentum, its replica's inner moments and
-mid-round weights as DTensors (`Shard(0)` over the replica's L ranks, the whole tensor's shape), no rank
-holding a whole tensor; `load_shards` reads them cut for the run's own L (DCP reshards: the chunks
-written at one L are read into the shards of another), `load_whole` whole (an unsharded run going on
-from a sharded run's checkpoint). Keys: `theta/NAME`, `outer_momentum/NAME`, `inner/REPLICA/m/NAME`,
-`inner/REPLICA/v/NAME`, `round_params/REPLICA/NAME`; the replicas' tensors without their replica axis.
+rank write its shards of the global weights, the outer momentum, its replica's inner moments, mid-round
+weights and error-feedback buffers as DTensors (`Shard(0)` over the replica's L ranks, the whole
+tensor's shape), no rank holding a whole tensor; `load_shards` reads them cut for the run's own L (DCP
+reshards: the chunks written at one L are read into the shards of another), `load_whole` whole (an
+unsharded run going on from a sharded run's checkpoint). Keys: `theta/NAME`, `outer_momentum/NAME`,
+`inner/REPLICA/m/NAME`, `inner/REPLICA/v/NAME`, `round_params/REPLICA/NAME`, `errors/REPLICA/NAME`;
+the replicas' tensors without their replica axis.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 GLOBAL = ("theta", "outer_momentum")  # the same on every replica: DCP writes one copy of each chunk
+PER_REPLICA = ("round_params", "errors")  # None, or one {name: [1, ...]} per replica
 
 
 def _keys(saved: dict, replicas: list[int]) -> dict[str, Tensor]:
@@ -24,8 +26,9 @@ def _keys(saved: dict, replicas: list[int]) -> dict[str, Tensor]:
     out = {f"{part}/{n}": t for part in GLOBAL for n, t in saved[part].items()}
     for r, inner in zip(replicas, saved["inner"], strict=True):
         out |= {f"inner/{r}/{m}/{n}": t[0] for m in ("m", "v") for n, t in inner[m].items()}
-    for r, params in zip(replicas, saved["round_params"] or [], strict=False):
-        out |= {f"round_params/{r}/{n}": t[0] for n, t in params.items()}
+    for part in PER_REPLICA:
+        for r, params in zip(replicas, saved[part] or [], strict=False):
+            out |= {f"{part}/{r}/{n}": t[0] for n, t in params.items()}
     return out
 
 
@@ -34,8 +37,8 @@ def _filled(saved: dict, tensors: dict[str, Tensor]) -> dict:
     out = dict(saved, **{part: {} for part in GLOBAL})
     where = {r: i for i, r in enumerate(saved["replicas"])}
     out["inner"] = [dict(x, m={}, v={}) for x in saved["inner"]]
-    rounds = saved["round_params"]
-    out["round_params"] = None if rounds is None else [{} for _ in rounds]
+    for part in PER_REPLICA:
+        out[part] = None if saved[part] is None else [{} for _ in saved[part]]
     for key, t in tensors.items():
         part, *rest = key.split("/")
         if part in GLOBAL:
@@ -43,7 +46,7 @@ def _filled(saved: dict, tensors: dict[str, Tensor]) -> dict:
         elif part == "inner":
             out["inner"][where[int(rest[0])]][rest[1]][rest[2]] = t.unsqueeze(0)
         else:
-            out["round_params"][where[int(rest[0])]][rest[1]] = t.unsqueeze(0)
+            out[part][where[int(rest[0])]][rest[1]] = t.unsqueeze(0)
     return out
 
 

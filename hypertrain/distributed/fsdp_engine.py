@@ -16,6 +16,7 @@ the reduce-scatter, as layout (a)'s zeros.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 
@@ -30,6 +31,7 @@ from hypertrain.config import ModelConfig, TrainConfig
 from hypertrain.engines.contract import Assignment, ReplicaResult, StopAfter, check_finite, timed_average
 from hypertrain.model import transformer as tf
 from hypertrain.model.shapes import param_shapes, param_specs
+from hypertrain.model.spec import model_spec
 from hypertrain.optim.inner import CLIP_EPS, OptState, inner_step, per_replica
 
 
@@ -101,19 +103,50 @@ class Replica(_Params):
             for block in self.blocks:
                 x = block(x, B, T)
             out = torch.bmm(tf._rms_norm(x, p["norm"], cfg.norm_eps), p["head"])
-        ce = F.cross_entropy(
-            out.to(p["head"].dtype).reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
-        ).view(R, -1)
-        if mask is None:
-            return ce.mean(1)
-        real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
-        return (ce * real).sum(1) / real.sum(1).clamp(min=1.0)
+        return _loss(out.to(p["head"].dtype), targets, mask)
 
 
-def sharded_replica(cfg: ModelConfig, group: dist.ProcessGroup, device: torch.device) -> Replica:
+def _loss(out: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor:
+    """`transformer.forward`'s loss [R] from the logits [R, B*T, vocab] (in the weights' dtype): the mean
+    cross-entropy over the real targets (a target and its input real)."""
+    R = targets.shape[0]
+    ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), reduction="none").view(R, -1)
+    if mask is None:
+        return ce.mean(1)
+    real = (mask[:, :, 1:] & mask[:, :, :-1]).reshape(R, -1).to(ce.dtype)
+    return (ce * real).sum(1) / real.sum(1).clamp(min=1.0)
+
+
+class ModuleReplica(nn.Module):
+    """A Hugging Face model (`model=hf`) as the replica: a copy of the process's instance (`model.hf.base`),
+    called as `model.hf.logits` calls it (fp32, no cache, no attention mask), its decoder layers
+    (`hf.layer_list`) the FSDP2 units before the root."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        from hypertrain.model import hf  # transformers, imported by module models only
+
+        super().__init__()
+        self.module = copy.deepcopy(hf.base(cfg)).to(device)
+        self.blocks = list(self.module.get_submodule(hf.layer_list(self.module)))
+
+    def named_tensors(self) -> dict[str, nn.Parameter]:
+        """Every parameter by its model name (tied ones once, as `hf.describe` names them)."""
+        return dict(self.module.named_parameters())
+
+    def forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
+        R, B, T = inputs.shape
+        with torch.autocast(tokens.device.type, enabled=False):
+            out = self.module(inputs[0], use_cache=False).logits
+        return _loss(out.reshape(R, B * T, out.shape[-1]), targets, mask)
+
+
+def sharded_replica(
+    cfg: ModelConfig, group: dist.ProcessGroup, device: torch.device
+) -> Replica | ModuleReplica:
     """The replica's modules, each block then the root given to `fully_shard` on the replica's group;
     gradients reduced as a sum then divided (gloo has no average; the same on nccl)."""
-    model = Replica(cfg, device)
+    model = ModuleReplica(cfg, device) if model_spec(cfg).module else Replica(cfg, device)
     mesh = DeviceMesh.from_group(group, device.type)
     units = [*model.blocks, model]
     for unit in units:

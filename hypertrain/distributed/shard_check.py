@@ -1,13 +1,13 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, codecs, overlap, async, churn, models other than the own decoder, compiled
-steps, checkpoints of a reduction in flight or of a torch outer optimizer), naming the option and what
-is valid. No torch here.
+(the replicas layout, codecs other than the quantizers, outer.codec.tile and outer.codec.transform,
+overlap, async, churn, models other than the own decoder, compiled steps, checkpoints of a reduction in
+flight or of a torch outer optimizer), naming the option and what is valid. No torch here.
 """
 
 from __future__ import annotations
 
-from hypertrain.codec_table import codec_entry
+from hypertrain.codec_table import ELEMENTWISE, TABLE, codec_entry
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import Layout
 from hypertrain.model.spec import model_spec
@@ -32,15 +32,37 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             "nothing (one rank per replica); valid: world.size a multiple of replicas above it, or "
             "processes.shard=false"
         )
-    outer, spec = cfg.outer, model_spec(cfg.model)
+    outer, spec, codec = cfg.outer, model_spec(cfg.model), codec_entry(cfg.outer.compress)
     checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.every_updates > 0
+    quantizers = ", ".join(name for name, entry in TABLE.items() if entry.scope == ELEMENTWISE)
+    quantizers = f"outer.compress=none or a quantizer ({quantizers})"
     refused = [
-        (not codec_entry(outer.compress).lossless, f"outer.compress={outer.compress}", "outer.compress=none"),
+        (
+            not (codec.lossless or codec.scope == ELEMENTWISE),
+            f"outer.compress={outer.compress} (a {codec.scope} codec: its blocks or tensors are not cut "
+            "on shards)",
+            quantizers,
+        ),
+        (codec.blocks and outer.codec.tile > 0, f"outer.codec.tile={outer.codec.tile}", "outer.codec.tile=0"),
+        (
+            codec.blocks and outer.codec.transform != "none",
+            f"outer.codec.transform={outer.codec.transform}",
+            "outer.codec.transform=none",
+        ),
         (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
         (schedule_entry(outer.schedule).server, f"outer.schedule={outer.schedule}", "outer.schedule=rounds"),
         (cfg.churn.enabled, "churn", "churn.enabled=false"),
-        (not spec.shardable, f"model {cfg.model.name} ({spec.kind})", "the own decoder (model=tiny ...)"),
+        (
+            not spec.shardable,
+            f"model {cfg.model.name} ({spec.kind})",
+            "the own decoder (model=tiny ...) or model=hf",
+        ),
         (cfg.engine.compile, "engine.compile=true", "engine.compile=false"),
+        (
+            spec.module and cfg.model.compute_dtype == "bf16",
+            f"model {cfg.model.name} with model.compute_dtype=bf16",
+            "model.compute_dtype=fp32",
+        ),
         (
             checkpoints and outer.delay > 0,
             f"a checkpoint with outer.delay={outer.delay} (a reduction in flight on the shards)",

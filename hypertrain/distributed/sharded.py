@@ -84,11 +84,13 @@ class ShardedReplicaGroups(DistReplicaGroups):
 
     def gather_replicas(self, records: list) -> list | None:
         """A checkpoint's replica records without the tensors each rank writes as its shards
-        (`checkpoint_shards`): the inner moments and mid-round weights, left empty (`{}`)."""
+        (`checkpoint_shards`): the inner moments, mid-round weights and error-feedback buffers, left empty
+        (`{}`)."""
 
         def light(record: dict) -> dict:
             inner = dict(record["inner"], m={}, v={})
-            return dict(record, inner=inner, params=None if record["params"] is None else {})
+            empty = {k: None if record[k] is None else {} for k in ("params", "errors")}
+            return dict(record, inner=inner, **empty)
 
         return super().gather_replicas([light(r) for r in records])
 
@@ -111,8 +113,8 @@ class ShardedReplicaGroups(DistReplicaGroups):
     def local_state(self, saved: dict) -> dict:
         """A checkpoint's state cut to this rank's shards: a sharded run's (DCP) read as shards for this
         run's L, whatever L wrote it (`dcp_shards.load_shards`); a single file's (an unsharded run's) whole
-        tensors cut here: the global weights, outer momentum, every replica's inner moments and mid-round
-        weights."""
+        tensors cut here: the global weights, outer momentum, every replica's inner moments, mid-round
+        weights and error-feedback buffers."""
         if saved.get("shards_at") is not None:
             with collective("the checkpoint's shards' read"):
                 return dcp_shards.load_shards(Path(saved["shards_at"]), saved, self)
@@ -124,13 +126,14 @@ class ShardedReplicaGroups(DistReplicaGroups):
             return {n: shard_of(t[0], j, L).unsqueeze(0) for n, t in part.items()}
 
         inner = [{**x, "m": cut(x["m"], 1), "v": cut(x["v"], 1)} for x in saved["inner"]]
-        rounds = saved["round_params"]
+        rounds, errors = saved["round_params"], saved["errors"]
         return dict(
             saved,
             theta=cut(saved["theta"]),
             outer_momentum=cut(saved["outer_momentum"]),
             inner=inner,
             round_params=None if rounds is None else [cut(p, 1) for p in rounds],
+            errors=None if errors is None else [cut(e, 1) for e in errors],
         )
 
     def memory_facts(self, state) -> dict:

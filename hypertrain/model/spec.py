@@ -251,7 +251,7 @@ class HFModel(Decoder):
 
     kind = "hf"
     external = True  # the module is Hugging Face's: `model.hf` builds and calls it
-    shardable = False
+    shardable = True  # FSDP2 per decoder layer, then the root (`distributed.fsdp_engine.ModuleReplica`)
     module = True
     takes_experts = False
     sourced = True
