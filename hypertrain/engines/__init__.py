@@ -2,18 +2,40 @@
 
 Every engine keeps the contract in `contract.py`: `loop` (replicas one after another, the reference
 the others are checked against) and `stacked` (all replicas of a sub-round as one model with a
-leading replica axis). `ENGINES` is their table: `engine_for(engine.name)` gives the engine, and
-`replicas_at_once` what the memory estimate asks of it.
+leading replica axis). `ENGINES` is their table, free of torch (the preflight asks it before a run is
+built): `engine_for(engine.name)` imports and gives the engine, `replicas_at_once` tells the memory
+estimate how many replicas' activations it holds at once.
 """
 
 from __future__ import annotations
 
-from hypertrain.choices import EngineName
-from hypertrain.engines import loop, stacked
-from hypertrain.engines.contract import Engine
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-# the engines' table: each module gives train_replicas and replicas_at_once
-ENGINES = {EngineName.loop: loop, EngineName.stacked: stacked}
+from hypertrain.choices import EngineName
+
+if TYPE_CHECKING:
+    from hypertrain.engines.contract import Engine
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """An engine: its module (`train_replicas`, imported when a run asks for it) and whether it computes
+    a sub-round of engine.stack replicas as one model (else one replica after another)."""
+
+    module: str
+    stacks: bool
+
+    def replicas_at_once(self, stack: int, replicas: int) -> int:
+        """Of a process's `replicas`, those whose activations it holds at once (`stack`: 0, all of them)."""
+        return min(stack or replicas, replicas) if self.stacks else 1
+
+
+ENGINES = {
+    EngineName.loop: EngineEntry("hypertrain.engines.loop", stacks=False),
+    EngineName.stacked: EngineEntry("hypertrain.engines.stacked", stacks=True),
+}
 
 
 def engine_for(name: str) -> Engine:
@@ -21,7 +43,7 @@ def engine_for(name: str) -> Engine:
     if name not in ENGINES:
         valid = ", ".join(repr(member.value) for member in EngineName)
         raise ValueError(f"engine.name={name!r} is not an engine; valid: {valid}")
-    return ENGINES[EngineName(name)].train_replicas
+    return importlib.import_module(ENGINES[EngineName(name)].module).train_replicas
 
 
 def replicas_at_once(name: str, stack: int, replicas: int) -> int:

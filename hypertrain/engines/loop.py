@@ -114,11 +114,6 @@ def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, av
     return loss.item(), time.perf_counter() - start, allreduce, channel_means(sums, counts).tolist(), figures
 
 
-def replicas_at_once(stack: int, replicas: int) -> int:
-    """One replica after another: one replica's activations at a time, whatever engine.stack says."""
-    return 1
-
-
 def train_replicas(
     cfg: TrainConfig,
     theta: Params,

@@ -177,11 +177,6 @@ def _update(cfg, assigns, t, params, state, fns, active, records, average_in_rep
     return time.perf_counter() - start, allreduce  # check_finite synced with the device
 
 
-def replicas_at_once(stack: int, replicas: int) -> int:
-    """A sub-round of `stack` replicas (0: all of them) as one model: their activations at once."""
-    return min(stack or replicas, replicas)
-
-
 def train_replicas(
     cfg: TrainConfig,
     theta: Params,
