@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 GLOBAL = ("theta", "outer_momentum")  # the same on every replica: DCP writes one copy of each chunk
-PER_REPLICA = ("round_params", "errors")  # None, or one {name: [1, ...]} per replica
+PER_REPLICA = ("round_params", "errors")  # None (or absent), or one {name: [1, ...]} per replica
 
 
 def _keys(saved: dict, replicas: list[int]) -> dict[str, Tensor]:
@@ -27,7 +27,7 @@ def _keys(saved: dict, replicas: list[int]) -> dict[str, Tensor]:
     for r, inner in zip(replicas, saved["inner"], strict=True):
         out |= {f"inner/{r}/{m}/{n}": t[0] for m in ("m", "v") for n, t in inner[m].items()}
     for part in PER_REPLICA:
-        for r, params in zip(replicas, saved[part] or [], strict=False):
+        for r, params in zip(replicas, saved.get(part) or [], strict=False):
             out |= {f"{part}/{r}/{n}": t[0] for n, t in params.items()}
     return out
 
@@ -38,7 +38,7 @@ def _filled(saved: dict, tensors: dict[str, Tensor]) -> dict:
     where = {r: i for i, r in enumerate(saved["replicas"])}
     out["inner"] = [dict(x, m={}, v={}) for x in saved["inner"]]
     for part in PER_REPLICA:
-        out[part] = None if saved[part] is None else [{} for _ in saved[part]]
+        out[part] = None if saved.get(part) is None else [{} for _ in saved[part]]
     for key, t in tensors.items():
         part, *rest = key.split("/")
         if part in GLOBAL:

@@ -9,9 +9,10 @@ for its forward and backward and reduce-scatters the gradient sum once, at the l
 has no average: a sum, then a division by L, as layout (a)'s all-reduce and `/ L`); the clip takes
 the global norm over the shards (one float64 all-reduce); AdamW steps the local shards
 (`optim.inner.inner_step`, elementwise); Muon gathers its matrices, one shape at a time, steps them
-whole on every rank of the replica (the same bits everywhere) and keeps its shards. A rank without
-microbatches in an update its replica trains runs one zero-weight microbatch, so it adds exact zeros to
-the reduce-scatter, as layout (a)'s zeros.
+whole on every rank of the replica (the same bits everywhere) and keeps its shards. The replica's ranks
+run as many microbatches in an update as the most any of them cut (FSDP2's all-gathers are collectives):
+a rank with fewer, or none, runs zero-weight ones, so it adds exact zeros to the reduce-scatter, as
+layout (a)'s zeros.
 """
 
 from __future__ import annotations
@@ -200,8 +201,11 @@ class ShardedEngine:
         begin = time.perf_counter()
         loss = torch.zeros((), device=device)
         work = [(mb.tokens, mb.mask, mb.weight) for mb in batch.microbatches]
-        if not work:  # no ids on this rank: exact zeros into the replica's reduce-scatter
-            work = [(torch.zeros(1, 2, dtype=torch.int64), None, 0.0)]
+        # FSDP2 all-gathers a unit at every forward and backward: the replica's ranks run as many
+        # microbatches (the most any of them cut; layout (a) lets counts differ), a rank with fewer, or no
+        # ids, adding zero-weight ones: exact zeros into the gradient and the replica's reduce-scatter
+        most = self.groups.most_in_replica(len(work))
+        work += [(torch.zeros(1, 2, dtype=torch.int64), None, 0.0)] * (most - len(work))
         for i, (tokens, mask, weight) in enumerate(work):
             self.model.set_requires_gradient_sync(i == len(work) - 1)
             mask = None if mask is None else mask.unsqueeze(0).to(device)

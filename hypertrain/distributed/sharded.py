@@ -65,6 +65,13 @@ class ShardedReplicaGroups(DistReplicaGroups):
             dist.all_reduce(square, group=self.replica_group)
         return math.sqrt(float(square))
 
+    def most_in_replica(self, count: int) -> int:
+        """The largest `count` over the replica's ranks (one all-reduce in the replica); at least 1."""
+        most = torch.tensor([max(count, 1)], dtype=torch.int64, device=self.device)
+        with collective("the microbatch count's all-reduce"):
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return int(most)
+
     def average_in_replica(self, grads: Params, loss: Tensor) -> None:
         """The update's loss and statistics averaged over the replica's ranks (FSDP2 reduce-scatters the
         gradients itself, `fsdp_engine`)."""
