@@ -25,6 +25,7 @@ from hypertrain.failures import fault_points
 from hypertrain.records import formats
 from hypertrain.records.rows import CheckpointRow, ResumeRow, StartRow, parse
 from hypertrain.rundir import checkpoint_folder
+from hypertrain.rundir.checkpoint_folder import digest_path, file_sha256
 from hypertrain.rundir.records import METRICS_FILE
 
 FORMAT = 1
@@ -51,19 +52,6 @@ def is_checkpoint(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and _NAME.search(path.name) is not None)
 
 
-def digest_path(path: Path) -> Path:
-    """Where the sha256 of checkpoint `path`'s bytes is kept."""
-    return path.with_name(path.name + ".sha256")
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 def seal(path: Path, bytes_of: Path | None = None) -> None:
     """Write the sha256 of `bytes_of` (default `path`) as `path`'s digest, atomically and fsynced. The
     checkpointer seals its temporary file under the final name before renaming it into place; a test
@@ -72,7 +60,7 @@ def seal(path: Path, bytes_of: Path | None = None) -> None:
     tmp = digest.with_name(digest.name + ".tmp")
     try:
         with open(tmp, "w") as file:
-            file.write(_sha256(bytes_of or path) + "\n")
+            file.write(file_sha256(bytes_of or path) + "\n")
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, digest)
@@ -150,7 +138,7 @@ def load(path: Path, weights_only: bool = False) -> dict:
         saved["state"]["shards_at"] = str(path)
         return saved
     if digest.is_file():
-        want, got = digest.read_text().strip(), _sha256(path)
+        want, got = digest.read_text().strip(), file_sha256(path)
         if got != want:
             raise UserError(
                 f"checkpoint {path} is not the one that was written (its sha256 {got[:16]}... differs "

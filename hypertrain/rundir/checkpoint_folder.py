@@ -19,6 +19,7 @@ STATE_FILE = "run.pt"
 
 
 def digest_path(path: Path) -> Path:
+    """Where the sha256 of checkpoint `path`'s bytes (a file's; a folder's files', a line each) is kept."""
     return path.with_name(path.name + ".sha256")
 
 
@@ -26,7 +27,7 @@ def temporary(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(1 << 20):
@@ -69,7 +70,7 @@ def finish(path: Path, save_payload: Callable[[Path], None], before_rename: Call
     digest, sealing = digest_path(path), temporary(digest_path(path))
     try:
         with open(sealing, "w") as out:
-            out.writelines(f"{_sha256(p)}  {p.relative_to(tmp).as_posix()}\n" for p in files)
+            out.writelines(f"{file_sha256(p)}  {p.relative_to(tmp).as_posix()}\n" for p in files)
             out.flush()
             os.fsync(out.fileno())
         os.replace(sealing, digest)  # the digest first: a checkpoint in place always has its own
@@ -101,7 +102,7 @@ def verify(path: Path) -> None:
     listed = [line.split("  ", 1) for line in digest.read_text().splitlines() if line]
     for want, name in listed:
         file = path / name
-        got = _sha256(file) if file.is_file() else "missing"
+        got = file_sha256(file) if file.is_file() else "missing"
         if got != want:
             raise UserError(
                 f"checkpoint {path} is not the one that was written (its {name}'s sha256 {got[:16]}... "
