@@ -148,7 +148,7 @@ def codec(model: ModelConfig, data: DataConfig, run_dir: Path, facts: dict) -> T
             f"{run_dir} trained a model.arch={model.arch} model, several token channels per position, not "
             f"text alone; {valid}"
         )
-    if source.tokenizer == "bytes":
+    if corpus.byte_level(source.tokenizer):
         return TextCodec(
             lambda text: list(text.encode("utf-8")),
             lambda ids: bytes(ids).decode("utf-8", errors="replace"),
@@ -179,7 +179,7 @@ def trained_with(path: Path, meta: corpus.Meta, model: ModelConfig, facts: dict,
     alone). A corpus prepared again at the run's data.path would otherwise decode its ids as garbage.
     A Hugging Face model's vocabulary is its config's, at least the corpus's (never resized to it)."""
     tokenizer = path / corpus.TOKENIZER
-    now = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if meta.tokenizer != "bytes" else ""
+    now = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if not corpus.byte_level(meta.tokenizer) else ""
     then = facts.get("data/tokenizer_sha256")
     external = model_spec(model).external
     if (meta.vocab == model.vocab or external and meta.vocab <= model.vocab) and then in (None, now):

@@ -76,7 +76,7 @@ class DataSource:
         """The token stream `text.text_dataset` cuts into windows or documents (`sources.Source`: its
         tokens, where each file starts, a digest of what was read, a label); UserError (one line) for a
         source that cannot be read. An entry from outside the package overrides it."""
-        from hypertrain.data import sources
+        import hypertrain.data.sources as sources
 
         if self.name == "stdlib":
             return sources.stdlib_source()

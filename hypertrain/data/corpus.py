@@ -287,13 +287,18 @@ def read(directory: Path) -> Corpus:
     return Corpus(meta, tokens, starts, directory)
 
 
+def byte_level(tokenizer: str) -> bool:
+    """A source's or corpus's `tokenizer` is UTF-8 bytes (a byte's id is its value: no tokenizer.json)."""
+    return tokenizer == "bytes"
+
+
 class Tokenizer:
     """The corpus's tokenizer: `encode(text)` -> ids (no eod), `decode(ids)` -> text (the eod dropped)."""
 
     def __init__(self, directory: Path, meta: Meta):
         self.meta = meta
         self._hf = None
-        if meta.tokenizer != "bytes":
+        if not byte_level(meta.tokenizer):
             import tokenizers  # a dependency of hypertrain; imported here so `bytes` corpora need nothing
 
             self._hf = tokenizers.Tokenizer.from_file(str(Path(directory) / TOKENIZER))

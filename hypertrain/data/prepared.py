@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+import hypertrain.data.corpus as corpus_format
 from hypertrain.config import DataConfig, UserError
-from hypertrain.data import corpus as corpus_format
 from hypertrain.data.text import TextDataset
 
 _FINGERPRINT_VERSION = 1

@@ -34,8 +34,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+import hypertrain.data.sources as sources
 from hypertrain.config import DataConfig, UserError
-from hypertrain.data import sources
 from hypertrain.data.streams import stream_index, stream_indices
 
 SampleFn = Callable[[int], np.ndarray]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+import hypertrain.data.corpus as corpus
 from hypertrain.config import UserError
-from hypertrain.data import corpus
 from hypertrain.data.bpe import byte_level_bpe, cuts_keep_tokens, pieces
 from hypertrain.data.preparation.inputs import BATCH_CHARS, Input, Reader, check_disjoint, open_input
 from hypertrain.data.preparation.outdir import claimed, put_in_place, write_error
