@@ -324,5 +324,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: `cli` catches it
+    # The guard's handler stays: the command writes nothing, so ending at once is right throughout, and
+    # torch's import (inside `cli`) is no place for a KeyboardInterrupt: raised there, it was swallowed
+    # or the process ended by SIGINT (-2) after `cli` had returned 130. In-process callers get `cli`'s catch.
     sys.exit(cli())
