@@ -27,7 +27,7 @@ from hypertrain.config import DataConfig, ModelConfig, UserError
 from hypertrain.data import BYTE_VOCAB, SOURCES, corpus, data_source
 from hypertrain.data.hf_tokenizer import context_length
 from hypertrain.errors import Parser
-from hypertrain.failures.signals import EXIT_CODES, interrupted
+from hypertrain.failures.signals import EXIT_CODES, ctrl_c_after_imports, interrupted
 from hypertrain.model.shapes import param_shapes
 from hypertrain.model.spec import model_spec
 from hypertrain.records import formats
@@ -203,7 +203,8 @@ def load_weights(args: Args, model: ModelConfig, run_ids: set[str]) -> tuple[dic
     """The global weights (no replica axis) and where they come from, in words: the run's weights.pt,
     or `args.checkpoint`'s (its `theta`: what the run evaluates, with outer.overlap=eager the mean of
     the replicas' own outer weights); UserError for a file missing, unreadable, of another run or model."""
-    import torch
+    with ctrl_c_after_imports():
+        import torch
 
     if args.checkpoint is None:
         path = args.run_dir / WEIGHTS
@@ -324,7 +325,6 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The guard's handler stays: the command writes nothing, so ending at once is right throughout, and
-    # torch's import (inside `cli`) is no place for a KeyboardInterrupt: raised there, it was swallowed
-    # or the process ended by SIGINT (-2) after `cli` had returned 130. In-process callers get `cli`'s catch.
+    # The guard's handler stays: the command writes nothing, so ending at once is right throughout
+    # (torch's import too, `ctrl_c_after_imports`). In-process callers get `cli`'s catch.
     sys.exit(cli())

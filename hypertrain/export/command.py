@@ -26,7 +26,7 @@ from hypertrain.data.preparation.outdir import first_existing, first_missing, re
 from hypertrain.errors import Parser
 from hypertrain.export.names import Architecture, architecture, hf_weights
 from hypertrain.failures import DiskFull, RunFailure
-from hypertrain.failures.signals import EXIT_CODES, interrupted
+from hypertrain.failures.signals import EXIT_CODES, ctrl_c_after_imports, interrupted
 from hypertrain.model.spec import model_spec
 from hypertrain.sample import load_weights, read_run, trained_with
 
@@ -94,8 +94,9 @@ def tokenizer_of(
 def hf_model(arch: Architecture, model: ModelConfig, theta: dict, context: int, eod: int | None):
     """The transformers module of `arch` holding `theta` (fp32, every parameter loaded: strict)."""
     try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        with ctrl_c_after_imports():
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise UserError(f"exporting needs transformers, which is not installed; valid: {EXTRA}") from None
     # No bos, pad or eos the data does not have (the transformers defaults are Llama's ids 1 and 2).
@@ -172,7 +173,8 @@ def export(args: Args) -> str:
 
     def fill(partial: Path) -> None:  # the place is claimed first: refused before transformers loads
         if external:
-            from hypertrain.model.hf_export import write_hf
+            with ctrl_c_after_imports():
+                from hypertrain.model.hf_export import write_hf
 
             write_hf(model, theta, partial)
         else:

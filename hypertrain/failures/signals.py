@@ -12,7 +12,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from types import FrameType
@@ -99,6 +100,18 @@ def guard_command(prog: str) -> None:
         os._exit(EXIT_CODES[signum])
 
     signal.signal(signal.SIGINT, stop)
+
+
+@contextmanager
+def ctrl_c_after_imports() -> Iterator[None]:
+    """A command's lazy imports of torch or transformers: a SIGINT meanwhile waits (blocked) and comes
+    when they are done. Raised inside torch's import, a KeyboardInterrupt was swallowed there, or ended the
+    process by SIGINT (-2) after the command had caught it and returned 130."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def requested() -> int | None:
