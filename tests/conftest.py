@@ -126,6 +126,17 @@ SOAK = (
     "tests/test_overlap.py::test_real_processes_equal_the_simulation[replicas-eager]",
     # the stacked signals from outside stay, and Ctrl-C under torchrun (test_signals)
     "tests/test_preemption.py::test_a_stop_signal_from_outside_at_any_moment_resumes_to_the_same_run[dist-sigusr2]",
+    # then 1437 s in all (stop 57's CI): the engine x optimizer x data kills keep a pairwise cover (every
+    # pair of the three in one case: stacked-adamw-windows, stacked-muon-documents, loop-adamw-documents,
+    # loop-muon-windows)
+    "tests/test_resume.py::test_a_killed_run_resumed_equals_the_uninterrupted_run_exactly[stacked-adamw-documents]",
+    "tests/test_resume.py::test_a_killed_run_resumed_equals_the_uninterrupted_run_exactly[stacked-muon-windows]",
+    "tests/test_resume.py::test_a_killed_run_resumed_equals_the_uninterrupted_run_exactly[loop-adamw-windows]",
+    "tests/test_resume.py::test_a_killed_run_resumed_equals_the_uninterrupted_run_exactly[loop-muon-documents]",
+    # loop-w2-r1 stays (the loop engine on real processes), and churn-replicas-p2-r4; tokens on real
+    # processes: test_token_weights_schemes's torchrun case stays
+    "tests/test_dist.py::test_real_processes_equal_the_simulation_within_rounding[loop-replicas-p2-r4]",
+    "tests/test_dist.py::test_real_processes_equal_the_simulation_within_rounding[tokens-churn-replicas-p2-r4]",
 )
 
 
