@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from hypertrain.import_path import entry_at
+from hypertrain.import_path import entry_at, is_import_path
 
 # What an entry's payload is made of, and so what may go around it:
 IDENTITY = "identity"  # none: the fp32 values, summed by an all-reduce (exact)
@@ -261,7 +261,7 @@ def codec_entry(name: str) -> Codec:
     entry = TABLE.get(str(name))
     if entry is not None:
         return entry
-    if "." in str(name):
+    if is_import_path(name):
         return imported(str(name))
     raise NotACodec(f"outer.compress={str(name)!r} is not a codec; valid: {', '.join(TABLE)}, or {IMPORTED}")
 

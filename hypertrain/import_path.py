@@ -1,11 +1,17 @@
 """A component named by its import path (`module.NAME`), as a table open to code outside the package
-takes it (outer.compress, data.name, model.arch): `entry_at` imports it and checks its kind, or raises
-one line naming the field, the path and what is valid. Imports nothing of hypertrain.
+takes it (outer.compress, data.name, model.arch, outer.schedule, outer.optimizer): `is_import_path` says
+whether a name is one (without importing), `entry_at` imports it and checks its kind, or raises one line
+naming the field, the path and what is valid. Imports nothing of hypertrain.
 """
 
 from __future__ import annotations
 
 import importlib
+
+
+def is_import_path(name: object) -> bool:
+    """Whether a table's field value names a component by its import path (a dot in it), not an entry."""
+    return "." in str(name)
 
 
 def entry_at(field: str, path: str, kind: type, noun: str, valid: str, error: type[Exception]):

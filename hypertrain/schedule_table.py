@@ -18,7 +18,7 @@ import importlib
 from dataclasses import dataclass
 
 from hypertrain.errors import UserError
-from hypertrain.import_path import entry_at
+from hypertrain.import_path import entry_at, is_import_path
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def schedule_entry(name: str) -> ScheduleEntry:
     entry = TABLE.get(str(name))
     if entry is not None:
         return entry
-    if "." in str(name):
+    if is_import_path(name):
         return imported(str(name))
     raise UserError(
         f"outer.schedule={str(name)!r} is not a schedule; valid: {', '.join(TABLE)}, or {IMPORTED}"

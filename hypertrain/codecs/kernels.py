@@ -26,6 +26,7 @@ from torch import Tensor
 
 from hypertrain.codec_table import BLOCK_CODECS, Codec, codec_entry
 from hypertrain.config import topk_kept  # one rule for k, which the config's checks need too
+from hypertrain.import_path import is_import_path
 
 CODECS = BLOCK_CODECS  # the table's block codecs (`codec_table`), in its order
 TRANSFORMS = ("none", "dct")
@@ -631,7 +632,7 @@ def _check(
 ) -> tuple[Codec, float | TopK]:
     """Refuse a bad argument in one line; the codec's table entry and what matters of `fraction` (1.0 for
     a codec that keeps no indices; top-k's TopK, a bare fraction given as TopK(fraction))."""
-    entry = codec_entry(codec) if str(codec) in CODECS or "." in str(codec) else None
+    entry = codec_entry(codec) if str(codec) in CODECS or is_import_path(codec) else None
     if entry is None or not entry.blocks:  # an import path names an entry outside the table (`codec_table`)
         raise ValueError(f"codec={codec!r} is not valid; valid: {', '.join(CODECS)}, or a block codec's path")
     if transform not in TRANSFORMS:

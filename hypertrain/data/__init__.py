@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from hypertrain.config import DataConfig, UserError
-from hypertrain.import_path import entry_at
+from hypertrain.import_path import entry_at, is_import_path
 
 if TYPE_CHECKING:
     from hypertrain.data.datasets import Dataset
@@ -187,7 +187,7 @@ def data_source(d: DataConfig) -> DataSource:
     entry = SOURCES.get(str(d.name))
     if entry is not None:
         return entry
-    if "." in str(d.name):
+    if is_import_path(d.name):
         return imported(str(d.name))
     valid = f"{', '.join(SOURCES)} (data=NAME), or {IMPORTED}"
     raise UserError(f"data.name={str(d.name)!r} is not a data source; valid: {valid}")

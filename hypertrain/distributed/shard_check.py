@@ -10,6 +10,7 @@ from __future__ import annotations
 from hypertrain.codec_table import ELEMENTWISE, TABLE, codec_entry
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import Layout
+from hypertrain.import_path import is_import_path
 from hypertrain.model.spec import model_spec
 from hypertrain.schedule_table import schedule_entry
 
@@ -69,7 +70,7 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             "checkpoint.every=0 checkpoint.every_updates=0, or outer.delay=0",
         ),
         (
-            checkpoints and "." in outer.optimizer,
+            checkpoints and is_import_path(outer.optimizer),
             f"a checkpoint with outer.optimizer={outer.optimizer} (its state on the shards)",
             "checkpoint.every=0 checkpoint.every_updates=0, or outer.optimizer=nesterov",
         ),

@@ -15,7 +15,7 @@ import math
 
 from hypertrain.choices import Arch
 from hypertrain.config import ModelConfig, UserError
-from hypertrain.import_path import entry_at
+from hypertrain.import_path import entry_at, is_import_path
 
 # What a parameter is for; the inner optimizer picks its rule by role (Muon takes `hidden`; a mixture
 # of experts' router is AdamW's, as the embeddings and heads are).
@@ -338,7 +338,7 @@ def arch_entry(arch: str) -> ModelSpec:
     `imported`); UserError (one line) for neither."""
     if arch in ARCHS:
         return MODELS[arch]
-    if "." in arch:
+    if is_import_path(arch):
         return imported(arch)
     raise UserError(f"model.arch={arch!r} is not a model; valid: {', '.join(ARCHS)}, or {IMPORTED}")
 

@@ -17,6 +17,7 @@ import importlib
 import json
 
 from hypertrain.config import OuterConfig, UserError
+from hypertrain.import_path import is_import_path
 from hypertrain.schedule_table import schedule_entry
 
 FLOAT_BYTES = 4  # the built-ins' buffers are fp32
@@ -137,8 +138,8 @@ def check(outer: OuterConfig) -> None:
 
 def named(name: str) -> OuterOptimizer:
     """The entry outer.optimizer=`name` picks: a built-in by its name, or a torch optimizer by its import
-    path (a dot in it)."""
-    if "." in name:
+    path (whose state is its own `state_dict()`)."""
+    if is_import_path(name):
         return torch_optimizer(name)
     entry = TABLE.get(name)
     if entry is None:
