@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -104,14 +105,23 @@ def guard_command(prog: str) -> None:
 
 @contextmanager
 def ctrl_c_after_imports() -> Iterator[None]:
-    """A command's lazy imports of torch or transformers: a SIGINT meanwhile waits (blocked) and comes
-    when they are done. Raised inside torch's import, a KeyboardInterrupt was swallowed there, or ended the
-    process by SIGINT (-2) after the command had caught it and returned 130."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """A command's lazy imports of torch or transformers: a SIGINT meanwhile is held and handled by the
+    handler before it when they are done. Raised inside torch's import, a KeyboardInterrupt was swallowed
+    there, or ended the process by SIGINT (-2) after the command had caught it and returned 130. Only the
+    main thread has handlers: elsewhere it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        signal.signal(signal.SIGINT, before)
+    if held and callable(before):
+        before(signal.SIGINT, None)
+    elif held and before == signal.SIG_DFL:
+        signal.raise_signal(signal.SIGINT)
 
 
 def requested() -> int | None:
