@@ -66,6 +66,23 @@ def _records(run_dir):
     return losses, evals, syncs, torch.load(run_dir / "weights.pt")
 
 
+def equal_side_by_side(tmp_path, overrides, while_running=None):
+    """The sharded run of `overrides` and the unsharded one side by side, their per-replica and held-out
+    losses and weights.pt bitwise equal: each one's `_records`, and what `while_running(sharded)` gave
+    meanwhile (the simulation beside it), or None."""
+    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
+    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
+    meanwhile = None if while_running is None else while_running(sharded)
+    for proc in (sharded, whole):
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-3000:]
+    mine, theirs = _records(tmp_path / "s"), _records(tmp_path / "w")
+    assert mine[:2] == theirs[:2]  # the per-replica losses, the held-out losses
+    weights, w_weights = mine[3], theirs[3]
+    assert set(weights) == set(w_weights) and all(torch.equal(weights[n], w_weights[n]) for n in w_weights)
+    return mine, theirs, meanwhile
+
+
 # Streaming DiLoCo on shards: two fragments, each pseudo-gradient taken one update before it lands (its
 # all-reduce over the cross-replica group in flight while FSDP2 trains on the replica group), H 4, 8 updates.
 STREAMING = [
@@ -104,18 +121,10 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
     kind = CASES[name]
     streaming = kind != "tail"  # compared with the unsharded run alone
     overrides = {"streaming": STREAMING, "muon": MUON}.get(kind) or [*UNEVEN, tail_offset(UNEVEN, 1)]
-    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
-    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
     cfg = compose_cfg(overrides)
-    simulated = None if streaming else simulated_beside(sharded, cfg)
-    for proc in (sharded, whole):
-        done = finish(proc)
-        assert done.returncode == 0, done.stderr[-3000:]
-    losses, evals, syncs, weights = _records(tmp_path / "s")
-    w_losses, w_evals, w_syncs, w_weights = _records(tmp_path / "w")
-
-    assert losses == w_losses and evals == w_evals
-    assert all(torch.equal(weights[n], w_weights[n]) for n in w_weights) and set(weights) == set(w_weights)
+    (losses, evals, syncs, weights), (_, _, w_syncs, w_weights), simulated = equal_side_by_side(
+        tmp_path, overrides, None if streaming else lambda sharded: simulated_beside(sharded, cfg)
+    )
     # the sync rows' figures are the whole replica's (norms over the shards; bytes per replica)
     for mine, theirs in zip(syncs, w_syncs, strict=True):
         for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
@@ -201,16 +210,9 @@ def test_a_sharded_hf_llama_with_int8_and_error_feedback_equals_the_unsharded_ru
     reordering, then rounded to fp32), hence approx at fp32's 2^-23. The sharded run's DCP checkpoint
     holds the error-feedback buffers as shards: read whole (`dcp_shards.load_whole`), equal to the
     unsharded run's bitwise, and not zero (they are used)."""
-    overrides = [*HF_INT8, tail_offset(HF_INT8, 1)]
-    sharded = start_entry([*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 's'}"], tmp_path)
-    whole = start_entry([*overrides, f"hydra.run.dir={tmp_path / 'w'}"], tmp_path)
-    for proc in (sharded, whole):
-        done = finish(proc)
-        assert done.returncode == 0, done.stderr[-3000:]
-    losses, evals, syncs, weights = _records(tmp_path / "s")
-    w_losses, w_evals, w_syncs, w_weights = _records(tmp_path / "w")
-    assert losses == w_losses and evals == w_evals
-    assert all(torch.equal(weights[n], w_weights[n]) for n in w_weights) and set(weights) == set(w_weights)
+    (_, _, syncs, _), (_, _, w_syncs, w_weights), _ = equal_side_by_side(
+        tmp_path, [*HF_INT8, tail_offset(HF_INT8, 1)]
+    )
     assert len(syncs) == 2
     for mine, theirs in zip(syncs, w_syncs, strict=True):
         assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=1e-12)
