@@ -323,7 +323,7 @@ def test_a_killed_sharded_run_with_int8_error_feedback_resumes_bitwise_sharded_o
         [*codec, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:3:kill"
     )
     assert killed.returncode == 3, killed.stderr[-2000:]
-    assert [p.name for p in (tmp_path / "k" / "checkpoints").glob("ckpt-u*")] == ["ckpt-u0000002.dcp"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "k")] == ["ckpt-u0000002.dcp"]
     shutil.copytree(tmp_path / "k", tmp_path / "u")
     assert finish(whole).returncode == 0
     expected = torch.load(tmp_path / "full" / "weights.pt")
