@@ -74,6 +74,7 @@ class Table:
     cells: dict[tuple[str, str], Cell]  # (the row's key, the column's header) -> the printed cell
     key_columns: int = 1  # the leading cells that name a row, joined with " | "
     cheap: bool = True  # every command well under a minute on the 2-core CPU
+    below: str = ""  # a line above it (its heading) that picks it where its page has two with its header
 
     def run_names(self) -> list[str]:
         return list(self.commands)
@@ -431,20 +432,51 @@ TUNED_EXAMPLE = (
 TUNED_EXAMPLE += ("--trials", "6", "--seeds", "3", "--updates", "8", "--H", "2", "model.d_model=32")
 TUNED_EXAMPLE += ("data.seq_len=32", "data.heldout=64", "phase.global_batch=32")
 TUNED_LINKS = ("datacenter_100g", "cross_region_10g", "internet_1g")  # hypertrain.report.tuned.study's
+TUNED_COLUMNS = ("tuned setting", "seeds", "held-out final: mean (min to max)", "std", "bits/replica")
+TUNED_COLUMNS += tuple(f"{link} s to diloco's loss" for link in TUNED_LINKS)
+# The three studies re-done tuned (issue 52): one study per corpus, its rows shown where their scheme is
+TUNED_ALL = "diloco,delayed,eager,streaming,sparseloco,int8,lowrank,async_dn_dylu,adam"
+TUNED_STUDY = ("--schemes", TUNED_ALL, "--trials", "6", "--seeds", "3", "--updates", "192", "--H", "8")
+TUNED_CORPORA = {  # name: the study's extra options, the heading above its table on each page
+    "bytes": ((), "### The stdlib's source as bytes"),
+    "docstrings": (("--corpus", "docstrings"), "### The stdlib's docstrings, a BPE of 512 tokens"),
+}
+TUNED_PAGES = {  # name: the page, its schemes (the reference first)
+    "overlap": ("docs/overlap.md", ("diloco", "delayed", "eager", "streaming")),
+    "codecs": ("docs/compression.md", ("diloco", "sparseloco", "int8", "lowrank")),
+    "async": ("docs/async.md", ("diloco", "async_dn_dylu")),
+}
+
+
+def tuned_table(name: str, doc: str, schemes: tuple, run: str, command: tuple, below: str = "") -> Table:
+    """The report's tuned table that tuned_study.py prints (`run`: the command's name), its rows of
+    `schemes`: every cell but an async scheme's time on the links its clock did not run on (`-`)."""
+    cells = {
+        (s, c): markdown_cell(run, s, c, key_columns=1)
+        for s in schemes
+        for c in TUNED_COLUMNS
+        if not (s.startswith("async") and c.endswith("s to diloco's loss") and "cross_region_10g" not in c)
+    }
+    header = "| " + " | ".join(("scheme", *TUNED_COLUMNS)) + " |"
+    return Table(name, doc, header, {run: command}, cells, cheap=False, below=below)
 
 
 def tuned_example() -> Table:
     """docs/sweeps.md's tuned study: experiments/tuned_study.py's 27 runs (seeded studies, deterministic
     runs) and the report's tuned table it prints: every cell."""
-    columns = ("tuned setting", "seeds", "held-out final: mean (min to max)", "std", "bits/replica")
-    columns += tuple(f"{link} s to diloco's loss" for link in TUNED_LINKS)
-    cells = {
-        (s, c): markdown_cell("tuned-example", s, c, key_columns=1) for s in TUNED_SCHEMES for c in columns
-    }
-    header = "| " + " | ".join(("scheme", *columns)) + " |"
-    return Table(
-        "tuned-example", "docs/sweeps.md", header, {"tuned-example": TUNED_EXAMPLE}, cells, cheap=False
-    )
+    return tuned_table("tuned-example", "docs/sweeps.md", TUNED_SCHEMES, "tuned-example", TUNED_EXAMPLE)
+
+
+def tuned_studies() -> list[Table]:
+    """The overlap, codec and async studies re-done tuned: tuned_study.py's 81 runs on each corpus (about
+    35 minutes each here), each page the rows of its schemes under the corpus's heading."""
+    tables = []
+    for corpus, (options, heading) in TUNED_CORPORA.items():
+        run = f"tuned-{corpus}"
+        command = ("script:experiments/tuned_study.py", f"{{{run}-runs}}", *TUNED_STUDY, *options)
+        for page, (doc, schemes) in TUNED_PAGES.items():
+            tables.append(tuned_table(f"tuned-{page}-{corpus}", doc, schemes, run, command, below=heading))
+    return tables
 
 
 def data_study() -> Table:
@@ -650,6 +682,7 @@ TABLES = {
         codec_study(),
         sweeps_study(),
         tuned_example(),
+        *tuned_studies(),
         data_study(),
         prepare_example(),
         compression_sizes(),
@@ -833,8 +866,12 @@ def columns(table: Table) -> list[str]:
 def find_table(text: str, table: Table) -> tuple[int, int]:
     """The lines [first, end) of the table's rows below its header (and the rule under it)."""
     lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == table.header]
-    if len(starts) != 1:
+    below = getattr(table, "below", "")  # a Measured table has none
+    if below and below not in lines:
+        raise ValueError(f"{table.doc}: no line {below!r} above the table {table.header!r}")
+    after = lines.index(below) if below else -1
+    starts = [i for i, line in enumerate(lines) if line.strip() == table.header and i > after]
+    if not starts or (len(starts) > 1 and not below):  # below one: the first after it
         raise ValueError(
             f"{table.doc}: {len(starts)} tables with the header {table.header!r}; valid: exactly one"
         )

@@ -7,21 +7,27 @@ the bits one replica sent (`comm/outer_total_bits`), and the network clock's tim
 loss on three links.
 
     python experiments/tuned_study.py OUT [--schemes diloco,eager,...] [--trials 20] [--seeds 3]
-        [--updates 240] [--H 8] [--dry-run] [EXTRA OVERRIDES ...]
+        [--updates 240] [--H 8] [--corpus docstrings] [--dry-run] [EXTRA OVERRIDES ...]
 
 OUT/tuned_study.json names the schemes and the reference (diloco) for the report; OUT/{scheme}/tune/ holds
 the study (a run per trial, trials.yaml, optimization_results.yaml),
 OUT/{scheme}/seeds/ the K runs of its best setting. --dry-run prints the runs and their count (the seeds'
 runs with the tuned values as `<tuned>`). The divergence guard stays on: a trial that diverges fails
 alone and the study goes on. A failing study or seed sweep is reported, the other schemes go on.
+`--corpus docstrings` trains every run on English text instead of the stdlib's source as bytes: the stdlib's
+docstrings (as tests/test_prepared_learns.py gathers them) prepared once into OUT/corpus with a byte-level
+BPE of 512 tokens (`python -m hypertrain.data prepare`, docs/data.md).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 import subprocess
 import sys
+import sysconfig
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +66,7 @@ SCHEMES = {  # name: (the scheme's overrides, its outer step's search space)
 REFERENCE = "diloco"  # the scheme whose mean final loss the report times the others to
 TUNING_SEED = 0
 TUNED = "<tuned>"  # a tuned value in a dry run's printed seeds command
+DOCSTRINGS_MB = 2.5  # of text: ~0.9 M tokens of the BPE, a run of 192 updates reads ~0.4 M
 
 
 def space_keys(scheme: str) -> list[str]:
@@ -137,6 +144,49 @@ def run_study(args, run: Callable[[list[str]], int]) -> list[str]:
     return failed
 
 
+def stdlib_docstrings(megabytes: float) -> list[str]:
+    """The docstrings (module, class, function; of >= 40 characters) of the stdlib's .py files outside its
+    tests, in sorted path order, until `megabytes` of text; a file that does not parse is skipped."""
+    texts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # invalid escape sequences in old modules
+                tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        for node in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef))]:
+            text = ast.get_docstring(node)
+            if text and len(text) >= 40:
+                texts.append(text)
+                size += len(text.encode())
+                if size >= megabytes * 1e6:
+                    return texts
+    return texts
+
+
+def prepare_command(out: Path) -> list[str]:
+    """The command that prepares the docstrings (OUT/docstrings.jsonl) into OUT/corpus."""
+    inputs, corpus = out.resolve() / "docstrings.jsonl", out.resolve() / "corpus"
+    prepare = [sys.executable, "-m", "hypertrain.data", "prepare", str(inputs)]
+    return [*prepare, "--tokenizer=train:512", f"--out={corpus}"]
+
+
+def prepare_docstrings(out: Path) -> int:
+    """Write the docstrings as JSONL and prepare them (a second time: prepare's 'nothing to do')."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = (json.dumps({"text": text}) + "\n" for text in stdlib_docstrings(DOCSTRINGS_MB))
+    (out / "docstrings.jsonl").write_text("".join(lines))
+    return subprocess.run(prepare_command(out)).returncode
+
+
+def corpus_overrides(out: Path) -> list[str]:
+    """What every run on the prepared docstrings adds (its vocab the corpus's, from its meta.json)."""
+    return ["data=prepared", f"data.path={out.resolve() / 'corpus'}"]
+
+
 def tuned_table(out: Path) -> list[str]:
     """The report's tuned table of the study in `out` (`python -m hypertrain.report OUT` shows it too)."""
     from hypertrain.report.phases import markdown_table
@@ -163,9 +213,14 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3, help="the seeds its best setting runs on")
     parser.add_argument("--updates", type=int, default=240, help="the phase's updates (phase.updates)")
     parser.add_argument("--H", type=int, default=8, help="inner steps per round (inner.H)")
+    parser.add_argument("--corpus", choices=["docstrings"], help="BPE text (default: bytes)")
     args = parser.parse_intermixed_args()
     train = [sys.executable, "-m", "hypertrain.train"]
+    if args.corpus:
+        args.extra = [*corpus_overrides(args.out), *args.extra]
     if args.dry_run:
+        if args.corpus:
+            print(shlex.join(prepare_command(args.out)))
         every = run_overrides(args.updates, args.H, args.extra)
         for scheme in args.schemes:
             print(shlex.join(train + tune_args(args.out, scheme, args.trials, every)))
@@ -178,6 +233,9 @@ def main() -> int:
         print(shlex.join(train + entry_args), flush=True)
         return subprocess.run(train + entry_args, stdout=subprocess.DEVNULL).returncode
 
+    if args.corpus and prepare_docstrings(args.out):
+        print(f"failed: {shlex.join(prepare_command(args.out))}", file=sys.stderr)
+        return 1
     failed = run_study(args, run)
     if any((args.out / s / "seeds").is_dir() for s in args.schemes):
         print("\n".join(tuned_table(args.out)), flush=True)

@@ -169,6 +169,19 @@ def test_the_dry_run_prints_the_runs_and_their_count(tmp_path, capsys, monkeypat
     assert not (tmp_path / "out").exists()  # nothing run, nothing made
 
 
+def test_the_docstrings_corpus_is_prepared_first_and_read_by_every_run(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    argv = ["tuned_study.py", str(out), "--schemes", "diloco", "--trials", "2", "--corpus", "docstrings"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--dry-run"])
+    assert tuned_study.main() == 0
+    prepare, *runs = [shlex.split(line) for line in capsys.readouterr().out.splitlines()[:-1]]
+    assert prepare[2:4] == ["hypertrain.data", "prepare"] and f"--out={out.resolve() / 'corpus'}" in prepare
+    assert len(runs) == 2 and all(f"data.path={out.resolve() / 'corpus'}" in run for run in runs)
+    assert all("data=prepared" in run for run in runs) and not out.exists()
+    texts = tuned_study.stdlib_docstrings(0.01)  # the first 10 kB of docstrings, each >= 40 characters
+    assert texts and all(len(t) >= 40 for t in texts) and sum(len(t.encode()) for t in texts) >= 1e4
+
+
 LINKS_TIMED = ("datacenter_100g", "cross_region_10g", "internet_1g")  # docs/sweeps.md: the report's three
 
 
