@@ -13,45 +13,21 @@ include it; the held-out slice is whole documents of the same docstrings.
 
 from __future__ import annotations
 
-import ast
 import json
-import sysconfig
-import warnings
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import data_command, entry
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from tuned_study import stdlib_docstrings  # noqa: E402  (the one extraction, the tuned study's corpus too)
+
 from hypertrain.data import corpus
 from hypertrain.records.files import merged_summary, read_metrics
 
 MEGABYTES = 2.5  # of docstrings: 40 updates of 256 windows of 65 tokens need ~0.66 M tokens (~2 MB)
-
-
-def stdlib_docstrings(megabytes: float) -> list[str]:
-    """The docstrings (module, class, function) of the stdlib's .py files in sorted path order, until
-    `megabytes` of text; files that do not parse under this Python are skipped."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts, size = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # invalid escape sequences in old modules
-                tree = ast.parse(path.read_bytes())
-        except (SyntaxError, ValueError):
-            continue
-        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef))]
-        for node in nodes:
-            text = ast.get_docstring(node)
-            if text and len(text) >= 40:
-                texts.append(text)
-                size += len(text.encode())
-                if size >= megabytes * 1e6:
-                    return texts
-    return texts
 
 
 def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
