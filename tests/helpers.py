@@ -725,6 +725,16 @@ def observe(cfg):
 # -- compressed pseudo-gradients (outer.compress) ------------------------------------------------------
 
 
+def shard_norm_bound(params: int) -> float:
+    """How far (relative) a sharded run's norm of `params` values (`norm_over_shards`: each rank's float64
+    norm of its shard, squared, summed over the shards, square-rooted) may lie from the unsharded run's
+    float64 norm of the whole: both sum the same non-negative squares (each rounded once) in other orders,
+    each within (n + 3) 2^-53 of the exact sum (n - 1 additions, the squares, the shard's square root
+    squared again: recursive summation, Higham 2002, section 4.2), so the two sums lie within twice that
+    of each other and their square roots within half of it."""
+    return (params + 3) * 2**-53
+
+
 def assert_identical_but(run_dir: Path, reference: Path, skip: tuple[str, ...] = ()) -> None:
     """`assert_identical` but for the sync rows' keys in `skip` (figures only some runs record, such as the
     bytes real processes measured): every update row, every other sync field, the held-out losses, the

@@ -35,7 +35,16 @@ import shutil
 
 import pytest
 import torch
-from helpers import DIST, compose_cfg, entry, finish, rounding_floors, simulated_beside, start_entry
+from helpers import (
+    DIST,
+    compose_cfg,
+    entry,
+    finish,
+    rounding_floors,
+    shard_norm_bound,
+    simulated_beside,
+    start_entry,
+)
 from references import assert_losses_within_rounding, assert_within_rounding
 from test_dist import tail_offset
 
@@ -127,8 +136,10 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
     )
     # the sync rows' figures are the whole replica's (norms over the shards; bytes per replica)
     for mine, theirs in zip(syncs, w_syncs, strict=True):
-        for key in ("pseudo_grad_norm", "params", "comm_outer_bytes", "replicas_synced"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+        for key in ("params", "comm_outer_bytes", "replicas_synced"):
+            assert mine[key] == theirs[key], key
+        bound = shard_norm_bound(theirs["params"])
+        assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=bound, abs=0)
     # The summary's per-rank bytes (rank 0's): 1/L of the whole, plus at most one dim-0 slice per tensor
     # (FSDP2's uneven cut); the gradients as the weights, AdamW's m and v twice them (Muon keeps no v).
     summary = {
@@ -215,7 +226,8 @@ def test_a_sharded_hf_llama_with_int8_and_error_feedback_equals_the_unsharded_ru
     )
     assert len(syncs) == 2
     for mine, theirs in zip(syncs, w_syncs, strict=True):
-        assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=1e-12)
+        bound = shard_norm_bound(theirs["params"])
+        assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=bound, abs=0)
         assert mine["compress_error"] == pytest.approx(theirs["compress_error"], rel=2**-23)
         # the replica's ranks send the straddling blocks twice: more bytes, at most a block per tensor
         extra = mine["payload_bytes"] - theirs["payload_bytes"]

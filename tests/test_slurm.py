@@ -43,6 +43,7 @@ from helpers import (
     assert_same_weights,
     finish,
     outcome,
+    shard_norm_bound,
     start_entry,
 )
 from slurm_cluster import END_TIMEOUT_S, RPC_S, SCHED_INTERVAL_S, SLOWDOWN, STOP_CPU_S
@@ -273,10 +274,8 @@ def test_a_slurm_sweep_equals_the_basic_launchers_sweep_job_for_job(cluster, tmp
 # reduce-scatter's sum of two terms exact in any order, the division by 2 exact; AdamW and the sync
 # elementwise). The bytes measured at the collectives are left out: FSDP2's collectives are not counted
 # (the sharded run measures its loss all-reduce alone) and one replica sends nothing across replicas. The
-# pseudo-gradient's norm is compared apart: it is summed per shard, then over the two (`norm_over_shards`),
-# the float64 sum of the same n = `params` squares in another order, each order within (n + 2) 2^-53 of the
-# exact sum (relative; non-negative terms), the square root halving it: bitwise on one machine's data, one
-# ulp off on another's (CI, this one).
+# pseudo-gradient's norm is compared apart, within `shard_norm_bound`: it is summed per shard, then over the
+# two, another float64 order (bitwise on one machine's data, one ulp off on another's: CI, this one).
 SHARD_SKIP = ("comm_measured_inner_bytes", "comm_measured_outer_bytes", "pseudo_grad_norm")
 # The two jobs each take both cores, so they run one after the other: the second waits for the
 # first's end and one more start.
@@ -302,7 +301,7 @@ def test_a_two_task_slurm_job_equals_torchrun_with_two_processes_exactly(cluster
     syncs = [[r for r in read_metrics(d / METRICS_FILE) if r["kind"] == "sync"] for d in (sharded, job)]
     assert len(syncs[0]) == len(syncs[1]) > 0
     for mine, theirs in zip(*syncs, strict=True):
-        bound = (theirs["params"] + 2) * 2**-53
+        bound = shard_norm_bound(theirs["params"])
         assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=bound, abs=0)
     for run_dir in (job, sharded):
         rows = read_metrics(run_dir / METRICS_FILE)
