@@ -154,7 +154,7 @@ def codec(model: ModelConfig, data: DataConfig, run_dir: Path, facts: dict) -> T
             lambda ids: bytes(ids).decode("utf-8", errors="replace"),
             vocab=min(BYTE_VOCAB, model.vocab),
         )
-    if source.tokenizer == "corpus":
+    if corpus.own_tokenizer(source.tokenizer):
         path = Path(data.path).expanduser()
         meta = corpus.read_meta(path)
         try:

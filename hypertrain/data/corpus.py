@@ -292,6 +292,12 @@ def byte_level(tokenizer: str) -> bool:
     return tokenizer == "bytes"
 
 
+def own_tokenizer(tokenizer: str) -> bool:
+    """A source's `tokenizer` is its prepared corpus's own (the one the corpus's meta names: tokenizer.json
+    or bytes), not one of its own."""
+    return tokenizer == "corpus"
+
+
 class Tokenizer:
     """The corpus's tokenizer: `encode(text)` -> ids (no eod), `decode(ids)` -> text (the eod dropped)."""
 

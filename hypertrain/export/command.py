@@ -185,7 +185,7 @@ def export(args: Args) -> str:
     write_atomically(args.out, fill)
     if tokenizer:
         said = f"tokenizer.json and {hf_tokenizer.CONFIG} of {tokenizer[0]}"
-    elif data_source(data).tokenizer in ("bytes", "corpus"):  # a corpus of the bytes tokenizer too
+    elif corpus.byte_level(ids := data_source(data).tokenizer) or corpus.own_tokenizer(ids):  # a bytes corpus
         said = "no tokenizer (byte-level data: a byte's id is its value)"
     else:
         said = f"no tokenizer (data={data.name}'s ids have none)"
