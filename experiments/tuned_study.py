@@ -15,8 +15,8 @@ OUT/{scheme}/seeds/ the K runs of its best setting. --dry-run prints the runs an
 runs with the tuned values as `<tuned>`). The divergence guard stays on: a trial that diverges fails
 alone and the study goes on. A failing study or seed sweep is reported, the other schemes go on.
 `--corpus docstrings` trains every run on English text instead of the stdlib's source as bytes: the stdlib's
-docstrings (as tests/test_prepared_learns.py gathers them) prepared once into OUT/corpus with a byte-level
-BPE of 512 tokens (`python -m hypertrain.data prepare`, docs/data.md).
+docstrings (`stdlib_docstrings`, which tests/test_prepared_learns.py reads too) prepared once into
+OUT/corpus with a byte-level BPE of 512 tokens (`python -m hypertrain.data prepare`, docs/data.md).
 """
 
 from __future__ import annotations
