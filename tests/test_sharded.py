@@ -121,7 +121,20 @@ MUON = [
 # collectives: the ranks run the most, the other a zero-weight one; without it the run timed out here), and
 # the stream's end leaves 1 id for the last update (a replica that skips it, a rank without ids).
 UNEVEN = [*SHARDED, "phase.global_batch=6", "data.max_padded_tokens=65"]
-CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming", "muon-adam-average": "muon"}
+# outer.overlap on shards (docs/overlap.md): each sync's reduction in flight a whole round over the
+# cross-replica group; delayed with churn (replica 0's two ranks idle through round 2, replica 1 misses
+# round 3: who contributes is the plan's, the same on a replica's every rank); eager (each replica's own
+# outer weights, their mean taken per shard on the cross-replica group's twin beside the reduction).
+OVERLAP = [*SHARDED[:-2], "phase.updates=8", "checkpoint.every=0"]
+DELAYED_CHURN = [*OVERLAP, "outer.overlap=delayed", "churn.events=[2:0:leave,3:0:rejoin,3:1:miss]"]
+EAGER = [*OVERLAP, "outer.overlap=eager"]
+CASES = {
+    "documents-tail": "tail",
+    "fragments2-delay1": "streaming",
+    "muon-adam-average": "muon",
+    "overlap-delayed-churn": "delayed-churn",
+    "overlap-eager": "eager",
+}
 
 
 @pytest.mark.slow  # two 4-process runs on real processes, 64-90 s each case on 2 cores (measured)
@@ -129,7 +142,9 @@ CASES = {"documents-tail": "tail", "fragments2-delay1": "streaming", "muon-adam-
 def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path, name):
     kind = CASES[name]
     streaming = kind != "tail"  # compared with the unsharded run alone
-    overrides = {"streaming": STREAMING, "muon": MUON}.get(kind) or [*UNEVEN, tail_offset(UNEVEN, 1)]
+    overrides = {"streaming": STREAMING, "muon": MUON, "delayed-churn": DELAYED_CHURN, "eager": EAGER}.get(
+        kind
+    ) or [*UNEVEN, tail_offset(UNEVEN, 1)]
     cfg = compose_cfg(overrides)
     (losses, evals, syncs, weights), (_, _, w_syncs, w_weights), simulated = equal_side_by_side(
         tmp_path, overrides, None if streaming else lambda sharded: simulated_beside(sharded, cfg)
@@ -140,6 +155,10 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
             assert mine[key] == theirs[key], key
         bound = shard_norm_bound(theirs["params"])
         assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=bound, abs=0)
+        if theirs.get("outer_spread") is not None:  # eager: a ratio of two such norms, each within `bound`
+            assert mine["outer_spread"] == pytest.approx(theirs["outer_spread"], rel=2 * bound, abs=0)
+    if kind == "delayed-churn":  # the churn was exercised: a sync that replica 0 sat out
+        assert any(row["replicas_synced"] == 1 for row in w_syncs), [r["replicas_synced"] for r in w_syncs]
     # The summary's per-rank bytes (rank 0's): 1/L of the whole, plus at most one dim-0 slice per tensor
     # (FSDP2's uneven cut); the gradients as the weights, AdamW's m and v twice them (Muon keeps no v).
     summary = {
@@ -306,11 +325,8 @@ def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_rep
     "extra, says",
     [
         (["outer.compress=topk"], "outer.compress=topk (a blockwise codec"),
-        (["churn.p_miss=0.1"], "churn is not built with processes.shard=true"),
-        (
-            ["outer.fragments=2", "outer.delay=1", "inner.H=4", "phase.updates=4", "checkpoint.every=1"],
-            "a checkpoint with outer.delay=1",
-        ),
+        (["outer.schedule=async"], "outer.schedule=async is not built with processes.shard=true"),
+        (["outer.overlap=eager", "checkpoint.every=1"], "a checkpoint with outer.overlap=eager"),
         (["world=2"], "processes.shard=true with world.size=2 and replicas=2 shards nothing"),
     ],
 )
@@ -342,6 +358,72 @@ def test_a_killed_sharded_run_with_int8_error_feedback_resumes_bitwise_sharded_o
     for where, shard in (("k", "true"), ("u", "false")):
         args = [*codec, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", "resume=true"]
         done = entry(args, tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = torch.load(tmp_path / where / "weights.pt")
+        assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+
+# Streaming DiLoCo's reduction in flight (outer.delay 1) and a torch.optim outer optimizer (Adam's moments),
+# a checkpoint after every update (all kept); rank 1 killed as update 6 starts, so the run restarts itself
+# from ckpt-u0000005, taken with fragment 0's reduction in flight and Adam's state on both fragments.
+IN_FLIGHT = [
+    *STREAMING[:-1],
+    "outer.optimizer=torch.optim.Adam",
+    "outer.lr=0.01",
+    "processes.timeout_s=5",
+    "checkpoint.every_updates=1",
+    "checkpoint.keep=10",
+    "processes.max_restarts=1",
+]
+
+
+@pytest.mark.slow  # five 4-process runs of 8 updates (two side by side), about 90 s on 2 cores (measured)
+def test_a_killed_sharded_run_with_a_reduction_in_flight_and_adams_state_resumes_bitwise(tmp_path):
+    """A pending reduction's mean is written as shards of its fragment's parameters (`pending/INDEX`) and
+    Adam's moments as shards of theirs (`outer_optimizer/FRAGMENT/INDEX/KEY`; its step count in run.pt),
+    so no rank holds a whole one. The killed run, restarted from the checkpoint taken with the reduction
+    in flight, finishes bitwise the uninterrupted sharded run, which is bitwise the unsharded one (the
+    same operations on the same numbers: the module docstring). That checkpoint also resumes unsharded (its
+    shards read whole), and the unsharded run's single-file checkpoint of the same update resumes sharded
+    (its whole tensors cut into this run's shards), both bitwise."""
+    runs = {
+        where: start_entry(
+            [*IN_FLIGHT, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}"], tmp_path
+        )
+        for where, shard in (("full", "true"), ("w", "false"))
+    }
+    for proc in runs.values():
+        assert finish(proc).returncode == 0
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    unsharded = torch.load(tmp_path / "w" / "weights.pt")
+    assert all(torch.equal(unsharded[n], expected[n]) for n in expected)
+    killed = entry(
+        [*IN_FLIGHT, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:6:kill"
+    )
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    mid = tmp_path / "k" / "checkpoints" / "ckpt-u0000005.dcp"
+    (restart,) = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if r["kind"] == "restart"]
+    assert restart["from"] == str(mid), restart
+    got = torch.load(tmp_path / "k" / "weights.pt")
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    # what it holds, read whole, is the unsharded run's checkpoint of the same update, bitwise
+    state = dcp_shards.load_whole(mid, checkpoint.load(mid)["state"])
+    theirs = checkpoint.load(tmp_path / "w" / "checkpoints" / "ckpt-u0000005.pt")["state"]
+    assert state["pending"]["mean"] is not None and torch.equal(
+        state["pending"]["mean"], theirs["pending"]["mean"]
+    )
+    for mine, kept in zip(state["outer_optimizer"], theirs["outer_optimizer"], strict=True):
+        assert mine["state"].keys() == kept["state"].keys() and kept["state"]
+        for i, per in kept["state"].items():
+            assert all(torch.equal(mine["state"][i][k], t) for k, t in per.items()), i
+
+    shutil.copytree(tmp_path / "k", tmp_path / "u")
+    shutil.copytree(tmp_path / "w", tmp_path / "x")
+    for where, shard, at in (("u", "false", "ckpt-u0000005.dcp"), ("x", "true", "ckpt-u0000005.pt")):
+        resume = f"resume={tmp_path / where / 'checkpoints' / at}"
+        done = entry(
+            [*IN_FLIGHT, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}", resume], tmp_path
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         got = torch.load(tmp_path / where / "weights.pt")
         assert all(torch.equal(got[n], expected[n]) for n in expected), where

@@ -5,9 +5,10 @@ reading its own, as here), and as replicas of L = 1 (each rank's shard is the wh
 whole by one process with no process group (how an unsharded run reads it). The expected shards are cut
 here, independently of the code under test, as FSDP2 cuts a parameter: rows [j * ceil(n / L),
 (j + 1) * ceil(n / L)) of the whole tensor, empty past its end. Every tensor kind a checkpoint holds is
-there (the global weights, the outer momentum, each replica's inner moments and mid-round weights), with
-rows that L = 2 and L = 4 cut unevenly (7 rows: 4 + 3 and 2 + 2 + 2 + 1; 3 rows at L = 4: 1 + 1 + 1 and
-an empty shard). Only bytes move, so bitwise.
+there (the global weights, the outer momentum, a torch.optim outer optimizer's moments per fragment, a
+pending reduction's flat mean over its fragment's parameters, each replica's inner moments and mid-round
+weights), with rows that L = 2 and L = 4 cut unevenly (7 rows: 4 + 3 and 2 + 2 + 2 + 1; 3 rows at
+L = 4: 1 + 1 + 1 and an empty shard). Only bytes move, so bitwise.
 """
 
 from __future__ import annotations
@@ -23,6 +24,30 @@ import torch.multiprocessing as mp
 ROWS = {"emb": (7, 5), "norm": (3,), "head": (10, 4)}  # whole shapes
 R = 2
 GLOBAL = ("theta", "outer_momentum")
+FRAGMENTS = [["emb", "norm"], ["head"]]  # each fragment's parameters, in order
+PENDING = 1  # the fragment whose reduction is in flight
+
+
+def _outer_optimizer(cut) -> list[dict]:
+    """Adam's state per fragment as `state_dict()` gives it (parameters by index), `cut` applied to each
+    moment; its step count a scalar (run.pt's)."""
+    moments = {k: cut(_whole(k)) for k in ("exp_avg", "exp_avg_sq")}
+    return [
+        {
+            "state": {
+                i: {"step": torch.tensor(5.0), **{k: m[n] for k, m in moments.items()}}
+                for i, n in enumerate(names)
+            },
+            "param_groups": [{"lr": 0.01, "params": list(range(len(names)))}],
+        }
+        for names in FRAGMENTS
+    ]
+
+
+def _pending_mean(cut) -> torch.Tensor:
+    """The pending fragment's flat mean: each of its parameters (cut) flattened, in order."""
+    whole = _whole("pending")
+    return torch.cat([cut({n: whole[n]})[n].reshape(-1) for n in FRAGMENTS[PENDING]])
 
 
 def _whole(part: str, replica: int | None = None) -> dict[str, torch.Tensor]:
@@ -62,6 +87,11 @@ def _stub() -> dict:
         "inner": [{"m": {}, "v": {}, "step": torch.tensor(3)} for _ in range(R)],
         "round_params": [{} for _ in range(R)],
         "replicas": list(range(R)),
+        "outer_optimizer": [
+            dict(kept, state={i: {"step": per["step"]} for i, per in kept["state"].items()})
+            for kept in _outer_optimizer(lambda part: {n: None for n in part})
+        ],
+        "pending": {"fragment": PENDING, "mean": "in the shards"},
     }
 
 
@@ -75,14 +105,20 @@ def _write(rank: int, folder: Path) -> None:
     def cut(part, r=None, axis=False):
         return {n: _cut(t, j, 2).unsqueeze(0) if axis else _cut(t, j, 2) for n, t in _whole(part, r).items()}
 
+    def shard(tensors):
+        return {n: _cut(t, j, 2) for n, t in tensors.items()}
+
     local = {
         "theta": cut("theta"),
         "outer_momentum": cut("outer_momentum"),
         "inner": [{"m": cut("m", replica, True), "v": cut("v", replica, True), "step": torch.tensor(3)}],
         "round_params": [cut("params", replica, True)],
         "replicas": [replica],
+        "outer_optimizer": _outer_optimizer(shard),
+        "pending": {"fragment": PENDING, "mean": _pending_mean(shard)},
     }
-    dcp_shards.save(folder, SimpleNamespace(state_dict=lambda: local), groups)
+    syncs = [SimpleNamespace(names=names) for names in FRAGMENTS]
+    dcp_shards.save(folder, SimpleNamespace(state_dict=lambda: local, syncs=syncs), groups)
 
 
 def _read(rank: int, folder: Path, L: int, replica: int) -> None:
@@ -100,8 +136,22 @@ def _read(rank: int, folder: Path, L: int, replica: int) -> None:
         assert tensors.keys() == whole.keys(), (part, tensors.keys())
         for n, t in whole.items():
             assert torch.equal(tensors[n], _cut(t, rank % L, L)), (rank, L, part, n)
+
+    def shard(tensors):
+        return {n: _cut(t, rank % L, L) for n, t in tensors.items()}
+
+    _assert_outer_optimizer(got["outer_optimizer"], _outer_optimizer(shard))
+    assert torch.equal(got["pending"]["mean"], _pending_mean(shard)), (rank, L)
     other = 1 - replica  # the other replica's state: not read
     assert got["inner"][other]["m"] == {} and got["round_params"][other] == {}
+
+
+def _assert_outer_optimizer(got: list[dict], expected: list[dict]) -> None:
+    for mine, kept in zip(got, expected, strict=True):
+        assert mine["state"].keys() == kept["state"].keys()
+        for i, per in kept["state"].items():
+            assert mine["state"][i].keys() == per.keys(), i
+            assert all(torch.equal(mine["state"][i][k], t) for k, t in per.items()), i
 
 
 def _worker(rank: int, folder: str, store: str) -> None:
@@ -131,3 +181,5 @@ def test_a_dcp_checkpoint_written_at_two_shards_reads_bitwise_at_four_one_and_wh
             assert all(torch.equal(got["inner"][r][moment][n][0], t) for n, t in _whole(moment, r).items())
         assert all(torch.equal(got["round_params"][r][n][0], t) for n, t in _whole("params", r).items())
         assert got["inner"][r]["step"] == 3
+    _assert_outer_optimizer(got["outer_optimizer"], _outer_optimizer(lambda tensors: tensors))
+    assert torch.equal(got["pending"]["mean"], _pending_mean(lambda tensors: tensors))

@@ -147,8 +147,9 @@ def rounds(
     # Eager: each restarts from its own outer weights (kept in `round_params`).
     restart = cfg.outer.fragments == 1 and cfg.outer.merge_alpha == 0.0 and cfg.outer.overlap != "eager"
     churned = churn.Churn.of(run)  # None without churn
-    # DiLoCo's sync rows hold the held-out loss of the weights each landing leaves (the writer's)
-    evaluated = cfg.outer.fragments == 1 and groups.is_writer
+    # DiLoCo's sync rows hold the held-out loss of the weights each landing leaves: every process keeps
+    # its copy (a sharded run's writer evaluates them gathered from every rank's shards)
+    evaluated = cfg.outer.fragments == 1
     while state.next_update < run.updates:
         end = schedule.next_cut(state.next_update)
         if every_updates:

@@ -485,9 +485,11 @@ class FragmentSync:
         mean = groups.sum_over_replicas_beside(flat.sum(0)) / self.cfg.replicas
         for n, part in zip(self.names, mean.split([self.theta[n].numel() for n in self.names]), strict=True):
             self.theta[n].copy_(part.view_as(self.theta[n]))
-        norm = mean.double().norm().clamp_min(torch.finfo(torch.float64).tiny)
-        local = ((flat.double() - mean.double()).norm(dim=1) / norm).max()
-        return float(groups.max_over_replicas(local))
+        norm = groups.norm_over_shards(float(mean.double().norm()))
+        norm = max(norm, torch.finfo(torch.float64).tiny)
+        apart = (flat.double() - mean.double()).norm(dim=1).tolist()
+        local = max(groups.norm_over_shards(x) for x in apart) / norm
+        return float(groups.max_over_replicas(torch.tensor(local, dtype=torch.float64, device=flat.device)))
 
 
 def _kept(momentum: Params, names: list[str]) -> Params:

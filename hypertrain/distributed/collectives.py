@@ -94,7 +94,7 @@ class DistReplicaGroups(ReplicaGroups):
         self.total_replicas, self.replicas = layout.replicas, layout.replicas_of(rank)
         L = layout.ranks_per_replica
         self.L, self.local_rank = L, rank % L
-        self.replica_group = self.cross_group = None
+        self.replica_group = self.cross_group = self.beside_group = None
         timeout = timedelta(seconds=timeout_s)
         # The sync's reduction has its own group, so that it can be in flight while the replicas
         # train on (outer.delay): the stop check and the gathers on the default group never queue
@@ -113,6 +113,12 @@ class DistReplicaGroups(ReplicaGroups):
                 group = dist.new_group(layout.cross_group(j), timeout=timeout)
                 if j == self.local_rank:
                     self.cross_group = group
+            # outer.overlap=eager's mean of the replicas' own outer weights runs beside the sync's
+            # reduction in flight on `cross_group`: on its twin, a second group of the same R ranks
+            for j in range(L):
+                group = dist.new_group(layout.cross_group(j), timeout=timeout)
+                if j == self.local_rank:
+                    self.beside_group = group
         self._stats = dict.fromkeys(("inner_bytes", "inner_s", "outer_bytes", "outer_s"), 0.0)
         # outer.schedule=async: the process that sends each replica's arrivals (its replica group's first)
         self.owners = {m: r for r in reversed(range(layout.processes)) for m in layout.replicas_of(r)}
@@ -176,11 +182,14 @@ class DistReplicaGroups(ReplicaGroups):
         return self.start_sum_over_replicas(flat).wait()
 
     def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
-        """On the default group, beside the outer group's reduction in flight: every process passes its
-        replicas' sum, so under the benchmark layout each replica's L ranks count it L times."""
+        """Beside the outer group's reduction in flight: on the default group, where every process passes
+        its replicas' sum; under the benchmark layout with L > 1, on `beside_group` (the R ranks of the
+        same local rank: a replica counted once, the sum of R terms as the simulation's; a sharded run's
+        ranks pass their shards)."""
         out = flat.clone()
-        self._timed("outer", out, lambda: dist.all_reduce(out))
-        return out if self.replica_group is None else out / self.L
+        group = None if self.replica_group is None else self.beside_group
+        self._timed("outer", out, lambda: dist.all_reduce(out, group=group))
+        return out
 
     def start_sum_over_replicas(self, flat: Tensor) -> InFlight:
         """The sync's sum, started asynchronously on the outer process group(s) (async_op=True); the

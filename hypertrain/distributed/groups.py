@@ -94,9 +94,11 @@ class Collectives(Protocol):
 
     def norm_over_shards(self, norm: float) -> float: ...
 
-    def local_state(self, saved: dict) -> dict: ...
+    def local_state(self, saved: dict, fragments: list[list[str]]) -> dict: ...
 
     def checkpoint_shards(self, folder, state) -> None: ...
+
+    def without_shards(self, saved: dict) -> dict: ...
 
     def memory_facts(self, state) -> dict: ...
 
@@ -206,9 +208,10 @@ class ReplicaGroups:
         """The whole vector's norm from this process's norm of what it holds of it."""
         return norm
 
-    def local_state(self, saved: dict) -> dict:
+    def local_state(self, saved: dict, fragments: list[list[str]]) -> dict:
         """A checkpoint's run state (`RunState.state_dict`) as this process holds it: whole tensors (a
-        sharded run's checkpoint, `checkpoint.load` left them in its folder, read whole here)."""
+        sharded run's checkpoint, `checkpoint.load` left them in its folder, read whole here).
+        `fragments`: each fragment's parameter names (a sharded run cuts a pending mean by them)."""
         if saved.get("shards_at") is not None:
             from pathlib import Path
 
@@ -219,6 +222,10 @@ class ReplicaGroups:
 
     def checkpoint_shards(self, folder, state) -> None:
         """Sharded replicas only (`checkpoints_by_shard`): write this process's shards into `folder`."""
+        raise NotImplementedError("a checkpoint of whole tensors is written by rank 0 alone")
+
+    def without_shards(self, saved: dict) -> dict:
+        """Sharded replicas only: the writer's run.pt part of a checkpoint's state (`dcp_shards`)."""
         raise NotImplementedError("a checkpoint of whole tensors is written by rank 0 alone")
 
     def memory_facts(self, state) -> dict:

@@ -1,8 +1,8 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
 (the replicas layout, codecs other than the quantizers, outer.codec.tile and outer.codec.transform,
-overlap, async, churn, models other than the own decoder, compiled steps, checkpoints of a reduction in
-flight or of a torch outer optimizer), naming the option and what is valid. No torch here.
+async, models other than the own decoder and model=hf, compiled steps, checkpoints of outer.overlap's
+terms in flight), naming the option and what is valid. No torch here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 from hypertrain.codec_table import ELEMENTWISE, TABLE, codec_entry
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import Layout
-from hypertrain.import_path import is_import_path
 from hypertrain.model.spec import model_spec
 from hypertrain.schedule_table import schedule_entry
 
@@ -50,9 +49,7 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             f"outer.codec.transform={outer.codec.transform}",
             "outer.codec.transform=none",
         ),
-        (outer.overlap != "none", f"outer.overlap={outer.overlap}", "outer.overlap=none"),
         (schedule_entry(outer.schedule).server, f"outer.schedule={outer.schedule}", "outer.schedule=rounds"),
-        (cfg.churn.enabled, "churn", "churn.enabled=false"),
         (
             not spec.shardable,
             f"model {cfg.model.name} ({spec.kind})",
@@ -65,14 +62,9 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             "model.compute_dtype=fp32",
         ),
         (
-            checkpoints and outer.delay > 0,
-            f"a checkpoint with outer.delay={outer.delay} (a reduction in flight on the shards)",
-            "checkpoint.every=0 checkpoint.every_updates=0, or outer.delay=0",
-        ),
-        (
-            checkpoints and is_import_path(outer.optimizer),
-            f"a checkpoint with outer.optimizer={outer.optimizer} (its state on the shards)",
-            "checkpoint.every=0 checkpoint.every_updates=0, or outer.optimizer=nesterov",
+            checkpoints and outer.overlap != "none",
+            f"a checkpoint with outer.overlap={outer.overlap} (the replicas' terms in flight on the shards)",
+            "checkpoint.every=0 checkpoint.every_updates=0, or outer.overlap=none",
         ),
     ]
     for bad, what, valid in refused:

@@ -117,11 +117,12 @@ class ShardedReplicaGroups(DistReplicaGroups):
         """The whole tensor's shape of which `local` (no replica axis) is this rank's shard."""
         return (self._rows[name], *local.shape[1:])
 
-    def local_state(self, saved: dict) -> dict:
+    def local_state(self, saved: dict, fragments: list[list[str]]) -> dict:
         """A checkpoint's state cut to this rank's shards: a sharded run's (DCP) read as shards for this
         run's L, whatever L wrote it (`dcp_shards.load_shards`); a single file's (an unsharded run's) whole
-        tensors cut here: the global weights, outer momentum, every replica's inner moments, mid-round
-        weights and error-feedback buffers."""
+        tensors cut here: the global weights, outer momentum, a torch.optim outer optimizer's state, a
+        pending reduction's mean (per parameter of its fragment, `fragments`), every replica's inner
+        moments, mid-round weights and error-feedback buffers."""
         if saved.get("shards_at") is not None:
             with collective("the checkpoint's shards' read"):
                 return dcp_shards.load_shards(Path(saved["shards_at"]), saved, self)
@@ -134,7 +135,7 @@ class ShardedReplicaGroups(DistReplicaGroups):
 
         inner = [{**x, "m": cut(x["m"], 1), "v": cut(x["v"], 1)} for x in saved["inner"]]
         rounds, errors = saved["round_params"], saved["errors"]
-        return dict(
+        out = dict(
             saved,
             theta=cut(saved["theta"]),
             outer_momentum=cut(saved["outer_momentum"]),
@@ -142,6 +143,38 @@ class ShardedReplicaGroups(DistReplicaGroups):
             round_params=None if rounds is None else [cut(p, 1) for p in rounds],
             errors=None if errors is None else [cut(e, 1) for e in errors],
         )
+        if saved.get("outer_optimizer") is not None:
+            whole = saved["theta"]
+
+            def cut_state(kept: dict, names: list[str]) -> dict:
+                state = {
+                    i: {
+                        k: shard_of(t, j, L)
+                        if dcp_shards.is_sharded_state(t, whole[names[int(i)]], f"{k!r} of {names[int(i)]}")
+                        else t
+                        for k, t in per.items()
+                    }
+                    for i, per in kept["state"].items()
+                }
+                return dict(kept, state=state)
+
+            out["outer_optimizer"] = [
+                None if kept is None else cut_state(kept, names)
+                for kept, names in zip(saved["outer_optimizer"], fragments, strict=True)
+            ]
+        pending = saved.get("pending")
+        if pending is not None and pending["mean"] is not None:
+            names = fragments[pending["fragment"]]
+            pieces = pending["mean"].split([saved["theta"][n].numel() for n in names])
+            mean = [
+                shard_of(x.view_as(saved["theta"][n]), j, L).reshape(-1)
+                for n, x in zip(names, pieces, strict=True)
+            ]
+            out["pending"] = dict(pending, mean=torch.cat(mean))
+        return out
+
+    def without_shards(self, saved: dict) -> dict:
+        return dcp_shards.without_shards(saved)
 
     def memory_facts(self, state) -> dict:
         """This rank's bytes of its replica's weights (and as many of gradients), of its inner optimizer
@@ -159,9 +192,6 @@ class ShardedReplicaGroups(DistReplicaGroups):
             "memory/rank_inner_state_bytes": size([*inner.m.values(), *inner.v.values()]),
             "memory/rank_outer_state_bytes": weights + size(state.outer.momentum.values()),
         }
-
-    def sum_over_replicas_beside(self, flat: Tensor) -> Tensor:
-        raise NotImplementedError("outer.overlap=eager is refused with processes.shard=true")
 
     def check_replicas_identical(self, params: Params) -> None:
         """The ranks of a replica hold different shards by design: nothing to compare."""

@@ -160,13 +160,13 @@ def churn_summary(totals, fragments: int) -> dict:
     }
 
 
-def row_heldout(run: PreparedRun, theta: Params, rnd: Segment) -> list[tuple[float, dict]]:
-    """The writer's held-out evaluation (`heldout_eval`) at the end of the round `rnd`, of the weights
-    each landing left: the copy a landing kept (`Landing.weights`: another landed after it, as
+def row_heldout(run: PreparedRun, theta: Params, kept: list[Params | None]) -> list[tuple[float, dict]]:
+    """The writer's held-out evaluation (`heldout_eval`) at the end of a round, of the weights each
+    landing left: the copy a landing kept (`kept`, whole: `Landing.weights`, another landed after it, as
     outer.overlap's flush after the landing due at the phase's end), else the global weights now; one
-    per sync of `rnd`, then the global weights' own last (what the round ends on): `theta`, whole."""
+    per sync of the round, then the global weights' own last (what the round ends on): `theta`, whole."""
     now = heldout_eval(run, theta)
-    return [now if sync.weights is None else heldout_eval(run, sync.weights) for sync in rnd.syncs] + [now]
+    return [now if weights is None else heldout_eval(run, weights) for weights in kept] + [now]
 
 
 def after_syncs(
@@ -180,8 +180,11 @@ def after_syncs(
     verdict (`sync_verdict`): a non-finite held-out loss or a divergence stops them all here, the
     writer's rows holding finite figures."""
     cfg = run.cfg
-    theta = groups.whole(state.theta) if rnd.ends_round else None  # every process: sharded ones gather
-    heldout = row_heldout(run, theta, rnd) if groups.is_writer and rnd.ends_round else None
+    theta = kept = None
+    if rnd.ends_round:  # every process: sharded ones gather
+        theta = groups.whole(state.theta)
+        kept = [None if sync.weights is None else groups.whole(sync.weights) for sync in rnd.syncs]
+    heldout = row_heldout(run, theta, kept) if groups.is_writer and rnd.ends_round else None
     eval_loss, channels = (math.nan, {}) if heldout is None else heldout[-1]
     channels = dict(channels)
     sources = channels.pop("eval_loss_sources", None)
@@ -379,7 +382,8 @@ def train(
     keep_freed_memory()
     state = RunState.start(cfg, groups.local_part(initial_weights(run)), groups.replicas, run.decided)
     if saved is not None:
-        state.load_state_dict(groups.local_state(saved))  # sharded replicas: this process's shards
+        fragments = [sync.names for sync in state.syncs]
+        state.load_state_dict(groups.local_state(saved, fragments))  # sharded replicas: this rank's shards
         state.reissue(groups)  # outer.overlap: the reductions in flight, started again
         groups.restore_measured(saved["comm_measured"])
     log.write(SummaryRow(values=run.plan_facts | run_facts(run, groups) | groups.memory_facts(state)))

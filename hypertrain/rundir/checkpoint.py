@@ -296,7 +296,10 @@ class Checkpointer:
         if not self.groups.is_writer:
             return None
         saved = state.state_dict(every)
-        saved["theta"], saved["outer_momentum"] = ({}, {}) if sharded else (weights, momentum)
+        if sharded:
+            saved = self.groups.without_shards(saved)
+        else:
+            saved["theta"], saved["outer_momentum"] = weights, momentum
         saved["comm_measured"] = self.groups.measured_since_sync()  # the writer's, as its rows
         payload = self._payload(saved)
         if sharded:
