@@ -1287,6 +1287,20 @@ CASES = {
         "model hf_llama_tiny with model.compute_dtype=bf16 is not built with processes.shard=true",
         "model.compute_dtype=fp32, or processes.shard=false",
     ),
+    "shard-checkpoint-with-overlap": Case(
+        "sharded replicas (processes.shard=true) with outer.overlap and checkpoints",
+        [
+            "processes=dist",
+            "processes.shard=true",
+            "world.size=4",
+            "replicas=2",
+            "outer.overlap=delayed",
+            "checkpoint.every=1",
+        ],
+        "a checkpoint with outer.overlap=delayed (the replicas' terms in flight on the shards) is not built "
+        "with processes.shard=true",
+        "checkpoint.every=0 checkpoint.every_updates=0, or outer.overlap=none, or processes.shard=false",
+    ),
     "cuda-on-a-cpu-build": Case(
         "a CUDA device on a machine or torch build without one",
         ["engine.device=cuda"],

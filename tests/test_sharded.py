@@ -18,13 +18,16 @@ benchmark-layout run of the same config **bitwise** (per-replica losses, held-ou
 The same for Streaming DiLoCo (two fragments, outer.delay 1: the sync's reduction in flight while the
 replica trains), and for Muon (each shape's matrices all-gathered for its Newton-Schulz step, the same
 batched call on the same matrices as unsharded) with torch.optim.Adam as the outer optimizer and the
-averaged inner state. The first case also equals the simulation within test_dist's bound (twice the fp32
-simulation's own error against the float64 reference, or its floor), which is how layout (a) is proved
-equal to the simulation.
+averaged inner state; and for outer.overlap, delayed with churn and eager (each replica's own outer
+weights per shard; their mean on the cross-replica group's twin sums the same R terms as the unsharded
+benchmark layout does on its own). The first case also equals the simulation within test_dist's bound
+(twice the fp32 simulation's own error against the float64 reference, or its floor), which is how
+layout (a) is proved equal to the simulation.
 
 Checkpoints: a sharded run killed mid-round restarts bitwise from its DCP checkpoint (one shard file per
 rank), which also resumes unsharded bitwise, and at another world.size (L = 4) within the simulation's
-bound.
+bound; so does one killed with Streaming DiLoCo's reduction in flight and Adam's outer state (both
+written as shards), and the unsharded run's single file of that moment resumes sharded bitwise.
 
 Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
 """
@@ -127,7 +130,7 @@ UNEVEN = [*SHARDED, "phase.global_batch=6", "data.max_padded_tokens=65"]
 # outer weights, their mean taken per shard on the cross-replica group's twin beside the reduction).
 OVERLAP = [*SHARDED[:-2], "phase.updates=8", "checkpoint.every=0"]
 DELAYED_CHURN = [*OVERLAP, "outer.overlap=delayed", "churn.events=[2:0:leave,3:0:rejoin,3:1:miss]"]
-EAGER = [*OVERLAP, "outer.overlap=eager"]
+EAGER = [*OVERLAP[:-2], "phase.updates=4", "checkpoint.every=0", "outer.overlap=eager"]
 CASES = {
     "documents-tail": "tail",
     "fragments2-delay1": "streaming",
