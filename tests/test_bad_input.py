@@ -1252,27 +1252,12 @@ CASES = {
         "holds whole replicas in one process",
         "processes.nproc=0 (processes = world.size), or processes.shard=false",
     ),
-    "shard-with-top-k": Case(
-        "sharded replicas (processes.shard=true) with a codec that is not a quantizer (top-k, low rank)",
-        ["processes=dist", "processes.shard=true", "world.size=4", "replicas=2", "outer.compress=topk"],
-        "outer.compress=topk (a blockwise codec: its blocks or tensors are not cut on shards) is not built "
+    "shard-with-low-rank": Case(
+        "sharded replicas (processes.shard=true) with a factored codec (low rank)",
+        ["processes=dist", "processes.shard=true", "world.size=4", "replicas=2", "outer.compress=lowrank"],
+        "outer.compress=lowrank (its factors of each matrix are not cut on shards) is not built "
         "with processes.shard=true",
-        "outer.compress=none or a quantizer (int8, uint8, fp8_e4m3, fp8_e5m2, fp4_e2m1, e3m0), or "
-        "processes.shard=false",
-    ),
-    "shard-with-tiles": Case(
-        "sharded replicas (processes.shard=true) with a codec's tiles (outer.codec.tile)",
-        [
-            "processes=dist",
-            "processes.shard=true",
-            "world.size=4",
-            "replicas=2",
-            "outer.compress=int8",
-            "outer.codec.tile=8",
-            "outer.codec.block=64",
-        ],
-        "outer.codec.tile=8 is not built with processes.shard=true",
-        "outer.codec.tile=0, or processes.shard=false",
+        "outer.compress=none or a codec with blocks (a quantizer or topk), or processes.shard=false",
     ),
     "shard-with-hf-bf16": Case(
         "sharded replicas (processes.shard=true) of a Hugging Face model in bf16",
@@ -1286,20 +1271,6 @@ CASES = {
         ],
         "model hf_llama_tiny with model.compute_dtype=bf16 is not built with processes.shard=true",
         "model.compute_dtype=fp32, or processes.shard=false",
-    ),
-    "shard-checkpoint-with-overlap": Case(
-        "sharded replicas (processes.shard=true) with outer.overlap and checkpoints",
-        [
-            "processes=dist",
-            "processes.shard=true",
-            "world.size=4",
-            "replicas=2",
-            "outer.overlap=delayed",
-            "checkpoint.every=1",
-        ],
-        "a checkpoint with outer.overlap=delayed (the replicas' terms in flight on the shards) is not built "
-        "with processes.shard=true",
-        "checkpoint.every=0 checkpoint.every_updates=0, or outer.overlap=none, or processes.shard=false",
     ),
     "cuda-on-a-cpu-build": Case(
         "a CUDA device on a machine or torch build without one",

@@ -20,14 +20,16 @@ replica trains), and for Muon (each shape's matrices all-gathered for its Newton
 batched call on the same matrices as unsharded) with torch.optim.Adam as the outer optimizer and the
 averaged inner state; and for outer.overlap, delayed with churn and eager (each replica's own outer
 weights per shard; their mean on the cross-replica group's twin sums the same R terms as the unsharded
-benchmark layout does on its own). The first case also equals the simulation within test_dist's bound
+benchmark layout does on its own); and for the codecs on the gather path (top-k with tiles, top-k on DCT
+coefficients: every tensor gathered whole and encoded as unsharded). The first case also equals the simulation within test_dist's bound
 (twice the fp32 simulation's own error against the float64 reference, or its floor), which is how
 layout (a) is proved equal to the simulation.
 
 Checkpoints: a sharded run killed mid-round restarts bitwise from its DCP checkpoint (one shard file per
 rank), which also resumes unsharded bitwise, and at another world.size (L = 4) within the simulation's
 bound; so does one killed with Streaming DiLoCo's reduction in flight and Adam's outer state (both
-written as shards), and the unsharded run's single file of that moment resumes sharded bitwise.
+written as shards), and the unsharded run's single file of that moment resumes sharded bitwise; and one
+with outer.overlap=eager's terms in flight, its replicas' own outer weights and Adam state as shards.
 
 Refusals: what is not built with processes.shard is one line, exit 2, naming the option.
 """
@@ -131,31 +133,48 @@ UNEVEN = [*SHARDED, "phase.global_batch=6", "data.max_padded_tokens=65"]
 OVERLAP = [*SHARDED[:-2], "phase.updates=8", "checkpoint.every=0"]
 DELAYED_CHURN = [*OVERLAP, "outer.overlap=delayed", "churn.events=[2:0:leave,3:0:rejoin,3:1:miss]"]
 EAGER = [*OVERLAP[:-2], "phase.updates=4", "checkpoint.every=0", "outer.overlap=eager"]
-CASES = {
-    "documents-tail": "tail",
-    "fragments2-delay1": "streaming",
-    "muon-adam-average": "muon",
-    "overlap-delayed-churn": "delayed-churn",
-    "overlap-eager": "eager",
+# A codec whose blocks shards cannot cut, on the gather path: every tensor all-gathered in the replica,
+# encoded whole as unsharded (the same blocks, tile order and DCT), each of a replica's L ranks sending the
+# whole payload over its cross-replica group (so L times the unsharded run's bytes), its own values kept of
+# the decoded mean and of the error-feedback update. SparseLoCo's 4 x 4 tiles with top-k and error feedback;
+# top-k on the DCT's coefficients (DeMo's).
+TOPK_TILES = [*SHARDED[:-2], "phase.updates=4", "checkpoint.every=0", "outer.compress=topk"]
+TOPK_TILES += [
+    "outer.codec.tile=4",
+    "outer.codec.block=16",
+    "outer.topk.fraction=0.125",
+    "outer.error_feedback=true",
+]
+DCT_TOPK = [*SHARDED[:-2], "phase.updates=4", "checkpoint.every=0", "outer.compress=topk"]
+DCT_TOPK += ["outer.codec.transform=dct", "outer.topk.fraction=0.05", "outer.error_feedback=true"]
+CASES = {  # name: (kind, overrides; None: the tail case's, with its offset)
+    "documents-tail": ("tail", None),
+    "fragments2-delay1": ("streaming", STREAMING),
+    "muon-adam-average": ("muon", MUON),
+    "overlap-delayed-churn": ("delayed-churn", DELAYED_CHURN),
+    "overlap-eager": ("eager", EAGER),
+    "topk-tiles-ef": ("gathered", TOPK_TILES),
+    "dct-topk-ef": ("gathered", DCT_TOPK),
 }
 
 
 @pytest.mark.slow  # two 4-process runs on real processes, 64-90 s each case on 2 cores (measured)
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_path, name):
-    kind = CASES[name]
+    kind, overrides = CASES[name]
     streaming = kind != "tail"  # compared with the unsharded run alone
-    overrides = {"streaming": STREAMING, "muon": MUON, "delayed-churn": DELAYED_CHURN, "eager": EAGER}.get(
-        kind
-    ) or [*UNEVEN, tail_offset(UNEVEN, 1)]
+    overrides = overrides or [*UNEVEN, tail_offset(UNEVEN, 1)]
     cfg = compose_cfg(overrides)
     (losses, evals, syncs, weights), (_, _, w_syncs, w_weights), simulated = equal_side_by_side(
         tmp_path, overrides, None if streaming else lambda sharded: simulated_beside(sharded, cfg)
     )
     # the sync rows' figures are the whole replica's (norms over the shards; bytes per replica)
     for mine, theirs in zip(syncs, w_syncs, strict=True):
-        for key in ("params", "comm_outer_bytes", "replicas_synced"):
+        for key in ("params", "replicas_synced"):
             assert mine[key] == theirs[key], key
+        L = 2 if kind == "gathered" else 1  # the gather path: each of the L ranks sends the whole payload
+        for key in ("comm_outer_bytes", "payload_bytes"):
+            assert mine.get(key) == (None if theirs.get(key) is None else L * theirs[key]), key
         bound = shard_norm_bound(theirs["params"])
         assert mine["pseudo_grad_norm"] == pytest.approx(theirs["pseudo_grad_norm"], rel=bound, abs=0)
         if theirs.get("outer_spread") is not None:  # eager: a ratio of two such norms, each within `bound`
@@ -327,9 +346,9 @@ def test_a_killed_sharded_run_resumes_bitwise_and_reshards_to_four_ranks_per_rep
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["outer.compress=topk"], "outer.compress=topk (a blockwise codec"),
+        (["outer.compress=lowrank"], "outer.compress=lowrank (its factors of each matrix"),
         (["outer.schedule=async"], "outer.schedule=async is not built with processes.shard=true"),
-        (["outer.overlap=eager", "checkpoint.every=1"], "a checkpoint with outer.overlap=eager"),
+        (["engine.compile=true"], "engine.compile=true is not built with processes.shard=true"),
         (["world=2"], "processes.shard=true with world.size=2 and replicas=2 shards nothing"),
     ],
 )
@@ -430,6 +449,69 @@ def test_a_killed_sharded_run_with_a_reduction_in_flight_and_adams_state_resumes
         assert done.returncode == 0, done.stderr[-2000:]
         got = torch.load(tmp_path / where / "weights.pt")
         assert all(torch.equal(got[n], expected[n]) for n in expected), where
+
+
+# outer.overlap=eager with torch.optim.Adam as each replica's outer optimizer and int8 with error feedback,
+# a checkpoint after every update: rank 1 killed as update 4 starts, so the run restarts itself from
+# ckpt-u0000003, taken mid-round with round 1's reduction in flight (what each replica took and its error
+# buffers before the take) and each replica's own outer weights and Adam state.
+EAGER_KILLED = [
+    *SHARDED[:-3],
+    "inner.H=2",
+    "phase.updates=6",
+    "outer.overlap=eager",
+    "outer.optimizer=torch.optim.Adam",
+    "outer.lr=0.01",
+    "outer.compress=int8",
+    "outer.error_feedback=true",
+    "processes.timeout_s=5",
+    "checkpoint.every_updates=1",
+    "checkpoint.keep=10",
+    "processes.max_restarts=1",
+]
+
+
+@pytest.mark.slow  # three 4-process runs of 6 updates (two side by side), about 60 s on 2 cores (measured)
+def test_a_killed_sharded_eager_run_with_its_terms_in_flight_resumes_bitwise(tmp_path):
+    """outer.overlap's state on the shards: what each replica took for the reduction in flight and its
+    error buffers before the take (`taken/...`, `errors_before/...`: flat over the parameters, cut back
+    into their shards) and eager's own outer weights, momentum and Adam state per replica
+    (`replica_outer/...`). The killed run, restarted from the checkpoint of update 3 (a reduction in
+    flight), issues that reduction again from its shards and finishes bitwise the uninterrupted sharded
+    run, which is bitwise the unsharded one. The reshards of these tensors, read whole and cut from a
+    single file, are tests/test_sharded_checkpoint.py's."""
+    runs = {
+        where: start_entry(
+            [*EAGER_KILLED, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}"], tmp_path
+        )
+        for where, shard in (("full", "true"), ("w", "false"))
+    }
+    for proc in runs.values():
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-2000:]
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    unsharded = torch.load(tmp_path / "w" / "weights.pt")
+    assert all(torch.equal(unsharded[n], expected[n]) for n in expected)
+    killed = entry(
+        [*EAGER_KILLED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:4:kill"
+    )
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    mid = tmp_path / "k" / "checkpoints" / "ckpt-u0000003.dcp"
+    (restart,) = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if r["kind"] == "restart"]
+    assert restart["from"] == str(mid), restart
+    got = torch.load(tmp_path / "k" / "weights.pt")
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    # read whole, it holds the unsharded run's state of the same update bitwise, the terms in flight too
+    state = dcp_shards.load_whole(mid, checkpoint.load(mid)["state"])
+    theirs = checkpoint.load(tmp_path / "w" / "checkpoints" / "ckpt-u0000003.pt")["state"]
+    (flight,), (kept,) = state["in_flight"], theirs["in_flight"]
+    for part in ("taken", "errors_before"):
+        assert all(torch.equal(a, b) for a, b in zip(flight[part], kept[part], strict=True)), part
+    for mine, own in zip(state["outer_replicas"], theirs["outer_replicas"], strict=True):
+        assert all(torch.equal(mine["theta"][n], t) for n, t in own["theta"].items())
+        (adam,), (their_adam,) = mine["optimizer"], own["optimizer"]
+        for i, per in their_adam["state"].items():
+            assert all(torch.equal(adam["state"][i][k], t) for k, t in per.items()), i
 
 
 class _ReplicaOf:

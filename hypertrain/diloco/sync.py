@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hypertrain.codec_table import codec_entry
+from hypertrain.codec_table import ELEMENTWISE, codec_entry
 from hypertrain.codecs.kernels import Blocks
 from hypertrain.codecs.tiles import blocks_and_order
 from hypertrain.config import OuterConfig, TrainConfig
@@ -168,28 +168,48 @@ class CodecReducer:
 
 
 class ShardedCodecReducer(CodecReducer):
-    """outer.compress=a quantizer with processes.shard=true: this rank's shards of the pseudo-gradient and
-    error buffer, encoded over the whole blocks they touch (`shard_windows.windowed_mean`), exchanged over
-    its cross-replica group; one participant's bytes are the replica's ranks' together."""
+    """outer.compress=a codec with processes.shard=true: this rank's shards of the pseudo-gradient and
+    error buffer, encoded over the whole blocks they touch (a quantizer without tiles or a transform), or
+    over the whole tensors gathered (any other codec: `Windows.gathered_whole`), by
+    `shard_windows.windowed_mean`, exchanged over its cross-replica group; one participant's bytes are
+    the replica's ranks' together."""
 
-    def __init__(self, outer: OuterConfig, shapes: dict[str, tuple[int, ...]], width: int):
-        """`shapes`: the fragment's whole tensors; `width`: the unsharded run's block."""
-        self.outer, self.shapes, self.width, self.windows = outer, shapes, width, None
+    def __init__(self, outer: OuterConfig, shapes: dict[str, tuple[int, ...]]):
+        """`shapes`: the fragment's whole tensors."""
+        self.outer, self.shapes, self.windows = outer, shapes, None
+
+    def _windows(self, groups) -> Windows:
+        """The unsharded run's blocks (of the whole shapes), cut on this rank's shards where a quantizer's
+        blocks allow it, else every tensor whole."""
+        if self.windows is None:
+            outer, j, L = self.outer, groups.local_rank, groups.L
+            elementwise = codec_entry(outer.compress).scope == ELEMENTWISE
+            shapes = list(self.shapes.values())
+            if elementwise and outer.codec.tile == 0 and outer.codec.transform == "none":
+                width = blocks_and_order(shapes, outer.codec.block, 0)[0].block
+                self.windows = Windows.of(self.shapes, width, j, L)
+            else:
+                blocks, order = blocks_and_order(shapes, outer.codec.block, outer.codec.tile)
+                self.windows = Windows.gathered_whole(self.shapes, blocks, order, j, L)
+        return self.windows
 
     def start(
         self, sync: FragmentSync, replica_params: Params, active, count: int, groups, weights=None
     ) -> Reduction:
-        if self.windows is None:
-            self.windows = Windows.of(self.shapes, self.width, groups.local_rank, groups.L)
         errors = sync.flat_errors()
         deltas = pseudo_gradients(sync.theta, replica_params)
-        reduction = windowed_mean(self.outer, deltas, errors, active, self.windows, groups, count, weights)
+        reduction, _ = self.start_taken(sync, deltas, errors, active, count, groups, weights)
         if errors is not None:
             sync.store_errors(errors)
         return reduction
 
     def start_taken(self, sync: FragmentSync, deltas, errors, active, count: int, groups, weights=None):
-        raise NotImplementedError("outer.overlap with processes.shard=true is refused by shard_check")
+        """As `start` from the flat shards taken and the error buffers before the take (updated in place);
+        each replica's own contribution is its decoded payload, this rank's values of it (outer.overlap)."""
+        reduction = windowed_mean(
+            self.outer, deltas, errors, active, self._windows(groups), groups, count, weights
+        )
+        return reduction, reduction.own
 
 
 class LowRankReducer:
@@ -281,10 +301,9 @@ class FragmentSync:
             self.lowrank_q = {n: lowrank_q[n] for n in self.names if n in lowrank_q}
             shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
             self.reducer = LowRankReducer(Factors.of(shapes, cfg.outer.lowrank.rank))
-        elif cfg.processes.shard:  # the unsharded run's blocks, of the whole tensors (tile 0: no order)
+        elif cfg.processes.shard:  # the unsharded run's blocks, of the whole tensors
             shapes = {n: tuple(param_shapes(cfg.model)[n]) for n in self.names}
-            width = blocks_and_order(list(shapes.values()), cfg.outer.codec.block, 0)[0].block
-            self.reducer = ShardedCodecReducer(cfg.outer, shapes, width)
+            self.reducer = ShardedCodecReducer(cfg.outer, shapes)
         else:
             shapes = [tuple(t.shape) for t in self.theta.values()]
             blocks, order = blocks_and_order(shapes, cfg.outer.codec.block, cfg.outer.codec.tile)

@@ -6,8 +6,12 @@ reshards: the chunks written at one L are read into the shards of another), `loa
 unsharded run going on from a sharded run's checkpoint). Keys: `theta/NAME`, `outer_momentum/NAME`,
 `inner/REPLICA/m/NAME`, `inner/REPLICA/v/NAME`, `round_params/REPLICA/NAME`, `errors/REPLICA/NAME`
 (the replicas' tensors without their replica axis), `outer_optimizer/FRAGMENT/INDEX/KEY` (a
-torch.optim outer optimizer's state) and `pending/INDEX` (outer.delay: the mean of the reduction in
-flight, per parameter of its fragment); the rest of the state is the writer's run.pt (`without_shards`).
+torch.optim outer optimizer's state), `pending/INDEX` (outer.delay: the mean of the reduction in
+flight, per parameter of its fragment); outer.overlap's `taken/REPLICA/FLIGHT/INDEX` and
+`errors_before/REPLICA/FLIGHT/INDEX` (what each replica took for a reduction in flight, and its error
+buffers before) and eager's `replica_outer/REPLICA/theta/NAME`, `.../momentum/NAME` and
+`.../optimizer/FRAGMENT/INDEX/KEY` (each replica's own outer weights and state). The rest of the state
+is the writer's run.pt (`without_shards`, `light_record`).
 """
 
 from __future__ import annotations
@@ -21,33 +25,59 @@ from torch import Tensor
 GLOBAL = ("theta", "outer_momentum")  # the same on every replica: DCP writes one copy of each chunk
 PER_REPLICA = ("round_params", "errors")  # None (or absent), or one {name: [1, ...]} per replica
 SHARED = (*GLOBAL, "outer_optimizer", "pending")  # keys every replica reads
-IN_SHARDS = "in the shards"  # a pending reduction's mean, in the checkpoint's run.pt: read from DCP
+IN_SHARDS = "in the shards"  # what run.pt holds in place of a flat tensor DCP holds as shards
+
+
+def _pieces(flat: Tensor, names: list[str], params: dict[str, Tensor]):
+    """(index, name, piece) of a flat vector over `names` (a fragment's), each piece shaped as `params`'."""
+    sizes = [params[n].numel() for n in names]
+    for i, (n, piece) in enumerate(zip(names, flat.split(sizes), strict=True)):
+        yield i, n, piece.view_as(params[n])
+
+
+def _optimizer_keys(prefix: str, states, fragments, params: dict[str, Tensor], axis: bool) -> dict:
+    """`prefix/FRAGMENT/INDEX/KEY` for each torch.optim state tensor shaped as its parameter (`params`;
+    `axis`: both hold a replica axis of 1, dropped here)."""
+    out = {}
+    for f, kept in enumerate(states or []):
+        for i, per in (kept or {}).get("state", {}).items():
+            name = fragments[f][int(i)]
+            for k, t in per.items():
+                if is_sharded_state(t, params[name], f"{k!r} of {name}"):
+                    out[f"{prefix}/{f}/{i}/{k}"] = (name, t[0] if axis else t)
+    return out
 
 
 def _keys(saved: dict, replicas: list[int], fragments: list[list[str]]) -> dict[str, tuple[str, Tensor]]:
     """The sharded tensors of `saved` (a `RunState.state_dict`) by key, each with its parameter's name;
     `replicas`: the global index of each of its `inner` (and `round_params`) entries; `fragments`: each
-    fragment's parameter names, in its order. A torch.optim outer optimizer's state tensors shaped as
-    their parameter (`outer_optimizer/FRAGMENT/INDEX/KEY`, its scalars stay in run.pt) and a pending
-    reduction's flat mean cut back into its parameters' shards (`pending/INDEX`) are sharded too."""
+    fragment's parameter names, in its order. The keys of the module docstring: per replica, REPLICA
+    second; the tensors without their replica axis; a flat vector over a fragment cut back into its
+    parameters (INDEX: their place in it)."""
+    theta = saved["theta"]
     out = {f"{part}/{n}": (n, t) for part in GLOBAL for n, t in saved[part].items()}
     for r, inner in zip(replicas, saved["inner"], strict=True):
         out |= {f"inner/{r}/{m}/{n}": (n, t[0]) for m in ("m", "v") for n, t in inner[m].items()}
     for part in PER_REPLICA:
         for r, params in zip(replicas, saved.get(part) or [], strict=False):
             out |= {f"{part}/{r}/{n}": (n, t[0]) for n, t in params.items()}
-    for f, kept in enumerate(saved.get("outer_optimizer") or []):
-        for i, per in (kept or {}).get("state", {}).items():
-            name = fragments[f][int(i)]
-            for k, t in per.items():
-                if is_sharded_state(t, saved["theta"][name], f"{k!r} of {name}"):
-                    out[f"outer_optimizer/{f}/{i}/{k}"] = (name, t)
+    out |= _optimizer_keys("outer_optimizer", saved.get("outer_optimizer"), fragments, theta, axis=False)
     pending = saved.get("pending")
     if pending is not None and pending["mean"] is not None:
         names = fragments[pending["fragment"]]
-        sizes = [saved["theta"][n].numel() for n in names]
-        for i, (n, piece) in enumerate(zip(names, pending["mean"].split(sizes), strict=True)):
-            out[f"pending/{i}"] = (n, piece.view_as(saved["theta"][n]))
+        out |= {f"pending/{i}": (n, t) for i, n, t in _pieces(pending["mean"], names, theta)}
+    for k, flight in enumerate(saved.get("in_flight") or []):
+        names = fragments[flight["fragment"]]
+        for part in ("taken", "errors_before"):
+            for r, flat in zip(replicas, flight[part] or [], strict=True):
+                out |= {f"{part}/{r}/{k}/{i}": (n, t) for i, n, t in _pieces(flat, names, theta)}
+    for r, own in zip(replicas, saved.get("outer_replicas") or [], strict=True):
+        for part in ("theta", "momentum"):
+            out |= {f"replica_outer/{r}/{part}/{n}": (n, t[0]) for n, t in own[part].items()}
+        one = {n: t.unsqueeze(0) for n, t in theta.items()}
+        out |= _optimizer_keys(
+            f"replica_outer/{r}/optimizer", own.get("optimizer"), fragments, one, axis=True
+        )
     return out
 
 
@@ -64,60 +94,116 @@ def is_sharded_state(t, param: Tensor, what: str) -> bool:
     return True
 
 
+def _scalars(states):
+    """Optimizer states (a list per fragment) with only what is not sharded: the step counts."""
+    if states is None:
+        return None
+    return [
+        None
+        if kept is None
+        else dict(
+            kept,
+            state={
+                i: {k: t for k, t in per.items() if not (torch.is_tensor(t) and t.dim() > 0)}
+                for i, per in kept["state"].items()
+            },
+        )
+        for kept in states
+    ]
+
+
+def light_record(record: dict) -> dict:
+    """A replica's record (`RunState.replica_records`) as rank 0 gathers it for run.pt: the tensors this
+    rank writes as shards left out (`{}`, or `IN_SHARDS` for a flat one)."""
+    inner = dict(record["inner"], m={}, v={})
+    empty = {k: None if record[k] is None else {} for k in ("params", "errors")}
+    flights = {
+        f: dict(x, taken=IN_SHARDS, errors_before=None if x["errors_before"] is None else IN_SHARDS)
+        for f, x in record["in_flight"].items()
+    }
+    own = record["outer"]
+    if own is not None:
+        own = dict(own, theta={}, momentum={}) | (
+            {"optimizer": _scalars(own["optimizer"])} if "optimizer" in own else {}
+        )
+    return dict(record, inner=inner, in_flight=flights, outer=own, **empty)
+
+
 def without_shards(saved: dict) -> dict:
     """`saved` as the writer's run.pt holds it beside the shards: no global weights, outer momentum or
     sharded outer optimizer state, a pending mean marked `IN_SHARDS` (the replicas' parts are left out
-    by `ShardedReplicaGroups.gather_replicas`)."""
-    out = dict(saved, theta={}, outer_momentum={})
-    if saved.get("outer_optimizer") is not None:
-        out["outer_optimizer"] = [
-            None
-            if kept is None
-            else dict(
-                kept,
-                state={
-                    i: {k: t for k, t in per.items() if not (torch.is_tensor(t) and t.dim() > 0)}
-                    for i, per in kept["state"].items()
-                },
-            )
-            for kept in saved["outer_optimizer"]
-        ]
+    by `light_record`)."""
+    out = dict(saved, theta={}, outer_momentum={}, outer_optimizer=_scalars(saved.get("outer_optimizer")))
     if saved.get("pending") is not None and saved["pending"]["mean"] is not None:
         out["pending"] = dict(saved["pending"], mean=IN_SHARDS)
     return out
 
 
+def _copied(states):
+    """Optimizer states copied down to each parameter's entries (filled in place by `_filled`)."""
+    if states is None:
+        return None
+    return [
+        None if kept is None else dict(kept, state={i: dict(per) for i, per in kept["state"].items()})
+        for kept in states
+    ]
+
+
+def _put_state(states: list[dict], rest: list[str], t: Tensor) -> None:
+    state = states[int(rest[0])]["state"]
+    state[next(i for i in state if str(i) == rest[1])][rest[2]] = t
+
+
 def _filled(saved: dict, tensors: dict[str, Tensor]) -> dict:
     """`saved` (a checkpoint's state without its sharded tensors) with `tensors` (by key) put back."""
-    out = dict(saved, **{part: {} for part in GLOBAL})
+    out = dict(saved, **{part: {} for part in GLOBAL}, outer_optimizer=_copied(saved.get("outer_optimizer")))
     where = {r: i for i, r in enumerate(saved["replicas"])}
     out["inner"] = [dict(x, m={}, v={}) for x in saved["inner"]]
     for part in PER_REPLICA:
         out[part] = None if saved.get(part) is None else [{} for _ in saved[part]]
-    if saved.get("outer_optimizer") is not None:
-        out["outer_optimizer"] = [
-            None if kept is None else dict(kept, state={i: dict(per) for i, per in kept["state"].items()})
-            for kept in saved["outer_optimizer"]
+    if saved.get("in_flight") is not None:
+        out["in_flight"] = [
+            dict(
+                x,
+                taken=[None] * len(x["taken"]),
+                errors_before=None if x["errors_before"] is None else [None] * len(x["taken"]),
+            )
+            for x in saved["in_flight"]
         ]
-    pieces = {}
+    if saved.get("outer_replicas") is not None:
+        out["outer_replicas"] = [
+            dict(own, theta={}, momentum={})
+            | ({"optimizer": _copied(own["optimizer"])} if "optimizer" in own else {})
+            for own in saved["outer_replicas"]
+        ]
+    flat: dict[tuple, dict[int, Tensor]] = {}  # (part, replica, flight) -> pieces by index
     for key, t in tensors.items():
         part, *rest = key.split("/")
         if part in GLOBAL:
             out[part][rest[0]] = t
+        elif part == "outer_optimizer":
+            _put_state(out["outer_optimizer"], rest, t)
+        elif part == "pending":
+            flat.setdefault(("pending",), {})[int(rest[0])] = t
+        elif part in ("taken", "errors_before"):
+            flat.setdefault((part, where[int(rest[0])], int(rest[1])), {})[int(rest[2])] = t
         elif part == "inner":
             out["inner"][where[int(rest[0])]][rest[1]][rest[2]] = t.unsqueeze(0)
-        elif part == "outer_optimizer":
-            state = out["outer_optimizer"][int(rest[0])]["state"]
-            index = next(i for i in state if str(i) == rest[1])
-            state[index][rest[2]] = t
-        elif part == "pending":
-            pieces[int(rest[0])] = t
+        elif part == "replica_outer":
+            own = out["outer_replicas"][where[int(rest[0])]]
+            if rest[1] == "optimizer":
+                _put_state(own["optimizer"], rest[2:], t.unsqueeze(0))
+            else:
+                own[rest[1]][rest[2]] = t.unsqueeze(0)
         else:
             out[part][where[int(rest[0])]][rest[1]] = t.unsqueeze(0)
-    if pieces:
-        out["pending"] = dict(
-            saved["pending"], mean=torch.cat([pieces[i].reshape(-1) for i in sorted(pieces)])
-        )
+    for (part, *at), pieces in flat.items():
+        joined = torch.cat([pieces[i].reshape(-1) for i in sorted(pieces)])
+        if part == "pending":
+            out["pending"] = dict(saved["pending"], mean=joined)
+        else:
+            replica, k = at
+            out["in_flight"][k][part][replica] = joined
     return out
 
 
@@ -165,6 +251,15 @@ def load_shards(folder: Path, saved: dict, groups) -> dict:
         tensors[key] = _as_dtensor(local, tuple(meta.size), groups.mesh)
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder))
     return _filled(saved, {k: t.to_local() for k, t in tensors.items()})
+
+
+def cut(saved: dict, fragments: list[list[str]], local_rank: int, L: int) -> dict:
+    """`saved` (a single file's state: whole tensors, every replica) with each tensor a sharded run holds
+    as shards cut to rank `local_rank`'s of L (FSDP2's dim-0 cut)."""
+    from hypertrain.distributed.fsdp_engine import shard_of
+
+    whole = _keys(saved, saved["replicas"], fragments)
+    return _filled(saved, {key: shard_of(t, local_rank, L) for key, (_, t) in whole.items()})
 
 
 def load_whole(folder: Path, saved: dict) -> dict:

@@ -1,13 +1,12 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, codecs other than the quantizers, outer.codec.tile and outer.codec.transform,
-async, models other than the own decoder and model=hf, compiled steps, checkpoints of outer.overlap's
-terms in flight), naming the option and what is valid. No torch here.
+(the replicas layout, a factored codec (low rank), async, models other than the own decoder and
+model=hf, compiled steps, bf16 module models), naming the option and what is valid. No torch here.
 """
 
 from __future__ import annotations
 
-from hypertrain.codec_table import ELEMENTWISE, TABLE, codec_entry
+from hypertrain.codec_table import codec_entry
 from hypertrain.config import TrainConfig, UserError
 from hypertrain.distributed.layouts import Layout
 from hypertrain.model.spec import model_spec
@@ -33,21 +32,11 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             "processes.shard=false"
         )
     outer, spec, codec = cfg.outer, model_spec(cfg.model), codec_entry(cfg.outer.compress)
-    checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.every_updates > 0
-    quantizers = ", ".join(name for name, entry in TABLE.items() if entry.scope == ELEMENTWISE)
-    quantizers = f"outer.compress=none or a quantizer ({quantizers})"
     refused = [
         (
-            not (codec.lossless or codec.scope == ELEMENTWISE),
-            f"outer.compress={outer.compress} (a {codec.scope} codec: its blocks or tensors are not cut "
-            "on shards)",
-            quantizers,
-        ),
-        (codec.blocks and outer.codec.tile > 0, f"outer.codec.tile={outer.codec.tile}", "outer.codec.tile=0"),
-        (
-            codec.blocks and outer.codec.transform != "none",
-            f"outer.codec.transform={outer.codec.transform}",
-            "outer.codec.transform=none",
+            codec.factored,
+            f"outer.compress={outer.compress} (its factors of each matrix are not cut on shards)",
+            "outer.compress=none or a codec with blocks (a quantizer or topk)",
         ),
         (schedule_entry(outer.schedule).server, f"outer.schedule={outer.schedule}", "outer.schedule=rounds"),
         (
@@ -60,11 +49,6 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
             spec.module and cfg.model.compute_dtype == "bf16",
             f"model {cfg.model.name} with model.compute_dtype=bf16",
             "model.compute_dtype=fp32",
-        ),
-        (
-            checkpoints and outer.overlap != "none",
-            f"a checkpoint with outer.overlap={outer.overlap} (the replicas' terms in flight on the shards)",
-            "checkpoint.every=0 checkpoint.every_updates=0, or outer.overlap=none",
         ),
     ]
     for bad, what, valid in refused:

@@ -91,15 +91,8 @@ class ShardedReplicaGroups(DistReplicaGroups):
 
     def gather_replicas(self, records: list) -> list | None:
         """A checkpoint's replica records without the tensors each rank writes as its shards
-        (`checkpoint_shards`): the inner moments, mid-round weights and error-feedback buffers, left empty
-        (`{}`)."""
-
-        def light(record: dict) -> dict:
-            inner = dict(record["inner"], m={}, v={})
-            empty = {k: None if record[k] is None else {} for k in ("params", "errors")}
-            return dict(record, inner=inner, **empty)
-
-        return super().gather_replicas([light(r) for r in records])
+        (`checkpoint_shards`; `dcp_shards.light_record`)."""
+        return super().gather_replicas([dcp_shards.light_record(r) for r in records])
 
     def checkpoint_shards(self, folder: Path, state) -> None:
         """Every rank writes its shards of `state` into `folder` with DCP (`dcp_shards.save`)."""
@@ -120,58 +113,12 @@ class ShardedReplicaGroups(DistReplicaGroups):
     def local_state(self, saved: dict, fragments: list[list[str]]) -> dict:
         """A checkpoint's state cut to this rank's shards: a sharded run's (DCP) read as shards for this
         run's L, whatever L wrote it (`dcp_shards.load_shards`); a single file's (an unsharded run's) whole
-        tensors cut here: the global weights, outer momentum, a torch.optim outer optimizer's state, a
-        pending reduction's mean (per parameter of its fragment, `fragments`), every replica's inner
-        moments, mid-round weights and error-feedback buffers."""
+        tensors cut here, every one a sharded run writes as shards (`dcp_shards.cut`; `fragments`: each
+        fragment's parameter names, by which a flat vector over a fragment is cut)."""
         if saved.get("shards_at") is not None:
             with collective("the checkpoint's shards' read"):
                 return dcp_shards.load_shards(Path(saved["shards_at"]), saved, self)
-        j, L = self.local_rank, self.L
-
-        def cut(part: Params, axis: int = 0) -> Params:
-            if axis == 0:
-                return {n: shard_of(t, j, L) for n, t in part.items()}
-            return {n: shard_of(t[0], j, L).unsqueeze(0) for n, t in part.items()}
-
-        inner = [{**x, "m": cut(x["m"], 1), "v": cut(x["v"], 1)} for x in saved["inner"]]
-        rounds, errors = saved["round_params"], saved["errors"]
-        out = dict(
-            saved,
-            theta=cut(saved["theta"]),
-            outer_momentum=cut(saved["outer_momentum"]),
-            inner=inner,
-            round_params=None if rounds is None else [cut(p, 1) for p in rounds],
-            errors=None if errors is None else [cut(e, 1) for e in errors],
-        )
-        if saved.get("outer_optimizer") is not None:
-            whole = saved["theta"]
-
-            def cut_state(kept: dict, names: list[str]) -> dict:
-                state = {
-                    i: {
-                        k: shard_of(t, j, L)
-                        if dcp_shards.is_sharded_state(t, whole[names[int(i)]], f"{k!r} of {names[int(i)]}")
-                        else t
-                        for k, t in per.items()
-                    }
-                    for i, per in kept["state"].items()
-                }
-                return dict(kept, state=state)
-
-            out["outer_optimizer"] = [
-                None if kept is None else cut_state(kept, names)
-                for kept, names in zip(saved["outer_optimizer"], fragments, strict=True)
-            ]
-        pending = saved.get("pending")
-        if pending is not None and pending["mean"] is not None:
-            names = fragments[pending["fragment"]]
-            pieces = pending["mean"].split([saved["theta"][n].numel() for n in names])
-            mean = [
-                shard_of(x.view_as(saved["theta"][n]), j, L).reshape(-1)
-                for n, x in zip(names, pieces, strict=True)
-            ]
-            out["pending"] = dict(pending, mean=torch.cat(mean))
-        return out
+        return dcp_shards.cut(saved, fragments, self.local_rank, self.L)
 
     def without_shards(self, saved: dict) -> dict:
         return dcp_shards.without_shards(saved)

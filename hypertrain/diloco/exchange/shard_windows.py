@@ -7,9 +7,13 @@ in chunks of ceil(rows / L)) widened to its window, the whole blocks of `width` 
 shard begins and ends on block boundaries is its own window (nothing gathered); one whose shard ends
 inside a block (a 32-value norm at L = 2: 16 + 16 inside one block) is gathered whole in the replica
 group (`groups.whole`) and its window cut out, so its straddling block is encoded by both neighbours, the
-same values twice. `windowed_mean` is `communication.compressed_mean` on the windows: the payload
-exchanged over the cross-replica group, this rank's own values kept of the decoded mean and of the
-error-feedback update, the compression error's norms taken over the replica's shards.
+same values twice. `Windows.gathered_whole` is the gather path of a codec whose blocks shards cannot
+cut (top-k's ranking, outer.codec.tile's tiles, the DCT's blocks): every tensor gathered whole, every
+rank's window the fragment's whole tensors, encoded as the unsharded run encodes them (its blocks and
+tile order), so each of a replica's L ranks sends the whole payload over its own cross-replica group.
+`windowed_mean` is `communication.compressed_mean` on the windows: the payload exchanged over the
+cross-replica group, this rank's own values kept of the decoded mean and of the error-feedback update,
+the compression error's norms taken over the replica's shards.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import Tensor
 
 from hypertrain.codecs import kernels as codecs
 from hypertrain.codecs.kernels import Blocks
+from hypertrain.codecs.tiles import to_tiles
 from hypertrain.config import OuterConfig
 from hypertrain.diloco.exchange.communication import (
     CompressedMean,
@@ -75,6 +80,7 @@ class Windows:
     blocks: Blocks
     every: tuple[Blocks, ...]
     gathered: frozenset[str]
+    order: Tensor | None = None  # the blocks' tile order over the windows (`tiles.tile_order`; None: theirs)
 
     @classmethod
     def of(cls, shapes: dict[str, tuple[int, ...]], width: int, local_rank: int, L: int) -> Windows:
@@ -84,6 +90,18 @@ class Windows:
         every = tuple(Blocks(tuple(p.last - p.first for p in pieces), width) for pieces in ranks)
         gathered = frozenset(p.name for pieces in ranks for p in pieces if p.straddles)
         return cls(tuple(ranks[local_rank]), every[local_rank], every, gathered)
+
+    @classmethod
+    def gathered_whole(
+        cls, shapes: dict[str, tuple[int, ...]], blocks: Blocks, order: Tensor | None, local_rank: int, L: int
+    ) -> Windows:
+        """Every tensor gathered whole: each rank's window the fragment's whole tensors in order, its
+        `blocks` and `order` the unsharded run's (`tiles.blocks_and_order` of the whole shapes)."""
+        ranks = []
+        for j in range(L):
+            cut = [_piece(n, tuple(s), max(math.prod(s), 1), j, L) for n, s in shapes.items()]
+            ranks.append(tuple(Piece(p.name, p.shape, p.start, p.stop, 0, math.prod(p.shape)) for p in cut))
+        return cls(ranks[local_rank], blocks, (blocks,) * L, frozenset(shapes), order)
 
     def widen(self, x: Tensor, groups) -> Tensor:
         """This rank's flat values [1, n_local] (its shards in order) -> its windows' [1, n_window]: the
@@ -111,10 +129,11 @@ class Windows:
 
 class OwnPart:
     """A windowed reduction: `wait()` gives this rank's own values of the mean over the windows, the
-    payload bytes the replica's ranks sent together and what one participant sent for them."""
+    payload bytes the replica's ranks sent together and what one participant sent for them; `own`: each
+    local replica's decoded contribution d_m, its own values [R_local, n_local] (outer.overlap=eager)."""
 
-    def __init__(self, reduction: CompressedMean, windows: Windows, outer: OuterConfig):
-        self.reduction, self.windows, self.outer = reduction, windows, outer
+    def __init__(self, reduction: CompressedMean, windows: Windows, outer: OuterConfig, own: Tensor):
+        self.reduction, self.windows, self.outer, self.own = reduction, windows, outer, own
 
     def is_completed(self) -> bool:
         return self.reduction.is_completed()
@@ -145,13 +164,13 @@ def windowed_mean(
     ||d - delta|| / ||delta|| with both norms over the replica's shards (`groups.norm_over_shards`)."""
     x = fed_back(deltas, errors, outer.codec.error_decay)
     refuse_non_finite(x, active, groups, update)
-    wide = windows.widen(x, groups)
-    blocks = windows.blocks
-    decoded = windows.own(payload_decoded(outer, contribution_payload(outer, wide, blocks), blocks, None))
+    wide = to_tiles(windows.widen(x, groups), windows.order)
+    blocks, order = windows.blocks, windows.order
+    decoded = windows.own(payload_decoded(outer, contribution_payload(outer, wide, blocks), blocks, order))
     norm = groups.norm_over_shards(float(deltas.double().norm()))
     off = groups.norm_over_shards(float((decoded.double() - deltas.double()).norm()))
     error = torch.tensor([off / norm if norm > 0 else off], device=deltas.device)
     if errors is not None:
         errors.copy_(torch.where(active[:, None], x - decoded, errors))
-    reduction = CompressedMean(outer, wide, blocks, active, error.float(), groups, None, weights)
-    return OwnPart(reduction, windows, outer)
+    reduction = CompressedMean(outer, wide, blocks, active, error.float(), groups, order, weights)
+    return OwnPart(reduction, windows, outer, torch.where(active[:, None], decoded, 0.0))
