@@ -21,9 +21,9 @@ batched call on the same matrices as unsharded) with torch.optim.Adam as the out
 averaged inner state; and for outer.overlap, delayed with churn and eager (each replica's own outer
 weights per shard; their mean on the cross-replica group's twin sums the same R terms as the unsharded
 benchmark layout does on its own); and for the codecs on the gather path (top-k with tiles, top-k on DCT
-coefficients: every tensor gathered whole and encoded as unsharded). The first case also equals the simulation within test_dist's bound
-(twice the fp32 simulation's own error against the float64 reference, or its floor), which is how
-layout (a) is proved equal to the simulation.
+coefficients: every tensor gathered whole and encoded as unsharded). The first case also equals the
+simulation within test_dist's bound (twice the fp32 simulation's own error against the float64
+reference, or its floor), which is how layout (a) is proved equal to the simulation.
 
 Checkpoints: a sharded run killed mid-round restarts bitwise from its DCP checkpoint (one shard file per
 rank), which also resumes unsharded bitwise, and at another world.size (L = 4) within the simulation's
