@@ -107,8 +107,14 @@ SOAK = (
     # the sharded equality's documents-tail case and the shards' windows in one process stay
     "tests/test_sharded.py::test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise[fragments2-delay1]",
     "tests/test_sharded.py::test_a_sharded_hf_llama_with_int8_and_error_feedback_equals_the_unsharded_run_bitwise",
-    # the gather path's tiles case stays (top-k on the DCT's coefficients takes the same path)
+    # the eager kill's side-by-side runs stay (eager, with Adam and int8, sharded and not, bitwise)
+    "tests/test_sharded.py::test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise[overlap-eager]",
+    # the gather path in the eager kill's side-by-side runs stays (top-k with tiles and error feedback;
+    # top-k on the DCT's coefficients takes the same path)
     "tests/test_sharded.py::test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise[dct-topk-ef]",
+    "tests/test_sharded.py::test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise[topk-tiles-ef]",
+    # sweeps of dist jobs: test_slurm's basic launcher's sweep of dist jobs stays (job for job)
+    "tests/test_dist.py::test_a_sweep_of_dist_jobs_runs_each_as_its_own_wandb_run_in_one_group",
     # the second Ctrl-C's stacked case stays
     "tests/test_signals.py::test_a_second_ctrl_c_stops_at_once_with_one_line_and_the_last_checkpoint_intact[dist]",
     # the stacked stop signals and dist-sigusr2 from outside at any moment stay

@@ -69,9 +69,11 @@ def _keys(saved: dict, replicas: list[int], fragments: list[list[str]]) -> dict[
     for k, flight in enumerate(saved.get("in_flight") or []):
         names = fragments[flight["fragment"]]
         for part in ("taken", "errors_before"):
-            for r, flat in zip(replicas, flight[part] or [], strict=True):
+            for r, flat in zip(replicas, flight[part] or [], strict=flight[part] is not None):
                 out |= {f"{part}/{r}/{k}/{i}": (n, t) for i, n, t in _pieces(flat, names, theta)}
-    for r, own in zip(replicas, saved.get("outer_replicas") or [], strict=True):
+    for r, own in zip(
+        replicas, saved.get("outer_replicas") or [], strict=saved.get("outer_replicas") is not None
+    ):
         for part in ("theta", "momentum"):
             out |= {f"replica_outer/{r}/{part}/{n}": (n, t[0]) for n, t in own[part].items()}
         one = {n: t.unsqueeze(0) for n, t in theta.items()}

@@ -30,9 +30,11 @@ from torch.distributed.fsdp import fully_shard
 
 from hypertrain.config import ModelConfig, TrainConfig
 from hypertrain.engines.contract import Assignment, ReplicaResult, StopAfter, check_finite, timed_average
+from hypertrain.model import moe
 from hypertrain.model import transformer as tf
 from hypertrain.model.shapes import param_shapes, param_specs
 from hypertrain.model.spec import model_spec
+from hypertrain.model.transformer import router_columns
 from hypertrain.optim.inner import CLIP_EPS, OptState, inner_step, per_replica
 
 
@@ -62,21 +64,23 @@ class _Params(nn.Module):
 
 
 class Block(_Params):
-    """One decoder layer (`transformer.hidden`'s loop body), its own FSDP2 unit."""
+    """One decoder layer (`transformer.hidden`'s loop body, its MLP a mixture of experts' where the model
+    has them), its own FSDP2 unit."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, shapes, device):
         super().__init__(shapes, device)
-        self.cfg, self.prefix = cfg, prefix
+        self.cfg, self.prefix, self.experts = cfg, prefix, model_spec(cfg).experts
 
-    def forward(self, x: Tensor, B: int, T: int) -> Tensor:
+    def forward(self, x: Tensor, B: int, T: int, tally: moe.RouterTally | None) -> Tensor:
         cfg, p, pre = self.cfg, self.own(), self.prefix
         x = x + tf._attention(cfg, p, pre, tf._rms_norm(x, p[pre + "attn_norm"], cfg.norm_eps), B, T)
-        return x + tf._mlp(p, pre, tf._rms_norm(x, p[pre + "mlp_norm"], cfg.norm_eps))
+        h = tf._rms_norm(x, p[pre + "mlp_norm"], cfg.norm_eps)
+        return x + (moe.mixture(p, pre, h, cfg.top_k, tally) if self.experts else tf._mlp(p, pre, h))
 
 
 class Replica(_Params):
-    """The decoder (`transformer.forward` for `arch=decoder`, no experts) as modules: the embedding, the
-    final norm and the head at the root, one `Block` per layer."""
+    """The decoder (`transformer.forward` for `arch=decoder`, with or without experts) as modules: the
+    embedding, the final norm and the head at the root, one `Block` per layer."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         shapes = {n: tuple(shape) for n, (shape, _) in param_specs(cfg).items()}
@@ -96,15 +100,22 @@ class Replica(_Params):
         return found
 
     def forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        """`transformer.forward`'s [R, 1 + M]: the loss, then a mixture of experts' router columns."""
         cfg, p = self.cfg, self.own()
         inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
         R, B, T = inputs.shape
+        tally = None
+        if model_spec(cfg).experts:
+            tally = moe.RouterTally(None if mask is None else mask[:, :, :-1].reshape(R, -1))
         with tf._autocast(cfg, tokens.device):
             x = tf.embed(p["emb"], inputs).view(R, B * T, cfg.d_model)
             for block in self.blocks:
-                x = block(x, B, T)
+                x = block(x, B, T, tally)
             out = torch.bmm(tf._rms_norm(x, p["norm"], cfg.norm_eps), p["head"])
-        return _loss(out.to(p["head"].dtype), targets, mask)
+        loss = _loss(out.to(p["head"].dtype), targets, mask).unsqueeze(1)
+        if tally is None:
+            return loss
+        return torch.cat([loss, tally.columns(cfg.n_experts).to(loss.dtype)], dim=1)
 
 
 def _loss(out: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor:
@@ -139,7 +150,7 @@ class ModuleReplica(nn.Module):
         R, B, T = inputs.shape
         with torch.autocast(tokens.device.type, enabled=False):
             out = self.module(inputs[0], use_cache=False).logits
-        return _loss(out.reshape(R, B * T, out.shape[-1]), targets, mask)
+        return _loss(out.reshape(R, B * T, out.shape[-1]), targets, mask).unsqueeze(1)  # [R, 1]
 
 
 def sharded_replica(
@@ -181,25 +192,28 @@ class ShardedEngine:
         with torch.no_grad():
             for n, p in params.items():
                 p.to_local().copy_(start[n])
-        losses, seconds, allreduce = [], [], []
+        losses, seconds, allreduce, routing = [], [], [], []
         for t in range(len(assign.batches)):
-            loss, took, reduced = self._update(cfg, assign, t, params, state, average, device)
+            loss, took, reduced, figures = self._update(cfg, assign, t, params, state, average, device)
             losses.append(loss)
             seconds.append(took)
             allreduce.append(reduced)
+            routing.append(figures)
             if stop is not None and stop(assign.global_step0 + t):
                 break
         weights = {n: p.to_local().detach().clone().unsqueeze(0) for n, p in params.items()}
-        return [ReplicaResult(weights, state, losses, seconds, allreduce)]
+        experts = bool(model_spec(cfg.model).router_figures())
+        return [ReplicaResult(weights, state, losses, seconds, allreduce, [], routing if experts else [])]
 
     def _update(self, cfg: TrainConfig, assign: Assignment, t: int, params, state, average, device):
         """The replica's update `t` on this rank: (loss or None when the replica had no ids, seconds,
-        the loss average's seconds)."""
+        the loss average's seconds, a mixture of experts' router figures or None), as `engines.loop`'s."""
         batch = assign.batches[t]
         if batch.empty:
-            return None, 0.0, 0.0
+            return None, 0.0, 0.0, None
         begin = time.perf_counter()
-        loss = torch.zeros((), device=device)
+        M = router_columns(cfg.model)
+        loss, router = torch.zeros((), device=device), torch.zeros(M, device=device)
         work = [(mb.tokens, mb.mask, mb.weight) for mb in batch.microbatches]
         # FSDP2 all-gathers a unit at every forward and backward: the replica's ranks run as many
         # microbatches (the most any of them cut; layout (a) lets counts differ), a rank with fewer, or no
@@ -209,10 +223,13 @@ class ShardedEngine:
         for i, (tokens, mask, weight) in enumerate(work):
             self.model.set_requires_gradient_sync(i == len(work) - 1)
             mask = None if mask is None else mask.unsqueeze(0).to(device)
-            out = self.model(tokens.unsqueeze(0).to(device), mask)
-            (out[0] * weight).backward()
-            loss += out[0].detach() * weight
-        stats = loss.view(1, 1).clone()
+            out = self.model(tokens.unsqueeze(0).to(device), mask)  # [1, 1 + M]
+            (tf.objective(cfg.model, out)[0] * weight).backward()
+            loss += out[0, 0].detach() * weight
+            if M:
+                router += moe.weigh(out[:, 1:].detach(), torch.full((1,), weight, device=device))[0]
+        # the loss and a mixture's router columns averaged over the replica's ranks, as layout (a)'s
+        stats = torch.cat([loss.view(1), router.to(loss.dtype)]).view(1, -1)
         reduced = timed_average(average, {}, stats)
         grads = {n: p.grad.to_local().unsqueeze(0) for n, p in params.items()}
         norms = self._clip(cfg, grads)
@@ -226,7 +243,11 @@ class ShardedEngine:
         inner_step(inner, {n: local[n] for n in adam}, {n: grads[n] for n in adam}, moments, lr)
         check_finite(stats[:, 0], norms, grads, [assign.replica], assign.global_step0 + t)
         self.model.zero_grad(set_to_none=True)
-        return float(stats[0, 0]), time.perf_counter() - begin, reduced
+        figures = None
+        if M:
+            columns = stats[:, 1:].double()
+            figures = moe.router_figures(columns, cfg.model.n_layers, cfg.model.n_experts)[0].tolist()
+        return float(stats[0, 0]), time.perf_counter() - begin, reduced, figures
 
     @torch.no_grad()
     def _muon(self, cfg: TrainConfig, inner, local, grads, state: OptState, lr, names: list[str]) -> None:

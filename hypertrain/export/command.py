@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +121,14 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     try:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-            os.chmod(partial, 0o777 & ~_umask())  # mkdtemp's 0700 would be DIR's once renamed
+            # named before it is made (not mkdtemp, which makes it before returning its name: a Ctrl-C
+            # there left it behind, seen once under load), so the `finally` below always finds it; the
+            # mode the umask's, as DIR's will be once renamed
+            partial = out.parent / f".{out.name}.partial-{secrets.token_hex(8)}"
+            os.mkdir(partial, 0o777)
         except OSError as error:
+            if error.errno == errno.EEXIST:  # another's (a 64-bit name drawn twice): never removed here
+                partial = None
             if error.errno == errno.ENOSPC:
                 raise DiskFull(
                     f"no space left on the device for --out {str(out)!r}; nothing was written"
@@ -144,12 +149,6 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
             remove_made(out.parent, made)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_failure(out: Path, error: Exception) -> RunFailure:

@@ -179,7 +179,6 @@ class MoEDecoder(Decoder):
     n_experts SwiGLU experts and a router; its update rows add the router's figures."""
 
     kind = "decoder (model.is_moe=true)"
-    shardable = False
     experts = True
     replica_columns = ("router_aux", "expert_min", "expert_max")  # ROUTER_FIGURES, in order
 
