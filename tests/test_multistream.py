@@ -423,3 +423,40 @@ def test_the_per_channel_training_losses_are_each_channels_token_mean():
     fp32_loop = torch.tensor(one_update(loop.train_replicas, torch.float32))
     fp32_stacked = torch.tensor(one_update(stacked.train_replicas, torch.float32))
     assert_within_rounding(fp32_stacked, fp32_loop, ref, 64 * U32 * float(ref.norm()), "channel losses")
+
+
+@pytest.mark.slow  # the speech fixture's build, then two 4-process runs side by side (measured below)
+def test_a_sharded_multistream_run_equals_the_unsharded_one_bitwise(speech, tmp_path):
+    """processes.shard=true (docs/distributed.md, "Sharded replicas") on the multistream model: each
+    channel's embedding and head at the root, the layers as blocks; the channel sums and target counts
+    averaged over the replica's ranks with the loss (layout (a)'s), a rank with fewer microbatches
+    running ones of no tokens (every id -1: no input, no target, exact zeros). At L = 2 every sum of two
+    terms is exact in either order, so per-replica losses, held-out losses, weights.pt and the update
+    rows' text and audio losses are the unsharded benchmark run's, bitwise."""
+    from helpers import DIST
+    from test_sharded import equal_side_by_side
+
+    from hypertrain.rundir.records import read_metrics
+
+    overrides = [
+        *[a for a in DIST if not a.startswith(("data.", "model."))],
+        *speech,
+        "model=multistream_tiny",
+        "world=4",
+        "replicas=2",
+        "inner.H=2",
+        "phase.global_batch=16",
+        "phase.updates=2",
+        "checkpoint.every=0",
+    ]
+    equal_side_by_side(tmp_path, overrides)
+    figures = ("loss/text", "loss/audio_mean")
+    rows = [
+        [
+            [r[k] for k in figures]
+            for r in read_metrics(tmp_path / where / "metrics.jsonl")
+            if r["kind"] == "update"
+        ]
+        for where in ("s", "w")
+    ]
+    assert rows[0] == rows[1] and len(rows[0]) == 2, rows

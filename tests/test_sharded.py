@@ -400,17 +400,53 @@ def test_a_killed_sharded_run_with_int8_error_feedback_resumes_bitwise_sharded_o
         assert all(torch.equal(got[n], expected[n]) for n in expected), where
 
 
+def killed_beside_unsharded(tmp_path, overrides: list[str], kill: int) -> tuple[dict, dict]:
+    """The sharded and the unsharded run of `overrides` side by side, weights.pt bitwise equal; then the
+    sharded run with rank 1 killed (SIGKILL) as update `kill` starts: it restarts itself from its
+    checkpoint of update `kill - 1` and finishes bitwise the uninterrupted run. That checkpoint's state
+    read whole (`dcp_shards.load_whole`), and the unsharded run's checkpoint of the same update."""
+    runs = {
+        where: start_entry(
+            [*overrides, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}"], tmp_path
+        )
+        for where, shard in (("full", "true"), ("w", "false"))
+    }
+    for proc in runs.values():
+        done = finish(proc)
+        assert done.returncode == 0, done.stderr[-2000:]
+    expected = torch.load(tmp_path / "full" / "weights.pt")
+    unsharded = torch.load(tmp_path / "w" / "weights.pt")
+    assert all(torch.equal(unsharded[n], expected[n]) for n in expected)
+    killed = entry(
+        [*overrides, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"],
+        tmp_path,
+        fault=f"1:{kill}:kill",
+    )
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    mid = tmp_path / "k" / "checkpoints" / f"ckpt-u{kill - 1:07d}.dcp"
+    (restart,) = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if r["kind"] == "restart"]
+    assert restart["from"] == str(mid), restart
+    got = torch.load(tmp_path / "k" / "weights.pt")
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    state = dcp_shards.load_whole(mid, checkpoint.load(mid)["state"])
+    return state, checkpoint.load(tmp_path / "w" / "checkpoints" / f"ckpt-u{kill - 1:07d}.pt")["state"]
+
+
 # Streaming DiLoCo's reduction in flight (outer.delay 1) and a torch.optim outer optimizer (Adam's moments),
 # a checkpoint after every update (all kept), 6 updates; rank 1 killed as update 6 starts, so the run
 # restarts itself from ckpt-u0000005, taken with a fragment's reduction in flight and Adam's state on both.
-IN_FLIGHT = [
-    *(x if x != "phase.updates=8" else "phase.updates=6" for x in STREAMING[:-1]),
+# Adam as the outer optimizer; a checkpoint after every update, all kept; the run restarts itself once
+RESTARTED_WITH_ADAM = [
     "outer.optimizer=torch.optim.Adam",
     "outer.lr=0.01",
     "processes.timeout_s=5",
     "checkpoint.every_updates=1",
     "checkpoint.keep=10",
     "processes.max_restarts=1",
+]
+IN_FLIGHT = [
+    *(x if x != "phase.updates=8" else "phase.updates=6" for x in STREAMING[:-1]),
+    *RESTARTED_WITH_ADAM,
 ]
 
 
@@ -424,29 +460,8 @@ def test_a_killed_sharded_run_with_a_reduction_in_flight_and_adams_state_resumes
     unsharded run's of the same update, bitwise: what an unsharded run resuming from it reads (the soak
     tier's kill-and-reshard test above resumes one), and what the unsharded run's single file is cut from
     for a sharded one (`dcp_shards.cut`, bitwise: tests/test_sharded_checkpoint.py)."""
-    runs = {
-        where: start_entry(
-            [*IN_FLIGHT, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}"], tmp_path
-        )
-        for where, shard in (("full", "true"), ("w", "false"))
-    }
-    for proc in runs.values():
-        assert finish(proc).returncode == 0
-    expected = torch.load(tmp_path / "full" / "weights.pt")
-    unsharded = torch.load(tmp_path / "w" / "weights.pt")
-    assert all(torch.equal(unsharded[n], expected[n]) for n in expected)
-    killed = entry(
-        [*IN_FLIGHT, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:6:kill"
-    )
-    assert killed.returncode == 0, killed.stderr[-2000:]
-    mid = tmp_path / "k" / "checkpoints" / "ckpt-u0000005.dcp"
-    (restart,) = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if r["kind"] == "restart"]
-    assert restart["from"] == str(mid), restart
-    got = torch.load(tmp_path / "k" / "weights.pt")
-    assert all(torch.equal(got[n], expected[n]) for n in expected)
     # what it holds, read whole, is the unsharded run's checkpoint of the same update, bitwise
-    state = dcp_shards.load_whole(mid, checkpoint.load(mid)["state"])
-    theirs = checkpoint.load(tmp_path / "w" / "checkpoints" / "ckpt-u0000005.pt")["state"]
+    state, theirs = killed_beside_unsharded(tmp_path, IN_FLIGHT, 6)
     assert state["pending"]["mean"] is not None and torch.equal(
         state["pending"]["mean"], theirs["pending"]["mean"]
     )
@@ -466,13 +481,8 @@ EAGER_KILLED = [
     "inner.H=2",
     "phase.updates=4",
     "outer.overlap=eager",
-    "outer.optimizer=torch.optim.Adam",
-    "outer.lr=0.01",
     *TOPK_TILES[-5:],
-    "processes.timeout_s=5",
-    "checkpoint.every_updates=1",
-    "checkpoint.keep=10",
-    "processes.max_restarts=1",
+    *RESTARTED_WITH_ADAM,
 ]
 
 
@@ -486,30 +496,8 @@ def test_a_killed_sharded_eager_run_with_its_terms_in_flight_resumes_bitwise(tmp
     issues that reduction again from its shards and finishes bitwise the uninterrupted sharded run, which
     is bitwise the unsharded one. The reshards of these tensors, read whole and cut from a
     single file, are tests/test_sharded_checkpoint.py's."""
-    runs = {
-        where: start_entry(
-            [*EAGER_KILLED, f"processes.shard={shard}", f"hydra.run.dir={tmp_path / where}"], tmp_path
-        )
-        for where, shard in (("full", "true"), ("w", "false"))
-    }
-    for proc in runs.values():
-        done = finish(proc)
-        assert done.returncode == 0, done.stderr[-2000:]
-    expected = torch.load(tmp_path / "full" / "weights.pt")
-    unsharded = torch.load(tmp_path / "w" / "weights.pt")
-    assert all(torch.equal(unsharded[n], expected[n]) for n in expected)
-    killed = entry(
-        [*EAGER_KILLED, "processes.shard=true", f"hydra.run.dir={tmp_path / 'k'}"], tmp_path, fault="1:4:kill"
-    )
-    assert killed.returncode == 0, killed.stderr[-2000:]
-    mid = tmp_path / "k" / "checkpoints" / "ckpt-u0000003.dcp"
-    (restart,) = [r for r in read_metrics(tmp_path / "k" / "metrics.jsonl") if r["kind"] == "restart"]
-    assert restart["from"] == str(mid), restart
-    got = torch.load(tmp_path / "k" / "weights.pt")
-    assert all(torch.equal(got[n], expected[n]) for n in expected)
     # read whole, it holds the unsharded run's state of the same update bitwise, the terms in flight too
-    state = dcp_shards.load_whole(mid, checkpoint.load(mid)["state"])
-    theirs = checkpoint.load(tmp_path / "w" / "checkpoints" / "ckpt-u0000003.pt")["state"]
+    state, theirs = killed_beside_unsharded(tmp_path, EAGER_KILLED, 4)
     (flight,), (kept,) = state["in_flight"], theirs["in_flight"]
     for part in ("taken", "errors_before"):
         assert all(torch.equal(a, b) for a, b in zip(flight[part], kept[part], strict=True)), part

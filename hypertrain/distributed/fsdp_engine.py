@@ -29,12 +29,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from hypertrain.config import ModelConfig, TrainConfig
-from hypertrain.engines.contract import Assignment, ReplicaResult, StopAfter, check_finite, timed_average
+from hypertrain.engines.contract import (
+    Assignment,
+    ReplicaResult,
+    StopAfter,
+    channel_means,
+    check_finite,
+    timed_average,
+)
 from hypertrain.model import moe
 from hypertrain.model import transformer as tf
 from hypertrain.model.shapes import param_shapes, param_specs
 from hypertrain.model.spec import model_spec
-from hypertrain.model.transformer import router_columns
+from hypertrain.model.transformer import loss_channels, router_columns
 from hypertrain.optim.inner import CLIP_EPS, OptState, inner_step, per_replica
 
 
@@ -99,9 +106,20 @@ class Replica(_Params):
             found |= {n: getattr(block, _key(n)) for n in block.names}
         return found
 
-    def forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
-        """`transformer.forward`'s [R, 1 + M]: the loss, then a mixture of experts' router columns."""
+    def forward(self, tokens: Tensor, mask: Tensor | None, channel_weights: Tensor | None = None) -> Tensor:
+        """`transformer.forward`'s [R, 1 + C + M]: the loss, then the multistream model's per-channel sums
+        (C, `channel_weights` [R, C] weighing them into the loss), or a mixture of experts' router
+        columns (M)."""
         cfg, p = self.cfg, self.own()
+        if model_spec(cfg).channels:
+            R, B, C, T1 = tokens.shape
+            with tf._autocast(cfg, tokens.device):
+                x = tf.channel_inputs(cfg, p, tokens)
+                for block in self.blocks:
+                    x = block(x, B, T1 - 1, None)
+                sums = tf.channel_heads(p, tf._rms_norm(x, p["norm"], cfg.norm_eps), tokens)
+            loss = (sums * channel_weights.to(sums.dtype)).sum(-1, keepdim=True)
+            return torch.cat([loss, sums], dim=-1)
         inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
         R, B, T = inputs.shape
         tally = None
@@ -145,7 +163,7 @@ class ModuleReplica(nn.Module):
         """Every parameter by its model name (tied ones once, as `hf.describe` names them)."""
         return dict(self.module.named_parameters())
 
-    def forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, tokens: Tensor, mask: Tensor | None, channel_weights: Tensor | None = None) -> Tensor:
         inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
         R, B, T = inputs.shape
         with torch.autocast(tokens.device.type, enabled=False):
@@ -192,44 +210,68 @@ class ShardedEngine:
         with torch.no_grad():
             for n, p in params.items():
                 p.to_local().copy_(start[n])
-        losses, seconds, allreduce, routing = [], [], [], []
+        losses, seconds, allreduce, channels, routing = [], [], [], [], []
         for t in range(len(assign.batches)):
-            loss, took, reduced, figures = self._update(cfg, assign, t, params, state, average, device)
+            loss, took, reduced, means, figures = self._update(cfg, assign, t, params, state, average, device)
             losses.append(loss)
             seconds.append(took)
             allreduce.append(reduced)
+            channels.append(means)
             routing.append(figures)
             if stop is not None and stop(assign.global_step0 + t):
                 break
         weights = {n: p.to_local().detach().clone().unsqueeze(0) for n, p in params.items()}
-        experts = bool(model_spec(cfg.model).router_figures())
-        return [ReplicaResult(weights, state, losses, seconds, allreduce, [], routing if experts else [])]
+        spec = model_spec(cfg.model)
+        multistream, experts = spec.loss_channels(cfg.model) > 0, bool(spec.router_figures())
+        return [
+            ReplicaResult(
+                weights,
+                state,
+                losses,
+                seconds,
+                allreduce,
+                channels if multistream else [],
+                routing if experts else [],
+            )
+        ]
 
     def _update(self, cfg: TrainConfig, assign: Assignment, t: int, params, state, average, device):
         """The replica's update `t` on this rank: (loss or None when the replica had no ids, seconds,
-        the loss average's seconds, a mixture of experts' router figures or None), as `engines.loop`'s."""
+        the loss average's seconds, the multistream model's per-channel token means, a mixture of experts'
+        router figures or None), as `engines.loop`'s."""
         batch = assign.batches[t]
         if batch.empty:
-            return None, 0.0, 0.0, None
+            return None, 0.0, 0.0, None, None
         begin = time.perf_counter()
-        M = router_columns(cfg.model)
+        C, M = loss_channels(cfg.model), router_columns(cfg.model)
         loss, router = torch.zeros((), device=device), torch.zeros(M, device=device)
-        work = [(mb.tokens, mb.mask, mb.weight) for mb in batch.microbatches]
+        sums, counts = torch.zeros(C, device=device), torch.zeros(C, dtype=torch.float64, device=device)
+        work = [
+            (mb.tokens, mb.mask, mb.weight, mb.channel_weights, mb.channel_counts)
+            for mb in batch.microbatches
+        ]
         # FSDP2 all-gathers a unit at every forward and backward: the replica's ranks run as many
         # microbatches (the most any of them cut; layout (a) lets counts differ), a rank with fewer, or no
-        # ids, adding zero-weight ones: exact zeros into the gradient and the replica's reduce-scatter
+        # ids, adding zero-weight ones (the multistream model's of no tokens: -1 ids, no targets): exact
+        # zeros into the gradient, the channel sums and the replica's reduce-scatter
         most = self.groups.most_in_replica(len(work))
-        work += [(torch.zeros(1, 2, dtype=torch.int64), None, 0.0)] * (most - len(work))
-        for i, (tokens, mask, weight) in enumerate(work):
+        empty = torch.full((1, C, 2), -1, dtype=torch.int64) if C else torch.zeros(1, 2, dtype=torch.int64)
+        nothing = (empty, None, 0.0, torch.zeros(C, dtype=torch.float64) if C else None, torch.zeros(C))
+        work += [nothing] * (most - len(work))
+        for i, (tokens, mask, weight, channel_weights, channel_counts) in enumerate(work):
             self.model.set_requires_gradient_sync(i == len(work) - 1)
             mask = None if mask is None else mask.unsqueeze(0).to(device)
-            out = self.model(tokens.unsqueeze(0).to(device), mask)  # [1, 1 + M]
+            weighed = None if channel_weights is None else channel_weights.unsqueeze(0).to(device)
+            out = self.model(tokens.unsqueeze(0).to(device), mask, weighed)  # [1, 1 + C + M]
             (tf.objective(cfg.model, out)[0] * weight).backward()
             loss += out[0, 0].detach() * weight
+            sums += out[0, 1 : 1 + C].detach()
+            counts += channel_counts.to(device)
             if M:
-                router += moe.weigh(out[:, 1:].detach(), torch.full((1,), weight, device=device))[0]
-        # the loss and a mixture's router columns averaged over the replica's ranks, as layout (a)'s
-        stats = torch.cat([loss.view(1), router.to(loss.dtype)]).view(1, -1)
+                router += moe.weigh(out[:, 1 + C :].detach(), torch.full((1,), weight, device=device))[0]
+        # the loss, the channel sums and counts and a mixture's router columns averaged over the replica's
+        # ranks, as layout (a)'s (ratios unchanged)
+        stats = torch.cat([x.to(loss.dtype) for x in (loss.view(1), sums, counts, router)]).view(1, -1)
         reduced = timed_average(average, {}, stats)
         grads = {n: p.grad.to_local().unsqueeze(0) for n, p in params.items()}
         norms = self._clip(cfg, grads)
@@ -245,9 +287,10 @@ class ShardedEngine:
         self.model.zero_grad(set_to_none=True)
         figures = None
         if M:
-            columns = stats[:, 1:].double()
+            columns = stats[:, 1 + 2 * C :].double()
             figures = moe.router_figures(columns, cfg.model.n_layers, cfg.model.n_experts)[0].tolist()
-        return float(stats[0, 0]), time.perf_counter() - begin, reduced, figures
+        means = channel_means(stats[0, 1 : 1 + C].double(), stats[0, 1 + C : 1 + 2 * C].double()).tolist()
+        return float(stats[0, 0]), time.perf_counter() - begin, reduced, means, figures
 
     @torch.no_grad()
     def _muon(self, cfg: TrainConfig, inner, local, grads, state: OptState, lr, names: list[str]) -> None:

@@ -1,7 +1,7 @@
 """What `processes.shard=true` (sharded replicas, docs/distributed.md "Sharded replicas") is built for:
 `check_shard(cfg, layout)` raises a one-line `UserError` for every combination that is not built
-(the replicas layout, a factored codec (low rank), async, models other than the own decoders and
-model=hf, compiled steps, bf16 module models), naming the option and what is valid. No torch here.
+(the replicas layout, a factored codec (low rank), async, an outside module model, compiled steps,
+bf16 module models), naming the option and what is valid. No torch here.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_shard(cfg: TrainConfig, layout: Layout | None) -> None:
         (
             not spec.shardable,
             f"model {cfg.model.name} ({spec.kind})",
-            "the own decoder (model=tiny ..., model=moe_tiny ...) or model=hf",
+            "the own models (model=tiny, moe_tiny, multistream_tiny ...) or model=hf",
         ),
         (cfg.engine.compile, "engine.compile=true", "engine.compile=false"),
         (

@@ -111,7 +111,13 @@ def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, av
     if M:
         columns = stats[:, 1 + 2 * C :].double()
         figures = router_figures(columns, cfg.model.n_layers, cfg.model.n_experts)[0].tolist()
-    return loss.item(), time.perf_counter() - start, allreduce, channel_means(sums, counts).tolist(), figures
+    return (
+        loss.item(),
+        time.perf_counter() - start,
+        allreduce,
+        channel_means(sums.double(), counts.double()).tolist(),
+        figures,
+    )
 
 
 def train_replicas(

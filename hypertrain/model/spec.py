@@ -211,7 +211,6 @@ class Multistream(Decoder):
     add the text and mean audio losses, its report the frames per second."""
 
     kind = "multistream"
-    shardable = False
     takes_experts = False
     channels = True
     text = False

@@ -211,23 +211,35 @@ def channel_sums(cfg: ModelConfig, p: Params, tokens: Tensor) -> Tensor:
     weights' dtype) over the targets that exist. tokens int64 [R, B, C, T+1]; a negative id is no
     token: it adds nothing to the input and is no target. A channel without targets sums to 0."""
     R, B, C, T1 = tokens.shape
-    T, dtype = T1 - 1, p["norm"].dtype
-    inputs, targets = tokens[..., :-1], tokens[..., 1:]
     with _autocast(cfg, tokens.device):
-        x = torch.zeros(R, B * T, cfg.d_model, device=tokens.device, dtype=dtype)
-        for c in range(C):
-            present = (inputs[:, :, c] >= 0).reshape(R, B * T, 1)
-            looked_up = embed(p[f"emb.{c:02d}"], inputs[:, :, c].clamp(min=0)).view(R, B * T, -1)
-            x = x + looked_up * present
-        h = hidden(cfg, p, x, B, T)
-        sums = []
-        for c in range(C):
-            out = torch.bmm(h, p[f"head.{c:02d}"]).to(dtype)
-            ce = F.cross_entropy(
-                out.reshape(R * B * T, -1),
-                targets[:, :, c].clamp(min=-1).reshape(-1),
-                ignore_index=-1,
-                reduction="none",
-            )
-            sums.append(ce.view(R, -1).sum(1))
+        x = channel_inputs(cfg, p, tokens)
+        return channel_heads(p, hidden(cfg, p, x, B, T1 - 1), tokens)
+
+
+def channel_inputs(cfg: ModelConfig, p: Params, tokens: Tensor) -> Tensor:
+    """multistream: the layers' input [R, B*T, d], each channel's embedding of its present ids summed."""
+    R, B, C, T1 = tokens.shape
+    inputs = tokens[..., :-1]
+    x = torch.zeros(R, B * (T1 - 1), cfg.d_model, device=tokens.device, dtype=p["norm"].dtype)
+    for c in range(C):
+        present = (inputs[:, :, c] >= 0).reshape(R, B * (T1 - 1), 1)
+        looked_up = embed(p[f"emb.{c:02d}"], inputs[:, :, c].clamp(min=0)).view(R, B * (T1 - 1), -1)
+        x = x + looked_up * present
+    return x
+
+
+def channel_heads(p: Params, h: Tensor, tokens: Tensor) -> Tensor:
+    """multistream: from the layers' normed output h [R, B*T, d], each channel's head's cross-entropy
+    summed over its targets that exist: [R, C] in the weights' dtype."""
+    R, C, dtype = tokens.shape[0], tokens.shape[2], p["norm"].dtype
+    targets, sums = tokens[..., 1:], []
+    for c in range(C):
+        out = torch.bmm(h, p[f"head.{c:02d}"]).to(dtype)
+        ce = F.cross_entropy(
+            out.reshape(-1, out.shape[-1]),
+            targets[:, :, c].clamp(min=-1).reshape(-1),
+            ignore_index=-1,
+            reduction="none",
+        )
+        sums.append(ce.view(R, -1).sum(1))
     return torch.stack(sums, dim=1)
