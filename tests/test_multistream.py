@@ -434,9 +434,7 @@ def test_a_sharded_multistream_run_equals_the_unsharded_one_bitwise(speech, tmp_
     terms is exact in either order, so per-replica losses, held-out losses, weights.pt and the update
     rows' text and audio losses are the unsharded benchmark run's, bitwise."""
     from helpers import DIST
-    from test_sharded import equal_side_by_side
-
-    from hypertrain.rundir.records import read_metrics
+    from test_sharded import assert_update_figures_equal, equal_side_by_side
 
     overrides = [
         *[a for a in DIST if not a.startswith(("data.", "model."))],
@@ -450,13 +448,4 @@ def test_a_sharded_multistream_run_equals_the_unsharded_one_bitwise(speech, tmp_
         "checkpoint.every=0",
     ]
     equal_side_by_side(tmp_path, overrides)
-    figures = ("loss/text", "loss/audio_mean")
-    rows = [
-        [
-            [r[k] for k in figures]
-            for r in read_metrics(tmp_path / where / "metrics.jsonl")
-            if r["kind"] == "update"
-        ]
-        for where in ("s", "w")
-    ]
-    assert rows[0] == rows[1] and len(rows[0]) == 2, rows
+    assert_update_figures_equal(tmp_path, ("loss/text", "loss/audio_mean"), 2)

@@ -80,6 +80,20 @@ def _records(run_dir):
     return losses, evals, syncs, torch.load(run_dir / "weights.pt")
 
 
+def assert_update_figures_equal(tmp_path, figures: tuple[str, ...], updates: int) -> None:
+    """The update rows' `figures` of the sharded run (`s`) and the unsharded one (`w`): bitwise equal,
+    `updates` of them."""
+    rows = [
+        [
+            [r[k] for k in figures]
+            for r in read_metrics(tmp_path / where / "metrics.jsonl")
+            if r["kind"] == "update"
+        ]
+        for where in ("s", "w")
+    ]
+    assert rows[0] == rows[1] and len(rows[0]) == updates, rows
+
+
 def equal_side_by_side(tmp_path, overrides, while_running=None):
     """The sharded run of `overrides` and the unsharded one side by side, their per-replica and held-out
     losses and weights.pt bitwise equal: each one's `_records`, and what `while_running(sharded)` gave
@@ -185,15 +199,7 @@ def test_a_sharded_run_equals_the_unsharded_benchmark_layout_run_bitwise(tmp_pat
             assert mine["outer_spread"] == pytest.approx(theirs["outer_spread"], rel=2 * bound, abs=0)
     if kind == "delayed-churn-moe":  # the router's figures of every update, bitwise (averaged as the loss)
         figures = ("loss/router_aux", "experts/min_fraction", "experts/max_fraction")
-        rows = [
-            [
-                [r[k] for k in figures]
-                for r in read_metrics(tmp_path / where / "metrics.jsonl")
-                if r["kind"] == "update"
-            ]
-            for where in ("s", "w")
-        ]
-        assert rows[0] == rows[1] and len(rows[0]) == 8, rows
+        assert_update_figures_equal(tmp_path, figures, 8)
         # the churn was exercised: a sync that replica 0 sat out
         assert any(row["replicas_synced"] == 1 for row in w_syncs), [r["replicas_synced"] for r in w_syncs]
     # The summary's per-rank bytes (rank 0's): 1/L of the whole, plus at most one dim-0 slice per tensor

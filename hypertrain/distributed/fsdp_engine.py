@@ -221,19 +221,7 @@ class ShardedEngine:
             if stop is not None and stop(assign.global_step0 + t):
                 break
         weights = {n: p.to_local().detach().clone().unsqueeze(0) for n, p in params.items()}
-        spec = model_spec(cfg.model)
-        multistream, experts = spec.loss_channels(cfg.model) > 0, bool(spec.router_figures())
-        return [
-            ReplicaResult(
-                weights,
-                state,
-                losses,
-                seconds,
-                allreduce,
-                channels if multistream else [],
-                routing if experts else [],
-            )
-        ]
+        return [ReplicaResult.of(cfg.model, weights, state, losses, seconds, allreduce, channels, routing)]
 
     def _update(self, cfg: TrainConfig, assign: Assignment, t: int, params, state, average, device):
         """The replica's update `t` on this rank: (loss or None when the replica had no ids, seconds,

@@ -21,10 +21,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from hypertrain.config import TrainConfig
+from hypertrain.config import ModelConfig, TrainConfig
 from hypertrain.data.batches import Microbatch, ReplicaBatch
 from hypertrain.engines.compiled import forward_fn
 from hypertrain.failures import NonFiniteError
+from hypertrain.model.spec import model_spec
 from hypertrain.model.transformer import Params, loss_channels
 from hypertrain.optim.inner import OptState, lr_at
 
@@ -74,6 +75,17 @@ class ReplicaResult:
     @property
     def stepped(self) -> bool:
         return any(loss is not None for loss in self.losses)
+
+    @classmethod
+    def of(
+        cls, model: ModelConfig, weights, state, losses, seconds, allreduce, channels, routing
+    ) -> ReplicaResult:
+        """A replica's result, its per-update channel losses and router figures kept only where the model
+        `model` has them (multistream, a mixture of experts)."""
+        spec = model_spec(model)
+        multistream, experts = spec.loss_channels(model) > 0, bool(spec.router_figures())
+        channels, routing = channels if multistream else [], routing if experts else []
+        return cls(weights, state, losses, seconds, allreduce, channels, routing)
 
 
 def check_finite(losses: Tensor, grad_norms: Tensor, grads: Params, replicas: list[int], update: int) -> None:

@@ -31,7 +31,6 @@ from hypertrain.engines.contract import (
     timed_average,
 )
 from hypertrain.model.moe import router_figures, weigh
-from hypertrain.model.spec import model_spec
 from hypertrain.model.transformer import Params, loss_channels, objective, router_columns
 from hypertrain.optim.inner import OptState
 
@@ -63,17 +62,7 @@ def train_replica(
         if stop is not None and stop(assign.global_step0 + t):
             break
     weights = {n: p.detach() for n, p in params.items()}
-    spec = model_spec(cfg.model)
-    multistream, experts = spec.loss_channels(cfg.model) > 0, bool(spec.router_figures())
-    return ReplicaResult(
-        weights,
-        state,
-        losses,
-        seconds,
-        allreduce,
-        channels if multistream else [],
-        routing if experts else [],
-    )
+    return ReplicaResult.of(cfg.model, weights, state, losses, seconds, allreduce, channels, routing)
 
 
 def _update(cfg, assign: Assignment, t: int, params: Params, state: OptState, average, device):
