@@ -97,6 +97,12 @@ class Codec:
         and transform; the memory estimate's padded blocks)."""
         return self.scope in (ELEMENTWISE, BLOCKWISE)
 
+    def windowed(self, codec) -> bool:
+        """Whether sharded replicas encode it on windows of whole blocks around each shard (an
+        elementwise quantizer without tiles or a transform, `codec` the outer.codec node: a block's values
+        coded against its own scale alone); otherwise every tensor is gathered whole to be encoded."""
+        return self.scope == ELEMENTWISE and codec.tile == 0 and codec.transform == "none"
+
     def fields(self, kernels, lengths, blocks, spec) -> list:
         """Each block's fields in payload order: (padded width in bytes, [C] bytes each block sends), the
         blocks of `lengths` ([C] int64) padded to `blocks.block`: a header of `header_bytes`, then the

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hypertrain.codec_table import ELEMENTWISE, codec_entry
+from hypertrain.codec_table import codec_entry
 from hypertrain.codecs.kernels import Blocks
 from hypertrain.codecs.tiles import blocks_and_order
 from hypertrain.config import OuterConfig, TrainConfig
@@ -183,9 +183,8 @@ class ShardedCodecReducer(CodecReducer):
         blocks allow it, else every tensor whole."""
         if self.windows is None:
             outer, j, L = self.outer, groups.local_rank, groups.L
-            elementwise = codec_entry(outer.compress).scope == ELEMENTWISE
             shapes = list(self.shapes.values())
-            if elementwise and outer.codec.tile == 0 and outer.codec.transform == "none":
+            if codec_entry(outer.compress).windowed(outer.codec):
                 width = blocks_and_order(shapes, outer.codec.block, 0)[0].block
                 self.windows = Windows.of(self.shapes, width, j, L)
             else:
